@@ -1,0 +1,151 @@
+"""The wire contract between the service and the worker process.
+
+Both sides import this module and nothing else of each other. Messages are plain
+dicts of JSON types, framed as a 4-byte big-endian length followed by an orjson body,
+over one stream socket (a socketpair created by the service).
+
+Conversation:
+    service -> worker   {"type": "init", **WorkerConfig}
+    worker  -> service  {"type": "ready", **Handshake}        or {"type": "fatal", "message": ...}
+    service -> worker   {"type": "step", **BatchPlan}         (repeated)
+    worker  -> service  {"type": "result", **StepResult}      (one per step, in order)
+    service -> worker   {"type": "shutdown"}                  worker exits 0
+
+An exception inside a step is reported as a StepResult with `error` set; the worker
+keeps serving. Only a failure that leaves the worker unusable is "fatal".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+HEADER = struct.Struct(">I")
+MAX_FRAME_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    model_dir: str  # a Hugging Face style directory (GGUF files are converted to one first)
+    dtype: str = "bfloat16"  # "float32" | "bfloat16"
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    block_size: int = 16
+    kv_memory: float = 0.25  # <= 1.0: fraction of free device memory; > 1.0: bytes
+    max_num_seqs: int = 256  # largest decode batch; bounds the graph buckets
+    max_num_batched_tokens: int = 8192  # largest flattened step the worker must accept
+    seed: int = 0
+    use_cuda_graphs: bool = True
+
+
+@dataclass(slots=True)
+class Handshake:
+    model_name: str
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    device: str
+    block_size: int
+    num_blocks: int
+    kv_bytes: int
+    eos_token_ids: list[int]
+    decode_buckets: list[int]
+    pid: int
+    load_seconds: float
+
+
+@dataclass(slots=True)
+class SamplingSpec:
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k cut
+    seed: int | None = None  # seeded requests sample reproducibly whatever their batch
+    logprobs: bool = False
+
+
+@dataclass(slots=True)
+class BatchPlan:
+    """One forward pass over a mixed batch: prefill chunks and decode tokens together.
+
+    Sequence i contributes `num_tokens[i]` consecutive tokens of `input_ids` (flattened in
+    sequence order) at absolute positions start_pos[i] .. start_pos[i] + num_tokens[i] - 1.
+    Its K/V for those positions is written into the slots given by its block table, and
+    its attention covers positions 0 .. start_pos[i] + num_tokens[i] - 1 (the cached
+    prefix plus the new tokens, causally). A sequence with sample[i] true gets one token
+    sampled from the logits of its last position with sampling[i].
+    """
+
+    step_id: int
+    seq_ids: list[int]
+    num_tokens: list[int]
+    start_pos: list[int]
+    input_ids: list[int]
+    block_tables: list[list[int]]
+    sample: list[bool]
+    sampling: list[SamplingSpec]
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.num_tokens)
+
+    @property
+    def total_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass(slots=True)
+class StepResult:
+    step_id: int
+    seq_ids: list[int] = field(default_factory=list)  # the sampled sequences, in plan order
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    step_ms: float = 0.0  # forward + sample, measured in the worker
+    error: str | None = None
+
+
+def to_message(kind: str, record: Any) -> dict[str, Any]:
+    return {"type": kind, **dataclasses.asdict(record)}
+
+
+def batch_plan_from_message(msg: dict[str, Any]) -> BatchPlan:
+    fields = {k: v for k, v in msg.items() if k != "type"}
+    fields["sampling"] = [SamplingSpec(**s) for s in fields["sampling"]]
+    return BatchPlan(**fields)
+
+
+def record_from_message(cls: type, msg: dict[str, Any]) -> Any:
+    """Handshake, StepResult or WorkerConfig from a decoded message."""
+    return cls(**{k: v for k, v in msg.items() if k != "type"})
+
+
+def encode_frame(msg: dict[str, Any]) -> bytes:
+    body = orjson.dumps(msg)
+    return HEADER.pack(len(body)) + body
+
+
+class FrameDecoder:
+    """Incremental decoder: feed bytes as they arrive, take whole messages out."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[dict[str, Any]]:
+        self._buffer += data
+        messages = []
+        while len(self._buffer) >= HEADER.size:
+            (length,) = HEADER.unpack_from(self._buffer)
+            if length > MAX_FRAME_BYTES:
+                raise ValueError(f"frame of {length} bytes exceeds the limit")
+            end = HEADER.size + length
+            if len(self._buffer) < end:
+                break
+            messages.append(orjson.loads(bytes(self._buffer[HEADER.size : end])))
+            del self._buffer[:end]
+        return messages

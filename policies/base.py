@@ -1,0 +1,153 @@
+"""What a scheduling policy sees and what it returns.
+
+A policy is pure decision code: it gets a read-only View of one iteration and returns a
+Decision. It imports nothing from the service; the engine's core validates every
+decision (token budget, sequence cap, free KV blocks), so a wrong policy cannot break it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+class PolicyError(ValueError):
+    """An unknown policy name or invalid parameters; nothing was changed."""
+
+
+@dataclass(frozen=True, slots=True)
+class SeqView:
+    seq_id: int
+    tenant: str
+    priority: int  # larger runs first under the `priority` policy
+    arrival: float  # seconds, engine clock
+    prompt_len: int
+    num_generated: int
+    num_computed: int  # tokens whose K/V is in the cache
+    num_blocks: int  # KV blocks held now
+    preempted: int = 0  # how many times it was preempted
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + self.num_generated
+
+    @property
+    def remaining(self) -> int:
+        """Tokens to compute before this sequence can sample its next token (>= 1)."""
+        return max(1, self.num_tokens - self.num_computed)
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_tokens - self.num_computed <= 1
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    iteration: int
+    now: float
+    running: tuple[SeqView, ...]  # admitted sequences, in admission order
+    waiting: tuple[SeqView, ...]  # not admitted (new or preempted), in arrival order
+    free_blocks: int
+    total_blocks: int
+    block_size: int
+    max_batched_tokens: int  # the engine's hard cap for one step
+    max_seqs: int
+    last_step_ms: float | None  # worker time of the previous step, if any
+    last_step_tokens: int  # tokens computed in the previous step
+
+    def blocks_for(self, seq: SeqView, new_tokens: int) -> int:
+        """Extra blocks `seq` needs to hold `new_tokens` more tokens."""
+        needed = -(-(seq.num_computed + new_tokens) // self.block_size)
+        return max(0, needed - seq.num_blocks)
+
+
+@dataclass(slots=True)
+class Decision:
+    # (seq_id, tokens to compute this step) in the order the policy prefers; a waiting
+    # sequence listed here is admitted. A running sequence not listed waits this step.
+    schedule: list[tuple[int, int]] = field(default_factory=list)
+    # running sequences to preempt (their blocks are freed; recomputed later)
+    preempt: list[int] = field(default_factory=list)
+
+
+class Policy:
+    """Base class: subclasses set `name`, `Params` (a dataclass) and `decide`."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+
+    @dataclass(frozen=True, slots=True)
+    class Params:
+        pass
+
+    def __init__(self, params: Any) -> None:
+        self.params = params
+
+    @classmethod
+    def from_params(cls, raw: dict[str, Any] | None) -> Policy:
+        return cls(parse_params(cls.Params, raw or {}))
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "params": dataclasses.asdict(self.params)}
+
+    def decide(self, view: View) -> Decision:
+        raise NotImplementedError
+
+
+def parse_params(params_cls: type, raw: dict[str, Any]) -> Any:
+    """Build a params dataclass from untrusted input: unknown keys and wrong types are errors.
+
+    Each field may declare metadata {"min": x, "max": y} for range checks, and a
+    dataclass may define `validate(self)` for checks across fields (raise PolicyError).
+    """
+    if not isinstance(raw, dict):
+        raise PolicyError("params must be an object")
+    known = {f.name: f for f in dataclasses.fields(params_cls)}
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise PolicyError(f"unknown parameter(s) {unknown}; expected some of {sorted(known)}")
+    values = {}
+    for name, value in raw.items():
+        values[name] = _coerce(name, value, known[name])
+    try:
+        params = params_cls(**values)
+    except TypeError as exc:
+        raise PolicyError(str(exc)) from None
+    check = getattr(params, "validate", None)
+    if check is not None:
+        check()
+    return params
+
+
+def _coerce(name: str, value: Any, spec: dataclasses.Field) -> Any:
+    kind = spec.type if isinstance(spec.type, str) else getattr(spec.type, "__name__", "")
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+                value = int(value)
+            else:
+                raise PolicyError(f"{name} must be an integer, got {value!r}")
+    elif kind == "float":
+        if isinstance(value, bool):
+            raise PolicyError(f"{name} must be a number, got {value!r}")
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            raise PolicyError(f"{name} must be a number, got {value!r}") from None
+        if value != value or value in (float("inf"), float("-inf")):
+            raise PolicyError(f"{name} must be finite")
+    elif kind == "bool":
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+            value = value.lower() in ("true", "1")
+        if not isinstance(value, bool):
+            raise PolicyError(f"{name} must be true or false, got {value!r}")
+    elif kind.startswith("dict"):
+        if not isinstance(value, dict):
+            raise PolicyError(f"{name} must be an object")
+    low, high = spec.metadata.get("min"), spec.metadata.get("max")
+    if low is not None and value < low:
+        raise PolicyError(f"{name} must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise PolicyError(f"{name} must be <= {high}, got {value}")
+    return value
