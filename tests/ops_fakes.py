@@ -1,0 +1,107 @@
+"""Test doubles for ops tests: a small real tokenizer and a fake streaming OpenAI server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+import trio
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from ops.corpus import full_text
+
+
+def train_tokenizer_json(path: Path) -> Path:
+    """A byte-level BPE (the SmolLM2 kind) trained on the shipped corpus, saved as JSON."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator([full_text()], trainer)
+    tokenizer.save(str(path))
+    return path
+
+
+@dataclass(slots=True)
+class FakeServer:
+    """Streams `max_tokens` chunks `token_gap_s` apart, like /v1/completions with stream=true.
+
+    A prompt containing "FAIL" gets HTTP 500; one containing "CUT" has its stream cut after
+    two chunks. Records the bodies and headers it received, and accepts PUT /admin/policy.
+    """
+
+    token_gap_s: float = 0.005
+    bodies: list[dict] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    policy_puts: list[tuple[dict, str | None]] = field(default_factory=list)  # (body, auth)
+    port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.port = listeners[0].socket.getsockname()[1]
+        task_status.started()
+        await trio.serve_listeners(self._handle, listeners)
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        async with stream:
+            method, path, headers, body = await _read_request(stream)
+            if (method, path) == ("PUT", "/admin/policy"):
+                self.policy_puts.append((orjson.loads(body), headers.get("authorization")))
+                await _respond(stream, 200, "application/json", b'{"iteration": 3}')
+                return
+            if path == "/v1/models":
+                await _respond(
+                    stream, 200, "application/json", orjson.dumps({"data": [{"id": "fake-model"}]})
+                )
+                return
+            request = orjson.loads(body)
+            self.bodies.append(request)
+            self.headers.append(headers)
+            if "FAIL" in request["prompt"]:
+                await _respond(stream, 500, "application/json", b'{"error": "boom"}')
+                return
+            await stream.send_all(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+            )
+            await self._stream_tokens(stream, request)
+
+    async def _stream_tokens(self, stream: trio.SocketStream, request: dict) -> None:
+        count = request["max_tokens"]
+        for i in range(count):
+            await trio.sleep(self.token_gap_s)
+            if "CUT" in request["prompt"] and i == 2:
+                return
+            finish = "length" if i == count - 1 else None
+            chunk = {"choices": [{"index": 0, "text": f" w{i}", "finish_reason": finish}]}
+            await stream.send_all(b"data: " + orjson.dumps(chunk) + b"\n\n")
+        usage = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": count}}
+        await stream.send_all(b"data: " + orjson.dumps(usage) + b"\n\ndata: [DONE]\n\n")
+
+
+async def _read_request(stream: trio.SocketStream) -> tuple[str, str, dict[str, str], bytes]:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += await stream.receive_some(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    method, path, _ = lines[0].split(" ", 2)
+    headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+    length = int(headers.get("content-length", 0))
+    while len(body) < length:
+        body += await stream.receive_some(65536)
+    return method, path, headers, body
+
+
+async def _respond(stream: trio.SocketStream, status: int, content_type: str, body: bytes) -> None:
+    await stream.send_all(
+        f"HTTP/1.1 {status} X\r\ncontent-type: {content_type}\r\ncontent-length: {len(body)}\r\n"
+        f"connection: close\r\n\r\n".encode()
+        + body
+    )
