@@ -1,0 +1,114 @@
+"""The worker process: `python -m gpu_worker --fd N`.
+
+N is an inherited, connected stream socket. The loop is plain blocking I/O: the process
+does one thing at a time (receive a step, compute it, answer), so nothing is gained from
+an event loop. It exits 0 on "shutdown" or when the socket closes, 1 when init fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from typing import Any
+
+from gpu_worker.protocol import (
+    FrameDecoder,
+    StepResult,
+    WorkerConfig,
+    batch_plan_from_message,
+    encode_frame,
+    record_from_message,
+    to_message,
+)
+
+RECEIVE_BYTES = 1 << 20
+
+
+def log(message: str) -> None:
+    print(f"gpu_worker: {message}", file=sys.stderr, flush=True)
+
+
+class WorkerLoop:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.runner = None  # a ModelRunner once "init" succeeded
+
+    def send(self, msg: dict[str, Any]) -> None:
+        self.sock.sendall(encode_frame(msg))
+
+    def serve(self) -> int:
+        """Answers messages until shutdown or end of stream; returns the exit status."""
+        decoder = FrameDecoder()
+        while True:
+            data = self.sock.recv(RECEIVE_BYTES)
+            if not data:
+                log("service closed the channel; exiting")
+                return 0
+            for msg in decoder.feed(data):
+                status = self.handle(msg)
+                if status is not None:
+                    return status
+
+    def handle(self, msg: dict[str, Any]) -> int | None:
+        kind = msg.get("type")
+        if kind == "step":
+            self.send(to_message("result", self.step(msg)))
+        elif kind == "init":
+            return self.init(msg)
+        elif kind == "shutdown":
+            log("shutdown requested; exiting")
+            return 0
+        else:
+            log(f"ignoring a message of unknown type {kind!r}")
+        return None
+
+    def init(self, msg: dict[str, Any]) -> int | None:
+        # Imported here so a worker that is only spawned and closed never pays for torch.
+        from gpu_worker.runner import ModelRunner
+
+        try:
+            self.runner = ModelRunner(record_from_message(WorkerConfig, msg))
+        except Exception as exc:
+            message = f"{type(exc).__name__}: {exc}"
+            log(f"init failed: {message}")
+            self.send({"type": "fatal", "message": message})
+            return 1
+        handshake = self.runner.handshake
+        log(
+            f"ready: {handshake.model_name} on {handshake.device} ({handshake.dtype}), "
+            f"{handshake.num_blocks} KV blocks, loaded in {handshake.load_seconds:.1f}s"
+        )
+        self.send(to_message("ready", handshake))
+        return None
+
+    def step(self, msg: dict[str, Any]) -> StepResult:
+        step_id = msg.get("step_id", -1)
+        if self.runner is None:
+            return StepResult(step_id=step_id, error="step received before a successful init")
+        try:
+            plan = batch_plan_from_message(msg)
+        except Exception as exc:  # any malformed message is the sender's error, not fatal
+            return StepResult(step_id=step_id, error=f"malformed step message: {exc!r}")
+        result = self.runner.execute(plan)
+        if result.error is not None:
+            log(f"step {step_id} failed: {result.error}")
+        return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gpu_worker", description=__doc__)
+    parser.add_argument("--fd", type=int, required=True, help="inherited connected socket")
+    args = parser.parse_args(argv)
+    sock = socket.socket(fileno=args.fd)
+    try:
+        return WorkerLoop(sock).serve()
+    except (BrokenPipeError, ConnectionResetError):
+        log("service went away; exiting")
+        return 0
+    finally:
+        sock.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

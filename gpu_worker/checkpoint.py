@@ -1,0 +1,58 @@
+"""Read a model's weights from model.safetensors or a sharded safetensors index."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """The weights are missing, incomplete or unreadable."""
+
+
+def weight_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files that hold the weights, or a clear error when there are none."""
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise CheckpointError(f"model directory {root} does not exist")
+    single = root / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    index = root / INDEX_FILE
+    if index.is_file():
+        return _files_from_index(index)
+    raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {root}")
+
+
+def load_weights(
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint, converted to `dtype` and placed on `device`."""
+    weights: dict[str, torch.Tensor] = {}
+    for path in weight_files(model_dir):
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    tensor = handle.get_tensor(name)
+                    weights[name] = tensor.to(device=device, dtype=dtype)
+        except (SafetensorError, OSError, RuntimeError) as exc:
+            raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    return weights
+
+
+def _files_from_index(index: Path) -> list[Path]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{index} is not a valid safetensors index: {exc}") from exc
+    files = [index.parent / name for name in sorted(set(weight_map.values()))]
+    missing = [str(f.name) for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointError(f"{index} names shard files that are missing: {', '.join(missing)}")
+    return files

@@ -1,0 +1,235 @@
+"""The worker's model runtime: load once, then execute one BatchPlan per step."""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from gpu_worker import kv_cache
+from gpu_worker.attention import build_metadata
+from gpu_worker.checkpoint import load_weights
+from gpu_worker.device import free_memory_bytes, resolve_device, resolve_dtype
+from gpu_worker.graphs import DecodeRunner
+from gpu_worker.model import Model
+from gpu_worker.model_config import ConfigError, ModelConfig, token_id_list
+from gpu_worker.protocol import BatchPlan, Handshake, SamplingSpec, StepResult, WorkerConfig
+from gpu_worker.sampler import Sampler
+
+
+class ModelRunner:
+    def __init__(self, worker_config: WorkerConfig) -> None:
+        started = time.perf_counter()
+        self.worker_config = worker_config
+        _check_worker_config(worker_config)
+        self.device = resolve_device(worker_config.device)
+        self.dtype = resolve_dtype(worker_config.dtype)
+        model_dir = Path(worker_config.model_dir)
+        self.model_config = ModelConfig.from_dir(model_dir)
+        block_size = worker_config.block_size
+        context_limit = self.model_config.context_limit
+        max_blocks_per_seq = -(-context_limit // block_size)
+
+        weights = load_weights(model_dir, self.dtype, self.device)
+        # Rope tables sized for the context limit; trimmed later if the cache is smaller.
+        self.model = Model(
+            self.model_config,
+            weights,
+            max_positions=context_limit,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        del weights
+        gc.collect()
+
+        num_blocks = kv_cache.count_blocks(
+            worker_config.kv_memory,
+            free_memory_bytes(self.device),
+            kv_cache.block_bytes(self.model_config, block_size, self.dtype),
+            max_useful_blocks=max_blocks_per_seq * worker_config.max_num_seqs,
+        )
+        self.cache = kv_cache.allocate(
+            self.model_config, num_blocks, block_size, self.dtype, self.device
+        )
+        # A sequence can never outgrow the whole cache.
+        self.max_model_len = min(context_limit, num_blocks * block_size)
+        self.decode_runner = DecodeRunner(
+            self.model,
+            self.cache,
+            max_num_seqs=worker_config.max_num_seqs,
+            max_blocks_per_seq=max_blocks_per_seq,
+            use_cuda_graphs=worker_config.use_cuda_graphs,
+        )
+        self.sampler = Sampler(worker_config.seed, self.device)
+        self.handshake = Handshake(
+            model_name=model_dir.resolve().name,
+            architecture=self.model_config.architecture,
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            num_layers=self.model_config.num_hidden_layers,
+            num_kv_heads=self.model_config.num_key_value_heads,
+            head_dim=self.model_config.head_dim,
+            dtype=worker_config.dtype,
+            device=str(self.device),
+            block_size=block_size,
+            num_blocks=num_blocks,
+            kv_bytes=self.cache.bytes,
+            eos_token_ids=_eos_token_ids(model_dir, self.model_config),
+            decode_buckets=self.decode_runner.buckets,
+            pid=os.getpid(),
+            load_seconds=round(time.perf_counter() - started, 3),
+        )
+
+    def execute(self, plan: BatchPlan) -> StepResult:
+        """Runs one step; any failure comes back as a result with `error` set."""
+        started = time.perf_counter()
+        try:
+            result = self._execute(plan)
+        except Exception as exc:
+            return StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}")
+        result.step_ms = (time.perf_counter() - started) * 1000
+        return result
+
+    def _execute(self, plan: BatchPlan) -> StepResult:
+        logits = self.step_logits(plan)
+        sampled = [i for i, wanted in enumerate(plan.sample) if wanted]
+        output = self.sampler.sample(
+            logits,
+            [plan.sampling[i] for i in sampled],
+            [plan.start_pos[i] + plan.num_tokens[i] for i in sampled],
+        )
+        return StepResult(
+            step_id=plan.step_id,
+            seq_ids=[plan.seq_ids[i] for i in sampled],
+            tokens=output.tokens,
+            logprobs=output.logprobs,
+        )
+
+    def step_logits(self, plan: BatchPlan) -> torch.Tensor:
+        """Runs the forward pass of a checked plan: float32 logits of the sampling sequences."""
+        check_plan(
+            plan,
+            block_size=self.cache.block_size,
+            num_blocks=self.cache.num_blocks,
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+        )
+        sampled = [i for i, wanted in enumerate(plan.sample) if wanted]
+        if not plan.seq_ids:
+            return torch.empty((0, self.model_config.vocab_size), device=self.device)
+        if plan.is_decode_only:
+            logits = self.decode_runner.run(plan.input_ids, plan.start_pos, plan.block_tables)
+            return logits[sampled] if len(sampled) < len(plan.seq_ids) else logits
+        return self._mixed_step_logits(plan, sampled)
+
+    def _mixed_step_logits(self, plan: BatchPlan, sampled: list[int]) -> torch.Tensor:
+        bs = self.cache.block_size
+        counts = torch.tensor(plan.num_tokens)
+        starts = torch.tensor(plan.start_pos)
+        first_rows = torch.cumsum(counts, 0) - counts
+        seq_of_token = torch.repeat_interleave(torch.arange(len(plan.num_tokens)), counts)
+        offsets = torch.arange(plan.total_tokens) - first_rows[seq_of_token]
+        positions = starts[seq_of_token] + offsets
+        width = max(len(t) for t in plan.block_tables)
+        scratch = self.cache.scratch_block
+        tables = torch.tensor([t + [scratch] * (width - len(t)) for t in plan.block_tables])
+        slots = tables[seq_of_token, positions // bs] * bs + positions % bs
+
+        device = self.device
+        slots = slots.to(device, non_blocking=True)
+        meta = build_metadata(
+            plan.num_tokens,
+            plan.start_pos,
+            tables,
+            slots,
+            self.cache.layers[0][0],
+            self.model_config.group_size,
+        )
+        hidden = self.model.forward(
+            torch.tensor(plan.input_ids, device=device),
+            positions.to(device, non_blocking=True),
+            self.cache.layers,
+            meta,
+        )
+        last_rows = (first_rows + counts - 1)[sampled].to(device)
+        return self.model.logits(hidden[last_rows])
+
+
+def _check_worker_config(config: WorkerConfig) -> None:
+    if config.block_size < 1:
+        raise ValueError(f"block_size must be at least 1, got {config.block_size}")
+    if config.max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be at least 1, got {config.max_num_seqs}")
+
+
+def _eos_token_ids(model_dir: Path, config: ModelConfig) -> list[int]:
+    """End-of-sequence ids from config.json and generation_config.json, without duplicates."""
+    ids = list(config.eos_token_ids)
+    generation = model_dir / "generation_config.json"
+    if generation.is_file():
+        try:
+            ids += token_id_list(json.loads(generation.read_text()).get("eos_token_id"))
+        except (OSError, ValueError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"{generation} is malformed: {exc}") from exc
+    return list(dict.fromkeys(ids))
+
+
+def check_plan(
+    plan: BatchPlan, *, block_size: int, num_blocks: int, vocab_size: int, max_model_len: int
+) -> None:
+    """Cheap consistency checks (per sequence, not per token); ValueError says what is wrong."""
+    count = len(plan.seq_ids)
+    for name in ("num_tokens", "start_pos", "block_tables", "sample", "sampling"):
+        if len(getattr(plan, name)) != count:
+            raise ValueError(f"plan has {count} seq_ids but {len(getattr(plan, name))} {name}")
+    if len(set(plan.seq_ids)) != count:
+        raise ValueError("plan lists a sequence more than once")
+    if sum(plan.num_tokens) != len(plan.input_ids):
+        raise ValueError(
+            f"num_tokens add up to {sum(plan.num_tokens)} but input_ids has {len(plan.input_ids)}"
+        )
+    for seq_id, tokens, start, table in zip(
+        plan.seq_ids, plan.num_tokens, plan.start_pos, plan.block_tables, strict=True
+    ):
+        _check_sequence(seq_id, tokens, start, len(table), block_size, max_model_len)
+    used = [block for table in plan.block_tables for block in table]
+    if used and (min(used) < 0 or max(used) >= num_blocks):
+        raise ValueError(f"block ids must lie in 0..{num_blocks - 1}, got {min(used)}..{max(used)}")
+    if plan.input_ids and (min(plan.input_ids) < 0 or max(plan.input_ids) >= vocab_size):
+        raise ValueError(f"token ids must lie in 0..{vocab_size - 1}")
+    for spec, wanted in zip(plan.sampling, plan.sample, strict=True):
+        if wanted:
+            _check_sampling(spec)
+
+
+def _check_sequence(
+    seq_id: int, tokens: int, start: int, table_len: int, block_size: int, max_model_len: int
+) -> None:
+    if tokens < 1:
+        raise ValueError(f"sequence {seq_id} has {tokens} tokens; each needs at least one")
+    if start < 0:
+        raise ValueError(f"sequence {seq_id} starts at negative position {start}")
+    end = start + tokens
+    if end > max_model_len:
+        raise ValueError(
+            f"sequence {seq_id} reaches {end} tokens, beyond max_model_len {max_model_len}"
+        )
+    if table_len * block_size < end:
+        raise ValueError(
+            f"sequence {seq_id} needs {math.ceil(end / block_size)} blocks for {end} tokens "
+            f"but its block table has {table_len}"
+        )
+
+
+def _check_sampling(spec: SamplingSpec) -> None:
+    if not (math.isfinite(spec.temperature) and spec.temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {spec.temperature}")
+    if not 0 < spec.top_p <= 1:
+        raise ValueError(f"top_p must lie in (0, 1], got {spec.top_p}")
+    if spec.top_k < 0:
+        raise ValueError(f"top_k must be >= 0, got {spec.top_k}")

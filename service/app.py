@@ -1,0 +1,122 @@
+"""The Quart-Trio app: routes, error shapes, CORS, body limit, and the engine's lifetime."""
+
+from __future__ import annotations
+
+import structlog
+import trio
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from service import routes_admin, routes_openai
+from service.app_state import EXTENSION_KEY, AppState
+from service.config import Config
+from service.engine import Engine
+from service.errors import APIError, error_body, error_response, json_response
+from service.metrics import Metrics
+from service.tokenizer import Tokenizer
+
+log = structlog.get_logger("cadence.app")
+ENGINE_FAILED_KEY = "cadence.engine_failed"
+CORS_HEADERS = {
+    "Access-Control-Allow-Origin": "*",
+    "Access-Control-Expose-Headers": "Retry-After, X-Request-Id",
+}
+PREFLIGHT_HEADERS = {
+    **CORS_HEADERS,
+    "Access-Control-Allow-Methods": "GET, POST, PUT, OPTIONS",
+    "Access-Control-Allow-Headers": "Authorization, Content-Type, X-Tenant",
+    "Access-Control-Max-Age": "600",
+}
+
+
+def create_app(
+    config: Config, engine: Engine, tokenizer: Tokenizer, served_model_name: str
+) -> QuartTrio:
+    # Import name -> root path service/, so service/static is served at /static.
+    app = QuartTrio(__name__, static_folder="static")
+    app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
+    # Non-streaming generations can take long too; SSE responses also set their own None.
+    app.config["RESPONSE_TIMEOUT"] = None
+    metrics = Metrics()
+    engine.add_observer(metrics)
+    app.extensions[EXTENSION_KEY] = AppState(config, engine, tokenizer, served_model_name, metrics)
+    app.register_blueprint(routes_openai.blueprint)
+    app.register_blueprint(routes_admin.blueprint)
+    _install_page(app)
+    _install_cors(app)
+    _install_error_handlers(app)
+    _install_engine_lifetime(app, engine)
+    return app
+
+
+def _install_page(app: QuartTrio) -> None:
+    @app.get("/")
+    async def page() -> Response:
+        """The browser page (service/static/index.html), same origin as the API."""
+        return await app.send_static_file("index.html")
+
+
+def _install_cors(app: QuartTrio) -> None:
+    @app.before_request
+    async def answer_preflight() -> Response | None:
+        if request.method == "OPTIONS":
+            return Response(b"", 204, PREFLIGHT_HEADERS)
+        return None
+
+    @app.after_request
+    async def allow_any_origin(response: Response) -> Response:
+        for name, value in CORS_HEADERS.items():
+            response.headers.setdefault(name, value)
+        return response
+
+
+def _install_error_handlers(app: QuartTrio) -> None:
+    @app.errorhandler(APIError)
+    async def api_error(error: APIError) -> Response:
+        return error_response(error)
+
+    @app.errorhandler(HTTPException)
+    async def http_error(error: HTTPException) -> Response:
+        status = error.code or 500
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(status)
+        message = error.description or error.name
+        if status == 413:
+            message = f"the request body is larger than {app.config['MAX_CONTENT_LENGTH']} bytes"
+        # An unread body stays on the connection; closing it keeps the next request sane.
+        headers = {"Connection": "close"} if status == 413 else None
+        return json_response(error_body(message, status, code=code), status, headers)
+
+    @app.errorhandler(Exception)
+    async def unexpected_error(error: Exception) -> Response:
+        log.exception("http.error", path=request.path, error=repr(error))
+        return json_response(
+            error_body(f"internal error: {type(error).__name__}", 500, code="internal_error"), 500
+        )
+
+
+def _install_engine_lifetime(app: QuartTrio, engine: Engine) -> None:
+    """Run the engine in the app's lifespan nursery without holding up serving.
+
+    The server answers (/health 503) while the worker loads; engine.ready flips when the
+    handshake is done. If the engine itself fails, `engine_failed` is set so the CLI can
+    stop serving and exit non-zero instead of answering 503 forever.
+    """
+    scope = trio.CancelScope()
+    app.extensions[ENGINE_FAILED_KEY] = trio.Event()
+
+    async def run_engine() -> None:
+        with scope:
+            try:
+                await engine.run()
+            except Exception as exc:
+                log.exception("engine.failed", error=repr(exc))
+                app.extensions[ENGINE_FAILED_KEY].set()
+
+    @app.before_serving
+    async def start_engine() -> None:
+        app.nursery.start_soon(run_engine)
+
+    @app.after_serving
+    async def stop_engine() -> None:
+        scope.cancel()

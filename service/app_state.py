@@ -1,0 +1,30 @@
+"""What every route needs from the running server, kept on the Quart app."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from quart import current_app
+
+if TYPE_CHECKING:
+    from service.config import Config
+    from service.engine import Engine
+    from service.metrics import Metrics
+    from service.tokenizer import Tokenizer
+
+EXTENSION_KEY = "cadence"
+
+
+@dataclass(slots=True)
+class AppState:
+    config: Config
+    engine: Engine
+    tokenizer: Tokenizer
+    served_model_name: str
+    metrics: Metrics
+    heartbeat_seconds: float = 1.0
+
+
+def app_state() -> AppState:
+    return current_app.extensions[EXTENSION_KEY]

@@ -1,0 +1,189 @@
+"""The `cadence` command: serve, fetch-model, and the ops tools (bench, logs)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from service.config import Config, default_cache_dir
+
+DELEGATED = {"bench": "ops.bench", "logs": "ops.logs_report"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in DELEGATED:
+        return run_delegated(argv[0], argv[1:])
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+def run_delegated(command: str, argv: list[str]) -> int:
+    import importlib
+
+    try:
+        module = importlib.import_module(DELEGATED[command])
+    except ModuleNotFoundError as exc:
+        print(f"cadence {command}: not available ({exc})", file=sys.stderr)
+        return 2
+    return int(module.main(argv) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cadence", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible server")
+    add_serve_args(serve)
+    serve.set_defaults(run=partial(run_serve, serve))
+    fetch = commands.add_parser("fetch-model", help="fetch and convert the default model once")
+    fetch.add_argument("--model", default=None, help="HF directory or .gguf (default model)")
+    fetch.add_argument("--cache-dir", type=Path, default=None)
+    fetch.set_defaults(run=run_fetch_model)
+    for name, module in DELEGATED.items():
+        commands.add_parser(name, help=f"see `cadence {name} --help` ({module})", add_help=False)
+    return parser
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    defaults = Config()
+    p.add_argument("--host", default=defaults.host)
+    p.add_argument("--port", type=int, default=defaults.port, help="0 picks a free port")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="HF directory or .gguf file (default: SmolLM2-135M-Instruct, fetched once)",
+    )
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=defaults.dtype)
+    p.add_argument("--device", default=defaults.device, help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--policy", default=defaults.policy)
+    p.add_argument(
+        "--policy-param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        type=parse_key_value,
+        help="repeatable; VALUE is JSON when it parses",
+    )
+    p.add_argument("--max-batched-tokens", type=positive_int, default=defaults.max_batched_tokens)
+    p.add_argument("--max-num-seqs", type=positive_int, default=defaults.max_num_seqs)
+    p.add_argument(
+        "--kv-memory",
+        type=positive_float,
+        default=defaults.kv_memory,
+        help="<= 1: fraction of free device memory; > 1: bytes",
+    )
+    p.add_argument("--block-size", type=positive_int, default=defaults.block_size)
+    p.add_argument("--max-queue", type=positive_int, default=defaults.max_queue)
+    p.add_argument("--max-body-bytes", type=positive_int, default=defaults.max_body_bytes)
+    p.add_argument(
+        "--admin-token",
+        default=None,
+        help="bearer token for /admin (default: $CADENCE_ADMIN_TOKEN)",
+    )
+    p.add_argument("--log-file", type=Path, default=None, help="JSON lines (default: stderr)")
+    p.add_argument(
+        "--log-level", default=defaults.log_level, choices=["debug", "info", "warning", "error"]
+    )
+    p.add_argument("--cache-dir", type=Path, default=None)
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument(
+        "--debug-invariants", action="store_true", help="check KV block accounting every iteration"
+    )
+
+
+def parse_key_value(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(raw)
+    except json.JSONDecodeError:
+        return key, raw
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    import os
+
+    return Config(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        kv_memory=args.kv_memory,
+        block_size=args.block_size,
+        cache_dir=args.cache_dir or default_cache_dir(),
+        use_cuda_graphs=not args.no_cuda_graphs,
+        seed=args.seed,
+        policy=args.policy,
+        policy_params=dict(args.policy_param),
+        max_batched_tokens=args.max_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_queue=args.max_queue,
+        host=args.host,
+        port=args.port,
+        admin_token=args.admin_token or os.environ.get("CADENCE_ADMIN_TOKEN") or None,
+        max_body_bytes=args.max_body_bytes,
+        served_model_name=args.served_model_name,
+        log_file=args.log_file,
+        log_level=args.log_level,
+        debug_invariants=args.debug_invariants,
+    )
+
+
+def run_fetch_model(args: argparse.Namespace) -> int:
+    from gpu_worker.model_files import ModelFileError, print_progress, resolve_model
+
+    try:
+        path = resolve_model(
+            args.model, args.cache_dir or default_cache_dir(), progress=print_progress
+        )
+    except ModelFileError as exc:
+        print(f"cadence: {exc}", file=sys.stderr)
+        return 1
+    print(path, flush=True)
+    return 0
+
+
+def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from policies.base import PolicyError
+    from policies.registry import make_policy
+
+    config = config_from_args(args)
+    try:
+        make_policy(config.policy, config.policy_params)
+    except PolicyError as exc:
+        parser.error(f"--policy {config.policy}: {exc}")  # exits 2
+    from gpu_worker.model_files import ModelFileError
+    from service.server import build_server
+
+    try:
+        server = build_server(config)
+    except ModelFileError as exc:
+        print(f"cadence: {exc}", file=sys.stderr)
+        return 1
+    return trio.run(server.serve)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Response objects shaped like OpenAI's: completions, chat completions, their stream chunks."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class ResponseHeader:
+    """What every object of one response shares."""
+
+    kind: str  # "completion" | "chat"
+    request_id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def base(self, object_name: str) -> dict[str, Any]:
+        return {
+            "id": self.request_id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+        }
+
+
+@dataclass(slots=True)
+class TokenPieces:
+    """Generated tokens with their text pieces and log-probabilities (for `logprobs`)."""
+
+    pieces: list[str] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_logprobs(tokens: TokenPieces, text_offset: int) -> dict[str, Any]:
+    offsets = []
+    for piece in tokens.pieces:
+        offsets.append(text_offset)
+        text_offset += len(piece)
+    return {
+        "tokens": tokens.pieces,
+        "token_logprobs": tokens.logprobs,
+        "top_logprobs": None,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(tokens: TokenPieces) -> dict[str, Any]:
+    return {
+        "content": [
+            {"token": piece, "logprob": logprob, "bytes": list(piece.encode()), "top_logprobs": []}
+            for piece, logprob in zip(tokens.pieces, tokens.logprobs, strict=True)
+        ]
+    }
+
+
+def full_response(
+    header: ResponseHeader,
+    text: str,
+    finish_reason: str,
+    usage_: dict[str, int],
+    logprobs: dict[str, Any] | None,
+) -> dict[str, Any]:
+    if header.kind == "chat":
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
+        body = header.base("chat.completion")
+    else:
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        body = header.base("text_completion")
+    body["choices"] = [choice]
+    body["usage"] = usage_
+    return body
+
+
+def delta_chunk(
+    header: ResponseHeader,
+    text: str | None,
+    finish_reason: str | None,
+    logprobs: dict[str, Any] | None = None,
+    *,
+    role: bool = False,
+) -> dict[str, Any]:
+    """One stream chunk: new text (or none, for the final chunk carrying finish_reason)."""
+    if header.kind == "chat":
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        body = header.base("chat.completion.chunk")
+    else:
+        choice = {
+            "index": 0,
+            "text": text or "",
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
+        body = header.base("text_completion")
+    body["choices"] = [choice]
+    return body
+
+
+def usage_chunk(header: ResponseHeader, usage_: dict[str, int]) -> dict[str, Any]:
+    body = header.base("chat.completion.chunk" if header.kind == "chat" else "text_completion")
+    body["choices"] = []
+    body["usage"] = usage_
+    return body

@@ -1,0 +1,276 @@
+"""Untrusted OpenAI-style request bodies -> validated records the routes hand to the engine.
+
+Every problem raises APIError(400) naming the offending field; nothing here touches the engine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from service.errors import APIError, bad_request
+from service.request import SamplingParams
+
+MAX_STOP_STRINGS = 16
+MAX_TENANT_CHARS = 128
+MAX_PRIORITY = 1_000_000
+MAX_SEED = 2**63 - 1
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+# Fields OpenAI (or common benchmark clients) send that cadence accepts only with their
+# neutral value: anything else would silently change the meaning of the request.
+_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (0, 0.0, None),
+    "presence_penalty": (0, 0.0, None),
+    "repetition_penalty": (1, 1.0, None),
+    "min_p": (0, 0.0, None),
+    "best_of": (1, None),
+    "echo": (False, None),
+    "suffix": (None, ""),
+    "logit_bias": (None,),
+    "response_format": (None,),
+    "tools": (None,),
+    "tool_choice": (None, "none", "auto"),
+    "parallel_tool_calls": (None, True, False),
+    "store": (None, False),
+    "metadata": (None,),
+    "service_tier": (None, "auto", "default"),
+    "user": (),  # handled as the tenant; listed so it is never "unrecognized"
+    "stream_options": (),
+}
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """One completion or chat request, validated but not yet tokenized."""
+
+    kind: str  # "completion" | "chat"
+    model: str | None
+    prompt: str | list[int] | None  # completions
+    messages: list[dict[str, str]] | None  # chat, content flattened to text
+    params: SamplingParams
+    max_tokens_given: bool  # chat without max_tokens uses the rest of the context window
+    stream: bool
+    include_usage: bool
+    tenant: str
+    priority: int
+
+
+class _Fields:
+    """Reads typed fields out of a JSON object, remembering which keys were used."""
+
+    def __init__(self, body: Any) -> None:
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object")
+        self.body = body
+        self.used: set[str] = set()
+
+    def raw(self, name: str) -> Any:
+        self.used.add(name)
+        return self.body.get(name)
+
+    def number(self, name: str, default: float, low: float, high: float) -> float:
+        value = self.raw(name)
+        if value is None:
+            return default
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+        ):
+            raise bad_request(f"'{name}' must be a number, got {value!r}", name)
+        if not low <= value <= high:
+            raise bad_request(f"'{name}' must be between {low} and {high}, got {value}", name)
+        return float(value)
+
+    def integer(self, name: str, default: int | None, low: int, high: int) -> int | None:
+        value = self.raw(name)
+        if value is None:
+            return default
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad_request(f"'{name}' must be an integer, got {value!r}", name)
+        if not low <= value <= high:
+            raise bad_request(f"'{name}' must be between {low} and {high}, got {value}", name)
+        return value
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self.raw(name)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise bad_request(f"'{name}' must be true or false, got {value!r}", name)
+        return value
+
+    def check_leftovers(self) -> None:
+        for name in sorted(set(self.body) - self.used):
+            if name not in _NEUTRAL_VALUES:
+                raise bad_request(f"Unrecognized request argument supplied: {name}", name)
+            allowed = _NEUTRAL_VALUES[name]
+            if allowed and self.body[name] not in allowed and self.body[name] != {}:
+                raise bad_request(
+                    f"'{name}' is not supported by this server (only {allowed[0]!r} is accepted)",
+                    name,
+                )
+
+
+def parse_completion_request(body: Any, header_tenant: str | None) -> GenerationRequest:
+    fields = _Fields(body)
+    prompt = _parse_prompt(fields.raw("prompt"))
+    logprobs = fields.integer("logprobs", None, 0, 5)
+    request = _parse_common(fields, "completion", header_tenant, logprobs is not None)
+    request.prompt = prompt
+    fields.check_leftovers()
+    return request
+
+
+def parse_chat_request(body: Any, header_tenant: str | None) -> GenerationRequest:
+    fields = _Fields(body)
+    messages = _parse_messages(fields.raw("messages"))
+    logprobs = fields.boolean("logprobs", False)
+    if fields.integer("top_logprobs", 0, 0, 20):
+        raise bad_request("'top_logprobs' > 0 is not supported", "top_logprobs")
+    request = _parse_common(fields, "chat", header_tenant, logprobs)
+    request.messages = messages
+    fields.check_leftovers()
+    return request
+
+
+def _parse_common(
+    fields: _Fields, kind: str, header_tenant: str | None, logprobs: bool
+) -> GenerationRequest:
+    model = fields.raw("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request(f"'model' must be a string, got {model!r}", "model")
+    max_tokens = fields.integer("max_tokens", None, 1, 1 << 31)
+    if kind == "chat":
+        alternative = fields.integer("max_completion_tokens", None, 1, 1 << 31)
+        max_tokens = alternative if alternative is not None else max_tokens
+    n = fields.integer("n", 1, 1, 1 << 31)
+    if n != 1:
+        raise bad_request("only n=1 is supported", "n")
+    top_k = fields.integer("top_k", 0, -1, 1 << 31)
+    seed = fields.integer("seed", None, 0, MAX_SEED)
+    params = SamplingParams(
+        max_tokens=max_tokens if max_tokens is not None else 16,
+        temperature=fields.number("temperature", 1.0, 0.0, 2.0),
+        top_p=_parse_top_p(fields),
+        top_k=max(0, top_k or 0),  # -1 (vLLM's "disabled") means the same as 0
+        seed=seed,
+        stop=_parse_stop(fields.raw("stop")),
+        ignore_eos=fields.boolean("ignore_eos", False),
+        logprobs=logprobs,
+    )
+    stream = fields.boolean("stream", False)
+    return GenerationRequest(
+        kind=kind,
+        model=model,
+        prompt=None,
+        messages=None,
+        params=params,
+        max_tokens_given=max_tokens is not None,
+        stream=stream,
+        include_usage=_parse_stream_options(fields.raw("stream_options"), stream),
+        tenant=_parse_tenant(header_tenant, fields.raw("user")),
+        priority=fields.integer("priority", 0, -MAX_PRIORITY, MAX_PRIORITY) or 0,
+    )
+
+
+def _parse_top_p(fields: _Fields) -> float:
+    top_p = fields.number("top_p", 1.0, 0.0, 1.0)
+    if top_p == 0.0:
+        raise bad_request("'top_p' must be in (0, 1], got 0", "top_p")
+    return top_p
+
+
+def _parse_prompt(value: Any) -> str | list[int]:
+    if value is None:
+        raise bad_request("'prompt' is required", "prompt")
+    if isinstance(value, list) and value and isinstance(value[0], str | list):
+        if len(value) != 1:
+            raise bad_request(
+                "batched prompts are not supported: send one prompt per request", "prompt"
+            )
+        value = value[0]
+    if isinstance(value, str):
+        if not value:
+            raise bad_request("'prompt' must not be empty", "prompt")
+        return value
+    if isinstance(value, list):
+        if not value:
+            raise bad_request("'prompt' must not be empty", "prompt")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+            raise bad_request(
+                "'prompt' must be a string or a list of non-negative token ids", "prompt"
+            )
+        return value
+    raise bad_request("'prompt' must be a string or a list of token ids", "prompt")
+
+
+def _parse_messages(value: Any) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+    return [_parse_message(i, message) for i, message in enumerate(value)]
+
+
+def _parse_message(index: int, message: Any) -> dict[str, str]:
+    param = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise bad_request(f"{param} must be an object", param)
+    role = message.get("role")
+    if role not in CHAT_ROLES:
+        raise bad_request(f"{param}.role must be one of {list(CHAT_ROLES)}, got {role!r}", param)
+    content = message.get("content")
+    if isinstance(content, list):
+        content = "".join(_text_of_part(param, part) for part in content)
+    if not isinstance(content, str):
+        raise bad_request(f"{param}.content must be a string or a list of text parts", param)
+    # The template decides how a developer message is shown; most know only "system".
+    return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def _text_of_part(param: str, part: Any) -> str:
+    if not isinstance(part, dict) or part.get("type") != "text":
+        raise bad_request(f"{param}.content: only text parts are supported", param)
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise bad_request(f"{param}.content: a text part needs a string 'text'", param)
+    return text
+
+
+def _parse_stop(value: Any) -> list[str]:
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise bad_request("'stop' must be a non-empty string or a list of them", "stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(f"'stop' accepts at most {MAX_STOP_STRINGS} strings", "stop")
+    return list(stops)
+
+
+def _parse_stream_options(value: Any, stream: bool) -> bool:
+    if value is None:
+        return False
+    if not isinstance(value, dict):
+        raise bad_request("'stream_options' must be an object", "stream_options")
+    if not stream:
+        raise bad_request("'stream_options' is only allowed with stream=true", "stream_options")
+    unknown = set(value) - {"include_usage", "continuous_usage_stats"}
+    if unknown:
+        raise bad_request(f"unknown stream_options {sorted(unknown)}", "stream_options")
+    include = value.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise bad_request("'stream_options.include_usage' must be a boolean", "stream_options")
+    return include
+
+
+def _parse_tenant(header: str | None, user: Any) -> str:
+    if user is not None and not isinstance(user, str):
+        raise bad_request("'user' must be a string", "user")
+    tenant = header or user or "default"
+    if len(tenant) > MAX_TENANT_CHARS:
+        raise APIError(400, f"the tenant name is longer than {MAX_TENANT_CHARS} characters")
+    return tenant

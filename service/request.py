@@ -1,0 +1,115 @@
+"""One request's state through its lifecycle, and the events its stream carries.
+
+Lifecycle (DESIGN.md): waiting -> running (prefilling, then decoding) -> finished; a preempted
+request goes back to waiting, keeping its generated tokens, and is recomputed later. All times
+are on the engine clock (trio.current_time()), so tests can drive them with a MockClock.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import trio
+
+from gpu_worker.protocol import SamplingSpec
+
+if TYPE_CHECKING:
+    from service.detokenizer import Detokenizer
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    text: str  # newly decoded text since the previous event, stop strings already cut
+    token_ids: list[int]
+    logprobs: list[float] | None
+
+
+@dataclass(slots=True)
+class FinishEvent:
+    reason: str  # "stop" | "length" | "abort" | "error"
+    # "eos" | "stop_string" | "max_tokens" | "aborted" | "shutdown" | "worker_died" | ...
+    detail: str
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None = None
+
+
+Event = TokenEvent | FinishEvent
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    seq_id: int  # engine-wide, increasing with arrival
+    prompt_len: int
+    token_ids: list[int]  # prompt followed by the generated tokens
+    params: SamplingParams
+    tenant: str
+    priority: int
+    received: float
+    stream: trio.MemorySendChannel
+    detokenizer: Detokenizer
+    spec: SamplingSpec  # what the worker samples with, built once
+    status: Status = Status.WAITING
+    num_computed: int = 0  # tokens whose K/V is in the worker's cache
+    admitted_order: int = -1  # increasing each time it is admitted, for "most recently admitted"
+    preemptions: int = 0
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished: float | None = None
+    finish_reason: str | None = None
+    finish_detail: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def remaining(self) -> int:
+        """Tokens to compute before the next sample (1 for a decoding sequence)."""
+        return max(1, len(self.token_ids) - self.num_computed)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def reset_for_recompute(self) -> None:
+        """Preemption by recompute: the cache is gone, the tokens are kept."""
+        self.num_computed = 0
+        self.status = Status.WAITING
+        self.preemptions += 1
+
+
+def sampling_spec(params: SamplingParams) -> SamplingSpec:
+    return SamplingSpec(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        seed=params.seed,
+        logprobs=params.logprobs,
+    )

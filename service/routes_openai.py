@@ -1,0 +1,303 @@
+"""OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import trio
+from quart import Blueprint, Response, request
+
+from service.app_state import AppState, app_state
+from service.engine import EngineUnavailable, InvalidRequest, Overloaded
+from service.errors import APIError, bad_request, json_response
+from service.openai_responses import (
+    ResponseHeader,
+    TokenPieces,
+    chat_logprobs,
+    completion_logprobs,
+    delta_chunk,
+    full_response,
+    usage,
+    usage_chunk,
+)
+from service.openai_schema import (
+    GenerationRequest,
+    parse_chat_request,
+    parse_completion_request,
+)
+from service.request import Event, FinishEvent, TokenEvent
+from service.sse import DONE, HEARTBEAT, SSE_HEADERS, event_groups, sse_data
+
+blueprint = Blueprint("openai", __name__)
+
+
+@blueprint.get("/health")
+async def health() -> Response:
+    if app_state().engine.ready:
+        return json_response({"status": "ok"}, 200)
+    return json_response({"status": "unavailable"}, 503)
+
+
+@blueprint.get("/v1/models")
+async def list_models() -> Response:
+    state = app_state()
+    handshake = state.engine.handshake
+    card: dict[str, Any] = {
+        "id": state.served_model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "cadence",
+    }
+    if handshake is not None:
+        card["max_model_len"] = handshake.max_model_len
+    return json_response({"object": "list", "data": [card]}, 200)
+
+
+@blueprint.post("/v1/completions")
+async def completions() -> Response:
+    body = await read_json_body()
+    return await serve_generation(parse_completion_request(body, request.headers.get("X-Tenant")))
+
+
+@blueprint.post("/v1/chat/completions")
+async def chat_completions() -> Response:
+    body = await read_json_body()
+    return await serve_generation(parse_chat_request(body, request.headers.get("X-Tenant")))
+
+
+async def read_json_body() -> Any:
+    data = await request.get_data(cache=False)
+    if not data:
+        raise bad_request("the request body is empty; send a JSON object")
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+
+
+async def serve_generation(req: GenerationRequest) -> Response:
+    state = app_state()
+    if req.model is not None and req.model != state.served_model_name:
+        raise APIError(
+            404,
+            f"The model `{req.model}` does not exist. This server serves "
+            f"`{state.served_model_name}`.",
+            param="model",
+            code="model_not_found",
+        )
+    handshake = state.engine.handshake
+    if not state.engine.ready or handshake is None:
+        raise unavailable("the model worker is not ready yet; retry shortly")
+    prompt_ids = tokenize_prompt(req, state, handshake.vocab_size)
+    fit_into_context(req, len(prompt_ids), handshake.max_model_len)
+    prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
+    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    try:
+        channel = await state.engine.submit(
+            prompt_ids, req.params, request_id=request_id, tenant=req.tenant, priority=req.priority
+        )
+    except Overloaded as exc:
+        raise APIError(
+            429,
+            f"the server is overloaded ({exc}); retry later",
+            code="overloaded",
+            headers={"Retry-After": "1"},
+        ) from None
+    except EngineUnavailable as exc:
+        raise unavailable(str(exc) or "the engine is not available") from None
+    except InvalidRequest as exc:
+        raise bad_request(str(exc)) from None
+    header = ResponseHeader(req.kind, request_id, state.served_model_name)
+    if req.stream:
+        return stream_response(req, header, channel, state)
+    return await whole_response(req, header, channel, state)
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(503, message, code="engine_unavailable", headers={"Retry-After": "1"})
+
+
+def tokenize_prompt(req: GenerationRequest, state: AppState, vocab_size: int) -> list[int]:
+    if req.kind == "chat":
+        assert req.messages is not None
+        try:
+            text = state.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
+        except Exception as exc:  # a template may reject a message order (e.g. two system turns)
+            raise bad_request(
+                f"the chat template rejected the messages: {exc}", "messages"
+            ) from None
+        return state.tokenizer.encode(text, add_special_tokens=False)
+    if isinstance(req.prompt, str):
+        return state.tokenizer.encode(req.prompt, add_special_tokens=True)
+    assert req.prompt is not None
+    too_big = [t for t in req.prompt if t >= vocab_size]
+    if too_big:
+        raise bad_request(
+            f"token id {too_big[0]} is outside the vocabulary (size {vocab_size})", "prompt"
+        )
+    return list(req.prompt)
+
+
+def fit_into_context(req: GenerationRequest, prompt_tokens: int, max_model_len: int) -> None:
+    """Check prompt + max_tokens against the context window (chat may default to the rest)."""
+    if prompt_tokens == 0:
+        raise bad_request("the prompt is empty after tokenization", "prompt")
+    if req.kind == "chat" and not req.max_tokens_given:
+        req.params.max_tokens = max_model_len - prompt_tokens
+    requested = prompt_tokens + req.params.max_tokens
+    if req.params.max_tokens < 1 or requested > max_model_len:
+        where = "messages" if req.kind == "chat" else "prompt"
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {requested} tokens ({prompt_tokens} in the {where}, "
+            f"{req.params.max_tokens} in the completion). Please reduce the length of the "
+            f"{where} or completion.",
+            "max_tokens",
+            "context_length_exceeded",
+        )
+
+
+def token_pieces(state: AppState, events: list[TokenEvent]) -> TokenPieces:
+    pieces = TokenPieces()
+    for event in events:
+        for token_id in event.token_ids:
+            pieces.pieces.append(state.tokenizer.decode([token_id], skip_special_tokens=False))
+        pieces.logprobs.extend(event.logprobs or [])
+    return pieces
+
+
+def failure_of(finish: FinishEvent | None) -> APIError | None:
+    """The error a finished (or vanished) request must be reported as, if any."""
+    if finish is None:
+        return APIError(
+            500, "the engine closed the request without finishing it", code="internal_error"
+        )
+    if finish.reason == "error":
+        message = finish.error or finish.detail
+        if finish.detail == "worker_died":
+            return APIError(
+                503, f"the model worker died during the request: {message}", code="worker_died"
+            )
+        return APIError(500, f"generation failed: {message}", code="generation_error")
+    if finish.reason == "abort":
+        return unavailable(f"the request was aborted ({finish.detail})")
+    return None
+
+
+async def whole_response(
+    req: GenerationRequest,
+    header: ResponseHeader,
+    channel: trio.MemoryReceiveChannel,
+    state: AppState,
+) -> Response:
+    tokens: list[TokenEvent] = []
+    finish: FinishEvent | None = None
+    try:
+        async for event in channel:
+            if isinstance(event, FinishEvent):
+                finish = event
+            else:
+                tokens.append(event)
+    finally:
+        # Runs on client disconnect too (trio.Cancelled): synchronous, so safe in a
+        # cancelled scope; a no-op for a request that already finished.
+        channel.close()
+        if finish is None:
+            state.engine.abort(header.request_id)
+    error = failure_of(finish)
+    if error is not None:
+        raise error
+    assert finish is not None
+    text = "".join(event.text for event in tokens)
+    logprobs = None
+    if req.params.logprobs:
+        pieces = token_pieces(state, tokens)
+        logprobs = chat_logprobs(pieces) if req.kind == "chat" else completion_logprobs(pieces, 0)
+    body = full_response(
+        header, text, finish.reason, usage(finish.prompt_tokens, finish.completion_tokens), logprobs
+    )
+    return json_response(body, 200, {"X-Request-Id": header.request_id})
+
+
+def stream_response(
+    req: GenerationRequest,
+    header: ResponseHeader,
+    channel: trio.MemoryReceiveChannel,
+    state: AppState,
+) -> Response:
+    response = Response(
+        sse_stream(req, header, channel, state),
+        200,
+        {**SSE_HEADERS, "X-Request-Id": header.request_id},
+    )
+    response.timeout = None  # a long generation must not be cut at RESPONSE_TIMEOUT
+    return response
+
+
+async def sse_stream(
+    req: GenerationRequest,
+    header: ResponseHeader,
+    channel: trio.MemoryReceiveChannel,
+    state: AppState,
+) -> AsyncIterator[bytes]:
+    finish: FinishEvent | None = None
+    text_offset = 0
+    try:
+        if req.kind == "chat":
+            yield sse_data(delta_chunk(header, "", None, role=True))
+        async for group in event_groups(channel, state.heartbeat_seconds):
+            if not group:
+                yield HEARTBEAT
+                continue
+            tokens = [event for event in group if isinstance(event, TokenEvent)]
+            finish = _finish_in(group)
+            chunk = token_chunk(req, header, tokens, state, text_offset)
+            if chunk is not None:
+                text_offset += sum(len(event.text) for event in tokens)
+                yield sse_data(chunk)
+        error = failure_of(finish)
+        if error is not None:
+            yield sse_data(error.body())
+        else:
+            assert finish is not None
+            yield sse_data(delta_chunk(header, None, finish.reason))
+            if req.include_usage:
+                yield sse_data(
+                    usage_chunk(header, usage(finish.prompt_tokens, finish.completion_tokens))
+                )
+        yield DONE
+    finally:
+        # Reached by trio.Cancelled (hypercorn reported the disconnect) or GeneratorExit
+        # (a write failed): both in a cancelled context, so only synchronous cleanup here.
+        channel.close()
+        if finish is None:
+            state.engine.abort(header.request_id)
+
+
+def _finish_in(group: list[Event]) -> FinishEvent | None:
+    last = group[-1]
+    return last if isinstance(last, FinishEvent) else None
+
+
+def token_chunk(
+    req: GenerationRequest,
+    header: ResponseHeader,
+    tokens: list[TokenEvent],
+    state: AppState,
+    text_offset: int,
+) -> dict[str, Any] | None:
+    text = "".join(event.text for event in tokens)
+    if not tokens or (not text and not req.params.logprobs):
+        return None  # nothing a client could see (e.g. half a UTF-8 character held back)
+    logprobs = None
+    if req.params.logprobs:
+        pieces = token_pieces(state, tokens)
+        logprobs = (
+            chat_logprobs(pieces)
+            if req.kind == "chat"
+            else completion_logprobs(pieces, text_offset)
+        )
+    return delta_chunk(header, text, None, logprobs)

@@ -1,0 +1,312 @@
+"""One iteration's scheduling: view -> policy decision -> core validation -> BatchPlan.
+
+The policy proposes; this module disposes. Whatever the decision says, a step never holds
+more than `max_batched_tokens` tokens or `max_num_seqs` sequences, a decoding sequence
+computes exactly one token, a prefill chunk never runs past its sequence, and blocks come
+from free ones only. A sequence that needs a block when none is free makes room by
+preempting (recompute) the policy's listed victims first, else the most recently admitted
+running sequence. Every fix is counted in `corrections` so tests can see it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+from dataclasses import dataclass, field
+
+from gpu_worker.protocol import BatchPlan
+from policies.base import Decision, Policy, SeqView, View
+from service.block_manager import BlockManager
+from service.request import Request, Status
+
+
+@dataclass(slots=True)
+class Scheduled:
+    request: Request
+    num_tokens: int
+    samples: bool
+
+
+@dataclass(slots=True)
+class ScheduleOutput:
+    iteration: int
+    plan: BatchPlan | None
+    scheduled: list[Scheduled] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    prefill_tokens: int = 0
+    decode_seqs: int = 0
+
+
+def _seq_key(request: Request) -> int:
+    return request.seq_id
+
+
+class Scheduler:
+    def __init__(
+        self,
+        blocks: BlockManager,
+        policy: Policy,
+        *,
+        max_batched_tokens: int,
+        max_num_seqs: int,
+    ) -> None:
+        self.blocks = blocks
+        self.policy = policy
+        self.max_batched_tokens = max_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.running: list[Request] = []  # admission order
+        self.waiting: list[Request] = []  # arrival order (seq_id)
+        self.corrections: collections.Counter[str] = collections.Counter()
+        self._by_seq: dict[int, Request] = {}
+        self._admissions = 0
+
+    # ---- membership -------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        self._by_seq[request.seq_id] = request
+        bisect.insort(self.waiting, request, key=_seq_key)
+
+    def remove(self, request: Request) -> None:
+        """Take a request out of the scheduler (finished, aborted, failed); frees its blocks."""
+        if self._by_seq.pop(request.seq_id, None) is None:
+            return
+        self.blocks.free(request.seq_id)
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # ---- one iteration ----------------------------------------------------------------
+
+    def build_view(
+        self, iteration: int, now: float, last_step_ms: float | None, last_step_tokens: int
+    ) -> View:
+        blocks = self.blocks
+        return View(
+            iteration=iteration,
+            now=now,
+            running=tuple(self._seq_view(r) for r in self.running),
+            waiting=tuple(self._seq_view(r) for r in self.waiting),
+            free_blocks=blocks.num_free,
+            total_blocks=blocks.num_blocks,
+            block_size=blocks.block_size,
+            max_batched_tokens=self.max_batched_tokens,
+            max_seqs=self.max_num_seqs,
+            last_step_ms=last_step_ms,
+            last_step_tokens=last_step_tokens,
+        )
+
+    def _seq_view(self, r: Request) -> SeqView:
+        return SeqView(
+            seq_id=r.seq_id,
+            tenant=r.tenant,
+            priority=r.priority,
+            arrival=r.received,
+            prompt_len=r.prompt_len,
+            num_generated=len(r.token_ids) - r.prompt_len,
+            num_computed=r.num_computed,
+            num_blocks=self.blocks.num_held(r.seq_id),
+            preempted=r.preemptions,
+        )
+
+    def schedule(self, view: View, step_id: int) -> ScheduleOutput:
+        """Ask the policy, enforce the rules, allocate blocks, build the plan."""
+        try:
+            decision = self.policy.decide(view)
+        except Exception:  # a broken policy must not stop the engine
+            self.corrections["policy_raised"] += 1
+            decision = Decision()
+        out = ScheduleOutput(iteration=view.iteration, plan=None)
+        self._apply(decision, out)
+        if not out.scheduled and self.has_work():
+            # A policy that schedules nothing while work is pending would stall everyone.
+            self.corrections["empty_decision"] += 1
+            self._apply(self._fallback_decision(), out)
+        if out.scheduled:
+            out.plan = self._build_plan(out.scheduled, step_id)
+        return out
+
+    def commit(self, out: ScheduleOutput) -> None:
+        """The step ran: the scheduled tokens are now in the cache."""
+        for item in out.scheduled:
+            if not item.request.is_finished:
+                item.request.num_computed += item.num_tokens
+
+    # ---- validation -------------------------------------------------------------------
+
+    def _apply(self, decision: Decision, out: ScheduleOutput) -> None:
+        victims = self._policy_victims(decision)
+        chosen: set[int] = {s.request.seq_id for s in out.scheduled}
+        budget = self.max_batched_tokens - sum(s.num_tokens for s in out.scheduled)
+        for entry in decision.schedule:
+            try:
+                seq_id, tokens = entry
+                seq_id, tokens = int(seq_id), int(tokens)
+            except (TypeError, ValueError):
+                self.corrections["malformed_entry"] += 1
+                continue
+            request = self._by_seq.get(seq_id)
+            if request is None:
+                self.corrections["unknown_id"] += 1
+                continue
+            if seq_id in chosen:
+                self.corrections["duplicate_id"] += 1
+                continue
+            if request.status is Status.WAITING and any(p is request for p in out.preempted):
+                # preempted a moment ago to make room: it cannot come back in the same step
+                self.corrections["scheduled_after_preempt"] += 1
+                continue
+            if len(out.scheduled) >= self.max_num_seqs:
+                self.corrections["max_seqs"] += 1
+                continue
+            tokens = self._legal_tokens(request, tokens, budget)
+            if tokens == 0:
+                continue
+            if request.status is Status.RUNNING:
+                if not self._make_room(request, tokens, victims, chosen, out):
+                    self.corrections["no_blocks"] += 1
+                    continue
+            elif not self._admit(request, tokens, victims, chosen, out):
+                continue
+            self.blocks.allocate(seq_id, request.num_computed + tokens)
+            samples = request.num_computed + tokens >= request.num_tokens
+            out.scheduled.append(Scheduled(request, tokens, samples))
+            chosen.add(seq_id)
+            budget -= tokens
+            if request.remaining == 1:
+                out.decode_seqs += 1
+            else:
+                out.prefill_tokens += tokens
+
+    def _legal_tokens(self, request: Request, tokens: int, budget: int) -> int:
+        remaining = request.remaining
+        if tokens < 1:
+            self.corrections["nonpositive_tokens"] += 1
+            return 0
+        if tokens > remaining:
+            # also covers a decoding sequence asked for more than its one token
+            self.corrections["tokens_over_remaining"] += 1
+            tokens = remaining
+        if tokens > budget:
+            self.corrections["token_budget"] += 1
+            # a decode token cannot be split; a prefill chunk can be shortened
+            tokens = budget if remaining > 1 and budget > 0 else 0
+        return tokens
+
+    def _policy_victims(self, decision: Decision) -> list[Request]:
+        victims: list[Request] = []
+        seen: set[int] = set()
+        for seq_id in decision.preempt:
+            request = self._by_seq.get(seq_id) if isinstance(seq_id, int) else None
+            if request is None or request.status is not Status.RUNNING or seq_id in seen:
+                self.corrections["bad_preempt_id"] += 1
+                continue
+            seen.add(seq_id)
+            victims.append(request)
+        return victims
+
+    def _make_room(
+        self,
+        request: Request,
+        tokens: int,
+        victims: list[Request],
+        chosen: set[int],
+        out: ScheduleOutput,
+    ) -> bool:
+        """Free blocks for a running sequence, preempting others if it must."""
+        blocks = self.blocks
+        needed = request.num_computed + tokens
+        while not blocks.can_grow(request.seq_id, needed):
+            victim = self._pick_victim(request, victims, chosen, use_default=True)
+            if victim is None:
+                return False
+            self._preempt(victim, out)
+        return True
+
+    def _admit(
+        self,
+        request: Request,
+        tokens: int,
+        victims: list[Request],
+        chosen: set[int],
+        out: ScheduleOutput,
+    ) -> bool:
+        """Admit a waiting sequence if its blocks fit above the watermark.
+
+        Only victims the policy named may be preempted to admit someone: the core on its
+        own never evicts running work for a newcomer.
+        """
+        if len(self.running) >= self.max_num_seqs:
+            self.corrections["max_seqs"] += 1
+            return False
+        blocks = self.blocks
+        while not blocks.can_admit(tokens):
+            victim = self._pick_victim(request, victims, chosen, use_default=False)
+            if victim is None:
+                self.corrections["admission_deferred"] += 1
+                return False
+            self._preempt(victim, out)
+        self.waiting.remove(request)
+        request.status = Status.RUNNING
+        request.admitted_order = self._admissions
+        self._admissions += 1
+        self.running.append(request)
+        return True
+
+    def _pick_victim(
+        self, request: Request, victims: list[Request], chosen: set[int], *, use_default: bool
+    ) -> Request | None:
+        while victims:
+            victim = victims.pop(0)
+            runnable = victim is not request and victim.status is Status.RUNNING
+            if runnable and victim.seq_id not in chosen:
+                return victim
+        if not use_default:
+            return None
+        candidates = [r for r in self.running if r is not request and r.seq_id not in chosen]
+        if not candidates:
+            return None
+        return max(candidates, key=lambda r: r.admitted_order)
+
+    def _preempt(self, victim: Request, out: ScheduleOutput) -> None:
+        self.blocks.free(victim.seq_id)
+        self.running.remove(victim)
+        victim.reset_for_recompute()
+        bisect.insort(self.waiting, victim, key=_seq_key)
+        out.preempted.append(victim)
+
+    def _fallback_decision(self) -> Decision:
+        """Running sequences first, then waiting ones, as much of each as fits."""
+        schedule = [(r.seq_id, r.remaining) for r in self.running]
+        schedule += [(r.seq_id, r.remaining) for r in self.waiting]
+        return Decision(schedule=schedule)
+
+    # ---- plan -------------------------------------------------------------------------
+
+    def _build_plan(self, scheduled: list[Scheduled], step_id: int) -> BatchPlan:
+        seq_ids, num_tokens, start_pos, input_ids = [], [], [], []
+        tables, sample, sampling = [], [], []
+        table_of = self.blocks.table
+        for item in scheduled:
+            request = item.request
+            start = request.num_computed
+            seq_ids.append(request.seq_id)
+            num_tokens.append(item.num_tokens)
+            start_pos.append(start)
+            input_ids.extend(request.token_ids[start : start + item.num_tokens])
+            tables.append(list(table_of(request.seq_id)))
+            sample.append(item.samples)
+            sampling.append(request.spec)
+        return BatchPlan(
+            step_id=step_id,
+            seq_ids=seq_ids,
+            num_tokens=num_tokens,
+            start_pos=start_pos,
+            input_ids=input_ids,
+            block_tables=tables,
+            sample=sample,
+            sampling=sampling,
+        )

@@ -1,0 +1,52 @@
+"""Server-sent events: framing, and reading an engine channel in token groups with heartbeats."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import trio
+
+from service.request import Event, FinishEvent
+
+DONE = b"data: [DONE]\n\n"
+# A comment line: SSE clients ignore it. Sending it is how a dead client gets noticed
+# while a request waits for its first token (hypercorn's trio worker only learns of a
+# closed connection when a write to it fails; see tests/test_api_disconnect.py).
+HEARTBEAT = b": keep-alive\n\n"
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
+
+
+def sse_data(payload: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+async def event_groups(
+    channel: trio.MemoryReceiveChannel, heartbeat_seconds: float
+) -> AsyncIterator[list[Event]]:
+    """Yield the events that are ready, as one group; an empty group means "send a heartbeat".
+
+    Grouping lets a slow client catch up in one write instead of one write per token.
+    Ends after the FinishEvent or when the engine closes the channel.
+    """
+    while True:
+        group: list[Event] = []
+        with trio.move_on_after(heartbeat_seconds):
+            try:
+                group.append(await channel.receive())
+            except trio.EndOfChannel:
+                return
+        # Never yield inside the timeout scope: the consumer's writes would run under it.
+        while group and not isinstance(group[-1], FinishEvent):
+            try:
+                group.append(channel.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+        yield group
+        if group and isinstance(group[-1], FinishEvent):
+            return

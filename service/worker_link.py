@@ -1,0 +1,194 @@
+"""The one place that starts the worker process and talks to it.
+
+The worker runs as `python -m gpu_worker --fd N`, N being its end of a socketpair; the
+service keeps the other end as a trio SocketStream and exchanges length-prefixed frames
+(gpu_worker.protocol). The process is a trio.Process, reaped by `stop()` (or when a dead
+one is replaced), so no zombie and no helper thread is left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from gpu_worker.protocol import (
+    BatchPlan,
+    FrameDecoder,
+    Handshake,
+    StepResult,
+    WorkerConfig,
+    encode_frame,
+    record_from_message,
+    to_message,
+)
+from service.config import Config
+
+_PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
+_RECEIVE_BYTES = 1 << 16
+
+
+class WorkerDied(Exception):
+    """The worker process ended (or its channel closed) while the service needed it."""
+
+
+class WorkerStartError(RuntimeError):
+    """The worker could not start: it reported "fatal" or exited during start-up."""
+
+
+def worker_config_for(config: Config, model_dir: Path | str) -> WorkerConfig:
+    return WorkerConfig(
+        model_dir=str(model_dir),
+        dtype=config.dtype,
+        device=config.device,
+        block_size=config.block_size,
+        kv_memory=config.kv_memory,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_batched_tokens,
+        seed=config.seed,
+        use_cuda_graphs=config.use_cuda_graphs,
+    )
+
+
+class WorkerLink:
+    def __init__(
+        self,
+        worker_config: WorkerConfig,
+        *,
+        command: Sequence[str] | None = None,
+        env: dict[str, str] | None = None,
+        stop_timeout: float = 10.0,
+    ) -> None:
+        """`command` replaces `python -m gpu_worker` (tests run a fake child with it)."""
+        self.worker_config = worker_config
+        self._command = list(command or [sys.executable, "-m", "gpu_worker"])
+        self._env = env
+        self._stop_timeout = stop_timeout
+        self._process: trio.Process | None = None
+        self._stream: trio.SocketStream | None = None
+        self._decoder = FrameDecoder()
+        self._inbox: deque[dict[str, Any]] = deque()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self._process is None else self._process.returncode
+
+    async def start(self) -> Handshake:
+        """Spawn the worker, send init, wait for "ready". Replaces a previous process."""
+        await self._discard_process()
+        parent, child = socket.socketpair()
+        try:
+            self._process = await trio.lowlevel.open_process(
+                [*self._command, "--fd", str(child.fileno())],
+                pass_fds=(child.fileno(),),
+                env=self._child_env(),
+            )
+        except OSError as exc:
+            parent.close()
+            raise WorkerStartError(f"could not start the worker: {exc}") from exc
+        finally:
+            child.close()
+        self._stream = trio.SocketStream(trio.socket.from_stdlib_socket(parent))
+        self._decoder = FrameDecoder()
+        self._inbox.clear()
+        try:
+            await self._send(to_message("init", self.worker_config))
+            reply = await self._receive()
+        except WorkerDied as exc:
+            await self._discard_process()
+            code = self.returncode
+            raise WorkerStartError(f"the worker exited during start-up (code {code})") from exc
+        if reply.get("type") == "fatal":
+            await self._discard_process()
+            raise WorkerStartError(f"the worker failed to start: {reply.get('message')}")
+        if reply.get("type") != "ready":
+            await self._discard_process()
+            raise WorkerStartError(f"unexpected first message from the worker: {reply!r:.200}")
+        return record_from_message(Handshake, reply)
+
+    async def step(self, plan: BatchPlan) -> StepResult:
+        await self._send(to_message("step", plan))
+        reply = await self._receive()
+        kind = reply.get("type")
+        if kind == "fatal":
+            raise WorkerDied(f"the worker reported a fatal error: {reply.get('message')}")
+        if kind != "result":
+            raise WorkerDied(f"unexpected message from the worker: {kind!r}")
+        result = record_from_message(StepResult, reply)
+        if result.step_id != plan.step_id:
+            raise WorkerDied(f"result for step {result.step_id}, expected {plan.step_id}")
+        return result
+
+    async def stop(self) -> None:
+        """Ask the worker to exit; kill it if it has not after the timeout; reap it."""
+        if self._process is None:
+            return
+        with contextlib.suppress(WorkerDied):
+            await self._send({"type": "shutdown"})
+        await self._discard_process()
+
+    # ---- internals --------------------------------------------------------------------
+
+    def _child_env(self) -> dict[str, str]:
+        env = dict(os.environ if self._env is None else self._env)
+        # the worker imports gpu_worker from this checkout even when it is not installed
+        path = env.get("PYTHONPATH")
+        env["PYTHONPATH"] = _PROJECT_ROOT + (os.pathsep + path if path else "")
+        return env
+
+    async def _send(self, msg: dict[str, Any]) -> None:
+        if self._stream is None:
+            raise WorkerDied("the worker is not running")
+        try:
+            await self._stream.send_all(encode_frame(msg))
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise WorkerDied(f"the worker channel is closed: {exc}") from exc
+
+    async def _receive(self) -> dict[str, Any]:
+        stream = self._stream
+        while not self._inbox:
+            if stream is None:
+                raise WorkerDied("the worker is not running")
+            try:
+                data = await stream.receive_some(_RECEIVE_BYTES)
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                raise WorkerDied(f"the worker channel broke: {exc}") from exc
+            if not data:
+                raise WorkerDied("the worker process closed its channel (exited?)")
+            try:
+                self._inbox.extend(self._decoder.feed(data))
+            except ValueError as exc:
+                raise WorkerDied(f"garbled frame from the worker: {exc}") from exc
+        return self._inbox.popleft()
+
+    async def _discard_process(self) -> None:
+        """Close the channel and make sure the process is gone and reaped."""
+        if self._stream is not None:
+            stream, self._stream = self._stream, None
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+        if self._process is not None:
+            await self._reap()
+
+    async def _reap(self) -> int | None:
+        process = self._process
+        if process is None:
+            return None
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(self._stop_timeout):
+                await process.wait()
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+        return process.returncode

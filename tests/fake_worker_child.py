@@ -1,0 +1,87 @@
+"""A stand-in worker process for WorkerLink tests: speaks the protocol, no model.
+
+Run as `python tests/fake_worker_child.py --fd N`. FAKE_WORKER_MODE picks a behaviour:
+"ok" (answer steps: token = 1000 + step_id), "fatal" (fail init), "exit_at_init" (exit
+without a word), "die_on_step_2" (exit abruptly on the second step), "ignore_shutdown"
+(never exits on its own; the link must kill it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from gpu_worker.protocol import FrameDecoder, encode_frame
+
+
+def handshake() -> dict:
+    return {
+        "type": "ready",
+        "model_name": "fake",
+        "architecture": "Fake",
+        "vocab_size": 2000,
+        "max_model_len": 4096,
+        "num_layers": 1,
+        "num_kv_heads": 1,
+        "head_dim": 1,
+        "dtype": "float32",
+        "device": "cpu",
+        "block_size": 16,
+        "num_blocks": 64,
+        "kv_bytes": 0,
+        "eos_token_ids": [0],
+        "decode_buckets": [1],
+        "pid": os.getpid(),
+        "load_seconds": 0.0,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fd", type=int, required=True)
+    fd = parser.parse_args().fd
+    mode = os.environ.get("FAKE_WORKER_MODE", "ok")
+    sock = socket.socket(fileno=fd)
+    decoder = FrameDecoder()
+    steps = 0
+    while True:
+        data = sock.recv(1 << 16)
+        if not data:
+            return 0
+        for msg in decoder.feed(data):
+            kind = msg["type"]
+            if kind == "init":
+                if mode == "exit_at_init":
+                    os._exit(3)
+                if mode == "fatal":
+                    sock.sendall(encode_frame({"type": "fatal", "message": "no such model"}))
+                    return 1
+                sock.sendall(encode_frame(handshake()))
+            elif kind == "step":
+                steps += 1
+                if mode == "die_on_step_2" and steps == 2:
+                    os._exit(9)
+                sampled = [s for s, flag in zip(msg["seq_ids"], msg["sample"], strict=True) if flag]
+                result = {
+                    "type": "result",
+                    "step_id": msg["step_id"],
+                    "seq_ids": sampled,
+                    "tokens": [1000 + msg["step_id"]] * len(sampled),
+                    "logprobs": None,
+                    "step_ms": 1.0,
+                    "error": None,
+                }
+                sock.sendall(encode_frame(result))
+            elif kind == "shutdown":
+                if mode == "ignore_shutdown":
+                    time.sleep(3600)
+                return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

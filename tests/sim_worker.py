@@ -1,0 +1,257 @@
+"""A simulated worker for engine tests: same interface as WorkerLink, no model, no process.
+
+Cost model: a step takes base_ms + per_token_ms * tokens + per_seq_ms * sequences, slept
+with trio.sleep so a MockClock makes timing exact and instant. It keeps a fake KV cache
+(each slot remembers which sequence wrote which token at which position) and checks every
+plan against it: a chunk must continue where the previous one ended, block tables must
+cover the positions, no two sequences may share a block, a read must find what the same
+sequence wrote. The sampled token is a function of the sequence's own content read back
+from that cache, so outputs do not depend on batch composition or on preemption, exactly
+the property the real model must have under greedy sampling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import trio
+
+from gpu_worker.protocol import BatchPlan, Handshake, StepResult
+from service.config import Config
+from service.engine import Engine
+from service.request import Event, FinishEvent, TokenEvent
+from service.stats import IterationStats, RequestStats
+from service.worker_link import WorkerDied
+
+EOS = 256
+
+
+class SimTokenizer:
+    """Byte-level: ids 0..255 are bytes, 256 is the end-of-sequence special token."""
+
+    vocab_size = 260
+    bos_token_id = None
+    eos_token_ids = [EOS]
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        data = bytes(i for i in ids if i < 256)
+        text = data.decode("utf-8", errors="replace")
+        if not skip_special_tokens and EOS in ids:
+            text += "<eos>"
+        return text
+
+
+class KVMismatch(AssertionError):
+    pass
+
+
+@dataclass
+class SimWorker:
+    num_blocks: int = 512
+    block_size: int = 16
+    max_model_len: int = 8192
+    max_batched_tokens: int = 8192
+    base_ms: float = 5.0
+    per_token_ms: float = 0.1
+    per_seq_ms: float = 0.2
+    # (seq_id, position of the token to sample) -> sample EOS there
+    eos_at: Callable[[int, int], bool] | None = None
+    die_at_step: int | None = None  # the n-th step call (1-based) raises WorkerDied
+    plans: list[BatchPlan] = field(default_factory=list)
+    step_windows: list[tuple[float, float]] = field(default_factory=list)
+    starts: int = 0
+    stopped: bool = False
+    _kv: dict[int, list[tuple[int, int, int] | None]] = field(default_factory=dict)
+    _calls: int = 0
+
+    async def start(self) -> Handshake:
+        await trio.sleep(0.1)
+        self.starts += 1
+        self._kv.clear()
+        return Handshake(
+            model_name="sim",
+            architecture="SimForCausalLM",
+            vocab_size=SimTokenizer.vocab_size,
+            max_model_len=self.max_model_len,
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=1,
+            dtype="float32",
+            device="cpu",
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            kv_bytes=0,
+            eos_token_ids=[EOS],
+            decode_buckets=[1, 2, 4, 8],
+            pid=0,
+            load_seconds=0.1,
+        )
+
+    async def stop(self) -> None:
+        self.stopped = True
+
+    def cost_ms(self, plan: BatchPlan) -> float:
+        return (
+            self.base_ms
+            + self.per_token_ms * plan.total_tokens
+            + self.per_seq_ms * len(plan.seq_ids)
+        )
+
+    async def step(self, plan: BatchPlan) -> StepResult:
+        self._calls += 1
+        if self.die_at_step is not None and self._calls == self.die_at_step:
+            await trio.sleep(0.001)
+            raise WorkerDied("simulated crash")
+        self.check_plan(plan)
+        cost = self.cost_ms(plan)
+        begin = trio.current_time()
+        await trio.sleep(cost / 1000)
+        self.plans.append(plan)
+        self.step_windows.append((begin, trio.current_time()))
+        result = StepResult(step_id=plan.step_id, step_ms=cost)
+        offset = 0
+        for i, seq_id in enumerate(plan.seq_ids):
+            n, start, table = plan.num_tokens[i], plan.start_pos[i], plan.block_tables[i]
+            for k in range(n):
+                self._write(table, seq_id, start + k, plan.input_ids[offset + k])
+            offset += n
+            if plan.sample[i]:
+                result.seq_ids.append(seq_id)
+                result.tokens.append(self._next_token(table, seq_id, start + n - 1))
+        return result
+
+    def check_plan(self, plan: BatchPlan) -> None:
+        n = len(plan.seq_ids)
+        lengths = {
+            len(x) for x in (plan.num_tokens, plan.start_pos, plan.block_tables, plan.sample)
+        }
+        assert lengths == {n}, "plan fields disagree in length"
+        assert len(set(plan.seq_ids)) == n, "a sequence appears twice in one step"
+        assert sum(plan.num_tokens) == len(plan.input_ids), "input ids do not match num_tokens"
+        assert plan.total_tokens <= self.max_batched_tokens, "step larger than the worker allows"
+        seen: set[int] = set()
+        for i in range(n):
+            table = plan.block_tables[i]
+            end = plan.start_pos[i] + plan.num_tokens[i]
+            assert plan.num_tokens[i] >= 1
+            assert end <= len(table) * self.block_size, "block table too short for positions"
+            assert end <= self.max_model_len
+            for block in table:
+                assert 0 <= block < self.num_blocks, f"block {block} out of range"
+                assert block not in seen, f"block {block} shared by two sequences"
+                seen.add(block)
+
+    def _write(self, table: list[int], seq_id: int, pos: int, token: int) -> None:
+        if pos > 0:
+            self._read(table, seq_id, pos - 1)  # a chunk must continue the cached prefix
+        block = table[pos // self.block_size]
+        slots = self._kv.setdefault(block, [None] * self.block_size)
+        slots[pos % self.block_size] = (seq_id, pos, token)
+
+    def _read(self, table: list[int], seq_id: int, pos: int) -> int:
+        slots = self._kv.get(table[pos // self.block_size])
+        entry = None if slots is None else slots[pos % self.block_size]
+        if entry is None or entry[0] != seq_id or entry[1] != pos:
+            raise KVMismatch(f"seq {seq_id} position {pos}: cache holds {entry}")
+        return entry[2]
+
+    def _next_token(self, table: list[int], seq_id: int, last: int) -> int:
+        if self.eos_at is not None and self.eos_at(seq_id, last + 1):
+            return EOS
+        # attention "sees" the whole prefix: sample a few positions of it
+        h = 17 * last
+        for pos in {0, last // 3, last // 2, last - 1, last}:
+            if pos >= 0:
+                h = (h * 1000003 + self._read(table, seq_id, pos)) % 1_000_000_007
+        return 97 + h % 26  # a..z
+
+
+def expected_tokens(prompt: list[int], count: int) -> list[int]:
+    """What SimWorker generates for `prompt`, computed without the engine."""
+    tokens = list(prompt)
+    for _ in range(count):
+        last = len(tokens) - 1
+        h = 17 * last
+        for pos in {0, last // 3, last // 2, last - 1, last}:
+            if pos >= 0:
+                h = (h * 1000003 + tokens[pos]) % 1_000_000_007
+        tokens.append(97 + h % 26)
+    return tokens[len(prompt) :]
+
+
+def sim_config(**overrides: object) -> Config:
+    base = {"max_batched_tokens": 512, "max_num_seqs": 64, "debug_invariants": True}
+    base.update(overrides)
+    return Config(**base)  # type: ignore[arg-type]
+
+
+@asynccontextmanager
+async def running_engine(
+    config: Config | None = None, worker: SimWorker | None = None
+) -> AsyncIterator[Engine]:
+    engine = Engine(config or sim_config(), worker or SimWorker(), SimTokenizer())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        yield engine
+        nursery.cancel_scope.cancel()
+
+
+@dataclass
+class RecordingObserver:
+    """Keeps everything the engine reports, for assertions."""
+
+    received: list[str] = field(default_factory=list)
+    iterations: list[IterationStats] = field(default_factory=list)
+    finished: list[RequestStats] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    swaps: list[tuple[str, str, int]] = field(default_factory=list)
+
+    def on_request_received(self, request_id: str, tenant: str, prompt_tokens: int) -> None:
+        self.received.append(request_id)
+
+    def on_iteration(self, stats: IterationStats) -> None:
+        self.iterations.append(stats)
+
+    def on_request_finished(self, stats: RequestStats) -> None:
+        self.finished.append(stats)
+
+    def on_preemption(self, request_id: str) -> None:
+        self.preempted.append(request_id)
+
+    def on_policy_swap(self, old: str, new: str, iteration: int) -> None:
+        self.swaps.append((old, new, iteration))
+
+
+@dataclass
+class Collected:
+    tokens: list[TokenEvent] = field(default_factory=list)
+    finish: FinishEvent | None = None
+    times: list[float] = field(default_factory=list)  # when each TokenEvent was received
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for e in self.tokens for t in e.token_ids]
+
+    @property
+    def text(self) -> str:
+        return "".join(e.text for e in self.tokens)
+
+
+async def collect(channel: trio.MemoryReceiveChannel, into: Collected | None = None) -> Collected:
+    """Read a request's stream to its end, checking its shape on the way."""
+    out = into if into is not None else Collected()
+    async for event in channel:
+        event: Event
+        assert out.finish is None, "an event after the FinishEvent"
+        if isinstance(event, FinishEvent):
+            out.finish = event
+        else:
+            out.tokens.append(event)
+            out.times.append(trio.current_time())
+    assert out.finish is not None, "stream closed without a FinishEvent"
+    return out

@@ -1,0 +1,136 @@
+"""Admin API on a real server: bearer auth matrix, validation, and a live policy swap."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import trio
+
+from tests import server_fixtures
+from tests.server_fixtures import RunningServer, stream_completion
+
+pytestmark = pytest.mark.real_model
+cadence_server = server_fixtures.cadence_server
+ENDPOINTS = [
+    ("GET", "/admin/policy", None),
+    ("GET", "/admin/state", None),
+    ("PUT", "/admin/policy", {"name": "stall_free"}),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), ENDPOINTS)
+@pytest.mark.parametrize(
+    ("authorization", "status"),
+    [
+        (None, 401),
+        ("Bearer wrong-token", 403),
+        ("Basic dGVzdA==", 401),
+        (f"Bearer {server_fixtures.ADMIN_TOKEN}", 200),
+    ],
+)
+def test_auth_matrix(
+    cadence_server: RunningServer,
+    method: str,
+    path: str,
+    body: dict | None,
+    authorization: str | None,
+    status: int,
+) -> None:
+    headers = {"Authorization": authorization} if authorization else {}
+    response = httpx.request(
+        method, f"{cadence_server.url}{path}", json=body, headers=headers, timeout=30
+    )
+    assert response.status_code == status, response.text
+    if status != 200:
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    if status == 401:
+        assert response.headers["www-authenticate"] == "Bearer"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"name": "no_such_policy"},
+        {"name": "stall_free", "params": {"token_budget": -5}},
+        {"name": "stall_free", "params": {"bogus": 1}},
+        {"name": "stall_free", "params": "x"},
+        {"name": 3},
+        {"nam": "fcfs"},
+    ],
+)
+def test_bad_policy_change_is_400_and_changes_nothing(
+    cadence_server: RunningServer, body: dict
+) -> None:
+    admin = cadence_server.admin_headers()
+    before = httpx.get(f"{cadence_server.url}/admin/policy", headers=admin).json()["current"]
+    response = httpx.put(f"{cadence_server.url}/admin/policy", json=body, headers=admin)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    after = httpx.get(f"{cadence_server.url}/admin/policy", headers=admin).json()["current"]
+    assert after == before
+
+
+def test_policy_listing_names_every_policy(cadence_server: RunningServer) -> None:
+    body = httpx.get(
+        f"{cadence_server.url}/admin/policy", headers=cadence_server.admin_headers()
+    ).json()
+    names = {p["name"] for p in body["available"]}
+    assert {"fcfs", "stall_free", "priority", "fair", "slo"} <= names
+    assert body["current"]["name"] in names
+
+
+async def test_live_swap_fcfs_to_stall_free_while_streams_run(
+    cadence_server: RunningServer,
+) -> None:
+    admin = cadence_server.admin_headers()
+    async with httpx.AsyncClient(base_url=cadence_server.url, timeout=180) as client:
+        original = (await client.get("/admin/policy", headers=admin)).json()["current"]
+        put = await client.put("/admin/policy", json={"name": "fcfs"}, headers=admin)
+        assert put.status_code == 200
+        results: list[server_fixtures.StreamResult] = []
+        first_chunks = [trio.Event() for _ in range(8)]
+
+        async def one(i: int) -> None:
+            body = {
+                "prompt": f"Stream {i}: describe the sea.",
+                "max_tokens": 40,
+                "ignore_eos": True,
+                "temperature": 0,
+                "logprobs": 0,
+                "stream_options": {"include_usage": True},
+            }
+            results.append(await stream_completion(client, body, first_chunks[i]))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(8):
+                nursery.start_soon(one, i)
+            for event in first_chunks:
+                await event.wait()
+            swap = await client.put(
+                "/admin/policy",
+                headers=admin,
+                json={"name": "stall_free", "params": {"token_budget": 256}},
+            )
+        restore = await client.put("/admin/policy", json=original, headers=admin)
+    assert restore.status_code == 200
+    assert swap.status_code == 200, swap.text
+    swapped = swap.json()
+    print("swap:", swapped)
+    assert swapped["old"]["name"] == "fcfs" and swapped["new"]["name"] == "stall_free"
+    assert swapped["new"]["params"]["token_budget"] == 256
+    assert len(results) == 8
+    for result in results:
+        assert result.done and result.error is None and result.finish_reason == "length"
+        assert result.usage["completion_tokens"] == 40 == result.streamed_tokens
+    iterations = cadence_server.log_events("iteration")
+    at_swap = [e["policy"] for e in iterations if e["iteration"] >= swapped["iteration"]]
+    assert at_swap and at_swap[0] == "stall_free"
+    assert [e["policy"] for e in iterations if e["iteration"] == swapped["iteration"] - 1] == [
+        "fcfs"
+    ]
+    changes = [
+        e
+        for e in cadence_server.log_events("admin.change")
+        if e["new"]["name"] == "stall_free" and e["iteration"] == swapped["iteration"]
+    ]
+    assert changes and "token:" in changes[0]["who"] and "when" in changes[0]

@@ -1,0 +1,87 @@
+"""Clients hanging up mid-stream abort their requests (over real sockets, hypercorn issue 210)."""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+import orjson
+import pytest
+import trio
+
+from tests import server_fixtures
+from tests.server_fixtures import RunningServer
+
+pytestmark = pytest.mark.real_model
+cadence_server = server_fixtures.cadence_server
+MAX_TOKENS = 48
+
+
+def raw_request(host: str, body: dict) -> bytes:
+    payload = orjson.dumps(body)
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\nConnection: keep-alive\r\n\r\n"
+    )
+    return head.encode() + payload
+
+
+async def read_until(stream: trio.SocketStream, buffer: bytearray, marker: bytes) -> bool:
+    while marker not in buffer:
+        if not await _more(stream, buffer):
+            return False
+    return True
+
+
+async def test_8_of_16_clients_hang_up_and_their_requests_are_aborted(
+    cadence_server: RunningServer,
+) -> None:
+    url = urlsplit(cadence_server.url)
+    assert url.hostname is not None and url.port is not None
+    finished_before = len(cadence_server.log_events("request.finished"))
+    outcomes: dict[int, bytes] = {}
+
+    async def client(i: int, hang_up: bool) -> None:
+        stream = await trio.open_tcp_stream(url.hostname, url.port)
+        body = {
+            "prompt": f"Tell me story number {i}.",
+            "max_tokens": MAX_TOKENS,
+            "ignore_eos": True,
+            "temperature": 0.7,
+            "seed": i,
+            "stream": True,
+        }
+        await stream.send_all(raw_request(url.netloc, body))
+        buffer = bytearray()
+        # Hang up after two token chunks: the request is decoding by then.
+        while buffer.count(b'"text_completion"') < 2:
+            assert await _more(stream, buffer)
+        if hang_up:
+            await stream.aclose()
+            outcomes[i] = bytes(buffer)
+            return
+        await read_until(stream, buffer, b"data: [DONE]")
+        outcomes[i] = bytes(buffer)
+        await stream.aclose()
+
+    with trio.fail_after(180):
+        async with trio.open_nursery() as nursery:
+            for i in range(16):
+                nursery.start_soon(client, i, i % 2 == 0)
+    state = cadence_server.wait_idle(timeout=10)
+    print("state after the hang-ups:", state)
+    assert (state["running"], state["waiting"], state["kv_blocks_used"]) == (0, 0, 0)
+    finished = cadence_server.log_events("request.finished")[finished_before:]
+    aborted = [e for e in finished if e["finish_reason"] == "abort"]
+    completed = [e for e in finished if e["finish_reason"] == "length"]
+    print("aborted after", sorted(e["completion_tokens"] for e in aborted), "tokens")
+    assert len(aborted) == 8 and len(completed) == 8
+    assert all(e["completion_tokens"] < MAX_TOKENS for e in aborted)
+    assert all(e["completion_tokens"] == MAX_TOKENS for e in completed)
+    for i in range(1, 16, 2):
+        assert outcomes[i].endswith(b"data: [DONE]\n\n") or b"data: [DONE]" in outcomes[i]
+
+
+async def _more(stream: trio.SocketStream, buffer: bytearray) -> bool:
+    data = await stream.receive_some(65536)
+    buffer += data
+    return bool(data)

@@ -1,0 +1,122 @@
+"""Bad input against a real server: each case gets its 4xx in the OpenAI shape; server stays up."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests import server_fixtures
+from tests.server_fixtures import RunningServer
+
+pytestmark = pytest.mark.real_model
+cadence_server = server_fixtures.cadence_server
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+# (name, method, path, json body or raw bytes, expected status, expected error code or None)
+CASES = [
+    ("invalid json", "POST", COMPLETIONS, b"{not json", 400, None),
+    ("empty body", "POST", COMPLETIONS, b"", 400, None),
+    ("body not an object", "POST", COMPLETIONS, [1, 2], 400, None),
+    ("missing prompt", "POST", COMPLETIONS, {"max_tokens": 3}, 400, None),
+    ("empty prompt", "POST", COMPLETIONS, {"prompt": ""}, 400, None),
+    ("batched prompts", "POST", COMPLETIONS, {"prompt": ["a", "b"]}, 400, None),
+    ("prompt wrong type", "POST", COMPLETIONS, {"prompt": {"a": 1}}, 400, None),
+    ("token id beyond vocabulary", "POST", COMPLETIONS, {"prompt": [1, 10**7]}, 400, None),
+    ("max_tokens zero", "POST", COMPLETIONS, {"prompt": "x", "max_tokens": 0}, 400, None),
+    ("max_tokens string", "POST", COMPLETIONS, {"prompt": "x", "max_tokens": "3"}, 400, None),
+    ("negative temperature", "POST", COMPLETIONS, {"prompt": "x", "temperature": -1}, 400, None),
+    ("absurd temperature", "POST", COMPLETIONS, {"prompt": "x", "temperature": 1e9}, 400, None),
+    ("top_p zero", "POST", COMPLETIONS, {"prompt": "x", "top_p": 0}, 400, None),
+    ("n=3", "POST", COMPLETIONS, {"prompt": "x", "n": 3}, 400, None),
+    ("unknown field", "POST", COMPLETIONS, {"prompt": "x", "temprature": 1}, 400, None),
+    (
+        "context window exceeded",
+        "POST",
+        COMPLETIONS,
+        {"prompt": [1] * 8000, "max_tokens": 1000},
+        400,
+        "context_length_exceeded",
+    ),
+    (
+        "absurd max_tokens",
+        "POST",
+        COMPLETIONS,
+        {"prompt": "x", "max_tokens": 10**9},
+        400,
+        "context_length_exceeded",
+    ),
+    (
+        "unknown model",
+        "POST",
+        COMPLETIONS,
+        {"prompt": "x", "model": "gpt-17"},
+        404,
+        "model_not_found",
+    ),
+    ("empty messages", "POST", CHAT, {"messages": []}, 400, None),
+    ("bad role", "POST", CHAT, {"messages": [{"role": "robot", "content": "x"}]}, 400, None),
+    ("chat n=2", "POST", CHAT, {"messages": USER, "n": 2}, 400, None),
+    (
+        "chat stream_options without stream",
+        "POST",
+        CHAT,
+        {"messages": USER, "stream_options": {"include_usage": True}},
+        400,
+        None,
+    ),
+    (
+        "oversized body",
+        "POST",
+        COMPLETIONS,
+        b'{"prompt": "' + b"a" * (5 << 20) + b'"}',
+        413,
+        "request_too_large",
+    ),
+    ("wrong method", "GET", COMPLETIONS, None, 405, "method_not_allowed"),
+    ("unknown route", "GET", "/v1/nothing-here", None, 404, "not_found"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "method", "path", "body", "status", "code"), CASES, ids=[c[0] for c in CASES]
+)
+def test_bad_input_gets_its_status_in_openai_shape(
+    cadence_server: RunningServer,
+    name: str,
+    method: str,
+    path: str,
+    body: object,
+    status: int,
+    code: str | None,
+) -> None:
+    kwargs: dict = {"content": body} if isinstance(body, bytes) else {"json": body}
+    if body is None:
+        kwargs = {}
+    response = httpx.request(method, f"{cadence_server.url}{path}", timeout=60, **kwargs)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    if code is not None:
+        assert error["code"] == code
+
+
+def test_server_is_healthy_and_serving_after_bad_input(cadence_server: RunningServer) -> None:
+    for _, method, path, body, _, _ in CASES:
+        kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+        httpx.request(
+            method,
+            f"{cadence_server.url}{path}",
+            timeout=60,
+            **(kwargs if body is not None else {}),
+        )
+    assert httpx.get(f"{cadence_server.url}/health").status_code == 200
+    ok = httpx.post(
+        f"{cadence_server.url}{COMPLETIONS}",
+        json={"prompt": "Hello", "max_tokens": 3, "ignore_eos": True},
+        timeout=60,
+    )
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    assert cadence_server.wait_idle()["kv_blocks_used"] == 0

@@ -1,0 +1,75 @@
+"""The worker process killed with SIGKILL mid-stream: streams end cleanly, the server recovers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from tests.server_fixtures import (
+    RunningServer,
+    StreamResult,
+    start_server,
+    stop_server,
+    stream_completion,
+)
+
+pytestmark = pytest.mark.real_model
+
+
+@pytest.fixture
+def own_server(tmp_path: Path) -> Iterator[RunningServer]:
+    server = start_server(tmp_path)
+    yield server
+    stop_server(server)
+
+
+def wait_for_health(server: RunningServer, status: int, timeout: float) -> float:
+    """Seconds until /health answers `status` (polling every 20 ms)."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        if httpx.get(f"{server.url}/health", timeout=10).status_code == status:
+            return time.monotonic() - started
+        time.sleep(0.02)
+    raise TimeoutError(f"/health never answered {status} within {timeout} s")
+
+
+async def test_sigkill_of_the_worker_mid_stream(own_server: RunningServer) -> None:
+    old_pid = own_server.admin_state()["worker_pid"]
+    assert old_pid == own_server.worker_pids()[-1]
+    results: list[StreamResult] = []
+    started = [trio.Event() for _ in range(4)]
+    async with httpx.AsyncClient(base_url=own_server.url, timeout=120) as client:
+
+        async def one(i: int) -> None:
+            body = {"prompt": f"Stream {i}", "max_tokens": 1000, "ignore_eos": True}
+            results.append(await stream_completion(client, body, started[i]))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(one, i)
+            for event in started:
+                await event.wait()
+            os.kill(old_pid, signal.SIGKILL)
+    for result in results:
+        assert result.done, "the stream must end with [DONE]"
+        assert result.error is not None and result.error["code"] == "worker_died"
+        assert set(result.error) == {"message", "type", "param", "code"}
+    down = await trio.to_thread.run_sync(wait_for_health, own_server, 503, 10)
+    up = await trio.to_thread.run_sync(wait_for_health, own_server, 200, 300)
+    print(f"/health 503 seen after {down:.2f} s, 200 again {up:.2f} s later")
+    new_pid = own_server.admin_state()["worker_pid"]
+    assert new_pid != old_pid and own_server.process.poll() is None
+    response = httpx.post(
+        f"{own_server.url}/v1/completions",
+        timeout=60,
+        json={"prompt": "Hello again", "max_tokens": 4, "ignore_eos": True},
+    )
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
+    assert own_server.wait_idle()["kv_blocks_used"] == 0

@@ -1,0 +1,62 @@
+"""Paged KV accounting: growth at block boundaries, free on every path, the invariants."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.block_manager import BlockAccountingError, BlockManager, OutOfBlocks
+
+
+def test_growth_by_one_block_at_each_boundary():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    bm.allocate(1, 3)
+    assert bm.num_held(1) == 1
+    bm.allocate(1, 4)
+    assert bm.num_held(1) == 1  # exactly full, no new block yet
+    bm.allocate(1, 5)
+    assert bm.num_held(1) == 2
+    bm.allocate(1, 2)  # shrinking requests never free
+    assert bm.num_held(1) == 2 and bm.num_free == 6
+    bm.check_invariants()
+
+
+def test_free_returns_every_block_and_is_idempotent():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    bm.allocate(1, 10)
+    bm.allocate(2, 7)
+    assert bm.free(1) == 3
+    assert bm.free(1) == 0
+    assert bm.num_free == 6 and bm.table(1) == []
+    bm.check_invariants()
+    assert not set(bm.table(2)) & set(range(8)) - set(bm.table(2))
+
+
+def test_allocation_beyond_free_raises_and_changes_nothing():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    bm.allocate(1, 12)
+    with pytest.raises(OutOfBlocks):
+        bm.allocate(2, 8)
+    assert bm.num_held(2) == 0 and bm.num_free == 1
+    bm.check_invariants()
+
+
+def test_watermark_applies_to_admission_only():
+    bm = BlockManager(num_blocks=100, block_size=16, watermark=0.1)
+    assert bm.watermark_blocks == 10
+    bm.allocate(1, 16 * 85)
+    assert not bm.can_admit(16 * 6)  # would leave 9 < 10 free
+    assert bm.can_admit(16 * 5)
+    assert bm.can_grow(1, 16 * 95)  # a running sequence may use the reserve
+
+
+def test_invariant_check_catches_corruption():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    bm.allocate(1, 4)
+    bm._tables[2] = list(bm._tables[1])  # double ownership
+    with pytest.raises(BlockAccountingError):
+        bm.check_invariants()
+    bm = BlockManager(num_blocks=4, block_size=4)
+    bm.allocate(1, 4)
+    bm._free.append(bm._tables[1][0])  # free and owned at once
+    with pytest.raises(BlockAccountingError):
+        bm.check_invariants()

@@ -1,0 +1,132 @@
+"""The engine on the real default model (float32, CPU): greedy outputs do not depend on
+batch company, prefill chunk size, or a preemption and recompute."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from gpu_worker.model_files import resolve_model
+from service.config import Config, default_cache_dir
+from service.engine import Engine
+from service.request import SamplingParams
+from service.tokenizer import Tokenizer
+from service.worker_link import WorkerLink, worker_config_for
+from tests.sim_worker import RecordingObserver, collect
+
+pytestmark = pytest.mark.real_model
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers and explain why each is prime, in one sentence each. "
+    "Then say which of them is the largest, and spell it out in words, please.",
+]
+# bytes of one KV block for SmolLM2-135M in float32: K and V, 30 layers, 3 heads x 64, 16 slots
+BLOCK_BYTES = 2 * 30 * 3 * 64 * 16 * 4
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return resolve_model(None, default_cache_dir())
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return Tokenizer.from_dir(model_dir)
+
+
+def prompts(tokenizer) -> list[list[int]]:
+    return [
+        tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}]))
+        for q in QUESTIONS
+    ]
+
+
+async def start(config: Config, model_dir, tokenizer, nursery) -> tuple[Engine, RecordingObserver]:
+    engine = Engine(config, WorkerLink(worker_config_for(config, model_dir)), tokenizer)
+    observer = RecordingObserver()
+    engine.add_observer(observer)
+    await nursery.start(engine.run)
+    return engine, observer
+
+
+async def run_together(engine: Engine, token_lists, params, tag: str) -> list[list[int]]:
+    results = [None] * len(token_lists)
+
+    async def one(i, ids):
+        channel = await engine.submit(ids, params, request_id=f"{tag}-{i}")
+        results[i] = (await collect(channel)).token_ids
+
+    async with trio.open_nursery() as nursery:
+        for i, ids in enumerate(token_lists):
+            nursery.start_soon(one, i, ids)
+    return results
+
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
+
+
+async def test_greedy_same_alone_together_and_with_chunk_16_or_512(model_dir, tokenizer):
+    config = Config(dtype="float32", device="cpu", kv_memory=0.05, use_cuda_graphs=False)
+    config.policy_params = {"token_budget": 512, "chunk_size": 512}
+    token_lists = prompts(tokenizer)
+    async with trio.open_nursery() as nursery:
+        engine, _ = await start(config, model_dir, tokenizer, nursery)
+        alone = [
+            (await run_together(engine, [ids], GREEDY, f"alone{i}"))[0]
+            for i, ids in enumerate(token_lists)
+        ]
+        together = await run_together(engine, token_lists, GREEDY, "together")
+        engine.set_policy("stall_free", {"token_budget": 64, "chunk_size": 16})
+        chunked = await run_together(engine, token_lists, GREEDY, "chunk16")
+        engine.set_policy("fcfs", {})
+        whole = await run_together(engine, token_lists, GREEDY, "fcfs")
+        nursery.cancel_scope.cancel()
+    for i, ids in enumerate(alone):
+        print(repr(tokenizer.decode(ids)))
+        assert len(ids) >= 1
+        assert together[i] == ids, f"prompt {i}: batch company changed the output"
+        assert chunked[i] == ids, f"prompt {i}: chunk 16 changed the output"
+        assert whole[i] == ids, f"prompt {i}: whole-prompt prefill changed the output"
+    assert "Paris" in tokenizer.decode(alone[0])
+
+
+async def test_greedy_same_after_forced_preemption(model_dir, tokenizer):
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    token_lists = prompts(tokenizer)
+    # room for 10 blocks: each request alone fits, all three together do not
+    tight = Config(
+        dtype="float32",
+        device="cpu",
+        kv_memory=11 * BLOCK_BYTES,
+        use_cuda_graphs=False,
+        watermark=0.0,
+    )
+    async with trio.open_nursery() as nursery:
+        engine, observer = await start(tight, model_dir, tokenizer, nursery)
+        print("tight KV blocks:", engine.handshake.num_blocks)
+        reference = [
+            (await run_together(engine, [ids], params, f"alone{i}"))[0]
+            for i, ids in enumerate(token_lists)
+        ]
+        assert not observer.preempted  # alone, nobody is short of blocks
+        squeezed = await run_together(engine, token_lists, params, "together")
+        nursery.cancel_scope.cancel()
+    print("preempted:", observer.preempted)
+    assert observer.preempted, "the tight cache did not force a preemption"
+    assert squeezed == reference
+
+
+def test_offline_generate_matches_the_engine(tokenizer):
+    from service.offline import LLM
+
+    llm = LLM(dtype="float32", device="cpu", kv_memory=0.05, use_cuda_graphs=False)
+    text_prompt = tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}])
+    outs = llm.generate([text_prompt, tokenizer.encode(text_prompt)], GREEDY)
+    assert len(outs) == 2
+    assert outs[0].token_ids == outs[1].token_ids
+    assert "Paris" in outs[0].text
+    assert outs[0].finish_reason in ("stop", "length")
+    with pytest.raises(ValueError, match="unknown config"):
+        LLM(not_an_option=1)

@@ -1,0 +1,95 @@
+"""The seeds' two scenarios on the simulated worker: interference and membership."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from service.request import SamplingParams
+from tests.sim_worker import SimWorker, collect, running_engine, sim_config
+
+BUDGET = 256
+
+
+async def interference(policy: str, params: dict, prompt_len: int) -> tuple[float, float, float]:
+    """Four requests decode; a long prompt arrives. Returns (max decode gap, long TTFT, bound)."""
+    worker = SimWorker(max_batched_tokens=8192, num_blocks=1024)
+    config = sim_config(policy=policy, policy_params=params, max_batched_tokens=8192)
+    greedy = SamplingParams(max_tokens=120, temperature=0.0)
+    async with running_engine(config, worker) as engine, trio.open_nursery() as nursery:
+        results = {}
+
+        async def read(name, channel):
+            results[name] = await collect(channel)
+
+        for i in range(4):
+            channel = await engine.submit([10 + i] * 16, greedy, request_id=f"d{i}")
+            nursery.start_soon(read, f"d{i}", channel)
+        while len(worker.plans) < 10:  # all four are decoding by now
+            await trio.sleep(0.001)
+        arrived = trio.current_time()
+        long = await engine.submit(
+            [7] * prompt_len, SamplingParams(max_tokens=4, temperature=0.0), request_id="long"
+        )
+        nursery.start_soon(read, "long", long)
+    long_ttft = results["long"].times[0] - arrived
+    gaps = [
+        b - a
+        for i in range(4)
+        for a, b in zip(results[f"d{i}"].times, results[f"d{i}"].times[1:], strict=False)
+        if b > arrived
+    ]
+    bound = (worker.base_ms + worker.per_token_ms * BUDGET + worker.per_seq_ms * 5) / 1000
+    return max(gaps), long_ttft, bound
+
+
+async def test_fcfs_gap_grows_with_prompt_length(autojump_clock):
+    gap_1k, _, _ = await interference("fcfs", {}, 1024)
+    gap_4k, _, _ = await interference("fcfs", {}, 4096)
+    print(f"fcfs max decode gap: 1024 -> {gap_1k * 1000:.1f} ms, 4096 -> {gap_4k * 1000:.1f} ms")
+    # the whole prompt is one step: the decoders wait at least its cost
+    assert gap_1k >= (5 + 0.1 * 1024) / 1000
+    assert gap_4k >= (5 + 0.1 * 4096) / 1000
+    assert gap_4k > 3 * gap_1k
+
+
+@pytest.mark.parametrize("prompt_len", [1024, 4096])
+async def test_stall_free_gap_bounded_by_one_budget_step(autojump_clock, prompt_len):
+    params = {"token_budget": BUDGET, "chunk_size": BUDGET}
+    gap, ttft, bound = await interference("stall_free", params, prompt_len)
+    fcfs_gap, fcfs_ttft, _ = await interference("fcfs", {}, prompt_len)
+    print(
+        f"L={prompt_len}: stall_free gap {gap * 1000:.1f} ms (bound {bound * 1000:.1f}), "
+        f"TTFT {ttft * 1000:.0f} ms; "
+        f"fcfs gap {fcfs_gap * 1000:.1f} ms, TTFT {fcfs_ttft * 1000:.0f} ms"
+    )
+    assert gap <= bound + 1e-9
+    assert fcfs_gap > gap
+    assert ttft > fcfs_ttft  # the trade: the long prompt waits longer for its first token
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "stall_free", "priority", "fair", "slo"])
+async def test_a_queued_request_joins_at_the_very_next_iteration(autojump_clock, policy):
+    worker = SimWorker()
+    config = sim_config(policy=policy, max_num_seqs=2)
+    greedy = SamplingParams(temperature=0.0)
+    async with running_engine(config, worker) as engine:
+        short = await engine.submit([1] * 8, SamplingParams(max_tokens=3), request_id="short")
+        long = await engine.submit([2] * 8, SamplingParams(max_tokens=40), request_id="long")
+        queued = await engine.submit([3] * 8, greedy, request_id="queued")
+        seq = {"short": 0, "long": 1, "queued": 2}  # seq ids follow submission order
+        for channel in (short, long, queued):
+            await collect(channel)
+    plans = worker.plans
+    last_short = max(i for i, p in enumerate(plans) if seq["short"] in p.seq_ids)
+    first_queued = min(i for i, p in enumerate(plans) if seq["queued"] in p.seq_ids)
+    assert first_queued == last_short + 1
+    assert any(seq["long"] in p.seq_ids for p in plans[first_queued:])  # long still running
+
+
+async def test_slo_keeps_decode_gaps_under_its_target(autojump_clock):
+    gap, ttft, _ = await interference("slo", {"itl_target_ms": 40.0}, 4096)
+    print(f"slo: max decode gap {gap * 1000:.1f} ms (target 40), long TTFT {ttft * 1000:.0f} ms")
+    assert gap <= 0.040
+    # and it is not timid: the prompt moves in chunks far above the minimum
+    assert ttft < 4096 / 16 * 0.0075

@@ -1,0 +1,156 @@
+"""Each policy alone, on hand-built views: what it schedules and why."""
+
+from __future__ import annotations
+
+import pytest
+
+from policies.base import PolicyError, SeqView, View
+from policies.registry import POLICIES, describe_policies, make_policy
+
+
+def seq(seq_id, prompt_len, computed=None, generated=0, **kw) -> SeqView:
+    if computed is None:
+        computed = prompt_len + generated - 1 if generated else 0
+    blocks = -(-computed // 16)
+    return SeqView(
+        seq_id=seq_id,
+        tenant=kw.get("tenant", "t"),
+        priority=kw.get("priority", 0),
+        arrival=kw.get("arrival", float(seq_id)),
+        prompt_len=prompt_len,
+        num_generated=generated,
+        num_computed=computed,
+        num_blocks=blocks,
+    )
+
+
+def view(running=(), waiting=(), *, free=1000, cap=512, max_seqs=64, now=10.0, last=(None, 0)):
+    return View(
+        iteration=1,
+        now=now,
+        running=tuple(running),
+        waiting=tuple(waiting),
+        free_blocks=free,
+        total_blocks=1000,
+        block_size=16,
+        max_batched_tokens=cap,
+        max_seqs=max_seqs,
+        last_step_ms=last[0],
+        last_step_tokens=last[1],
+    )
+
+
+DECODING = [seq(i, 20, generated=3) for i in range(4)]
+
+
+def test_registry_names_and_errors():
+    assert sorted(POLICIES) == ["fair", "fcfs", "priority", "slo", "stall_free"]
+    described = {d["name"]: d for d in describe_policies()}
+    assert described["stall_free"]["params"]["token_budget"] == 512
+    assert all(d["summary"] for d in described.values())
+    with pytest.raises(PolicyError, match="unknown policy"):
+        make_policy("lifo", {})
+    with pytest.raises(PolicyError, match="unknown parameter"):
+        make_policy("fcfs", {"chunk": 3})
+    with pytest.raises(PolicyError, match=">= 1"):
+        make_policy("stall_free", {"chunk_size": 0})
+    with pytest.raises(PolicyError, match="must be"):
+        make_policy("fair", {"weights": {"a": -1}})
+    with pytest.raises(PolicyError, match="true or false"):
+        make_policy("priority", {"preempt": "maybe"})
+
+
+def test_fcfs_runs_the_whole_prompt_and_stalls_decodes():
+    policy = make_policy("fcfs", {})
+    d = policy.decide(view(DECODING, [seq(10, 400), seq(11, 50)], cap=8192))
+    assert d.schedule == [(10, 400), (11, 50)]  # prefill only: decodes wait this step
+    d = policy.decide(view(DECODING))
+    assert d.schedule == [(i, 1) for i in range(4)]
+
+
+def test_fcfs_keeps_arrival_order_and_splits_only_an_overlong_prompt():
+    policy = make_policy("fcfs", {})
+    d = policy.decide(view([], [seq(10, 300), seq(11, 300)], cap=512))
+    assert d.schedule == [(10, 300)]  # the second waits for its own step
+    d = policy.decide(view([], [seq(12, 2000)], cap=512))
+    assert d.schedule == [(12, 512)]
+
+
+def test_stall_free_decodes_first_then_chunks_fill_the_budget():
+    policy = make_policy("stall_free", {"token_budget": 256, "chunk_size": 100})
+    d = policy.decide(view(DECODING, [seq(10, 4096), seq(11, 4096)]))
+    assert d.schedule[:4] == [(i, 1) for i in range(4)]
+    assert d.schedule[4:] == [(10, 100), (11, 100)]
+    assert sum(n for _, n in d.schedule) <= 256
+
+
+def test_stall_free_prefill_share_limits_prefill_when_decodes_run():
+    policy = make_policy("stall_free", {"token_budget": 200, "max_prefill_share": 0.25})
+    d = policy.decide(view(DECODING, [seq(10, 4096)]))
+    assert dict(d.schedule)[10] == 50
+    d = policy.decide(view([], [seq(10, 4096)]))  # no decodes: the whole budget
+    assert dict(d.schedule)[10] == 200
+
+
+def test_priority_orders_by_aged_priority_and_preempts_lower():
+    policy = make_policy("priority", {"aging_rate": 1.0, "preempt": True, "token_budget": 64})
+    low_old = seq(1, 20, priority=0, arrival=0.0)
+    d = policy.decide(view([], [low_old, seq(2, 20, priority=5, arrival=2.5)], now=3.0))
+    assert d.schedule[0][0] == 2  # 5 + 0.5 beats 0 + 3
+    d = policy.decide(view([], [low_old, seq(2, 20, priority=5, arrival=9.0)], now=10.0))
+    assert d.schedule[0][0] == 1  # aged: 0 + 10 beats a newcomer's 5 + 1
+
+    running_low = seq(3, 32, priority=0, generated=1)  # holds 2 blocks
+    d = policy.decide(view([running_low], [seq(4, 30, priority=9, arrival=9.9)], free=0))
+    assert d.preempt == [3] and (4, 30) in d.schedule and (3, 1) not in d.schedule
+    same = seq(5, 30, priority=0, arrival=9.9)
+    d = policy.decide(view([running_low], [same], free=0))
+    assert d.preempt == []  # never for an equal base priority
+
+
+def test_fair_serves_the_tenant_with_fewer_tokens():
+    policy = make_policy("fair", {"token_budget": 64, "chunk_size": 64})
+    a = [seq(i, 200, tenant="a") for i in range(3)]
+    b = [seq(10, 200, tenant="b")]
+    served = {"a": 0, "b": 0}
+    for _ in range(10):
+        d = policy.decide(view([], [*a, *b]))
+        first = d.schedule[0][0]
+        served["b" if first == 10 else "a"] += 1
+    assert served == {"a": 5, "b": 5}  # per tenant, not per request
+
+
+def test_fair_weights_shift_the_share():
+    policy = make_policy("fair", {"weights": {"a": 3}, "token_budget": 64, "chunk_size": 64})
+    a, b = seq(1, 999, tenant="a"), seq(2, 999, tenant="b")
+    firsts = [policy.decide(view([], [a, b])).schedule[0][0] for _ in range(40)]
+    assert 25 <= firsts.count(1) <= 35  # about 3 of 4
+
+
+def test_slo_shrinks_the_chunk_when_steps_overshoot_and_grows_when_under():
+    policy = make_policy("slo", {"itl_target_ms": 50, "min_chunk": 8, "max_budget": 4096})
+    prompt = seq(10, 100000)
+    d = policy.decide(view(DECODING, [prompt], cap=8192, last=(20.0, 100)))  # 0.2 ms/token
+    chunk = dict(d.schedule)[10]
+    assert chunk <= 0.9 * 50 / 0.2
+    d = policy.decide(view(DECODING, [prompt], cap=8192, last=(200.0, chunk)))
+    assert dict(d.schedule)[10] < chunk
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_respects_caps_and_blocks(name):
+    policy = make_policy(name, {})
+    running = [seq(i, 20, generated=2) for i in range(10)]
+    waiting = [seq(100 + i, 700) for i in range(5)]
+    d = policy.decide(view(running, waiting, cap=256, max_seqs=8, free=3))
+    assert sum(n for _, n in d.schedule) <= 256
+    assert len(d.schedule) <= 8
+    assert len({s for s, _ in d.schedule}) == len(d.schedule)
+
+
+@pytest.mark.parametrize("name", ["fcfs", "stall_free"])
+def test_no_admission_asked_when_running_is_full(name):
+    policy = make_policy(name, {})
+    running = [seq(i, 20, generated=2) for i in range(4)]
+    d = policy.decide(view(running, [seq(50, 30)], max_seqs=4))
+    assert d.schedule == [(i, 1) for i in range(4)]

@@ -1,0 +1,130 @@
+"""Tiny random Hugging Face models and plan helpers for the worker tests (import explicitly)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_worker.protocol import BatchPlan, SamplingSpec, WorkerConfig
+from gpu_worker.runner import ModelRunner
+
+VOCAB = 256
+BLOCK_SIZE = 4  # small, so short test prompts already span several blocks
+GREEDY = SamplingSpec()
+
+
+def save_tiny_model(path: Path, kind: str = "llama", **overrides) -> Path:
+    """A 2-layer GQA model with random weights, saved as a Hugging Face directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+        # Larger than the default 0.02 so logits spread out and greedy choices are clear.
+        initializer_range=0.15,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
+    common.update(overrides)
+    config_cls, model_cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    }[kind]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**common)).eval()
+    if kind == "qwen2":  # random init leaves biases at zero, which would not test them
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                ):
+                    proj.bias.normal_(0, 0.5)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def hf_model(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_llama"))
+
+
+def make_runner(model_dir: Path, **overrides) -> ModelRunner:
+    settings = dict(
+        model_dir=str(model_dir),
+        dtype="float32",
+        device="cpu",
+        block_size=BLOCK_SIZE,
+        kv_memory=float(2 * 1024 * 1024),
+        max_num_seqs=16,
+        seed=0,
+    )
+    settings.update(overrides)
+    return ModelRunner(WorkerConfig(**settings))
+
+
+@dataclass(slots=True)
+class Chunk:
+    seq_id: int
+    tokens: list[int]
+    start: int
+    table: list[int]
+    sample: bool = True
+    spec: SamplingSpec = field(default_factory=SamplingSpec)
+
+
+def make_plan(chunks: list[Chunk], step_id: int = 0) -> BatchPlan:
+    return BatchPlan(
+        step_id=step_id,
+        seq_ids=[c.seq_id for c in chunks],
+        num_tokens=[len(c.tokens) for c in chunks],
+        start_pos=[c.start for c in chunks],
+        input_ids=[t for c in chunks for t in c.tokens],
+        block_tables=[c.table for c in chunks],
+        sample=[c.sample for c in chunks],
+        sampling=[c.spec for c in chunks],
+    )
+
+
+def blocks_for(first_block: int, num_tokens: int) -> list[int]:
+    """Consecutive block ids from first_block, enough for num_tokens tokens."""
+    return list(range(first_block, first_block + -(-num_tokens // BLOCK_SIZE)))
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (length,), generator=generator).tolist()
+
+
+def generate_greedy(runner: ModelRunner, prompt: list[int], steps: int, seq_id: int = 0) -> list[int]:
+    """Prefill the whole prompt, then decode `steps - 1` tokens, one step each."""
+    table = blocks_for(0, len(prompt) + steps)
+    tokens: list[int] = []
+    result = runner.execute(make_plan([Chunk(seq_id, prompt, 0, table)]))
+    assert result.error is None, result.error
+    tokens += result.tokens
+    for _ in range(steps - 1):
+        position = len(prompt) + len(tokens) - 1
+        result = runner.execute(make_plan([Chunk(seq_id, [tokens[-1]], position, table)]))
+        assert result.error is None, result.error
+        tokens += result.tokens
+    return tokens
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
