@@ -36,9 +36,11 @@ blueprint = Blueprint("openai", __name__)
 
 @blueprint.get("/health")
 async def health() -> Response:
-    if app_state().engine.ready:
-        return json_response({"status": "ok"}, 200)
-    return json_response({"status": "unavailable"}, 503)
+    engine = app_state().engine
+    # The policy in force is public (the playground shows it); changing it needs the admin token.
+    if engine.ready:
+        return json_response({"status": "ok", "policy": engine.policy_info()}, 200)
+    return json_response({"status": "unavailable", "policy": engine.policy_info()}, 503)
 
 
 @blueprint.get("/v1/models")

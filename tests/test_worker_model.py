@@ -1,0 +1,190 @@
+"""The worker's model against transformers, and the paged-attention invariants."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_worker.protocol import SamplingSpec
+from tests.worker_fixtures import (
+    Chunk,
+    blocks_for,
+    generate_greedy,
+    hf_model,
+    make_plan,
+    make_runner,
+    max_diff,
+    one_torch_thread,  # noqa: F401 (autouse fixture)
+    random_prompt,
+    save_tiny_model,
+    tiny_llama_dir,  # noqa: F401 (fixture)
+)
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+VARIANTS = {
+    "llama": ("llama", {}),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "qwen2-bias": ("qwen2", {}),
+    "llama3-rope": ("llama", {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0}),
+    "linear-rope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+    "head-dim-32": ("llama", {"head_dim": 32}),
+}
+
+
+def tolerance(reference: torch.Tensor) -> float:
+    return 1e-4 * max(1.0, reference.abs().max().item())
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def variant_dir(request, tmp_path_factory):
+    kind, overrides = VARIANTS[request.param]
+    return save_tiny_model(tmp_path_factory.mktemp(request.param), kind, **overrides)
+
+
+def test_prefill_logits_match_transformers(variant_dir):
+    hf = hf_model(variant_dir)
+    runner = make_runner(variant_dir)
+    for seq_id, length in enumerate((1, 5, 37, 150)):
+        prompt = random_prompt(length, seed=length)
+        with torch.no_grad():
+            reference = hf(torch.tensor([prompt])).logits[0, -1]
+        table = blocks_for(seq_id * 40, length)
+        logits = runner.step_logits(make_plan([Chunk(seq_id, prompt, 0, table)]))[0]
+        assert max_diff(logits, reference) < tolerance(reference), f"prompt length {length}"
+
+
+def test_token_by_token_logits_match_transformers_at_every_position(variant_dir):
+    """Chunks of one token: each step attends only to K/V earlier steps left in the cache."""
+    hf = hf_model(variant_dir)
+    runner = make_runner(variant_dir)
+    prompt = random_prompt(40, seed=3)
+    with torch.no_grad():
+        reference = hf(torch.tensor([prompt])).logits[0]
+    table = blocks_for(0, len(prompt))
+    rows = [
+        runner.step_logits(make_plan([Chunk(0, [token], pos, table)]))[0]
+        for pos, token in enumerate(prompt)
+    ]
+    assert max_diff(torch.stack(rows), reference) < tolerance(reference)
+
+
+def test_chunked_prefill_equals_unchunked(tiny_llama_dir):  # noqa: F811
+    runner = make_runner(tiny_llama_dir)
+    prompt = random_prompt(100, seed=5)
+    whole_table = blocks_for(0, len(prompt) + 20)
+    whole = runner.step_logits(make_plan([Chunk(0, prompt, 0, whole_table)]))[0]
+    whole_tokens = generate_greedy(runner, prompt, steps=12)
+    for index, chunk_size in enumerate((1, 3, 7, 16, 64)):
+        table = blocks_for(100 * (index + 1), len(prompt))
+        start = 0
+        while start < len(prompt):
+            piece = prompt[start : start + chunk_size]
+            last = start + len(piece) == len(prompt)
+            plan = make_plan([Chunk(1, piece, start, table, sample=last)])
+            logits = runner.step_logits(plan)
+            start += len(piece)
+        assert max_diff(logits[0], whole) < tolerance(whole), f"chunk size {chunk_size}"
+    # Decoding after a chunked prefill continues the same greedy sequence.
+    table = blocks_for(700, len(prompt) + 20)
+    tokens = []
+    for start in range(0, len(prompt), 7):
+        piece = prompt[start : start + 7]
+        result = runner.execute(make_plan([Chunk(2, piece, start, table)]))
+    tokens += result.tokens
+    while len(tokens) < len(whole_tokens):
+        position = len(prompt) + len(tokens) - 1
+        tokens += runner.execute(make_plan([Chunk(2, [tokens[-1]], position, table)])).tokens
+    assert tokens == whole_tokens
+
+
+def test_a_sequence_is_the_same_alone_and_in_a_mixed_batch(tiny_llama_dir):  # noqa: F811
+    runner = make_runner(tiny_llama_dir)
+    target = random_prompt(30, seed=11)
+    # Alone: the first 20 tokens, then a chunk of 10 at position 20.
+    alone_table = blocks_for(0, 40)
+    runner.execute(make_plan([Chunk(0, target[:20], 0, alone_table, sample=False)]))
+    alone = runner.step_logits(make_plan([Chunk(0, target[20:], 20, alone_table)]))[0]
+
+    # In a batch: other sequences are decoding and prefilling (first and later chunks) at
+    # the same step, in different blocks, placed before and after the target.
+    other = random_prompt(25, seed=12)
+    decoding = random_prompt(17, seed=13)
+    tables = {name: blocks_for(base, 40) for name, base in (("t", 100), ("o", 200), ("d", 300))}
+    warmup = make_plan(
+        [
+            Chunk(1, target[:20], 0, tables["t"], sample=False),
+            Chunk(2, other[:9], 0, tables["o"], sample=False),
+            Chunk(3, decoding, 0, tables["d"]),
+        ]
+    )
+    assert runner.execute(warmup).error is None
+    mixed = make_plan(
+        [
+            Chunk(3, [7], 17, tables["d"]),
+            Chunk(2, other[9:], 9, tables["o"]),
+            Chunk(1, target[20:], 20, tables["t"]),
+            Chunk(4, random_prompt(6, seed=14), 0, blocks_for(400, 6)),
+        ]
+    )
+    logits = runner.step_logits(mixed)
+    assert max_diff(logits[2], alone) < tolerance(alone)
+
+
+def test_decodes_in_a_mixed_batch_match_decoding_alone(tiny_llama_dir):  # noqa: F811
+    runner = make_runner(tiny_llama_dir)
+    prompts = [random_prompt(n, seed=20 + n) for n in (9, 14, 23)]
+    alone = []
+    for i, prompt in enumerate(prompts):
+        table = blocks_for(10 * i, 30)
+        runner.execute(make_plan([Chunk(i, prompt, 0, table, sample=False)]))
+        decode = Chunk(i, [5], len(prompt), table)
+        alone.append(runner.step_logits(make_plan([decode]))[0])
+    # Same decodes, interleaved with prefill chunks (non-contiguous decode rows).
+    for i, prompt in enumerate(prompts):
+        table = blocks_for(100 + 10 * i, 30)
+        runner.execute(make_plan([Chunk(10 + i, prompt, 0, table, sample=False)]))
+    chunks = []
+    for i, prompt in enumerate(prompts):
+        chunks.append(Chunk(10 + i, [5], len(prompt), blocks_for(100 + 10 * i, 30)))
+        chunks.append(Chunk(20 + i, random_prompt(4, seed=i), 0, blocks_for(200 + 10 * i, 4)))
+    logits = runner.step_logits(make_plan(chunks))
+    for i in range(len(prompts)):
+        assert max_diff(logits[2 * i], alone[i]) < tolerance(alone[i])
+
+
+def test_greedy_decoding_equals_transformers_generate(variant_dir):
+    hf = hf_model(variant_dir)
+    runner = make_runner(variant_dir)
+    prompt = random_prompt(12, seed=7)
+    with torch.no_grad():
+        generated = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=32,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
+    assert generate_greedy(runner, prompt, steps=32) == generated
+
+
+def test_bfloat16_logits_stay_close_to_float32(tiny_llama_dir):  # noqa: F811
+    float32 = make_runner(tiny_llama_dir)
+    bfloat16 = make_runner(tiny_llama_dir, dtype="bfloat16")
+    assert bfloat16.handshake.dtype == "bfloat16"
+    prompt = random_prompt(50, seed=9)
+    plan = make_plan([Chunk(0, prompt, 0, blocks_for(0, 60))])
+    reference = float32.step_logits(plan)[0]
+    logits = bfloat16.step_logits(plan)[0]
+    assert torch.isfinite(logits).all()
+    # bfloat16 keeps 8 bits of mantissa: a few percent of the logit scale.
+    assert max_diff(logits, reference) < 0.05 * reference.abs().max().item()
+    decode = make_plan([Chunk(0, [4], 50, blocks_for(0, 60), spec=SamplingSpec(logprobs=True))])
+    result = bfloat16.execute(decode)
+    assert result.error is None and len(result.tokens) == 1
+    assert result.logprobs is not None and result.logprobs[0] <= 0

@@ -1,0 +1,106 @@
+"""The sampler: greedy, temperature, top-k, top-p, seeds, logprobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_worker.protocol import SamplingSpec
+from gpu_worker.sampler import Sampler, apply_top_k, apply_top_p, row_seed
+from tests.worker_fixtures import one_torch_thread  # noqa: F401 (autouse fixture)
+
+VOCAB = 50
+
+
+def random_logits(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def draw(logits: torch.Tensor, spec: SamplingSpec, times: int, seed: int = 0) -> list[int]:
+    sampler = Sampler(seed, torch.device("cpu"))
+    batch = logits.expand(times, -1)
+    return sampler.sample(batch, [spec] * times, list(range(times))).tokens
+
+
+def test_greedy_is_argmax():
+    logits = random_logits(6)
+    out = Sampler(0, torch.device("cpu")).sample(logits, [SamplingSpec()] * 6, [0] * 6)
+    assert out.tokens == logits.argmax(dim=-1).tolist()
+    assert out.logprobs is None
+
+
+def test_top_k_one_is_greedy_whatever_the_temperature():
+    logits = random_logits(1)[0]
+    tokens = draw(logits, SamplingSpec(temperature=5.0, top_k=1), times=200)
+    assert set(tokens) == {int(logits.argmax())}
+
+
+def test_top_k_keeps_only_the_k_best():
+    logits = random_logits(1)[0]
+    best = set(torch.topk(logits, 5).indices.tolist())
+    tokens = draw(logits, SamplingSpec(temperature=3.0, top_k=5), times=500)
+    assert set(tokens) <= best and len(set(tokens)) > 1
+
+
+def test_top_p_restricts_the_support_to_the_nucleus():
+    logits = random_logits(1, seed=1)[0]
+    probs = logits.softmax(-1)
+    order = probs.argsort(descending=True)
+    cumulative = probs[order].cumsum(0)
+    nucleus = set(order[: int((cumulative < 0.6).sum()) + 1].tolist())
+    tokens = draw(logits, SamplingSpec(temperature=1.0, top_p=0.6), times=1000)
+    assert set(tokens) <= nucleus
+    assert len(set(tokens)) > 1 or len(nucleus) == 1
+
+
+def test_unrestricted_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.2] + [1e-9] * (VOCAB - 3)))
+    tokens = draw(logits, SamplingSpec(temperature=1.0), times=4000)
+    counts = torch.bincount(torch.tensor(tokens), minlength=VOCAB).float() / len(tokens)
+    assert torch.allclose(counts[:3], torch.tensor([0.5, 0.3, 0.2]), atol=0.04)
+
+
+def test_filters_apply_per_row_and_leave_other_rows_alone():
+    scores = random_logits(3)
+    filtered = apply_top_k(scores, [0, 2, 0])
+    assert torch.equal(filtered[0], scores[0]) and torch.equal(filtered[2], scores[2])
+    assert torch.isfinite(filtered[1]).sum() == 2
+    nucleus = apply_top_p(scores, [1.0, 1e-6, 1.0])
+    assert torch.equal(nucleus[0], scores[0]) and torch.equal(nucleus[2], scores[2])
+    assert torch.isfinite(nucleus[1]).sum() == 1  # at least one token always stays
+
+
+def test_a_seeded_row_draws_the_same_token_in_any_batch():
+    logits = random_logits(8, seed=3)
+    seeded = SamplingSpec(temperature=1.5, top_p=0.9, seed=1234)
+    alone = [
+        Sampler(0, torch.device("cpu")).sample(logits[4:5], [seeded], [pos]).tokens[0]
+        for pos in range(40)
+    ]
+    for pos in range(40):
+        # Different batch, different row, different worker seed, other rows unseeded.
+        specs = [SamplingSpec(temperature=1.0)] * 8
+        specs[6] = seeded
+        batch = torch.cat([logits[:6], logits[4:5], logits[7:]])
+        tokens = Sampler(99, torch.device("cpu")).sample(batch, specs, [pos] * 8).tokens
+        assert tokens[6] == alone[pos]
+    assert len(set(alone)) > 1  # the position does change the draw
+
+
+def test_seeds_and_positions_give_distinct_generator_seeds():
+    seeds = {row_seed(seed, pos) for seed in range(20) for pos in range(200)}
+    assert len(seeds) == 20 * 200
+    assert all(0 <= s < 2**63 for s in seeds)
+
+
+def test_logprobs_are_log_softmax_of_the_raw_logits():
+    logits = random_logits(4)
+    specs = [SamplingSpec(logprobs=True), SamplingSpec(temperature=0.7, logprobs=True)] * 2
+    out = Sampler(0, torch.device("cpu")).sample(logits, specs, [0] * 4)
+    expected = torch.log_softmax(logits, -1)[torch.arange(4), torch.tensor(out.tokens)]
+    assert out.logprobs == pytest.approx(expected.tolist(), abs=1e-6)
+
+
+def test_mismatched_inputs_are_rejected():
+    with pytest.raises(ValueError, match="logit rows"):
+        Sampler(0, torch.device("cpu")).sample(random_logits(2), [SamplingSpec()], [0])
