@@ -94,6 +94,8 @@ class ModelConfig:
                 bos_token_id=_optional_int(raw.get("bos_token_id")),
                 sliding_window=_sliding_window(raw),
             )
+        except UnsupportedModel:
+            raise
         except KeyError as exc:
             raise ConfigError(f"config.json lacks the required key {exc.args[0]!r}") from exc
         except (TypeError, ValueError) as exc:

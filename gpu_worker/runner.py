@@ -189,14 +189,14 @@ def check_plan(
             raise ValueError(f"plan has {count} seq_ids but {len(getattr(plan, name))} {name}")
     if len(set(plan.seq_ids)) != count:
         raise ValueError("plan lists a sequence more than once")
-    if sum(plan.num_tokens) != len(plan.input_ids):
-        raise ValueError(
-            f"num_tokens add up to {sum(plan.num_tokens)} but input_ids has {len(plan.input_ids)}"
-        )
     for seq_id, tokens, start, table in zip(
         plan.seq_ids, plan.num_tokens, plan.start_pos, plan.block_tables, strict=True
     ):
         _check_sequence(seq_id, tokens, start, len(table), block_size, max_model_len)
+    if sum(plan.num_tokens) != len(plan.input_ids):
+        raise ValueError(
+            f"num_tokens add up to {sum(plan.num_tokens)} but input_ids has {len(plan.input_ids)}"
+        )
     used = [block for table in plan.block_tables for block in table]
     if used and (min(used) < 0 or max(used) >= num_blocks):
         raise ValueError(f"block ids must lie in 0..{num_blocks - 1}, got {min(used)}..{max(used)}")

@@ -272,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
         from ops.compare import main as compare_main
 
         return compare_main(argv[1:])
+    if argv and argv[0] == "engine":
+        from ops.engine_bench import main as engine_main
+
+        return engine_main(argv[1:])
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # --help or a usage error already printed by argparse

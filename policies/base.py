@@ -142,9 +142,8 @@ def _coerce(name: str, value: Any, spec: dataclasses.Field) -> Any:
             value = value.lower() in ("true", "1")
         if not isinstance(value, bool):
             raise PolicyError(f"{name} must be true or false, got {value!r}")
-    elif kind.startswith("dict"):
-        if not isinstance(value, dict):
-            raise PolicyError(f"{name} must be an object")
+    elif kind.startswith("dict") and not isinstance(value, dict):
+        raise PolicyError(f"{name} must be an object")
     low, high = spec.metadata.get("min"), spec.metadata.get("max")
     if low is not None and value < low:
         raise PolicyError(f"{name} must be >= {low}, got {value}")

@@ -9,7 +9,7 @@ from typing import Any
 
 
 def default_cache_dir() -> Path:
-    """Where converted models live: $CADENCE_CACHE, else $XDG_CACHE_HOME/cadence, else ~/.cache/cadence."""
+    """Where converted models live: $CADENCE_CACHE, $XDG_CACHE_HOME/cadence or ~/.cache/cadence."""
     explicit = os.environ.get("CADENCE_CACHE")
     if explicit:
         return Path(explicit)

@@ -6,6 +6,7 @@ engine does not know who listens (see Engine.add_observer).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -58,7 +59,7 @@ class RequestStats:
     @property
     def itls(self) -> list[float]:
         times = self.token_times
-        return [b - a for a, b in zip(times, times[1:])]
+        return [b - a for a, b in itertools.pairwise(times)]
 
     @property
     def tpot(self) -> float | None:

@@ -105,7 +105,7 @@ def make_plan(chunks: list[Chunk], step_id: int = 0) -> BatchPlan:
         num_tokens=[len(c.tokens) for c in chunks],
         start_pos=[c.start for c in chunks],
         input_ids=[t for c in chunks for t in c.tokens],
-        block_tables=[c.table for c in chunks],
+        block_tables=[list(c.table) for c in chunks],
         sample=[c.sample for c in chunks],
         sampling=[c.spec for c in chunks],
     )

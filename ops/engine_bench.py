@@ -1,0 +1,228 @@
+"""Offline engine benchmark: N requests at once through the engine and a real worker, no HTTP.
+
+    cadence bench engine --policy fcfs --policy stall_free       (64 x 256 prompt, 128 output)
+
+For each policy in turn it starts a fresh worker, warms it up, submits every request at
+once (ignore_eos, greedy), and prints output tokens/s, TTFT and ITL percentiles (engine
+clock, as the tokens are emitted), and the service-side scheduling time per iteration
+against the worker's step time. Greedy outputs are compared across policies: the same
+prompts must give the same tokens whatever the schedule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import random
+import time
+from dataclasses import dataclass, field
+
+import trio
+
+from gpu_worker.model_files import resolve_model
+from ops.prompts import PromptMaker, codec_from_tokenizer_json
+from ops.summary import distribution, format_table
+from service.config import Config
+from service.engine import Engine
+from service.request import FinishEvent, SamplingParams, TokenEvent
+from service.stats import IterationStats
+from service.tokenizer import Tokenizer
+from service.worker_link import WorkerLink, worker_config_for
+
+
+@dataclass(slots=True)
+class Timeline:
+    submitted: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    finish: str = ""
+
+
+class IterationRecorder:
+    """An engine observer that keeps each iteration's stats."""
+
+    def __init__(self) -> None:
+        self.iterations: list[IterationStats] = []
+
+    def on_iteration(self, stats: IterationStats) -> None:
+        self.iterations.append(stats)
+
+    def on_request_received(self, *args: object) -> None: ...
+    def on_request_finished(self, *args: object) -> None: ...
+    def on_preemption(self, *args: object) -> None: ...
+    def on_policy_swap(self, *args: object) -> None: ...
+
+
+@dataclass(slots=True)
+class PolicyRun:
+    policy: str
+    seconds: float
+    timelines: list[Timeline]
+    iterations: list[IterationStats]
+
+
+async def run_policy(
+    config: Config, model_dir, tokenizer: Tokenizer, prompts: list[list[int]], output_len: int
+) -> PolicyRun:
+    engine = Engine(config, WorkerLink(worker_config_for(config, model_dir)), tokenizer)
+    recorder = IterationRecorder()
+    engine.add_observer(recorder)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    timelines = [Timeline() for _ in prompts]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        await _generate(engine, [prompts[0][:16]], SamplingParams(max_tokens=4), [Timeline()])
+        recorder.iterations.clear()
+        start = trio.current_time()
+        await _generate(engine, prompts, params, timelines)
+        seconds = trio.current_time() - start
+        nursery.cancel_scope.cancel()
+    return PolicyRun(config.policy, seconds, timelines, recorder.iterations)
+
+
+async def _generate(
+    engine: Engine, prompts: list[list[int]], params: SamplingParams, timelines: list[Timeline]
+) -> None:
+    async with trio.open_nursery() as readers:
+        for i, (ids, timeline) in enumerate(zip(prompts, timelines, strict=True)):
+            timeline.submitted = trio.current_time()
+            channel = await engine.submit(ids, params, request_id=f"bench-{i}-{time.time_ns()}")
+            readers.start_soon(_read, channel, timeline)
+
+
+async def _read(channel: trio.MemoryReceiveChannel, timeline: Timeline) -> None:
+    async for event in channel:
+        if isinstance(event, TokenEvent) and event.token_ids:
+            now = trio.current_time()
+            timeline.token_times.extend([now] * len(event.token_ids))
+            timeline.token_ids.extend(event.token_ids)
+        elif isinstance(event, FinishEvent):
+            timeline.finish = event.reason
+
+
+def summarize(run: PolicyRun) -> dict:
+    tokens = sum(len(t.token_ids) for t in run.timelines)
+    ttft = [(t.token_times[0] - t.submitted) * 1e3 for t in run.timelines if t.token_times]
+    itl = [(b - a) * 1e3 for t in run.timelines for a, b in itertools.pairwise(t.token_times)]
+    full = [s for s in run.iterations if s.num_seqs >= 64] or run.iterations
+    step = sum(s.step_ms for s in full) / max(1, len(full))
+    sched = sum(s.schedule_ms for s in full) / max(1, len(full))
+    return {
+        "policy": run.policy,
+        "seconds": run.seconds,
+        "tokens": tokens,
+        "tok_s": tokens / run.seconds,
+        "ttft": distribution(ttft),
+        "itl": distribution(itl),
+        "iterations": len(run.iterations),
+        "step_ms": step,
+        "schedule_ms": sched,
+        "schedule_share": sched / step if step else 0.0,
+        "finished": sum(t.finish == "length" for t in run.timelines),
+    }
+
+
+def print_report(summaries: list[dict], runs: list[PolicyRun]) -> None:
+    headers = [
+        "policy",
+        "s",
+        "out tok/s",
+        "TTFT p50",
+        "TTFT p99",
+        "ITL p50",
+        "ITL p99",
+        "ITL max",
+        "iters",
+        "step ms",
+        "sched ms",
+        "sched/step",
+    ]
+    rows = [
+        [
+            s["policy"],
+            f"{s['seconds']:.2f}",
+            f"{s['tok_s']:.0f}",
+            *(
+                f"{s[k][q]:.0f}"
+                for k, q in [
+                    ("ttft", "p50"),
+                    ("ttft", "p99"),
+                    ("itl", "p50"),
+                    ("itl", "p99"),
+                    ("itl", "max"),
+                ]
+            ),
+            s["iterations"],
+            f"{s['step_ms']:.1f}",
+            f"{s['schedule_ms']:.2f}",
+            f"{100 * s['schedule_share']:.2f}%",
+        ]
+        for s in summaries
+    ]
+    print(format_table(headers, rows))
+    print("(times in ms, engine clock; step/sched ms averaged over iterations with >= 64 seqs)")
+    base = runs[0]
+    for other in runs[1:]:
+        same = sum(
+            a.token_ids == b.token_ids for a, b in zip(base.timelines, other.timelines, strict=True)
+        )
+        total = len(base.timelines)
+        print(f"greedy outputs identical {base.policy} vs {other.policy}: {same}/{total}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cadence bench engine", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--model", default=None, help="HF dir or .gguf (default: SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument("--policy", action="append", help="repeatable; default fcfs and stall_free")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=None,
+        help="engine cap per step (default: the whole burst fits for fcfs)",
+    )
+    parser.add_argument("--kv-memory", type=float, default=2 * 1024**3)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    config = Config(model=args.model, dtype=args.dtype, kv_memory=args.kv_memory)
+    model_dir = resolve_model(args.model, config.cache_dir)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    maker = PromptMaker(codec_from_tokenizer_json(model_dir / "tokenizer.json"))
+    rng = random.Random(args.seed)
+    offsets = maker.distinct_offsets(rng, args.num_requests)
+    prompts = [tokenizer.encode(maker.make(args.prompt_len, o)) for o in offsets]
+    cap = args.max_batched_tokens or max(2048, args.num_requests * args.prompt_len)
+    runs = []
+    for policy in args.policy or ["fcfs", "stall_free"]:
+        run_config = dataclasses.replace(
+            config,
+            policy=policy,
+            max_batched_tokens=cap,
+            max_num_seqs=max(128, args.num_requests),
+            max_queue=max(config.max_queue, args.num_requests),
+        )
+        runs.append(
+            trio.run(run_policy, run_config, model_dir, tokenizer, prompts, args.output_len)
+        )
+    print(
+        f"{args.num_requests} requests, prompt {args.prompt_len}, output {args.output_len}, "
+        f"{args.dtype}, max_batched_tokens {cap}"
+    )
+    print_report([summarize(r) for r in runs], runs)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,214 @@
+"""Loading, KV cache sizing, and plan validation of the model runner."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from gpu_worker import kv_cache
+from gpu_worker.checkpoint import CheckpointError, load_weights
+from gpu_worker.model_config import ConfigError, ModelConfig, UnsupportedModel
+from gpu_worker.protocol import SamplingSpec
+from tests.worker_fixtures import (
+    BLOCK_SIZE,
+    Chunk,
+    blocks_for,
+    make_plan,
+    make_runner,
+    one_torch_thread,  # noqa: F401 (autouse fixture)
+    random_prompt,
+    tiny_llama_dir,  # noqa: F401 (fixture)
+)
+
+BASE_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "eos_token_id": [2, 7],
+}
+
+
+def config_with(**changes) -> ModelConfig:
+    return ModelConfig.from_dict({**BASE_CONFIG, **changes})
+
+
+def test_config_parses_defaults_and_variants():
+    config = config_with()
+    assert (config.head_dim, config.group_size, config.eos_token_ids) == (16, 2, [2, 7])
+    assert config.rope_scaling is None and not config.attention_bias
+    qwen = config_with(architectures=["Qwen2ForCausalLM"], sliding_window=4096)
+    assert qwen.attention_bias and qwen.context_limit == 2048  # no use_sliding_window: capped
+    old_style = config_with(rope_scaling={"type": "linear", "factor": 2.0}, rope_theta=1e6)
+    assert old_style.rope_scaling.rope_type == "linear" and old_style.rope_theta == 1e6
+    new_style = config_with(rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    assert new_style.rope_scaling is None and new_style.rope_theta == 5e5
+    by_type = ModelConfig.from_dict({**BASE_CONFIG, "architectures": None, "model_type": "mistral"})
+    assert by_type.architecture == "MistralForCausalLM"
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "message"),
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, UnsupportedModel, "GPT2LMHeadModel"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, UnsupportedModel, "yarn"),
+        ({"num_key_value_heads": 3}, UnsupportedModel, "multiple"),
+        ({"hidden_size": None}, ConfigError, "malformed"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": -1}}, ConfigError, "factor"),
+    ],
+)
+def test_bad_configs_get_clear_errors(changes, error, message):
+    with pytest.raises(error, match=message):
+        config_with(**changes)
+
+
+def test_missing_key_is_named():
+    raw = dict(BASE_CONFIG)
+    del raw["vocab_size"]
+    with pytest.raises(ConfigError, match="vocab_size"):
+        ModelConfig.from_dict(raw)
+
+
+def test_missing_and_corrupt_files_get_clear_errors(tiny_llama_dir, tmp_path):  # noqa: F811
+    import torch
+
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_weights(tmp_path / "nowhere", torch.float32)
+    with pytest.raises(ConfigError, match=r"no config\.json"):
+        ModelConfig.from_dir(tmp_path)
+    with pytest.raises(CheckpointError, match=r"no model\.safetensors"):
+        load_weights(tmp_path, torch.float32)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        ModelConfig.from_dir(tmp_path)
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_llama_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="cannot read"):
+        make_runner(broken)
+
+    garbage = tmp_path / "garbage"
+    shutil.copytree(tiny_llama_dir, garbage)
+    (garbage / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(CheckpointError, match="cannot read"):
+        make_runner(garbage)
+
+
+def test_sharded_checkpoints_load(tiny_llama_dir, tmp_path):  # noqa: F811
+    import torch
+    from safetensors.torch import save_file
+
+    weights = load_weights(tiny_llama_dir, torch.float32)
+    names = sorted(weights)
+    halves = {"part-1.safetensors": names[::2], "part-2.safetensors": names[1::2]}
+    for file_name, part in halves.items():
+        save_file({n: weights[n] for n in part}, tmp_path / file_name)
+    weight_map = {n: f for f, part in halves.items() for n in part}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    shutil.copy(tiny_llama_dir / "config.json", tmp_path / "config.json")
+    sharded = load_weights(tmp_path, torch.float32)
+    assert sharded.keys() == weights.keys()
+    assert all(torch.equal(sharded[n], weights[n]) for n in names)
+
+    (tmp_path / "part-2.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"part-2\.safetensors"):
+        load_weights(tmp_path, torch.float32)
+
+
+def test_missing_tensor_is_named(tiny_llama_dir, tmp_path):  # noqa: F811
+    import torch
+    from safetensors.torch import save_file
+
+    weights = load_weights(tiny_llama_dir, torch.float32)
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, tmp_path / "model.safetensors")
+    shutil.copy(tiny_llama_dir / "config.json", tmp_path / "config.json")
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        make_runner(tmp_path)
+
+
+def test_block_count_from_bytes_and_fraction():
+    config = config_with()
+    per_block = kv_cache.block_bytes(config, 16, __import__("torch").float32)
+    assert per_block == 2 * 2 * 16 * 2 * 16 * 4  # K and V, layers, slots, kv heads, dim, bytes
+    assert kv_cache.count_blocks(float(per_block * 11), 0, per_block, 10_000) == 10
+    assert kv_cache.count_blocks(0.5, per_block * 41, per_block, 10_000) == 19
+    assert kv_cache.count_blocks(float(per_block * 1000), 0, per_block, 64) == 64
+    with pytest.raises(kv_cache.KVCacheError, match="raise kv_memory"):
+        kv_cache.count_blocks(float(per_block + 1), 0, per_block, 64)
+    with pytest.raises(kv_cache.KVCacheError, match="positive"):
+        kv_cache.count_blocks(-1.0, 10**9, per_block, 64)
+
+
+def test_handshake_reports_the_cache_and_caps_the_context_by_it(tiny_llama_dir):  # noqa: F811
+    per_block = 2 * 2 * BLOCK_SIZE * 2 * 16 * 4
+    runner = make_runner(tiny_llama_dir, kv_memory=float(per_block * 21))
+    handshake = runner.handshake
+    assert handshake.num_blocks == 20
+    assert handshake.kv_bytes == 21 * per_block  # the scratch block included
+    assert handshake.max_model_len == 20 * BLOCK_SIZE  # smaller than the model's 256
+    assert handshake.eos_token_ids == [2]
+    assert (handshake.num_layers, handshake.num_kv_heads, handshake.head_dim) == (2, 2, 16)
+    assert handshake.device == "cpu" and handshake.load_seconds > 0
+
+
+BAD_PLANS = {
+    "lengths": (lambda p: p.start_pos.append(0), "start_pos"),
+    "token count": (lambda p: p.input_ids.pop(), "add up to"),
+    "duplicate": (lambda p: p.seq_ids.__setitem__(1, p.seq_ids[0]), "more than once"),
+    "block id": (lambda p: p.block_tables[0].__setitem__(0, 10_000), "block ids"),
+    "short table": (lambda p: p.block_tables[1].pop(), "blocks for"),
+    "token id": (lambda p: p.input_ids.__setitem__(0, 256), "token ids"),
+    "negative start": (lambda p: p.start_pos.__setitem__(0, -1), "negative"),
+    "past context": (lambda p: p.start_pos.__setitem__(0, 10_000), "max_model_len"),
+    "top_p": (lambda p: p.sampling.__setitem__(0, SamplingSpec(top_p=0.0)), "top_p"),
+    "temperature": (
+        lambda p: p.sampling.__setitem__(0, SamplingSpec(temperature=float("nan"))),
+        "temperature",
+    ),
+    "zero tokens": (lambda p: p.num_tokens.__setitem__(0, 0), "at least one"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PLANS))
+def test_bad_plans_give_error_results_and_the_runner_keeps_working(
+    tiny_llama_dir,  # noqa: F811
+    case,
+):
+    runner = make_runner(tiny_llama_dir)
+    chunks = [
+        Chunk(0, random_prompt(6, seed=1), 0, blocks_for(0, 6)),
+        Chunk(1, random_prompt(9, seed=2), 0, blocks_for(10, 9)),
+    ]
+    good = make_plan(chunks, step_id=1)
+    expected = runner.execute(good)
+    assert expected.error is None
+    bad = make_plan(chunks, step_id=2)
+    mutate, message = BAD_PLANS[case]
+    mutate(bad)
+    result = runner.execute(bad)
+    assert result.step_id == 2 and result.tokens == []
+    assert result.error is not None and message in result.error
+    again = runner.execute(make_plan(chunks, step_id=3))
+    assert again.error is None and again.tokens == expected.tokens
+
+
+def test_an_empty_plan_is_a_valid_step(tiny_llama_dir):  # noqa: F811
+    result = make_runner(tiny_llama_dir).execute(make_plan([], step_id=5))
+    assert result.error is None and result.step_id == 5 and result.tokens == []
+
+
+def test_bad_worker_settings_fail_at_start(tiny_llama_dir):  # noqa: F811
+    with pytest.raises(ValueError, match="dtype"):
+        make_runner(tiny_llama_dir, dtype="float8")
+    with pytest.raises(ValueError, match="device"):
+        make_runner(tiny_llama_dir, device="tpu")
+    with pytest.raises(kv_cache.KVCacheError):
+        make_runner(tiny_llama_dir, kv_memory=100.0)
