@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import signal
 from dataclasses import dataclass
-from pathlib import Path
 
 import structlog
 import trio
@@ -13,13 +12,12 @@ from hypercorn.trio import serve
 from quart_trio import QuartTrio
 
 from gpu_worker.model_files import print_progress, resolve_model, served_model_name
-from gpu_worker.protocol import WorkerConfig
 from service.app import ENGINE_FAILED_KEY, create_app
 from service.config import Config
 from service.engine import Engine
 from service.logging import configure_logging
 from service.tokenizer import Tokenizer
-from service.worker_link import WorkerLink
+from service.worker_link import WorkerLink, worker_config_for
 
 DRAIN_SECONDS = 5.0
 log = structlog.get_logger("cadence.server")
@@ -86,25 +84,11 @@ async def _wait_for_event(event: trio.Event, scope: trio.CancelScope) -> None:
     scope.cancel()
 
 
-def worker_config(config: Config, model_dir: Path) -> WorkerConfig:
-    return WorkerConfig(
-        model_dir=str(model_dir),
-        dtype=config.dtype,
-        device=config.device,
-        block_size=config.block_size,
-        kv_memory=config.kv_memory,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_batched_tokens,
-        seed=config.seed,
-        use_cuda_graphs=config.use_cuda_graphs,
-    )
-
-
 def build_server(config: Config) -> Server:
     """Everything up to serving; raises ModelFileError for a model that cannot be served."""
     configure_logging(config.log_file, config.log_level)
     model_dir = resolve_model(config.model, config.cache_dir, progress=print_progress)
     tokenizer = Tokenizer.from_dir(model_dir)
-    engine = Engine(config, WorkerLink(worker_config(config, model_dir)), tokenizer)
+    engine = Engine(config, WorkerLink(worker_config_for(config, model_dir)), tokenizer)
     name = config.served_model_name or served_model_name(config.model)
     return Server(config, engine, create_app(config, engine, tokenizer, name))
