@@ -17,6 +17,7 @@ import itertools
 import random
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import trio
 
@@ -25,6 +26,7 @@ from ops.prompts import PromptMaker, codec_from_tokenizer_json
 from ops.summary import distribution, format_table
 from service.config import Config
 from service.engine import Engine
+from service.logging import configure_logging
 from service.request import FinishEvent, SamplingParams, TokenEvent
 from service.stats import IterationStats
 from service.tokenizer import Tokenizer
@@ -191,11 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--kv-memory", type=float, default=2 * 1024**3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-file", type=Path, default=None, help="the engine's JSON log lines")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    configure_logging(args.log_file, "info" if args.log_file else "warning")
     config = Config(model=args.model, dtype=args.dtype, kv_memory=args.kv_memory)
     model_dir = resolve_model(args.model, config.cache_dir)
     tokenizer = Tokenizer.from_dir(model_dir)
