@@ -8,6 +8,7 @@ an event loop. It exits 0 on "shutdown" or when the socket closes, 1 when init f
 from __future__ import annotations
 
 import argparse
+import ctypes
 import socket
 import sys
 from typing import Any
@@ -23,6 +24,8 @@ from gpu_worker.protocol import (
 )
 
 RECEIVE_BYTES = 1 << 20
+_M_TRIM_THRESHOLD = -1  # glibc mallopt parameters
+_M_MMAP_THRESHOLD = -3
 
 
 def log(message: str) -> None:
@@ -96,10 +99,23 @@ class WorkerLoop:
         return result
 
 
+def keep_freed_memory() -> None:
+    """Every step allocates and frees the same large tensors (logits, gather buffers). By
+    default glibc gives such blocks back to the kernel, so every step pays page faults for
+    them again (sampling 64 x 49k logits: 24 ms instead of 8.5 ms). Keep them in the heap."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc: nothing to tune
+    libc.mallopt(_M_MMAP_THRESHOLD, 32 * 1024 * 1024)  # glibc's largest accepted value
+    libc.mallopt(_M_TRIM_THRESHOLD, 1024 * 1024 * 1024)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gpu_worker", description=__doc__)
     parser.add_argument("--fd", type=int, required=True, help="inherited connected socket")
     args = parser.parse_args(argv)
+    keep_freed_memory()
     sock = socket.socket(fileno=args.fd)
     try:
         return WorkerLoop(sock).serve()

@@ -17,6 +17,7 @@ import torch
 from gpu_worker.attention import AttentionMetadata, decode_group
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.model import Model
+from gpu_worker.sampler import Logits
 
 _SMALL_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
@@ -55,8 +56,8 @@ def decode_forward(
     slots: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
-) -> torch.Tensor:
-    """One decode token per row -> float32 logits [rows, vocab]; tensor ops only."""
+) -> Logits:
+    """One decode token per row -> logits [rows, vocab]; tensor ops only."""
     cache_like, group_size = cache.layers[0][0], model.config.group_size
     group = decode_group(slice(None), block_tables, context_lens, cache_like, group_size)
     meta = AttentionMetadata(slots=slots, decode=group, prefills=[], num_tokens=input_ids.shape[0])
@@ -83,7 +84,7 @@ class DecodeRunner:
 
     def run(
         self, input_ids: list[int], positions: list[int], block_tables: list[list[int]]
-    ) -> torch.Tensor:
+    ) -> Logits:
         """Logits [len(input_ids), vocab] of one decode token per sequence."""
         bs = self.cache.block_size
         rows = len(input_ids)
@@ -95,7 +96,7 @@ class DecodeRunner:
             logits = self._graph(batch, width).replay(*inputs)
         else:
             logits = decode_forward(self.model, self.cache, *inputs)
-        return logits[:rows]
+        return logits.select(slice(0, rows))
 
     def _padded_inputs(
         self,
@@ -154,7 +155,7 @@ class _DecodeGraph:
         with torch.cuda.graph(self.graph, pool=pool):
             self.logits = decode_forward(model, cache, *self.inputs)
 
-    def replay(self, *inputs: torch.Tensor) -> torch.Tensor:
+    def replay(self, *inputs: torch.Tensor) -> Logits:
         for static, value in zip(self.inputs, inputs, strict=True):
             static.copy_(value)
         self.graph.replay()

@@ -56,6 +56,8 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
+        if not Path(path).is_dir():
+            raise ConfigError(f"model directory {path} does not exist")
         config_path = Path(path) / "config.json"
         if not config_path.is_file():
             raise ConfigError(f"no config.json in {path}")

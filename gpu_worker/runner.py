@@ -19,7 +19,7 @@ from gpu_worker.graphs import DecodeRunner
 from gpu_worker.model import Model
 from gpu_worker.model_config import ConfigError, ModelConfig, token_id_list
 from gpu_worker.protocol import BatchPlan, Handshake, SamplingSpec, StepResult, WorkerConfig
-from gpu_worker.sampler import Sampler
+from gpu_worker.sampler import Logits, Sampler
 
 
 class ModelRunner:
@@ -36,7 +36,7 @@ class ModelRunner:
         max_blocks_per_seq = -(-context_limit // block_size)
 
         weights = load_weights(model_dir, self.dtype, self.device)
-        # Rope tables sized for the context limit; trimmed later if the cache is smaller.
+        # The rope tables cover the whole context limit of the model.
         self.model = Model(
             self.model_config,
             weights,
@@ -96,7 +96,7 @@ class ModelRunner:
         return result
 
     def _execute(self, plan: BatchPlan) -> StepResult:
-        logits = self.step_logits(plan)
+        logits = self._logits(plan)
         sampled = [i for i, wanted in enumerate(plan.sample) if wanted]
         output = self.sampler.sample(
             logits,
@@ -111,7 +111,10 @@ class ModelRunner:
         )
 
     def step_logits(self, plan: BatchPlan) -> torch.Tensor:
-        """Runs the forward pass of a checked plan: float32 logits of the sampling sequences."""
+        """Runs one step without sampling: float32 logits of the sampling sequences."""
+        return self._logits(plan).dense()
+
+    def _logits(self, plan: BatchPlan) -> Logits:
         check_plan(
             plan,
             block_size=self.cache.block_size,
@@ -121,13 +124,13 @@ class ModelRunner:
         )
         sampled = [i for i, wanted in enumerate(plan.sample) if wanted]
         if not plan.seq_ids:
-            return torch.empty((0, self.model_config.vocab_size), device=self.device)
+            return Logits(torch.empty((0, self.model_config.vocab_size), device=self.device))
         if plan.is_decode_only:
             logits = self.decode_runner.run(plan.input_ids, plan.start_pos, plan.block_tables)
-            return logits[sampled] if len(sampled) < len(plan.seq_ids) else logits
+            return logits.select(sampled) if len(sampled) < len(plan.seq_ids) else logits
         return self._mixed_step_logits(plan, sampled)
 
-    def _mixed_step_logits(self, plan: BatchPlan, sampled: list[int]) -> torch.Tensor:
+    def _mixed_step_logits(self, plan: BatchPlan, sampled: list[int]) -> Logits:
         bs = self.cache.block_size
         counts = torch.tensor(plan.num_tokens)
         starts = torch.tensor(plan.start_pos)

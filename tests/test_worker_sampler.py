@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gpu_worker.protocol import SamplingSpec
-from gpu_worker.sampler import Sampler, apply_top_k, apply_top_p, row_seed
+from gpu_worker.sampler import Logits, Sampler, apply_top_k, apply_top_p, row_seed
 from tests.worker_fixtures import one_torch_thread  # noqa: F401 (autouse fixture)
 
 VOCAB = 50
@@ -27,6 +27,18 @@ def test_greedy_is_argmax():
     out = Sampler(0, torch.device("cpu")).sample(logits, [SamplingSpec()] * 6, [0] * 6)
     assert out.tokens == logits.argmax(dim=-1).tolist()
     assert out.logprobs is None
+
+
+def test_refined_candidates_break_ties_of_low_precision_logits():
+    values = torch.tensor([[25.375, 25.375, 3.0, 25.0]], dtype=torch.bfloat16)
+    refined = Logits(values, top=torch.tensor([[0, 1]]), top_values=torch.tensor([[25.31, 25.33]]))
+    assert refined.best().tolist() == [1]  # the bfloat16 argmax alone says 0
+    dense = refined.dense()
+    assert dense.dtype == torch.float32
+    assert dense[0].tolist() == pytest.approx([25.31, 25.33, 3.0, 25.0])
+    out = Sampler(0, torch.device("cpu")).sample(refined, [SamplingSpec(logprobs=True)], [0])
+    assert out.tokens == [1]
+    assert out.logprobs == pytest.approx([torch.log_softmax(dense, -1)[0, 1].item()])
 
 
 def test_top_k_one_is_greedy_whatever_the_temperature():
@@ -104,3 +116,48 @@ def test_logprobs_are_log_softmax_of_the_raw_logits():
 def test_mismatched_inputs_are_rejected():
     with pytest.raises(ValueError, match="logit rows"):
         Sampler(0, torch.device("cpu")).sample(random_logits(2), [SamplingSpec()], [0])
+
+
+def nucleus_by_full_sort(scores: torch.Tensor, top_p: float) -> set[int]:
+    probs = scores.softmax(-1)
+    order = probs.argsort(descending=True)
+    before = probs[order].cumsum(0) - probs[order]
+    return set(order[before < top_p].tolist())
+
+
+def test_nucleus_search_matches_a_full_sort_for_narrow_and_wide_nuclei():
+    generator = torch.Generator().manual_seed(5)
+    base = torch.randn(3, 5000, generator=generator)
+    scores = base * torch.tensor([[8.0], [1.5], [0.2]])  # narrow, middling, wide nucleus
+    filtered = apply_top_p(scores, [0.9, 0.9, 0.9])
+    sizes = []
+    for row in range(3):
+        kept = set(torch.isfinite(filtered[row]).nonzero()[:, 0].tolist())
+        assert kept == nucleus_by_full_sort(scores[row], 0.9)
+        sizes.append(len(kept))
+    assert sizes[0] < 64 < sizes[1] or sizes[1] > 1024
+    assert sizes[2] > 1024
+
+
+def test_sampling_a_large_batch_costs(capsys):
+    """Prints (does not assert) the sampling cost for 64 rows of a 49k vocabulary."""
+    import time
+
+    logits = torch.randn(64, 49152, generator=torch.Generator().manual_seed(0)) * 6
+    settings = {
+        "greedy": SamplingSpec(),
+        "temperature": SamplingSpec(temperature=0.8),
+        "top-k 50": SamplingSpec(temperature=0.8, top_k=50),
+        "top-p 0.9": SamplingSpec(temperature=0.8, top_p=0.9),
+        "seeded": SamplingSpec(temperature=0.8, seed=7),
+    }
+    sampler = Sampler(0, torch.device("cpu"))
+    costs = []
+    for name, spec in settings.items():
+        sampler.sample(logits, [spec] * 64, list(range(64)))
+        started = time.perf_counter()
+        out = sampler.sample(logits, [spec] * 64, list(range(64)))
+        costs.append(f"{name} {(time.perf_counter() - started) * 1000:.1f} ms")
+        assert len(out.tokens) == 64
+    with capsys.disabled():
+        print("\nsampling 64 x 49152 (one thread): " + ", ".join(costs))

@@ -1,0 +1,160 @@
+"""The worker as its own process: `python -m gpu_worker --fd N` over a socketpair."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from typing import Any
+
+import pytest
+
+from gpu_worker.protocol import (
+    FrameDecoder,
+    Handshake,
+    StepResult,
+    WorkerConfig,
+    encode_frame,
+    record_from_message,
+    to_message,
+)
+from tests.worker_fixtures import (
+    Chunk,
+    blocks_for,
+    make_plan,
+    random_prompt,
+    tiny_llama_dir,  # noqa: F401 (fixture)
+)
+
+TIMEOUT = 120.0
+
+
+class WorkerProcess:
+    """The service's side of the channel, written with blocking sockets for the test."""
+
+    def __init__(self) -> None:
+        parent, child = socket.socketpair()
+        # One thread: the tiny model gains nothing from more, and the test machine is shared.
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "gpu_worker", "--fd", str(child.fileno())],
+            pass_fds=(child.fileno(),),
+            env=env,
+        )
+        child.close()
+        parent.settimeout(TIMEOUT)
+        self.sock = parent
+        self.decoder = FrameDecoder()
+        self.pending: deque[dict[str, Any]] = deque()
+
+    def send(self, msg: dict[str, Any]) -> None:
+        self.sock.sendall(encode_frame(msg))
+
+    def receive(self) -> dict[str, Any]:
+        while not self.pending:
+            data = self.sock.recv(1 << 16)
+            if not data:
+                raise EOFError("worker closed the channel")
+            self.pending.extend(self.decoder.feed(data))
+        return self.pending.popleft()
+
+    def step(self, plan) -> StepResult:
+        self.send(to_message("step", plan))
+        msg = self.receive()
+        assert msg["type"] == "result"
+        return record_from_message(StepResult, msg)
+
+    def close(self) -> None:
+        self.sock.close()
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture
+def worker():
+    process = WorkerProcess()
+    yield process
+    process.close()
+
+
+def init_message(model_dir, **overrides) -> dict[str, Any]:
+    config = WorkerConfig(
+        model_dir=str(model_dir),
+        dtype="float32",
+        device="cpu",
+        block_size=4,
+        kv_memory=float(1 << 20),
+        max_num_seqs=8,
+    )
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    return to_message("init", config)
+
+
+def test_handshake_steps_errors_and_clean_shutdown(worker, tiny_llama_dir):  # noqa: F811
+    worker.send(init_message(tiny_llama_dir))
+    ready = worker.receive()
+    assert ready["type"] == "ready", ready
+    handshake = record_from_message(Handshake, ready)
+    assert handshake.pid == worker.process.pid and handshake.num_blocks > 0
+
+    prompt = random_prompt(20, seed=1)
+    table = blocks_for(0, 40)
+    first = worker.step(make_plan([Chunk(0, prompt, 0, table)], step_id=1))
+    assert first.error is None and first.seq_ids == [0] and len(first.tokens) == 1
+
+    bad = make_plan([Chunk(0, [first.tokens[0]], 20, [10_000])], step_id=2)
+    error = worker.step(bad)
+    assert error.step_id == 2 and "block" in error.error
+    malformed = {"type": "step", "step_id": 3, "seq_ids": [0]}
+    worker.send(malformed)
+    reply = record_from_message(StepResult, worker.receive())
+    assert reply.step_id == 3 and "malformed" in reply.error
+    assert worker.process.poll() is None
+
+    tokens = [first.tokens[0]]
+    decode_times, empty_times = [], []
+    for step_id in range(4, 24):
+        plan = make_plan([Chunk(0, [tokens[-1]], 19 + len(tokens), table)], step_id=step_id)
+        started = time.perf_counter()
+        result = worker.step(plan)
+        decode_times.append(time.perf_counter() - started)
+        assert result.error is None and result.step_id == step_id
+        tokens += result.tokens
+        started = time.perf_counter()
+        assert worker.step(make_plan([], step_id=1000 + step_id)).error is None
+        empty_times.append(time.perf_counter() - started)
+    empty_ms = sorted(empty_times)[len(empty_times) // 2] * 1000
+    decode_ms = sorted(decode_times)[len(decode_times) // 2] * 1000
+    print(
+        f"\nworker round trip, median: empty step {empty_ms:.3f} ms, decode step {decode_ms:.3f} ms"
+    )
+
+    worker.send({"type": "shutdown"})
+    assert worker.process.wait(timeout=TIMEOUT) == 0
+
+
+def test_failed_init_reports_fatal_and_exits_1(worker, tmp_path):
+    worker.send(init_message(tmp_path / "missing"))
+    fatal = worker.receive()
+    assert fatal["type"] == "fatal" and "missing" in fatal["message"]
+    assert worker.process.wait(timeout=TIMEOUT) == 1
+
+
+def test_a_closed_channel_ends_the_worker(worker, tiny_llama_dir):  # noqa: F811
+    worker.send(init_message(tiny_llama_dir))
+    assert worker.receive()["type"] == "ready"
+    worker.sock.close()
+    assert worker.process.wait(timeout=TIMEOUT) == 0
+
+
+def test_steps_before_init_are_refused(worker):
+    worker.send(to_message("step", make_plan([], step_id=9)))
+    reply = record_from_message(StepResult, worker.receive())
+    assert reply.step_id == 9 and "before a successful init" in reply.error
+    worker.send({"type": "shutdown"})
+    assert worker.process.wait(timeout=TIMEOUT) == 0
