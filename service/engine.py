@@ -8,6 +8,7 @@ front end talks to it only through submit() (a stream of events) and abort().
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -460,22 +461,7 @@ class Engine:
             schedule_ms=schedule_ms,
             preempted=len(out.preempted),
         )
-        log.info(
-            "iteration",
-            iteration=stats.iteration,
-            policy=stats.policy,
-            prefill_tokens=stats.prefill_tokens,
-            decode_seqs=stats.decode_seqs,
-            batch_tokens=stats.batch_tokens,
-            num_seqs=stats.num_seqs,
-            running=stats.running,
-            waiting=stats.waiting,
-            kv_blocks_used=stats.kv_blocks_used,
-            kv_blocks_total=stats.kv_blocks_total,
-            step_ms=stats.step_ms,
-            schedule_ms=stats.schedule_ms,
-            preempted=stats.preempted,
-        )
+        log.info("iteration", **dataclasses.asdict(stats))
         for observer in self._observers:
             observer.on_iteration(stats)
 
