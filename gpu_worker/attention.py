@@ -42,14 +42,14 @@ class PrefillChunk:
     cache_rows: torch.Tensor | None
     start: int  # absolute position of the chunk's first token
     context_len: int  # start position + number of new tokens
-    causal_tile: torch.Tensor  # [QUERY_BLOCK, QUERY_BLOCK] float32: -inf above the diagonal
+    causal_tile: torch.Tensor  # [QUERY_BLOCK, QUERY_BLOCK]: -inf above the diagonal
 
 
 @dataclass(slots=True)
 class DecodeGroup:
     rows: slice | torch.Tensor  # rows of the flattened batch that are single-token sequences
     key_rows: torch.Tensor  # [kv_heads * B * W] rows of the cache seen as [heads * blocks, ...]
-    bias: torch.Tensor  # [1, B, 1, W * block_size] float32: 0 for a visible key, -inf past the end
+    bias: torch.Tensor  # [kv_heads * B, 1, W * block_size]: 0 for a visible key, -inf past the end
     keys: torch.Tensor  # [kv_heads * B * W, block_size * head_dim] gather buffer
     # One bag per (kv head, sequence, query head of the group): the flat value-cache rows
     # of the sequence's key slots, in the order of the softmax's columns.
@@ -87,7 +87,8 @@ def decode_group(
     keys_per_seq = width * block_size
     key_pos = torch.arange(keys_per_seq, device=device)
     visible = key_pos[None, :] < context_lens[:, None]
-    bias = torch.zeros(visible.shape, device=device).masked_fill_(~visible, -math.inf)
+    bias = torch.zeros(visible.shape, dtype=cache_like.dtype, device=device)
+    bias.masked_fill_(~visible, -math.inf)
     slots = block_tables[:, :, None] * block_size + torch.arange(block_size, device=device)
     heads = torch.arange(kv_heads, device=device)
     key_rows = (heads[:, None] * cache_blocks + block_tables.reshape(1, -1)).reshape(-1)
@@ -96,7 +97,7 @@ def decode_group(
     return DecodeGroup(
         rows=rows,
         key_rows=key_rows,
-        bias=bias.view(1, batch, 1, -1),
+        bias=bias.repeat(kv_heads, 1).view(kv_heads * batch, 1, keys_per_seq),
         keys=cache_like.new_empty((kv_heads * batch * width, block_size * head_dim)),
         bag_rows=bag_rows.expand(kv_heads, batch, group_size, keys_per_seq).reshape(-1),
         bag_offsets=torch.arange(0, bags * keys_per_seq, keys_per_seq, device=device),
@@ -160,6 +161,7 @@ def _prefill_attention(
     else:
         keys = _gather(k_cache, chunk.cache_rows, chunk.context_len)
         values = _gather(v_cache, chunk.cache_rows, chunk.context_len)
+    scale, unused = head_dim**-0.5, q.new_zeros(())  # beta=0: baddbmm ignores its input
     out = q.new_empty(q.shape)
     grouped = q.view(num_queries, kv_heads, group_size, head_dim)
     for first in range(0, num_queries, QUERY_BLOCK):
@@ -167,10 +169,14 @@ def _prefill_attention(
         size, visible = end - first, chunk.start + end
         # The query heads of one key/value head as that head's rows: [kv_heads, group * size, d].
         block = grouped[first:end].permute(1, 2, 0, 3).reshape(kv_heads, -1, head_dim)
-        scores = torch.bmm(block, keys[:, :visible].transpose(1, 2)).float()
-        scores = scores.view(kv_heads, group_size, size, visible).mul_(head_dim**-0.5)
+        # As in decode: scaled inside the matmul, softmax in float32.
+        scores = torch.baddbmm(
+            unused, block, keys[:, :visible].transpose(1, 2), beta=0, alpha=scale
+        )
+        scores = scores.view(kv_heads, group_size, size, visible)
         scores[..., visible - size :].add_(chunk.causal_tile[:size, :size])
-        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(kv_heads, -1, visible)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        probs = probs.view(kv_heads, -1, visible)
         block_out = torch.bmm(probs, values[:, :visible])
         by_query = block_out.view(kv_heads, group_size, size, head_dim).permute(2, 0, 1, 3)
         out[first:end] = by_query.reshape(size, heads, head_dim)
@@ -194,11 +200,16 @@ def _decode_attention(
     torch.index_select(_as_rows(k_cache), 0, group.key_rows, out=group.keys)
     keys = group.keys.view(kv_heads * batch, -1, head_dim)
     queries = q.view(batch, kv_heads, group_size, head_dim).transpose(0, 1)
-    scores = torch.bmm(
-        queries.reshape(kv_heads * batch, group_size, head_dim), keys.transpose(1, 2)
+    # Scale and mask inside the matmul: the same values as scaling and masking a float32
+    # copy of the scores afterwards, without those passes over them. The softmax still
+    # computes in float32 (a bfloat16 softmax changes greedy tokens across schedules).
+    scores = torch.baddbmm(
+        group.bias,
+        queries.reshape(kv_heads * batch, group_size, head_dim),
+        keys.transpose(1, 2),
+        alpha=head_dim**-0.5,
     )
-    scores = scores.view(kv_heads, batch, group_size, -1).float()
-    probs = torch.softmax(scores.mul_(head_dim**-0.5).add_(group.bias), dim=-1).to(q.dtype)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = F.embedding_bag(
         group.bag_rows,
         v_cache.view(-1, head_dim),
@@ -241,7 +252,7 @@ def build_metadata(
     prefills: list[PrefillChunk] = []
     decode_seqs: list[int] = []
     decode_rows: list[int] = []
-    tile = causal_tile(cache_like.device)
+    tile = causal_tile(cache_like.dtype, cache_like.device)
     row = 0
     for seq, (count, start) in enumerate(zip(num_tokens, start_pos, strict=True)):
         if count == 1:
@@ -259,8 +270,8 @@ def build_metadata(
     return AttentionMetadata(slots=slots, decode=decode, prefills=prefills, num_tokens=row)
 
 
-def causal_tile(device: torch.device) -> torch.Tensor:
-    tile = torch.full((QUERY_BLOCK, QUERY_BLOCK), -math.inf, device=device)
+def causal_tile(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    tile = torch.full((QUERY_BLOCK, QUERY_BLOCK), -math.inf, dtype=dtype, device=device)
     return tile.triu_(diagonal=1)
 
 

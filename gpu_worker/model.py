@@ -98,7 +98,7 @@ class Model:
         self.weight_bytes = _bytes_of(self.embed, lm_head, self.norm, *take.taken)
         self.lm_head = Linear(lm_head)
         self.lm_head_rows = lm_head  # dense, for recomputing single logits
-        self.cos, self.sin = rope_tables(config, max_positions, dtype, device)
+        self.cos, self.signed_sin = rope_tables(config, max_positions, dtype, device)
 
     def forward(
         self,
@@ -113,7 +113,7 @@ class Model:
         num_tokens = input_ids.shape[0]
         # Broadcast over heads; the rotation is applied to q and k heads in one go.
         cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        sin = self.signed_sin[positions].unsqueeze(1)
         x = F.embedding(input_ids, self.embed)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
@@ -165,11 +165,14 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Hugging Face's rotate_half convention: x * cos + rotate_half(x) * sin."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's rotate_half convention: x * cos + rotate_half(x) * sin.
+
+    rotate_half(x) = cat(-x2, x1) is roll(x) = cat(x2, x1) with its first half negated;
+    `signed_sin` carries that sign (see rope_tables), so one roll replaces a slice, a
+    negation and a cat, with the same values bit for bit.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
@@ -202,12 +205,16 @@ def _llama3_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.T
 def rope_tables(
     config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [max_positions, head_dim], computed in float32 like transformers."""
+    """cos and signed sin [max_positions, head_dim], computed in float32 like transformers.
+
+    The signed sin is sin with its first half negated, the form apply_rope takes.
+    """
     inv_freq = inverse_frequencies(config)
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = torch.outer(positions, inv_freq)
-    angles = torch.cat((freqs, freqs), dim=-1)
-    return angles.cos().to(device, dtype), angles.sin().to(device, dtype)
+    cos = torch.cat((freqs, freqs), dim=-1).cos()
+    signed_sin = torch.cat((-freqs, freqs), dim=-1).sin()
+    return cos.to(device, dtype), signed_sin.to(device, dtype)
 
 
 class _WeightTaker:
