@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpu_worker import attention
 from gpu_worker.protocol import SamplingSpec
 from tests.worker_fixtures import (
     Chunk,
@@ -47,6 +48,14 @@ def variant_dir(request, tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp(request.param), kind, **overrides)
 
 
+@pytest.fixture(params=["blocked", "flash"])
+def prefill_path(request, monkeypatch):
+    """Tiny test contexts stay under FLASH_MIN_CONTEXT; the flash path runs them too."""
+    if request.param == "flash":
+        monkeypatch.setattr(attention, "FLASH_MIN_CONTEXT", 0)
+
+
+@pytest.mark.usefixtures("prefill_path")
 def test_prefill_logits_match_transformers(variant_dir):
     hf = hf_model(variant_dir)
     runner = make_runner(variant_dir)
@@ -74,6 +83,7 @@ def test_token_by_token_logits_match_transformers_at_every_position(variant_dir)
     assert max_diff(torch.stack(rows), reference) < tolerance(reference)
 
 
+@pytest.mark.usefixtures("prefill_path")
 def test_chunked_prefill_equals_unchunked(tiny_llama_dir):  # noqa: F811
     runner = make_runner(tiny_llama_dir)
     prompt = random_prompt(100, seed=5)
@@ -103,6 +113,7 @@ def test_chunked_prefill_equals_unchunked(tiny_llama_dir):  # noqa: F811
     assert tokens == whole_tokens
 
 
+@pytest.mark.usefixtures("prefill_path")
 def test_a_sequence_is_the_same_alone_and_in_a_mixed_batch(tiny_llama_dir):  # noqa: F811
     runner = make_runner(tiny_llama_dir)
     target = random_prompt(30, seed=11)
