@@ -62,7 +62,6 @@ def load_codec(source: str | None) -> TokenCodec:
         if not path.exists():
             raise PromptError(f"tokenizer source {source!r} does not exist")
     from gpu_worker.model_files import resolve_model
-
     from service.config import default_cache_dir
 
     model_dir = resolve_model(source, default_cache_dir())

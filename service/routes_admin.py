@@ -9,10 +9,10 @@ from typing import Any
 
 import orjson
 import structlog
-from policies.registry import describe_policies
 from quart import Blueprint, Response, request
 
 from policies.base import PolicyError
+from policies.registry import describe_policies
 from service.app_state import AppState, app_state
 from service.errors import APIError, bad_request, json_response
 from service.metrics import CONTENT_TYPE
