@@ -66,7 +66,8 @@ def test_interference_bench_and_log_report_on_a_real_server(tmp_path, capsys):
     assert report_main(["report", str(log_file), "--out", str(report_dir)]) == 0
     log = parse_log(log_file)
     assert log.skipped[NOT_JSON] == 1
-    assert len(log.requests) == DECODERS + 2 and len(log.iterations) > DECODER_TOKENS
+    # every decoder token takes one iteration; injected prompts may share those iterations
+    assert len(log.requests) == DECODERS + 2 and len(log.iterations) >= DECODER_TOKENS
     assert sum(i.prefill_tokens for i in log.iterations) >= DECODERS * DECODER_PROMPT + 32 + 160
     report = (report_dir / "report.md").read_text()
     assert f"| finished requests | {DECODERS + 2} |" in report
