@@ -11,10 +11,12 @@ import trio
 from service.request import Event, FinishEvent
 
 DONE = b"data: [DONE]\n\n"
-# A comment line: SSE clients ignore it. Sending it is how a dead client gets noticed
-# while a request waits for its first token (hypercorn's trio worker only learns of a
-# closed connection when a write to it fails; see tests/test_api_disconnect.py).
-HEARTBEAT = b": keep-alive\n\n"
+# Sending something is how a dead client gets noticed while a request waits for its first
+# token (hypercorn's trio worker only learns of a closed connection when a write to it
+# fails; see tests/test_api_disconnect.py). A bare blank line, not an SSE comment: SSE
+# parsers ignore it, and so do clients that strip each network read before parsing (vLLM's
+# `bench serve` does; a ": comment" split off that way glues itself to the next event).
+HEARTBEAT = b"\n"
 SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
     "Cache-Control": "no-cache",
