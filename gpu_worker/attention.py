@@ -19,7 +19,10 @@ A step first writes the new tokens' K/V into their slots, then attends:
   for one batched matmul, the softmax is masked by context length, and the values are
   never copied: embedding_bag sums the probability-weighted value rows straight from
   the cache. With one query per sequence this is memory-bound, and on a CPU it runs
-  several times faster than SDPA's kernel over gathered K and V.
+  several times faster than SDPA's kernel over gathered K and V. On a CPU, a C++ kernel
+  (gpu_worker.native) does better still when it builds: it walks the block tables itself
+  and reads each K/V byte once (SmolLM2-135M, bf16, batch 64 at context 320, 2 cores:
+  decode steps of ~61 instead of ~82 ms).
 
 The index tensors and buffers are built once per step and shared by every layer, so the
 per-layer work is a handful of kernels with no host synchronisation.
@@ -28,10 +31,13 @@ per-layer work is a handful of kernels with no host synchronisation.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from gpu_worker import native
 
 QUERY_BLOCK = 128  # prefill queries per attention block
 # Past this many keys, a query block's score matrices (bfloat16 scores, float32 and
@@ -56,8 +62,9 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
-class DecodeGroup:
-    rows: slice | torch.Tensor  # rows of the flattened batch that are single-token sequences
+class DecodeGather:
+    """The PyTorch decode path's index tensors and key buffer."""
+
     key_rows: torch.Tensor  # [kv_heads * B * W] rows of the cache seen as [heads * blocks, ...]
     bias: torch.Tensor  # [kv_heads * B, 1, W * block_size]: 0 for a visible key, -inf past the end
     keys: torch.Tensor  # [kv_heads * B * W, block_size * head_dim] gather buffer
@@ -65,6 +72,14 @@ class DecodeGroup:
     # of the sequence's key slots, in the order of the softmax's columns.
     bag_rows: torch.Tensor  # [kv_heads * B * group * W * block_size]
     bag_offsets: torch.Tensor  # [kv_heads * B * group]
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    rows: slice | torch.Tensor  # rows of the flattened batch that are single-token sequences
+    block_tables: torch.Tensor  # [B, W]
+    context_lens: torch.Tensor  # [B]
+    gather: DecodeGather | None  # None where the native kernel reads the cache itself
 
 
 @dataclass(slots=True)
@@ -85,12 +100,31 @@ def decode_group(
     context_lens: torch.Tensor,
     cache_like: torch.Tensor,
     group_size: int,
+    use_native: bool = True,
 ) -> DecodeGroup:
     """Tensor ops only, so a CUDA graph can capture it with static inputs.
 
     `cache_like` is any layer's cache tensor (it gives shapes and dtype); `group_size`
-    the number of query heads per key/value head.
+    the number of query heads per key/value head. The native kernel runs where
+    `use_native` allows it and it is available: on CPU caches, when it builds.
     """
+    gather = None
+    if not (use_native and _native_kernel(cache_like) is not None):
+        gather = _decode_gather(block_tables, context_lens, cache_like, group_size)
+    return DecodeGroup(rows, block_tables, context_lens, gather)
+
+
+def _native_kernel(cache_like: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+    """The C++ decode kernel for this cache, or None (CUDA keeps the PyTorch path)."""
+    return native.paged_decode_attention() if cache_like.device.type == "cpu" else None
+
+
+def _decode_gather(
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    cache_like: torch.Tensor,
+    group_size: int,
+) -> DecodeGather:
     device = block_tables.device
     batch, width = block_tables.shape
     kv_heads, cache_blocks, block_size, head_dim = cache_like.shape
@@ -104,8 +138,7 @@ def decode_group(
     key_rows = (heads[:, None] * cache_blocks + block_tables.reshape(1, -1)).reshape(-1)
     bag_rows = heads.view(-1, 1, 1, 1) * (cache_blocks * block_size) + slots.view(1, batch, 1, -1)
     bags = kv_heads * batch * group_size
-    return DecodeGroup(
-        rows=rows,
+    return DecodeGather(
         key_rows=key_rows,
         bias=bias.repeat(kv_heads, 1).view(kv_heads * batch, 1, keys_per_seq),
         keys=cache_like.new_empty((kv_heads * batch * width, block_size * head_dim)),
@@ -261,7 +294,18 @@ def _merge(
 def _decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup
 ) -> torch.Tensor:
-    """q [B, heads, d] -> [B, heads, d].
+    """q [B, heads, d] -> [B, heads, d]."""
+    if group.gather is not None:
+        return _gathered_decode_attention(q, k_cache, v_cache, group.gather)
+    kernel = _native_kernel(k_cache)
+    tables, lens = group.block_tables, group.context_lens
+    return kernel(q, k_cache, v_cache, tables, lens, q.shape[-1] ** -0.5)
+
+
+def _gathered_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGather
+) -> torch.Tensor:
+    """As _decode_attention, in PyTorch.
 
     The query heads that share a key/value head become that head's query rows, so grouped-
     query attention needs no copy of K per query head: (kv_heads * B) small matmuls of

@@ -1,0 +1,503 @@
+// Decode attention straight from the paged KV cache, on the CPU.
+//
+// One query token per sequence attends over its context. The PyTorch path gathers the
+// keys into a buffer, multiplies, and lets embedding_bag sum the values: each key byte
+// moves three times. Here every (sequence, kv head) task walks the block table once for
+// the scores of the query heads sharing that kv head and once for their weighted sums of
+// values, reading each K/V byte once and writing only the output.
+//
+// Scores, softmax and value sums accumulate in float32 whatever the cache dtype (float32
+// or bfloat16); scores and probabilities are rounded to that dtype as the PyTorch path's
+// tensors are, and the output is written in it. AVX-512 paths where the compiler targets
+// it (-march=native), with plain loops for other CPUs and head_dims.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
+// The PyTorch path holds scores and probabilities as tensors of the model dtype; rounding
+// them alike keeps the two paths' greedy tokens the same (without it, one of 64 greedy
+// outputs of ops.engine_bench differed between fcfs and stall_free schedules).
+template <typename T>
+inline float rounded(float x) {
+  return to_float(static_cast<T>(x));
+}
+
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+// A bfloat16 is the upper half of a float32: widen and shift.
+inline __m512 load16(const c10::BFloat16* p) {
+  __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// exp(x) for x <= 0 (scores minus their maximum): 2^(x log2 e) split into an integer power,
+// applied exactly by scalef, and 2^f for |f| <= 0.5 by a degree-6 Taylor polynomial
+// (relative error ~1e-7, as good as float32 needs). Large negative x underflows to 0.
+inline __m512 exp16(__m512 x) {
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Rounds finite floats to the nearest bfloat16 (ties to even), as c10::BFloat16 does.
+inline __m512 round_to_bf16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(~0xffff)));
+}
+#endif
+
+// row[t] = row[t] * factor, rounded to T (float32: no rounding).
+template <typename T>
+void scale_and_round(float* row, int64_t n, float factor) {
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  const __m512 f = _mm512_set1_ps(factor);
+  for (; t + kLanes <= n; t += kLanes) {
+    __m512 x = _mm512_mul_ps(_mm512_loadu_ps(row + t), f);
+    if constexpr (std::is_same_v<T, c10::BFloat16>) x = round_to_bf16(x);
+    _mm512_storeu_ps(row + t, x);
+  }
+#endif
+  for (; t < n; ++t) row[t] = rounded<T>(row[t] * factor);
+}
+
+// Shapes and pointers of one call, shared by every task.
+template <typename T>
+struct Problem {
+  const T* q;  // [batch, heads, head_dim], rows strided
+  int64_t q_batch_stride, q_head_stride;
+  const T* k_cache;  // [kv_heads, cache_blocks, block_size, head_dim], contiguous
+  const T* v_cache;
+  const int64_t* block_tables;  // [batch, width]
+  const int64_t* context_lens;  // [batch]
+  T* out;  // [batch, heads, head_dim], contiguous
+  int64_t heads, kv_heads, group, head_dim, cache_blocks, block_size, width;
+  float scale;
+
+  // Offsets into a cache of tokens [0, len) of sequence `seq`'s rows under kv head `head`
+  // (the same for K and V), walking the block table once rather than dividing per token.
+  void row_offsets(int64_t seq, int64_t head, int64_t len, int64_t* offsets) const {
+    for (int64_t t = 0, i = 0; t < len; ++i) {
+      const int64_t first = (head * cache_blocks + block_tables[seq * width + i]) * block_size;
+      for (int64_t slot = 0; slot < block_size && t < len; ++slot, ++t) {
+        offsets[t] = (first + slot) * head_dim;
+      }
+    }
+  }
+};
+
+// Checked before any row is read: a bad table entry must not read outside the cache.
+template <typename T>
+void check_sequence(const Problem<T>& p, int64_t seq, int64_t len) {
+  TORCH_CHECK(len >= 1 && len <= p.width * p.block_size, "sequence ", seq,
+              " has context length ", len, " but its table covers ", p.width * p.block_size);
+  for (int64_t i = 0; i < (len + p.block_size - 1) / p.block_size; ++i) {
+    const int64_t block = p.block_tables[seq * p.width + i];
+    TORCH_CHECK(block >= 0 && block < p.cache_blocks, "block id ", block, " of sequence ", seq,
+                " is outside the cache's ", p.cache_blocks, " blocks");
+  }
+}
+
+// Key rows handled per step: their dot products with a query reduce together (one
+// horizontal reduction instead of four), and staged rows are widened to float32 once
+// for every query of the group.
+constexpr int64_t kRows = 4;
+
+// How far ahead of the rows being read to prefetch: the rows of a sequence are scattered
+// over blocks, so the hardware prefetcher loses the stream at every block boundary, and
+// the cache is far larger than the CPU's caches (decode steps 25% slower without it).
+constexpr int64_t kPrefetchTokens = 32;
+
+// Asks for the cache lines of the row at `offset`.
+template <typename T>
+void prefetch_row(const T* cache, int64_t offset, int64_t head_dim) {
+  const char* row = reinterpret_cast<const char*>(cache + offset);
+  for (int64_t byte = 0; byte < head_dim * static_cast<int64_t>(sizeof(T)); byte += 64) {
+    __builtin_prefetch(row + byte);
+  }
+}
+
+// The n rows at `offsets` -> float32 [kRows, d], missing rows zero.
+template <typename T>
+void stage(const T* cache, const int64_t* offsets, int64_t n, int64_t d, float* rows) {
+  for (int64_t r = 0; r < kRows; ++r) {
+    float* dst = rows + r * d;
+    if (r >= n) {
+      std::fill(dst, dst + d, 0.f);
+      continue;
+    }
+    const T* src = cache + offsets[r];
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + kLanes <= d; i += kLanes) _mm512_storeu_ps(dst + i, load16(src + i));
+#endif
+    for (; i < d; ++i) dst[i] = to_float(src[i]);
+  }
+}
+
+#if defined(__AVX512F__)
+// The lane sums of kRows = 4 accumulators -> out[0..3], in one reduction instead of
+// four: interleave and add within 128-bit lanes, then add the four 128-bit lanes.
+inline void dot_rows_sums(const __m512* acc, float* out) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(acc[0], acc[1]),
+                                  _mm512_unpackhi_ps(acc[0], acc[1]));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(acc[2], acc[3]),
+                                  _mm512_unpackhi_ps(acc[2], acc[3]));
+  const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
+  const __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
+                                    _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));
+  const __m256 upper = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1));
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd), upper);
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1)));
+}
+#endif
+
+#if defined(__AVX512BF16__)
+constexpr int64_t kBf16Lanes = 32;  // bfloat16 values per vector
+
+// Probabilities rounded to bfloat16 are bfloat16 values: the upper halves of their floats.
+inline uint32_t bf16_bits(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return bits >> 16;
+}
+
+inline __m512bh load32(const c10::BFloat16* p) {
+  return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
+}
+
+// dot(q, rows[r]) -> out[r] for bfloat16 rows straight from the cache: vdpbf16ps multiplies
+// bfloat16 pairs and adds them in float32, so no row is widened and staged first (decode
+// steps ~10% faster on 2 cores, where this kernel is compute-bound).
+void dot_rows_bf16(const c10::BFloat16* q, const c10::BFloat16* const* rows, int64_t d,
+                   float* out) {
+  __m512 acc[kRows];
+  for (int64_t r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; i += kBf16Lanes) {
+    const __m512bh qi = load32(q + i);
+    for (int64_t r = 0; r < kRows; ++r) {
+      acc[r] = _mm512_dpbf16_ps(acc[r], qi, load32(rows[r] + i));
+    }
+  }
+  dot_rows_sums(acc, out);
+}
+
+// acc [d] = sum over t < len of probs[t] * rows t, the bfloat16 value rows straight from the
+// cache, two tokens at a time: unpacklo/hi_epi16 interleave their rows into bfloat16 pairs
+// for vdpbf16ps to meet the pair of their probabilities. The interleave permutes elements
+// within each 128-bit lane, undone at the end. The probabilities must be bfloat16 values.
+void weighted_rows_bf16(const c10::BFloat16* cache, const int64_t* offsets, int64_t len,
+                        const float* probs, int64_t d, float* acc) {
+  constexpr int64_t kMaxChunks = 8;  // head_dim up to 256
+  __m512 lo[kMaxChunks], hi[kMaxChunks];
+  const int64_t chunks = d / kBf16Lanes;
+  for (int64_t c = 0; c < chunks; ++c) lo[c] = hi[c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; t += 2) {
+    const bool pair = t + 1 < len;
+    const c10::BFloat16* row0 = cache + offsets[t];
+    const c10::BFloat16* row1 = pair ? cache + offsets[t + 1] : row0;  // alone: weight 0
+    const uint32_t w = bf16_bits(probs[t]) | (pair ? bf16_bits(probs[t + 1]) << 16 : 0u);
+    const __m512bh weights = (__m512bh)_mm512_set1_epi32(static_cast<int>(w));
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512i r0 = _mm512_loadu_si512(row0 + c * kBf16Lanes);
+      const __m512i r1 = _mm512_loadu_si512(row1 + c * kBf16Lanes);
+      lo[c] = _mm512_dpbf16_ps(lo[c], (__m512bh)_mm512_unpacklo_epi16(r0, r1), weights);
+      hi[c] = _mm512_dpbf16_ps(hi[c], (__m512bh)_mm512_unpackhi_epi16(r0, r1), weights);
+    }
+  }
+  // Element e of a chunk is in 128-bit lane e / 8: its first four in lo, the rest in hi.
+  alignas(64) float lanes[2][16];
+  for (int64_t c = 0; c < chunks; ++c) {
+    _mm512_store_ps(lanes[0], lo[c]);
+    _mm512_store_ps(lanes[1], hi[c]);
+    for (int64_t e = 0; e < kBf16Lanes; ++e) {
+      acc[c * kBf16Lanes + e] = lanes[e % 8 / 4][e / 8 * 4 + e % 4];
+    }
+  }
+}
+#endif
+
+// dot(q, row r) for the kRows staged rows -> out[r].
+void dot_rows(const float* q, const float* rows, int64_t d, float* out) {
+#if defined(__AVX512F__)
+  if (d % kLanes == 0) {  // every common head_dim; other sizes take the scalar loop
+    __m512 acc[kRows];
+    for (int64_t r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += kLanes) {
+      const __m512 qi = _mm512_loadu_ps(q + i);
+      for (int64_t r = 0; r < kRows; ++r) {
+        acc[r] = _mm512_fmadd_ps(qi, _mm512_loadu_ps(rows + r * d + i), acc[r]);
+      }
+    }
+    dot_rows_sums(acc, out);
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < kRows; ++r) {
+    float acc = 0.f;
+    for (int64_t i = 0; i < d; ++i) acc += q[i] * rows[r * d + i];
+    out[r] = acc;
+  }
+}
+
+
+// acc += sum over r of weights[r] * row r, for the kRows staged rows.
+void axpy_rows(const float* weights, const float* rows, int64_t d, float* acc) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 w[kRows];
+  for (int64_t r = 0; r < kRows; ++r) w[r] = _mm512_set1_ps(weights[r]);
+  for (; i + kLanes <= d; i += kLanes) {
+    __m512 a = _mm512_loadu_ps(acc + i);
+    for (int64_t r = 0; r < kRows; ++r) {
+      a = _mm512_fmadd_ps(w[r], _mm512_loadu_ps(rows + r * d + i), a);
+    }
+    _mm512_storeu_ps(acc + i, a);
+  }
+#endif
+  for (; i < d; ++i) {
+    for (int64_t r = 0; r < kRows; ++r) acc[i] += weights[r] * rows[r * d + i];
+  }
+}
+
+// exp(x - max) of one row in place; returns their sum.
+float exp_row(float* s, int64_t n) {
+  float max = s[0];
+  for (int64_t t = 1; t < n; ++t) max = std::max(max, s[t]);
+  float sum = 0.f;
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  __m512 vsum = _mm512_setzero_ps();
+  for (; t + kLanes <= n; t += kLanes) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), _mm512_set1_ps(max)));
+    _mm512_storeu_ps(s + t, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  sum = _mm512_reduce_add_ps(vsum);
+#endif
+  for (; t < n; ++t) {
+    s[t] = std::exp(s[t] - max);
+    sum += s[t];
+  }
+  return sum;
+}
+
+// Query head `head` of sequence `seq`: a row of d values.
+template <typename T>
+const T* query(const Problem<T>& p, int64_t seq, int64_t head) {
+  return p.q + seq * p.q_batch_stride + head * p.q_head_stride;
+}
+
+// Buffers of one task, in one allocation reused by a thread's tasks.
+struct Buffers {
+  float* q;  // [group, d]: the queries in float32
+  float* acc;  // [group, d]: the weighted sums of values
+  float* rows;  // [kRows, d]: staged K or V rows
+  float* four;  // [kRows]: one query's scores, or weights, of those rows
+  float* scores;  // [group, len]: row g's scores, then probabilities
+};
+
+Buffers carve(std::vector<float>& scratch, int64_t group, int64_t d, int64_t len) {
+  scratch.resize(group * (2 * d + len) + kRows * (d + 1));
+  Buffers b;
+  b.q = scratch.data();
+  b.acc = b.q + group * d;
+  b.rows = b.acc + group * d;
+  b.four = b.rows + kRows * d;
+  b.scores = b.four + kRows;
+  return b;
+}
+
+// Scores of the group's queries, scaled -> b.scores, for the tokens whose rows are at
+// `offsets` (followed by kPrefetchTokens more to prefetch).
+template <typename T>
+void key_scores(const Problem<T>& p, int64_t seq, int64_t first_head, const int64_t* offsets,
+                int64_t len, const Buffers& b) {
+  const int64_t d = p.head_dim;
+  for (int64_t g = 0; g < p.group; ++g) {
+    const T* src = query(p, seq, first_head + g);
+    for (int64_t i = 0; i < d; ++i) b.q[g * d + i] = to_float(src[i]);
+  }
+  for (int64_t t = 0; t < len; t += kRows) {
+    const int64_t n = std::min(kRows, len - t);
+    for (int64_t r = 0; r < n; ++r) {
+      // The values too: the value pass then finds them in the CPU's cache.
+      prefetch_row(p.k_cache, offsets[t + r + kPrefetchTokens], d);
+      prefetch_row(p.v_cache, offsets[t + r + kPrefetchTokens], d);
+    }
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (d % kBf16Lanes == 0) {  // bfloat16 keys need no widening: see dot_rows_bf16
+        const T* keys[kRows];  // past the end, the last row again (its scores are dropped)
+        for (int64_t r = 0; r < kRows; ++r) keys[r] = p.k_cache + offsets[t + std::min(r, n - 1)];
+        for (int64_t g = 0; g < p.group; ++g) {
+          dot_rows_bf16(query(p, seq, first_head + g), keys, d, b.four);
+          std::copy(b.four, b.four + n, b.scores + g * len + t);
+        }
+        continue;
+      }
+    }
+#endif
+    stage(p.k_cache, offsets + t, n, d, b.rows);
+    for (int64_t g = 0; g < p.group; ++g) {
+      dot_rows(b.q + g * d, b.rows, d, b.four);
+      std::copy(b.four, b.four + n, b.scores + g * len + t);
+    }
+  }
+}
+
+// Scores -> probabilities, row by row; scaled scores and probabilities rounded to T.
+template <typename T>
+void softmax_rows(const Problem<T>& p, int64_t len, const Buffers& b) {
+  for (int64_t g = 0; g < p.group; ++g) {
+    float* row = b.scores + g * len;
+    scale_and_round<T>(row, len, p.scale);  // as the PyTorch path scales after the dot
+    scale_and_round<T>(row, len, 1.f / exp_row(row, len));
+  }
+}
+
+// b.acc[g] = sum over tokens of probability g * value row.
+template <typename T>
+void weighted_values(const Problem<T>& p, const int64_t* offsets, int64_t len,
+                     const Buffers& b) {
+  const int64_t d = p.head_dim;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (d % kBf16Lanes == 0 && d <= 256) {
+      for (int64_t g = 0; g < p.group; ++g) {
+        weighted_rows_bf16(p.v_cache, offsets, len, b.scores + g * len, d, b.acc + g * d);
+      }
+      return;
+    }
+  }
+#endif
+  std::fill(b.acc, b.acc + p.group * d, 0.f);
+  for (int64_t t = 0; t < len; t += kRows) {
+    const int64_t n = std::min(kRows, len - t);
+    stage(p.v_cache, offsets + t, n, d, b.rows);
+    for (int64_t g = 0; g < p.group; ++g) {
+      std::fill(b.four, b.four + kRows, 0.f);  // the zero rows past the end get no weight
+      std::copy(b.scores + g * len + t, b.scores + g * len + t + n, b.four);
+      axpy_rows(b.four, b.rows, d, b.acc + g * d);
+    }
+  }
+}
+
+// One sequence and kv head: the `group` query heads that share it, start to finish.
+// `scratch` and `offsets` (the tokens' rows in the caches) are reused across tasks.
+template <typename T>
+void attend(const Problem<T>& p, int64_t seq, int64_t head, std::vector<float>& scratch,
+            std::vector<int64_t>& offsets) {
+  const int64_t len = p.context_lens[seq];
+  check_sequence(p, seq, len);
+  const Buffers b = carve(scratch, p.group, p.head_dim, len);
+  offsets.resize(len + kPrefetchTokens);
+  p.row_offsets(seq, head, len, offsets.data());
+  // Past the end, prefetch the last row again rather than test every time.
+  std::fill(offsets.begin() + len, offsets.end(), offsets[len - 1]);
+
+  const int64_t first_head = head * p.group;
+  key_scores(p, seq, first_head, offsets.data(), len, b);
+  softmax_rows(p, len, b);
+  weighted_values(p, offsets.data(), len, b);
+  T* out = p.out + (seq * p.heads + first_head) * p.head_dim;
+  for (int64_t i = 0; i < p.group * p.head_dim; ++i) out[i] = static_cast<T>(b.acc[i]);
+}
+
+template <typename T>
+void run(const Problem<T>& p, int64_t batch) {
+  // One task per (sequence, kv head): equal work when contexts are similar, and enough
+  // tasks (batch * kv_heads) to keep every thread busy.
+  at::parallel_for(0, batch * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    std::vector<int64_t> offsets;
+    for (int64_t task = begin; task < end; ++task) {
+      attend(p, task / p.kv_heads, task % p.kv_heads, scratch, offsets);
+    }
+  });
+}
+
+template <typename T>
+Problem<T> make_problem(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out,
+                        double scale) {
+  const int64_t heads = q.size(1), kv_heads = k_cache.size(0);
+  return Problem<T>{q.const_data_ptr<T>(), q.stride(0), q.stride(1),
+                    k_cache.const_data_ptr<T>(), v_cache.const_data_ptr<T>(),
+                    tables.const_data_ptr<int64_t>(), lens.const_data_ptr<int64_t>(),
+                    out.mutable_data_ptr<T>(), heads, kv_heads, heads / kv_heads, q.size(2),
+                    k_cache.size(1), k_cache.size(2), tables.size(1), static_cast<float>(scale)};
+}
+
+// q [batch, heads, head_dim] (last dim contiguous), caches [kv_heads, blocks, block_size,
+// head_dim], block_tables [batch, width] and context_lens [batch] int64 -> [batch, heads, d].
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [batch, heads, d], rows contiguous");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "caches must match");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
+              "q and caches must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "block tables and context lengths must be int64");
+  const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
+  const int64_t kv_heads = k_cache.size(0);
+  TORCH_CHECK(k_cache.size(3) == head_dim, "head_dim of q and caches differ");
+  TORCH_CHECK(heads % kv_heads == 0, "heads must be a multiple of kv_heads");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == batch &&
+                  context_lens.numel() == batch,
+              "one block table and context length per sequence");
+  const at::Tensor tables = block_tables.contiguous();
+  const at::Tensor lens = context_lens.contiguous();
+  at::Tensor out = at::empty({batch, heads, head_dim}, q.options());
+  if (batch == 0) return out;
+
+  AT_DISPATCH_SWITCH(q.scalar_type(), "paged_decode_attention",
+      AT_DISPATCH_CASE(at::kFloat, [&] {
+        run(make_problem<float>(q, k_cache, v_cache, tables, lens, out, scale), batch);
+      }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
+        run(make_problem<c10::BFloat16>(q, k_cache, v_cache, tables, lens, out, scale), batch);
+      }));
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(cadence, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale) -> Tensor");
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+}
