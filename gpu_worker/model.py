@@ -95,7 +95,6 @@ class Model:
             lm_head = self.embed
         else:
             lm_head = take("lm_head.weight", (config.vocab_size, config.hidden_size))
-        self.weight_bytes = _bytes_of(self.embed, lm_head, self.norm, *take.taken)
         self.lm_head = Linear(lm_head)
         self.lm_head_rows = lm_head  # dense, for recomputing single logits
         self.cos, self.signed_sin = rope_tables(config, max_positions, dtype, device)
@@ -144,11 +143,6 @@ class Model:
         rows = self.lm_head_rows[top].float()  # [S, k, hidden]
         exact = torch.bmm(rows, h.float().unsqueeze(2)).squeeze(2)
         return Logits(logits, top, exact)
-
-
-def _bytes_of(*tensors: torch.Tensor) -> int:
-    unique = {id(t): t for t in tensors}
-    return sum(t.numel() * t.element_size() for t in unique.values())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -224,7 +218,6 @@ class _WeightTaker:
         self.weights = weights
         self.dtype = dtype
         self.device = device
-        self.taken: list[torch.Tensor] = []  # every layer tensor, to count the model's bytes
 
     def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         tensor = self.weights.get(name)
@@ -234,16 +227,9 @@ class _WeightTaker:
             raise MissingWeights(f"{name} has shape {tuple(tensor.shape)}, expected {shape}")
         return tensor.to(self.device, self.dtype).contiguous()
 
-    def layer_tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        tensor = self(name, shape)
-        self.taken.append(tensor)
-        return tensor
-
     def fused(self, names: list[str], shapes: list[tuple[int, ...]]) -> torch.Tensor:
         parts = [self(n, s) for n, s in zip(names, shapes, strict=True)]
-        tensor = torch.cat(parts).contiguous()
-        self.taken.append(tensor)
-        return tensor
+        return torch.cat(parts).contiguous()
 
 
 def _load_layer(take: _WeightTaker, cfg: ModelConfig, index: int) -> Layer:
@@ -264,10 +250,10 @@ def _load_layer(take: _WeightTaker, cfg: ModelConfig, index: int) -> Layer:
         [mlp + "gate_proj.weight", mlp + "up_proj.weight"], [(inter, hidden), (inter, hidden)]
     )
     return Layer(
-        input_norm=take.layer_tensor(prefix + "input_layernorm.weight", (hidden,)),
+        input_norm=take(prefix + "input_layernorm.weight", (hidden,)),
         qkv=Linear(qkv_weight, qkv_bias),
-        o_proj=Linear(take.layer_tensor(attn + "o_proj.weight", (hidden, q_rows))),
-        post_norm=take.layer_tensor(prefix + "post_attention_layernorm.weight", (hidden,)),
+        o_proj=Linear(take(attn + "o_proj.weight", (hidden, q_rows))),
+        post_norm=take(prefix + "post_attention_layernorm.weight", (hidden,)),
         gate_up=Linear(gate_up_weight),
-        down=Linear(take.layer_tensor(mlp + "down_proj.weight", (hidden, inter))),
+        down=Linear(take(mlp + "down_proj.weight", (hidden, inter))),
     )

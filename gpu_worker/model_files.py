@@ -58,10 +58,6 @@ def resolve_model(model: str | None, cache_dir: Path, *, progress: Progress | No
     )
 
 
-def default_model_name() -> str:
-    return DEFAULT_MODEL_NAME
-
-
 def served_model_name(model: str | None) -> str:
     """The name clients see for `model`: the default's name, a directory's name, a file's stem."""
     if model is None:

@@ -81,9 +81,6 @@ class BlockManager:
                 self._free.append(block)
         return len(table)
 
-    def owners(self) -> list[int]:
-        return list(self._tables)
-
     def check_invariants(self) -> None:
         """free + owned == total, no double ownership, refcounts match the tables."""
         counted = [0] * self.num_blocks
