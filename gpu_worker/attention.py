@@ -5,7 +5,8 @@ sequence's token at absolute position p lives in slot p % block_size of block
 block_table[p // block_size]. Heads come first so that gathering a sequence's blocks
 yields, per head, one contiguous [tokens, head_dim] matrix: what the matmuls want.
 
-A step first writes the new tokens' K/V into their slots, then attends:
+The model has written the new tokens' K/V into their slots (with the rotary embedding,
+layer_ops.rope_and_cache_) before a layer attends:
 
 - prefill chunks (sequences with several new tokens), one at a time: a chunk that starts
   at position 0 attends over its own K/V; a later chunk gathers the sequence's cached
@@ -116,7 +117,8 @@ def decode_group(
 
 def _native_kernel(cache_like: torch.Tensor) -> Callable[..., torch.Tensor] | None:
     """The C++ decode kernel for this cache, or None (CUDA keeps the PyTorch path)."""
-    return native.paged_decode_attention() if cache_like.device.type == "cpu" else None
+    kernels = native.kernels() if cache_like.device.type == "cpu" else None
+    return None if kernels is None else kernels.paged_decode_attention
 
 
 def _decode_gather(
@@ -147,19 +149,6 @@ def _decode_gather(
     )
 
 
-def write_kv(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    slots: torch.Tensor,
-) -> None:
-    """k/v [T, kv_heads, d] into their slots of the [kv_heads, blocks, block_size, d] caches."""
-    kv_heads, head_dim = k_cache.shape[0], k_cache.shape[3]
-    k_cache.view(kv_heads, -1, head_dim).index_copy_(1, slots, k.transpose(0, 1))
-    v_cache.view(kv_heads, -1, head_dim).index_copy_(1, slots, v.transpose(0, 1))
-
-
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -168,8 +157,10 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
 ) -> torch.Tensor:
-    """New tokens' q [T, heads, d] and k/v [T, kv_heads, d] -> attention output [T, heads * d]."""
-    write_kv(k_cache, v_cache, k, v, meta.slots)
+    """New tokens' q [T, heads, d] and k/v [T, kv_heads, d] -> attention output [T, heads * d].
+
+    The new tokens' K/V must already be in their cache slots (layer_ops.rope_and_cache_).
+    """
     num_tokens = q.shape[0]
     group = meta.decode
     if group is not None and meta.decode_only:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from gpu_worker import layer_ops
 from gpu_worker.attention import AttentionMetadata, paged_attention
 from gpu_worker.model_config import ModelConfig, RopeScaling
 from gpu_worker.sampler import Logits
@@ -98,6 +99,7 @@ class Model:
         self.lm_head = Linear(lm_head)
         self.lm_head_rows = lm_head  # dense, for recomputing single logits
         self.cos, self.signed_sin = rope_tables(config, max_positions, dtype, device)
+        self.ops = layer_ops.for_device(device)
 
     def forward(
         self,
@@ -106,36 +108,49 @@ class Model:
         kv_caches: KVCaches,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        cfg = self.config
+        """[T] token ids at [T] positions -> final-normed hidden states [T, hidden].
+
+        Writes the tokens' K/V into their cache slots on the way.
+        """
+        cfg, ops, eps = self.config, self.ops, self.config.rms_norm_eps
         heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q_width, kv_width = heads * head_dim, kv_heads * head_dim
         num_tokens = input_ids.shape[0]
-        # Broadcast over heads; the rotation is applied to q and k heads in one go.
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.signed_sin[positions].unsqueeze(1)
+        # The residual stream, updated in place; each norm comes fused with the add before it.
         x = F.embedding(input_ids, self.embed)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+        h = ops.rms_norm(x, self.layers[0].input_norm, eps)
+        next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
+        for layer, next_norm, (k_cache, v_cache) in zip(
+            self.layers, next_norms, kv_caches, strict=True
+        ):
             qkv = layer.qkv(h)
-            qk = qkv[:, : q_width + kv_width].view(num_tokens, heads + kv_heads, head_dim)
-            qk = apply_rope(qk, cos, sin)
-            q, k = qk[:, :heads], qk[:, heads:]
+            ops.rope_and_cache_(
+                qkv,
+                positions,
+                self.cos,
+                self.signed_sin,
+                k_cache,
+                v_cache,
+                meta.slots,
+                heads,
+                kv_heads,
+            )
+            q = qkv[:, :q_width].view(num_tokens, heads, head_dim)
+            k = qkv[:, q_width : q_width + kv_width].view(num_tokens, kv_heads, head_dim)
             v = qkv[:, q_width + kv_width :].view(num_tokens, kv_heads, head_dim)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta)
-            x = x + layer.o_proj(attn)
-            h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            x = x + layer.down(swiglu(layer.gate_up(h)))
-        return x
+            h = ops.add_rms_norm_(x, layer.o_proj(attn), layer.post_norm, eps)
+            h = ops.add_rms_norm_(x, layer.down(ops.silu_and_mul(layer.gate_up(h))), next_norm, eps)
+        return h
 
-    def logits(self, hidden: torch.Tensor) -> Logits:
-        """Final norm and LM head for the rows that sample: [S, hidden] -> [S, vocab].
+    def logits(self, h: torch.Tensor) -> Logits:
+        """The LM head for the final-normed rows that sample: [S, hidden] -> [S, vocab].
 
         A bfloat16 logit keeps 8 bits of mantissa: around 25, values 0.125 apart collapse,
         so the best tokens often tie and greedy decoding would choose among them by token
         id (SmolLM2 then answers "L'Étoile" instead of "Paris"). The few highest logits of
         each row are therefore recomputed in float32 from the same hidden state.
         """
-        h = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
         logits = self.lm_head(h)
         if logits.dtype == torch.float32:
             return Logits(logits)
@@ -143,30 +158,6 @@ class Model:
         rows = self.lm_head_rows[top].float()  # [S, k, hidden]
         exact = torch.bmm(rows, h.float().unsqueeze(2)).squeeze(2)
         return Logits(logits, top, exact)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Exactly as transformers does it: normalise in float32, round to the model's dtype,
-    # then scale. F.rms_norm rounds once at the end instead, and in bfloat16 that shift is
-    # enough to change SmolLM2's first answer word.
-    xf = x.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
-
-
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Hugging Face's rotate_half convention: x * cos + rotate_half(x) * sin.
-
-    rotate_half(x) = cat(-x2, x1) is roll(x) = cat(x2, x1) with its first half negated;
-    `signed_sin` carries that sign (see rope_tables), so one roll replaces a slice, a
-    negation and a cat, with the same values bit for bit.
-    """
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
@@ -201,7 +192,7 @@ def rope_tables(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and signed sin [max_positions, head_dim], computed in float32 like transformers.
 
-    The signed sin is sin with its first half negated, the form apply_rope takes.
+    The signed sin is sin with its first half negated, the form layer_ops.apply_rope takes.
     """
     inv_freq = inverse_frequencies(config)
     positions = torch.arange(max_positions, dtype=torch.float32)

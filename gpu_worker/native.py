@@ -1,11 +1,15 @@
-"""The C++ CPU decode-attention kernel (csrc/paged_decode_attention.cpp), built on first use.
+"""The C++ CPU kernels (csrc/), built on first use.
 
-torch.utils.cpp_extension compiles it once per machine into the torch extensions directory
+- paged_decode_attention.cpp: decode attention read straight from the paged KV cache;
+- layer_ops.cpp: the small operations between a layer's matmuls, fused (RMSNorm with the
+  residual add, rotary embedding with the KV-cache write, SwiGLU).
+
+torch.utils.cpp_extension compiles them once per machine into the torch extensions directory
 (~/.cache/torch_extensions unless TORCH_EXTENSIONS_DIR says otherwise) and later processes
-load the cached library. It is an optimisation only: when it cannot be built (no compiler,
-no ninja) the reason is logged once and callers keep the pure-PyTorch path.
+load the cached library. They are an optimisation only: when they cannot be built (no
+compiler, no ninja) the reason is logged once and callers keep the PyTorch paths.
 
-Setting CADENCE_NATIVE_ATTENTION=0 turns it off without trying to build it.
+Setting CADENCE_NATIVE_KERNELS=0 turns them off without trying to build them.
 """
 
 from __future__ import annotations
@@ -13,23 +17,28 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
-ENABLED = os.environ.get("CADENCE_NATIVE_ATTENTION", "1") != "0"
+SOURCES = [
+    Path(__file__).parent / "csrc" / name
+    for name in ("paged_decode_attention.cpp", "layer_ops.cpp")
+]
+ENABLED = os.environ.get("CADENCE_NATIVE_KERNELS", "1") != "0"
 
 
 @functools.cache
-def paged_decode_attention() -> Callable[..., torch.Tensor] | None:
-    """The kernel, or None when it is disabled or cannot be built.
+def kernels() -> Any | None:
+    """The `torch.ops.cadence` namespace, or None when disabled or the build fails.
 
-    (q [B, heads, d], k_cache, v_cache [kv_heads, blocks, block_size, d], block_tables
-    [B, W] and context_lens [B] int64, scale) -> [B, heads, d]; CPU tensors only.
+    Its ops take CPU tensors only:
+    - paged_decode_attention(q [B, heads, d], k_cache, v_cache [kv_heads, blocks,
+      block_size, d], block_tables [B, W], context_lens [B], scale) -> [B, heads, d];
+    - rms_norm, add_rms_norm_, silu_and_mul, rope_and_cache_: see gpu_worker.layer_ops.
     """
     if not ENABLED:
         return None
@@ -37,14 +46,15 @@ def paged_decode_attention() -> Callable[..., torch.Tensor] | None:
         from torch.utils import cpp_extension
 
         cpp_extension.load(
-            name="cadence_paged_decode_attention",
-            sources=[str(SOURCE)],
+            name="cadence_native",
+            sources=[str(source) for source in SOURCES],
             # -march=native: the build is cached per machine, and AVX-512 where the CPU has it;
-            # -fopenmp: at::parallel_for is inline and runs serially without it.
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            # -fopenmp: at::parallel_for is inline and runs serially without it;
+            # -ffp-contract=off: a*b + c stays two roundings, as in PyTorch's kernels.
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
             is_python_module=False,
         )
     except Exception as exc:  # a missing compiler or ninja fails in many different ways
-        log.warning("native decode attention unavailable, using PyTorch: %s", exc)
+        log.warning("native CPU kernels unavailable, using PyTorch: %s", exc)
         return None
-    return torch.ops.cadence.paged_decode_attention
+    return torch.ops.cadence

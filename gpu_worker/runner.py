@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker import kv_cache, native
+from gpu_worker import kv_cache
 from gpu_worker.attention import build_metadata
 from gpu_worker.checkpoint import load_weights
 from gpu_worker.device import free_memory_bytes, resolve_device, resolve_dtype
@@ -46,8 +46,6 @@ class ModelRunner:
         )
         del weights
         gc.collect()
-        if self.device.type == "cpu":
-            native.paged_decode_attention()  # build (once per machine) before the handshake
 
         num_blocks = kv_cache.count_blocks(
             worker_config.kv_memory,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker import attention
+from gpu_worker import attention, layer_ops
 from gpu_worker.protocol import SamplingSpec
 from tests.worker_fixtures import (
     Chunk,
@@ -55,7 +55,14 @@ def prefill_path(request, monkeypatch):
         monkeypatch.setattr(attention, "FLASH_MIN_CONTEXT", 0)
 
 
-@pytest.mark.usefixtures("prefill_path")
+@pytest.fixture(params=["native", "torch"])
+def layer_ops_path(request, monkeypatch):
+    """CPUs run the fused C++ layer ops; the PyTorch ones (what CUDA runs) are checked too."""
+    if request.param == "torch":
+        monkeypatch.setattr(layer_ops, "for_device", lambda device: layer_ops.TorchLayerOps())
+
+
+@pytest.mark.usefixtures("prefill_path", "layer_ops_path")
 def test_prefill_logits_match_transformers(variant_dir):
     hf = hf_model(variant_dir)
     runner = make_runner(variant_dir)
@@ -68,6 +75,7 @@ def test_prefill_logits_match_transformers(variant_dir):
         assert max_diff(logits, reference) < tolerance(reference), f"prompt length {length}"
 
 
+@pytest.mark.usefixtures("layer_ops_path")
 def test_token_by_token_logits_match_transformers_at_every_position(variant_dir):
     """Chunks of one token: each step attends only to K/V earlier steps left in the cache."""
     hf = hf_model(variant_dir)

@@ -11,7 +11,7 @@ from gpu_worker import attention, native
 def test_the_kernel_builds_here() -> None:
     # The machines the suite runs on have a compiler and ninja (a dependency): a kernel that
     # does not build is a failure, not a reason to skip; the cause is in the log.
-    assert native.paged_decode_attention() is not None
+    assert native.kernels() is not None
 
 
 def random_decode_case(
@@ -65,6 +65,6 @@ def test_kernel_matches_pytorch_decode(dtype, tolerance, head_dim, group_size, b
 def test_kernel_rejects_a_block_outside_the_cache():
     q, k_cache, v_cache, tables, lens = random_decode_case(torch.float32, 64, 3, 16, seed=0)
     tables[0, 0] = k_cache.shape[1]
-    kernel = native.paged_decode_attention()
+    kernel = native.kernels().paged_decode_attention
     with pytest.raises(RuntimeError, match="outside the cache"):
         kernel(q, k_cache, v_cache, tables, lens, 0.125)

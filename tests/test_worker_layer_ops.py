@@ -1,0 +1,115 @@
+"""The fused C++ layer ops against the PyTorch reference ops they replace on CPU."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from gpu_worker import layer_ops, native
+from gpu_worker.layer_ops import NativeLayerOps, TorchLayerOps
+from gpu_worker.model import rope_tables
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def fused() -> NativeLayerOps:
+    kernels = native.kernels()
+    assert kernels is not None  # the suite's machines have a compiler and ninja
+    return NativeLayerOps(kernels)
+
+
+def rows(shape: tuple[int, ...], dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=generator) * scale).to(dtype)
+
+
+def assert_at_most_one_ulp_apart(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal but for rare last-bit differences (another summation order, another exp)."""
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    if got.dtype == torch.bfloat16:
+        ulps = (got.view(torch.int16).int() - expected.view(torch.int16).int()).abs()
+        assert ulps.max() <= 1
+        assert (ulps > 0).float().mean() < 0.01
+    else:
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+
+
+def test_cpu_uses_the_fused_ops():
+    assert isinstance(layer_ops.for_device(torch.device("cpu")), NativeLayerOps)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [576, 40])  # 40: the scalar tail after two vectors
+def test_rms_norm_matches(fused, dtype, width):
+    x, weight = rows((33, width), dtype, 0, 3.0), rows((width,), dtype, 1)
+    before = x.clone()
+    assert_at_most_one_ulp_apart(
+        fused.rms_norm(x, weight, 1e-5), TorchLayerOps().rms_norm(x, weight, 1e-5)
+    )
+    assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_updates_the_residual_exactly(fused, dtype):
+    x, delta, weight = (
+        rows((64, 576), dtype, 2, 4.0),
+        rows((64, 576), dtype, 3),
+        rows((576,), dtype, 4),
+    )
+    x_fused, x_torch = x.clone(), x.clone()
+    got = fused.add_rms_norm_(x_fused, delta, weight, 1e-6)
+    expected = TorchLayerOps().add_rms_norm_(x_torch, delta, weight, 1e-6)
+    assert torch.equal(x_fused, x_torch)
+    assert not torch.equal(x_fused, x)
+    assert_at_most_one_ulp_apart(got, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1536, 24])
+def test_silu_and_mul_matches(fused, dtype, width):
+    gate_up = rows((17, 2 * width), dtype, 5, 4.0)
+    got = fused.silu_and_mul(gate_up)
+    assert got.shape == (17, width)
+    assert_at_most_one_ulp_apart(got, TorchLayerOps().silu_and_mul(gate_up))
+
+
+def rope_case(dtype: torch.dtype, head_dim: int):
+    heads, kv_heads = 6, 2
+    config = SimpleNamespace(head_dim=head_dim, rope_theta=10000.0, rope_scaling=None)
+    cos, sin = rope_tables(config, 64, dtype, torch.device("cpu"))
+    tokens = 11
+    qkv = rows((tokens, (heads + 2 * kv_heads) * head_dim), dtype, 6)
+    positions = torch.randperm(64, generator=torch.Generator().manual_seed(7))[:tokens]
+    cache_shape = (kv_heads, 9, 4, head_dim)  # 36 slots per head
+    slots = torch.randperm(36, generator=torch.Generator().manual_seed(8))[:tokens]
+    caches = rows(cache_shape, dtype, 9), rows(cache_shape, dtype, 10)
+    return qkv, positions, cos, sin, caches, slots, heads, kv_heads
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_rope_and_cache_is_exact(fused, dtype, head_dim):
+    qkv, positions, cos, sin, caches, slots, heads, kv_heads = rope_case(dtype, head_dim)
+    results = []
+    for ops in (fused, TorchLayerOps()):
+        out, (k_cache, v_cache) = qkv.clone(), (c.clone() for c in caches)
+        ops.rope_and_cache_(out, positions, cos, sin, k_cache, v_cache, slots, heads, kv_heads)
+        results.append((out, k_cache, v_cache))
+    (out, k_cache, v_cache), (out_ref, k_ref, v_ref) = results
+    assert torch.equal(out, out_ref) and torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    assert not torch.equal(out, qkv)  # it rotated something
+    assert not torch.equal(k_cache, caches[0])  # and wrote the new keys
+
+
+def test_rope_and_cache_rejects_a_slot_outside_the_cache(fused):
+    qkv, positions, cos, sin, (k_cache, v_cache), slots, heads, kv_heads = rope_case(
+        torch.float32, 64
+    )
+    slots[3] = k_cache.shape[1] * k_cache.shape[2]
+    before = k_cache.clone()
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        fused.rope_and_cache_(qkv, positions, cos, sin, k_cache, v_cache, slots, heads, kv_heads)
+    assert torch.equal(k_cache, before)
