@@ -1,6 +1,8 @@
 """The C++ CPU kernels (csrc/), built on first use.
 
 - paged_decode_attention.cpp: decode attention read straight from the paged KV cache;
+- paged_prefill_attention.cpp: a prefill chunk's causal attention, likewise (bfloat16, on
+  CPUs with AVX512-BF16; elsewhere the op is not registered);
 - layer_ops.cpp: the small operations between a layer's matmuls, fused (RMSNorm with the
   residual add, rotary embedding with the KV-cache write, SwiGLU).
 
@@ -26,7 +28,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_decode_attention.cpp", "layer_ops.cpp")
+    for name in ("paged_decode_attention.cpp", "paged_prefill_attention.cpp", "layer_ops.cpp")
 ]
 ENABLED = os.environ.get("CADENCE_NATIVE_KERNELS", "1") != "0"
 
@@ -38,6 +40,8 @@ def kernels() -> Any | None:
     Its ops take CPU tensors only:
     - paged_decode_attention(q [B, heads, d], k_cache, v_cache [kv_heads, blocks,
       block_size, d], block_tables [B, W], context_lens [B], scale) -> [B, heads, d];
+    - paged_prefill_attention(q [n, heads, d], k_cache, v_cache, block_table [W], start,
+      scale) -> [n, heads, d], where the CPU has AVX512-BF16;
     - rms_norm, add_rms_norm_, silu_and_mul, rope_and_cache_: see gpu_worker.layer_ops.
     """
     if not ENABLED:

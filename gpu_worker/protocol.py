@@ -111,7 +111,10 @@ class StepResult:
 
 
 def to_message(kind: str, record: Any) -> dict[str, Any]:
-    return {"type": kind, **dataclasses.asdict(record)}
+    # Shallow: orjson serialises nested dataclasses (a plan's SamplingSpecs) itself, ~10x
+    # faster than dataclasses.asdict, which cost ~1 ms per 64-sequence plan.
+    fields = {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
+    return {"type": kind, **fields}
 
 
 def batch_plan_from_message(msg: dict[str, Any]) -> BatchPlan:

@@ -68,3 +68,78 @@ def test_kernel_rejects_a_block_outside_the_cache():
     kernel = native.kernels().paged_decode_attention
     with pytest.raises(RuntimeError, match="outside the cache"):
         kernel(q, k_cache, v_cache, tables, lens, 0.125)
+
+
+def random_prefill_case(
+    num_queries: int, start: int, group_size: int, head_dim: int, block_size: int, seed: int
+):
+    """One sequence's chunk whose K/V are already in shuffled cache blocks, as the model
+    leaves them before attending; q is a strided view, as the model passes it."""
+    generator = torch.Generator().manual_seed(seed)
+    kv_heads = 2
+    heads = kv_heads * group_size
+    context = start + num_queries
+    num_blocks = -(-context // block_size) + 3
+    shape = (kv_heads, num_blocks, block_size, head_dim)
+    k_cache = torch.randn(shape, generator=generator).to(torch.bfloat16)
+    v_cache = torch.randn(shape, generator=generator).to(torch.bfloat16)
+    table = torch.randperm(num_blocks, generator=generator)[: -(-context // block_size)]
+    qkv = torch.randn(num_queries, heads + 2 * kv_heads, head_dim, generator=generator)
+    q, k, v = qkv.to(torch.bfloat16).split([heads, kv_heads, kv_heads], dim=1)
+    positions = torch.arange(start, context)
+    slots = table[positions // block_size] * block_size + positions % block_size
+    k_cache.view(kv_heads, -1, head_dim)[:, slots] = k.transpose(0, 1)
+    v_cache.view(kv_heads, -1, head_dim)[:, slots] = v.transpose(0, 1)
+    cache_rows = None
+    if start > 0:
+        cache_rows = (torch.arange(kv_heads)[:, None] * num_blocks + table).reshape(-1)
+    chunk = attention.PrefillChunk(
+        rows=slice(0, num_queries),
+        cache_rows=cache_rows,
+        start=start,
+        context_len=context,
+        causal_tile=attention.causal_tile(torch.bfloat16, torch.device("cpu")),
+        block_table=table,
+    )
+    return q, k, v, k_cache, v_cache, chunk
+
+
+def test_the_prefill_kernel_serves_bfloat16_on_this_cpu():
+    # The suite's machines have AVX512-BF16 (the kernel is registered only where they do).
+    q = torch.zeros(3, 2, 64, dtype=torch.bfloat16)
+    assert attention._native_prefill_kernel(q) is not None
+    assert attention._native_prefill_kernel(q.float()) is None
+
+
+@pytest.mark.parametrize(
+    ("num_queries", "start", "group_size", "head_dim", "block_size"),
+    [
+        (1, 0, 3, 64, 16),  # a one-token chunk
+        (37, 3, 3, 64, 16),  # an odd context: the last value pair is half empty
+        (100, 0, 1, 64, 16),
+        (64, 50, 3, 128, 16),
+        (33, 17, 3, 32, 5),  # blocks of 5 tokens: query and key blocks straddle them
+        (70, 0, 5, 64, 16),  # a group larger than one pass over the values takes
+        (300, 900, 3, 64, 16),  # several query blocks over a long cached prefix
+    ],
+)
+def test_prefill_kernel_matches_the_pytorch_path(
+    num_queries, start, group_size, head_dim, block_size
+):
+    q, k, v, k_cache, v_cache, chunk = random_prefill_case(
+        num_queries, start, group_size, head_dim, block_size, seed=num_queries + start
+    )
+    kernel = native.kernels().paged_prefill_attention
+    got = kernel(q, k_cache, v_cache, chunk.block_table, start, head_dim**-0.5)
+    expected = attention._blocked_prefill_attention(q, k, v, k_cache, v_cache, chunk)
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_prefill_kernel_rejects_a_block_outside_the_cache():
+    q, _, _, k_cache, v_cache, chunk = random_prefill_case(20, 10, 3, 64, 16, seed=1)
+    table = chunk.block_table.clone()
+    table[1] = k_cache.shape[1]
+    kernel = native.kernels().paged_prefill_attention
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernel(q, k_cache, v_cache, table, 10, 0.125)

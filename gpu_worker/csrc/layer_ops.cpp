@@ -247,7 +247,10 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 template <typename T>
 void rotate_head(T* x, const T* cos, const T* sin, int64_t d, float* rolled) {
   const int64_t half = d / 2;
-  for (int64_t i = 0; i < d; ++i) rolled[i] = static_cast<float>(x[(i + half) % d]);
+  for (int64_t i = 0; i < half; ++i) {
+    rolled[i] = static_cast<float>(x[i + half]);
+    rolled[i + half] = static_cast<float>(x[i]);
+  }
   int64_t i = 0;
 #if defined(__AVX512F__)
   for (; i + kLanes <= d; i += kLanes) {

@@ -1,0 +1,337 @@
+// Causal attention of one prefill chunk straight from the paged KV cache, on the CPU, for
+// bfloat16 caches on CPUs with AVX512-BF16.
+//
+// The PyTorch path (gpu_worker/attention.py) runs a handful of kernels per block of 128
+// queries (matmul, mask, softmax, cast, matmul, copies): ~60 ms of a ~200 ms step for
+// SmolLM2-135M with a 448-token chunk on two cores. Here one task takes 32 query tokens of
+// one kv head: it lays the keys it can see out transposed, 16 keys per vector (so a score
+// vector needs no horizontal sum), and the values interleaved in pairs, once, and then
+// runs every query head of the group through them with vdpbf16ps.
+//
+// Scores and probabilities are rounded to bfloat16 where the PyTorch path holds them in
+// bfloat16 tensors (scaled scores, probabilities after the float32 softmax), so the two
+// paths agree to bfloat16 precision; sums run in another order, so not bit for bit.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+constexpr int64_t kKeys = 16;  // keys per score vector
+constexpr int64_t kQueryBlock = 32;  // query tokens per task
+constexpr int64_t kChunk = 32;  // bfloat16 values per vector
+
+struct Chunk {
+  const bf16* q;  // [n, heads, d], rows strided
+  int64_t q_token_stride, q_head_stride;
+  const bf16* k_cache;  // [kv_heads, cache_blocks, block_size, d], contiguous
+  const bf16* v_cache;
+  const int64_t* table;  // the sequence's block ids
+  bf16* out;  // [n, heads, d], contiguous
+  int64_t n, start, heads, kv_heads, group, d, cache_blocks, block_size;
+  float scale;
+
+  const bf16* key_row(const bf16* cache, int64_t head, int64_t token) const {
+    const int64_t block = table[token / block_size];
+    return cache + ((head * cache_blocks + block) * block_size + token % block_size) * d;
+  }
+};
+
+inline uint32_t bits_of(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return bits;
+}
+
+// Round to nearest bfloat16, ties to even (finite values), kept as a float.
+inline __m512 round_bf16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(~0xffff)));
+}
+
+// exp(x) for x <= 0, as in paged_decode_attention.cpp.
+inline __m512 exp16(__m512 x) {
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One task's keys and values, laid out for vdpbf16ps, and its scores.
+struct Workspace {
+  std::vector<uint32_t> keys;  // [key blocks][d / 2][16]: pairs of dims of 16 keys
+  std::vector<uint32_t> values;  // [key pairs][d / 32][2][16]: two tokens' rows interleaved
+  std::vector<float> scores;  // [heads per pass][stride]
+  int64_t stride = 0;  // the task's visible keys rounded up to two key blocks
+};
+
+// Keys [0, len) of `head`, transposed: word p of key j of block b (dims 2p, 2p + 1) at
+// keys[(b * d / 2 + p) * 16 + j]; keys past len are zero.
+void lay_out_keys(const Chunk& c, int64_t head, int64_t len, Workspace& w) {
+  const int64_t words = c.d / 2, blocks = (len + kKeys - 1) / kKeys;
+  w.keys.assign(blocks * words * kKeys, 0u);
+  for (int64_t t = 0; t < len; ++t) {
+    const auto* row = reinterpret_cast<const uint32_t*>(c.key_row(c.k_cache, head, t));
+    uint32_t* dst = w.keys.data() + (t / kKeys) * words * kKeys + t % kKeys;
+    for (int64_t p = 0; p < words; ++p) dst[p * kKeys] = row[p];
+  }
+}
+
+// Values of tokens 2m and 2m + 1 interleaved per 32-dim chunk c (unpacklo/hi_epi16), so that
+// vdpbf16ps meets them with the pair of their probabilities; a missing odd token is zero.
+void lay_out_values(const Chunk& c, int64_t head, int64_t len, Workspace& w) {
+  const int64_t chunks = c.d / kChunk, pairs = (len + 1) / 2;
+  w.values.resize(pairs * chunks * 2 * kKeys);
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t m = 0; m < pairs; ++m) {
+    const bf16* row0 = c.key_row(c.v_cache, head, 2 * m);
+    const bf16* row1 = 2 * m + 1 < len ? c.key_row(c.v_cache, head, 2 * m + 1) : nullptr;
+    for (int64_t ch = 0; ch < chunks; ++ch) {
+      const __m512i r0 = _mm512_loadu_si512(row0 + ch * kChunk);
+      const __m512i r1 = row1 != nullptr ? _mm512_loadu_si512(row1 + ch * kChunk) : zero;
+      uint32_t* dst = w.values.data() + ((m * chunks + ch) * 2) * kKeys;
+      _mm512_storeu_si512(dst, _mm512_unpacklo_epi16(r0, r1));
+      _mm512_storeu_si512(dst + kKeys, _mm512_unpackhi_epi16(r0, r1));
+    }
+  }
+}
+
+// Scaled scores, rounded to bfloat16, of G query heads over keys [0, len) -> scores[g][...].
+// Two key blocks per pass: 2 * G independent accumulation chains.
+template <int64_t G>
+void score_keys(const uint32_t* const* queries, int64_t words, int64_t len, float scale,
+                const Workspace& w, float* scores, int64_t stride) {
+  const int64_t blocks = (len + kKeys - 1) / kKeys;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t b = 0; b < blocks; b += 2) {
+    const bool two = b + 1 < blocks;
+    __m512 acc[2][G];
+    for (int64_t g = 0; g < G; ++g) acc[0][g] = acc[1][g] = _mm512_setzero_ps();
+    const uint32_t* k0 = w.keys.data() + b * words * kKeys;
+    const uint32_t* k1 = two ? k0 + words * kKeys : k0;
+    for (int64_t p = 0; p < words; ++p) {
+      const __m512bh a = (__m512bh)_mm512_loadu_si512(k0 + p * kKeys);
+      const __m512bh c = (__m512bh)_mm512_loadu_si512(k1 + p * kKeys);
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512bh qp = (__m512bh)_mm512_set1_epi32(static_cast<int>(queries[g][p]));
+        acc[0][g] = _mm512_dpbf16_ps(acc[0][g], a, qp);
+        acc[1][g] = _mm512_dpbf16_ps(acc[1][g], c, qp);
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* row = scores + g * stride + b * kKeys;
+      _mm512_storeu_ps(row, round_bf16(_mm512_mul_ps(acc[0][g], vscale)));
+      if (two) _mm512_storeu_ps(row + kKeys, round_bf16(_mm512_mul_ps(acc[1][g], vscale)));
+    }
+  }
+}
+
+// Scores [0, len) -> probabilities rounded to bfloat16, zero from len to the next even count.
+void softmax_row(float* s, int64_t len) {
+  __m512 vmax = _mm512_set1_ps(-INFINITY);
+  int64_t t = 0;
+  for (; t + kKeys <= len; t += kKeys) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
+  float max = _mm512_reduce_max_ps(vmax);
+  for (; t < len; ++t) max = std::max(max, s[t]);
+  __m512 vsum = _mm512_setzero_ps();
+  const __m512 vmaxs = _mm512_set1_ps(max);
+  t = 0;
+  for (; t + kKeys <= len; t += kKeys) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), vmaxs));
+    _mm512_storeu_ps(s + t, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  float sum = _mm512_reduce_add_ps(vsum);
+  for (; t < len; ++t) {
+    s[t] = std::exp(s[t] - max);
+    sum += s[t];
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / sum);
+  t = 0;
+  for (; t + kKeys <= len; t += kKeys) {
+    _mm512_storeu_ps(s + t, round_bf16(_mm512_mul_ps(_mm512_loadu_ps(s + t), inv)));
+  }
+  for (; t < len; ++t) s[t] = static_cast<float>(static_cast<bf16>(s[t] * (1.f / sum)));
+  if (len % 2 == 1) s[len] = 0.f;
+}
+
+// out[g] = sum over t < len of probs[g][t] * value t, for G heads and d = C * 32.
+template <int64_t G, int64_t C>
+void weigh_values(const float* probs, int64_t stride, int64_t len, const Workspace& w,
+                  bf16* const* out) {
+  __m512 lo[G][C], hi[G][C];
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t c = 0; c < C; ++c) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
+  }
+  const int64_t pairs = (len + 1) / 2;
+  for (int64_t m = 0; m < pairs; ++m) {
+    __m512bh weights[G];
+    for (int64_t g = 0; g < G; ++g) {
+      const float* p = probs + g * stride + 2 * m;
+      const uint32_t pair = (bits_of(p[0]) >> 16) | (bits_of(p[1]) & 0xffff0000u);
+      weights[g] = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+    }
+    const uint32_t* v = w.values.data() + m * C * 2 * kKeys;
+    for (int64_t c = 0; c < C; ++c) {
+      const __m512bh low = (__m512bh)_mm512_loadu_si512(v + c * 2 * kKeys);
+      const __m512bh high = (__m512bh)_mm512_loadu_si512(v + (c * 2 + 1) * kKeys);
+      for (int64_t g = 0; g < G; ++g) {
+        lo[g][c] = _mm512_dpbf16_ps(lo[g][c], low, weights[g]);
+        hi[g][c] = _mm512_dpbf16_ps(hi[g][c], high, weights[g]);
+      }
+    }
+  }
+  // Element e of a chunk is in 128-bit lane e / 8: its first four in lo, the rest in hi.
+  alignas(64) float lanes[2][16];
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t c = 0; c < C; ++c) {
+      _mm512_store_ps(lanes[0], lo[g][c]);
+      _mm512_store_ps(lanes[1], hi[g][c]);
+      for (int64_t e = 0; e < kChunk; ++e) {
+        out[g][c * kChunk + e] = static_cast<bf16>(lanes[e % 8 / 4][e / 8 * 4 + e % 4]);
+      }
+    }
+  }
+}
+
+// Heads per pass: G * C * 2 value accumulators stay within 24 of the 32 vector registers.
+constexpr int64_t heads_per_pass(int64_t chunks) { return std::clamp<int64_t>(12 / chunks, 1, 4); }
+
+// G query heads (first_head ..) of one token that sees `len` keys.
+template <int64_t G, int64_t C>
+void attend_heads(const Chunk& c, int64_t token, int64_t first_head, int64_t len, Workspace& w) {
+  const int64_t words = c.d / 2, stride = w.stride;
+  const uint32_t* queries[G];
+  bf16* out[G];
+  for (int64_t g = 0; g < G; ++g) {
+    const bf16* q = c.q + token * c.q_token_stride + (first_head + g) * c.q_head_stride;
+    queries[g] = reinterpret_cast<const uint32_t*>(q);
+    out[g] = c.out + (token * c.heads + first_head + g) * c.d;
+  }
+  score_keys<G>(queries, words, len, c.scale, w, w.scores.data(), stride);
+  for (int64_t g = 0; g < G; ++g) softmax_row(w.scores.data() + g * stride, len);
+  weigh_values<G, C>(w.scores.data(), stride, len, w, out);
+}
+
+template <int64_t C>
+void attend_group(const Chunk& c, int64_t token, int64_t head, int64_t len, Workspace& w) {
+  constexpr int64_t per_pass = heads_per_pass(C);
+  for (int64_t g = 0; g < c.group; g += per_pass) {
+    const int64_t first = head * c.group + g;
+    switch (std::min(per_pass, c.group - g)) {
+      case 1: attend_heads<1, C>(c, token, first, len, w); break;
+      case 2: attend_heads<std::min<int64_t>(2, per_pass), C>(c, token, first, len, w); break;
+      case 3: attend_heads<std::min<int64_t>(3, per_pass), C>(c, token, first, len, w); break;
+      default: attend_heads<per_pass, C>(c, token, first, len, w); break;
+    }
+  }
+}
+
+// Query tokens [first, end) under kv head `head`.
+void run_task(const Chunk& c, int64_t head, int64_t first, int64_t end, Workspace& w) {
+  const int64_t visible = c.start + end;  // what the block's last query sees
+  lay_out_keys(c, head, visible, w);
+  lay_out_values(c, head, visible, w);
+  w.stride = (visible + 2 * kKeys - 1) / (2 * kKeys) * (2 * kKeys);
+  w.scores.resize(w.stride * heads_per_pass(c.d / kChunk));
+  for (int64_t i = first; i < end; ++i) {
+    const int64_t len = c.start + i + 1;
+    switch (c.d / kChunk) {
+      case 1: attend_group<1>(c, i, head, len, w); break;
+      case 2: attend_group<2>(c, i, head, len, w); break;
+      case 3: attend_group<3>(c, i, head, len, w); break;
+      case 4: attend_group<4>(c, i, head, len, w); break;
+      case 5: attend_group<5>(c, i, head, len, w); break;
+      case 6: attend_group<6>(c, i, head, len, w); break;
+      case 7: attend_group<7>(c, i, head, len, w); break;
+      default: attend_group<8>(c, i, head, len, w); break;
+    }
+  }
+}
+
+void run(const Chunk& c) {
+  // Tasks (query block, kv head), the costliest (latest) blocks first, handed out one at a
+  // time: causal blocks differ in cost, and a static split would leave a thread idle.
+  const int64_t blocks = (c.n + kQueryBlock - 1) / kQueryBlock;
+  const int64_t tasks = blocks * c.kv_heads;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    Workspace w;
+    for (int64_t task = next++; task < tasks; task = next++) {
+      const int64_t block = blocks - 1 - task / c.kv_heads;
+      const int64_t first = block * kQueryBlock;
+      run_task(c, task % c.kv_heads, first, std::min(c.n, first + kQueryBlock), w);
+    }
+  });
+}
+
+// q [n, heads, d] (rows strided, last dim contiguous) of one sequence's chunk at positions
+// start .. start + n - 1, whose K/V are already in the caches [kv_heads, blocks, block_size,
+// d]; block_table [W] int64 covers them -> [n, heads, d].
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                   const at::Tensor& v_cache, const at::Tensor& block_table,
+                                   int64_t start, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.scalar_type() == at::kBFloat16,
+              "bfloat16 q and caches only");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [n, heads, d], rows contiguous");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "caches must match");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  const int64_t n = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k_cache.size(0);
+  TORCH_CHECK(k_cache.size(3) == d && d % kChunk == 0 && d <= 8 * kChunk,
+              "head_dim must match the caches and be a multiple of 32 up to 256");
+  TORCH_CHECK(heads % kv_heads == 0, "heads must be a multiple of kv_heads");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 1,
+              "block_table must be an int64 vector");
+  TORCH_CHECK(start >= 0, "start must be >= 0");
+  const at::Tensor table = block_table.contiguous();
+  const int64_t cache_blocks = k_cache.size(1), block_size = k_cache.size(2);
+  const int64_t needed = (start + n + block_size - 1) / block_size;
+  TORCH_CHECK(table.numel() >= needed, "the block table covers ", table.numel() * block_size,
+              " tokens, the chunk reaches ", start + n);
+  const int64_t* ids = table.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < needed; ++i) {
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < cache_blocks, "block id ", ids[i],
+                " is outside the cache's ", cache_blocks, " blocks");
+  }
+  at::Tensor out = at::empty({n, heads, d}, q.options());
+  if (n == 0) return out;
+  run(Chunk{q.const_data_ptr<bf16>(), q.stride(0), q.stride(1), k_cache.const_data_ptr<bf16>(),
+            v_cache.const_data_ptr<bf16>(), ids, out.mutable_data_ptr<bf16>(), n, start, heads,
+            kv_heads, heads / kv_heads, d, cache_blocks, block_size, static_cast<float>(scale)});
+  return out;
+}
+
+}  // namespace
+
+// Registered only where the CPU can run it; gpu_worker.attention checks for the op.
+TORCH_LIBRARY_FRAGMENT(cadence, m) {
+  m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+        "int start, float scale) -> Tensor");
+  m.impl("paged_prefill_attention", c10::DispatchKey::CPU, &paged_prefill_attention);
+}
+
+#endif
