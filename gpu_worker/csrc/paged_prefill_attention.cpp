@@ -50,12 +50,6 @@ struct Chunk {
   }
 };
 
-inline uint32_t bits_of(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  return bits;
-}
-
 // Round to nearest bfloat16, ties to even (finite values), kept as a float.
 inline __m512 round_bf16(__m512 x) {
   const __m512i bits = _mm512_castps_si512(x);
@@ -84,7 +78,8 @@ struct Workspace {
   std::vector<uint32_t> keys;  // [key blocks][d / 2][16]: pairs of dims of 16 keys
   std::vector<uint32_t> values;  // [key pairs][d / 32][2][16]: two tokens' rows interleaved
   std::vector<float> scores;  // [heads per pass][stride]
-  int64_t stride = 0;  // the task's visible keys rounded up to two key blocks
+  std::vector<bf16> probs;  // [heads per pass][stride]
+  int64_t stride = 0;  // the task's visible keys rounded up to whole key blocks, plus one
 };
 
 // Keys [0, len) of `head`, transposed: word p of key j of block b (dims 2p, 2p + 1) at
@@ -119,37 +114,44 @@ void lay_out_values(const Chunk& c, int64_t head, int64_t len, Workspace& w) {
 }
 
 // Scaled scores, rounded to bfloat16, of G query heads over keys [0, len) -> scores[g][...].
-// Two key blocks per pass: 2 * G independent accumulation chains.
+// kPassBlocks key blocks per pass: kPassBlocks * G independent accumulation chains.
+constexpr int64_t kPassBlocks = 4;
+
 template <int64_t G>
 void score_keys(const uint32_t* const* queries, int64_t words, int64_t len, float scale,
                 const Workspace& w, float* scores, int64_t stride) {
   const int64_t blocks = (len + kKeys - 1) / kKeys;
   const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t b = 0; b < blocks; b += 2) {
-    const bool two = b + 1 < blocks;
-    __m512 acc[2][G];
-    for (int64_t g = 0; g < G; ++g) acc[0][g] = acc[1][g] = _mm512_setzero_ps();
-    const uint32_t* k0 = w.keys.data() + b * words * kKeys;
-    const uint32_t* k1 = two ? k0 + words * kKeys : k0;
+  for (int64_t b = 0; b < blocks; b += kPassBlocks) {
+    const int64_t here = std::min(kPassBlocks, blocks - b);
+    __m512 acc[kPassBlocks][G];
+    const uint32_t* keys[kPassBlocks];  // past the last block, the last again (not stored)
+    for (int64_t i = 0; i < kPassBlocks; ++i) {
+      for (int64_t g = 0; g < G; ++g) acc[i][g] = _mm512_setzero_ps();
+      keys[i] = w.keys.data() + (b + std::min(i, here - 1)) * words * kKeys;
+    }
     for (int64_t p = 0; p < words; ++p) {
-      const __m512bh a = (__m512bh)_mm512_loadu_si512(k0 + p * kKeys);
-      const __m512bh c = (__m512bh)_mm512_loadu_si512(k1 + p * kKeys);
+      __m512bh k[kPassBlocks];
+      for (int64_t i = 0; i < kPassBlocks; ++i) {
+        k[i] = (__m512bh)_mm512_loadu_si512(keys[i] + p * kKeys);
+      }
       for (int64_t g = 0; g < G; ++g) {
         const __m512bh qp = (__m512bh)_mm512_set1_epi32(static_cast<int>(queries[g][p]));
-        acc[0][g] = _mm512_dpbf16_ps(acc[0][g], a, qp);
-        acc[1][g] = _mm512_dpbf16_ps(acc[1][g], c, qp);
+        for (int64_t i = 0; i < kPassBlocks; ++i) acc[i][g] = _mm512_dpbf16_ps(acc[i][g], k[i], qp);
       }
     }
     for (int64_t g = 0; g < G; ++g) {
-      float* row = scores + g * stride + b * kKeys;
-      _mm512_storeu_ps(row, round_bf16(_mm512_mul_ps(acc[0][g], vscale)));
-      if (two) _mm512_storeu_ps(row + kKeys, round_bf16(_mm512_mul_ps(acc[1][g], vscale)));
+      for (int64_t i = 0; i < here; ++i) {
+        float* row = scores + g * stride + (b + i) * kKeys;
+        _mm512_storeu_ps(row, round_bf16(_mm512_mul_ps(acc[i][g], vscale)));
+      }
     }
   }
 }
 
-// Scores [0, len) -> probabilities rounded to bfloat16, zero from len to the next even count.
-void softmax_row(float* s, int64_t len) {
+// Scores [0, len) -> probabilities as bfloat16 in `probs`, zero from len to the next even
+// count (the pair of a last odd token).
+void softmax_row(float* s, int64_t len, bf16* probs) {
   __m512 vmax = _mm512_set1_ps(-INFINITY);
   int64_t t = 0;
   for (; t + kKeys <= len; t += kKeys) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
@@ -168,18 +170,20 @@ void softmax_row(float* s, int64_t len) {
     s[t] = std::exp(s[t] - max);
     sum += s[t];
   }
+  // vcvtneps2bf16 rounds to nearest even, as c10::BFloat16 does for finite values.
   const __m512 inv = _mm512_set1_ps(1.f / sum);
   t = 0;
   for (; t + kKeys <= len; t += kKeys) {
-    _mm512_storeu_ps(s + t, round_bf16(_mm512_mul_ps(_mm512_loadu_ps(s + t), inv)));
+    const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(s + t), inv));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + t), (__m256i)rounded);
   }
-  for (; t < len; ++t) s[t] = static_cast<float>(static_cast<bf16>(s[t] * (1.f / sum)));
-  if (len % 2 == 1) s[len] = 0.f;
+  for (; t < len; ++t) probs[t] = static_cast<bf16>(s[t] * (1.f / sum));
+  if (len % 2 == 1) probs[len] = static_cast<bf16>(0.f);
 }
 
 // out[g] = sum over t < len of probs[g][t] * value t, for G heads and d = C * 32.
 template <int64_t G, int64_t C>
-void weigh_values(const float* probs, int64_t stride, int64_t len, const Workspace& w,
+void weigh_values(const bf16* probs, int64_t stride, int64_t len, const Workspace& w,
                   bf16* const* out) {
   __m512 lo[G][C], hi[G][C];
   for (int64_t g = 0; g < G; ++g) {
@@ -187,10 +191,10 @@ void weigh_values(const float* probs, int64_t stride, int64_t len, const Workspa
   }
   const int64_t pairs = (len + 1) / 2;
   for (int64_t m = 0; m < pairs; ++m) {
-    __m512bh weights[G];
+    __m512bh weights[G];  // the probabilities of tokens 2m and 2m + 1, as one word
     for (int64_t g = 0; g < G; ++g) {
-      const float* p = probs + g * stride + 2 * m;
-      const uint32_t pair = (bits_of(p[0]) >> 16) | (bits_of(p[1]) & 0xffff0000u);
+      uint32_t pair;
+      std::memcpy(&pair, probs + g * stride + 2 * m, sizeof pair);
       weights[g] = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
     }
     const uint32_t* v = w.values.data() + m * C * 2 * kKeys;
@@ -231,8 +235,10 @@ void attend_heads(const Chunk& c, int64_t token, int64_t first_head, int64_t len
     out[g] = c.out + (token * c.heads + first_head + g) * c.d;
   }
   score_keys<G>(queries, words, len, c.scale, w, w.scores.data(), stride);
-  for (int64_t g = 0; g < G; ++g) softmax_row(w.scores.data() + g * stride, len);
-  weigh_values<G, C>(w.scores.data(), stride, len, w, out);
+  for (int64_t g = 0; g < G; ++g) {
+    softmax_row(w.scores.data() + g * stride, len, w.probs.data() + g * stride);
+  }
+  weigh_values<G, C>(w.probs.data(), stride, len, w, out);
 }
 
 template <int64_t C>
@@ -254,8 +260,9 @@ void run_task(const Chunk& c, int64_t head, int64_t first, int64_t end, Workspac
   const int64_t visible = c.start + end;  // what the block's last query sees
   lay_out_keys(c, head, visible, w);
   lay_out_values(c, head, visible, w);
-  w.stride = (visible + 2 * kKeys - 1) / (2 * kKeys) * (2 * kKeys);
+  w.stride = (visible + kKeys) / kKeys * kKeys;  // whole key blocks, and one more token
   w.scores.resize(w.stride * heads_per_pass(c.d / kChunk));
+  w.probs.resize(w.scores.size());
   for (int64_t i = first; i < end; ++i) {
     const int64_t len = c.start + i + 1;
     switch (c.d / kChunk) {
