@@ -1,4 +1,4 @@
-"""The small per-layer operations between the matmuls, in two implementations.
+"""The small operations between the matmuls, in two implementations.
 
 - `TorchLayerOps`: PyTorch ops on any device (CUDA graphs capture them). These are the
   reference: each follows transformers' rounding step by step.
@@ -13,6 +13,8 @@ Both have one interface, so the model's forward pass is written once:
     rope_and_cache_(qkv, positions, cos, signed_sin, k_cache, v_cache, slots, heads, kv_heads)
         rotates q and k inside qkv [T, (heads + 2 kv_heads) * d] in place and writes the
         new k and v rows to their cache slots.
+    top_k_ids(logits [S, vocab], k) -> [S, k] ids of each row's k largest logits, best
+        first (which of equal logits is taken may differ between the two).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class LayerOps(Protocol):
         heads: int,
         kv_heads: int,
     ) -> None: ...
+
+    def top_k_ids(self, logits: torch.Tensor, k: int) -> torch.Tensor: ...
 
 
 def for_device(device: torch.device) -> LayerOps:
@@ -87,6 +91,9 @@ class TorchLayerOps:
         v = qkv[:, (heads + kv_heads) * head_dim :].view(rows, kv_heads, head_dim)
         write_kv(k_cache, v_cache, qk[:, heads:], v, slots)
 
+    def top_k_ids(self, logits: torch.Tensor, k: int) -> torch.Tensor:
+        return logits.topk(k, dim=-1).indices
+
 
 class NativeLayerOps:
     def __init__(self, kernels: Any) -> None:
@@ -94,6 +101,7 @@ class NativeLayerOps:
         self.add_rms_norm_ = kernels.add_rms_norm_
         self.silu_and_mul = kernels.silu_and_mul
         self.rope_and_cache_ = kernels.rope_and_cache_
+        self.top_k_ids = kernels.top_k_indices
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

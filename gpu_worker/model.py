@@ -154,7 +154,7 @@ class Model:
         logits = self.lm_head(h)
         if logits.dtype == torch.float32:
             return Logits(logits)
-        top = logits.topk(min(REFINED_LOGITS, logits.shape[1]), dim=-1).indices
+        top = self.ops.top_k_ids(logits, min(REFINED_LOGITS, logits.shape[1]))
         rows = self.lm_head_rows[top].float()  # [S, k, hidden]
         exact = torch.bmm(rows, h.float().unsqueeze(2)).squeeze(2)
         return Logits(logits, top, exact)

@@ -4,7 +4,8 @@
 - paged_prefill_attention.cpp: a prefill chunk's causal attention, likewise (bfloat16, on
   CPUs with AVX512-BF16; elsewhere the op is not registered);
 - layer_ops.cpp: the small operations between a layer's matmuls, fused (RMSNorm with the
-  residual add, rotary embedding with the KV-cache write, SwiGLU).
+  residual add, rotary embedding with the KV-cache write, SwiGLU);
+- top_logits.cpp: the ids of each row's k largest logits.
 
 torch.utils.cpp_extension compiles them once per machine into the torch extensions directory
 (~/.cache/torch_extensions unless TORCH_EXTENSIONS_DIR says otherwise) and later processes
@@ -28,7 +29,12 @@ log = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_decode_attention.cpp", "paged_prefill_attention.cpp", "layer_ops.cpp")
+    for name in (
+        "paged_decode_attention.cpp",
+        "paged_prefill_attention.cpp",
+        "layer_ops.cpp",
+        "top_logits.cpp",
+    )
 ]
 ENABLED = os.environ.get("CADENCE_NATIVE_KERNELS", "1") != "0"
 
@@ -42,7 +48,8 @@ def kernels() -> Any | None:
       block_size, d], block_tables [B, W], context_lens [B], scale) -> [B, heads, d];
     - paged_prefill_attention(q [n, heads, d], k_cache, v_cache, block_table [W], start,
       scale) -> [n, heads, d], where the CPU has AVX512-BF16;
-    - rms_norm, add_rms_norm_, silu_and_mul, rope_and_cache_: see gpu_worker.layer_ops.
+    - rms_norm, add_rms_norm_, silu_and_mul, rope_and_cache_: see gpu_worker.layer_ops;
+    - top_k_indices(logits [rows, vocab], k) -> [rows, k] int64, best first (ties: lower id).
     """
     if not ENABLED:
         return None

@@ -113,3 +113,20 @@ def test_rope_and_cache_rejects_a_slot_outside_the_cache(fused):
     with pytest.raises(RuntimeError, match="outside the cache"):
         fused.rope_and_cache_(qkv, positions, cos, sin, k_cache, v_cache, slots, heads, kv_heads)
     assert torch.equal(k_cache, before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [49152, 21])  # 21: a scalar tail after one vector
+def test_top_k_ids_take_the_largest_logits_best_first(fused, dtype, vocab):
+    logits = rows((9, vocab), dtype, 11, 3.0)
+    got = fused.top_k_ids(logits, 8)
+    expected = TorchLayerOps().top_k_ids(logits, 8)
+    assert got.shape == (9, 8) and got.dtype == torch.int64
+    # bfloat16 logits tie often; the values chosen are what must agree, in order.
+    assert torch.equal(logits.gather(1, got), logits.gather(1, expected))
+
+
+def test_top_k_ids_break_ties_by_the_lower_id(fused):
+    logits = torch.zeros(1, 40)
+    logits[0, [30, 4, 17]] = 2.0
+    assert fused.top_k_ids(logits, 4).tolist() == [[4, 17, 30, 0]]
