@@ -216,33 +216,57 @@ void dot_rows_bf16(const c10::BFloat16* q, const c10::BFloat16* const* rows, int
 // cache, two tokens at a time: unpacklo/hi_epi16 interleave their rows into bfloat16 pairs
 // for vdpbf16ps to meet the pair of their probabilities. The interleave permutes elements
 // within each 128-bit lane, undone at the end. The probabilities must be bfloat16 values.
+// Even and odd pairs go to separate accumulators: twice the independent chains, which the
+// latency of vdpbf16ps needs at d = 64 (C = 2 chunks).
+template <int64_t C>
 void weighted_rows_bf16(const c10::BFloat16* cache, const int64_t* offsets, int64_t len,
-                        const float* probs, int64_t d, float* acc) {
-  constexpr int64_t kMaxChunks = 8;  // head_dim up to 256
-  __m512 lo[kMaxChunks], hi[kMaxChunks];
-  const int64_t chunks = d / kBf16Lanes;
-  for (int64_t c = 0; c < chunks; ++c) lo[c] = hi[c] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < len; t += 2) {
+                        const float* probs, float* acc) {
+  __m512 lo[2][C], hi[2][C];
+  for (int64_t s = 0; s < 2; ++s) {
+    for (int64_t c = 0; c < C; ++c) lo[s][c] = hi[s][c] = _mm512_setzero_ps();
+  }
+  // Tokens t and t + 1 into accumulator set s (a constant where it is called).
+  auto add_pair = [&](int64_t t, int64_t s) {
     const bool pair = t + 1 < len;
     const c10::BFloat16* row0 = cache + offsets[t];
     const c10::BFloat16* row1 = pair ? cache + offsets[t + 1] : row0;  // alone: weight 0
     const uint32_t w = bf16_bits(probs[t]) | (pair ? bf16_bits(probs[t + 1]) << 16 : 0u);
     const __m512bh weights = (__m512bh)_mm512_set1_epi32(static_cast<int>(w));
-    for (int64_t c = 0; c < chunks; ++c) {
+    for (int64_t c = 0; c < C; ++c) {
       const __m512i r0 = _mm512_loadu_si512(row0 + c * kBf16Lanes);
       const __m512i r1 = _mm512_loadu_si512(row1 + c * kBf16Lanes);
-      lo[c] = _mm512_dpbf16_ps(lo[c], (__m512bh)_mm512_unpacklo_epi16(r0, r1), weights);
-      hi[c] = _mm512_dpbf16_ps(hi[c], (__m512bh)_mm512_unpackhi_epi16(r0, r1), weights);
+      lo[s][c] = _mm512_dpbf16_ps(lo[s][c], (__m512bh)_mm512_unpacklo_epi16(r0, r1), weights);
+      hi[s][c] = _mm512_dpbf16_ps(hi[s][c], (__m512bh)_mm512_unpackhi_epi16(r0, r1), weights);
     }
+  };
+  int64_t t = 0;
+  for (; t + 4 <= len; t += 4) {
+    add_pair(t, 0);
+    add_pair(t + 2, 1);
   }
-  // Element e of a chunk is in 128-bit lane e / 8: its first four in lo, the rest in hi.
-  alignas(64) float lanes[2][16];
-  for (int64_t c = 0; c < chunks; ++c) {
-    _mm512_store_ps(lanes[0], lo[c]);
-    _mm512_store_ps(lanes[1], hi[c]);
-    for (int64_t e = 0; e < kBf16Lanes; ++e) {
-      acc[c * kBf16Lanes + e] = lanes[e % 8 / 4][e / 8 * 4 + e % 4];
-    }
+  for (; t < len; t += 2) add_pair(t, 0);
+  // Element e of a chunk is in 128-bit lane e / 8, of lo for e % 8 < 4 and of hi otherwise.
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+  for (int64_t c = 0; c < C; ++c) {
+    const __m512 l = _mm512_add_ps(lo[0][c], lo[1][c]), h = _mm512_add_ps(hi[0][c], hi[1][c]);
+    _mm512_storeu_ps(acc + c * kBf16Lanes, _mm512_permutex2var_ps(l, first, h));
+    _mm512_storeu_ps(acc + c * kBf16Lanes + 16, _mm512_permutex2var_ps(l, second, h));
+  }
+}
+
+// As weighted_rows_bf16<d / 32>, for d a multiple of 32 up to 256.
+void weighted_rows_bf16_any(const c10::BFloat16* cache, const int64_t* offsets, int64_t len,
+                            const float* probs, int64_t d, float* acc) {
+  switch (d / kBf16Lanes) {
+    case 1: return weighted_rows_bf16<1>(cache, offsets, len, probs, acc);
+    case 2: return weighted_rows_bf16<2>(cache, offsets, len, probs, acc);
+    case 3: return weighted_rows_bf16<3>(cache, offsets, len, probs, acc);
+    case 4: return weighted_rows_bf16<4>(cache, offsets, len, probs, acc);
+    case 5: return weighted_rows_bf16<5>(cache, offsets, len, probs, acc);
+    case 6: return weighted_rows_bf16<6>(cache, offsets, len, probs, acc);
+    case 7: return weighted_rows_bf16<7>(cache, offsets, len, probs, acc);
+    default: return weighted_rows_bf16<8>(cache, offsets, len, probs, acc);
   }
 }
 #endif
@@ -293,7 +317,15 @@ void axpy_rows(const float* weights, const float* rows, int64_t d, float* acc) {
 // exp(x - max) of one row in place; returns their sum.
 float exp_row(float* s, int64_t n) {
   float max = s[0];
-  for (int64_t t = 1; t < n; ++t) max = std::max(max, s[t]);
+  int64_t m = 0;
+#if defined(__AVX512F__)
+  if (n >= kLanes) {
+    __m512 vmax = _mm512_loadu_ps(s);
+    for (m = kLanes; m + kLanes <= n; m += kLanes) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + m));
+    max = _mm512_reduce_max_ps(vmax);
+  }
+#endif
+  for (; m < n; ++m) max = std::max(max, s[m]);
   float sum = 0.f;
   int64_t t = 0;
 #if defined(__AVX512F__)
@@ -361,8 +393,13 @@ void key_scores(const Problem<T>& p, int64_t seq, int64_t first_head, const int6
         const T* keys[kRows];  // past the end, the last row again (its scores are dropped)
         for (int64_t r = 0; r < kRows; ++r) keys[r] = p.k_cache + offsets[t + std::min(r, n - 1)];
         for (int64_t g = 0; g < p.group; ++g) {
+          float* scores = b.scores + g * len + t;
+          if (n == kRows) {  // straight into the row; a short last step goes through b.four
+            dot_rows_bf16(query(p, seq, first_head + g), keys, d, scores);
+            continue;
+          }
           dot_rows_bf16(query(p, seq, first_head + g), keys, d, b.four);
-          std::copy(b.four, b.four + n, b.scores + g * len + t);
+          for (int64_t r = 0; r < n; ++r) scores[r] = b.four[r];
         }
         continue;
       }
@@ -395,7 +432,7 @@ void weighted_values(const Problem<T>& p, const int64_t* offsets, int64_t len,
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (d % kBf16Lanes == 0 && d <= 256) {
       for (int64_t g = 0; g < p.group; ++g) {
-        weighted_rows_bf16(p.v_cache, offsets, len, b.scores + g * len, d, b.acc + g * d);
+        weighted_rows_bf16_any(p.v_cache, offsets, len, b.scores + g * len, d, b.acc + g * d);
       }
       return;
     }
@@ -431,7 +468,17 @@ void attend(const Problem<T>& p, int64_t seq, int64_t head, std::vector<float>& 
   softmax_rows(p, len, b);
   weighted_values(p, offsets.data(), len, b);
   T* out = p.out + (seq * p.heads + first_head) * p.head_dim;
-  for (int64_t i = 0; i < p.group * p.head_dim; ++i) out[i] = static_cast<T>(b.acc[i]);
+  int64_t i = 0;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    // vcvtneps2bf16 rounds to nearest even, as c10::BFloat16 does for finite values.
+    for (; i + kLanes <= p.group * p.head_dim; i += kLanes) {
+      const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_loadu_ps(b.acc + i));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)rounded);
+    }
+  }
+#endif
+  for (; i < p.group * p.head_dim; ++i) out[i] = static_cast<T>(b.acc[i]);
 }
 
 template <typename T>

@@ -181,6 +181,18 @@ void softmax_row(float* s, int64_t len, bf16* probs) {
   if (len % 2 == 1) probs[len] = static_cast<bf16>(0.f);
 }
 
+// The 32 sums of a chunk from the interleaved accumulators -> bfloat16 out[0..31]. Element e
+// is in 128-bit lane e / 8, of lo for e % 8 < 4 and of hi otherwise; vcvtneps2bf16 rounds
+// to nearest even, as c10::BFloat16 does for finite values.
+inline void store_interleaved(__m512 lo, __m512 hi, bf16* out) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+  const __m256bh a = _mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, first, hi));
+  const __m256bh b = _mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, second, hi));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)a);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), (__m256i)b);
+}
+
 // out[g] = sum over t < len of probs[g][t] * value t, for G heads and d = C * 32.
 template <int64_t G, int64_t C>
 void weigh_values(const bf16* probs, int64_t stride, int64_t len, const Workspace& w,
@@ -207,16 +219,8 @@ void weigh_values(const bf16* probs, int64_t stride, int64_t len, const Workspac
       }
     }
   }
-  // Element e of a chunk is in 128-bit lane e / 8: its first four in lo, the rest in hi.
-  alignas(64) float lanes[2][16];
   for (int64_t g = 0; g < G; ++g) {
-    for (int64_t c = 0; c < C; ++c) {
-      _mm512_store_ps(lanes[0], lo[g][c]);
-      _mm512_store_ps(lanes[1], hi[g][c]);
-      for (int64_t e = 0; e < kChunk; ++e) {
-        out[g][c * kChunk + e] = static_cast<bf16>(lanes[e % 8 / 4][e / 8 * 4 + e % 4]);
-      }
-    }
+    for (int64_t c = 0; c < C; ++c) store_interleaved(lo[g][c], hi[g][c], out[g] + c * kChunk);
   }
 }
 
