@@ -113,45 +113,51 @@ void lay_out_values(const Chunk& c, int64_t head, int64_t len, Workspace& w) {
   }
 }
 
-// Scaled scores, rounded to bfloat16, of G query heads over keys [0, len) -> scores[g][...].
-// kPassBlocks key blocks per pass: kPassBlocks * G independent accumulation chains.
-constexpr int64_t kPassBlocks = 4;
+// A unit: up to kUnit queries that share the task's keys and values, (token, head) pairs
+// of neighbouring tokens and the heads of the group, so that each key and value vector
+// loaded from the workspace (in L2 for long contexts) serves all of them.
+constexpr int64_t kUnit = 6;
 
-template <int64_t G>
-void score_keys(const uint32_t* const* queries, int64_t words, int64_t len, float scale,
-                const Workspace& w, float* scores, int64_t stride) {
-  const int64_t blocks = (len + kKeys - 1) / kKeys;
+struct Unit {
+  const uint32_t* queries[kUnit];  // d / 2 words each
+  bf16* out[kUnit];
+  int64_t lens[kUnit];  // keys each query sees
+  int64_t max_len;
+};
+
+// Scaled scores, rounded to bfloat16, of the Q queries over keys [0, max_len) -> scores
+// [q][...]; a query's scores past its own length are computed and never read. Two key
+// blocks per pass: 2 * Q independent accumulation chains.
+template <int64_t Q>
+void score_keys(const Unit& u, int64_t words, float scale, const Workspace& w, float* scores,
+                int64_t stride) {
+  const int64_t blocks = (u.max_len + kKeys - 1) / kKeys;
   const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t b = 0; b < blocks; b += kPassBlocks) {
-    const int64_t here = std::min(kPassBlocks, blocks - b);
-    __m512 acc[kPassBlocks][G];
-    const uint32_t* keys[kPassBlocks];  // past the last block, the last again (not stored)
-    for (int64_t i = 0; i < kPassBlocks; ++i) {
-      for (int64_t g = 0; g < G; ++g) acc[i][g] = _mm512_setzero_ps();
-      keys[i] = w.keys.data() + (b + std::min(i, here - 1)) * words * kKeys;
-    }
+  for (int64_t b = 0; b < blocks; b += 2) {
+    const bool two = b + 1 < blocks;
+    __m512 acc[2][Q];
+    for (int64_t q = 0; q < Q; ++q) acc[0][q] = acc[1][q] = _mm512_setzero_ps();
+    const uint32_t* k0 = w.keys.data() + b * words * kKeys;
+    const uint32_t* k1 = two ? k0 + words * kKeys : k0;  // past the last block: not stored
     for (int64_t p = 0; p < words; ++p) {
-      __m512bh k[kPassBlocks];
-      for (int64_t i = 0; i < kPassBlocks; ++i) {
-        k[i] = (__m512bh)_mm512_loadu_si512(keys[i] + p * kKeys);
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        const __m512bh qp = (__m512bh)_mm512_set1_epi32(static_cast<int>(queries[g][p]));
-        for (int64_t i = 0; i < kPassBlocks; ++i) acc[i][g] = _mm512_dpbf16_ps(acc[i][g], k[i], qp);
+      const __m512bh first = (__m512bh)_mm512_loadu_si512(k0 + p * kKeys);
+      const __m512bh second = (__m512bh)_mm512_loadu_si512(k1 + p * kKeys);
+      for (int64_t q = 0; q < Q; ++q) {
+        const __m512bh qp = (__m512bh)_mm512_set1_epi32(static_cast<int>(u.queries[q][p]));
+        acc[0][q] = _mm512_dpbf16_ps(acc[0][q], first, qp);
+        acc[1][q] = _mm512_dpbf16_ps(acc[1][q], second, qp);
       }
     }
-    for (int64_t g = 0; g < G; ++g) {
-      for (int64_t i = 0; i < here; ++i) {
-        float* row = scores + g * stride + (b + i) * kKeys;
-        _mm512_storeu_ps(row, round_bf16(_mm512_mul_ps(acc[i][g], vscale)));
-      }
+    for (int64_t q = 0; q < Q; ++q) {
+      float* row = scores + q * stride + b * kKeys;
+      _mm512_storeu_ps(row, round_bf16(_mm512_mul_ps(acc[0][q], vscale)));
+      if (two) _mm512_storeu_ps(row + kKeys, round_bf16(_mm512_mul_ps(acc[1][q], vscale)));
     }
   }
 }
 
-// Scores [0, len) -> probabilities as bfloat16 in `probs`, zero from len to the next even
-// count (the pair of a last odd token).
-void softmax_row(float* s, int64_t len, bf16* probs) {
+// Scores [0, len) -> probabilities as bfloat16 in `probs`, zero from len to `zero_to`.
+void softmax_row(float* s, int64_t len, bf16* probs, int64_t zero_to) {
   __m512 vmax = _mm512_set1_ps(-INFINITY);
   int64_t t = 0;
   for (; t + kKeys <= len; t += kKeys) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
@@ -178,7 +184,7 @@ void softmax_row(float* s, int64_t len, bf16* probs) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + t), (__m256i)rounded);
   }
   for (; t < len; ++t) probs[t] = static_cast<bf16>(s[t] * (1.f / sum));
-  if (len % 2 == 1) probs[len] = static_cast<bf16>(0.f);
+  std::fill(probs + len, probs + zero_to, static_cast<bf16>(0.f));
 }
 
 // The 32 sums of a chunk from the interleaved accumulators -> bfloat16 out[0..31]. Element e
@@ -193,91 +199,73 @@ inline void store_interleaved(__m512 lo, __m512 hi, bf16* out) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), (__m256i)b);
 }
 
-// out[g] = sum over t < len of probs[g][t] * value t, for G heads and d = C * 32.
-template <int64_t G, int64_t C>
-void weigh_values(const bf16* probs, int64_t stride, int64_t len, const Workspace& w,
-                  bf16* const* out) {
-  __m512 lo[G][C], hi[G][C];
-  for (int64_t g = 0; g < G; ++g) {
-    for (int64_t c = 0; c < C; ++c) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
-  }
-  const int64_t pairs = (len + 1) / 2;
-  for (int64_t m = 0; m < pairs; ++m) {
-    __m512bh weights[G];  // the probabilities of tokens 2m and 2m + 1, as one word
-    for (int64_t g = 0; g < G; ++g) {
-      uint32_t pair;
-      std::memcpy(&pair, probs + g * stride + 2 * m, sizeof pair);
-      weights[g] = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-    }
-    const uint32_t* v = w.values.data() + m * C * 2 * kKeys;
-    for (int64_t c = 0; c < C; ++c) {
-      const __m512bh low = (__m512bh)_mm512_loadu_si512(v + c * 2 * kKeys);
-      const __m512bh high = (__m512bh)_mm512_loadu_si512(v + (c * 2 + 1) * kKeys);
-      for (int64_t g = 0; g < G; ++g) {
-        lo[g][c] = _mm512_dpbf16_ps(lo[g][c], low, weights[g]);
-        hi[g][c] = _mm512_dpbf16_ps(hi[g][c], high, weights[g]);
+// out[q] = sum over t < max_len of probs[q][t] * value t, for Q queries and d = chunks * 32,
+// one 32-dim chunk at a time (2 * Q accumulators per pass over the pairs of tokens).
+template <int64_t Q>
+void weigh_values(const Unit& u, const bf16* probs, int64_t stride, int64_t chunks,
+                  const Workspace& w) {
+  const int64_t pairs = (u.max_len + 1) / 2;
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m512 lo[Q], hi[Q];
+    for (int64_t q = 0; q < Q; ++q) lo[q] = hi[q] = _mm512_setzero_ps();
+    const uint32_t* v = w.values.data() + c * 2 * kKeys;
+    for (int64_t m = 0; m < pairs; ++m, v += chunks * 2 * kKeys) {
+      const __m512bh low = (__m512bh)_mm512_loadu_si512(v);
+      const __m512bh high = (__m512bh)_mm512_loadu_si512(v + kKeys);
+      for (int64_t q = 0; q < Q; ++q) {
+        uint32_t pair;  // the probabilities of tokens 2m and 2m + 1, as one word
+        std::memcpy(&pair, probs + q * stride + 2 * m, sizeof pair);
+        const __m512bh weights = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        lo[q] = _mm512_dpbf16_ps(lo[q], low, weights);
+        hi[q] = _mm512_dpbf16_ps(hi[q], high, weights);
       }
     }
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    for (int64_t c = 0; c < C; ++c) store_interleaved(lo[g][c], hi[g][c], out[g] + c * kChunk);
+    for (int64_t q = 0; q < Q; ++q) store_interleaved(lo[q], hi[q], u.out[q] + c * kChunk);
   }
 }
 
-// Heads per pass: G * C * 2 value accumulators stay within 24 of the 32 vector registers.
-constexpr int64_t heads_per_pass(int64_t chunks) { return std::clamp<int64_t>(12 / chunks, 1, 4); }
-
-// G query heads (first_head ..) of one token that sees `len` keys.
-template <int64_t G, int64_t C>
-void attend_heads(const Chunk& c, int64_t token, int64_t first_head, int64_t len, Workspace& w) {
-  const int64_t words = c.d / 2, stride = w.stride;
-  const uint32_t* queries[G];
-  bf16* out[G];
-  for (int64_t g = 0; g < G; ++g) {
-    const bf16* q = c.q + token * c.q_token_stride + (first_head + g) * c.q_head_stride;
-    queries[g] = reinterpret_cast<const uint32_t*>(q);
-    out[g] = c.out + (token * c.heads + first_head + g) * c.d;
+template <int64_t Q>
+void attend_unit(const Chunk& c, const Unit& u, Workspace& w) {
+  const int64_t stride = w.stride, even = (u.max_len + 1) / 2 * 2;
+  score_keys<Q>(u, c.d / 2, c.scale, w, w.scores.data(), stride);
+  for (int64_t q = 0; q < Q; ++q) {
+    softmax_row(w.scores.data() + q * stride, u.lens[q], w.probs.data() + q * stride, even);
   }
-  score_keys<G>(queries, words, len, c.scale, w, w.scores.data(), stride);
-  for (int64_t g = 0; g < G; ++g) {
-    softmax_row(w.scores.data() + g * stride, len, w.probs.data() + g * stride);
-  }
-  weigh_values<G, C>(w.probs.data(), stride, len, w, out);
+  weigh_values<Q>(u, w.probs.data(), stride, c.d / kChunk, w);
 }
 
-template <int64_t C>
-void attend_group(const Chunk& c, int64_t token, int64_t head, int64_t len, Workspace& w) {
-  constexpr int64_t per_pass = heads_per_pass(C);
-  for (int64_t g = 0; g < c.group; g += per_pass) {
-    const int64_t first = head * c.group + g;
-    switch (std::min(per_pass, c.group - g)) {
-      case 1: attend_heads<1, C>(c, token, first, len, w); break;
-      case 2: attend_heads<std::min<int64_t>(2, per_pass), C>(c, token, first, len, w); break;
-      case 3: attend_heads<std::min<int64_t>(3, per_pass), C>(c, token, first, len, w); break;
-      default: attend_heads<per_pass, C>(c, token, first, len, w); break;
-    }
-  }
-}
-
-// Query tokens [first, end) under kv head `head`.
+// Query tokens [first, end) under kv head `head`, in units of neighbouring tokens times
+// the heads of the group.
 void run_task(const Chunk& c, int64_t head, int64_t first, int64_t end, Workspace& w) {
   const int64_t visible = c.start + end;  // what the block's last query sees
   lay_out_keys(c, head, visible, w);
   lay_out_values(c, head, visible, w);
   w.stride = (visible + kKeys) / kKeys * kKeys;  // whole key blocks, and one more token
-  w.scores.resize(w.stride * heads_per_pass(c.d / kChunk));
+  w.scores.resize(w.stride * kUnit);
   w.probs.resize(w.scores.size());
-  for (int64_t i = first; i < end; ++i) {
-    const int64_t len = c.start + i + 1;
-    switch (c.d / kChunk) {
-      case 1: attend_group<1>(c, i, head, len, w); break;
-      case 2: attend_group<2>(c, i, head, len, w); break;
-      case 3: attend_group<3>(c, i, head, len, w); break;
-      case 4: attend_group<4>(c, i, head, len, w); break;
-      case 5: attend_group<5>(c, i, head, len, w); break;
-      case 6: attend_group<6>(c, i, head, len, w); break;
-      case 7: attend_group<7>(c, i, head, len, w); break;
-      default: attend_group<8>(c, i, head, len, w); break;
+  const int64_t heads = std::min(c.group, kUnit), tokens = kUnit / heads;
+  for (int64_t i = first; i < end; i += tokens) {
+    for (int64_t g = 0; g < c.group; g += heads) {
+      Unit u;
+      int64_t n = 0;
+      for (int64_t t = i; t < std::min(end, i + tokens); ++t) {
+        for (int64_t h = head * c.group + g; h < head * c.group + std::min(c.group, g + heads);
+             ++h) {
+          u.queries[n] = reinterpret_cast<const uint32_t*>(c.q + t * c.q_token_stride +
+                                                           h * c.q_head_stride);
+          u.out[n] = c.out + (t * c.heads + h) * c.d;
+          u.lens[n++] = c.start + t + 1;
+        }
+      }
+      u.max_len = u.lens[n - 1];
+      switch (n) {
+        case 1: attend_unit<1>(c, u, w); break;
+        case 2: attend_unit<2>(c, u, w); break;
+        case 3: attend_unit<3>(c, u, w); break;
+        case 4: attend_unit<4>(c, u, w); break;
+        case 5: attend_unit<5>(c, u, w); break;
+        default: attend_unit<6>(c, u, w); break;
+      }
     }
   }
 }
