@@ -16,7 +16,7 @@ layer_ops.rope_and_cache_) before a layer attends:
   matrices outgrow the cache, PyTorch's CPU flash-attention kernel takes over: once over the
   cached prefix, once causally over the chunk itself, the two merged by log-sum-exp. On a
   CPU with AVX512-BF16, bfloat16 chunks go to a C++ kernel instead (gpu_worker.native),
-  which reads the cache itself (a 448-token chunk of SmolLM2-135M: ~30 instead of ~50-80
+  which reads the cache itself (a 448-token chunk of SmolLM2-135M: ~18 instead of ~50-110
   ms over 30 layers on 2 cores);
 - decode tokens (sequences with one new token), all together, over their block tables
   padded to a common width: the keys are gathered into a buffer shared by every layer

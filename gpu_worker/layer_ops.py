@@ -4,7 +4,7 @@
   reference: each follows transformers' rounding step by step.
 - `NativeLayerOps`: the fused C++ kernels of csrc/layer_ops.cpp, on CPUs where they
   build. One pass per operation instead of ~40 small kernels per layer (SmolLM2-135M,
-  bf16, 2 cores: a decode step at batch 64 drops from ~57 to ~45 ms).
+  bf16, 2 cores: a decode step at batch 64 went from ~56 to ~48 ms).
 
 Both have one interface, so the model's forward pass is written once:
     rms_norm(x, weight, eps) -> normed x
