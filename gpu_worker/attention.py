@@ -52,9 +52,6 @@ QUERY_BLOCK = 128  # prefill queries per attention block
 FLASH_MIN_CONTEXT = 2048
 # (output [B, heads, n, d], log-sum-exp [B, heads, n] in float32) of q, k, v [B, heads, n, d]
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-# The native prefill kernel (gpu_worker.native) where it can run; tests turn it off to
-# check the PyTorch path, which CUDA and other CPUs run.
-USE_NATIVE_PREFILL = True
 
 
 @dataclass(slots=True)
@@ -130,7 +127,7 @@ def _native_kernel(cache_like: torch.Tensor) -> Callable[..., torch.Tensor] | No
 
 def _native_prefill_kernel(q: torch.Tensor) -> Callable[..., torch.Tensor] | None:
     """The C++ prefill kernel where it serves q: bfloat16 on a CPU with AVX512-BF16."""
-    if not (USE_NATIVE_PREFILL and q.device.type == "cpu" and q.dtype == torch.bfloat16):
+    if not (q.device.type == "cpu" and q.dtype == torch.bfloat16):
         return None
     head_dim = q.shape[-1]
     kernels = native.kernels() if head_dim % 32 == 0 and head_dim <= 256 else None

@@ -19,37 +19,12 @@ Both have one interface, so the model's forward pass is written once:
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from gpu_worker import native
-
-
-class LayerOps(Protocol):
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
-
-    def add_rms_norm_(
-        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
-    ) -> torch.Tensor: ...
-
-    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
-
-    def rope_and_cache_(
-        self,
-        qkv: torch.Tensor,
-        positions: torch.Tensor,
-        cos: torch.Tensor,
-        signed_sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slots: torch.Tensor,
-        heads: int,
-        kv_heads: int,
-    ) -> None: ...
-
-    def top_k_ids(self, logits: torch.Tensor, k: int) -> torch.Tensor: ...
 
 
 def for_device(device: torch.device) -> LayerOps:
@@ -134,3 +109,6 @@ def write_kv(
     kv_heads, head_dim = k_cache.shape[0], k_cache.shape[3]
     k_cache.view(kv_heads, -1, head_dim).index_copy_(1, slots, k.transpose(0, 1))
     v_cache.view(kv_heads, -1, head_dim).index_copy_(1, slots, v.transpose(0, 1))
+
+
+LayerOps = TorchLayerOps | NativeLayerOps

@@ -17,14 +17,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "cpu_vec.h"
 
 namespace {
+
+using namespace cadence_cpu;
 
 // Work per thread worth the fork: rows are split so that each thread gets at least this
 // many elements (a decode step's 64 rows of 576 stay on one or two threads).
@@ -33,63 +32,6 @@ constexpr int64_t kGrainElements = 16384;
 int64_t grain_rows(int64_t row_elements) {
   return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements));
 }
-
-template <typename T>
-inline float rounded(float x) {
-  return static_cast<float>(static_cast<T>(x));
-}
-
-#if defined(__AVX512F__)
-constexpr int64_t kLanes = 16;
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-
-// Round to nearest bfloat16, ties to even, as c10::BFloat16 does for finite values.
-inline __m512i bf16_rounded_bits(__m512 x) {
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  return _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-}
-
-inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
-
-inline void store16(c10::BFloat16* p, __m512 x) {
-  const __m256i half = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rounded_bits(x), 16));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), half);
-}
-
-// The value a store16 + load16 round trip gives.
-template <typename T>
-inline __m512 round16(__m512 x) {
-  if constexpr (std::is_same_v<T, float>) {
-    return x;
-  } else {
-    const __m512i up = bf16_rounded_bits(x);
-    return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(~0xffff)));
-  }
-}
-
-// exp(x): 2^(x log2 e) as an integer power, applied exactly by scalef, times 2^f for
-// |f| <= 0.5 by a degree-6 Taylor polynomial (relative error ~1e-7).
-inline __m512 exp16(__m512 x) {
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-#endif
 
 // ---- RMSNorm, optionally after the residual add ---------------------------------------
 

@@ -22,70 +22,23 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "cpu_vec.h"
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+using namespace cadence_cpu;
 
-// The PyTorch path holds scores and probabilities as tensors of the model dtype; rounding
-// them alike keeps the two paths' greedy tokens the same (without it, one of 64 greedy
-// outputs of ops.engine_bench differed between fcfs and stall_free schedules).
-template <typename T>
-inline float rounded(float x) {
-  return to_float(static_cast<T>(x));
-}
-
-#if defined(__AVX512F__)
-constexpr int64_t kLanes = 16;
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-
-// A bfloat16 is the upper half of a float32: widen and shift.
-inline __m512 load16(const c10::BFloat16* p) {
-  __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-
-// exp(x) for x <= 0 (scores minus their maximum): 2^(x log2 e) split into an integer power,
-// applied exactly by scalef, and 2^f for |f| <= 0.5 by a degree-6 Taylor polynomial
-// (relative error ~1e-7, as good as float32 needs). Large negative x underflows to 0.
-inline __m512 exp16(__m512 x) {
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// Rounds finite floats to the nearest bfloat16 (ties to even), as c10::BFloat16 does.
-inline __m512 round_to_bf16(__m512 x) {
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-  return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(~0xffff)));
-}
-#endif
-
-// row[t] = row[t] * factor, rounded to T (float32: no rounding).
+// row[t] = row[t] * factor, rounded to T (float32: no rounding). The PyTorch path holds
+// scores and probabilities as tensors of the model dtype; rounding them alike keeps the
+// two paths' greedy tokens the same (without it, one of 64 greedy outputs of
+// ops.engine_bench differed between fcfs and stall_free schedules).
 template <typename T>
 void scale_and_round(float* row, int64_t n, float factor) {
   int64_t t = 0;
 #if defined(__AVX512F__)
   const __m512 f = _mm512_set1_ps(factor);
   for (; t + kLanes <= n; t += kLanes) {
-    __m512 x = _mm512_mul_ps(_mm512_loadu_ps(row + t), f);
-    if constexpr (std::is_same_v<T, c10::BFloat16>) x = round_to_bf16(x);
-    _mm512_storeu_ps(row + t, x);
+    _mm512_storeu_ps(row + t, round16<T>(_mm512_mul_ps(_mm512_loadu_ps(row + t), f)));
   }
 #endif
   for (; t < n; ++t) row[t] = rounded<T>(row[t] * factor);
@@ -245,13 +198,12 @@ void weighted_rows_bf16(const c10::BFloat16* cache, const int64_t* offsets, int6
     add_pair(t + 2, 1);
   }
   for (; t < len; t += 2) add_pair(t, 0);
-  // Element e of a chunk is in 128-bit lane e / 8, of lo for e % 8 < 4 and of hi otherwise.
-  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
   for (int64_t c = 0; c < C; ++c) {
-    const __m512 l = _mm512_add_ps(lo[0][c], lo[1][c]), h = _mm512_add_ps(hi[0][c], hi[1][c]);
-    _mm512_storeu_ps(acc + c * kBf16Lanes, _mm512_permutex2var_ps(l, first, h));
-    _mm512_storeu_ps(acc + c * kBf16Lanes + 16, _mm512_permutex2var_ps(l, second, h));
+    __m512 first, second;
+    deinterleave(_mm512_add_ps(lo[0][c], lo[1][c]), _mm512_add_ps(hi[0][c], hi[1][c]), first,
+                 second);
+    _mm512_storeu_ps(acc + c * kBf16Lanes, first);
+    _mm512_storeu_ps(acc + c * kBf16Lanes + kLanes, second);
   }
 }
 

@@ -24,11 +24,13 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_vec.h"
+
 #if defined(__AVX512BF16__)
-#include <immintrin.h>
 
 namespace {
 
+using namespace cadence_cpu;
 using bf16 = c10::BFloat16;
 
 constexpr int64_t kKeys = 16;  // keys per score vector
@@ -50,29 +52,6 @@ struct Chunk {
     return cache + ((head * cache_blocks + block) * block_size + token % block_size) * d;
   }
 };
-
-// Round to nearest bfloat16, ties to even (finite values), kept as a float.
-inline __m512 round_bf16(__m512 x) {
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-  return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(~0xffff)));
-}
-
-// exp(x) for x <= 0, as in paged_decode_attention.cpp.
-inline __m512 exp16(__m512 x) {
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // One task's keys and values, laid out for vdpbf16ps, and its scores.
 struct Workspace {
@@ -151,8 +130,8 @@ void score_keys(const Unit& u, int64_t words, float scale, const Workspace& w, f
     }
     for (int64_t q = 0; q < Q; ++q) {
       float* row = scores + q * stride + b * kKeys;
-      _mm512_storeu_ps(row, round_bf16(_mm512_mul_ps(acc[0][q], vscale)));
-      if (two) _mm512_storeu_ps(row + kKeys, round_bf16(_mm512_mul_ps(acc[1][q], vscale)));
+      _mm512_storeu_ps(row, round16<bf16>(_mm512_mul_ps(acc[0][q], vscale)));
+      if (two) _mm512_storeu_ps(row + kKeys, round16<bf16>(_mm512_mul_ps(acc[1][q], vscale)));
     }
   }
 }
@@ -188,16 +167,14 @@ void softmax_row(float* s, int64_t len, bf16* probs, int64_t zero_to) {
   std::fill(probs + len, probs + zero_to, static_cast<bf16>(0.f));
 }
 
-// The 32 sums of a chunk from the interleaved accumulators -> bfloat16 out[0..31]. Element e
-// is in 128-bit lane e / 8, of lo for e % 8 < 4 and of hi otherwise; vcvtneps2bf16 rounds
-// to nearest even, as c10::BFloat16 does for finite values.
+// The 32 sums of a chunk from its interleaved accumulators -> bfloat16 out[0..31];
+// vcvtneps2bf16 rounds to nearest even, as c10::BFloat16 does for finite values.
 inline void store_interleaved(__m512 lo, __m512 hi, bf16* out) {
-  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
-  const __m256bh a = _mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, first, hi));
-  const __m256bh b = _mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, second, hi));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)a);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), (__m256i)b);
+  __m512 first, second;
+  deinterleave(lo, hi, first, second);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(first));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + kLanes),
+                      (__m256i)_mm512_cvtneps_pbh(second));
 }
 
 // out[q] = sum over t < max_len of probs[q][t] * value t, for Q queries and d = chunks * 32,

@@ -13,11 +13,11 @@
 #include <cstdint>
 #include <limits>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "cpu_vec.h"
 
 namespace {
+
+using namespace cadence_cpu;
 
 constexpr int64_t kMaxK = 64;
 
@@ -42,17 +42,6 @@ struct Best {
     ids[i] = id;
   }
 };
-
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-
-#if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-#endif
 
 template <typename T>
 void top_of_row(const T* row, int64_t n, Best& best) {
