@@ -122,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
         add_workload_args(sub, name)
         add_client_args(sub)
     subs.add_parser("compare", help="one workload against several servers", add_help=False)
+    subs.add_parser("engine", help="the engine alone on the real model, no HTTP", add_help=False)
+    subs.add_parser("sampler", help="the sampler alone: cost per setting", add_help=False)
     return parser
 
 
@@ -276,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
         from ops.engine_bench import main as engine_main
 
         return engine_main(argv[1:])
+    if argv and argv[0] == "sampler":
+        from ops.sampler_bench import main as sampler_main
+
+        return sampler_main(argv[1:])
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # --help or a usage error already printed by argparse

@@ -499,6 +499,8 @@ class Engine:
             queue_ms=_ms(stats.queue_time),
             e2e_ms=_ms(stats.e2e),
             preemptions=stats.preemptions,
+            # the last iteration begun: an abort's delay is measurable in iterations
+            iteration=self._next_iteration - 1,
         )
         for observer in self._observers:
             observer.on_request_finished(stats)

@@ -1,9 +1,10 @@
 """Start a real cadence server (Hypercorn on loopback, the real default model) for API tests.
 
-`cadence_server` is session-scoped and shared by every API test module: import it into a
-test module (`from tests.server_fixtures import cadence_server`) and pytest finds it.
-Tests that break their server (killing the worker, shutting down) start their own with
-`start_server`.
+`cadence_server` (float32) is session-scoped and shared by every API test module: import it
+into a test module (`from tests.server_fixtures import cadence_server`) and pytest finds it.
+Tests that make a claim about outputs take `server_of_each_dtype` instead, which runs them
+on that server and on a second one in bfloat16, the dtype users get by default. Tests that
+break their server (killing the worker, shutting down) start their own with `start_server`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from service.config import default_cache_dir
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ADMIN_TOKEN = "test-admin-token"
 SMALL_KV_BYTES = 192 * 1024 * 1024
+DTYPES = ("float32", "bfloat16")
 STARTUP_SECONDS = 600.0  # the first run fetches and converts the default model
 
 
@@ -88,7 +90,11 @@ def cache_dir() -> Path:
 
 
 def start_server(
-    log_dir: Path, *extra_args: str, admin_token: str | None = ADMIN_TOKEN, wait: bool = True
+    log_dir: Path,
+    *extra_args: str,
+    admin_token: str | None = ADMIN_TOKEN,
+    wait: bool = True,
+    dtype: str = "float32",
 ) -> RunningServer:
     """Start `python -m service.cli serve --port 0 ...`; with `wait`, until /health is 200."""
     log_file = log_dir / "server.jsonl"
@@ -102,7 +108,7 @@ def start_server(
         "--port",
         "0",
         "--dtype",
-        "float32",
+        dtype,
         "--device",
         "cpu",
         "--kv-memory",
@@ -176,19 +182,43 @@ def cadence_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running
     stop_server(server)
 
 
+@pytest.fixture(scope="session")
+def cadence_server_bf16(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    server = start_server(tmp_path_factory.mktemp("cadence-server-bf16"), dtype="bfloat16")
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="session", params=DTYPES)
+def server_of_each_dtype(request: pytest.FixtureRequest) -> RunningServer:
+    name = {"float32": "cadence_server", "bfloat16": "cadence_server_bf16"}[request.param]
+    return request.getfixturevalue(name)
+
+
 @dataclass(slots=True)
 class StreamResult:
     """What a client saw of one SSE response."""
 
     started: float
     chunks: list[dict] = field(default_factory=list)
-    arrivals: list[float] = field(default_factory=list)  # monotonic time of each data line
+    # wall-clock time of each data line: comparable with the `ts` of the server's log lines
+    arrivals: list[float] = field(default_factory=list)
     error: dict | None = None
     done: bool = False
 
     @property
     def text(self) -> str:
         return "".join(c["choices"][0].get("text", "") for c in self.chunks if c.get("choices"))
+
+    @property
+    def tokens(self) -> list[str]:
+        """The text of each streamed token (request them with "logprobs": 0)."""
+        return [
+            token
+            for c in self.chunks
+            if c.get("choices") and c["choices"][0].get("logprobs")
+            for token in c["choices"][0]["logprobs"]["tokens"]
+        ]
 
     @property
     def finish_reason(self) -> str | None:
@@ -213,13 +243,13 @@ async def stream_completion(
     client: httpx.AsyncClient, body: dict, first_chunk: trio.Event | None = None
 ) -> StreamResult:
     """POST a streaming /v1/completions request and read it to the end."""
-    result = StreamResult(started=time.monotonic())
+    result = StreamResult(started=time.time())
     async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
         assert resp.status_code == 200, await resp.aread()
         async for line in resp.aiter_lines():
             if not line.startswith("data: "):
                 continue
-            result.arrivals.append(time.monotonic())
+            result.arrivals.append(time.time())
             payload = line.removeprefix("data: ")
             if payload == "[DONE]":
                 result.done = True

@@ -11,6 +11,8 @@ from tests.server_fixtures import RunningServer, stream_completion
 
 pytestmark = pytest.mark.real_model
 cadence_server = server_fixtures.cadence_server
+cadence_server_bf16 = server_fixtures.cadence_server_bf16
+server_of_each_dtype = server_fixtures.server_of_each_dtype
 ENDPOINTS = [
     ("GET", "/admin/policy", None),
     ("GET", "/admin/state", None),
@@ -24,6 +26,9 @@ ENDPOINTS = [
     [
         (None, 401),
         ("Bearer wrong-token", 403),
+        (f"Bearer {server_fixtures.ADMIN_TOKEN[:-3]}", 403),  # a prefix of the token
+        (f"Bearer {server_fixtures.ADMIN_TOKEN}-and-more", 403),  # the token extended
+        (f"Bearer {server_fixtures.ADMIN_TOKEN.upper()}", 403),
         ("Basic dGVzdA==", 401),
         (f"Bearer {server_fixtures.ADMIN_TOKEN}", 200),
     ],
@@ -79,27 +84,46 @@ def test_policy_listing_names_every_policy(cadence_server: RunningServer) -> Non
     assert body["current"]["name"] in names
 
 
+def swap_body(i: int) -> dict:
+    return {
+        "prompt": f"Stream {i}: describe the sea.",
+        "max_tokens": 40,
+        "ignore_eos": True,
+        "temperature": 0,
+        "logprobs": 0,
+    }
+
+
+async def unswapped_references(client: httpx.AsyncClient) -> dict[int, dict]:
+    """The same greedy requests, whole, with no swap (batch company does not change them)."""
+    references: dict[int, dict] = {}
+
+    async def one(i: int) -> None:
+        response = await client.post("/v1/completions", json=swap_body(i))
+        assert response.status_code == 200, response.text
+        references[i] = response.json()
+
+    async with trio.open_nursery() as nursery:
+        for i in range(8):
+            nursery.start_soon(one, i)
+    return references
+
+
 async def test_live_swap_fcfs_to_stall_free_while_streams_run(
-    cadence_server: RunningServer,
+    server_of_each_dtype: RunningServer,
 ) -> None:
-    admin = cadence_server.admin_headers()
-    async with httpx.AsyncClient(base_url=cadence_server.url, timeout=180) as client:
+    server = server_of_each_dtype
+    admin = server.admin_headers()
+    async with httpx.AsyncClient(base_url=server.url, timeout=180) as client:
         original = (await client.get("/admin/policy", headers=admin)).json()["current"]
         put = await client.put("/admin/policy", json={"name": "fcfs"}, headers=admin)
         assert put.status_code == 200
-        results: list[server_fixtures.StreamResult] = []
+        results: dict[int, server_fixtures.StreamResult] = {}
         first_chunks = [trio.Event() for _ in range(8)]
 
         async def one(i: int) -> None:
-            body = {
-                "prompt": f"Stream {i}: describe the sea.",
-                "max_tokens": 40,
-                "ignore_eos": True,
-                "temperature": 0,
-                "logprobs": 0,
-                "stream_options": {"include_usage": True},
-            }
-            results.append(await stream_completion(client, body, first_chunks[i]))
+            body = {**swap_body(i), "stream_options": {"include_usage": True}}
+            results[i] = await stream_completion(client, body, first_chunks[i])
 
         async with trio.open_nursery() as nursery:
             for i in range(8):
@@ -112,6 +136,7 @@ async def test_live_swap_fcfs_to_stall_free_while_streams_run(
                 json={"name": "stall_free", "params": {"token_budget": 256}},
             )
         restore = await client.put("/admin/policy", json=original, headers=admin)
+        references = await unswapped_references(client)
     assert restore.status_code == 200
     assert swap.status_code == 200, swap.text
     swapped = swap.json()
@@ -119,10 +144,14 @@ async def test_live_swap_fcfs_to_stall_free_while_streams_run(
     assert swapped["old"]["name"] == "fcfs" and swapped["new"]["name"] == "stall_free"
     assert swapped["new"]["params"]["token_budget"] == 256
     assert len(results) == 8
-    for result in results:
+    for i, result in results.items():
         assert result.done and result.error is None and result.finish_reason == "length"
         assert result.usage["completion_tokens"] == 40 == result.streamed_tokens
-    iterations = cadence_server.log_events("iteration")
+        # content, not counts: no token lost, duplicated or reordered across the swap
+        reference = references[i]["choices"][0]
+        assert result.tokens == reference["logprobs"]["tokens"], f"stream {i}"
+        assert result.text == reference["text"]
+    iterations = server.log_events("iteration")
     at_swap = [e["policy"] for e in iterations if e["iteration"] >= swapped["iteration"]]
     assert at_swap and at_swap[0] == "stall_free"
     assert [e["policy"] for e in iterations if e["iteration"] == swapped["iteration"] - 1] == [
@@ -130,7 +159,7 @@ async def test_live_swap_fcfs_to_stall_free_while_streams_run(
     ]
     changes = [
         e
-        for e in cadence_server.log_events("admin.change")
+        for e in server.log_events("admin.change")
         if e["new"]["name"] == "stall_free" and e["iteration"] == swapped["iteration"]
     ]
     assert changes and "token:" in changes[0]["who"] and "when" in changes[0]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import time
 from urllib.parse import urlsplit
 
 import orjson
@@ -39,6 +41,7 @@ async def test_8_of_16_clients_hang_up_and_their_requests_are_aborted(
     assert url.hostname is not None and url.port is not None
     finished_before = len(cadence_server.log_events("request.finished"))
     outcomes: dict[int, bytes] = {}
+    hung_up_at: dict[str, float] = {}  # request id -> wall-clock time of the hang-up
 
     async def client(i: int, hang_up: bool) -> None:
         stream = await trio.open_tcp_stream(url.hostname, url.port)
@@ -56,6 +59,7 @@ async def test_8_of_16_clients_hang_up_and_their_requests_are_aborted(
         while buffer.count(b'"text_completion"') < 2:
             assert await _more(stream, buffer)
         if hang_up:
+            hung_up_at[request_id_of(buffer)] = time.time()
             await stream.aclose()
             outcomes[i] = bytes(buffer)
             return
@@ -79,6 +83,21 @@ async def test_8_of_16_clients_hang_up_and_their_requests_are_aborted(
     assert all(e["completion_tokens"] == MAX_TOKENS for e in completed)
     for i in range(1, 16, 2):
         assert outcomes[i].endswith(b"data: [DONE]\n\n") or b"data: [DONE]" in outcomes[i]
+    # Measured in the engine's own iterations: the iteration running when the client hung
+    # up is the first whose end is logged after it; the abort must come within one more.
+    ends = [(e["ts"], e["iteration"]) for e in cadence_server.log_events("iteration")]
+    late_by = []
+    for event in aborted:
+        at_hang_up = min(n for ts, n in ends if ts >= hung_up_at[event["request_id"]])
+        late_by.append(event["iteration"] - at_hang_up)
+    print("aborted this many iterations after the one running at the hang-up:", late_by)
+    assert max(late_by) <= 1
+
+
+def request_id_of(response: bytearray) -> str:
+    match = re.search(rb"x-request-id: (\S+)\r\n", bytes(response), re.IGNORECASE)
+    assert match is not None, response[:500]
+    return match.group(1).decode()
 
 
 async def _more(stream: trio.SocketStream, buffer: bytearray) -> bool:

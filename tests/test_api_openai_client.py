@@ -12,6 +12,8 @@ from tests.server_fixtures import RunningServer, cache_dir
 
 pytestmark = pytest.mark.real_model
 cadence_server = server_fixtures.cadence_server
+cadence_server_bf16 = server_fixtures.cadence_server_bf16
+server_of_each_dtype = server_fixtures.server_of_each_dtype
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -35,10 +37,11 @@ def test_models_lists_the_served_model(cadence_server: RunningServer) -> None:
 
 
 def test_chat_greedy_answer_mentions_paris_with_exact_usage(
-    cadence_server: RunningServer, tokenizer: Tokenizer
+    server_of_each_dtype: RunningServer, tokenizer: Tokenizer
 ) -> None:
-    reply = client_for(cadence_server).chat.completions.create(
-        model=cadence_server.model,
+    server = server_of_each_dtype
+    reply = client_for(server).chat.completions.create(
+        model=server.model,
         messages=QUESTION,
         temperature=0,
         max_tokens=24,
@@ -56,15 +59,16 @@ def test_chat_greedy_answer_mentions_paris_with_exact_usage(
 
 
 def test_chat_stream_matches_the_whole_answer_and_reports_usage(
-    cadence_server: RunningServer, tokenizer: Tokenizer
+    server_of_each_dtype: RunningServer, tokenizer: Tokenizer
 ) -> None:
-    client = client_for(cadence_server)
+    server = server_of_each_dtype
+    client = client_for(server)
     whole = client.chat.completions.create(
-        model=cadence_server.model, messages=QUESTION, temperature=0, max_tokens=24
+        model=server.model, messages=QUESTION, temperature=0, max_tokens=24
     )
     chunks = list(
         client.chat.completions.create(
-            model=cadence_server.model,
+            model=server.model,
             messages=QUESTION,
             temperature=0,
             max_tokens=24,
@@ -89,12 +93,17 @@ def test_chat_stream_matches_the_whole_answer_and_reports_usage(
 
 
 def test_completion_greedy_and_streamed_agree_and_count_tokens(
-    cadence_server: RunningServer, tokenizer: Tokenizer
+    server_of_each_dtype: RunningServer, tokenizer: Tokenizer
 ) -> None:
-    client = client_for(cadence_server)
+    server = server_of_each_dtype
+    client = client_for(server)
     prompt = "The capital of France is"
     whole = client.completions.create(
-        model=cadence_server.model, prompt=prompt, temperature=0, max_tokens=8
+        model=server.model,
+        prompt=prompt,
+        temperature=0,
+        max_tokens=8,
+        extra_body={"ignore_eos": True},
     )
     print("completion:", repr(whole.choices[0].text))
     assert "Paris" in whole.choices[0].text
@@ -102,7 +111,7 @@ def test_completion_greedy_and_streamed_agree_and_count_tokens(
     assert whole.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=True))
     chunks = list(
         client.completions.create(
-            model=cadence_server.model,
+            model=server.model,
             prompt=prompt,
             temperature=0,
             max_tokens=8,
@@ -112,17 +121,18 @@ def test_completion_greedy_and_streamed_agree_and_count_tokens(
         )
     )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
-    assert text.startswith(whole.choices[0].text) or whole.choices[0].finish_reason == "length"
+    assert text == whole.choices[0].text  # the same greedy tokens, streamed or whole
     assert chunks[-1].usage.completion_tokens == 8  # ignore_eos: exactly max_tokens
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
 def test_token_id_prompt_and_seeded_sampling_are_reproducible(
-    cadence_server: RunningServer,
+    server_of_each_dtype: RunningServer,
 ) -> None:
-    client = client_for(cadence_server)
+    server = server_of_each_dtype
+    client = client_for(server)
     ask = dict(
-        model=cadence_server.model,
+        model=server.model,
         prompt=[504, 3575, 282, 4649, 314],
         max_tokens=12,
         temperature=0.9,
@@ -132,3 +142,34 @@ def test_token_id_prompt_and_seeded_sampling_are_reproducible(
     first, second = client.completions.create(**ask), client.completions.create(**ask)
     assert first.usage.prompt_tokens == 5 and first.usage.completion_tokens == 12
     assert first.choices[0].text == second.choices[0].text
+
+
+def test_stop_strings_cut_the_real_output_streamed_and_whole(
+    server_of_each_dtype: RunningServer,
+) -> None:
+    server = server_of_each_dtype
+    client = client_for(server)
+    ask = dict(model=server.model, prompt="The capital of France is", temperature=0, max_tokens=16)
+    free = client.completions.create(**ask, extra_body={"ignore_eos": True}).choices[0].text
+    print("unstopped:", repr(free))
+    assert len(free.strip()) >= 12
+    cases = [
+        [free[:4]],  # matches at the very start of the output
+        [free[6:9], free[2:4]],  # several: the earliest match wins, wherever it is listed
+        [free[5:8]],  # begins and ends inside tokens
+        [free[-3:] + "\u2603"],  # never completes: held-back text is released at the end
+    ]
+    for stop in cases:
+        cut = min((i for s in stop if (i := free.find(s)) >= 0), default=-1)
+        whole = client.completions.create(**ask, stop=stop, extra_body={"ignore_eos": True})
+        chunks = list(
+            client.completions.create(
+                **ask, stop=stop, stream=True, extra_body={"ignore_eos": True}
+            )
+        )
+        streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        assert whole.choices[0].text == streamed == (free[:cut] if cut >= 0 else free), stop
+        assert whole.choices[0].finish_reason == finish == ("stop" if cut >= 0 else "length")
+        if cut >= 0:
+            assert whole.usage.completion_tokens < 16

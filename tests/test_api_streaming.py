@@ -63,18 +63,15 @@ async def test_tokens_arrive_spread_over_the_generation(cadence_server: RunningS
     text_times = [
         t for t, c in zip(result.arrivals, result.chunks, strict=False) if c["choices"][0]["text"]
     ]
-    total = result.arrivals[-1] - result.started
-    first = text_times[0] - result.started
-    span = text_times[-1] - text_times[0]
-    print(
-        f"{len(text_times)} text events; first after {first * 1000:.0f} ms, "
-        f"span {span * 1000:.0f} ms of {total * 1000:.0f} ms"
+    request_id = result.chunks[0]["id"]
+    finished = next(
+        e for e in cadence_server.log_events("request.finished") if e["request_id"] == request_id
     )
-    # Incremental delivery: many separate events, the first well before the end, and the
-    # events cover most of the generation instead of arriving in one burst at the end.
-    assert len(text_times) >= 12
-    assert first < 0.5 * total
-    assert span > 0.5 * (total - first)
+    early = [t for t in text_times if t < finished["ts"]]
+    print(f"{len(text_times)} text events, {len(early)} of them before the last token was made")
+    # Incremental delivery, by order, not by duration: text reached the client while the
+    # server was still generating (a buffered response arrives only after its last token).
+    assert len(text_times) >= 2 and early
 
 
 async def test_sse_headers_and_cors(cadence_server: RunningServer) -> None:

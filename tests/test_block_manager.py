@@ -24,11 +24,14 @@ def test_free_returns_every_block_and_is_idempotent():
     bm = BlockManager(num_blocks=8, block_size=4)
     bm.allocate(1, 10)
     bm.allocate(2, 7)
+    kept = list(bm.table(2))
     assert bm.free(1) == 3
     assert bm.free(1) == 0
     assert bm.num_free == 6 and bm.table(1) == []
     bm.check_invariants()
-    assert not set(bm.table(2)) & set(range(8)) - set(bm.table(2))
+    assert bm.table(2) == kept  # the other sequence keeps exactly its blocks
+    bm.allocate(3, 4 * 6)  # every block the first one held is reusable, with the rest
+    assert sorted(bm.table(3)) == sorted(set(range(8)) - set(kept))
 
 
 def test_allocation_beyond_free_raises_and_changes_nothing():

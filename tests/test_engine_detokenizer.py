@@ -1,8 +1,18 @@
-"""Incremental detokenization: multi-byte characters held back, stop strings cut."""
+"""Incremental detokenization: multi-byte characters held back, stop strings cut.
+
+Most cases use the simulated one-byte-per-token tokenizer, which makes every boundary
+explicit; the `real_model` ones use the default model's own tokenizer, whose tokens hold
+several characters, so stop strings start and end inside tokens.
+"""
 
 from __future__ import annotations
 
+import pytest
+
+from gpu_worker.model_files import resolve_model
+from service.config import default_cache_dir
 from service.detokenizer import Detokenizer
+from service.tokenizer import Tokenizer
 from tests.sim_worker import SimTokenizer
 
 TOK = SimTokenizer()
@@ -51,7 +61,64 @@ def test_earliest_of_several_stop_strings_wins():
     assert stopped and "".join(pieces) == "a"
 
 
+def test_earliest_stop_wins_when_two_complete_with_the_same_token():
+    # "xab" is held back (it begins "xabc"); the next token completes both stop strings
+    detok = Detokenizer(TOK, [], ["bc", "xabc"])
+    pieces, stopped = feed(detok, TOK.encode("xabcd"))
+    assert stopped and pieces == ["", "", "", ""] and detok.text == ""
+
+
+def test_stop_string_at_the_very_start_of_the_output():
+    detok = Detokenizer(TOK, TOK.encode("prompt "), ["Hi"])
+    pieces, stopped = feed(detok, TOK.encode("Hi there"))
+    assert stopped and pieces == ["", ""] and detok.text == ""
+
+
+def test_stop_string_straddling_the_last_release_point():
+    detok = Detokenizer(TOK, [], ["cde"])
+    pieces, stopped = feed(detok, TOK.encode("abcdef"))
+    assert stopped and pieces == ["a", "b", "", "", ""] and detok.text == "ab"
+
+
 def test_no_stop_strings_streams_everything():
     detok = Detokenizer(TOK, TOK.encode("x"), [])
     pieces, _ = feed(detok, TOK.encode("plain text"))
     assert pieces == list("plain text")
+
+
+@pytest.fixture(scope="module")
+def real_tokenizer() -> Tokenizer:
+    return Tokenizer.from_dir(resolve_model(None, default_cache_dir()))
+
+
+def feed_text(tokenizer: Tokenizer, text: str, stop: list[str]) -> tuple[list[str], bool]:
+    detok = Detokenizer(tokenizer, tokenizer.encode("Say it:"), stop)
+    return feed(detok, tokenizer.encode(text))
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize(
+    ("stop", "expected_text", "tokens_fed"),
+    [
+        ([" Paris"], "", 1),  # the very first token is the stop string
+        ([" Par"], "", 1),  # the stop string ends inside the first token
+        (["aris is"], " P", 2),  # starts inside one token, ends inside the next
+        (["France", " is"], " Paris", 2),  # the earliest of several wins
+        (["capital of"], " Paris is the ", 5),
+        (["nowhere"], " Paris is the capital of France.", 7),
+    ],
+)
+def test_stop_strings_with_the_real_tokenizer(real_tokenizer, stop, expected_text, tokens_fed):
+    pieces, stopped = feed_text(real_tokenizer, " Paris is the capital of France.", stop)
+    assert len(pieces) == tokens_fed
+    assert stopped == (stop != ["nowhere"])
+    assert "".join(pieces) == expected_text
+
+
+@pytest.mark.real_model
+def test_multibyte_characters_split_across_real_tokens_are_held_whole(real_tokenizer):
+    text = " The café costs 5€ 🎉 today."
+    pieces, stopped = feed_text(real_tokenizer, text, [])
+    assert not stopped and "".join(pieces) == text
+    assert all("\ufffd" not in piece for piece in pieces)
+    assert " 🎉" in pieces  # released whole, by the third of its three tokens

@@ -1,5 +1,6 @@
-"""The engine on the real default model (float32, CPU): greedy outputs do not depend on
-batch company, prefill chunk size, or a preemption and recompute."""
+"""The engine on the real default model (CPU, in float32 and in bfloat16, the default dtype):
+greedy outputs do not depend on batch company, prefill chunk size, or a preemption and
+recompute. In bfloat16 on CPUs with AVX512-BF16 this runs the C++ prefill kernel."""
 
 from __future__ import annotations
 
@@ -22,8 +23,12 @@ QUESTIONS = [
     "List three prime numbers and explain why each is prime, in one sentence each. "
     "Then say which of them is the largest, and spell it out in words, please.",
 ]
-# bytes of one KV block for SmolLM2-135M in float32: K and V, 30 layers, 3 heads x 64, 16 slots
-BLOCK_BYTES = 2 * 30 * 3 * 64 * 16 * 4
+DTYPES = ("float32", "bfloat16")
+
+
+def block_bytes(dtype: str) -> int:
+    """One KV block of SmolLM2-135M: K and V, 30 layers, 3 heads x 64, 16 slots."""
+    return 2 * 30 * 3 * 64 * 16 * (4 if dtype == "float32" else 2)
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +72,9 @@ async def run_together(engine: Engine, token_lists, params, tag: str) -> list[li
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
 
 
-async def test_greedy_same_alone_together_and_with_chunk_16_or_512(model_dir, tokenizer):
-    config = Config(dtype="float32", device="cpu", kv_memory=0.05, use_cuda_graphs=False)
+@pytest.mark.parametrize("dtype", DTYPES)
+async def test_greedy_same_alone_together_and_with_chunk_16_or_512(model_dir, tokenizer, dtype):
+    config = Config(dtype=dtype, device="cpu", kv_memory=0.05, use_cuda_graphs=False)
     config.policy_params = {"token_budget": 512, "chunk_size": 512}
     token_lists = prompts(tokenizer)
     async with trio.open_nursery() as nursery:
@@ -92,14 +98,15 @@ async def test_greedy_same_alone_together_and_with_chunk_16_or_512(model_dir, to
     assert "Paris" in tokenizer.decode(alone[0])
 
 
-async def test_greedy_same_after_forced_preemption(model_dir, tokenizer):
+@pytest.mark.parametrize("dtype", DTYPES)
+async def test_greedy_same_after_forced_preemption(model_dir, tokenizer, dtype):
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     token_lists = prompts(tokenizer)
     # room for 10 blocks: each request alone fits, all three together do not
     tight = Config(
-        dtype="float32",
+        dtype=dtype,
         device="cpu",
-        kv_memory=11 * BLOCK_BYTES,
+        kv_memory=11 * block_bytes(dtype),
         use_cuda_graphs=False,
         watermark=0.0,
     )
@@ -118,10 +125,11 @@ async def test_greedy_same_after_forced_preemption(model_dir, tokenizer):
     assert squeezed == reference
 
 
-def test_offline_generate_matches_the_engine(tokenizer):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_offline_generate_matches_the_engine(tokenizer, dtype):
     from service.offline import LLM
 
-    llm = LLM(dtype="float32", device="cpu", kv_memory=0.05, use_cuda_graphs=False)
+    llm = LLM(dtype=dtype, device="cpu", kv_memory=0.05, use_cuda_graphs=False)
     text_prompt = tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}])
     outs = llm.generate([text_prompt, tokenizer.encode(text_prompt)], GREEDY)
     assert len(outs) == 2

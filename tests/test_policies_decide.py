@@ -120,6 +120,46 @@ def test_fair_serves_the_tenant_with_fewer_tokens():
     assert served == {"a": 5, "b": 5}  # per tenant, not per request
 
 
+def test_fair_interleaves_tenants_within_one_step():
+    policy = make_policy("fair", {"token_budget": 256, "chunk_size": 64})
+    a = [seq(i, 200, tenant="a") for i in range(3)]
+    b = [seq(10 + i, 200, tenant="b") for i in range(2)]
+    d = policy.decide(view([], [*a, *b]))
+    # each chunk handed out raises its tenant's counter before the next slot is chosen
+    assert d.schedule == [(0, 64), (10, 64), (1, 64), (11, 64)]
+    assert policy.counters == {"a": 128.0, "b": 128.0}
+
+
+def test_fair_interleaves_decodes_by_tenant_under_the_sequence_cap():
+    policy = make_policy("fair", {})
+    running = [seq(i, 20, generated=2, tenant="a") for i in range(4)]
+    running.append(seq(9, 20, generated=2, tenant="b"))
+    d = policy.decide(view(running, max_seqs=3))
+    assert d.schedule == [(0, 1), (9, 1), (1, 1)]
+
+
+def firsts_after(policy, seqs, steps: int) -> list[str]:
+    tenants = {s.seq_id: s.tenant for s in seqs}
+    return [tenants[policy.decide(view([], seqs)).schedule[0][0]] for _ in range(steps)]
+
+
+def test_fair_newcomer_starts_level_with_the_active_tenants():
+    policy = make_policy("fair", {"token_budget": 64, "chunk_size": 64})
+    a = seq(1, 9999, tenant="a")
+    firsts_after(policy, [a], 10)  # a alone banks 640 served tokens
+    firsts = firsts_after(policy, [a, seq(2, 9999, tenant="c")], 6)
+    assert firsts.count("c") == 3  # no catching up on the 640 tokens it was not there for
+
+
+def test_fair_tenant_back_from_idle_cannot_spend_old_credit():
+    policy = make_policy("fair", {"token_budget": 64, "chunk_size": 64})
+    a, b = seq(1, 9999, tenant="a"), seq(2, 9999, tenant="b")
+    firsts_after(policy, [a, b], 4)
+    firsts_after(policy, [a], 10)  # b idle while a is served
+    firsts = firsts_after(policy, [a, b], 6)
+    assert firsts.count("b") == 3
+
+
 def test_fair_weights_shift_the_share():
     policy = make_policy("fair", {"weights": {"a": 3}, "token_budget": 64, "chunk_size": 64})
     a, b = seq(1, 999, tenant="a"), seq(2, 999, tenant="b")

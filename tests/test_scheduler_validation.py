@@ -117,6 +117,32 @@ def test_token_budget_and_sequence_cap_hold():
     assert sched.corrections["max_seqs"] == 1
 
 
+def test_decodes_beyond_the_budget_wait_for_the_next_step():
+    sched, _ = make_scheduler(max_tokens=3, max_seqs=8, num_blocks=32)
+    reqs = [make_request(i, 3) for i in range(5)]
+    for r in reqs:
+        sched.add(r)
+        run(sched, Decision(schedule=[(r.seq_id, 3)]))
+        r.token_ids.append(3)  # prefilled and sampled: decoding
+    assert not sched.corrections
+    out = run(sched, Decision(schedule=[(r.seq_id, 1) for r in reqs]))
+    assert out.plan.seq_ids == [0, 1, 2] and out.plan.total_tokens == 3
+    assert sched.corrections["token_budget"] == 2  # one per decode left out
+
+
+def test_a_step_holds_exactly_the_budget():
+    sched, _ = make_scheduler(max_tokens=12, max_seqs=8, num_blocks=32)
+    a, b = make_request(0, 12), make_request(1, 20)
+    sched.add(a)
+    sched.add(b)
+    out = run(sched, Decision(schedule=[(0, 12)]))  # exactly the budget: no correction
+    assert out.plan.total_tokens == 12 and not sched.corrections
+    a.token_ids.append(3)
+    out = run(sched, Decision(schedule=[(0, 1), (1, 12)]))  # one token over
+    assert out.plan.num_tokens == [1, 11] and out.plan.total_tokens == 12
+    assert sched.corrections["token_budget"] == 1
+
+
 def test_out_of_blocks_preempts_the_most_recently_admitted():
     sched, _ = make_scheduler(num_blocks=3, block_size=4)
     a, b, c = make_request(0, 4), make_request(1, 4), make_request(2, 4)

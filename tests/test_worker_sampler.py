@@ -137,27 +137,3 @@ def test_nucleus_search_matches_a_full_sort_for_narrow_and_wide_nuclei():
         sizes.append(len(kept))
     assert sizes[0] < 64 < sizes[1] or sizes[1] > 1024
     assert sizes[2] > 1024
-
-
-def test_sampling_a_large_batch_costs(capsys):
-    """Prints (does not assert) the sampling cost for 64 rows of a 49k vocabulary."""
-    import time
-
-    logits = torch.randn(64, 49152, generator=torch.Generator().manual_seed(0)) * 6
-    settings = {
-        "greedy": SamplingSpec(),
-        "temperature": SamplingSpec(temperature=0.8),
-        "top-k 50": SamplingSpec(temperature=0.8, top_k=50),
-        "top-p 0.9": SamplingSpec(temperature=0.8, top_p=0.9),
-        "seeded": SamplingSpec(temperature=0.8, seed=7),
-    }
-    sampler = Sampler(0, torch.device("cpu"))
-    costs = []
-    for name, spec in settings.items():
-        sampler.sample(logits, [spec] * 64, list(range(64)))
-        started = time.perf_counter()
-        out = sampler.sample(logits, [spec] * 64, list(range(64)))
-        costs.append(f"{name} {(time.perf_counter() - started) * 1000:.1f} ms")
-        assert len(out.tokens) == 64
-    with capsys.disabled():
-        print("\nsampling 64 x 49152 (one thread): " + ", ".join(costs))
