@@ -21,16 +21,16 @@ from pathlib import Path
 
 import trio
 
-from gpu_worker.model_files import resolve_model
 from ops.prompts import PromptMaker, codec_from_tokenizer_json
 from ops.summary import distribution, format_table
 from service.config import Config
-from service.engine import Engine
+from service.engine.engine import Engine
+from service.engine.request import FinishEvent, SamplingParams, TokenEvent
+from service.engine.stats import IterationStats
+from service.engine.worker_link import WorkerLink, worker_config_for
 from service.logging import configure_logging
-from service.request import FinishEvent, SamplingParams, TokenEvent
-from service.stats import IterationStats
+from service.model_files.resolve import resolve_model
 from service.tokenizer import Tokenizer
-from service.worker_link import WorkerLink, worker_config_for
 
 
 @dataclass(slots=True)

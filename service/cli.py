@@ -152,7 +152,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def run_fetch_model(args: argparse.Namespace) -> int:
-    from gpu_worker.model_files import ModelFileError, print_progress, resolve_model
+    from service.model_files.resolve import ModelFileError, print_progress, resolve_model
 
     try:
         path = resolve_model(
@@ -174,7 +174,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         make_policy(config.policy, config.policy_params)
     except PolicyError as exc:
         parser.error(f"--policy {config.policy}: {exc}")  # exits 2
-    from gpu_worker.model_files import ModelFileError
+    from service.model_files.resolve import ModelFileError
     from service.server import build_server
 
     try:

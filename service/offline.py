@@ -15,12 +15,12 @@ from typing import Any
 
 import trio
 
-from gpu_worker.model_files import resolve_model
 from service.config import Config
-from service.engine import Engine
-from service.request import FinishEvent, SamplingParams, TokenEvent
+from service.engine.engine import Engine
+from service.engine.request import FinishEvent, SamplingParams, TokenEvent
+from service.engine.worker_link import WorkerLink, worker_config_for
+from service.model_files.resolve import resolve_model
 from service.tokenizer import Tokenizer
-from service.worker_link import WorkerLink, worker_config_for
 
 
 @dataclass(slots=True)

@@ -11,13 +11,13 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 from quart_trio import QuartTrio
 
-from gpu_worker.model_files import print_progress, resolve_model, served_model_name
-from service.app import ENGINE_FAILED_KEY, create_app
+from service.api.app import ENGINE_FAILED_KEY, create_app
 from service.config import Config
-from service.engine import Engine
+from service.engine.engine import Engine
+from service.engine.worker_link import WorkerLink, worker_config_for
 from service.logging import configure_logging
+from service.model_files.resolve import print_progress, resolve_model, served_model_name
 from service.tokenizer import Tokenizer
-from service.worker_link import WorkerLink, worker_config_for
 
 DRAIN_SECONDS = 5.0
 log = structlog.get_logger("cadence.server")

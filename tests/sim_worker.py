@@ -20,10 +20,10 @@ import trio
 
 from gpu_worker.protocol import BatchPlan, Handshake, StepResult
 from service.config import Config
-from service.engine import Engine
-from service.request import Event, FinishEvent, TokenEvent
-from service.stats import IterationStats, RequestStats
-from service.worker_link import WorkerDied
+from service.engine.engine import Engine
+from service.engine.request import Event, FinishEvent, TokenEvent
+from service.engine.stats import IterationStats, RequestStats
+from service.engine.worker_link import WorkerDied
 
 EOS = 256
 

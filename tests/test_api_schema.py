@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from service.errors import APIError
-from service.openai_schema import parse_chat_request, parse_completion_request
+from service.api.errors import APIError
+from service.api.openai_schema import parse_chat_request, parse_completion_request
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 

@@ -8,8 +8,8 @@ import structlog.testing
 import trio
 
 from policies.base import PolicyError
-from service.engine import EngineUnavailable, InvalidRequest, Overloaded
-from service.request import SamplingParams
+from service.engine.engine import EngineUnavailable, InvalidRequest, Overloaded
+from service.engine.request import SamplingParams
 from tests.sim_worker import (
     EOS,
     Collected,
@@ -107,7 +107,7 @@ async def test_full_queue_is_overloaded(autojump_clock):
 
 
 async def test_submit_before_start_and_after_shutdown_is_unavailable(autojump_clock):
-    from service.engine import Engine
+    from service.engine.engine import Engine
 
     engine = Engine(sim_config(), SimWorker(), TOK)
     with pytest.raises(EngineUnavailable):

@@ -12,8 +12,8 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.engine import Engine
-from service.request import SamplingParams
+from service.engine.engine import Engine
+from service.engine.request import SamplingParams
 from tests.sim_worker import (
     RecordingObserver,
     SimTokenizer,

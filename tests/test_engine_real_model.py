@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import trio
 
-from gpu_worker.model_files import resolve_model
 from service.config import Config, default_cache_dir
-from service.engine import Engine
-from service.request import SamplingParams
+from service.engine.engine import Engine
+from service.engine.request import SamplingParams
+from service.engine.worker_link import WorkerLink, worker_config_for
+from service.model_files.resolve import resolve_model
 from service.tokenizer import Tokenizer
-from service.worker_link import WorkerLink, worker_config_for
 from tests.sim_worker import RecordingObserver, collect
 
 pytestmark = pytest.mark.real_model

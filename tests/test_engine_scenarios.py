@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from service.request import SamplingParams
+from service.engine.request import SamplingParams
 from tests.sim_worker import SimWorker, collect, running_engine, sim_config
 
 BUDGET = 256

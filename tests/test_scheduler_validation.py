@@ -5,10 +5,10 @@ from __future__ import annotations
 import trio
 
 from policies.base import Decision, Policy, View
-from service.block_manager import BlockManager
-from service.detokenizer import Detokenizer
-from service.request import Request, SamplingParams, Status, sampling_spec
-from service.scheduler import Scheduler
+from service.engine.block_manager import BlockManager
+from service.engine.detokenizer import Detokenizer
+from service.engine.request import Request, SamplingParams, Status, sampling_spec
+from service.engine.scheduler import Scheduler
 from tests.sim_worker import SimTokenizer
 
 

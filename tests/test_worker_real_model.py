@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_worker.model_files import resolve_model
 from gpu_worker.protocol import WorkerConfig
 from gpu_worker.runner import ModelRunner
+from service.model_files.resolve import resolve_model
 from service.tokenizer import Tokenizer
 from tests.worker_fixtures import Chunk, make_plan, max_diff
 

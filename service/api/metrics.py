@@ -7,7 +7,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from service.stats import IterationStats, RequestStats
+from service.engine.stats import IterationStats, RequestStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # 1 ms .. 2 min: ITL lives at the low end, TTFT of a long prompt under load at the high end.
@@ -128,7 +128,7 @@ class Metrics:
             registry=r,
         )
 
-    # --- service.stats.Observer -------------------------------------------------------
+    # --- service.engine.stats.Observer -------------------------------------------------------
     def on_request_received(self, request_id: str, tenant: str, prompt_tokens: int) -> None:
         self.received.inc()
 

@@ -9,8 +9,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from service.errors import APIError, bad_request
-from service.request import SamplingParams
+from service.api.errors import APIError, bad_request
+from service.engine.request import SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_TENANT_CHARS = 128

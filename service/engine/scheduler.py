@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 from gpu_worker.protocol import BatchPlan
 from policies.base import Decision, Policy, SeqView, View
-from service.block_manager import BlockManager
-from service.request import Request, Status
+from service.engine.block_manager import BlockManager
+from service.engine.request import Request, Status
 
 
 @dataclass(slots=True)

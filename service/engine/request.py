@@ -16,7 +16,7 @@ import trio
 from gpu_worker.protocol import SamplingSpec
 
 if TYPE_CHECKING:
-    from service.detokenizer import Detokenizer
+    from service.engine.detokenizer import Detokenizer
 
 
 @dataclass(slots=True)

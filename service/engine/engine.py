@@ -19,10 +19,10 @@ import trio
 from gpu_worker.protocol import BatchPlan, Handshake, StepResult
 from policies.base import Policy
 from policies.registry import make_policy
-from service.block_manager import BlockManager
 from service.config import Config
-from service.detokenizer import Detokenizer
-from service.request import (
+from service.engine.block_manager import BlockManager
+from service.engine.detokenizer import Detokenizer
+from service.engine.request import (
     FinishEvent,
     Request,
     SamplingParams,
@@ -30,9 +30,9 @@ from service.request import (
     TokenEvent,
     sampling_spec,
 )
-from service.scheduler import ScheduleOutput, Scheduler
-from service.stats import IterationStats, Observer, RequestStats
-from service.worker_link import WorkerDied
+from service.engine.scheduler import ScheduleOutput, Scheduler
+from service.engine.stats import IterationStats, Observer, RequestStats
+from service.engine.worker_link import WorkerDied
 
 log = structlog.get_logger()
 

@@ -10,10 +10,9 @@ import orjson
 import trio
 from quart import Blueprint, Response, request
 
-from service.app_state import AppState, app_state
-from service.engine import EngineUnavailable, InvalidRequest, Overloaded
-from service.errors import APIError, bad_request, json_response
-from service.openai_responses import (
+from service.api.app_state import AppState, app_state
+from service.api.errors import APIError, bad_request, json_response
+from service.api.openai_responses import (
     ResponseHeader,
     TokenPieces,
     chat_logprobs,
@@ -23,13 +22,14 @@ from service.openai_responses import (
     usage,
     usage_chunk,
 )
-from service.openai_schema import (
+from service.api.openai_schema import (
     GenerationRequest,
     parse_chat_request,
     parse_completion_request,
 )
-from service.request import Event, FinishEvent, TokenEvent
-from service.sse import DONE, HEARTBEAT, SSE_HEADERS, event_groups, sse_data
+from service.api.sse import DONE, HEARTBEAT, SSE_HEADERS, event_groups, sse_data
+from service.engine.engine import EngineUnavailable, InvalidRequest, Overloaded
+from service.engine.request import Event, FinishEvent, TokenEvent
 
 blueprint = Blueprint("openai", __name__)
 

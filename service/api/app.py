@@ -8,12 +8,12 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from service import routes_admin, routes_openai
-from service.app_state import EXTENSION_KEY, AppState
+from service.api import routes_admin, routes_openai
+from service.api.app_state import EXTENSION_KEY, AppState
+from service.api.errors import APIError, error_body, error_response, json_response
+from service.api.metrics import Metrics
 from service.config import Config
-from service.engine import Engine
-from service.errors import APIError, error_body, error_response, json_response
-from service.metrics import Metrics
+from service.engine.engine import Engine
 from service.tokenizer import Tokenizer
 
 log = structlog.get_logger("cadence.app")
@@ -33,7 +33,7 @@ PREFLIGHT_HEADERS = {
 def create_app(
     config: Config, engine: Engine, tokenizer: Tokenizer, served_model_name: str
 ) -> QuartTrio:
-    # Import name -> root path service/, so service/static is served at /static.
+    # Import name -> root path service/api/, so service/api/static is served at /static.
     app = QuartTrio(__name__, static_folder="static")
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
     # Non-streaming generations can take long too; SSE responses also set their own None.
@@ -53,7 +53,7 @@ def create_app(
 def _install_page(app: QuartTrio) -> None:
     @app.get("/")
     async def page() -> Response:
-        """The browser page (service/static/index.html), same origin as the API."""
+        """The browser page (service/api/static/index.html), same origin as the API."""
         return await app.send_static_file("index.html")
 
 
