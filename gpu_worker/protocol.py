@@ -25,6 +25,13 @@ from typing import Any
 import orjson
 
 HEADER = struct.Struct(">I")
+# The model families the worker runs: Hugging Face model_type -> architecture class. The
+# service checks model files against this before it starts a worker.
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 
 
@@ -55,7 +62,6 @@ class Handshake:
     block_size: int
     num_blocks: int
     kv_bytes: int
-    eos_token_ids: list[int]
     decode_buckets: list[int]
     pid: int
     load_seconds: float

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from functools import partial
+from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 from typing import Any
 
@@ -13,26 +14,21 @@ import trio
 
 from service.config import Config, default_cache_dir
 
-DELEGATED = {"bench": "ops.bench", "logs": "ops.logs_report"}
+TOOL_COMMANDS = "cadence.commands"  # entry-point group: commands other packages provide
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in DELEGATED:
-        return run_delegated(argv[0], argv[1:])
+    tools = tool_commands()
+    if argv and argv[0] in tools:
+        return int(tools[argv[0]].load()(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
     return args.run(args)
 
 
-def run_delegated(command: str, argv: list[str]) -> int:
-    import importlib
-
-    try:
-        module = importlib.import_module(DELEGATED[command])
-    except ModuleNotFoundError as exc:
-        print(f"cadence {command}: not available ({exc})", file=sys.stderr)
-        return 2
-    return int(module.main(argv) or 0)
+def tool_commands() -> dict[str, EntryPoint]:
+    """Commands registered by installed tool packages (ops registers bench and logs)."""
+    return {ep.name: ep for ep in entry_points(group=TOOL_COMMANDS)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--model", default=None, help="HF directory or .gguf (default model)")
     fetch.add_argument("--cache-dir", type=Path, default=None)
     fetch.set_defaults(run=run_fetch_model)
-    for name, module in DELEGATED.items():
-        commands.add_parser(name, help=f"see `cadence {name} --help` ({module})", add_help=False)
+    for name, ep in tool_commands().items():
+        commands.add_parser(name, help=f"see `cadence {name} --help` ({ep.value})", add_help=False)
     return parser
 
 

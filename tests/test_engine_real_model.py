@@ -9,7 +9,7 @@ import trio
 
 from service.config import Config, default_cache_dir
 from service.engine.engine import Engine
-from service.engine.request import SamplingParams
+from service.engine.request import SamplingParams, SamplingSpec
 from service.engine.worker_link import WorkerLink, worker_config_for
 from service.model_files.resolve import resolve_model
 from service.tokenizer import Tokenizer
@@ -69,7 +69,8 @@ async def run_together(engine: Engine, token_lists, params, tag: str) -> list[li
     return results
 
 
-GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
+ARGMAX = SamplingSpec(temperature=0.0)
+GREEDY = SamplingParams(max_tokens=16, sampling=ARGMAX)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -100,7 +101,7 @@ async def test_greedy_same_alone_together_and_with_chunk_16_or_512(model_dir, to
 
 @pytest.mark.parametrize("dtype", DTYPES)
 async def test_greedy_same_after_forced_preemption(model_dir, tokenizer, dtype):
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=40, ignore_eos=True, sampling=ARGMAX)
     token_lists = prompts(tokenizer)
     # room for 10 blocks: each request alone fits, all three together do not
     tight = Config(

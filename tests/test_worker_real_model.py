@@ -61,7 +61,7 @@ def test_the_default_model_knows_the_capital_of_france(default_model_dir, dtype)
     runner = runner_for(default_model_dir, dtype)
     prompt = chat_prompt(default_model_dir, "What is the capital of France?")
     answer = Tokenizer.from_dir(default_model_dir).decode(
-        greedy(runner, prompt, 32, set(runner.handshake.eos_token_ids))
+        greedy(runner, prompt, 32, set(Tokenizer.from_dir(default_model_dir).eos_token_ids))
     )
     print(f"\n{dtype}: {answer!r}")
     assert "Paris" in answer

@@ -41,92 +41,65 @@ LATENCY_BUCKETS = (
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
+# (attribute, kind, name after "cadence:", help); histograms take their buckets by kind
+_DEFINITIONS = [
+    ("ttft", "latency", "time_to_first_token_seconds",
+     "Time from request received to its first token."),
+    ("itl", "latency", "inter_token_latency_seconds",
+     "Gap between consecutive output tokens of one request."),
+    ("tpot", "latency", "time_per_output_token_seconds",
+     "Mean time per output token after the first, per request."),
+    ("e2e", "latency", "e2e_request_latency_seconds",
+     "Time from request received to finished."),
+    ("queue_time", "latency", "request_queue_time_seconds",
+     "Time from request received to first scheduled."),
+    ("iteration_tokens", "tokens", "iteration_tokens",
+     "Tokens computed per engine iteration."),
+    ("step_seconds", "latency", "iteration_step_seconds",
+     "Worker time of one iteration (forward + sample)."),
+    ("running", "gauge", "num_requests_running",
+     "Requests admitted and holding KV blocks."),
+    ("waiting", "gauge", "num_requests_waiting",
+     "Requests waiting for admission."),
+    ("kv_usage", "gauge", "kv_cache_usage_perc",
+     "Fraction of KV cache blocks in use (0..1)."),
+    ("prompt_tokens", "counter", "prompt_tokens_total",
+     "Prompt tokens of finished requests."),
+    ("generation_tokens", "counter", "generation_tokens_total",
+     "Generated tokens of finished requests."),
+    ("preemptions", "counter", "num_preemptions_total",
+     "Sequences preempted (KV freed, recomputed later)."),
+    ("policy_swaps", "counter", "policy_swaps_total",
+     "Scheduling policy hot swaps."),
+    ("received", "counter", "request_received_total",
+     "Requests accepted by the engine."),
+    ("finished", "counter", "request_success_total",
+     "Finished requests by finish reason."),
+    ("policy", "gauge", "policy_info",
+     "The scheduling policy in force (value 1)."),
+]
+_LABELS = {"finished": ("finished_reason",), "policy": ("policy",)}
+
+
+def _metric(
+    kind: str, name: str, doc: str, labels: tuple[str, ...], registry: CollectorRegistry
+) -> Histogram | Gauge | Counter:
+    full_name = f"cadence:{name}"
+    if kind in ("latency", "tokens"):
+        buckets = LATENCY_BUCKETS if kind == "latency" else TOKEN_BUCKETS
+        return Histogram(full_name, doc, labels, buckets=buckets, registry=registry)
+    cls = Gauge if kind == "gauge" else Counter
+    return cls(full_name, doc, labels, registry=registry)
+
+
 class Metrics:
     """One registry per app (never the process-global one), updated by the engine's events."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.ttft = Histogram(
-            "cadence:time_to_first_token_seconds",
-            "Time from request received to its first token.",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            "cadence:inter_token_latency_seconds",
-            "Gap between consecutive output tokens of one request.",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.tpot = Histogram(
-            "cadence:time_per_output_token_seconds",
-            "Mean time per output token after the first, per request.",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "cadence:e2e_request_latency_seconds",
-            "Time from request received to finished.",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.queue_time = Histogram(
-            "cadence:request_queue_time_seconds",
-            "Time from request received to first scheduled.",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.iteration_tokens = Histogram(
-            "cadence:iteration_tokens",
-            "Tokens computed per engine iteration.",
-            buckets=TOKEN_BUCKETS,
-            registry=r,
-        )
-        self.step_seconds = Histogram(
-            "cadence:iteration_step_seconds",
-            "Worker time of one iteration (forward + sample).",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.running = Gauge(
-            "cadence:num_requests_running", "Requests admitted and holding KV blocks.", registry=r
-        )
-        self.waiting = Gauge(
-            "cadence:num_requests_waiting", "Requests waiting for admission.", registry=r
-        )
-        self.kv_usage = Gauge(
-            "cadence:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", registry=r
-        )
-        self.prompt_tokens = Counter(
-            "cadence:prompt_tokens_total", "Prompt tokens of finished requests.", registry=r
-        )
-        self.generation_tokens = Counter(
-            "cadence:generation_tokens_total", "Generated tokens of finished requests.", registry=r
-        )
-        self.preemptions = Counter(
-            "cadence:num_preemptions_total",
-            "Sequences preempted (KV freed, recomputed later).",
-            registry=r,
-        )
-        self.policy_swaps = Counter(
-            "cadence:policy_swaps_total", "Scheduling policy hot swaps.", registry=r
-        )
-        self.received = Counter(
-            "cadence:request_received_total", "Requests accepted by the engine.", registry=r
-        )
-        self.finished = Counter(
-            "cadence:request_success_total",
-            "Finished requests by finish reason.",
-            ["finished_reason"],
-            registry=r,
-        )
-        self.policy = Gauge(
-            "cadence:policy_info",
-            "The scheduling policy in force (value 1).",
-            ["policy"],
-            registry=r,
-        )
+        for attribute, kind, name, doc in _DEFINITIONS:
+            labels = _LABELS.get(attribute, ())
+            setattr(self, attribute, _metric(kind, name, doc, labels, self.registry))
 
     # --- service.engine.stats.Observer -------------------------------------------------------
     def on_request_received(self, request_id: str, tenant: str, prompt_tokens: int) -> None:

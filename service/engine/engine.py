@@ -1,8 +1,10 @@
-"""The engine: admission, the scheduler loop and worker supervision in one trio nursery.
+"""The engine: an admission task and a scheduling task in one trio nursery, and the worker.
 
-Each iteration: view -> policy decision -> core validation -> BatchPlan -> worker.step ->
-append tokens, detokenize, stop checks, stream events -> retire finished sequences. The
-front end talks to it only through submit() (a stream of events) and abort().
+Admission validates each request, bounds the queue and hands the request to the scheduler.
+The scheduling task runs iterations: `Scheduler.schedule()` -> worker step ->
+`Scheduler.update()`, then the engine's own part: text (detokenizer, stop strings), stream
+events, observers, and supervision of the worker. The front end talks to it only through
+submit() (a stream of events) and abort().
 """
 
 from __future__ import annotations
@@ -11,33 +13,41 @@ import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 import trio
 
 from gpu_worker.protocol import BatchPlan, Handshake, StepResult
-from policies.base import Policy
 from policies.registry import make_policy
 from service.config import Config
 from service.engine.block_manager import BlockManager
-from service.engine.detokenizer import Detokenizer
-from service.engine.request import (
-    FinishEvent,
-    Request,
-    SamplingParams,
-    Status,
-    TokenEvent,
-    sampling_spec,
-)
-from service.engine.scheduler import ScheduleOutput, Scheduler
+from service.engine.detokenizer import Decoder, Detokenizer
+from service.engine.request import FinishEvent, Request, SamplingParams, Status, TokenEvent
+from service.engine.scheduler import Outcome, ScheduleOutput, Scheduler
 from service.engine.stats import IterationStats, Observer, RequestStats
+from service.engine.validation import InvalidRequest, Limits, validate
 from service.engine.worker_link import WorkerDied
 
 log = structlog.get_logger()
 
 _RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
 _WORKER_STOP_TIMEOUT_S = 10.0
+
+
+class Worker(Protocol):
+    """What the engine needs of a worker (WorkerLink; tests use a simulated one)."""
+
+    async def start(self) -> Handshake: ...
+    async def step(self, plan: BatchPlan) -> StepResult: ...
+    async def stop(self) -> None: ...
+
+
+class TokenizerLike(Decoder, Protocol):
+    """What the engine needs of a tokenizer: decoding, and which ids end a sequence."""
+
+    @property
+    def eos_token_ids(self) -> list[int]: ...
 
 
 class Overloaded(Exception):
@@ -48,10 +58,6 @@ class EngineUnavailable(Exception):
     """The worker is not ready, restarting, or the engine is shutting down (HTTP 503)."""
 
 
-class InvalidRequest(ValueError):
-    """A request the engine cannot serve; the message is meant for the user (HTTP 400)."""
-
-
 @dataclass(slots=True)
 class PolicySwap:
     old: dict
@@ -59,28 +65,38 @@ class PolicySwap:
     iteration: int  # the first iteration the new policy decides
 
 
+@dataclass(slots=True)
+class _Ticket:
+    """A request on its way through admission, and the verdict its submitter waits for."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_id: str
+    tenant: str
+    priority: int
+    received: float
+    done: trio.Event = dataclasses.field(default_factory=trio.Event)
+    channel: trio.MemoryReceiveChannel | None = None  # the verdict: a stream, or
+    error: Exception | None = None  # why not
+    withdrawn: bool = False  # the submitter stopped waiting (cancelled)
+
+
 class Engine:
-    def __init__(self, config: Config, worker: Any, tokenizer: Any) -> None:
+    def __init__(self, config: Config, worker: Worker, tokenizer: TokenizerLike) -> None:
         self.config = config
+        self.tokenizer = tokenizer
         self.handshake: Handshake | None = None
         self._worker = worker
-        self._tokenizer = tokenizer
-        self._policy: Policy = make_policy(config.policy, config.policy_params)
-        self._pending_policy: Policy | None = None
+        self._policy = make_policy(config.policy, config.policy_params)  # until the scheduler
         self._scheduler: Scheduler | None = None
-        self._requests: dict[str, Request] = {}
+        self._requests: dict[str, Request] = {}  # open streams, by request id
         self._observers: list[Observer] = []
-        self._admit_send, self._admit_recv = trio.open_memory_channel[Request](config.max_queue)
+        self._admit_send, self._admit_recv = trio.open_memory_channel[_Ticket](config.max_queue)
         self._wakeup = trio.Event()
         self._all_done = trio.Event()
         self._ready = False
         self._accepting = True
-        self._eos: frozenset[int] = frozenset()
         self._next_seq_id = 0
-        self._in_admission = 0  # submitted, not yet handed to the scheduler
-        self._next_iteration = 1
-        self._last_step_ms: float | None = None
-        self._last_step_tokens = 0
 
     # ---- public API -------------------------------------------------------------------
 
@@ -100,11 +116,12 @@ class Engine:
             await self._start_worker()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._admission_task)
-                nursery.start_soon(self._scheduler_loop)
+                nursery.start_soon(self._scheduling_task)
                 task_status.started()
         finally:
             self._ready = False
             self._accepting = False
+            self._refuse_queued()
             self._finish_all("abort", "shutdown")
             with trio.CancelScope(shield=True), trio.move_on_after(_WORKER_STOP_TIMEOUT_S):
                 await self._worker.stop()
@@ -118,47 +135,30 @@ class Engine:
         tenant: str = "default",
         priority: int = 0,
     ) -> trio.MemoryReceiveChannel:
-        """Queue a request; its channel yields TokenEvent* then one FinishEvent, then closes."""
-        if not self._accepting or not self._ready or self._scheduler is None:
+        """Queue a request; its channel yields TokenEvent* then one FinishEvent, then closes.
+
+        Raises InvalidRequest, Overloaded or EngineUnavailable, and then nothing was queued.
+        """
+        if not self._accepting or not self._ready:
             raise EngineUnavailable("the engine is not ready (starting, restarting or stopping)")
-        self._validate(prompt_token_ids, params, request_id)
-        waiting = len(self._scheduler.waiting) + self._in_admission
-        if waiting >= self.config.max_queue:
-            raise Overloaded(f"{waiting} requests are waiting; try again later")
-        send, receive = trio.open_memory_channel(params.max_tokens + 2)
-        ids = list(prompt_token_ids)
-        request = Request(
-            request_id=request_id,
-            seq_id=self._next_seq_id,
-            prompt_len=len(ids),
-            token_ids=ids,
-            params=params,
-            tenant=tenant,
-            priority=priority,
-            received=trio.current_time(),
-            stream=send,
-            detokenizer=Detokenizer(self._tokenizer, ids, params.stop),
-            spec=sampling_spec(params),
+        params = dataclasses.replace(params)  # validation fills a missing max_tokens
+        ticket = _Ticket(
+            list(prompt_token_ids), params, request_id, tenant, priority, trio.current_time()
         )
         try:
-            self._admit_send.send_nowait(request)
+            self._admit_send.send_nowait(ticket)
         except trio.WouldBlock:
             raise Overloaded("the admission queue is full; try again later") from None
-        self._next_seq_id += 1
-        self._in_admission += 1
-        self._requests[request_id] = request
-        self._all_done = trio.Event()
-        log.info(
-            "request.received",
-            request_id=request_id,
-            tenant=tenant,
-            priority=priority,
-            prompt_tokens=len(ids),
-            max_tokens=params.max_tokens,
-        )
-        for observer in self._observers:
-            observer.on_request_received(request_id, tenant, len(ids))
-        return receive
+        try:
+            await ticket.done.wait()
+        except BaseException:
+            ticket.withdrawn = True
+            self.abort(request_id)  # admitted just before the cancellation reached us
+            raise
+        if ticket.error is not None:
+            raise ticket.error
+        assert ticket.channel is not None
+        return ticket.channel
 
     def abort(self, request_id: str) -> None:
         """End a request now (synchronous, idempotent); its blocks are free at once."""
@@ -171,33 +171,37 @@ class Engine:
         """Swap the policy at the next iteration boundary; PolicyError changes nothing."""
         new = make_policy(name, params)
         old = self.policy_info()
-        self._pending_policy = new
-        swap = PolicySwap(old=old, new=new.describe(), iteration=self._next_iteration)
+        if self._scheduler is None:
+            self._policy, iteration = new, 1
+        else:
+            iteration = self._scheduler.set_policy(new)
+        swap = PolicySwap(old=old, new=new.describe(), iteration=iteration)
         log.info(
             "policy.swap",
             old=old["name"],
             new=new.name,
             params=swap.new["params"],
-            iteration=swap.iteration,
+            iteration=iteration,
             by=by,
         )
         for observer in self._observers:
-            observer.on_policy_swap(old["name"], new.name, swap.iteration)
+            observer.on_policy_swap(old["name"], new.name, iteration)
         return swap
 
     def policy_info(self) -> dict:
         """The policy that decides the next iteration: {"name", "params"}."""
-        return (self._pending_policy or self._policy).describe()
+        policy = self._policy if self._scheduler is None else self._scheduler.next_policy
+        return policy.describe()
 
     def state(self) -> dict:
-        sched = self._scheduler
+        stats = self._scheduler.stats() if self._scheduler else None
         return {
-            "waiting": len(sched.waiting) if sched else 0,
-            "running": len(sched.running) if sched else 0,
-            "kv_blocks_used": sched.blocks.num_used if sched else 0,
-            "kv_blocks_total": sched.blocks.num_blocks if sched else 0,
+            "waiting": stats.waiting if stats else 0,
+            "running": stats.running if stats else 0,
+            "kv_blocks_used": stats.kv_blocks_used if stats else 0,
+            "kv_blocks_total": stats.kv_blocks_total if stats else 0,
             "policy": self.policy_info(),
-            "iteration": self._next_iteration - 1,
+            "iteration": stats.iteration if stats else 0,
             "worker_ready": self._ready,
             "max_model_len": self.handshake.max_model_len if self.handshake else None,
         }
@@ -212,90 +216,87 @@ class Engine:
                 await self._all_done.wait()
         self._finish_all("abort", "shutdown")
 
-    # ---- validation -------------------------------------------------------------------
-
-    def _validate(self, ids: list[int], params: SamplingParams, request_id: str) -> None:
-        handshake = self.handshake
-        assert handshake is not None and self._scheduler is not None
-        if request_id in self._requests:
-            raise InvalidRequest(f"request id {request_id!r} is already in use")
-        if not ids:
-            raise InvalidRequest("the prompt is empty")
-        vocab = handshake.vocab_size
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
-        if isinstance(params.max_tokens, bool) or not isinstance(params.max_tokens, int):
-            raise InvalidRequest("max_tokens must be an integer")
-        if params.max_tokens < 1:
-            raise InvalidRequest("max_tokens must be at least 1")
-        if not params.temperature >= 0:
-            raise InvalidRequest("temperature must be >= 0")
-        if not 0 < params.top_p <= 1:
-            raise InvalidRequest("top_p must be in (0, 1]")
-        if params.top_k < 0:
-            raise InvalidRequest("top_k must be >= 0")
-        if not isinstance(params.stop, list) or not all(isinstance(s, str) for s in params.stop):
-            raise InvalidRequest("stop must be a list of strings")
-        total = len(ids) + params.max_tokens
-        if total > handshake.max_model_len:
-            raise InvalidRequest(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds the context window of {handshake.max_model_len} tokens"
-            )
-        blocks = self._scheduler.blocks
-        capacity = (blocks.num_blocks - blocks.watermark_blocks) * blocks.block_size
-        if total > capacity:
-            raise InvalidRequest(
-                f"prompt + max_tokens = {total} tokens exceeds the KV cache capacity "
-                f"of {capacity} tokens for one request"
-            )
-
-    # ---- tasks ------------------------------------------------------------------------
+    # ---- admission --------------------------------------------------------------------
 
     async def _admission_task(self) -> None:
-        async for request in self._admit_recv:
-            self._in_admission -= 1
-            if request.is_finished or self._scheduler is None:
-                continue  # aborted while queued
-            self._scheduler.add(request)
-            self._wakeup.set()
+        async for ticket in self._admit_recv:
+            if not ticket.withdrawn:
+                try:
+                    ticket.channel = self._admit(ticket)
+                except (InvalidRequest, Overloaded, EngineUnavailable) as exc:
+                    ticket.error = exc
+            ticket.done.set()
 
-    async def _scheduler_loop(self) -> None:
+    def _admit(self, ticket: _Ticket) -> trio.MemoryReceiveChannel:
+        """Validate, bound the queue, hand over to the scheduler; raises and queues nothing."""
+        sched = self._scheduler
+        if sched is None or not self._accepting:
+            raise EngineUnavailable("the engine is shutting down")
+        if ticket.request_id in self._requests:
+            raise InvalidRequest(
+                f"request id {ticket.request_id!r} is already in use", code="duplicate_id"
+            )
+        ids, params = ticket.prompt_token_ids, ticket.params
+        validate(ids, params, self._limits(), ticket.tenant, ticket.priority)
+        if len(sched.waiting) >= self.config.max_queue:
+            raise Overloaded(f"{len(sched.waiting)} requests are waiting; try again later")
+        assert params.max_tokens is not None
+        # never blocks: a token event per output token, the finish event, and a spare
+        send, receive = trio.open_memory_channel(params.max_tokens + 2)
+        request = Request(
+            request_id=ticket.request_id,
+            seq_id=self._next_seq_id,
+            prompt_len=len(ids),
+            token_ids=ids,
+            params=params,
+            tenant=ticket.tenant,
+            priority=ticket.priority,
+            received=ticket.received,
+            stream=send,
+            detokenizer=Detokenizer(self.tokenizer, ids, params.stop),
+        )
+        self._next_seq_id += 1
+        self._requests[request.request_id] = request
+        self._all_done = trio.Event()
+        sched.add(request)
+        self._wakeup.set()
+        self._report_received(request)
+        return receive
+
+    def _limits(self) -> Limits:
+        assert self.handshake is not None and self._scheduler is not None
+        return Limits(
+            vocab_size=self.handshake.vocab_size,
+            max_model_len=self.handshake.max_model_len,
+            kv_capacity_tokens=self._scheduler.capacity_tokens,
+        )
+
+    def _refuse_queued(self) -> None:
+        while True:
+            try:
+                ticket = self._admit_recv.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                return
+            ticket.error = EngineUnavailable("the engine is shutting down")
+            ticket.done.set()
+
+    # ---- the iteration ----------------------------------------------------------------
+
+    async def _scheduling_task(self) -> None:
         sched = self._scheduler
         assert sched is not None
         while True:
-            if not sched.has_work():
-                self._wakeup = trio.Event()
-                await self._wakeup.wait()
-                continue
-            if not await self._iterate(sched):
-                # nothing could be scheduled; only a new request or an abort changes that
+            if not sched.has_work() or not await self._iterate(sched):
+                # nothing to do, or nothing could be scheduled: wait for a request or an abort
                 self._wakeup = trio.Event()
                 await self._wakeup.wait()
 
     async def _iterate(self, sched: Scheduler) -> bool:
         started = time.perf_counter()
-        if self._pending_policy is not None:
-            self._policy = sched.policy = self._pending_policy
-            self._pending_policy = None
-        iteration = self._next_iteration
-        self._next_iteration += 1
-        view = sched.build_view(
-            iteration, trio.current_time(), self._last_step_ms, self._last_step_tokens
-        )
-        out = sched.schedule(view, step_id=iteration)
-        self._note_preemptions(out)
+        out = sched.schedule(trio.current_time())
+        self._note_scheduled(out)
         if out.plan is None:
             return False
-        now = trio.current_time()
-        for item in out.scheduled:
-            if item.request.first_scheduled is None:
-                item.request.first_scheduled = now
-                log.info(
-                    "request.admitted",
-                    request_id=item.request.request_id,
-                    queue_ms=(now - item.request.received) * 1000,
-                )
         planned = time.perf_counter()
         try:
             result = await self._worker.step(out.plan)
@@ -303,41 +304,42 @@ class Engine:
             await self._recover(exc)
             return True
         stepped = time.perf_counter()
-        sched.commit(out)
-        self._apply_result(out, result)
+        now = trio.current_time()
+        for outcome in sched.update(out, result):
+            self._emit(outcome, now)
         if self.config.debug_invariants:
             sched.blocks.check_invariants()
-        self._last_step_ms = result.step_ms
-        self._last_step_tokens = out.plan.total_tokens
         schedule_ms = (planned - started + time.perf_counter() - stepped) * 1000
-        self._report_iteration(sched, out, out.plan, result, schedule_ms)
+        self._report_iteration(sched, out, result, schedule_ms)
         return True
 
-    # ---- results ----------------------------------------------------------------------
-
-    def _apply_result(self, out: ScheduleOutput, result: StepResult) -> None:
-        plan = out.plan
-        assert plan is not None
-        sampled = [s.request for s in out.scheduled if s.samples]
-        if result.error is None and result.seq_ids != [r.seq_id for r in sampled]:
-            result.error = f"step {plan.step_id}: the worker returned tokens for other sequences"
-        if result.error is not None:
-            log.info("worker.step_error", step_id=plan.step_id, error=result.error)
-            for item in out.scheduled:
-                self._finish(item.request, "error", "worker_error", error=result.error)
-            return
+    def _note_scheduled(self, out: ScheduleOutput) -> None:
         now = trio.current_time()
-        logprobs = result.logprobs
-        for i, request in enumerate(sampled):
-            if request.is_finished:
-                continue  # aborted while the step ran
-            lp = logprobs[i] if logprobs is not None and request.params.logprobs else None
-            self._append_token(request, result.tokens[i], lp, now)
+        for item in out.scheduled:
+            request = item.request
+            if request.first_scheduled is None:
+                request.first_scheduled = now
+                log.info(
+                    "request.admitted",
+                    request_id=request.request_id,
+                    queue_ms=(now - request.received) * 1000,
+                )
+        for request in out.preempted:
+            log.info(
+                "request.preempted",
+                request_id=request.request_id,
+                num_generated=request.num_generated,
+            )
+            for observer in self._observers:
+                observer.on_preemption(request.request_id)
 
-    def _append_token(
-        self, request: Request, token: int, logprob: float | None, now: float
-    ) -> None:
-        request.token_ids.append(token)
+    def _emit(self, outcome: Outcome, now: float) -> None:
+        """Text and events for one request's share of a step; finish it if it is done."""
+        request, finish = outcome.request, outcome.finish
+        if outcome.token is None:
+            assert finish is not None
+            self._finish(request, *finish, error=outcome.error)
+            return
         request.token_times.append(now)
         if request.first_token is None:
             request.first_token = now
@@ -346,19 +348,14 @@ class Engine:
                 request_id=request.request_id,
                 ttft_ms=(now - request.received) * 1000,
             )
-        delta = request.detokenizer.add_token(token)
-        finish = None
+        delta = request.detokenizer.add_token(outcome.token)
+        text = delta.text
         if delta.stopped:
             finish = ("stop", "stop_string")
-        elif token in self._eos and not request.params.ignore_eos:
-            finish = ("stop", "eos")
-        elif request.num_generated >= request.params.max_tokens:
-            finish = ("length", "max_tokens")
-        text = delta.text
-        if finish is not None and not delta.stopped:
+        elif finish is not None:
             text += request.detokenizer.flush()
-        event = TokenEvent(text, [token], None if logprob is None else [logprob])
-        _send(request, event)
+        logprobs = [outcome.logprob] if outcome.logprob is not None else None
+        _send(request, TokenEvent(text, [outcome.token], logprobs))
         if finish is not None:
             self._finish(request, *finish)
 
@@ -382,16 +379,6 @@ class Engine:
         for request in list(self._requests.values()):
             self._finish(request, reason, detail)
 
-    def _note_preemptions(self, out: ScheduleOutput) -> None:
-        for request in out.preempted:
-            log.info(
-                "request.preempted",
-                request_id=request.request_id,
-                num_generated=request.num_generated,
-            )
-            for observer in self._observers:
-                observer.on_preemption(request.request_id)
-
     # ---- worker supervision -----------------------------------------------------------
 
     async def _start_worker(self) -> None:
@@ -404,10 +391,10 @@ class Engine:
                 self._policy,
                 max_batched_tokens=self.config.max_batched_tokens,
                 max_num_seqs=self.config.max_num_seqs,
+                eos_token_ids=self.tokenizer.eos_token_ids,
             )
         else:
-            self._scheduler.blocks = blocks  # nothing is running across a restart
-        self._eos = frozenset(handshake.eos_token_ids) | frozenset(self._tokenizer.eos_token_ids)
+            self._scheduler.replace_blocks(blocks)
         self._ready = True
         log.info(
             "worker.started",
@@ -424,7 +411,6 @@ class Engine:
         log.info("worker.died", error=str(exc), running=len(sched.running))
         for request in list(sched.running):
             self._finish(request, "error", "worker_died", error="the worker process died")
-        self._last_step_ms = None
         attempt = 0
         while True:
             try:
@@ -438,86 +424,52 @@ class Engine:
 
     # ---- reporting --------------------------------------------------------------------
 
+    def _report_received(self, request: Request) -> None:
+        log.info(
+            "request.received",
+            request_id=request.request_id,
+            tenant=request.tenant,
+            priority=request.priority,
+            prompt_tokens=request.prompt_len,
+            max_tokens=request.params.max_tokens,
+        )
+        for observer in self._observers:
+            observer.on_request_received(request.request_id, request.tenant, request.prompt_len)
+
     def _report_iteration(
-        self,
-        sched: Scheduler,
-        out: ScheduleOutput,
-        plan: BatchPlan,
-        result: StepResult,
-        schedule_ms: float,
+        self, sched: Scheduler, out: ScheduleOutput, result: StepResult, schedule_ms: float
     ) -> None:
-        stats = IterationStats(
+        assert out.plan is not None
+        stats = sched.stats()
+        record = IterationStats(
             iteration=out.iteration,
-            policy=self._policy.name,
+            policy=out.policy,
             prefill_tokens=out.prefill_tokens,
             decode_seqs=out.decode_seqs,
-            batch_tokens=plan.total_tokens,
-            num_seqs=len(plan.seq_ids),
-            running=len(sched.running),
-            waiting=len(sched.waiting),
-            kv_blocks_used=sched.blocks.num_used,
-            kv_blocks_total=sched.blocks.num_blocks,
+            batch_tokens=out.plan.total_tokens,
+            num_seqs=len(out.plan.seq_ids),
+            running=stats.running,
+            waiting=stats.waiting,
+            kv_blocks_used=stats.kv_blocks_used,
+            kv_blocks_total=stats.kv_blocks_total,
             step_ms=result.step_ms,
             schedule_ms=schedule_ms,
             preempted=len(out.preempted),
         )
-        log.info("iteration", **dataclasses.asdict(stats))
+        log.info("iteration", **dataclasses.asdict(record))
         for observer in self._observers:
-            observer.on_iteration(stats)
+            observer.on_iteration(record)
 
     def _report_finished(self, request: Request) -> None:
-        assert request.finished is not None
-        stats = RequestStats(
-            request_id=request.request_id,
-            tenant=request.tenant,
-            policy=self._policy.name,
-            finish_reason=request.finish_reason or "error",
-            finish_detail=request.finish_detail or "",
-            prompt_tokens=request.prompt_len,
-            completion_tokens=request.num_generated,
-            received=request.received,
-            first_scheduled=request.first_scheduled,
-            first_token=request.first_token,
-            finished=request.finished,
-            token_times=tuple(request.token_times),
-            preemptions=request.preemptions,
-        )
-        itls = sorted(stats.itls)
-        log.info(
-            "request.finished",
-            request_id=stats.request_id,
-            tenant=stats.tenant,
-            policy=stats.policy,
-            finish_reason=stats.finish_reason,
-            finish_detail=stats.finish_detail,
-            prompt_tokens=stats.prompt_tokens,
-            completion_tokens=stats.completion_tokens,
-            ttft_ms=_ms(stats.ttft),
-            itl_p50_ms=_ms(_percentile(itls, 0.50)),
-            itl_p99_ms=_ms(_percentile(itls, 0.99)),
-            itl_max_ms=_ms(itls[-1] if itls else None),
-            queue_ms=_ms(stats.queue_time),
-            e2e_ms=_ms(stats.e2e),
-            preemptions=stats.preemptions,
-            # the last iteration begun: an abort's delay is measurable in iterations
-            iteration=self._next_iteration - 1,
-        )
+        sched = self._scheduler
+        policy = sched.policy.name if sched else self._policy.name
+        stats = RequestStats.of(request, policy, sched.iteration if sched else 0)
+        log.info("request.finished", **stats.log_fields())
         for observer in self._observers:
             observer.on_request_finished(stats)
 
 
 def _send(request: Request, event: TokenEvent | FinishEvent) -> None:
-    """Never blocks: the channel holds max_tokens + 2 events; a gone reader is ignored."""
+    """Never blocks (the channel holds max_tokens + 2 events); a gone reader is ignored."""
     with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
         request.stream.send_nowait(event)
-
-
-def _percentile(sorted_values: list[float], q: float) -> float | None:
-    if not sorted_values:
-        return None
-    index = min(len(sorted_values) - 1, int(q * (len(sorted_values) - 1) + 0.5))
-    return sorted_values[index]
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1000

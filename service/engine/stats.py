@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from service.engine.request import Request
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,17 +27,20 @@ class IterationStats:
     kv_blocks_used: int
     kv_blocks_total: int
     step_ms: float  # measured in the worker
-    schedule_ms: float  # service-side: view, decision, validation, plan building
+    schedule_ms: float  # service-side: view, decision, validation, plan building, results
     preempted: int  # sequences preempted at this iteration
 
 
 @dataclass(frozen=True, slots=True)
 class RequestStats:
+    """A finished request's measures, built once: the log line, the metrics and the tests
+    all read this record."""
+
     request_id: str
     tenant: str
     policy: str  # policy in force when the request finished
     finish_reason: str  # "stop" | "length" | "abort" | "error"
-    finish_detail: str  # "eos" | "stop_string" | "max_tokens" | "aborted" | "error: ..."
+    finish_detail: str
     prompt_tokens: int
     completion_tokens: int
     received: float  # engine clock, seconds
@@ -43,6 +49,27 @@ class RequestStats:
     finished: float
     token_times: tuple[float, ...]  # when each output token was emitted, engine clock
     preemptions: int
+    iteration: int  # the last iteration begun when it finished
+
+    @classmethod
+    def of(cls, request: Request, policy: str, iteration: int) -> RequestStats:
+        assert request.finished is not None
+        return cls(
+            request_id=request.request_id,
+            tenant=request.tenant,
+            policy=policy,
+            finish_reason=request.finish_reason or "error",
+            finish_detail=request.finish_detail or "",
+            prompt_tokens=request.prompt_len,
+            completion_tokens=request.num_generated,
+            received=request.received,
+            first_scheduled=request.first_scheduled,
+            first_token=request.first_token,
+            finished=request.finished,
+            token_times=tuple(request.token_times),
+            preemptions=request.preemptions,
+            iteration=iteration,
+        )
 
     @property
     def queue_time(self) -> float | None:
@@ -58,13 +85,44 @@ class RequestStats:
 
     @property
     def itls(self) -> list[float]:
-        times = self.token_times
-        return [b - a for a, b in itertools.pairwise(times)]
+        return [b - a for a, b in itertools.pairwise(self.token_times)]
 
     @property
     def tpot(self) -> float | None:
         n = len(self.token_times)
         return None if n < 2 else (self.token_times[-1] - self.token_times[0]) / (n - 1)
+
+    def log_fields(self) -> dict[str, object]:
+        """The `request.finished` log line: the record's facts and its latency summary."""
+        itls = sorted(self.itls)
+        return {
+            "request_id": self.request_id,
+            "tenant": self.tenant,
+            "policy": self.policy,
+            "finish_reason": self.finish_reason,
+            "finish_detail": self.finish_detail,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "ttft_ms": _ms(self.ttft),
+            "itl_p50_ms": _ms(_percentile(itls, 0.50)),
+            "itl_p99_ms": _ms(_percentile(itls, 0.99)),
+            "itl_max_ms": _ms(itls[-1] if itls else None),
+            "queue_ms": _ms(self.queue_time),
+            "e2e_ms": _ms(self.e2e),
+            "preemptions": self.preemptions,
+            "iteration": self.iteration,
+        }
+
+
+def _percentile(sorted_values: list[float], q: float) -> float | None:
+    if not sorted_values:
+        return None
+    index = min(len(sorted_values) - 1, int(q * (len(sorted_values) - 1) + 0.5))
+    return sorted_values[index]
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
 
 
 class Observer(Protocol):
