@@ -288,8 +288,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwrote {out_dir}/bench.json")
     return 0 if run.summary["succeeded"] else 1
 
-
-if __name__ == "__main__":
-    from ops.commands import bench
-
-    sys.exit(bench())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import fields
 from functools import partial
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
@@ -120,31 +121,16 @@ def positive_float(text: str) -> float:
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
+    """Flags map onto Config fields by name; the few that do not are translated here."""
     import os
 
-    return Config(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        kv_memory=args.kv_memory,
-        block_size=args.block_size,
-        cache_dir=args.cache_dir or default_cache_dir(),
-        use_cuda_graphs=not args.no_cuda_graphs,
-        seed=args.seed,
-        policy=args.policy,
-        policy_params=dict(args.policy_param),
-        max_batched_tokens=args.max_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_queue=args.max_queue,
-        host=args.host,
-        port=args.port,
-        admin_token=args.admin_token or os.environ.get("CADENCE_ADMIN_TOKEN") or None,
-        max_body_bytes=args.max_body_bytes,
-        served_model_name=args.served_model_name,
-        log_file=args.log_file,
-        log_level=args.log_level,
-        debug_invariants=args.debug_invariants,
-    )
+    given = vars(args)
+    config = Config(**{f.name: given[f.name] for f in fields(Config) if f.name in given})
+    config.cache_dir = args.cache_dir or default_cache_dir()
+    config.use_cuda_graphs = not args.no_cuda_graphs
+    config.policy_params = dict(args.policy_param)
+    config.admin_token = args.admin_token or os.environ.get("CADENCE_ADMIN_TOKEN") or None
+    return config
 
 
 def run_fetch_model(args: argparse.Namespace) -> int:

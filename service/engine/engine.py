@@ -319,11 +319,7 @@ class Engine:
             request = item.request
             if request.first_scheduled is None:
                 request.first_scheduled = now
-                log.info(
-                    "request.admitted",
-                    request_id=request.request_id,
-                    queue_ms=(now - request.received) * 1000,
-                )
+                _log_since_received("request.admitted", request, now, "queue_ms")
         for request in out.preempted:
             log.info(
                 "request.preempted",
@@ -343,11 +339,7 @@ class Engine:
         request.token_times.append(now)
         if request.first_token is None:
             request.first_token = now
-            log.info(
-                "request.first_token",
-                request_id=request.request_id,
-                ttft_ms=(now - request.received) * 1000,
-            )
+            _log_since_received("request.first_token", request, now, "ttft_ms")
         delta = request.detokenizer.add_token(outcome.token)
         text = delta.text
         if delta.stopped:
@@ -467,6 +459,10 @@ class Engine:
         log.info("request.finished", **stats.log_fields())
         for observer in self._observers:
             observer.on_request_finished(stats)
+
+
+def _log_since_received(event: str, request: Request, now: float, key: str) -> None:
+    log.info(event, request_id=request.request_id, **{key: (now - request.received) * 1000})
 
 
 def _send(request: Request, event: TokenEvent | FinishEvent) -> None:

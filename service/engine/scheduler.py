@@ -56,6 +56,16 @@ class Outcome:
     error: str | None = None
 
 
+@dataclass(slots=True)
+class _Draft:
+    """The step being assembled from one decision."""
+
+    out: ScheduleOutput
+    victims: list[Request]  # running sequences the policy offered for preemption, in order
+    chosen: set[int]  # seq_ids already in the step
+    budget: int  # tokens still free in the step
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerStats:
     iteration: int  # the last iteration scheduled
@@ -254,24 +264,22 @@ class Scheduler:
     # ---- validation of a decision -------------------------------------------------------
 
     def _apply(self, decision: Decision, out: ScheduleOutput) -> None:
-        victims = self._policy_victims(decision)
-        chosen: set[int] = {s.request.seq_id for s in out.scheduled}
-        budget = self.max_batched_tokens - sum(s.num_tokens for s in out.scheduled)
+        draft = _Draft(
+            out,
+            victims=self._policy_victims(decision),
+            chosen={s.request.seq_id for s in out.scheduled},
+            budget=self.max_batched_tokens - sum(s.num_tokens for s in out.scheduled),
+        )
         for entry in decision.schedule:
-            picked = self._pick(entry, chosen, out)
+            picked = self._pick(entry, draft)
             if picked is None:
                 continue
             request, tokens = picked
-            tokens = self._legal_tokens(request, tokens, budget)
-            if tokens == 0 or not self._make_room(request, tokens, victims, chosen, out):
-                continue
-            self._add_to_step(request, tokens, out)
-            chosen.add(request.seq_id)
-            budget -= tokens
+            tokens = self._legal_tokens(request, tokens, draft.budget)
+            if tokens > 0 and self._make_room(request, tokens, draft):
+                self._add_to_step(request, tokens, draft)
 
-    def _pick(
-        self, entry: object, chosen: set[int], out: ScheduleOutput
-    ) -> tuple[Request, int] | None:
+    def _pick(self, entry: object, draft: _Draft) -> tuple[Request, int] | None:
         """The request and token count of one decision entry, if the entry is acceptable."""
         try:
             seq_id, tokens = entry  # type: ignore[misc]
@@ -283,14 +291,14 @@ class Scheduler:
         if request is None:
             self.corrections["unknown_id"] += 1
             return None
-        if seq_id in chosen:
+        if seq_id in draft.chosen:
             self.corrections["duplicate_id"] += 1
             return None
-        if request.status is Status.WAITING and any(p is request for p in out.preempted):
+        if request.status is Status.WAITING and any(p is request for p in draft.out.preempted):
             # preempted a moment ago to make room: it cannot come back in the same step
             self.corrections["scheduled_after_preempt"] += 1
             return None
-        if len(out.scheduled) >= self.max_num_seqs:
+        if len(draft.out.scheduled) >= self.max_num_seqs:
             self.corrections["max_seqs"] += 1
             return None
         return request, tokens
@@ -310,29 +318,24 @@ class Scheduler:
             tokens = budget if remaining > 1 and budget > 0 else 0
         return tokens
 
-    def _make_room(
-        self,
-        request: Request,
-        tokens: int,
-        victims: list[Request],
-        chosen: set[int],
-        out: ScheduleOutput,
-    ) -> bool:
+    def _make_room(self, request: Request, tokens: int, draft: _Draft) -> bool:
         if request.status is Status.RUNNING:
-            if self._grow(request, tokens, victims, chosen, out):
+            if self._grow(request, tokens, draft):
                 return True
             self.corrections["no_blocks"] += 1
             return False
-        return self._admit(request, tokens, victims, chosen, out)
+        return self._admit(request, tokens, draft)
 
-    def _add_to_step(self, request: Request, tokens: int, out: ScheduleOutput) -> None:
+    def _add_to_step(self, request: Request, tokens: int, draft: _Draft) -> None:
         self.blocks.allocate(request.seq_id, request.num_computed_tokens + tokens)
         samples = request.num_computed_tokens + tokens >= request.num_tokens
-        out.scheduled.append(Scheduled(request, tokens, samples))
+        draft.out.scheduled.append(Scheduled(request, tokens, samples))
+        draft.chosen.add(request.seq_id)
+        draft.budget -= tokens
         if request.remaining == 1:
-            out.decode_seqs += 1
+            draft.out.decode_seqs += 1
         else:
-            out.prefill_tokens += tokens
+            draft.out.prefill_tokens += tokens
 
     def _policy_victims(self, decision: Decision) -> list[Request]:
         victims: list[Request] = []
@@ -346,31 +349,17 @@ class Scheduler:
             victims.append(request)
         return victims
 
-    def _grow(
-        self,
-        request: Request,
-        tokens: int,
-        victims: list[Request],
-        chosen: set[int],
-        out: ScheduleOutput,
-    ) -> bool:
+    def _grow(self, request: Request, tokens: int, draft: _Draft) -> bool:
         """Free blocks for a running sequence, preempting others if it must."""
         needed = request.num_computed_tokens + tokens
         while not self.blocks.can_grow(request.seq_id, needed):
-            victim = self._pick_victim(request, victims, chosen, use_default=True)
+            victim = self._pick_victim(request, draft, use_default=True)
             if victim is None:
                 return False
-            self._preempt(victim, out)
+            self._preempt(victim, draft.out)
         return True
 
-    def _admit(
-        self,
-        request: Request,
-        tokens: int,
-        victims: list[Request],
-        chosen: set[int],
-        out: ScheduleOutput,
-    ) -> bool:
+    def _admit(self, request: Request, tokens: int, draft: _Draft) -> bool:
         """Admit a waiting sequence if its blocks fit above the watermark.
 
         Only victims the policy named may be preempted to admit someone: the core on its
@@ -380,11 +369,11 @@ class Scheduler:
             self.corrections["max_seqs"] += 1
             return False
         while not self.blocks.can_admit(tokens):
-            victim = self._pick_victim(request, victims, chosen, use_default=False)
+            victim = self._pick_victim(request, draft, use_default=False)
             if victim is None:
                 self.corrections["admission_deferred"] += 1
                 return False
-            self._preempt(victim, out)
+            self._preempt(victim, draft.out)
         self.waiting.remove(request)
         request.status = Status.RUNNING
         request.admitted_order = self._admissions
@@ -392,11 +381,10 @@ class Scheduler:
         self.running.append(request)
         return True
 
-    def _pick_victim(
-        self, request: Request, victims: list[Request], chosen: set[int], *, use_default: bool
-    ) -> Request | None:
-        while victims:
-            victim = victims.pop(0)
+    def _pick_victim(self, request: Request, draft: _Draft, *, use_default: bool) -> Request | None:
+        chosen = draft.chosen
+        while draft.victims:
+            victim = draft.victims.pop(0)
             runnable = victim is not request and victim.status is Status.RUNNING
             if runnable and victim.seq_id not in chosen:
                 return victim
