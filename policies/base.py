@@ -126,11 +126,7 @@ def parse_params(params_cls: type, raw: dict[str, Any]) -> Any:
 def _coerce(name: str, value: Any, spec: dataclasses.Field) -> Any:
     kind = spec.type if isinstance(spec.type, str) else getattr(spec.type, "__name__", "")
     if kind == "int":
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-                value = int(value)
-            else:
-                raise PolicyError(f"{name} must be an integer, got {value!r}")
+        value = _as_int(name, value)
     elif kind == "float":
         if isinstance(value, bool):
             raise PolicyError(f"{name} must be a number, got {value!r}")
@@ -153,3 +149,15 @@ def _coerce(name: str, value: Any, spec: dataclasses.Field) -> Any:
     if high is not None and value > high:
         raise PolicyError(f"{name} must be <= {high}, got {value}")
     return value
+
+
+def _as_int(name: str, value: Any) -> int:
+    """An int, or a string of one (as a command line gives it); anything else is an error."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:  # "--5", "²", a 5,000-digit string
+            pass
+    raise PolicyError(f"{name} must be an integer, got {value!r:.40}")

@@ -1,0 +1,232 @@
+"""Paged KV accounting under random allocate/free sequences, checked against a plain model.
+
+tests/test_block_manager.py walks through the rules once each. Here hypothesis drives the
+BlockManager with arbitrary interleavings of growth, over-asks and frees over several
+sequences, and compares it after every operation with the obvious model (a sequence of n
+tokens holds ceil(n / block_size) blocks; free = total - held). The examples below pin the
+admission watermark at its boundaries and what `check_invariants` reports for each kind
+of corruption it exists to catch.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from service.engine.block_manager import BlockAccountingError, BlockManager, OutOfBlocks
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("allocate"), st.integers(0, 4), st.integers(0, 80)),
+        st.tuples(st.just("free"), st.integers(0, 4), st.just(0)),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    num_blocks=st.integers(1, 20),
+    block_size=st.integers(1, 8),
+    watermark=st.floats(0, 0.5),
+    ops=operations,
+)
+def test_random_allocations_and_frees_match_the_model(
+    num_blocks: int, block_size: int, watermark: float, ops: list[tuple[str, int, int]]
+):
+    bm = BlockManager(num_blocks, block_size, watermark)
+    assert bm.watermark_blocks == int(watermark * num_blocks)
+    held: dict[int, int] = {}  # seq_id -> blocks held, the model
+    for op, seq_id, tokens in ops:
+        free_before = bm.num_free
+        if op == "allocate":
+            needed = max(0, blocks_for(tokens, block_size) - held.get(seq_id, 0))
+            assert bm.extra_blocks(seq_id, tokens) == needed
+            assert bm.can_grow(seq_id, tokens) == (needed <= free_before)
+            assert bm.can_admit(tokens) == (
+                blocks_for(tokens, block_size) <= free_before - bm.watermark_blocks
+            )
+            old_table = list(bm.table(seq_id))
+            if needed > free_before:
+                with pytest.raises(OutOfBlocks):
+                    bm.allocate(seq_id, tokens)
+                assert bm.table(seq_id) == old_table and bm.num_free == free_before
+            else:
+                bm.allocate(seq_id, tokens)
+                if needed:
+                    held[seq_id] = held.get(seq_id, 0) + needed
+                table = bm.table(seq_id)
+                assert table[: len(old_table)] == old_table  # growth only appends
+                assert bm.num_free == free_before - needed
+        else:
+            dropped = bm.free(seq_id)
+            assert dropped == held.pop(seq_id, 0)
+            assert bm.table(seq_id) == [] and bm.num_held(seq_id) == 0
+            assert bm.num_free == free_before + dropped
+        for s in range(5):
+            assert bm.num_held(s) == held.get(s, 0) == len(bm.table(s))
+        assert bm.num_used == sum(held.values()) == num_blocks - bm.num_free
+        owned = [b for s in held for b in bm.table(s)]
+        assert len(owned) == len(set(owned))
+        assert all(0 <= b < num_blocks for b in owned)
+        bm.check_invariants()
+    for s in list(held):
+        bm.free(s)
+    assert bm.num_free == num_blocks and bm.num_used == 0
+    bm.check_invariants()
+
+
+@pytest.mark.parametrize(("num_blocks", "block_size"), [(0, 16), (-1, 16), (8, 0), (8, -4)])
+def test_a_manager_needs_at_least_one_block_of_at_least_one_token(num_blocks: int, block_size: int):
+    with pytest.raises(ValueError, match=r"^num_blocks and block_size must be positive$"):
+        BlockManager(num_blocks, block_size)
+
+
+def test_without_a_watermark_admission_may_use_every_free_block():
+    bm = BlockManager(4, 4)
+    assert bm.watermark_blocks == 0
+    assert bm.can_admit(16) and not bm.can_admit(17)
+
+
+def test_the_smallest_manager_works():
+    bm = BlockManager(1, 1)
+    assert bm.num_free == 1 and bm.num_used == 0 and bm.block_size == 1
+    bm.allocate(7, 1)
+    assert bm.table(7) == [0] and bm.num_free == 0
+    assert not bm.can_grow(7, 2) and bm.can_grow(7, 1)
+    bm.check_invariants()
+
+
+def test_a_fresh_manager_has_every_block_free_and_distinct():
+    bm = BlockManager(6, 4)
+    bm.allocate(1, 24)
+    assert sorted(bm.table(1)) == list(range(6))
+    assert bm.num_free == 0 and bm.num_used == 6
+
+
+def test_blocks_to_hold_rounds_up_to_whole_blocks():
+    bm = BlockManager(8, 4)
+    assert [bm.blocks_to_hold(n) for n in range(10)] == [0, 1, 1, 1, 1, 2, 2, 2, 2, 3]
+
+
+def test_a_freed_block_is_handed_out_again():
+    bm = BlockManager(4, 4)
+    bm.allocate(1, 16)
+    first = list(bm.table(1))
+    bm.free(1)
+    bm.allocate(2, 16)
+    assert sorted(bm.table(2)) == sorted(first)
+    bm.check_invariants()
+
+
+def test_asking_for_fewer_tokens_than_held_is_a_no_op():
+    bm = BlockManager(4, 4)
+    bm.allocate(1, 9)
+    table = list(bm.table(1))
+    bm.allocate(1, 0)
+    bm.allocate(1, 8)
+    assert bm.table(1) == table and bm.num_free == 1
+    assert bm.extra_blocks(1, 1) == 0
+
+
+def test_the_out_of_blocks_error_names_the_sequence_and_the_shortfall():
+    bm = BlockManager(3, 4)
+    bm.allocate(1, 8)
+    with pytest.raises(OutOfBlocks, match=r"sequence 2 needs 2 blocks, 1 free"):
+        bm.allocate(2, 5)
+
+
+@pytest.mark.parametrize(
+    ("used", "asked", "admitted"),
+    [
+        (0, 8, True),  # 10 free, 2 reserved: 8 may be admitted
+        (0, 9, False),
+        (6, 2, True),  # 4 free: exactly 2 above the reserve
+        (6, 3, False),
+        (8, 0, True),  # nothing asked
+        (8, 1, False),  # only the reserve is left
+    ],
+)
+def test_admission_keeps_the_watermark_free(used: int, asked: int, admitted: bool):
+    bm = BlockManager(10, 1, watermark=0.2)
+    if used:
+        bm.allocate(99, used)
+    assert bm.can_admit(asked) is admitted
+    # a running sequence may grow into the reserve
+    assert bm.can_grow(99, used + bm.num_free)
+    assert not bm.can_grow(99, used + bm.num_free + 1)
+
+
+def test_the_watermark_rounds_down_to_whole_blocks():
+    assert BlockManager(10, 4, watermark=0.19).watermark_blocks == 1
+    assert BlockManager(10, 4, watermark=0.0).watermark_blocks == 0
+    assert BlockManager(3, 4, watermark=0.5).watermark_blocks == 1
+
+
+# ---- check_invariants: each kind of corruption is reported ------------------------------
+
+
+def corrupted(kind: str) -> BlockManager:
+    bm = BlockManager(4, 4)
+    bm.allocate(1, 4)
+    bm.allocate(2, 4)
+    owned = bm.table(1)[0]
+    if kind == "empty table":
+        bm._tables[3] = []
+    elif kind == "out of range":
+        bm._tables[1].append(4)
+    elif kind == "negative block":
+        bm._tables[1].append(-1)
+    elif kind == "free twice":
+        bm._free.append(bm._free[0])
+    elif kind == "refcount too high":
+        bm._refcount[owned] += 1
+    elif kind == "refcount of a free block":
+        bm._refcount[bm._free[0]] = 1
+    elif kind == "shared block":
+        bm._tables[2].append(owned)
+        bm._refcount[owned] += 1
+    elif kind == "free and owned":
+        bm._free.append(owned)
+    elif kind == "lost block":
+        bm._free.pop()
+    elif kind == "stray free block":
+        bm._free.append(4)
+    return bm
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("empty table", "empty table"),
+        ("out of range", "out of range"),
+        ("negative block", "out of range"),
+        ("free twice", r"^a block is on the free list twice$"),
+        ("refcount too high", "refcount 2 but 1 owners"),
+        ("refcount of a free block", "refcount 1 but 0 owners"),
+        ("shared block", "owned by 2 sequences"),
+        ("free and owned", "both free and owned, or neither"),
+        ("lost block", "both free and owned, or neither"),
+        ("stray free block", r"^free 3 \+ owned 2 != total 4$"),
+    ],
+)
+def test_check_invariants_reports_each_kind_of_corruption(kind: str, message: str):
+    bm = corrupted(kind)
+    with pytest.raises(BlockAccountingError, match=message):
+        bm.check_invariants()
+
+
+def test_check_invariants_accepts_every_consistent_state():
+    bm = BlockManager(4, 4)
+    bm.check_invariants()
+    bm.allocate(1, 4)
+    bm.allocate(2, 12)
+    bm.check_invariants()
+    bm.free(1)
+    bm.check_invariants()
