@@ -102,7 +102,7 @@ class WorkerLoop:
 def keep_freed_memory() -> None:
     """Every step allocates and frees the same large tensors (logits, gather buffers). By
     default glibc gives such blocks back to the kernel, so every step pays page faults for
-    them again (sampling 64 x 49k logits: 24 ms instead of 8.5 ms). Keep them in the heap."""
+    them again (sampling's cost roughly triples). Keep them in the heap."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:

@@ -16,8 +16,7 @@ layer_ops.rope_and_cache_) before a layer attends:
   matrices outgrow the cache, PyTorch's CPU flash-attention kernel takes over: once over the
   cached prefix, once causally over the chunk itself, the two merged by log-sum-exp. On a
   CPU with AVX512-BF16, bfloat16 chunks go to a C++ kernel instead (gpu_worker.native),
-  which reads the cache itself (a 448-token chunk of SmolLM2-135M: ~18 instead of ~50-110
-  ms over 30 layers on 2 cores);
+  which reads the cache itself;
 - decode tokens (sequences with one new token), all together, over their block tables
   padded to a common width: the keys are gathered into a buffer shared by every layer
   for one batched matmul, the softmax is masked by context length, and the values are
@@ -25,8 +24,7 @@ layer_ops.rope_and_cache_) before a layer attends:
   the cache. With one query per sequence this is memory-bound, and on a CPU it runs
   several times faster than SDPA's kernel over gathered K and V. On a CPU, a C++ kernel
   (gpu_worker.native) does better still when it builds: it walks the block tables itself
-  and reads each K/V byte once (SmolLM2-135M, bf16, batch 64 at context 320, 2 cores:
-  decode steps of ~61 instead of ~82 ms).
+  and reads each K/V byte once.
 
 The index tensors and buffers are built once per step and shared by every layer, so the
 per-layer work is a handful of kernels with no host synchronisation.
@@ -46,9 +44,8 @@ from gpu_worker import native
 QUERY_BLOCK = 128  # prefill queries per attention block
 # Past this many keys, a query block's score matrices (bfloat16 scores, float32 and
 # bfloat16 probabilities for 128 queries of 9 heads: 19 MB at 2048 keys) outgrow the CPU's
-# last-level cache and the blocked path slows down 3x (SmolLM2-135M, 512-token chunks, 2 cores:
-# 390 ms per step at context 2048, 1250 ms at 3072); the flash kernel, which holds no
-# score matrix, takes over (800 ms at 3072, and 1000 instead of 1660 ms at 4096).
+# last-level cache and the blocked path slows down sharply; the flash kernel, which holds
+# no score matrix, takes over (BENCHMARKS.md has the A/B).
 FLASH_MIN_CONTEXT = 2048
 # (output [B, heads, n, d], log-sum-exp [B, heads, n] in float32) of q, k, v [B, heads, n, d]
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -322,7 +319,7 @@ def _gathered_decode_attention(
     kv_heads = k_cache.shape[0]
     group_size = heads // kv_heads
     # Whole blocks of one head are contiguous rows of the cache seen as 2-D: index_select
-    # copies those at memcpy speed (4x faster than selecting along dim 1 of the 4-D view).
+    # copies those at memcpy speed (selecting along dim 1 of the 4-D view does not).
     torch.index_select(_as_rows(k_cache), 0, group.key_rows, out=group.keys)
     keys = group.keys.view(kv_heads * batch, -1, head_dim)
     queries = q.view(batch, kv_heads, group_size, head_dim).transpose(0, 1)

@@ -35,9 +35,9 @@ class Linear:
     """y = x @ weight.T + bias.
 
     On a CPU the weight is reordered once into oneDNN's blocked layout: the same results,
-    bit for bit, but ~3x faster for the skinny matmuls of decode steps and ~1.2x for
-    prefill chunks than F.linear, which reorders the weight on every call. Elsewhere, or
-    when oneDNN cannot take the weight, it is plain F.linear.
+    bit for bit, and faster than F.linear, which reorders the weight on every call (most
+    of all for the skinny matmuls of decode steps). Elsewhere, or when oneDNN cannot take
+    the weight, it is plain F.linear.
     """
 
     __slots__ = ("bias", "packed", "weight")

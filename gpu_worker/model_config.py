@@ -8,12 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-_ARCHITECTURE_BY_MODEL_TYPE = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
+from gpu_worker.protocol import ARCHITECTURES
+
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -50,7 +46,6 @@ class ModelConfig:
     vocab_size: int
     tie_word_embeddings: bool
     attention_bias: bool
-    eos_token_ids: list[int]
     bos_token_id: int | None
     sliding_window: int | None = None
 
@@ -92,7 +87,6 @@ class ModelConfig:
                 # Qwen2 always has q/k/v biases; its config has no flag for them.
                 attention_bias=architecture == "Qwen2ForCausalLM"
                 or bool(raw.get("attention_bias", False)),
-                eos_token_ids=token_id_list(raw.get("eos_token_id")),
                 bos_token_id=_optional_int(raw.get("bos_token_id")),
                 sliding_window=_sliding_window(raw),
             )
@@ -130,28 +124,20 @@ class ModelConfig:
         return self.max_position_embeddings
 
 
-def token_id_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, list):
-        return [int(v) for v in value]
-    return [int(value)]
-
-
 def _optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
 def _architecture(raw: dict[str, Any]) -> str:
     names = raw.get("architectures") or []
-    if not names and raw.get("model_type") in _ARCHITECTURE_BY_MODEL_TYPE:
-        names = [_ARCHITECTURE_BY_MODEL_TYPE[raw["model_type"]]]
+    if not names and raw.get("model_type") in ARCHITECTURES:
+        names = [ARCHITECTURES[raw["model_type"]]]
     for name in names:
-        if name in SUPPORTED_ARCHITECTURES:
+        if name in ARCHITECTURES.values():
             return name
     found = ", ".join(names) or f"model_type {raw.get('model_type')!r}"
     raise UnsupportedModel(
-        f"unsupported architecture {found}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        f"unsupported architecture {found}; supported: {', '.join(ARCHITECTURES.values())}"
     )
 
 

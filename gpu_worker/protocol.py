@@ -25,6 +25,13 @@ from typing import Any
 import orjson
 
 HEADER = struct.Struct(">I")
+# The model families the worker runs: Hugging Face model_type -> architecture class. The
+# service checks model files against this before it starts a worker.
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 
 
@@ -55,7 +62,6 @@ class Handshake:
     block_size: int
     num_blocks: int
     kv_bytes: int
-    eos_token_ids: list[int]
     decode_buckets: list[int]
     pid: int
     load_seconds: float
@@ -111,8 +117,8 @@ class StepResult:
 
 
 def to_message(kind: str, record: Any) -> dict[str, Any]:
-    # Shallow: orjson serialises nested dataclasses (a plan's SamplingSpecs) itself, ~10x
-    # faster than dataclasses.asdict, which cost ~1 ms per 64-sequence plan.
+    # Shallow: orjson serialises nested dataclasses (a plan's SamplingSpecs) itself, far
+    # faster than dataclasses.asdict, whose deep copies showed on every step.
     fields = {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
     return {"type": kind, **fields}
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import json
 import math
 import os
 import time
@@ -17,8 +16,8 @@ from gpu_worker.checkpoint import load_weights
 from gpu_worker.device import free_memory_bytes, resolve_device, resolve_dtype
 from gpu_worker.graphs import DecodeRunner
 from gpu_worker.model import Model
-from gpu_worker.model_config import ConfigError, ModelConfig, token_id_list
-from gpu_worker.protocol import BatchPlan, Handshake, SamplingSpec, StepResult, WorkerConfig
+from gpu_worker.model_config import ModelConfig
+from gpu_worker.protocol import BatchPlan, Handshake, StepResult, WorkerConfig
 from gpu_worker.sampler import Logits, Sampler
 
 
@@ -79,7 +78,6 @@ class ModelRunner:
             block_size=block_size,
             num_blocks=num_blocks,
             kv_bytes=self.cache.bytes,
-            eos_token_ids=_eos_token_ids(model_dir, self.model_config),
             decode_buckets=self.decode_runner.buckets,
             pid=os.getpid(),
             load_seconds=round(time.perf_counter() - started, 3),
@@ -170,18 +168,6 @@ def _check_worker_config(config: WorkerConfig) -> None:
         raise ValueError(f"max_num_seqs must be at least 1, got {config.max_num_seqs}")
 
 
-def _eos_token_ids(model_dir: Path, config: ModelConfig) -> list[int]:
-    """End-of-sequence ids from config.json and generation_config.json, without duplicates."""
-    ids = list(config.eos_token_ids)
-    generation = model_dir / "generation_config.json"
-    if generation.is_file():
-        try:
-            ids += token_id_list(json.loads(generation.read_text()).get("eos_token_id"))
-        except (OSError, ValueError, TypeError, AttributeError) as exc:
-            raise ConfigError(f"{generation} is malformed: {exc}") from exc
-    return list(dict.fromkeys(ids))
-
-
 def check_plan(
     plan: BatchPlan, *, block_size: int, num_blocks: int, vocab_size: int, max_model_len: int
 ) -> None:
@@ -205,9 +191,6 @@ def check_plan(
         raise ValueError(f"block ids must lie in 0..{num_blocks - 1}, got {min(used)}..{max(used)}")
     if plan.input_ids and (min(plan.input_ids) < 0 or max(plan.input_ids) >= vocab_size):
         raise ValueError(f"token ids must lie in 0..{vocab_size - 1}")
-    for spec, wanted in zip(plan.sampling, plan.sample, strict=True):
-        if wanted:
-            _check_sampling(spec)
 
 
 def _check_sequence(
@@ -227,12 +210,3 @@ def _check_sequence(
             f"sequence {seq_id} needs {math.ceil(end / block_size)} blocks for {end} tokens "
             f"but its block table has {table_len}"
         )
-
-
-def _check_sampling(spec: SamplingSpec) -> None:
-    if not (math.isfinite(spec.temperature) and spec.temperature >= 0):
-        raise ValueError(f"temperature must be a finite number >= 0, got {spec.temperature}")
-    if not 0 < spec.top_p <= 1:
-        raise ValueError(f"top_p must lie in (0, 1], got {spec.top_p}")
-    if spec.top_k < 0:
-        raise ValueError(f"top_k must be >= 0, got {spec.top_k}")

@@ -3,9 +3,9 @@
 Greedy when temperature is 0; otherwise temperature, then top-k, then top-p (both as
 transformers' logits warpers define them), then a draw by inverse CDF: one uniform number
 per row, looked up in the row's cumulative probabilities. One number per row (rather than
-one per vocabulary entry, as torch.multinomial's exponential race draws: 50 ms for 64 rows
-of a 49k vocabulary on a CPU) keeps sampling cheap next to the forward pass, and lets each
-row take it from its own generator: a seeded row's comes from a generator seeded with
+one per vocabulary entry, as torch.multinomial's exponential race draws) keeps sampling
+cheap next to the forward pass, and lets each row take it from its own generator: a
+seeded row's comes from a generator seeded with
 (seed, absolute position of the sampled token), so it draws the same token whatever else
 is in the batch and after being preempted and recomputed.
 """
@@ -161,7 +161,7 @@ def apply_top_p(scores: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
 def _nucleus_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Per row, the probability of the least probable token of the nucleus.
 
-    Sorting a whole 49k vocabulary takes ~1.5 ms a row on a CPU, and a nucleus usually
+    Sorting a whole vocabulary is costly for every row on a CPU, and a nucleus usually
     lies within a few dozen tokens: look in the top 64, then the top 1024, and sort the
     whole row only when the nucleus is wider still.
     """

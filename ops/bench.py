@@ -270,18 +270,6 @@ def prepare_specs(scenario: str, args: argparse.Namespace) -> list[RequestSpec]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "compare":
-        from ops.compare import main as compare_main
-
-        return compare_main(argv[1:])
-    if argv and argv[0] == "engine":
-        from ops.engine_bench import main as engine_main
-
-        return engine_main(argv[1:])
-    if argv and argv[0] == "sampler":
-        from ops.sampler_bench import main as sampler_main
-
-        return sampler_main(argv[1:])
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # --help or a usage error already printed by argparse
@@ -300,6 +288,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwrote {out_dir}/bench.json")
     return 0 if run.summary["succeeded"] else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

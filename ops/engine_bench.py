@@ -21,16 +21,18 @@ from pathlib import Path
 
 import trio
 
-from gpu_worker.model_files import resolve_model
 from ops.prompts import PromptMaker, codec_from_tokenizer_json
 from ops.summary import distribution, format_table
 from service.config import Config
-from service.engine import Engine
+from service.engine.assembly import open_engine
+from service.engine.engine import Engine
+from service.engine.request import FinishEvent, SamplingParams, SamplingSpec, TokenEvent
+from service.engine.stats import IterationStats
 from service.logging import configure_logging
-from service.request import FinishEvent, SamplingParams, TokenEvent
-from service.stats import IterationStats
+from service.model_files.resolve import resolve_model
 from service.tokenizer import Tokenizer
-from service.worker_link import WorkerLink, worker_config_for
+
+GREEDY = SamplingSpec(temperature=0.0)
 
 
 @dataclass(slots=True)
@@ -67,19 +69,16 @@ class PolicyRun:
 async def run_policy(
     config: Config, model_dir, tokenizer: Tokenizer, prompts: list[list[int]], output_len: int
 ) -> PolicyRun:
-    engine = Engine(config, WorkerLink(worker_config_for(config, model_dir)), tokenizer)
     recorder = IterationRecorder()
-    engine.add_observer(recorder)
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, sampling=GREEDY)
     timelines = [Timeline() for _ in prompts]
-    async with trio.open_nursery() as nursery:
-        await nursery.start(engine.run)
+    async with open_engine(config, model_dir=model_dir, tokenizer=tokenizer) as engine:
+        engine.add_observer(recorder)
         await _generate(engine, [prompts[0][:16]], SamplingParams(max_tokens=4), [Timeline()])
         recorder.iterations.clear()
         start = trio.current_time()
         await _generate(engine, prompts, params, timelines)
         seconds = trio.current_time() - start
-        nursery.cancel_scope.cancel()
     return PolicyRun(config.policy, seconds, timelines, recorder.iterations)
 
 

@@ -8,13 +8,8 @@ from pathlib import Path
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from ops.figures import label_axes, save
 from ops.log_parse import FinishedRequest, Iteration, Swap
-
-
-def _save(fig: Figure, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return path
 
 
 def _mark_swaps(ax: Axes, swaps: Sequence[Swap], t0: float) -> None:
@@ -48,12 +43,13 @@ def plot_iteration_tokens(
         label="decode tokens (1 per decoding sequence)",
     )
     _mark_swaps(ax, swaps, t0)
-    ax.set_xlabel("time since first line (s)")
-    ax.set_ylabel("tokens in the iteration")
-    ax.set_title("Per-iteration prefill vs decode tokens (dashed: policy swaps)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, path)
+    label_axes(
+        ax,
+        "time since first line (s)",
+        "tokens in the iteration",
+        "Per-iteration prefill vs decode tokens (dashed: policy swaps)",
+    )
+    return save(fig, path)
 
 
 def plot_step_and_kv(
@@ -82,7 +78,7 @@ def plot_step_and_kv(
         _mark_swaps(ax, swaps, t0)
         ax.grid(alpha=0.3)
     step_ax.set_title("Step time and KV cache usage")
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def _cdf(ax: Axes, values: list[float], label: str) -> None:
@@ -117,9 +113,6 @@ def plot_request_cdfs(
             ]
             if values:
                 _cdf(ax, values, group)
-        ax.set_xlabel(label)
-        ax.set_ylabel("fraction of requests")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        label_axes(ax, label, "fraction of requests", legend=7)
     fig.suptitle(title)
-    return _save(fig, path)
+    return save(fig, path)

@@ -8,15 +8,10 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from ops.client import RequestRecord
+from ops.figures import label_axes, save
 from ops.summary import gaps
 
 MAX_GAP_SERIES = 24  # more lines than this make the gap plot unreadable
-
-
-def _save(fig: Figure, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return path
 
 
 def _gap_series(records: Sequence[RequestRecord]) -> list[RequestRecord]:
@@ -54,11 +49,14 @@ def plot_token_gaps(records: Sequence[RequestRecord], path: Path) -> Path:
         )
         if injected.first_token_s is not None:
             ax.axvspan(at, injected.first_token_s, color="red", alpha=0.08)
-    ax.set_xlabel("time since start (s)")
-    ax.set_ylabel("gap before token (ms)")
-    ax.set_title("Token gaps of decoding requests (red: injected prompt until its first token)")
-    ax.grid(alpha=0.3)
-    return _save(fig, path)
+    label_axes(
+        ax,
+        "time since start (s)",
+        "gap before token (ms)",
+        "Token gaps of decoding requests (red: injected prompt until its first token)",
+        legend=None,
+    )
+    return save(fig, path)
 
 
 def plot_itl_cdf(runs: Mapping[str, Sequence[RequestRecord]], path: Path) -> Path:
@@ -75,12 +73,8 @@ def plot_itl_cdf(runs: Mapping[str, Sequence[RequestRecord]], path: Path) -> Pat
                 label=f"{label} (n={len(values)})",
             )
     ax.set_xscale("log")
-    ax.set_xlabel("inter-token latency (ms, log scale)")
-    ax.set_ylabel("fraction of gaps <= x")
-    ax.set_title("ITL distribution")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
-    return _save(fig, path)
+    label_axes(ax, "ITL (ms, log scale)", "fraction of gaps <= x", "ITL distribution")
+    return save(fig, path)
 
 
 def plot_ttft_by_prompt_len(records: Sequence[RequestRecord], path: Path) -> Path:
@@ -96,12 +90,8 @@ def plot_ttft_by_prompt_len(records: Sequence[RequestRecord], path: Path) -> Pat
         if points:
             xs, ys = zip(*points, strict=True)
             ax.scatter(xs, ys, s=14, label=role)
-    ax.set_xlabel("prompt length (tokens)")
-    ax.set_ylabel("TTFT (ms)")
-    ax.set_title("Time to first token by prompt length")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, path)
+    label_axes(ax, "prompt length (tokens)", "TTFT (ms)", "Time to first token by prompt length")
+    return save(fig, path)
 
 
 def write_bench_plots(records: Sequence[RequestRecord], out_dir: Path, label: str) -> list[Path]:

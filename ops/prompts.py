@@ -61,8 +61,8 @@ def load_codec(source: str | None) -> TokenCodec:
             return codec_from_tokenizer_json(path / "tokenizer.json")
         if not path.exists():
             raise PromptError(f"tokenizer source {source!r} does not exist")
-    from gpu_worker.model_files import resolve_model
     from service.config import default_cache_dir
+    from service.model_files.resolve import resolve_model
 
     model_dir = resolve_model(source, default_cache_dir())
     return codec_from_tokenizer_json(model_dir / "tokenizer.json")

@@ -1,8 +1,9 @@
 """The numbers of a benchmark run: percentiles, throughput, goodput, interference windows.
 
-Conventions (DESIGN.md "Measures"), all on the client's clock: TTFT = first token chunk -
-send; ITL = gap between two consecutive token chunks of one request; TPOT = (last chunk -
-first chunk) / (output tokens - 1). Durations in the summary are milliseconds.
+Conventions (the measures README.md and BENCHMARKS.md use), all on the client's clock:
+TTFT = first token chunk - send; ITL = gap between two consecutive token chunks of one
+request; TPOT = (last chunk - first chunk) / (output tokens - 1). Durations in the summary
+are milliseconds.
 """
 
 from __future__ import annotations

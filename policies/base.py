@@ -24,7 +24,7 @@ class SeqView:
     arrival: float  # seconds, engine clock
     prompt_len: int
     num_generated: int
-    num_computed: int  # tokens whose K/V is in the cache
+    num_computed_tokens: int  # tokens whose K/V is in the cache
     num_blocks: int  # KV blocks held now
     preempted: int = 0  # how many times it was preempted
 
@@ -35,11 +35,11 @@ class SeqView:
     @property
     def remaining(self) -> int:
         """Tokens to compute before this sequence can sample its next token (>= 1)."""
-        return max(1, self.num_tokens - self.num_computed)
+        return max(1, self.num_tokens - self.num_computed_tokens)
 
     @property
     def is_decoding(self) -> bool:
-        return self.num_tokens - self.num_computed <= 1
+        return self.num_tokens - self.num_computed_tokens <= 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +47,10 @@ class View:
     iteration: int
     now: float
     running: tuple[SeqView, ...]  # admitted sequences, in admission order
-    waiting: tuple[SeqView, ...]  # not admitted (new or preempted), in arrival order
+    # the first of the sequences not admitted (new or preempted), in arrival order: a
+    # bounded window, so a long queue costs a policy nothing
+    waiting: tuple[SeqView, ...]
+    num_waiting: int  # all of them, the window and beyond
     free_blocks: int
     total_blocks: int
     block_size: int
@@ -58,7 +61,7 @@ class View:
 
     def blocks_for(self, seq: SeqView, new_tokens: int) -> int:
         """Extra blocks `seq` needs to hold `new_tokens` more tokens."""
-        needed = -(-(seq.num_computed + new_tokens) // self.block_size)
+        needed = -(-(seq.num_computed_tokens + new_tokens) // self.block_size)
         return max(0, needed - seq.num_blocks)
 
 
@@ -123,11 +126,7 @@ def parse_params(params_cls: type, raw: dict[str, Any]) -> Any:
 def _coerce(name: str, value: Any, spec: dataclasses.Field) -> Any:
     kind = spec.type if isinstance(spec.type, str) else getattr(spec.type, "__name__", "")
     if kind == "int":
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-                value = int(value)
-            else:
-                raise PolicyError(f"{name} must be an integer, got {value!r}")
+        value = _as_int(name, value)
     elif kind == "float":
         if isinstance(value, bool):
             raise PolicyError(f"{name} must be a number, got {value!r}")
@@ -150,3 +149,15 @@ def _coerce(name: str, value: Any, spec: dataclasses.Field) -> Any:
     if high is not None and value > high:
         raise PolicyError(f"{name} must be <= {high}, got {value}")
     return value
+
+
+def _as_int(name: str, value: Any) -> int:
+    """An int, or a string of one (as a command line gives it); anything else is an error."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:  # "--5", "²", a 5,000-digit string
+            pass
+    raise PolicyError(f"{name} must be an integer, got {value!r:.40}")

@@ -14,7 +14,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from policies.base import Decision, Policy, PolicyError, SeqView, View
-from policies.stall_free import fill_budget, split_running
+from policies.packing import fill_budget, split_running
 
 
 class Fair(Policy):

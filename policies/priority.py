@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from policies.base import Decision, Policy, SeqView, View
-from policies.stall_free import fill_budget, split_running
+from policies.packing import fill_budget, split_running
 
 
 class Priority(Policy):
@@ -59,9 +59,11 @@ class Priority(Policy):
         blocked = next(candidates, None)
         if blocked is None:
             return []
-        budget = min(self.params.token_budget, view.max_batched_tokens, self.params.chunk_size)
-        chunk = min(blocked.remaining, budget)
+        budget = min(self.params.token_budget, view.max_batched_tokens)
+        chunk = min(blocked.remaining, budget, self.params.chunk_size)
         short = view.blocks_for(blocked, chunk) - view.free_blocks
+        if short <= 0:
+            return []  # left out for the token budget or the sequence cap, not for blocks
         victims = []
         for seq in sorted(view.running, key=rank, reverse=True):  # lowest rank first
             if short <= 0:
@@ -69,9 +71,9 @@ class Priority(Policy):
             if seq.priority < blocked.priority:
                 victims.append(seq.seq_id)
                 short -= seq.num_blocks
-        if short > 0:
+        kept = [e for e in decision.schedule if e[0] not in set(victims)]
+        chunk = min(chunk, budget - sum(tokens for _, tokens in kept))
+        if short > 0 or chunk < 1:
             return []  # evicting them would not make room: keep everyone running
-        gone = set(victims)
-        decision.schedule = [e for e in decision.schedule if e[0] not in gone]
-        decision.schedule.append((blocked.seq_id, chunk))
+        decision.schedule = [*kept, (blocked.seq_id, chunk)]
         return victims

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from policies.base import Decision, Policy, View
-from policies.stall_free import fill_budget, split_running
+from policies.packing import fill_budget, split_running
 
 
 class Slo(Policy):

@@ -3,67 +3,14 @@
 Optimizes inter-token latency of running requests (Sarathi-Serve's stall-free batching):
 every step carries all decodes, so a long prompt arriving never freezes their streams;
 its prefill is spread over several budget-sized steps, raising its own TTFT in exchange.
-
-`fill_budget` is the mechanism the other chunking policies (priority, fair, slo) reuse
-with their own orderings and budgets.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from policies.base import Decision, Policy, PolicyError, SeqView, View
-
-
-def fill_budget(
-    view: View,
-    decodes: Iterable[SeqView],
-    prefills: Iterable[SeqView],
-    *,
-    budget: int,
-    prefill_cap: int,
-    chunk_size: int,
-) -> Decision:
-    """Schedule `decodes` (one token each) then chunks of `prefills`, in the orders given.
-
-    The step holds at most `budget` tokens (never more than the engine's cap), at most
-    `prefill_cap` of them prefill, and at most view.max_seqs sequences. Waiting sequences
-    are admitted only while their blocks (plus those the decodes need) appear to fit.
-    """
-    budget = min(budget, view.max_batched_tokens)
-    schedule: list[tuple[int, int]] = []
-    free = view.free_blocks
-    for seq in decodes:
-        if len(schedule) >= view.max_seqs or budget < 1:
-            break
-        schedule.append((seq.seq_id, 1))
-        free -= view.blocks_for(seq, 1)
-        budget -= 1
-    prefill_left = min(budget, prefill_cap)
-    admit_slots = view.max_seqs - len(view.running)  # the core caps running sequences too
-    for seq in prefills:
-        if prefill_left < 1 or len(schedule) >= view.max_seqs:
-            break
-        waiting = seq.num_blocks == 0  # a running sequence always holds a block
-        if waiting and admit_slots < 1:
-            continue
-        chunk = min(seq.remaining, chunk_size, prefill_left)
-        need = view.blocks_for(seq, chunk)
-        if need > free:
-            continue  # a smaller prompt further down may still fit
-        schedule.append((seq.seq_id, chunk))
-        free -= need
-        prefill_left -= chunk
-        admit_slots -= waiting
-    return Decision(schedule=schedule)
-
-
-def split_running(view: View) -> tuple[list[SeqView], list[SeqView]]:
-    """Running sequences as (decoding, prefilling), each in admission order."""
-    decoding = [s for s in view.running if s.is_decoding]
-    prefilling = [s for s in view.running if not s.is_decoding]
-    return decoding, prefilling
+from policies.base import Decision, Policy, PolicyError, View
+from policies.packing import fill_budget, split_running
 
 
 class StallFree(Policy):

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import fields
 from functools import partial
+from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 from typing import Any
 
@@ -13,26 +15,21 @@ import trio
 
 from service.config import Config, default_cache_dir
 
-DELEGATED = {"bench": "ops.bench", "logs": "ops.logs_report"}
+TOOL_COMMANDS = "cadence.commands"  # entry-point group: commands other packages provide
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in DELEGATED:
-        return run_delegated(argv[0], argv[1:])
+    tools = tool_commands()
+    if argv and argv[0] in tools:
+        return int(tools[argv[0]].load()(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
     return args.run(args)
 
 
-def run_delegated(command: str, argv: list[str]) -> int:
-    import importlib
-
-    try:
-        module = importlib.import_module(DELEGATED[command])
-    except ModuleNotFoundError as exc:
-        print(f"cadence {command}: not available ({exc})", file=sys.stderr)
-        return 2
-    return int(module.main(argv) or 0)
+def tool_commands() -> dict[str, EntryPoint]:
+    """Commands registered by installed tool packages (ops registers bench and logs)."""
+    return {ep.name: ep for ep in entry_points(group=TOOL_COMMANDS)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,8 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--model", default=None, help="HF directory or .gguf (default model)")
     fetch.add_argument("--cache-dir", type=Path, default=None)
     fetch.set_defaults(run=run_fetch_model)
-    for name, module in DELEGATED.items():
-        commands.add_parser(name, help=f"see `cadence {name} --help` ({module})", add_help=False)
+    for name, ep in tool_commands().items():
+        commands.add_parser(name, help=f"see `cadence {name} --help` ({ep.value})", add_help=False)
     return parser
 
 
@@ -124,35 +121,20 @@ def positive_float(text: str) -> float:
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
+    """Flags map onto Config fields by name; the few that do not are translated here."""
     import os
 
-    return Config(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        kv_memory=args.kv_memory,
-        block_size=args.block_size,
-        cache_dir=args.cache_dir or default_cache_dir(),
-        use_cuda_graphs=not args.no_cuda_graphs,
-        seed=args.seed,
-        policy=args.policy,
-        policy_params=dict(args.policy_param),
-        max_batched_tokens=args.max_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_queue=args.max_queue,
-        host=args.host,
-        port=args.port,
-        admin_token=args.admin_token or os.environ.get("CADENCE_ADMIN_TOKEN") or None,
-        max_body_bytes=args.max_body_bytes,
-        served_model_name=args.served_model_name,
-        log_file=args.log_file,
-        log_level=args.log_level,
-        debug_invariants=args.debug_invariants,
-    )
+    given = vars(args)
+    config = Config(**{f.name: given[f.name] for f in fields(Config) if f.name in given})
+    config.cache_dir = args.cache_dir or default_cache_dir()
+    config.use_cuda_graphs = not args.no_cuda_graphs
+    config.policy_params = dict(args.policy_param)
+    config.admin_token = args.admin_token or os.environ.get("CADENCE_ADMIN_TOKEN") or None
+    return config
 
 
 def run_fetch_model(args: argparse.Namespace) -> int:
-    from gpu_worker.model_files import ModelFileError, print_progress, resolve_model
+    from service.model_files.resolve import ModelFileError, print_progress, resolve_model
 
     try:
         path = resolve_model(
@@ -174,7 +156,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         make_policy(config.policy, config.policy_params)
     except PolicyError as exc:
         parser.error(f"--policy {config.policy}: {exc}")  # exits 2
-    from gpu_worker.model_files import ModelFileError
+    from service.model_files.resolve import ModelFileError
     from service.server import build_server
 
     try:

@@ -1,10 +1,13 @@
 """Offline generation for scripts and benchmarks, the way `vllm.LLM` is used.
 
-    llm = LLM()                     # the default model, fetched and converted once
-    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+    from service.engine.request import SamplingParams, SamplingSpec
 
-It runs the very engine the server runs (Engine + WorkerLink + the same tokenizer) inside
-one trio.run per generate() call; the worker process starts and stops with that call.
+    llm = LLM()                     # the default model, fetched and converted once
+    greedy = SamplingParams(max_tokens=32, sampling=SamplingSpec(temperature=0))
+    outs = llm.generate(["Hello"], greedy)
+
+It runs the very engine the server runs (service.engine.assembly.open_engine) inside one
+trio.run per generate() call; the worker process starts and stops with that call.
 """
 
 from __future__ import annotations
@@ -15,12 +18,11 @@ from typing import Any
 
 import trio
 
-from gpu_worker.model_files import resolve_model
 from service.config import Config
-from service.engine import Engine
-from service.request import FinishEvent, SamplingParams, TokenEvent
+from service.engine.assembly import open_engine
+from service.engine.request import FinishEvent, SamplingParams, TokenEvent
+from service.model_files.resolve import resolve_model
 from service.tokenizer import Tokenizer
-from service.worker_link import WorkerLink, worker_config_for
 
 
 @dataclass(slots=True)
@@ -72,16 +74,14 @@ class LLM:
         config = dataclasses.replace(
             self.config, max_queue=max(self.config.max_queue, len(token_lists))
         )
-        link = WorkerLink(worker_config_for(config, self.model_dir))
-        engine = Engine(config, link, self.tokenizer)
         results: list[Completion | None] = [None] * len(token_lists)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(engine.run)
-            async with trio.open_nursery() as readers:
-                for i, (ids, params) in enumerate(zip(token_lists, params_list, strict=True)):
-                    channel = await engine.submit(ids, params, request_id=f"offline-{i}")
-                    readers.start_soon(self._read, channel, ids, results, i)
-            nursery.cancel_scope.cancel()
+        async with (
+            open_engine(config, model_dir=self.model_dir, tokenizer=self.tokenizer) as engine,
+            trio.open_nursery() as readers,
+        ):
+            for i, (ids, params) in enumerate(zip(token_lists, params_list, strict=True)):
+                channel = await engine.submit(ids, params, request_id=f"offline-{i}")
+                readers.start_soon(self._read, channel, ids, results, i)
         return [r for r in results if r is not None]
 
     @staticmethod

@@ -34,7 +34,6 @@ def handshake() -> dict:
         "block_size": 16,
         "num_blocks": 64,
         "kv_bytes": 0,
-        "eos_token_ids": [0],
         "decode_buckets": [1],
         "pid": os.getpid(),
         "load_seconds": 0.0,

@@ -20,10 +20,11 @@ import trio
 
 from gpu_worker.protocol import BatchPlan, Handshake, StepResult
 from service.config import Config
-from service.engine import Engine
-from service.request import Event, FinishEvent, TokenEvent
-from service.stats import IterationStats, RequestStats
-from service.worker_link import WorkerDied
+from service.engine.assembly import open_engine
+from service.engine.engine import Engine
+from service.engine.request import Event, FinishEvent, TokenEvent
+from service.engine.stats import IterationStats, RequestStats
+from service.engine.worker_link import WorkerDied
 
 EOS = 256
 
@@ -86,7 +87,6 @@ class SimWorker:
             block_size=self.block_size,
             num_blocks=self.num_blocks,
             kv_bytes=0,
-            eos_token_ids=[EOS],
             decode_buckets=[1, 2, 4, 8],
             pid=0,
             load_seconds=0.1,
@@ -194,11 +194,10 @@ def sim_config(**overrides: object) -> Config:
 async def running_engine(
     config: Config | None = None, worker: SimWorker | None = None
 ) -> AsyncIterator[Engine]:
-    engine = Engine(config or sim_config(), worker or SimWorker(), SimTokenizer())
-    async with trio.open_nursery() as nursery:
-        await nursery.start(engine.run)
+    async with open_engine(
+        config or sim_config(), worker=worker or SimWorker(), tokenizer=SimTokenizer()
+    ) as engine:
         yield engine
-        nursery.cancel_scope.cancel()
 
 
 @dataclass

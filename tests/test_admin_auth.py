@@ -19,12 +19,12 @@ import orjson
 import pytest
 from quart_trio import QuartTrio
 
-from service import routes_admin
-from service.app import create_app
-from service.app_state import EXTENSION_KEY, AppState
+from service.api import routes_admin
+from service.api.app import create_app
+from service.api.app_state import EXTENSION_KEY, AppState
+from service.api.errors import APIError
 from service.config import Config
-from service.engine import Engine
-from service.errors import APIError
+from service.engine.engine import Engine
 from tests.sim_worker import SimTokenizer, SimWorker
 
 TOKEN = "s3cret-Admin-token"
@@ -284,11 +284,6 @@ async def test_metrics_need_no_token(client):
     assert b"fcfs" in await response.get_data()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: policies/base.py:127-128 lets int('--5') raise ValueError, which "
-    "put_policy does not catch (it catches PolicyError): 500 instead of 400",
-)
 async def test_an_unparseable_integer_string_in_params_gets_400(client):
     body = {"name": "stall_free", "params": {"token_budget": "--5"}}
     response = await client.put("/admin/policy", json=body, headers=bearer(TOKEN))

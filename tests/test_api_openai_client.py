@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from gpu_worker.model_files import resolve_model
+from service.model_files.resolve import resolve_model
 from service.tokenizer import Tokenizer
 from tests import server_fixtures
 from tests.server_fixtures import RunningServer, cache_dir

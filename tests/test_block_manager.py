@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.block_manager import BlockAccountingError, BlockManager, OutOfBlocks
+from service.engine.block_manager import BlockAccountingError, BlockManager, OutOfBlocks
 
 
 def test_growth_by_one_block_at_each_boundary():

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.block_manager import BlockAccountingError, BlockManager, OutOfBlocks
+from service.engine.block_manager import BlockAccountingError, BlockManager, OutOfBlocks
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

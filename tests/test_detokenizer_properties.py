@@ -14,7 +14,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.detokenizer import Delta, Detokenizer
+from service.engine.detokenizer import Delta, Detokenizer
 from tests.sim_worker import SimTokenizer
 
 WORDS: list[str | bytes] = [
@@ -114,8 +114,13 @@ def test_every_delta_matches_the_oracle(prompt: list[int], output: list[int], st
     assert detok.text == final
 
 
+# U+FFFD itself is left out: in decoded text it is indistinguishable from an incomplete
+# character, which is held back (and dropped if the sequence ends there), as in vLLM.
+TEXT = st.text(alphabet=st.characters(blacklist_characters="\ufffd"), min_size=1, max_size=30)
+
+
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(text=st.text(min_size=1, max_size=30), prompt=st.text(max_size=10))
+@given(text=TEXT, prompt=st.text(max_size=10))
 def test_without_stop_strings_any_unicode_streams_back_exactly(text: str, prompt: str):
     tok = SimTokenizer()
     detok = Detokenizer(tok, tok.encode(prompt), [])

@@ -8,8 +8,8 @@ import structlog.testing
 import trio
 
 from policies.base import PolicyError
-from service.engine import EngineUnavailable, InvalidRequest, Overloaded
-from service.request import SamplingParams
+from service.engine.engine import EngineUnavailable, InvalidRequest, Overloaded
+from service.engine.request import SamplingParams, SamplingSpec
 from tests.sim_worker import (
     EOS,
     Collected,
@@ -26,7 +26,7 @@ TOK = SimTokenizer()
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+    return SamplingParams(max_tokens=max_tokens, sampling=SamplingSpec(temperature=0.0), **kw)
 
 
 async def test_stream_yields_tokens_then_one_finish(autojump_clock):
@@ -66,22 +66,75 @@ async def test_stop_string_is_cut_with_what_follows(autojump_clock):
     assert events.finish.completion_tokens == len(events.token_ids) == cut + len(stop)
 
 
+def sampled(**spec) -> SamplingParams:
+    return SamplingParams(max_tokens=4, sampling=SamplingSpec(**spec))
+
+
 @pytest.mark.parametrize(
-    ("prompt", "params", "message"),
+    ("prompt", "params", "param", "message"),
     [
-        ([], greedy(4), "empty"),
-        ([1, 2, 999], greedy(4), "token ids"),
-        ([1, 2], greedy(0), "max_tokens"),
-        ([1] * 100, greedy(8100), "context window"),
-        ([1, 2], SamplingParams(top_p=0.0), "top_p"),
-        ([1, 2], SamplingParams(stop=[3]), "stop"),
+        ([], greedy(4), "prompt", "empty"),
+        ([1, 2, 999], greedy(4), "prompt", "token ids"),
+        ([1, 2, -1], greedy(4), "prompt", "token ids"),
+        ([1, 2], greedy(0), "max_tokens", "at least 1"),
+        ([1] * 100, greedy(8100), "max_tokens", "maximum context length is 8192"),
+        ([1, 2], sampled(top_p=0.0), "top_p", r"\(0, 1\]"),
+        ([1, 2], sampled(top_p=1.5), "top_p", r"\(0, 1\]"),
+        ([1, 2], sampled(temperature=-0.5), "temperature", "between 0 and 2"),
+        ([1, 2], sampled(temperature=2.5), "temperature", "between 0 and 2"),
+        ([1, 2], sampled(temperature=float("nan")), "temperature", "between 0 and 2"),
+        ([1, 2], sampled(top_k=-2), "top_k", ">= 0"),
+        ([1, 2], sampled(seed=-1), "seed", "integer in"),
+        ([1, 2], sampled(seed=2**63), "seed", "integer in"),
+        ([1, 2], greedy(4, stop=[3]), "stop", "non-empty strings"),
+        ([1, 2], greedy(4, stop=[""]), "stop", "non-empty strings"),
+        ([1, 2], greedy(4, stop=["a"] * 17), "stop", "at most 16"),
     ],
 )
-async def test_bad_requests_get_a_clear_error(autojump_clock, prompt, params, message):
+async def test_bad_requests_get_a_clear_error_naming_the_field(
+    autojump_clock, prompt, params, param, message
+):
     async with running_engine() as engine:
-        with pytest.raises(InvalidRequest, match=message):
+        with pytest.raises(InvalidRequest, match=message) as info:
             await engine.submit(prompt, params, request_id="x")
-        assert engine.state()["waiting"] == 0
+        assert info.value.param == param
+        assert engine.state()["waiting"] == engine.state()["running"] == 0
+
+
+@pytest.mark.parametrize(
+    ("tenant", "priority", "param"),
+    [
+        ("", 0, "user"),
+        ("t" * 129, 0, "user"),
+        ("t", 10**6 + 1, "priority"),
+        ("t", -(10**6) - 1, "priority"),
+    ],
+)
+async def test_bad_tenant_or_priority_is_refused(autojump_clock, tenant, priority, param):
+    async with running_engine() as engine:
+        with pytest.raises(InvalidRequest) as info:
+            await engine.submit([1], greedy(1), request_id="x", tenant=tenant, priority=priority)
+        assert info.value.param == param
+
+
+async def test_edges_of_the_ranges_are_accepted(autojump_clock):
+    edges = [sampled(temperature=2.0, top_p=1.0, top_k=0, seed=2**63 - 1), sampled(seed=0)]
+    async with running_engine(worker=SimWorker(num_blocks=1024)) as engine:
+        for i, params in enumerate(edges):
+            events = await collect(await engine.submit([1, 2], params, request_id=f"e{i}"))
+            assert events.finish.reason == "length"
+        events = await collect(
+            await engine.submit([1] * 100, greedy(8092), request_id="fits", priority=10**6)
+        )
+        assert events.finish.completion_tokens == 8092
+
+
+async def test_missing_max_tokens_means_the_rest_of_the_context(autojump_clock):
+    async with running_engine(worker=SimWorker(max_model_len=64)) as engine:
+        params = SamplingParams(max_tokens=None, sampling=SamplingSpec(temperature=0.0))
+        events = await collect(await engine.submit([1] * 60, params, request_id="rest"))
+    assert events.finish.detail == "max_tokens" and events.finish.completion_tokens == 4
+    assert params.max_tokens is None  # the caller's record is not changed
 
 
 async def test_request_longer_than_the_kv_cache_is_refused(autojump_clock):
@@ -98,16 +151,17 @@ async def test_duplicate_request_id_refused(autojump_clock):
 
 
 async def test_full_queue_is_overloaded(autojump_clock):
-    config = sim_config(max_queue=3)
+    config = sim_config(max_queue=3, max_num_seqs=1)
     async with running_engine(config) as engine:
-        for i in range(3):
-            await engine.submit([1, 2, 3], greedy(4), request_id=f"r{i}")
+        for i in range(4):  # one runs (the only sequence slot), three wait
+            await engine.submit([1, 2, 3], greedy(400), request_id=f"r{i}")
+        assert (engine.state()["running"], engine.state()["waiting"]) == (1, 3)
         with pytest.raises(Overloaded):
             await engine.submit([1, 2, 3], greedy(4), request_id="one-too-many")
 
 
 async def test_submit_before_start_and_after_shutdown_is_unavailable(autojump_clock):
-    from service.engine import Engine
+    from service.engine.engine import Engine
 
     engine = Engine(sim_config(), SimWorker(), TOK)
     with pytest.raises(EngineUnavailable):

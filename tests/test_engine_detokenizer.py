@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_worker.model_files import resolve_model
 from service.config import default_cache_dir
-from service.detokenizer import Detokenizer
+from service.engine.detokenizer import Detokenizer
+from service.model_files.resolve import resolve_model
 from service.tokenizer import Tokenizer
 from tests.sim_worker import SimTokenizer
 

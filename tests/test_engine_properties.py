@@ -12,8 +12,8 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.engine import Engine
-from service.request import SamplingParams
+from service.engine.engine import Engine
+from service.engine.request import SamplingParams, SamplingSpec
 from tests.sim_worker import (
     RecordingObserver,
     SimTokenizer,
@@ -22,6 +22,8 @@ from tests.sim_worker import (
     expected_tokens,
     sim_config,
 )
+
+GREEDY = SamplingSpec(temperature=0.0)
 
 POLICY_PARAMS = {
     "fcfs": st.just({}),
@@ -85,7 +87,7 @@ def test_every_request_finishes_once_with_its_tokens(
                     await trio.sleep(delay)
                     prompt = [(i * 7 + k) % 250 + 1 for k in range(prompt_len)]
                     prompts[f"r{i}"] = prompt
-                    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+                    params = SamplingParams(max_tokens=max_tokens, sampling=GREEDY)
                     channel = await engine.submit(
                         prompt, params, request_id=f"r{i}", tenant=tenant, priority=priority
                     )
@@ -127,7 +129,7 @@ async def _priority_stream(aging_rate: float, gap: float, horizon: float) -> flo
     """
     config = sim_config(policy="priority", policy_params={"aging_rate": aging_rate}, max_num_seqs=1)
     engine = Engine(config, SimWorker(), SimTokenizer())
-    params = SamplingParams(max_tokens=4, temperature=0.0)
+    params = SamplingParams(max_tokens=4, sampling=GREEDY)
     low_done: list[float] = []
 
     async def read_low(channel):

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import trio
 
-from service.request import SamplingParams
+from service.engine.request import SamplingParams, SamplingSpec
 from tests.sim_worker import SimWorker, collect, running_engine, sim_config
+
+GREEDY = SamplingSpec(temperature=0.0)
 
 BUDGET = 256
 
@@ -15,7 +17,7 @@ async def interference(policy: str, params: dict, prompt_len: int) -> tuple[floa
     """Four requests decode; a long prompt arrives. Returns (max decode gap, long TTFT, bound)."""
     worker = SimWorker(max_batched_tokens=8192, num_blocks=1024)
     config = sim_config(policy=policy, policy_params=params, max_batched_tokens=8192)
-    greedy = SamplingParams(max_tokens=120, temperature=0.0)
+    greedy = SamplingParams(max_tokens=120, sampling=GREEDY)
     async with running_engine(config, worker) as engine, trio.open_nursery() as nursery:
         results = {}
 
@@ -29,7 +31,7 @@ async def interference(policy: str, params: dict, prompt_len: int) -> tuple[floa
             await trio.sleep(0.001)
         arrived = trio.current_time()
         long = await engine.submit(
-            [7] * prompt_len, SamplingParams(max_tokens=4, temperature=0.0), request_id="long"
+            [7] * prompt_len, SamplingParams(max_tokens=4, sampling=GREEDY), request_id="long"
         )
         nursery.start_soon(read, "long", long)
     long_ttft = results["long"].times[0] - arrived
@@ -72,7 +74,7 @@ async def test_stall_free_gap_bounded_by_one_budget_step(autojump_clock, prompt_
 async def test_a_queued_request_joins_at_the_very_next_iteration(autojump_clock, policy):
     worker = SimWorker()
     config = sim_config(policy=policy, max_num_seqs=2)
-    greedy = SamplingParams(temperature=0.0)
+    greedy = SamplingParams(sampling=GREEDY)
     async with running_engine(config, worker) as engine:
         short = await engine.submit([1] * 8, SamplingParams(max_tokens=3), request_id="short")
         long = await engine.submit([2] * 8, SamplingParams(max_tokens=40), request_id="long")

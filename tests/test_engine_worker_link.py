@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from gpu_worker.protocol import BatchPlan, SamplingSpec, WorkerConfig
-from service.worker_link import WorkerDied, WorkerLink, WorkerStartError
+from service.engine.worker_link import WorkerDied, WorkerLink, WorkerStartError
 
 CHILD = str(Path(__file__).with_name("fake_worker_child.py"))
 

@@ -16,8 +16,8 @@ from safetensors.numpy import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from gpu_worker.gguf import GGUFError, convert_gguf, hf_tensor_name, unpermute_rope_rows
-from gpu_worker.model_files import ModelFileError, resolve_model
+from service.model_files.gguf import GGUFError, convert_gguf, hf_tensor_name, unpermute_rope_rows
+from service.model_files.resolve import ModelFileError, resolve_model
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 USER_DEFINED = ["<think>"]

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from gpu_worker.gguf import unpermute_rope_rows
-from gpu_worker.model_files import DEFAULT_MODEL_NAME, download_default_gguf, resolve_model
+from service.model_files.gguf import unpermute_rope_rows
+from service.model_files.resolve import DEFAULT_MODEL_NAME, download_default_gguf, resolve_model
 from service.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.real_model

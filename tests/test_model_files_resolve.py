@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from gpu_worker import model_files
-from gpu_worker.model_files import (
+from service.model_files import resolve as model_files
+from service.model_files.resolve import (
     DEFAULT_MODEL_NAME,
     ModelFileError,
     fetch_default_model,

@@ -4,7 +4,7 @@ import orjson
 import pytest
 import trio
 
-from ops.bench import main
+from ops.commands import bench as main
 from ops.prompts import load_codec
 from tests.ops_fakes import FakeServer, train_tokenizer_json
 

@@ -4,7 +4,7 @@ that server's own log with a cut-off line appended."""
 import orjson
 import pytest
 
-from ops.bench import main as bench_main
+from ops.commands import bench as bench_main
 from ops.log_parse import NOT_JSON, parse_log
 from ops.logs_report import main as report_main
 from tests.server_fixtures import cache_dir, start_server, stop_server

@@ -19,7 +19,7 @@ def seq(seq_id, prompt_len, computed=None, generated=0, **kw) -> SeqView:
         arrival=kw.get("arrival", float(seq_id)),
         prompt_len=prompt_len,
         num_generated=generated,
-        num_computed=computed,
+        num_computed_tokens=computed,
         num_blocks=blocks,
     )
 
@@ -30,6 +30,7 @@ def view(running=(), waiting=(), *, free=1000, cap=512, max_seqs=64, now=10.0, l
         now=now,
         running=tuple(running),
         waiting=tuple(waiting),
+        num_waiting=len(waiting),
         free_blocks=free,
         total_blocks=1000,
         block_size=16,

@@ -23,10 +23,11 @@ from hypothesis import strategies as st
 from policies.base import Decision, Policy, PolicyError, SeqView, View, parse_params
 from policies.fair import Fair
 from policies.fcfs import Fcfs
+from policies.packing import fill_budget, split_running
 from policies.priority import Priority
 from policies.registry import POLICIES, describe_policies, make_policy
 from policies.slo import Slo
-from policies.stall_free import StallFree, fill_budget, split_running
+from policies.stall_free import StallFree
 
 BLOCK = 16
 
@@ -52,7 +53,7 @@ def seq(
         arrival=float(seq_id) if arrival is None else arrival,
         prompt_len=prompt_len,
         num_generated=generated,
-        num_computed=computed,
+        num_computed_tokens=computed,
         num_blocks=-(-computed // BLOCK) if blocks is None else blocks,
     )
 
@@ -72,6 +73,7 @@ def view(
         now=now,
         running=tuple(running),
         waiting=tuple(waiting),
+        num_waiting=len(waiting),
         free_blocks=free,
         total_blocks=1000,
         block_size=BLOCK,
@@ -109,7 +111,7 @@ def views(draw: st.DrawFn) -> View:
                 arrival=draw(st.floats(0, 10)),
                 prompt_len=prompt,
                 num_generated=generated,
-                num_computed=computed,
+                num_computed_tokens=computed,
                 num_blocks=max(1, -(-computed // block_size)),
                 preempted=draw(st.integers(0, 2)),
             )
@@ -124,7 +126,7 @@ def views(draw: st.DrawFn) -> View:
                 arrival=draw(st.floats(0, 10)),
                 prompt_len=prompt,
                 num_generated=draw(st.integers(0, 3)),  # preempted ones keep their tokens
-                num_computed=0,
+                num_computed_tokens=0,
                 num_blocks=0,
             )
         )
@@ -133,6 +135,7 @@ def views(draw: st.DrawFn) -> View:
         now=draw(st.floats(10, 20)),
         running=tuple(running),
         waiting=tuple(waiting),
+        num_waiting=len(waiting),
         free_blocks=draw(st.integers(0, 30)),
         total_blocks=100,
         block_size=block_size,
@@ -154,12 +157,12 @@ policy_instances = st.one_of(
         st.integers(1, 100),
         st.sampled_from([0.5, 1.0]),
     ),
-    # with preempt=True, priority can overrun its budget: see the xfail tests below
     st.builds(
-        lambda a, b, c: make_policy(
-            "priority", {"aging_rate": a, "preempt": False, "token_budget": b, "chunk_size": c}
+        lambda a, p, b, c: make_policy(
+            "priority", {"aging_rate": a, "preempt": p, "token_budget": b, "chunk_size": c}
         ),
         st.floats(0, 5),
+        st.booleans(),
         st.integers(1, 300),
         st.integers(1, 100),
     ),
@@ -279,22 +282,12 @@ def test_priority_victims_are_running_lower_priority_sequences_never_scheduled(
         assert v.blocks_for(admitted, chunk) <= v.free_blocks + freed
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: Priority._victims appends the first unscheduled waiting request even when "
-    "it was left out for the token budget, not for blocks (policies/priority.py:54-77)",
-)
 def test_priority_with_preemption_stays_within_its_token_budget():
     policy = make_policy("priority", {"token_budget": 64})  # preempt is on by default
     d = policy.decide(view([], [seq(10, 64), seq(11, 64)], cap=512))
     assert d.schedule == [(10, 64)]  # it schedules [(10, 64), (11, 64)]: 128 tokens
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: _coerce trusts str.isdigit(), which accepts strings int() rejects ('--5', "
-    "'\u00b2'): int() raises ValueError, not PolicyError (policies/base.py:127-128)",
-)
 @pytest.mark.parametrize("value", ["--5", "\u00b2"])
 def test_a_string_int_cannot_parse_is_a_policy_error(value: str):
     with pytest.raises(PolicyError, match="must be an integer"):

@@ -2,7 +2,7 @@
 
 The scheduler and the engine read these properties every iteration; a wrong `remaining`
 would schedule a decode as a prefill (or the reverse), and a lost preemption count would
-hide preemptions from the logs and metrics. `sampling_spec` is what reaches the worker.
+hide preemptions from the logs and metrics. `params.sampling` is what reaches the worker, as is.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import trio
 
 from gpu_worker.protocol import SamplingSpec
-from service.detokenizer import Detokenizer
-from service.request import Request, SamplingParams, Status, sampling_spec
+from service.engine.detokenizer import Detokenizer
+from service.engine.request import Request, SamplingParams, Status
 from tests.sim_worker import SimTokenizer
 
 
@@ -30,22 +30,21 @@ def make_request(prompt_len: int = 5, generated: int = 0) -> Request:
         received=0.0,
         stream=send,
         detokenizer=Detokenizer(SimTokenizer(), prompt, []),
-        spec=sampling_spec(params),
     )
 
 
 def test_a_new_request_waits_with_nothing_computed():
     r = make_request(5)
     assert r.status is Status.WAITING and not r.is_finished
-    assert (r.num_tokens, r.num_generated, r.num_computed, r.remaining) == (5, 0, 0, 5)
+    assert (r.num_tokens, r.num_generated, r.num_computed_tokens, r.remaining) == (5, 0, 0, 5)
     assert r.preemptions == 0 and r.admitted_order == -1
 
 
 def test_remaining_shrinks_with_the_cache_and_is_one_for_a_decode():
     r = make_request(5)
-    r.num_computed = 3
+    r.num_computed_tokens = 3
     assert r.remaining == 2
-    r.num_computed = 5  # prefilled: the first token is sampled from the last position
+    r.num_computed_tokens = 5  # prefilled: the first token is sampled from the last position
     assert r.remaining == 1
     r.token_ids.append(42)
     assert (r.num_tokens, r.num_generated, r.remaining) == (6, 1, 1)
@@ -53,11 +52,11 @@ def test_remaining_shrinks_with_the_cache_and_is_one_for_a_decode():
 
 def test_preemption_keeps_the_tokens_and_counts_every_time():
     r = make_request(5, generated=3)
-    r.status, r.num_computed = Status.RUNNING, 7
+    r.status, r.num_computed_tokens = Status.RUNNING, 7
     r.reset_for_recompute()
-    assert r.status is Status.WAITING and r.num_computed == 0
+    assert r.status is Status.WAITING and r.num_computed_tokens == 0
     assert r.num_generated == 3 and r.remaining == 8  # prompt and output recomputed
-    r.status, r.num_computed = Status.RUNNING, 8
+    r.status, r.num_computed_tokens = Status.RUNNING, 8
     r.reset_for_recompute()
     assert r.preemptions == 2
 
@@ -71,23 +70,9 @@ def test_only_the_finished_status_is_finished():
     assert r.is_finished
 
 
-def test_sampling_spec_carries_every_sampling_parameter():
-    params = SamplingParams(
-        max_tokens=9,
-        temperature=0.7,
-        top_p=0.9,
-        top_k=40,
-        seed=1234,
-        stop=["x"],
-        ignore_eos=True,
-        logprobs=True,
-    )
-    assert sampling_spec(params) == SamplingSpec(
-        temperature=0.7, top_p=0.9, top_k=40, seed=1234, logprobs=True
-    )
-
-
 def test_default_sampling_is_unseeded_full_distribution_sampling():
-    assert sampling_spec(SamplingParams()) == SamplingSpec(
+    # OpenAI's and vLLM's defaults: temperature 1, no top-p or top-k cut, unseeded
+    assert SamplingParams().sampling == SamplingSpec(
         temperature=1.0, top_p=1.0, top_k=0, seed=None, logprobs=False
     )
+    assert SamplingParams().sampling is not SamplingParams().sampling  # never shared

@@ -19,12 +19,13 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gpu_worker.protocol import StepResult
 from policies.base import Decision, Policy, View
-from service.block_manager import BlockManager
-from service.detokenizer import Detokenizer
-from service.request import Request, SamplingParams, Status, sampling_spec
-from service.scheduler import ScheduleOutput, Scheduler
-from tests.sim_worker import SimTokenizer
+from service.engine.block_manager import BlockManager
+from service.engine.detokenizer import Detokenizer
+from service.engine.request import Request, SamplingParams, Status
+from service.engine.scheduler import ScheduleOutput, Scheduler
+from tests.sim_worker import EOS, SimTokenizer
 
 SAMPLED = 7  # the token every simulated step samples
 
@@ -68,7 +69,6 @@ def make_request(
         received=float(seq_id) if received is None else received,
         stream=send,
         detokenizer=Detokenizer(SimTokenizer(), prompt, []),
-        spec=sampling_spec(params),
     )
 
 
@@ -85,18 +85,23 @@ def make_scheduler(
         policy,
         max_batched_tokens=max_tokens,
         max_num_seqs=max_seqs,
+        eos_token_ids=[EOS],
     )
     return sched, policy
 
 
-def step(sched: Scheduler, decision: Decision, iteration: int = 1) -> ScheduleOutput:
-    """Schedule one iteration with `decision`, commit it and sample like the engine."""
+def sampled_result(out: ScheduleOutput, step_ms: float = 0.0) -> StepResult:
+    """What the worker answers: SAMPLED for every sequence of the step that samples."""
+    seq_ids = [item.request.seq_id for item in out.scheduled if item.samples]
+    return StepResult(out.iteration, seq_ids, [SAMPLED] * len(seq_ids), step_ms=step_ms)
+
+
+def step(sched: Scheduler, decision: Decision) -> ScheduleOutput:
+    """One whole iteration: schedule with `decision`, then apply the worker's result."""
     sched.policy.next = decision  # type: ignore[attr-defined]
-    out = sched.schedule(sched.build_view(iteration, 0.0, None, 0), step_id=iteration)
-    sched.commit(out)
-    for item in out.scheduled:
-        if item.samples:
-            item.request.token_ids.append(SAMPLED)
+    out = sched.schedule(now=0.0)
+    if out.plan is not None:
+        sched.update(out, sampled_result(out))
     return out
 
 
@@ -170,7 +175,7 @@ def check_step(
         assert len(plan.block_tables[i]) == -(-(start + n) // block_size)
         assert plan.block_tables[i] == sched.blocks.table(seq_id)
         assert request.status is Status.RUNNING
-        assert plan.sampling[i] is request.spec
+        assert plan.sampling[i] is request.params.sampling
         assert request not in out.preempted
     assert offset == plan.total_tokens
 
@@ -179,7 +184,7 @@ def check_preempted(sched: Scheduler, out: ScheduleOutput, before: dict[int, Bef
     for victim in out.preempted:
         was = before[victim.seq_id]
         assert was.status is Status.RUNNING
-        assert victim.status is Status.WAITING and victim.num_computed == 0
+        assert victim.status is Status.WAITING and victim.num_computed_tokens == 0
         assert victim.preemptions == was.preemptions + 1
         assert victim in sched.waiting and victim not in sched.running
         assert sched.blocks.num_held(victim.seq_id) == 0
@@ -197,10 +202,11 @@ def check_membership(sched: Scheduler, live: dict[int, Request]) -> None:
     orders = [r.admitted_order for r in sched.running]
     assert orders == sorted(orders) and len(set(orders)) == len(orders)
     for r in sched.waiting:
-        assert sched.blocks.num_held(r.seq_id) == 0 and r.num_computed == 0
+        assert sched.blocks.num_held(r.seq_id) == 0 and r.num_computed_tokens == 0
     for r in sched.running:
-        assert r.num_computed <= r.num_tokens
-        assert sched.blocks.num_held(r.seq_id) == -(-r.num_computed // sched.blocks.block_size)
+        assert r.num_computed_tokens <= r.num_tokens
+        blocks = -(-r.num_computed_tokens // sched.blocks.block_size)
+        assert sched.blocks.num_held(r.seq_id) == blocks
     sched.blocks.check_invariants()
     assert sched.has_work() == bool(live)
 
@@ -243,17 +249,21 @@ def test_every_step_keeps_the_core_promises_whatever_the_policy_decides(
         else:
             decision = Decision()  # the fallback decides
         before = {
-            seq_id: Before(r.num_computed, r.num_tokens, r.status, r.preemptions, list(r.token_ids))
+            seq_id: Before(
+                r.num_computed_tokens, r.num_tokens, r.status, r.preemptions, list(r.token_ids)
+            )
             for seq_id, r in live.items()
         }
         had_work = sched.has_work()
+        running, waiting = [r.seq_id for r in sched.running], [r.seq_id for r in sched.waiting]
+        free = sched.blocks.num_free
         policy.next = decision
-        view = sched.build_view(iteration, float(iteration), None, 0)
-        assert [s.seq_id for s in view.running] == [r.seq_id for r in sched.running]
-        assert [s.seq_id for s in view.waiting] == [r.seq_id for r in sched.waiting]
-        assert view.free_blocks == sched.blocks.num_free
-        out = sched.schedule(view, step_id=iteration)
-        assert out.iteration == iteration
+        out = sched.schedule(now=float(iteration))
+        view = policy.views[-1]  # what the policy saw
+        assert [s.seq_id for s in view.running] == running
+        assert [s.seq_id for s in view.waiting] == waiting and view.num_waiting == len(waiting)
+        assert view.free_blocks == free and view.now == float(iteration)
+        assert out.iteration == view.iteration == iteration
         check_step(sched, out, before, block_size)
         check_preempted(sched, out, before)
         if had_work and not out.preempted:
@@ -264,19 +274,25 @@ def test_every_step_keeps_the_core_promises_whatever_the_policy_decides(
             sched.remove(gone)
             gone.status = Status.FINISHED
             del live[gone.seq_id]
-        sched.commit(out)
+        outcomes = sched.update(out, sampled_result(out)) if out.plan is not None else []
+        finished = {o.request.seq_id for o in outcomes if o.finish == ("length", "max_tokens")}
         for item in out.scheduled:
             request = item.request
-            if request.is_finished:
-                assert request.num_computed == before[request.seq_id].num_computed
+            was = before[request.seq_id]
+            if request.is_finished:  # aborted: nothing applied
+                assert request.num_computed_tokens == was.num_computed
+                assert request.token_ids == was.token_ids
                 continue
-            assert request.num_computed == before[request.seq_id].num_computed + item.num_tokens
+            assert request.num_computed_tokens == was.num_computed + item.num_tokens
             if item.samples:
-                request.token_ids.append(SAMPLED)
-                if request.num_generated >= request.params.max_tokens:
-                    sched.remove(request)
+                assert request.token_ids == [*was.token_ids, SAMPLED]
+                done = request.num_generated >= request.params.max_tokens
+                assert (request.seq_id in finished) == done
+                if done:  # finished and freed by update(); the engine marks it
                     request.status = Status.FINISHED
                     del live[request.seq_id]
+            else:
+                assert request.token_ids == was.token_ids
         check_membership(sched, live)
     for request in list(live.values()):
         sched.remove(request)
@@ -297,10 +313,10 @@ def test_the_fallback_alone_finishes_every_request(
     requests = [make_request(i, p, max_tokens=3) for i, p in enumerate(prompts)]
     for r in requests:
         sched.add(r)
-    for iteration in range(1, 400):
+    for _ in range(400):
         if not sched.has_work():
             break
-        out = step(sched, Decision(), iteration)
+        out = step(sched, Decision())
         assert out.plan is not None
         sched.blocks.check_invariants()
         for r in [s.request for s in out.scheduled if s.samples]:
@@ -342,10 +358,12 @@ def test_view_describes_each_sequence_and_the_limits():
     b = make_request(1, 3, tenant="zeta", priority=-1, received=2.5)
     sched.add(a)
     sched.add(b)
-    step(sched, Decision(schedule=[(0, 6)]))  # a is prefilled and samples one token
-    view = sched.build_view(7, 12.5, 3.25, 6)
+    sched.policy.next = Decision(schedule=[(0, 6)])  # type: ignore[attr-defined]
+    out = sched.schedule(now=1.0)
+    sched.update(out, sampled_result(out, step_ms=3.25))  # a is prefilled and samples
+    view = sched.build_view(12.5)
     assert (view.iteration, view.now, view.last_step_ms, view.last_step_tokens) == (
-        7,
+        1,
         12.5,
         3.25,
         6,
@@ -355,10 +373,12 @@ def test_view_describes_each_sequence_and_the_limits():
     (ra,) = view.running
     (wb,) = view.waiting
     assert (ra.seq_id, ra.tenant, ra.priority, ra.arrival) == (0, "acme", 5, 1.5)
-    assert (ra.prompt_len, ra.num_generated, ra.num_computed, ra.num_blocks) == (6, 1, 6, 2)
+    assert (ra.prompt_len, ra.num_generated, ra.num_computed_tokens) == (6, 1, 6)
+    assert ra.num_blocks == 2
     assert ra.preempted == 0 and ra.is_decoding and ra.remaining == 1
     assert (wb.seq_id, wb.tenant, wb.priority, wb.arrival) == (1, "zeta", -1, 2.5)
-    assert (wb.prompt_len, wb.num_generated, wb.num_computed, wb.num_blocks) == (3, 0, 0, 0)
+    assert (wb.prompt_len, wb.num_generated, wb.num_computed_tokens) == (3, 0, 0)
+    assert wb.num_blocks == 0
     assert wb.remaining == 3 and not wb.is_decoding
 
 
@@ -370,12 +390,12 @@ def test_a_preempted_sequence_is_seen_as_preempted_and_recomputed_from_zero():
     step(sched, Decision(schedule=[(0, 4), (1, 4)]))  # both hold their one full block
     out = step(sched, Decision(schedule=[(0, 1)]))  # a needs a second block: b goes
     assert [r.seq_id for r in out.preempted] == [1]
-    view = sched.build_view(3, 0.0, None, 0)
+    view = sched.build_view(0.0)
     (wb,) = view.waiting
-    assert wb.preempted == 1 and wb.num_computed == 0 and wb.num_generated == 1
+    assert wb.preempted == 1 and wb.num_computed_tokens == 0 and wb.num_generated == 1
     assert wb.remaining == 5  # prompt and its generated token are recomputed together
     sched.remove(a)
-    out = step(sched, Decision(schedule=[(1, 5)]), 3)
+    out = step(sched, Decision(schedule=[(1, 5)]))
     assert scheduled(out) == [(1, 5)]
     assert out.plan.start_pos == [0] and out.plan.sample == [True]
     assert out.plan.input_ids == b.token_ids[:5]
@@ -523,7 +543,8 @@ def test_a_running_sequence_with_no_one_to_preempt_is_skipped():
     a = make_request(0, 4)
     sched.add(a)
     step(sched, Decision(schedule=[(0, 4)]))  # the only block, full
-    out = sched.schedule(sched.build_view(2, 0.0, None, 0), step_id=2)
+    sched.policy.next = Decision(schedule=[(0, 1)])  # type: ignore[attr-defined]
+    out = sched.schedule(now=0.0)
     assert out.plan is None  # a needs a second block that does not exist
     assert sched.corrections["no_blocks"] >= 1 and a.status is Status.RUNNING
 
@@ -555,17 +576,19 @@ def test_a_scheduled_sequence_is_never_the_default_victim():
     assert sched.corrections["no_blocks"] == 1
 
 
-def test_commit_skips_requests_that_finished_during_the_step():
+def test_update_skips_requests_that_finished_during_the_step():
     sched, _ = make_scheduler()
     a, b = make_request(0, 4), make_request(1, 4)
     sched.add(a)
     sched.add(b)
     sched.policy.next = Decision(schedule=[(0, 4), (1, 4)])  # type: ignore[attr-defined]
-    out = sched.schedule(sched.build_view(1, 0.0, None, 0), step_id=1)
+    out = sched.schedule(now=0.0)
     sched.remove(a)
     a.status = Status.FINISHED
-    sched.commit(out)
-    assert a.num_computed == 0 and b.num_computed == 4
+    outcomes = sched.update(out, sampled_result(out))
+    assert [o.request for o in outcomes] == [b]
+    assert a.num_computed_tokens == 0 and b.num_computed_tokens == 4
+    assert a.token_ids == a.token_ids[: a.prompt_len] and b.num_generated == 1
     assert sched.blocks.num_held(0) == 0
 
 
@@ -592,11 +615,11 @@ def test_plan_carries_step_id_positions_tokens_and_sampling():
     a = make_request(0, 6)
     sched.add(a)
     sched.policy.next = Decision(schedule=[(0, 6)])  # type: ignore[attr-defined]
-    out = sched.schedule(sched.build_view(4, 0.0, None, 0), step_id=41)
-    assert out.plan.step_id == 41 and out.iteration == 4
+    out = sched.schedule(now=0.0)
+    assert out.plan.step_id == out.iteration == 1
     assert out.plan.input_ids == a.token_ids
     assert out.plan.block_tables == [sched.blocks.table(0)]
-    assert out.plan.sampling == [a.spec]
+    assert out.plan.sampling == [a.params.sampling]
 
 
 @pytest.mark.parametrize("tokens", [0, -1, -100])
@@ -711,7 +734,7 @@ def test_every_correction_is_counted_each_time(decision: Decision, kind: str):
     sched.add(make_request(0, 4))
     sched.add(make_request(1, 4))
     step(sched, Decision(schedule=[(0, 4), (1, 4)]))  # both decode from now on
-    step(sched, decision, 2)
+    step(sched, decision)
     assert sched.corrections == {kind: 2}
 
 
@@ -724,8 +747,8 @@ def test_repeated_fixes_over_steps_add_up():
         raise RuntimeError("policy bug")
 
     policy.decide = broken  # type: ignore[method-assign]
-    for iteration in (1, 2):
-        sched.schedule(sched.build_view(iteration, 0.0, None, 0), step_id=iteration)
+    for _ in range(2):
+        sched.schedule(now=0.0)
     # each step: the policy raised, the empty decision fell back, the third sequence
     # found the step full (max_seqs) and could not be admitted either
     assert sched.corrections["policy_raised"] == 2
@@ -760,12 +783,12 @@ def test_each_deferred_admission_and_each_missing_block_is_counted():
     sched.add(b)
     sched.add(c)
     sched.policy.next = Decision()  # type: ignore[attr-defined]
-    out = sched.schedule(sched.build_view(2, 0.0, None, 0), step_id=2)
+    out = sched.schedule(now=0.0)
     assert out.plan is None
     # the fallback tried a (no block to grow into), then b and c (no block to admit into)
     assert sched.corrections == {"empty_decision": 1, "no_blocks": 1, "admission_deferred": 2}
     sched.policy.next = Decision(schedule=[(0, 1)])  # type: ignore[attr-defined]
-    sched.schedule(sched.build_view(3, 0.0, None, 0), step_id=3)
+    sched.schedule(now=0.0)
     assert sched.corrections["no_blocks"] == 3  # once by the policy's entry, once by fallback
 
 

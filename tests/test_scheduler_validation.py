@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import trio
 
+from gpu_worker.protocol import StepResult
 from policies.base import Decision, Policy, View
-from service.block_manager import BlockManager
-from service.detokenizer import Detokenizer
-from service.request import Request, SamplingParams, Status, sampling_spec
-from service.scheduler import Scheduler
-from tests.sim_worker import SimTokenizer
+from service.engine.block_manager import BlockManager
+from service.engine.detokenizer import Detokenizer
+from service.engine.request import Request, SamplingParams, Status
+from service.engine.scheduler import ScheduleOutput, Scheduler
+from tests.sim_worker import EOS, SimTokenizer
 
 
 class Scripted(Policy):
@@ -41,7 +42,6 @@ def make_request(seq_id: int, prompt_len: int, generated: int = 0) -> Request:
         received=float(seq_id),
         stream=send,
         detokenizer=Detokenizer(SimTokenizer(), prompt, []),
-        spec=sampling_spec(params),
     )
 
 
@@ -52,25 +52,32 @@ def make_scheduler(num_blocks=16, block_size=4, max_tokens=32, max_seqs=4, water
         policy,
         max_batched_tokens=max_tokens,
         max_num_seqs=max_seqs,
+        eos_token_ids=[EOS],
     )
     return sched, policy
 
 
-def run(sched: Scheduler, decision: Decision, iteration: int = 1):
+def sampled_result(out: ScheduleOutput, token: int = 3) -> StepResult:
+    """What a worker would answer: `token` for every sequence that samples."""
+    seq_ids = [item.request.seq_id for item in out.scheduled if item.samples]
+    return StepResult(out.iteration, seq_ids=seq_ids, tokens=[token] * len(seq_ids))
+
+
+def run(sched: Scheduler, decision: Decision) -> ScheduleOutput:
+    """One whole iteration: the scripted decision, corrected, run, and applied."""
     sched.policy.next = decision
-    out = sched.schedule(sched.build_view(iteration, 0.0, None, 0), step_id=iteration)
-    sched.commit(out)
+    out = sched.schedule(now=0.0)
+    if out.plan is not None:
+        sched.update(out, sampled_result(out))
     sched.blocks.check_invariants()
     return out
 
 
 def decode_ready(sched: Scheduler, *requests: Request) -> None:
-    """Admit and prefill requests so they are decoding."""
+    """Admit and prefill requests so they are decoding (each has sampled one token)."""
     for r in requests:
         sched.add(r)
     run(sched, Decision(schedule=[(r.seq_id, r.prompt_len) for r in requests]))
-    for r in requests:
-        r.token_ids.append(3)  # the sampled token
 
 
 def test_unknown_duplicate_and_nonpositive_entries_are_dropped():
@@ -122,8 +129,7 @@ def test_decodes_beyond_the_budget_wait_for_the_next_step():
     reqs = [make_request(i, 3) for i in range(5)]
     for r in reqs:
         sched.add(r)
-        run(sched, Decision(schedule=[(r.seq_id, 3)]))
-        r.token_ids.append(3)  # prefilled and sampled: decoding
+        run(sched, Decision(schedule=[(r.seq_id, 3)]))  # prefilled and sampled: decoding
     assert not sched.corrections
     out = run(sched, Decision(schedule=[(r.seq_id, 1) for r in reqs]))
     assert out.plan.seq_ids == [0, 1, 2] and out.plan.total_tokens == 3
@@ -137,7 +143,6 @@ def test_a_step_holds_exactly_the_budget():
     sched.add(b)
     out = run(sched, Decision(schedule=[(0, 12)]))  # exactly the budget: no correction
     assert out.plan.total_tokens == 12 and not sched.corrections
-    a.token_ids.append(3)
     out = run(sched, Decision(schedule=[(0, 1), (1, 12)]))  # one token over
     assert out.plan.num_tokens == [1, 11] and out.plan.total_tokens == 12
     assert sched.corrections["token_budget"] == 1
@@ -149,7 +154,7 @@ def test_out_of_blocks_preempts_the_most_recently_admitted():
     decode_ready(sched, a, b, c)  # each holds one full block; none free
     out = run(sched, Decision(schedule=[(0, 1)]))
     assert [r.seq_id for r in out.preempted] == [2]
-    assert c.status is Status.WAITING and c.num_computed == 0 and c.num_generated == 1
+    assert c.status is Status.WAITING and c.num_computed_tokens == 0 and c.num_generated == 1
     assert sched.blocks.num_held(0) == 2
 
 
@@ -193,7 +198,7 @@ def test_policy_that_raises_is_contained():
 
     policy.decide = broken
     sched.add(make_request(0, 6))
-    out = sched.schedule(sched.build_view(1, 0.0, None, 0), step_id=1)
+    out = sched.schedule(now=0.0)
     assert out.plan is not None
     assert sched.corrections["policy_raised"] == 1
 

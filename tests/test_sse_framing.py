@@ -1,7 +1,7 @@
 """Server-sent events without a server: the bytes of each frame, and how events are grouped.
 
 The HTTP tests (tests/test_api_streaming.py, tests/test_api_sse_heartbeat.py) need a real
-model; these pin the same contract on `service.sse` alone, under trio's MockClock: one
+model; these pin the same contract on `service.api.sse` alone, under trio's MockClock: one
 `data:` line per event ending in a blank line, ready events sent as one group, an empty
 group (a heartbeat) after `heartbeat_seconds` of silence, and the stream ending after the
 FinishEvent or when the engine closes the channel.
@@ -12,8 +12,8 @@ from __future__ import annotations
 import orjson
 import trio
 
-from service.request import Event, FinishEvent, TokenEvent
-from service.sse import DONE, HEARTBEAT, SSE_HEADERS, event_groups, sse_data
+from service.api.sse import DONE, HEARTBEAT, SSE_HEADERS, event_groups, sse_data
+from service.engine.request import Event, FinishEvent, TokenEvent
 
 
 def token(text: str) -> TokenEvent:

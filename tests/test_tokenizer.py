@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from gpu_worker.gguf import convert_gguf
+from service.model_files.gguf import convert_gguf
 from service.tokenizer import ChatTemplateError, Tokenizer
 from tests.test_model_files_gguf import tiny_llama, tiny_vocab, write_tiny_gguf
 

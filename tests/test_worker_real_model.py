@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_worker.model_files import resolve_model
 from gpu_worker.protocol import WorkerConfig
 from gpu_worker.runner import ModelRunner
+from service.model_files.resolve import resolve_model
 from service.tokenizer import Tokenizer
 from tests.worker_fixtures import Chunk, make_plan, max_diff
 
@@ -61,7 +61,7 @@ def test_the_default_model_knows_the_capital_of_france(default_model_dir, dtype)
     runner = runner_for(default_model_dir, dtype)
     prompt = chat_prompt(default_model_dir, "What is the capital of France?")
     answer = Tokenizer.from_dir(default_model_dir).decode(
-        greedy(runner, prompt, 32, set(runner.handshake.eos_token_ids))
+        greedy(runner, prompt, 32, set(Tokenizer.from_dir(default_model_dir).eos_token_ids))
     )
     print(f"\n{dtype}: {answer!r}")
     assert "Paris" in answer

@@ -10,7 +10,6 @@ import pytest
 from gpu_worker import kv_cache
 from gpu_worker.checkpoint import CheckpointError, load_weights
 from gpu_worker.model_config import ConfigError, ModelConfig, UnsupportedModel
-from gpu_worker.protocol import SamplingSpec
 from tests.worker_fixtures import (
     BLOCK_SIZE,
     Chunk,
@@ -40,7 +39,7 @@ def config_with(**changes) -> ModelConfig:
 
 def test_config_parses_defaults_and_variants():
     config = config_with()
-    assert (config.head_dim, config.group_size, config.eos_token_ids) == (16, 2, [2, 7])
+    assert (config.head_dim, config.group_size) == (16, 2)
     assert config.rope_scaling is None and not config.attention_bias
     qwen = config_with(architectures=["Qwen2ForCausalLM"], sliding_window=4096)
     assert qwen.attention_bias and qwen.context_limit == 2048  # no use_sliding_window: capped
@@ -154,7 +153,6 @@ def test_handshake_reports_the_cache_and_caps_the_context_by_it(tiny_llama_dir):
     assert handshake.num_blocks == 20
     assert handshake.kv_bytes == 21 * per_block  # the scratch block included
     assert handshake.max_model_len == 20 * BLOCK_SIZE  # smaller than the model's 256
-    assert handshake.eos_token_ids == [2]
     assert (handshake.num_layers, handshake.num_kv_heads, handshake.head_dim) == (2, 2, 16)
     assert handshake.device == "cpu" and handshake.load_seconds > 0
 
@@ -168,11 +166,6 @@ BAD_PLANS = {
     "token id": (lambda p: p.input_ids.__setitem__(0, 256), "token ids"),
     "negative start": (lambda p: p.start_pos.__setitem__(0, -1), "negative"),
     "past context": (lambda p: p.start_pos.__setitem__(0, 10_000), "max_model_len"),
-    "top_p": (lambda p: p.sampling.__setitem__(0, SamplingSpec(top_p=0.0)), "top_p"),
-    "temperature": (
-        lambda p: p.sampling.__setitem__(0, SamplingSpec(temperature=float("nan"))),
-        "temperature",
-    ),
     "zero tokens": (lambda p: p.num_tokens.__setitem__(0, 0), "at least one"),
 }
 

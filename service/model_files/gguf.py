@@ -21,7 +21,9 @@ from safetensors.numpy import save_file
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+from gpu_worker.protocol import ARCHITECTURES
+
+CONVERTIBLE = ("llama",)  # the GGUF architectures this converter maps onto ARCHITECTURES
 
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
@@ -74,10 +76,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     reader = _open(gguf_path)
     meta = _metadata(reader)
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in CONVERTIBLE:
         raise GGUFError(
             f"architecture {arch!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            f"(supported: {', '.join(CONVERTIBLE)})"
         )
     tokenizer, special = build_tokenizer(meta)
     tensors = convert_tensors(reader, meta)
@@ -200,7 +202,7 @@ def hf_config(
         )
     vocab_size = tensors["model.embed_tokens.weight"].shape[0]
     config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
+        "architectures": [ARCHITECTURES["llama"]],
         "model_type": "llama",
         "hidden_size": hidden,
         "intermediate_size": int(_require(meta, "llama.feed_forward_length")),

@@ -1,6 +1,10 @@
-"""Untrusted OpenAI-style request bodies -> validated records the routes hand to the engine.
+"""Untrusted OpenAI-style request bodies -> typed records the routes hand to the engine.
 
-Every problem raises APIError(400) naming the offending field; nothing here touches the engine.
+This layer reads JSON: types, OpenAI's field names and their mapping onto the engine's
+(max_completion_tokens, top_k -1, user as the tenant), fields the server does not support.
+Every problem raises APIError(400) naming the offending field. Whether the values make a
+servable request (ranges, lengths, the context window) is decided once, by the engine's
+validation (service/engine/validation.py).
 """
 
 from __future__ import annotations
@@ -9,13 +13,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from service.errors import APIError, bad_request
-from service.request import SamplingParams
+from gpu_worker.protocol import SamplingSpec
+from service.api.errors import bad_request
+from service.engine.request import SamplingParams
 
-MAX_STOP_STRINGS = 16
-MAX_TENANT_CHARS = 128
-MAX_PRIORITY = 1_000_000
-MAX_SEED = 2**63 - 1
+MAX_LOGPROBS = 5  # completions' `logprobs` (how many alternatives OpenAI would list)
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 # Fields OpenAI (or common benchmark clients) send that cadence accepts only with their
@@ -49,8 +51,7 @@ class GenerationRequest:
     model: str | None
     prompt: str | list[int] | None  # completions
     messages: list[dict[str, str]] | None  # chat, content flattened to text
-    params: SamplingParams
-    max_tokens_given: bool  # chat without max_tokens uses the rest of the context window
+    params: SamplingParams  # max_tokens None: the rest of the context window (chat)
     stream: bool
     include_usage: bool
     tenant: str
@@ -70,7 +71,7 @@ class _Fields:
         self.used.add(name)
         return self.body.get(name)
 
-    def number(self, name: str, default: float, low: float, high: float) -> float:
+    def number(self, name: str, default: float) -> float:
         value = self.raw(name)
         if value is None:
             return default
@@ -80,11 +81,9 @@ class _Fields:
             or not math.isfinite(value)
         ):
             raise bad_request(f"'{name}' must be a number, got {value!r}", name)
-        if not low <= value <= high:
-            raise bad_request(f"'{name}' must be between {low} and {high}, got {value}", name)
         return float(value)
 
-    def integer(self, name: str, default: int | None, low: int, high: int) -> int | None:
+    def integer(self, name: str, default: int | None) -> int | None:
         value = self.raw(name)
         if value is None:
             return default
@@ -92,8 +91,6 @@ class _Fields:
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int):
             raise bad_request(f"'{name}' must be an integer, got {value!r}", name)
-        if not low <= value <= high:
-            raise bad_request(f"'{name}' must be between {low} and {high}, got {value}", name)
         return value
 
     def boolean(self, name: str, default: bool) -> bool:
@@ -119,8 +116,12 @@ class _Fields:
 def parse_completion_request(body: Any, header_tenant: str | None) -> GenerationRequest:
     fields = _Fields(body)
     prompt = _parse_prompt(fields.raw("prompt"))
-    logprobs = fields.integer("logprobs", None, 0, 5)
+    logprobs = fields.integer("logprobs", None)
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"'logprobs' must be between 0 and {MAX_LOGPROBS}", "logprobs")
     request = _parse_common(fields, "completion", header_tenant, logprobs is not None)
+    if request.params.max_tokens is None:
+        request.params.max_tokens = 16  # OpenAI's default for completions
     request.prompt = prompt
     fields.check_leftovers()
     return request
@@ -130,7 +131,7 @@ def parse_chat_request(body: Any, header_tenant: str | None) -> GenerationReques
     fields = _Fields(body)
     messages = _parse_messages(fields.raw("messages"))
     logprobs = fields.boolean("logprobs", False)
-    if fields.integer("top_logprobs", 0, 0, 20):
+    if fields.integer("top_logprobs", 0):
         raise bad_request("'top_logprobs' > 0 is not supported", "top_logprobs")
     request = _parse_common(fields, "chat", header_tenant, logprobs)
     request.messages = messages
@@ -144,24 +145,27 @@ def _parse_common(
     model = fields.raw("model")
     if model is not None and not isinstance(model, str):
         raise bad_request(f"'model' must be a string, got {model!r}", "model")
-    max_tokens = fields.integer("max_tokens", None, 1, 1 << 31)
+    max_tokens = fields.integer("max_tokens", None)
     if kind == "chat":
-        alternative = fields.integer("max_completion_tokens", None, 1, 1 << 31)
+        alternative = fields.integer("max_completion_tokens", None)
+        if alternative is not None and alternative < 1:  # the engine names max_tokens
+            raise bad_request("'max_completion_tokens' must be at least 1", "max_completion_tokens")
         max_tokens = alternative if alternative is not None else max_tokens
-    n = fields.integer("n", 1, 1, 1 << 31)
-    if n != 1:
+    if fields.integer("n", 1) != 1:
         raise bad_request("only n=1 is supported", "n")
-    top_k = fields.integer("top_k", 0, -1, 1 << 31)
-    seed = fields.integer("seed", None, 0, MAX_SEED)
+    top_k = fields.integer("top_k", 0)
+    sampling = SamplingSpec(
+        temperature=fields.number("temperature", 1.0),
+        top_p=fields.number("top_p", 1.0),
+        top_k=0 if top_k == -1 else top_k,  # -1 is vLLM's "disabled", the same as 0
+        seed=fields.integer("seed", None),
+        logprobs=logprobs,
+    )
     params = SamplingParams(
-        max_tokens=max_tokens if max_tokens is not None else 16,
-        temperature=fields.number("temperature", 1.0, 0.0, 2.0),
-        top_p=_parse_top_p(fields),
-        top_k=max(0, top_k or 0),  # -1 (vLLM's "disabled") means the same as 0
-        seed=seed,
+        max_tokens=max_tokens,
         stop=_parse_stop(fields.raw("stop")),
         ignore_eos=fields.boolean("ignore_eos", False),
-        logprobs=logprobs,
+        sampling=sampling,
     )
     stream = fields.boolean("stream", False)
     return GenerationRequest(
@@ -170,19 +174,11 @@ def _parse_common(
         prompt=None,
         messages=None,
         params=params,
-        max_tokens_given=max_tokens is not None,
         stream=stream,
         include_usage=_parse_stream_options(fields.raw("stream_options"), stream),
         tenant=_parse_tenant(header_tenant, fields.raw("user")),
-        priority=fields.integer("priority", 0, -MAX_PRIORITY, MAX_PRIORITY) or 0,
+        priority=fields.integer("priority", 0) or 0,
     )
-
-
-def _parse_top_p(fields: _Fields) -> float:
-    top_p = fields.number("top_p", 1.0, 0.0, 1.0)
-    if top_p == 0.0:
-        raise bad_request("'top_p' must be in (0, 1], got 0", "top_p")
-    return top_p
 
 
 def _parse_prompt(value: Any) -> str | list[int]:
@@ -244,10 +240,8 @@ def _parse_stop(value: Any) -> list[str]:
     if value is None:
         return []
     stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise bad_request("'stop' must be a non-empty string or a list of them", "stop")
-    if len(stops) > MAX_STOP_STRINGS:
-        raise bad_request(f"'stop' accepts at most {MAX_STOP_STRINGS} strings", "stop")
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad_request("'stop' must be a string or a list of strings", "stop")
     return list(stops)
 
 
@@ -270,7 +264,4 @@ def _parse_stream_options(value: Any, stream: bool) -> bool:
 def _parse_tenant(header: str | None, user: Any) -> str:
     if user is not None and not isinstance(user, str):
         raise bad_request("'user' must be a string", "user")
-    tenant = header or user or "default"
-    if len(tenant) > MAX_TENANT_CHARS:
-        raise APIError(400, f"the tenant name is longer than {MAX_TENANT_CHARS} characters")
-    return tenant
+    return header or user or "default"

@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING
 from quart import current_app
 
 if TYPE_CHECKING:
+    from service.api.metrics import Metrics
     from service.config import Config
-    from service.engine import Engine
-    from service.metrics import Metrics
+    from service.engine.engine import Engine
     from service.tokenizer import Tokenizer
 
 EXTENSION_KEY = "cadence"

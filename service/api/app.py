@@ -1,23 +1,21 @@
-"""The Quart-Trio app: routes, error shapes, CORS, body limit, and the engine's lifetime."""
+"""The Quart-Trio app: routes, error shapes, CORS and the body limit."""
 
 from __future__ import annotations
 
 import structlog
-import trio
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from service import routes_admin, routes_openai
-from service.app_state import EXTENSION_KEY, AppState
+from service.api import routes_admin, routes_openai
+from service.api.app_state import EXTENSION_KEY, AppState
+from service.api.errors import APIError, error_body, error_response, json_response
+from service.api.metrics import Metrics
 from service.config import Config
-from service.engine import Engine
-from service.errors import APIError, error_body, error_response, json_response
-from service.metrics import Metrics
+from service.engine.engine import Engine
 from service.tokenizer import Tokenizer
 
 log = structlog.get_logger("cadence.app")
-ENGINE_FAILED_KEY = "cadence.engine_failed"
 CORS_HEADERS = {
     "Access-Control-Allow-Origin": "*",
     "Access-Control-Expose-Headers": "Retry-After, X-Request-Id",
@@ -33,7 +31,8 @@ PREFLIGHT_HEADERS = {
 def create_app(
     config: Config, engine: Engine, tokenizer: Tokenizer, served_model_name: str
 ) -> QuartTrio:
-    # Import name -> root path service/, so service/static is served at /static.
+    """The HTTP front end of a running engine (service.server runs both)."""
+    # Import name -> root path service/api/, so service/api/static is served at /static.
     app = QuartTrio(__name__, static_folder="static")
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
     # Non-streaming generations can take long too; SSE responses also set their own None.
@@ -46,14 +45,13 @@ def create_app(
     _install_page(app)
     _install_cors(app)
     _install_error_handlers(app)
-    _install_engine_lifetime(app, engine)
     return app
 
 
 def _install_page(app: QuartTrio) -> None:
     @app.get("/")
     async def page() -> Response:
-        """The browser page (service/static/index.html), same origin as the API."""
+        """The browser page (service/api/static/index.html), same origin as the API."""
         return await app.send_static_file("index.html")
 
 
@@ -93,30 +91,3 @@ def _install_error_handlers(app: QuartTrio) -> None:
         return json_response(
             error_body(f"internal error: {type(error).__name__}", 500, code="internal_error"), 500
         )
-
-
-def _install_engine_lifetime(app: QuartTrio, engine: Engine) -> None:
-    """Run the engine in the app's lifespan nursery without holding up serving.
-
-    The server answers (/health 503) while the worker loads; engine.ready flips when the
-    handshake is done. If the engine itself fails, `engine_failed` is set so the CLI can
-    stop serving and exit non-zero instead of answering 503 forever.
-    """
-    scope = trio.CancelScope()
-    app.extensions[ENGINE_FAILED_KEY] = trio.Event()
-
-    async def run_engine() -> None:
-        with scope:
-            try:
-                await engine.run()
-            except Exception as exc:
-                log.exception("engine.failed", error=repr(exc))
-                app.extensions[ENGINE_FAILED_KEY].set()
-
-    @app.before_serving
-    async def start_engine() -> None:
-        app.nursery.start_soon(run_engine)
-
-    @app.after_serving
-    async def stop_engine() -> None:
-        scope.cancel()

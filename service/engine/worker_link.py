@@ -31,7 +31,7 @@ from gpu_worker.protocol import (
 )
 from service.config import Config
 
-_PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
+_PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 _RECEIVE_BYTES = 1 << 16
 
 

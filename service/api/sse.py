@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 import trio
 
-from service.request import Event, FinishEvent
+from service.engine.request import Event, FinishEvent
 
 DONE = b"data: [DONE]\n\n"
 # Sending something is how a dead client gets noticed while a request waits for its first

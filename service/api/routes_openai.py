@@ -10,10 +10,9 @@ import orjson
 import trio
 from quart import Blueprint, Response, request
 
-from service.app_state import AppState, app_state
-from service.engine import EngineUnavailable, InvalidRequest, Overloaded
-from service.errors import APIError, bad_request, json_response
-from service.openai_responses import (
+from service.api.app_state import AppState, app_state
+from service.api.errors import APIError, bad_request, json_response
+from service.api.openai_responses import (
     ResponseHeader,
     TokenPieces,
     chat_logprobs,
@@ -23,13 +22,15 @@ from service.openai_responses import (
     usage,
     usage_chunk,
 )
-from service.openai_schema import (
+from service.api.openai_schema import (
     GenerationRequest,
     parse_chat_request,
     parse_completion_request,
 )
-from service.request import Event, FinishEvent, TokenEvent
-from service.sse import DONE, HEARTBEAT, SSE_HEADERS, event_groups, sse_data
+from service.api.sse import DONE, HEARTBEAT, SSE_HEADERS, event_groups, sse_data
+from service.engine.engine import EngineUnavailable, Overloaded
+from service.engine.request import Event, FinishEvent, TokenEvent
+from service.engine.validation import InvalidRequest
 
 blueprint = Blueprint("openai", __name__)
 
@@ -90,11 +91,9 @@ async def serve_generation(req: GenerationRequest) -> Response:
             param="model",
             code="model_not_found",
         )
-    handshake = state.engine.handshake
-    if not state.engine.ready or handshake is None:
+    if not state.engine.ready:
         raise unavailable("the model worker is not ready yet; retry shortly")
-    prompt_ids = tokenize_prompt(req, state, handshake.vocab_size)
-    fit_into_context(req, len(prompt_ids), handshake.max_model_len)
+    prompt_ids = tokenize_prompt(req, state)
     prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     try:
@@ -111,7 +110,7 @@ async def serve_generation(req: GenerationRequest) -> Response:
     except EngineUnavailable as exc:
         raise unavailable(str(exc) or "the engine is not available") from None
     except InvalidRequest as exc:
-        raise bad_request(str(exc)) from None
+        raise bad_request(str(exc), exc.param, exc.code) from None
     header = ResponseHeader(req.kind, request_id, state.served_model_name)
     if req.stream:
         return stream_response(req, header, channel, state)
@@ -122,7 +121,7 @@ def unavailable(message: str) -> APIError:
     return APIError(503, message, code="engine_unavailable", headers={"Retry-After": "1"})
 
 
-def tokenize_prompt(req: GenerationRequest, state: AppState, vocab_size: int) -> list[int]:
+def tokenize_prompt(req: GenerationRequest, state: AppState) -> list[int]:
     if req.kind == "chat":
         assert req.messages is not None
         try:
@@ -135,31 +134,7 @@ def tokenize_prompt(req: GenerationRequest, state: AppState, vocab_size: int) ->
     if isinstance(req.prompt, str):
         return state.tokenizer.encode(req.prompt, add_special_tokens=True)
     assert req.prompt is not None
-    too_big = [t for t in req.prompt if t >= vocab_size]
-    if too_big:
-        raise bad_request(
-            f"token id {too_big[0]} is outside the vocabulary (size {vocab_size})", "prompt"
-        )
     return list(req.prompt)
-
-
-def fit_into_context(req: GenerationRequest, prompt_tokens: int, max_model_len: int) -> None:
-    """Check prompt + max_tokens against the context window (chat may default to the rest)."""
-    if prompt_tokens == 0:
-        raise bad_request("the prompt is empty after tokenization", "prompt")
-    if req.kind == "chat" and not req.max_tokens_given:
-        req.params.max_tokens = max_model_len - prompt_tokens
-    requested = prompt_tokens + req.params.max_tokens
-    if req.params.max_tokens < 1 or requested > max_model_len:
-        where = "messages" if req.kind == "chat" else "prompt"
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {requested} tokens ({prompt_tokens} in the {where}, "
-            f"{req.params.max_tokens} in the completion). Please reduce the length of the "
-            f"{where} or completion.",
-            "max_tokens",
-            "context_length_exceeded",
-        )
 
 
 def token_pieces(state: AppState, events: list[TokenEvent]) -> TokenPieces:
@@ -215,7 +190,7 @@ async def whole_response(
     assert finish is not None
     text = "".join(event.text for event in tokens)
     logprobs = None
-    if req.params.logprobs:
+    if req.params.sampling.logprobs:
         pieces = token_pieces(state, tokens)
         logprobs = chat_logprobs(pieces) if req.kind == "chat" else completion_logprobs(pieces, 0)
     body = full_response(
@@ -292,10 +267,10 @@ def token_chunk(
     text_offset: int,
 ) -> dict[str, Any] | None:
     text = "".join(event.text for event in tokens)
-    if not tokens or (not text and not req.params.logprobs):
+    if not tokens or (not text and not req.params.sampling.logprobs):
         return None  # nothing a client could see (e.g. half a UTF-8 character held back)
     logprobs = None
-    if req.params.logprobs:
+    if req.params.sampling.logprobs:
         pieces = token_pieces(state, tokens)
         logprobs = (
             chat_logprobs(pieces)

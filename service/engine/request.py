@@ -1,8 +1,8 @@
 """One request's state through its lifecycle, and the events its stream carries.
 
-Lifecycle (DESIGN.md): waiting -> running (prefilling, then decoding) -> finished; a preempted
-request goes back to waiting, keeping its generated tokens, and is recomputed later. All times
-are on the engine clock (trio.current_time()), so tests can drive them with a MockClock.
+Lifecycle: waiting -> running (prefilling, then decoding) -> finished; a preempted request
+goes back to waiting, keeping its generated tokens, and is recomputed later. All times are
+on the engine clock (trio.current_time()), so tests can drive them with a MockClock.
 """
 
 from __future__ import annotations
@@ -16,19 +16,22 @@ import trio
 from gpu_worker.protocol import SamplingSpec
 
 if TYPE_CHECKING:
-    from service.detokenizer import Detokenizer
+    from service.engine.detokenizer import Detokenizer
+
+
+def _openai_default_sampling() -> SamplingSpec:
+    return SamplingSpec(temperature=1.0)  # OpenAI's and vLLM's default temperature
 
 
 @dataclass(slots=True)
 class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
+    """What a request asks for. `sampling` is the worker's part, sent with every plan as is;
+    the rest is the service's: when to stop and what to send."""
+
+    max_tokens: int | None = 16  # None: the rest of the context window
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: bool = False
+    sampling: SamplingSpec = field(default_factory=_openai_default_sampling)
 
 
 @dataclass(slots=True)
@@ -63,20 +66,20 @@ class Request:
     seq_id: int  # engine-wide, increasing with arrival
     prompt_len: int
     token_ids: list[int]  # prompt followed by the generated tokens
-    params: SamplingParams
+    params: SamplingParams  # max_tokens is set (validation fills the default)
     tenant: str
     priority: int
     received: float
     stream: trio.MemorySendChannel
     detokenizer: Detokenizer
-    spec: SamplingSpec  # what the worker samples with, built once
     status: Status = Status.WAITING
-    num_computed: int = 0  # tokens whose K/V is in the worker's cache
+    num_computed_tokens: int = 0  # tokens whose K/V is in the worker's cache
     admitted_order: int = -1  # increasing each time it is admitted, for "most recently admitted"
     preemptions: int = 0
     first_scheduled: float | None = None
     first_token: float | None = None
     token_times: list[float] = field(default_factory=list)
+    last_iteration: int = 0  # the iteration that produced its newest token
     finished: float | None = None
     finish_reason: str | None = None
     finish_detail: str | None = None
@@ -92,7 +95,7 @@ class Request:
     @property
     def remaining(self) -> int:
         """Tokens to compute before the next sample (1 for a decoding sequence)."""
-        return max(1, len(self.token_ids) - self.num_computed)
+        return max(1, len(self.token_ids) - self.num_computed_tokens)
 
     @property
     def is_finished(self) -> bool:
@@ -100,16 +103,6 @@ class Request:
 
     def reset_for_recompute(self) -> None:
         """Preemption by recompute: the cache is gone, the tokens are kept."""
-        self.num_computed = 0
+        self.num_computed_tokens = 0
         self.status = Status.WAITING
         self.preemptions += 1
-
-
-def sampling_spec(params: SamplingParams) -> SamplingSpec:
-    return SamplingSpec(
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        seed=params.seed,
-        logprobs=params.logprobs,
-    )

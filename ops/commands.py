@@ -1,0 +1,31 @@
+"""The `cadence bench` and `cadence logs` commands, registered with the `cadence` CLI as
+entry points (pyproject.toml, group "cadence.commands"): the product finds its tooling
+by name and never imports it."""
+
+from __future__ import annotations
+
+import sys
+
+
+def bench(argv: list[str] | None = None) -> int:
+    """`cadence bench SCENARIO | compare | engine | sampler ...`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command, rest = (argv[0], argv[1:]) if argv else ("", argv)
+    if command == "compare":
+        from ops.compare import main
+    elif command == "engine":
+        from ops.engine_bench import main
+    elif command == "sampler":
+        from ops.sampler_bench import main
+    else:
+        from ops.bench import main
+
+        rest = argv
+    return main(rest)
+
+
+def logs(argv: list[str] | None = None) -> int:
+    """`cadence logs report LOGFILE ...`."""
+    from ops.logs_report import main
+
+    return main(argv)

@@ -1,0 +1,61 @@
+"""Packing a step: decodes first, then prefill chunks, in the orders a policy chooses.
+
+The mechanism the chunking policies (stall_free, priority, fair, slo) share; each brings
+its own ordering and budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from policies.base import Decision, SeqView, View
+
+
+def fill_budget(
+    view: View,
+    decodes: Iterable[SeqView],
+    prefills: Iterable[SeqView],
+    *,
+    budget: int,
+    prefill_cap: int,
+    chunk_size: int,
+) -> Decision:
+    """Schedule `decodes` (one token each) then chunks of `prefills`, in the orders given.
+
+    The step holds at most `budget` tokens (never more than the engine's cap), at most
+    `prefill_cap` of them prefill, and at most view.max_seqs sequences. Waiting sequences
+    are admitted only while their blocks (plus those the decodes need) appear to fit.
+    """
+    budget = min(budget, view.max_batched_tokens)
+    schedule: list[tuple[int, int]] = []
+    free = view.free_blocks
+    for seq in decodes:
+        if len(schedule) >= view.max_seqs or budget < 1:
+            break
+        schedule.append((seq.seq_id, 1))
+        free -= view.blocks_for(seq, 1)
+        budget -= 1
+    prefill_left = min(budget, prefill_cap)
+    admit_slots = view.max_seqs - len(view.running)  # the core caps running sequences too
+    for seq in prefills:
+        if prefill_left < 1 or len(schedule) >= view.max_seqs:
+            break
+        waiting = seq.num_blocks == 0  # a running sequence always holds a block
+        if waiting and admit_slots < 1:
+            continue
+        chunk = min(seq.remaining, chunk_size, prefill_left)
+        need = view.blocks_for(seq, chunk)
+        if need > free:
+            continue  # a smaller prompt further down may still fit
+        schedule.append((seq.seq_id, chunk))
+        free -= need
+        prefill_left -= chunk
+        admit_slots -= waiting
+    return Decision(schedule=schedule)
+
+
+def split_running(view: View) -> tuple[list[SeqView], list[SeqView]]:
+    """Running sequences as (decoding, prefilling), each in admission order."""
+    decoding = [s for s in view.running if s.is_decoding]
+    prefilling = [s for s in view.running if not s.is_decoding]
+    return decoding, prefilling

@@ -1,0 +1,1 @@
+"""The HTTP front end: OpenAI routes, admin, metrics, SSE framing, error shapes."""

@@ -1,0 +1,151 @@
+"""Prometheus metrics (vLLM's names where they exist, prefix "cadence:"), fed as an Observer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from service.engine.stats import IterationStats, RequestStats
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+# 1 ms .. 2 min: ITL lives at the low end, TTFT of a long prompt under load at the high end.
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    60.0,
+    120.0,
+)
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+# (attribute, kind, name after "cadence:", help); histograms take their buckets by kind
+_DEFINITIONS = [
+    ("ttft", "latency", "time_to_first_token_seconds",
+     "Time from request received to its first token."),
+    ("itl", "latency", "inter_token_latency_seconds",
+     "Gap between consecutive output tokens of one request."),
+    ("tpot", "latency", "time_per_output_token_seconds",
+     "Mean time per output token after the first, per request."),
+    ("e2e", "latency", "e2e_request_latency_seconds",
+     "Time from request received to finished."),
+    ("queue_time", "latency", "request_queue_time_seconds",
+     "Time from request received to first scheduled."),
+    ("iteration_tokens", "tokens", "iteration_tokens",
+     "Tokens computed per engine iteration."),
+    ("step_seconds", "latency", "iteration_step_seconds",
+     "Worker time of one iteration (forward + sample)."),
+    ("running", "gauge", "num_requests_running",
+     "Requests admitted and holding KV blocks."),
+    ("waiting", "gauge", "num_requests_waiting",
+     "Requests waiting for admission."),
+    ("kv_usage", "gauge", "kv_cache_usage_perc",
+     "Fraction of KV cache blocks in use (0..1)."),
+    ("prompt_tokens", "counter", "prompt_tokens_total",
+     "Prompt tokens of finished requests."),
+    ("generation_tokens", "counter", "generation_tokens_total",
+     "Generated tokens of finished requests."),
+    ("preemptions", "counter", "num_preemptions_total",
+     "Sequences preempted (KV freed, recomputed later)."),
+    ("policy_swaps", "counter", "policy_swaps_total",
+     "Scheduling policy hot swaps."),
+    ("received", "counter", "request_received_total",
+     "Requests accepted by the engine."),
+    ("finished", "counter", "request_success_total",
+     "Finished requests by finish reason."),
+    ("policy", "gauge", "policy_info",
+     "The scheduling policy in force (value 1)."),
+]
+_LABELS = {"finished": ("finished_reason",), "policy": ("policy",)}
+
+
+def _metric(
+    kind: str, name: str, doc: str, labels: tuple[str, ...], registry: CollectorRegistry
+) -> Histogram | Gauge | Counter:
+    full_name = f"cadence:{name}"
+    if kind in ("latency", "tokens"):
+        buckets = LATENCY_BUCKETS if kind == "latency" else TOKEN_BUCKETS
+        return Histogram(full_name, doc, labels, buckets=buckets, registry=registry)
+    cls = Gauge if kind == "gauge" else Counter
+    return cls(full_name, doc, labels, registry=registry)
+
+
+class Metrics:
+    """One registry per app (never the process-global one), updated by the engine's events."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        for attribute, kind, name, doc in _DEFINITIONS:
+            labels = _LABELS.get(attribute, ())
+            setattr(self, attribute, _metric(kind, name, doc, labels, self.registry))
+
+    # --- service.engine.stats.Observer -------------------------------------------------------
+    def on_request_received(self, request_id: str, tenant: str, prompt_tokens: int) -> None:
+        self.received.inc()
+
+    def on_iteration(self, stats: IterationStats) -> None:
+        self.iteration_tokens.observe(stats.batch_tokens)
+        self.step_seconds.observe(stats.step_ms / 1000.0)
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        if stats.kv_blocks_total:
+            self.kv_usage.set(stats.kv_blocks_used / stats.kv_blocks_total)
+
+    def on_request_finished(self, stats: RequestStats) -> None:
+        self.finished.labels(finished_reason=stats.finish_reason).inc()
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.generation_tokens.inc(stats.completion_tokens)
+        self.e2e.observe(stats.e2e)
+        for value, histogram in (
+            (stats.ttft, self.ttft),
+            (stats.queue_time, self.queue_time),
+            (stats.tpot, self.tpot),
+        ):
+            if value is not None:
+                histogram.observe(value)
+        for gap in stats.itls:
+            self.itl.observe(gap)
+
+    def on_preemption(self, request_id: str) -> None:
+        self.preemptions.inc()
+
+    def on_policy_swap(self, old: str, new: str, iteration: int) -> None:
+        self.policy_swaps.inc()
+        self.policy.labels(policy=old).set(0)
+        self.policy.labels(policy=new).set(1)
+
+    # --- exposition -----------------------------------------------------------------
+    def render(self, engine_state: dict[str, Any]) -> bytes:
+        """Text exposition; gauges are refreshed from the engine first (it may be idle)."""
+        self.running.set(engine_state.get("running", 0))
+        self.waiting.set(engine_state.get("waiting", 0))
+        total = engine_state.get("kv_blocks_total") or 0
+        if total:
+            self.kv_usage.set(engine_state.get("kv_blocks_used", 0) / total)
+        policy = engine_state.get("policy")
+        name = policy.get("name") if isinstance(policy, dict) else policy
+        if name:
+            self.policy.labels(policy=name).set(1)
+        return generate_latest(self.registry)

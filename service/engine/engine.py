@@ -1,0 +1,471 @@
+"""The engine: an admission task and a scheduling task in one trio nursery, and the worker.
+
+Admission validates each request, bounds the queue and hands the request to the scheduler.
+The scheduling task runs iterations: `Scheduler.schedule()` -> worker step ->
+`Scheduler.update()`, then the engine's own part: text (detokenizer, stop strings), stream
+events, observers, and supervision of the worker. The front end talks to it only through
+submit() (a stream of events) and abort().
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import structlog
+import trio
+
+from gpu_worker.protocol import BatchPlan, Handshake, StepResult
+from policies.registry import make_policy
+from service.config import Config
+from service.engine.block_manager import BlockManager
+from service.engine.detokenizer import Decoder, Detokenizer
+from service.engine.request import FinishEvent, Request, SamplingParams, Status, TokenEvent
+from service.engine.scheduler import Outcome, ScheduleOutput, Scheduler
+from service.engine.stats import IterationStats, Observer, RequestStats
+from service.engine.validation import InvalidRequest, Limits, validate
+from service.engine.worker_link import WorkerDied
+
+log = structlog.get_logger()
+
+_RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
+_WORKER_STOP_TIMEOUT_S = 10.0
+
+
+class Worker(Protocol):
+    """What the engine needs of a worker (WorkerLink; tests use a simulated one)."""
+
+    async def start(self) -> Handshake: ...
+    async def step(self, plan: BatchPlan) -> StepResult: ...
+    async def stop(self) -> None: ...
+
+
+class TokenizerLike(Decoder, Protocol):
+    """What the engine needs of a tokenizer: decoding, and which ids end a sequence."""
+
+    @property
+    def eos_token_ids(self) -> list[int]: ...
+
+
+class Overloaded(Exception):
+    """The admission queue is full; the caller should retry later (HTTP 429)."""
+
+
+class EngineUnavailable(Exception):
+    """The worker is not ready, restarting, or the engine is shutting down (HTTP 503)."""
+
+
+@dataclass(slots=True)
+class PolicySwap:
+    old: dict
+    new: dict
+    iteration: int  # the first iteration the new policy decides
+
+
+@dataclass(slots=True)
+class _Ticket:
+    """A request on its way through admission, and the verdict its submitter waits for."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_id: str
+    tenant: str
+    priority: int
+    received: float
+    done: trio.Event = dataclasses.field(default_factory=trio.Event)
+    channel: trio.MemoryReceiveChannel | None = None  # the verdict: a stream, or
+    error: Exception | None = None  # why not
+    withdrawn: bool = False  # the submitter stopped waiting (cancelled)
+
+
+class Engine:
+    def __init__(self, config: Config, worker: Worker, tokenizer: TokenizerLike) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.handshake: Handshake | None = None
+        self._worker = worker
+        self._policy = make_policy(config.policy, config.policy_params)  # until the scheduler
+        self._scheduler: Scheduler | None = None
+        self._requests: dict[str, Request] = {}  # open streams, by request id
+        self._observers: list[Observer] = []
+        self._admit_send, self._admit_recv = trio.open_memory_channel[_Ticket](config.max_queue)
+        self._wakeup = trio.Event()
+        self._all_done = trio.Event()
+        self._ready = False
+        self._accepting = True
+        self._next_seq_id = 0
+
+    # ---- public API -------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    @property
+    def scheduler(self) -> Scheduler | None:
+        return self._scheduler
+
+    def add_observer(self, observer: Observer) -> None:
+        self._observers.append(observer)
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await self._start_worker()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._admission_task)
+                nursery.start_soon(self._scheduling_task)
+                task_status.started()
+        finally:
+            self._ready = False
+            self._accepting = False
+            self._refuse_queued()
+            self._finish_all("abort", "shutdown")
+            with trio.CancelScope(shield=True), trio.move_on_after(_WORKER_STOP_TIMEOUT_S):
+                await self._worker.stop()
+
+    async def submit(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str,
+        tenant: str = "default",
+        priority: int = 0,
+    ) -> trio.MemoryReceiveChannel:
+        """Queue a request; its channel yields TokenEvent* then one FinishEvent, then closes.
+
+        Raises InvalidRequest, Overloaded or EngineUnavailable, and then nothing was queued.
+        """
+        if not self._accepting or not self._ready:
+            raise EngineUnavailable("the engine is not ready (starting, restarting or stopping)")
+        params = dataclasses.replace(params)  # validation fills a missing max_tokens
+        ticket = _Ticket(
+            list(prompt_token_ids), params, request_id, tenant, priority, trio.current_time()
+        )
+        try:
+            self._admit_send.send_nowait(ticket)
+        except trio.WouldBlock:
+            raise Overloaded("the admission queue is full; try again later") from None
+        try:
+            await ticket.done.wait()
+        except BaseException:
+            ticket.withdrawn = True
+            self.abort(request_id)  # admitted just before the cancellation reached us
+            raise
+        if ticket.error is not None:
+            raise ticket.error
+        assert ticket.channel is not None
+        return ticket.channel
+
+    def abort(self, request_id: str) -> None:
+        """End a request now (synchronous, idempotent); its blocks are free at once."""
+        request = self._requests.get(request_id)
+        if request is not None:
+            self._finish(request, "abort", "aborted")
+            self._wakeup.set()  # freed blocks may let a stuck admission through
+
+    def set_policy(self, name: str, params: dict | None, *, by: str = "api") -> PolicySwap:
+        """Swap the policy at the next iteration boundary; PolicyError changes nothing."""
+        new = make_policy(name, params)
+        old = self.policy_info()
+        if self._scheduler is None:
+            self._policy, iteration = new, 1
+        else:
+            iteration = self._scheduler.set_policy(new)
+        swap = PolicySwap(old=old, new=new.describe(), iteration=iteration)
+        log.info(
+            "policy.swap",
+            old=old["name"],
+            new=new.name,
+            params=swap.new["params"],
+            iteration=iteration,
+            by=by,
+        )
+        for observer in self._observers:
+            observer.on_policy_swap(old["name"], new.name, iteration)
+        return swap
+
+    def policy_info(self) -> dict:
+        """The policy that decides the next iteration: {"name", "params"}."""
+        policy = self._policy if self._scheduler is None else self._scheduler.next_policy
+        return policy.describe()
+
+    def state(self) -> dict:
+        stats = self._scheduler.stats() if self._scheduler else None
+        return {
+            "waiting": stats.waiting if stats else 0,
+            "running": stats.running if stats else 0,
+            "kv_blocks_used": stats.kv_blocks_used if stats else 0,
+            "kv_blocks_total": stats.kv_blocks_total if stats else 0,
+            "policy": self.policy_info(),
+            "iteration": stats.iteration if stats else 0,
+            "worker_ready": self._ready,
+            "max_model_len": self.handshake.max_model_len if self.handshake else None,
+        }
+
+    def begin_shutdown(self) -> None:
+        self._accepting = False
+
+    async def drain(self, timeout: float) -> None:
+        """Let in-flight requests finish for up to `timeout` s, then abort the rest."""
+        with trio.move_on_after(timeout):
+            while self._requests:
+                await self._all_done.wait()
+        self._finish_all("abort", "shutdown")
+
+    # ---- admission --------------------------------------------------------------------
+
+    async def _admission_task(self) -> None:
+        async for ticket in self._admit_recv:
+            if not ticket.withdrawn:
+                try:
+                    ticket.channel = self._admit(ticket)
+                except (InvalidRequest, Overloaded, EngineUnavailable) as exc:
+                    ticket.error = exc
+            ticket.done.set()
+
+    def _admit(self, ticket: _Ticket) -> trio.MemoryReceiveChannel:
+        """Validate, bound the queue, hand over to the scheduler; raises and queues nothing."""
+        sched = self._scheduler
+        if sched is None or not self._accepting:
+            raise EngineUnavailable("the engine is shutting down")
+        if ticket.request_id in self._requests:
+            raise InvalidRequest(
+                f"request id {ticket.request_id!r} is already in use", code="duplicate_id"
+            )
+        ids, params = ticket.prompt_token_ids, ticket.params
+        validate(ids, params, self._limits(), ticket.tenant, ticket.priority)
+        if len(sched.waiting) >= self.config.max_queue:
+            raise Overloaded(f"{len(sched.waiting)} requests are waiting; try again later")
+        assert params.max_tokens is not None
+        # never blocks: a token event per output token, the finish event, and a spare
+        send, receive = trio.open_memory_channel(params.max_tokens + 2)
+        request = Request(
+            request_id=ticket.request_id,
+            seq_id=self._next_seq_id,
+            prompt_len=len(ids),
+            token_ids=ids,
+            params=params,
+            tenant=ticket.tenant,
+            priority=ticket.priority,
+            received=ticket.received,
+            stream=send,
+            detokenizer=Detokenizer(self.tokenizer, ids, params.stop),
+        )
+        self._next_seq_id += 1
+        self._requests[request.request_id] = request
+        self._all_done = trio.Event()
+        sched.add(request)
+        self._wakeup.set()
+        self._report_received(request)
+        return receive
+
+    def _limits(self) -> Limits:
+        assert self.handshake is not None and self._scheduler is not None
+        return Limits(
+            vocab_size=self.handshake.vocab_size,
+            max_model_len=self.handshake.max_model_len,
+            kv_capacity_tokens=self._scheduler.capacity_tokens,
+        )
+
+    def _refuse_queued(self) -> None:
+        while True:
+            try:
+                ticket = self._admit_recv.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                return
+            ticket.error = EngineUnavailable("the engine is shutting down")
+            ticket.done.set()
+
+    # ---- the iteration ----------------------------------------------------------------
+
+    async def _scheduling_task(self) -> None:
+        sched = self._scheduler
+        assert sched is not None
+        while True:
+            if not sched.has_work() or not await self._iterate(sched):
+                # nothing to do, or nothing could be scheduled: wait for a request or an abort
+                self._wakeup = trio.Event()
+                await self._wakeup.wait()
+
+    async def _iterate(self, sched: Scheduler) -> bool:
+        started = time.perf_counter()
+        out = sched.schedule(trio.current_time())
+        self._note_scheduled(out)
+        if out.plan is None:
+            return False
+        planned = time.perf_counter()
+        try:
+            result = await self._worker.step(out.plan)
+        except WorkerDied as exc:
+            await self._recover(exc)
+            return True
+        stepped = time.perf_counter()
+        now = trio.current_time()
+        for outcome in sched.update(out, result):
+            self._emit(outcome, now)
+        if self.config.debug_invariants:
+            sched.blocks.check_invariants()
+        schedule_ms = (planned - started + time.perf_counter() - stepped) * 1000
+        self._report_iteration(sched, out, result, schedule_ms)
+        return True
+
+    def _note_scheduled(self, out: ScheduleOutput) -> None:
+        now = trio.current_time()
+        for item in out.scheduled:
+            request = item.request
+            if request.first_scheduled is None:
+                request.first_scheduled = now
+                _log_since_received("request.admitted", request, now, "queue_ms")
+        for request in out.preempted:
+            log.info(
+                "request.preempted",
+                request_id=request.request_id,
+                num_generated=request.num_generated,
+            )
+            for observer in self._observers:
+                observer.on_preemption(request.request_id)
+
+    def _emit(self, outcome: Outcome, now: float) -> None:
+        """Text and events for one request's share of a step; finish it if it is done."""
+        request, finish = outcome.request, outcome.finish
+        if outcome.token is None:
+            assert finish is not None
+            self._finish(request, *finish, error=outcome.error)
+            return
+        request.token_times.append(now)
+        if request.first_token is None:
+            request.first_token = now
+            _log_since_received("request.first_token", request, now, "ttft_ms")
+        delta = request.detokenizer.add_token(outcome.token)
+        text = delta.text
+        if delta.stopped:
+            finish = ("stop", "stop_string")
+        elif finish is not None:
+            text += request.detokenizer.flush()
+        logprobs = [outcome.logprob] if outcome.logprob is not None else None
+        _send(request, TokenEvent(text, [outcome.token], logprobs))
+        if finish is not None:
+            self._finish(request, *finish)
+
+    def _finish(self, request: Request, reason: str, detail: str, error: str | None = None) -> None:
+        if request.is_finished:
+            return
+        if self._scheduler is not None:
+            self._scheduler.remove(request)
+        request.status = Status.FINISHED
+        request.finished = trio.current_time()
+        request.finish_reason, request.finish_detail = reason, detail
+        completion = request.num_generated
+        _send(request, FinishEvent(reason, detail, request.prompt_len, completion, error))
+        request.stream.close()
+        self._requests.pop(request.request_id, None)
+        if not self._requests:
+            self._all_done.set()
+        self._report_finished(request)
+
+    def _finish_all(self, reason: str, detail: str) -> None:
+        for request in list(self._requests.values()):
+            self._finish(request, reason, detail)
+
+    # ---- worker supervision -----------------------------------------------------------
+
+    async def _start_worker(self) -> None:
+        handshake = await self._worker.start()
+        self.handshake = handshake
+        blocks = BlockManager(handshake.num_blocks, handshake.block_size, self.config.watermark)
+        if self._scheduler is None:
+            self._scheduler = Scheduler(
+                blocks,
+                self._policy,
+                max_batched_tokens=self.config.max_batched_tokens,
+                max_num_seqs=self.config.max_num_seqs,
+                eos_token_ids=self.tokenizer.eos_token_ids,
+            )
+        else:
+            self._scheduler.replace_blocks(blocks)
+        self._ready = True
+        log.info(
+            "worker.started",
+            pid=handshake.pid,
+            num_blocks=handshake.num_blocks,
+            load_seconds=handshake.load_seconds,
+        )
+
+    async def _recover(self, exc: WorkerDied) -> None:
+        """Fail what was running, keep what was waiting, restart the worker."""
+        self._ready = False
+        sched = self._scheduler
+        assert sched is not None
+        log.info("worker.died", error=str(exc), running=len(sched.running))
+        for request in list(sched.running):
+            self._finish(request, "error", "worker_died", error="the worker process died")
+        attempt = 0
+        while True:
+            try:
+                await self._start_worker()
+                return
+            except Exception as start_error:  # keep trying; waiting requests stay queued
+                delay = _RESTART_BACKOFF_S[min(attempt, len(_RESTART_BACKOFF_S) - 1)]
+                log.info("worker.restart_failed", error=str(start_error), retry_in_s=delay)
+                attempt += 1
+                await trio.sleep(delay)
+
+    # ---- reporting --------------------------------------------------------------------
+
+    def _report_received(self, request: Request) -> None:
+        log.info(
+            "request.received",
+            request_id=request.request_id,
+            tenant=request.tenant,
+            priority=request.priority,
+            prompt_tokens=request.prompt_len,
+            max_tokens=request.params.max_tokens,
+        )
+        for observer in self._observers:
+            observer.on_request_received(request.request_id, request.tenant, request.prompt_len)
+
+    def _report_iteration(
+        self, sched: Scheduler, out: ScheduleOutput, result: StepResult, schedule_ms: float
+    ) -> None:
+        assert out.plan is not None
+        stats = sched.stats()
+        record = IterationStats(
+            iteration=out.iteration,
+            policy=out.policy,
+            prefill_tokens=out.prefill_tokens,
+            decode_seqs=out.decode_seqs,
+            batch_tokens=out.plan.total_tokens,
+            num_seqs=len(out.plan.seq_ids),
+            running=stats.running,
+            waiting=stats.waiting,
+            kv_blocks_used=stats.kv_blocks_used,
+            kv_blocks_total=stats.kv_blocks_total,
+            step_ms=result.step_ms,
+            schedule_ms=schedule_ms,
+            preempted=len(out.preempted),
+        )
+        log.info("iteration", **dataclasses.asdict(record))
+        for observer in self._observers:
+            observer.on_iteration(record)
+
+    def _report_finished(self, request: Request) -> None:
+        sched = self._scheduler
+        policy = sched.policy.name if sched else self._policy.name
+        stats = RequestStats.of(request, policy, sched.iteration if sched else 0)
+        log.info("request.finished", **stats.log_fields())
+        for observer in self._observers:
+            observer.on_request_finished(stats)
+
+
+def _log_since_received(event: str, request: Request, now: float, key: str) -> None:
+    log.info(event, request_id=request.request_id, **{key: (now - request.received) * 1000})
+
+
+def _send(request: Request, event: TokenEvent | FinishEvent) -> None:
+    """Never blocks (the channel holds max_tokens + 2 events); a gone reader is ignored."""
+    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
+        request.stream.send_nowait(event)

@@ -1,0 +1,436 @@
+"""The owner of the iteration: `schedule()` decides a step, `update()` applies its result.
+
+schedule(): view -> policy decision -> core validation -> blocks -> BatchPlan. The policy
+proposes; this module disposes. Whatever the decision says, a step never holds more than
+`max_batched_tokens` tokens or `max_num_seqs` sequences, a decoding sequence computes
+exactly one token, a prefill chunk never runs past its sequence, and blocks come from free
+ones only. A sequence that needs a block when none is free makes room by preempting
+(recompute) the policy's listed victims first, else the most recently admitted running
+sequence. Every fix is counted in `corrections` so tests can see it.
+
+update(): the scheduled tokens are now cached; each sampled token is appended; EOS and
+max_tokens finish a sequence and free its blocks. Text (detokenization, stop strings) and
+streams are the engine's business, which is what keeps this module free of I/O: a whole
+iteration runs without trio or a worker.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+from gpu_worker.protocol import BatchPlan, StepResult
+from policies.base import Decision, Policy, SeqView, View
+from service.engine.block_manager import BlockManager
+from service.engine.request import Request, Status
+
+
+@dataclass(slots=True)
+class Scheduled:
+    request: Request
+    num_tokens: int
+    samples: bool
+
+
+@dataclass(slots=True)
+class ScheduleOutput:
+    iteration: int
+    policy: str  # the policy that decided this step
+    plan: BatchPlan | None
+    scheduled: list[Scheduled] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    prefill_tokens: int = 0
+    decode_seqs: int = 0
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What one step did to one request."""
+
+    request: Request
+    token: int | None = None  # the sampled token, appended to request.token_ids
+    logprob: float | None = None
+    finish: tuple[str, str] | None = None  # (reason, detail): finished and freed here
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class _Draft:
+    """The step being assembled from one decision."""
+
+    out: ScheduleOutput
+    victims: list[Request]  # running sequences the policy offered for preemption, in order
+    chosen: set[int]  # seq_ids already in the step
+    budget: int  # tokens still free in the step
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    iteration: int  # the last iteration scheduled
+    waiting: int
+    running: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+
+
+def _seq_key(request: Request) -> int:
+    return request.seq_id
+
+
+class Scheduler:
+    def __init__(
+        self,
+        blocks: BlockManager,
+        policy: Policy,
+        *,
+        max_batched_tokens: int,
+        max_num_seqs: int,
+        eos_token_ids: Collection[int],
+        waiting_view: int = 256,
+    ) -> None:
+        self.blocks = blocks
+        self.policy = policy
+        self.max_batched_tokens = max_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting_view = waiting_view  # policies see this many of the waiting, in order
+        self.running: list[Request] = []  # admission order
+        self.waiting: list[Request] = []  # arrival order (seq_id)
+        self.corrections: collections.Counter[str] = collections.Counter()
+        self.iteration = 0  # the last one scheduled
+        self._pending_policy: Policy | None = None
+        self._by_seq: dict[int, Request] = {}
+        self._admissions = 0
+        self._last_step_ms: float | None = None
+        self._last_step_tokens = 0
+
+    # ---- membership -------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        self._by_seq[request.seq_id] = request
+        bisect.insort(self.waiting, request, key=_seq_key)
+
+    def remove(self, request: Request) -> None:
+        """Take a request out (finished, aborted, failed); frees its blocks. Idempotent."""
+        if self._by_seq.pop(request.seq_id, None) is None:
+            return
+        self.blocks.free(request.seq_id)
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # ---- policy -----------------------------------------------------------------------
+
+    def set_policy(self, policy: Policy) -> int:
+        """Swap at the next iteration boundary; returns the first iteration it decides."""
+        self._pending_policy = policy
+        return self.iteration + 1
+
+    @property
+    def next_policy(self) -> Policy:
+        """The policy that decides the next iteration."""
+        return self._pending_policy or self.policy
+
+    # ---- facts for the engine and the admin API ----------------------------------------
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            iteration=self.iteration,
+            waiting=len(self.waiting),
+            running=len(self.running),
+            kv_blocks_used=self.blocks.num_used,
+            kv_blocks_total=self.blocks.num_blocks,
+        )
+
+    @property
+    def capacity_tokens(self) -> int:
+        """The most tokens one sequence can hold (admission keeps the watermark free)."""
+        blocks = self.blocks
+        return (blocks.num_blocks - blocks.watermark_blocks) * blocks.block_size
+
+    def replace_blocks(self, blocks: BlockManager) -> None:
+        """A restarted worker's fresh cache; only while nothing runs."""
+        assert not self.running, "blocks replaced under running sequences"
+        self.blocks = blocks
+        self._last_step_ms = None
+
+    # ---- the iteration ----------------------------------------------------------------
+
+    def schedule(self, now: float) -> ScheduleOutput:
+        """Ask the policy, enforce the rules, allocate blocks, build the plan."""
+        if self._pending_policy is not None:
+            self.policy, self._pending_policy = self._pending_policy, None
+        self.iteration += 1
+        view = self.build_view(now)
+        try:
+            decision = self.policy.decide(view)
+        except Exception:  # a broken policy must not stop the engine
+            self.corrections["policy_raised"] += 1
+            decision = Decision()
+        out = ScheduleOutput(iteration=self.iteration, policy=self.policy.name, plan=None)
+        self._apply(decision, out)
+        if not out.scheduled and self.has_work():
+            # A policy that schedules nothing while work is pending would stall everyone.
+            self.corrections["empty_decision"] += 1
+            self._apply(self._fallback_decision(), out)
+        if out.scheduled:
+            out.plan = self._build_plan(out.scheduled, out.iteration)
+        return out
+
+    def update(self, out: ScheduleOutput, result: StepResult) -> list[Outcome]:
+        """The step ran: commit progress, append sampled tokens, finish on EOS or length."""
+        assert out.plan is not None
+        error = self._result_error(out, result)
+        if error is not None:
+            return [self._fail(item.request, error) for item in out.scheduled]
+        self._last_step_ms = result.step_ms
+        self._last_step_tokens = out.plan.total_tokens
+        for item in out.scheduled:
+            if not item.request.is_finished:  # not aborted while the step ran
+                item.request.num_computed_tokens += item.num_tokens
+        sampled = [item.request for item in out.scheduled if item.samples]
+        outcomes = []
+        for i, request in enumerate(sampled):
+            if request.is_finished:
+                continue
+            wanted = result.logprobs is not None and request.params.sampling.logprobs
+            logprob = result.logprobs[i] if wanted else None
+            outcomes.append(self._append(request, result.tokens[i], logprob))
+        return outcomes
+
+    def build_view(self, now: float) -> View:
+        blocks = self.blocks
+        return View(
+            iteration=self.iteration,
+            now=now,
+            running=tuple(self._seq_view(r) for r in self.running),
+            waiting=tuple(self._seq_view(r) for r in self.waiting[: self.waiting_view]),
+            num_waiting=len(self.waiting),
+            free_blocks=blocks.num_free,
+            total_blocks=blocks.num_blocks,
+            block_size=blocks.block_size,
+            max_batched_tokens=self.max_batched_tokens,
+            max_seqs=self.max_num_seqs,
+            last_step_ms=self._last_step_ms,
+            last_step_tokens=self._last_step_tokens,
+        )
+
+    def _seq_view(self, r: Request) -> SeqView:
+        return SeqView(
+            seq_id=r.seq_id,
+            tenant=r.tenant,
+            priority=r.priority,
+            arrival=r.received,
+            prompt_len=r.prompt_len,
+            num_generated=len(r.token_ids) - r.prompt_len,
+            num_computed_tokens=r.num_computed_tokens,
+            num_blocks=self.blocks.num_held(r.seq_id),
+            preempted=r.preemptions,
+        )
+
+    # ---- results ----------------------------------------------------------------------
+
+    def _result_error(self, out: ScheduleOutput, result: StepResult) -> str | None:
+        if result.error is not None:
+            return result.error
+        expected = [item.request.seq_id for item in out.scheduled if item.samples]
+        if result.seq_ids != expected:
+            return f"step {out.iteration}: the worker returned tokens for other sequences"
+        return None
+
+    def _fail(self, request: Request, error: str) -> Outcome:
+        self.remove(request)
+        return Outcome(request, finish=("error", "worker_error"), error=error)
+
+    def _append(self, request: Request, token: int, logprob: float | None) -> Outcome:
+        request.token_ids.append(token)
+        request.last_iteration = self.iteration
+        outcome = Outcome(request, token=token, logprob=logprob)
+        assert request.params.max_tokens is not None  # validation fills it
+        if token in self.eos_token_ids and not request.params.ignore_eos:
+            outcome.finish = ("stop", "eos")
+        elif request.num_generated >= request.params.max_tokens:
+            outcome.finish = ("length", "max_tokens")
+        if outcome.finish is not None:
+            self.remove(request)
+        return outcome
+
+    # ---- validation of a decision -------------------------------------------------------
+
+    def _apply(self, decision: Decision, out: ScheduleOutput) -> None:
+        draft = _Draft(
+            out,
+            victims=self._policy_victims(decision),
+            chosen={s.request.seq_id for s in out.scheduled},
+            budget=self.max_batched_tokens - sum(s.num_tokens for s in out.scheduled),
+        )
+        for entry in decision.schedule:
+            picked = self._pick(entry, draft)
+            if picked is None:
+                continue
+            request, tokens = picked
+            tokens = self._legal_tokens(request, tokens, draft.budget)
+            if tokens > 0 and self._make_room(request, tokens, draft):
+                self._add_to_step(request, tokens, draft)
+
+    def _pick(self, entry: object, draft: _Draft) -> tuple[Request, int] | None:
+        """The request and token count of one decision entry, if the entry is acceptable."""
+        try:
+            seq_id, tokens = entry  # type: ignore[misc]
+            seq_id, tokens = int(seq_id), int(tokens)
+        except (TypeError, ValueError):
+            self.corrections["malformed_entry"] += 1
+            return None
+        request = self._by_seq.get(seq_id)
+        if request is None:
+            self.corrections["unknown_id"] += 1
+            return None
+        if seq_id in draft.chosen:
+            self.corrections["duplicate_id"] += 1
+            return None
+        if request.status is Status.WAITING and any(p is request for p in draft.out.preempted):
+            # preempted a moment ago to make room: it cannot come back in the same step
+            self.corrections["scheduled_after_preempt"] += 1
+            return None
+        if len(draft.out.scheduled) >= self.max_num_seqs:
+            self.corrections["max_seqs"] += 1
+            return None
+        return request, tokens
+
+    def _legal_tokens(self, request: Request, tokens: int, budget: int) -> int:
+        remaining = request.remaining
+        if tokens < 1:
+            self.corrections["nonpositive_tokens"] += 1
+            return 0
+        if tokens > remaining:
+            # also covers a decoding sequence asked for more than its one token
+            self.corrections["tokens_over_remaining"] += 1
+            tokens = remaining
+        if tokens > budget:
+            self.corrections["token_budget"] += 1
+            # a decode token cannot be split; a prefill chunk can be shortened
+            tokens = budget if remaining > 1 and budget > 0 else 0
+        return tokens
+
+    def _make_room(self, request: Request, tokens: int, draft: _Draft) -> bool:
+        if request.status is Status.RUNNING:
+            if self._grow(request, tokens, draft):
+                return True
+            self.corrections["no_blocks"] += 1
+            return False
+        return self._admit(request, tokens, draft)
+
+    def _add_to_step(self, request: Request, tokens: int, draft: _Draft) -> None:
+        self.blocks.allocate(request.seq_id, request.num_computed_tokens + tokens)
+        samples = request.num_computed_tokens + tokens >= request.num_tokens
+        draft.out.scheduled.append(Scheduled(request, tokens, samples))
+        draft.chosen.add(request.seq_id)
+        draft.budget -= tokens
+        if request.remaining == 1:
+            draft.out.decode_seqs += 1
+        else:
+            draft.out.prefill_tokens += tokens
+
+    def _policy_victims(self, decision: Decision) -> list[Request]:
+        victims: list[Request] = []
+        seen: set[int] = set()
+        for seq_id in decision.preempt:
+            request = self._by_seq.get(seq_id) if isinstance(seq_id, int) else None
+            if request is None or request.status is not Status.RUNNING or seq_id in seen:
+                self.corrections["bad_preempt_id"] += 1
+                continue
+            seen.add(seq_id)
+            victims.append(request)
+        return victims
+
+    def _grow(self, request: Request, tokens: int, draft: _Draft) -> bool:
+        """Free blocks for a running sequence, preempting others if it must."""
+        needed = request.num_computed_tokens + tokens
+        while not self.blocks.can_grow(request.seq_id, needed):
+            victim = self._pick_victim(request, draft, use_default=True)
+            if victim is None:
+                return False
+            self._preempt(victim, draft.out)
+        return True
+
+    def _admit(self, request: Request, tokens: int, draft: _Draft) -> bool:
+        """Admit a waiting sequence if its blocks fit above the watermark.
+
+        Only victims the policy named may be preempted to admit someone: the core on its
+        own never evicts running work for a newcomer.
+        """
+        if len(self.running) >= self.max_num_seqs:
+            self.corrections["max_seqs"] += 1
+            return False
+        while not self.blocks.can_admit(tokens):
+            victim = self._pick_victim(request, draft, use_default=False)
+            if victim is None:
+                self.corrections["admission_deferred"] += 1
+                return False
+            self._preempt(victim, draft.out)
+        self.waiting.remove(request)
+        request.status = Status.RUNNING
+        request.admitted_order = self._admissions
+        self._admissions += 1
+        self.running.append(request)
+        return True
+
+    def _pick_victim(self, request: Request, draft: _Draft, *, use_default: bool) -> Request | None:
+        chosen = draft.chosen
+        while draft.victims:
+            victim = draft.victims.pop(0)
+            runnable = victim is not request and victim.status is Status.RUNNING
+            if runnable and victim.seq_id not in chosen:
+                return victim
+        if not use_default:
+            return None
+        candidates = [r for r in self.running if r is not request and r.seq_id not in chosen]
+        if not candidates:
+            return None
+        return max(candidates, key=lambda r: r.admitted_order)
+
+    def _preempt(self, victim: Request, out: ScheduleOutput) -> None:
+        self.blocks.free(victim.seq_id)
+        self.running.remove(victim)
+        victim.reset_for_recompute()
+        bisect.insort(self.waiting, victim, key=_seq_key)
+        out.preempted.append(victim)
+
+    def _fallback_decision(self) -> Decision:
+        """Running sequences first, then waiting ones, as much of each as fits."""
+        schedule = [(r.seq_id, r.remaining) for r in self.running]
+        schedule += [(r.seq_id, r.remaining) for r in self.waiting]
+        return Decision(schedule=schedule)
+
+    # ---- plan -------------------------------------------------------------------------
+
+    def _build_plan(self, scheduled: list[Scheduled], step_id: int) -> BatchPlan:
+        seq_ids, num_tokens, start_pos, input_ids = [], [], [], []
+        tables, sample, sampling = [], [], []
+        table_of = self.blocks.table
+        for item in scheduled:
+            request = item.request
+            start = request.num_computed_tokens
+            seq_ids.append(request.seq_id)
+            num_tokens.append(item.num_tokens)
+            start_pos.append(start)
+            input_ids.extend(request.token_ids[start : start + item.num_tokens])
+            tables.append(list(table_of(request.seq_id)))
+            sample.append(item.samples)
+            sampling.append(request.params.sampling)
+        return BatchPlan(
+            step_id=step_id,
+            seq_ids=seq_ids,
+            num_tokens=num_tokens,
+            start_pos=start_pos,
+            input_ids=input_ids,
+            block_tables=tables,
+            sample=sample,
+            sampling=sampling,
+        )

@@ -1,0 +1,133 @@
+"""Plain records the engine emits once per iteration and once per finished request.
+
+The structured log, the Prometheus metrics and the admin state all read these; the
+engine does not know who listens (see Engine.add_observer).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from service.engine.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class IterationStats:
+    iteration: int
+    policy: str
+    prefill_tokens: int
+    decode_seqs: int
+    batch_tokens: int
+    num_seqs: int
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    step_ms: float  # measured in the worker
+    schedule_ms: float  # service-side: view, decision, validation, plan building, results
+    preempted: int  # sequences preempted at this iteration
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStats:
+    """A finished request's measures, built once: the log line, the metrics and the tests
+    all read this record."""
+
+    request_id: str
+    tenant: str
+    policy: str  # policy in force when the request finished
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    finish_detail: str
+    prompt_tokens: int
+    completion_tokens: int
+    received: float  # engine clock, seconds
+    first_scheduled: float | None
+    first_token: float | None
+    finished: float
+    token_times: tuple[float, ...]  # when each output token was emitted, engine clock
+    preemptions: int
+    iteration: int  # the last iteration begun when it finished
+
+    @classmethod
+    def of(cls, request: Request, policy: str, iteration: int) -> RequestStats:
+        assert request.finished is not None
+        return cls(
+            request_id=request.request_id,
+            tenant=request.tenant,
+            policy=policy,
+            finish_reason=request.finish_reason or "error",
+            finish_detail=request.finish_detail or "",
+            prompt_tokens=request.prompt_len,
+            completion_tokens=request.num_generated,
+            received=request.received,
+            first_scheduled=request.first_scheduled,
+            first_token=request.first_token,
+            finished=request.finished,
+            token_times=tuple(request.token_times),
+            preemptions=request.preemptions,
+            iteration=iteration,
+        )
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled is None else self.first_scheduled - self.received
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.received
+
+    @property
+    def e2e(self) -> float:
+        return self.finished - self.received
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in itertools.pairwise(self.token_times)]
+
+    @property
+    def tpot(self) -> float | None:
+        n = len(self.token_times)
+        return None if n < 2 else (self.token_times[-1] - self.token_times[0]) / (n - 1)
+
+    def log_fields(self) -> dict[str, object]:
+        """The `request.finished` log line: the record's facts and its latency summary."""
+        itls = sorted(self.itls)
+        return {
+            "request_id": self.request_id,
+            "tenant": self.tenant,
+            "policy": self.policy,
+            "finish_reason": self.finish_reason,
+            "finish_detail": self.finish_detail,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "ttft_ms": _ms(self.ttft),
+            "itl_p50_ms": _ms(_percentile(itls, 0.50)),
+            "itl_p99_ms": _ms(_percentile(itls, 0.99)),
+            "itl_max_ms": _ms(itls[-1] if itls else None),
+            "queue_ms": _ms(self.queue_time),
+            "e2e_ms": _ms(self.e2e),
+            "preemptions": self.preemptions,
+            "iteration": self.iteration,
+        }
+
+
+def _percentile(sorted_values: list[float], q: float) -> float | None:
+    if not sorted_values:
+        return None
+    index = min(len(sorted_values) - 1, int(q * (len(sorted_values) - 1) + 0.5))
+    return sorted_values[index]
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
+
+
+class Observer(Protocol):
+    def on_request_received(self, request_id: str, tenant: str, prompt_tokens: int) -> None: ...
+    def on_iteration(self, stats: IterationStats) -> None: ...
+    def on_request_finished(self, stats: RequestStats) -> None: ...
+    def on_preemption(self, request_id: str) -> None: ...
+    def on_policy_swap(self, old: str, new: str, iteration: int) -> None: ...

@@ -1,0 +1,122 @@
+"""The one check of a request before it enters the engine.
+
+Every way in (the HTTP routes, the offline API, the benchmarks) goes through Engine.submit,
+which runs `validate`; the HTTP layer only parses JSON into typed fields, and the worker
+keeps a cheap consistency guard of each plan. Errors carry OpenAI's `param` and `code`, so
+the routes can answer in OpenAI's error shape without knowing the rules.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from service.engine.request import SamplingParams
+
+MAX_STOP_STRINGS = 16
+MAX_TENANT_CHARS = 128
+MAX_PRIORITY = 1_000_000
+MAX_SEED = 2**63 - 1
+MAX_TEMPERATURE = 2.0  # OpenAI's range
+
+
+class InvalidRequest(ValueError):
+    """A request the engine cannot serve; the message is meant for the user (HTTP 400)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    vocab_size: int
+    max_model_len: int
+    kv_capacity_tokens: int  # the most tokens one request can hold in the KV cache
+
+
+def validate(
+    prompt_ids: list[int], params: SamplingParams, limits: Limits, tenant: str, priority: int
+) -> None:
+    """Raise InvalidRequest for the first problem found; fills a missing max_tokens with
+    the rest of the context window."""
+    _check_prompt(prompt_ids, limits.vocab_size)
+    _check_sampling(params)
+    _check_routing(tenant, priority)
+    if params.max_tokens is None:
+        params.max_tokens = max(1, limits.max_model_len - len(prompt_ids))
+    _check_length(len(prompt_ids), params.max_tokens, limits)
+
+
+def _check_prompt(ids: list[int], vocab_size: int) -> None:
+    if not ids:
+        raise InvalidRequest("the prompt is empty after tokenization", "prompt")
+    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in ids):
+        raise InvalidRequest(
+            f"prompt token ids must be integers in [0, {vocab_size}) (the vocabulary)", "prompt"
+        )
+
+
+def _check_sampling(params: SamplingParams) -> None:
+    spec = params.sampling
+    if not _is_number(spec.temperature) or not 0 <= spec.temperature <= MAX_TEMPERATURE:
+        raise InvalidRequest(
+            f"temperature must be between 0 and {MAX_TEMPERATURE}, got {spec.temperature!r}",
+            "temperature",
+        )
+    if not _is_number(spec.top_p) or not 0 < spec.top_p <= 1:
+        raise InvalidRequest(f"top_p must be in (0, 1], got {spec.top_p!r}", "top_p")
+    if not _is_int(spec.top_k) or spec.top_k < 0:
+        raise InvalidRequest(f"top_k must be an integer >= 0, got {spec.top_k!r}", "top_k")
+    if spec.seed is not None and (not _is_int(spec.seed) or not 0 <= spec.seed <= MAX_SEED):
+        raise InvalidRequest(f"seed must be an integer in [0, {MAX_SEED}]", "seed")
+    max_tokens = params.max_tokens
+    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
+        raise InvalidRequest(f"max_tokens must be at least 1, got {max_tokens!r}", "max_tokens")
+    _check_stop(params.stop)
+
+
+def _check_stop(stop: list[str]) -> None:
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise InvalidRequest("stop must be a list of non-empty strings", "stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"stop accepts at most {MAX_STOP_STRINGS} strings", "stop")
+
+
+def _check_routing(tenant: str, priority: int) -> None:
+    if not isinstance(tenant, str) or not 0 < len(tenant) <= MAX_TENANT_CHARS:
+        raise InvalidRequest(
+            f"the tenant name must have 1 to {MAX_TENANT_CHARS} characters", "user"
+        )
+    if not _is_int(priority) or not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+        raise InvalidRequest(
+            f"priority must be an integer between {-MAX_PRIORITY} and {MAX_PRIORITY}", "priority"
+        )
+
+
+def _check_length(prompt_tokens: int, max_tokens: int, limits: Limits) -> None:
+    total = prompt_tokens + max_tokens
+    if total > limits.max_model_len:
+        raise InvalidRequest(
+            f"This model's maximum context length is {limits.max_model_len} tokens. However, "
+            f"you requested {total} tokens ({prompt_tokens} in the prompt, {max_tokens} in the "
+            "completion). Please reduce the length of the prompt or completion.",
+            "max_tokens",
+            "context_length_exceeded",
+        )
+    if total > limits.kv_capacity_tokens:
+        raise InvalidRequest(
+            f"prompt + max_tokens = {total} tokens exceeds the KV cache capacity of "
+            f"{limits.kv_capacity_tokens} tokens for one request",
+            "max_tokens",
+            "kv_capacity_exceeded",
+        )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
