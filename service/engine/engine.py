@@ -308,7 +308,7 @@ class Engine:
         for outcome in sched.update(out, result):
             self._emit(outcome, now)
         if self.config.debug_invariants:
-            sched.blocks.check_invariants()
+            sched.check_invariants()
         schedule_ms = (planned - started + time.perf_counter() - stepped) * 1000
         self._report_iteration(sched, out, result, schedule_ms)
         return True

@@ -154,6 +154,13 @@ class Scheduler:
         blocks = self.blocks
         return (blocks.num_blocks - blocks.watermark_blocks) * blocks.block_size
 
+    def check_invariants(self) -> None:
+        """Block accounting is exact and every block belongs to a sequence it knows."""
+        self.blocks.check_invariants()
+        held = {seq_id for seq_id in self._by_seq if self.blocks.num_held(seq_id)}
+        assert held >= {r.seq_id for r in self.running if r.num_computed_tokens}, "lost blocks"
+        assert self.blocks.num_used == sum(self.blocks.num_held(s) for s in self._by_seq)
+
     def replace_blocks(self, blocks: BlockManager) -> None:
         """A restarted worker's fresh cache; only while nothing runs."""
         assert not self.running, "blocks replaced under running sequences"
