@@ -95,12 +95,27 @@ def test_the_edges_of_every_range_are_accepted(kw):
     check(**kw)
 
 
+@pytest.mark.parametrize(
+    ("kw", "words"),
+    [
+        ({"prompt": ()}, "the prompt is empty"),
+        ({"p": params(stop=[""])}, "stop must be a list of non-empty strings"),
+        ({"tenant": ""}, f"tenant name must have 1 to {MAX_TENANT_CHARS} characters"),
+        ({"priority": 10**7}, f"between {-MAX_PRIORITY} and {MAX_PRIORITY}"),
+        ({"p": params(seed=-1)}, f"[0, {MAX_SEED}]"),
+        ({"p": params(top_p=2.0)}, "(0, 1], got 2.0"),
+    ],
+)
+def test_messages_say_what_is_allowed(kw, words):
+    assert words in str(refusal(**kw))
+
+
 def test_the_context_window_is_checked_before_the_kv_capacity():
     roomy = Limits(vocab_size=100, max_model_len=64, kv_capacity_tokens=1000)
     validate([1] * 60, params(max_tokens=4), roomy, "t", 0)  # exactly the window
     with pytest.raises(InvalidRequest, match="maximum context length is 64 tokens") as info:
         validate([1] * 60, params(max_tokens=5), LIMITS, "t", 0)
-    assert "65 tokens (60 in the prompt, 5 in the completion)" in str(info.value)
+    assert "65 tokens (60 in the prompt, 5 in the completion). Please reduce" in str(info.value)
 
 
 def test_a_missing_max_tokens_becomes_the_rest_of_the_context_window():

@@ -109,6 +109,32 @@ def test_priority_orders_by_aged_priority_and_preempts_lower():
     assert d.preempt == []  # never for an equal base priority
 
 
+def priority_step(budget: int, running, waiting, *, max_seqs: int = 64):
+    policy = make_policy("priority", {"aging_rate": 0, "token_budget": budget, "chunk_size": 40})
+    return policy.decide(view(running, waiting, free=0, max_seqs=max_seqs))
+
+
+HIGH_DECODER = seq(1, 20, generated=3, priority=9)  # holds 2 blocks, needs no new one
+LOW_DECODERS = [seq(2, 20, generated=3), seq(3, 20, generated=3)]
+URGENT = seq(9, 40, priority=9)  # waiting, needs 3 blocks for a 40-token chunk
+
+
+def test_priority_preempts_only_what_the_urgent_chunk_needs_within_the_budget():
+    d = priority_step(40, [HIGH_DECODER, *LOW_DECODERS], [URGENT])
+    assert d.preempt == [3, 2]  # latest-arriving of the lowest first, until 3 blocks are free
+    assert d.schedule == [(1, 1), (9, 39)]  # the kept decode and what is left of the budget
+    d = priority_step(3, [HIGH_DECODER, *LOW_DECODERS], [URGENT])
+    assert d.preempt == [3]  # a 1-token chunk needs one block
+    assert d.schedule == [(1, 1), (2, 1), (9, 1)]
+
+
+def test_priority_preempts_nobody_for_a_request_left_out_by_the_sequence_cap():
+    blocks_free_for_it = view([HIGH_DECODER, *LOW_DECODERS], [URGENT], free=3, max_seqs=3)
+    policy = make_policy("priority", {"aging_rate": 0, "token_budget": 512})
+    d = policy.decide(blocks_free_for_it)
+    assert d.preempt == [] and len(d.schedule) <= 3 and 9 not in dict(d.schedule)
+
+
 def test_fair_serves_the_tenant_with_fewer_tokens():
     policy = make_policy("fair", {"token_budget": 64, "chunk_size": 64})
     a = [seq(i, 200, tenant="a") for i in range(3)]

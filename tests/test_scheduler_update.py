@@ -1,0 +1,148 @@
+"""The second half of an iteration, `Scheduler.update()`: a step's result applied.
+
+What it owns: progress committed, the sampled token appended, EOS and max_tokens finishing
+a sequence (its blocks freed at once), a worker's error failing the whole step, the
+measured step handed to the next view. Driven without trio or a worker.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gpu_worker.protocol import StepResult
+from policies.base import Decision
+from service.engine.block_manager import BlockManager
+from service.engine.request import SamplingParams, SamplingSpec
+from service.engine.scheduler import ScheduleOutput, Scheduler
+from tests.sim_worker import EOS
+from tests.test_scheduler_properties import Scripted, make_request
+
+
+def scheduler(num_blocks: int = 16, **kw) -> Scheduler:
+    return Scheduler(
+        BlockManager(num_blocks, 4),
+        Scripted(),
+        max_batched_tokens=64,
+        max_num_seqs=8,
+        eos_token_ids=[EOS],
+        **kw,
+    )
+
+
+def planned(sched: Scheduler, decision: Decision) -> ScheduleOutput:
+    sched.policy.next = decision  # type: ignore[attr-defined]
+    return sched.schedule(now=0.0)
+
+
+def result(out: ScheduleOutput, tokens: list[int], **kw) -> StepResult:
+    seq_ids = [item.request.seq_id for item in out.scheduled if item.samples]
+    return StepResult(out.iteration, seq_ids, tokens, **kw)
+
+
+def test_a_worker_error_fails_every_request_of_the_step_and_frees_it():
+    sched = scheduler()
+    a, b = make_request(0, 4), make_request(1, 6)
+    sched.add(a)
+    sched.add(b)
+    out = planned(sched, Decision(schedule=[(0, 4), (1, 3)]))  # b does not sample yet
+    outcomes = sched.update(out, StepResult(out.iteration, error="CUDA error: boom"))
+    assert [(o.request, o.finish, o.error, o.token) for o in outcomes] == [
+        (a, ("error", "worker_error"), "CUDA error: boom", None),
+        (b, ("error", "worker_error"), "CUDA error: boom", None),
+    ]
+    assert not sched.has_work() and sched.blocks.num_free == 16
+    assert a.num_computed_tokens == 0 and a.num_generated == 0
+
+
+def test_tokens_for_other_sequences_are_a_worker_error():
+    sched = scheduler()
+    a = make_request(0, 4)
+    sched.add(a)
+    out = planned(sched, Decision(schedule=[(0, 4)]))
+    (outcome,) = sched.update(out, StepResult(out.iteration, seq_ids=[7], tokens=[3]))
+    assert outcome.finish == ("error", "worker_error")
+    assert "other sequences" in (outcome.error or "")
+    assert a.num_generated == 0 and not sched.has_work()
+
+
+def test_logprobs_reach_only_the_requests_that_asked():
+    sched = scheduler()
+    asks = make_request(0, 4)
+    asks.params = SamplingParams(max_tokens=8, sampling=SamplingSpec(logprobs=True))
+    plain = make_request(1, 4)
+    sched.add(asks)
+    sched.add(plain)
+    out = planned(sched, Decision(schedule=[(0, 4), (1, 4)]))
+    outcomes = sched.update(out, result(out, [5, 6], logprobs=[-0.5, -1.5]))
+    assert [(o.token, o.logprob) for o in outcomes] == [(5, -0.5), (6, None)]
+    out = planned(sched, Decision(schedule=[(0, 1)]))
+    (outcome,) = sched.update(out, result(out, [9]))  # the worker sent none this time
+    assert (outcome.token, outcome.logprob) == (9, None)
+
+
+@pytest.mark.parametrize(
+    ("ignore_eos", "max_tokens", "tokens", "finish"),
+    [
+        (False, 8, [EOS], ("stop", "eos")),
+        (True, 8, [EOS], None),
+        (False, 1, [5], ("length", "max_tokens")),
+        (False, 1, [EOS], ("stop", "eos")),  # both: EOS says why
+        (False, 2, [5], None),
+    ],
+)
+def test_eos_and_length_finish_a_sequence_and_free_its_blocks(
+    ignore_eos, max_tokens, tokens, finish
+):
+    sched = scheduler()
+    r = make_request(0, 4)
+    r.params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
+    sched.add(r)
+    out = planned(sched, Decision(schedule=[(0, 4)]))
+    (outcome,) = sched.update(out, result(out, tokens))
+    assert outcome.token == tokens[0] and r.token_ids[-1] == tokens[0]
+    assert outcome.finish == finish
+    assert r.last_iteration == out.iteration == 1
+    assert sched.has_work() == (finish is None)
+    assert sched.blocks.num_held(0) == (0 if finish else 1)
+
+
+def test_the_measured_step_and_the_iteration_reach_the_next_view_and_stats():
+    sched = scheduler()
+    first = sched.build_view(0.0)
+    assert (first.iteration, first.last_step_ms, first.last_step_tokens) == (0, None, 0)
+    r = make_request(0, 4)
+    sched.add(r)
+    out = planned(sched, Decision(schedule=[(0, 3)]))
+    sched.update(out, result(out, [], step_ms=12.5))
+    view = sched.build_view(1.0)
+    assert (view.iteration, view.last_step_ms, view.last_step_tokens) == (1, 12.5, 3)
+    stats = sched.stats()
+    assert (stats.iteration, stats.running, stats.waiting) == (1, 1, 0)
+    assert (stats.kv_blocks_used, stats.kv_blocks_total) == (1, 16)
+
+
+def test_policies_see_a_bounded_window_of_the_queue_in_arrival_order():
+    sched = scheduler(num_blocks=512)
+    for seq_id in range(300, 0, -1):
+        sched.add(make_request(seq_id, 2))
+    view = sched.build_view(0.0)
+    assert [s.seq_id for s in view.waiting] == list(range(1, 257))  # the default window
+    assert view.num_waiting == 300
+    small = scheduler(waiting_view=3)
+    for seq_id in range(5):
+        small.add(make_request(seq_id, 2))
+    assert [s.seq_id for s in small.build_view(0.0).waiting] == [0, 1, 2]
+
+
+def test_fresh_blocks_after_a_worker_restart_only_when_nothing_runs():
+    sched = scheduler()
+    r = make_request(0, 4)
+    sched.add(r)
+    out = planned(sched, Decision(schedule=[(0, 4)]))
+    sched.update(out, result(out, [5], step_ms=3.0))
+    with pytest.raises(AssertionError, match="running"):
+        sched.replace_blocks(BlockManager(32, 4))
+    sched.remove(r)
+    sched.replace_blocks(BlockManager(32, 4))
+    assert sched.stats().kv_blocks_total == 32
+    assert sched.build_view(0.0).last_step_ms is None  # the old worker's timing is gone
