@@ -4,42 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from policies.base import PolicyError, SeqView, View
+from policies.base import PolicyError
 from policies.registry import POLICIES, describe_policies, make_policy
-
-
-def seq(seq_id, prompt_len, computed=None, generated=0, **kw) -> SeqView:
-    if computed is None:
-        computed = prompt_len + generated - 1 if generated else 0
-    blocks = -(-computed // 16)
-    return SeqView(
-        seq_id=seq_id,
-        tenant=kw.get("tenant", "t"),
-        priority=kw.get("priority", 0),
-        arrival=kw.get("arrival", float(seq_id)),
-        prompt_len=prompt_len,
-        num_generated=generated,
-        num_computed_tokens=computed,
-        num_blocks=blocks,
-    )
-
-
-def view(running=(), waiting=(), *, free=1000, cap=512, max_seqs=64, now=10.0, last=(None, 0)):
-    return View(
-        iteration=1,
-        now=now,
-        running=tuple(running),
-        waiting=tuple(waiting),
-        num_waiting=len(waiting),
-        free_blocks=free,
-        total_blocks=1000,
-        block_size=16,
-        max_batched_tokens=cap,
-        max_seqs=max_seqs,
-        last_step_ms=last[0],
-        last_step_tokens=last[1],
-    )
-
+from tests.policy_views import seq, view
 
 DECODING = [seq(i, 20, generated=3) for i in range(4)]
 

@@ -14,8 +14,8 @@ from policies.base import Decision
 from service.engine.block_manager import BlockManager
 from service.engine.request import SamplingParams, SamplingSpec
 from service.engine.scheduler import ScheduleOutput, Scheduler
+from tests.scheduler_helpers import Scripted, make_request
 from tests.sim_worker import EOS
-from tests.test_scheduler_properties import Scripted, make_request
 
 
 def scheduler(num_blocks: int = 16, **kw) -> Scheduler:

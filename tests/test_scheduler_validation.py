@@ -2,65 +2,10 @@
 
 from __future__ import annotations
 
-import trio
-
-from gpu_worker.protocol import StepResult
-from policies.base import Decision, Policy, View
-from service.engine.block_manager import BlockManager
-from service.engine.detokenizer import Detokenizer
-from service.engine.request import Request, SamplingParams, Status
+from policies.base import Decision
+from service.engine.request import Request, Status
 from service.engine.scheduler import ScheduleOutput, Scheduler
-from tests.sim_worker import EOS, SimTokenizer
-
-
-class Scripted(Policy):
-    """Returns whatever the test sets, however wrong."""
-
-    name = "scripted"
-    summary = "test"
-
-    def __init__(self) -> None:
-        super().__init__(None)
-        self.next = Decision()
-
-    def decide(self, view: View) -> Decision:
-        return self.next
-
-
-def make_request(seq_id: int, prompt_len: int, generated: int = 0) -> Request:
-    send, _ = trio.open_memory_channel(100)
-    prompt = [1] * prompt_len
-    params = SamplingParams(max_tokens=50)
-    return Request(
-        request_id=f"r{seq_id}",
-        seq_id=seq_id,
-        prompt_len=prompt_len,
-        token_ids=prompt + [2] * generated,
-        params=params,
-        tenant="t",
-        priority=0,
-        received=float(seq_id),
-        stream=send,
-        detokenizer=Detokenizer(SimTokenizer(), prompt, []),
-    )
-
-
-def make_scheduler(num_blocks=16, block_size=4, max_tokens=32, max_seqs=4, watermark=0.0):
-    policy = Scripted()
-    sched = Scheduler(
-        BlockManager(num_blocks, block_size, watermark),
-        policy,
-        max_batched_tokens=max_tokens,
-        max_num_seqs=max_seqs,
-        eos_token_ids=[EOS],
-    )
-    return sched, policy
-
-
-def sampled_result(out: ScheduleOutput, token: int = 3) -> StepResult:
-    """What a worker would answer: `token` for every sequence that samples."""
-    seq_ids = [item.request.seq_id for item in out.scheduled if item.samples]
-    return StepResult(out.iteration, seq_ids=seq_ids, tokens=[token] * len(seq_ids))
+from tests.scheduler_helpers import SAMPLED, make_request, make_scheduler, sampled_result
 
 
 def run(sched: Scheduler, decision: Decision) -> ScheduleOutput:
@@ -108,7 +53,7 @@ def test_decoding_sequence_gets_exactly_one_token():
     decode_ready(sched, a)
     out = run(sched, Decision(schedule=[(0, 5)]))
     assert out.plan.num_tokens == [1] and out.plan.start_pos == [4]
-    assert out.plan.input_ids == [3]
+    assert out.plan.input_ids == [SAMPLED]
 
 
 def test_token_budget_and_sequence_cap_hold():
