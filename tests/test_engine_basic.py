@@ -333,3 +333,18 @@ async def test_log_events_carry_the_agreed_fields(autojump_clock):
     assert finished["completion_tokens"] == 4 and finished["finish_reason"] == "length"
     assert finished["ttft_ms"] > 0 and finished["itl_p99_ms"] >= finished["itl_p50_ms"] > 0
     assert events["policy.swap"]["by"] == "test"
+
+
+async def test_a_submitter_cancelled_while_queued_leaves_other_requests_alone(autojump_clock):
+    async with running_engine() as engine:
+        first = await engine.submit([1, 2, 3], greedy(6), request_id="same")
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await engine.submit([1, 2, 3], greedy(6), request_id="same")  # refused anyway
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await engine.submit([4, 5], greedy(6), request_id="gone")  # cancelled in the queue
+        events = await collect(first)
+        await trio.sleep(1)
+        assert engine.state()["waiting"] == engine.state()["running"] == 0
+    assert (events.finish.reason, events.finish.completion_tokens) == ("length", 6)

@@ -153,7 +153,8 @@ class Engine:
             await ticket.done.wait()
         except BaseException:
             ticket.withdrawn = True
-            self.abort(request_id)  # admitted just before the cancellation reached us
+            if ticket.channel is not None:  # admitted just before the cancellation reached us
+                self.abort(request_id)
             raise
         if ticket.error is not None:
             raise ticket.error

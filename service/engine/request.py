@@ -79,7 +79,6 @@ class Request:
     first_scheduled: float | None = None
     first_token: float | None = None
     token_times: list[float] = field(default_factory=list)
-    last_iteration: int = 0  # the iteration that produced its newest token
     finished: float | None = None
     finish_reason: str | None = None
     finish_detail: str | None = None

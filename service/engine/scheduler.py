@@ -257,7 +257,6 @@ class Scheduler:
 
     def _append(self, request: Request, token: int, logprob: float | None) -> Outcome:
         request.token_ids.append(token)
-        request.last_iteration = self.iteration
         outcome = Outcome(request, token=token, logprob=logprob)
         assert request.params.max_tokens is not None  # validation fills it
         if token in self.eos_token_ids and not request.params.ignore_eos:
