@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import fields
 from functools import partial
@@ -78,15 +79,71 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--block-size", type=positive_int, default=defaults.block_size)
     p.add_argument("--max-queue", type=positive_int, default=defaults.max_queue)
+    p.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        default=None,
+        help="cap on prompt + completion tokens (default: the model's context window)",
+    )
     p.add_argument("--max-body-bytes", type=positive_int, default=defaults.max_body_bytes)
+    p.add_argument(
+        "--admin-token-file",
+        type=Path,
+        default=None,
+        help="file holding the bearer token for /admin (default: $CADENCE_ADMIN_TOKEN)",
+    )
     p.add_argument(
         "--admin-token",
         default=None,
-        help="bearer token for /admin (default: $CADENCE_ADMIN_TOKEN)",
+        help="the token itself; visible in `ps`, prefer --admin-token-file",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        type=parse_origins,
+        default=[],
+        help='origins allowed to call /v1 from a browser: JSON list or comma-separated, "*" '
+        "for any (default: none; /admin never)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=positive_float,
+        default=defaults.shutdown_timeout,
+        help="seconds to let requests finish after SIGTERM before connections are closed",
+    )
+    p.add_argument(
+        "--step-timeout",
+        type=positive_float,
+        default=defaults.step_timeout,
+        help="seconds a worker step (or an idle ping) may take before the worker is restarted",
+    )
+    p.add_argument(
+        "--max-worker-restarts",
+        type=positive_int,
+        default=defaults.max_worker_restarts,
+        help="failed worker starts in a row before the server fails its queue and exits 1",
     )
     p.add_argument("--log-file", type=Path, default=None, help="JSON lines (default: stderr)")
     p.add_argument(
         "--log-level", default=defaults.log_level, choices=["debug", "info", "warning", "error"]
+    )
+    p.add_argument(
+        "--log-iterations",
+        type=non_negative_int,
+        default=defaults.log_iterations,
+        metavar="N",
+        help="log every Nth iteration (0: none; request events are always logged)",
+    )
+    p.add_argument(
+        "--log-max-bytes",
+        type=positive_int,
+        default=defaults.log_max_bytes,
+        help="rotate --log-file when it reaches this size",
+    )
+    p.add_argument(
+        "--log-backups",
+        type=non_negative_int,
+        default=defaults.log_backups,
+        help="rotated log files kept",
     )
     p.add_argument("--cache-dir", type=Path, default=None)
     p.add_argument("--seed", type=int, default=defaults.seed)
@@ -113,6 +170,24 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def parse_origins(text: str) -> list[str]:
+    """vLLM's form (a JSON list) or a comma-separated list."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = [part.strip() for part in text.split(",") if part.strip()]
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise argparse.ArgumentTypeError(f"expected a list of origins, got {text!r}")
+    return value
+
+
 def positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -122,15 +197,24 @@ def positive_float(text: str) -> float:
 
 def config_from_args(args: argparse.Namespace) -> Config:
     """Flags map onto Config fields by name; the few that do not are translated here."""
-    import os
-
     given = vars(args)
     config = Config(**{f.name: given[f.name] for f in fields(Config) if f.name in given})
     config.cache_dir = args.cache_dir or default_cache_dir()
     config.use_cuda_graphs = not args.no_cuda_graphs
     config.policy_params = dict(args.policy_param)
-    config.admin_token = args.admin_token or os.environ.get("CADENCE_ADMIN_TOKEN") or None
+    config.admin_token = admin_token_of(args)
     return config
+
+
+def admin_token_of(args: argparse.Namespace) -> str | None:
+    """--admin-token-file, else --admin-token, else $CADENCE_ADMIN_TOKEN; blank means none."""
+    if args.admin_token_file is not None:
+        try:
+            token = args.admin_token_file.read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise SystemExit(f"cadence: --admin-token-file: {exc}") from None
+        return token or None
+    return args.admin_token or os.environ.get("CADENCE_ADMIN_TOKEN") or None
 
 
 def run_fetch_model(args: argparse.Namespace) -> int:

@@ -28,20 +28,29 @@ class Config:
     cache_dir: Path = field(default_factory=default_cache_dir)
     use_cuda_graphs: bool = True
     seed: int = 0
+    # supervision of the worker
+    step_timeout: float = 30.0  # a step (or an idle ping) slower than this means a hung worker
+    max_worker_restarts: int = 5  # failed starts in a row before the server gives up (exit 1)
     # scheduling
     policy: str = "stall_free"
     policy_params: dict[str, Any] = field(default_factory=dict)
     max_batched_tokens: int = 512  # hard cap of tokens in one step, whatever the policy says
     max_num_seqs: int = 128
     max_queue: int = 1024  # waiting requests beyond this get "overloaded" (HTTP 429)
+    max_model_len: int | None = None  # None: the model's own context window
     watermark: float = 0.01  # fraction of KV blocks kept free when admitting
     # HTTP
     host: str = "127.0.0.1"
     port: int = 8000
-    admin_token: str | None = None
+    admin_token: str | None = None  # from --admin-token-file or $CADENCE_ADMIN_TOKEN
+    allowed_origins: list[str] = field(default_factory=list)  # CORS; empty: same origin only
     max_body_bytes: int = 4 * 1024 * 1024
+    shutdown_timeout: float = 5.0  # on SIGTERM: drain this long, then close every connection
     served_model_name: str | None = None  # None: derived from the model path
     # logging
     log_file: Path | None = None  # None: JSON lines on stderr
     log_level: str = "info"
+    log_iterations: int = 1  # log every Nth iteration line (0: none); requests always logged
+    log_max_bytes: int = 64 * 1024 * 1024  # rotate --log-file at this size
+    log_backups: int = 3  # rotated files kept (server.jsonl.1 ... .N)
     debug_invariants: bool = False  # check block accounting every iteration
