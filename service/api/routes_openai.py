@@ -47,15 +47,15 @@ async def health() -> Response:
 @blueprint.get("/v1/models")
 async def list_models() -> Response:
     state = app_state()
-    handshake = state.engine.handshake
+    max_model_len = state.engine.max_model_len
     card: dict[str, Any] = {
         "id": state.served_model_name,
         "object": "model",
         "created": 0,
         "owned_by": "cadence",
     }
-    if handshake is not None:
-        card["max_model_len"] = handshake.max_model_len
+    if max_model_len is not None:
+        card["max_model_len"] = max_model_len
     return json_response({"object": "list", "data": [card]}, 200)
 
 

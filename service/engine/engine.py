@@ -105,6 +105,14 @@ class Engine:
         return self._ready
 
     @property
+    def max_model_len(self) -> int | None:
+        """Prompt + completion tokens one request may have: the model's window, or less."""
+        if self.handshake is None:
+            return None
+        window, cap = self.handshake.max_model_len, self.config.max_model_len
+        return window if cap is None else min(cap, window)
+
+    @property
     def scheduler(self) -> Scheduler | None:
         return self._scheduler
 
@@ -204,7 +212,7 @@ class Engine:
             "policy": self.policy_info(),
             "iteration": stats.iteration if stats else 0,
             "worker_ready": self._ready,
-            "max_model_len": self.handshake.max_model_len if self.handshake else None,
+            "max_model_len": self.max_model_len,
         }
 
     def begin_shutdown(self) -> None:
@@ -266,9 +274,10 @@ class Engine:
 
     def _limits(self) -> Limits:
         assert self.handshake is not None and self._scheduler is not None
+        assert self.max_model_len is not None
         return Limits(
             vocab_size=self.handshake.vocab_size,
-            max_model_len=self.handshake.max_model_len,
+            max_model_len=self.max_model_len,
             kv_capacity_tokens=self._scheduler.capacity_tokens,
         )
 
