@@ -57,6 +57,8 @@ class WorkerLoop:
         kind = msg.get("type")
         if kind == "step":
             self.send(to_message("result", self.step(msg)))
+        elif kind == "ping":
+            self.send({"type": "pong"})
         elif kind == "init":
             return self.init(msg)
         elif kind == "shutdown":

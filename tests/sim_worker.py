@@ -24,7 +24,7 @@ from service.engine.assembly import open_engine
 from service.engine.engine import Engine
 from service.engine.request import Event, FinishEvent, TokenEvent
 from service.engine.stats import IterationStats, RequestStats
-from service.engine.worker_link import WorkerDied
+from service.engine.worker_link import WorkerDied, WorkerStartError
 
 EOS = 256
 
@@ -63,16 +63,30 @@ class SimWorker:
     # (seq_id, position of the token to sample) -> sample EOS there
     eos_at: Callable[[int, int], bool] | None = None
     die_at_step: int | None = None  # the n-th step call (1-based) raises WorkerDied
+    hang_at_step: int | None = None  # the n-th step call never returns (a hung worker)
+    failing_starts: int = 0  # this many start() calls after the first fail
+    blocks_after_restart: int | None = None  # a restarted worker's (different) KV size
+    hung: bool = False  # pings and steps never answer, like a SIGSTOPped process
+    kills: int = 0
     plans: list[BatchPlan] = field(default_factory=list)
     step_windows: list[tuple[float, float]] = field(default_factory=list)
     starts: int = 0
     stopped: bool = False
     _kv: dict[int, list[tuple[int, int, int] | None]] = field(default_factory=dict)
     _calls: int = 0
+    _start_calls: int = 0
+    _gone: trio.Event = field(default_factory=trio.Event)
 
     async def start(self) -> Handshake:
         await trio.sleep(0.1)
+        self._start_calls += 1
+        if 1 < self._start_calls <= 1 + self.failing_starts:
+            raise WorkerStartError("simulated: the worker cannot start")
+        if self.starts and self.blocks_after_restart is not None:
+            self.num_blocks = self.blocks_after_restart
         self.starts += 1
+        self.hung = False
+        self._gone = trio.Event()
         self._kv.clear()
         return Handshake(
             model_name="sim",
@@ -95,6 +109,22 @@ class SimWorker:
     async def stop(self) -> None:
         self.stopped = True
 
+    async def ping(self) -> None:
+        if self.hung:
+            await trio.sleep_forever()
+        await trio.sleep(0.001)
+
+    async def wait_closed(self) -> None:
+        await self._gone.wait()
+
+    async def kill(self) -> None:
+        self.kills += 1
+        self._gone.set()
+
+    def exit_while_idle(self) -> None:
+        """As if the process died on its own between steps."""
+        self._gone.set()
+
     def cost_ms(self, plan: BatchPlan) -> float:
         return (
             self.base_ms
@@ -107,6 +137,9 @@ class SimWorker:
         if self.die_at_step is not None and self._calls == self.die_at_step:
             await trio.sleep(0.001)
             raise WorkerDied("simulated crash")
+        if self.hung or self._calls == self.hang_at_step:
+            self.hung = True
+            await trio.sleep_forever()
         self.check_plan(plan)
         cost = self.cost_ms(plan)
         begin = trio.current_time()

@@ -27,12 +27,13 @@ from service.engine.request import FinishEvent, Request, SamplingParams, Status,
 from service.engine.scheduler import Outcome, ScheduleOutput, Scheduler
 from service.engine.stats import IterationStats, Observer, RequestStats
 from service.engine.validation import InvalidRequest, Limits, validate
-from service.engine.worker_link import WorkerDied
+from service.engine.worker_link import WorkerDied, WorkerHung
 
 log = structlog.get_logger()
 
 _RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
 _WORKER_STOP_TIMEOUT_S = 10.0
+_IDLE_PING_S = 1.0  # how often an idle worker must prove it still answers
 
 
 class Worker(Protocol):
@@ -40,6 +41,9 @@ class Worker(Protocol):
 
     async def start(self) -> Handshake: ...
     async def step(self, plan: BatchPlan) -> StepResult: ...
+    async def ping(self) -> None: ...
+    async def wait_closed(self) -> None: ...  # returns when the worker is gone (between steps)
+    async def kill(self) -> None: ...
     async def stop(self) -> None: ...
 
 
@@ -56,6 +60,11 @@ class Overloaded(Exception):
 
 class EngineUnavailable(Exception):
     """The worker is not ready, restarting, or the engine is shutting down (HTTP 503)."""
+
+
+class EngineFailed(RuntimeError):
+    """The worker could not be restarted `max_worker_restarts` times in a row: the engine
+    stops (a server exits 1, so that its supervisor can start it afresh)."""
 
 
 @dataclass(slots=True)
@@ -296,10 +305,44 @@ class Engine:
         sched = self._scheduler
         assert sched is not None
         while True:
-            if not sched.has_work() or not await self._iterate(sched):
-                # nothing to do, or nothing could be scheduled: wait for a request or an abort
-                self._wakeup = trio.Event()
-                await self._wakeup.wait()
+            try:
+                if not sched.has_work() or not await self._iterate(sched):
+                    # nothing to do, or nothing could be scheduled: wait for a request or an abort
+                    await self._wait_for_work()
+            except WorkerDied as exc:
+                await self._recover(exc)
+
+    async def _wait_for_work(self) -> None:
+        """Sleep until woken (a request, an abort); meanwhile the idle worker is watched, so
+        one that dies or hangs while nothing runs is replaced at once, not at the next request."""
+        self._wakeup = trio.Event()
+        failure: list[WorkerDied] = []
+
+        async def watch(cancel_scope: trio.CancelScope) -> None:
+            try:
+                await self._watch_idle_worker()
+            except WorkerDied as exc:
+                failure.append(exc)
+            cancel_scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch, nursery.cancel_scope)
+            await self._wakeup.wait()
+            nursery.cancel_scope.cancel()
+        if failure:
+            raise failure[0]
+
+    async def _watch_idle_worker(self) -> None:
+        while True:
+            with trio.move_on_after(_IDLE_PING_S):
+                await self._worker.wait_closed()
+                raise WorkerDied("the worker process exited while idle")
+            with trio.move_on_after(self.config.step_timeout):
+                await self._worker.ping()
+                continue
+            raise WorkerHung(
+                f"the idle worker did not answer a ping in {self.config.step_timeout} s"
+            )
 
     async def _iterate(self, sched: Scheduler) -> bool:
         started = time.perf_counter()
@@ -308,11 +351,11 @@ class Engine:
         if out.plan is None:
             return False
         planned = time.perf_counter()
-        try:
+        result = None
+        with trio.move_on_after(self.config.step_timeout):
             result = await self._worker.step(out.plan)
-        except WorkerDied as exc:
-            await self._recover(exc)
-            return True
+        if result is None:
+            raise WorkerHung(f"a step took longer than {self.config.step_timeout} s")
         stepped = time.perf_counter()
         now = trio.current_time()
         for outcome in sched.update(out, result):
@@ -397,6 +440,7 @@ class Engine:
             )
         else:
             self._scheduler.replace_blocks(blocks)
+            self._fail_what_no_longer_fits()
         self._ready = True
         log.info(
             "worker.started",
@@ -405,24 +449,52 @@ class Engine:
             load_seconds=handshake.load_seconds,
         )
 
+    def _fail_what_no_longer_fits(self) -> None:
+        """A restarted worker may have a smaller KV cache (free device memory changed):
+        a waiting request admitted under the old size that cannot fit now would wait forever."""
+        assert self._scheduler is not None and self.max_model_len is not None
+        capacity = min(self._scheduler.capacity_tokens, self.max_model_len)
+        for request in list(self._scheduler.waiting):
+            needed = request.prompt_len + (request.params.max_tokens or 0)
+            if needed > capacity:
+                message = (
+                    f"the restarted worker holds at most {capacity} tokens for one request; "
+                    f"this one needs {needed}"
+                )
+                self._finish(request, "error", "kv_capacity_exceeded", error=message)
+
     async def _recover(self, exc: WorkerDied) -> None:
-        """Fail what was running, keep what was waiting, restart the worker."""
+        """Fail what was running, keep what was waiting, restart the worker; after
+        `max_worker_restarts` failed starts in a row fail the waiting too and raise EngineFailed."""
         self._ready = False
         sched = self._scheduler
         assert sched is not None
-        log.info("worker.died", error=str(exc), running=len(sched.running))
+        hung = isinstance(exc, WorkerHung)
+        log.error(
+            "worker.hung" if hung else "worker.died", error=str(exc), running=len(sched.running)
+        )
+        with trio.CancelScope(shield=True):
+            await self._worker.kill()  # a hung or half-dead process must not linger
+        detail, error = (
+            ("worker_hung", "the worker stopped answering")
+            if hung
+            else ("worker_died", "the worker process died")
+        )
         for request in list(sched.running):
-            self._finish(request, "error", "worker_died", error="the worker process died")
-        attempt = 0
-        while True:
+            self._finish(request, "error", detail, error=error)
+        for attempt in range(self.config.max_worker_restarts):
+            if attempt:
+                await trio.sleep(_RESTART_BACKOFF_S[min(attempt, len(_RESTART_BACKOFF_S)) - 1])
             try:
                 await self._start_worker()
                 return
-            except Exception as start_error:  # keep trying; waiting requests stay queued
-                delay = _RESTART_BACKOFF_S[min(attempt, len(_RESTART_BACKOFF_S) - 1)]
-                log.info("worker.restart_failed", error=str(start_error), retry_in_s=delay)
-                attempt += 1
-                await trio.sleep(delay)
+            except Exception as start_error:  # waiting requests stay queued while we retry
+                log.error("worker.restart_failed", attempt=attempt + 1, error=str(start_error))
+        for request in list(sched.waiting):
+            self._finish(
+                request, "error", "worker_unavailable", error="the model worker cannot be restarted"
+            )
+        raise EngineFailed(f"the worker failed to start {self.config.max_worker_restarts} times")
 
     # ---- reporting --------------------------------------------------------------------
 
@@ -458,7 +530,9 @@ class Engine:
             schedule_ms=schedule_ms,
             preempted=len(out.preempted),
         )
-        log.info("iteration", **dataclasses.asdict(record))
+        every = self.config.log_iterations
+        if every and out.iteration % every == 0:
+            log.info("iteration", **dataclasses.asdict(record))
         for observer in self._observers:
             observer.on_iteration(record)
 

@@ -33,10 +33,15 @@ from service.config import Config
 
 _PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 _RECEIVE_BYTES = 1 << 16
+ADMIN_TOKEN_VARIABLE = "CADENCE_ADMIN_TOKEN"
 
 
 class WorkerDied(Exception):
     """The worker process ended (or its channel closed) while the service needed it."""
+
+
+class WorkerHung(WorkerDied):
+    """The worker did not answer a step or a ping in time; it is killed and replaced."""
 
 
 class WorkerStartError(RuntimeError):
@@ -75,6 +80,7 @@ class WorkerLink:
         self._stream: trio.SocketStream | None = None
         self._decoder = FrameDecoder()
         self._inbox: deque[dict[str, Any]] = deque()
+        self._pongs_owed = 0  # pings whose answer has not arrived (a ping may be cancelled)
 
     @property
     def pid(self) -> int | None:
@@ -102,6 +108,7 @@ class WorkerLink:
         self._stream = trio.SocketStream(trio.socket.from_stdlib_socket(parent))
         self._decoder = FrameDecoder()
         self._inbox.clear()
+        self._pongs_owed = 0
         try:
             await self._send(to_message("init", self.worker_config))
             reply = await self._receive()
@@ -119,7 +126,7 @@ class WorkerLink:
 
     async def step(self, plan: BatchPlan) -> StepResult:
         await self._send(to_message("step", plan))
-        reply = await self._receive()
+        reply = await self._receive_answer()
         kind = reply.get("type")
         if kind == "fatal":
             raise WorkerDied(f"the worker reported a fatal error: {reply.get('message')}")
@@ -130,6 +137,32 @@ class WorkerLink:
             raise WorkerDied(f"result for step {result.step_id}, expected {plan.step_id}")
         return result
 
+    async def ping(self) -> None:
+        """One round trip; proves the worker still answers between steps."""
+        await self._send({"type": "ping"})
+        self._pongs_owed += 1  # after the send: a send cancelled at its start sent nothing
+        while self._pongs_owed:
+            reply = await self._receive()
+            if reply.get("type") != "pong":
+                raise WorkerDied(f"unexpected message from the idle worker: {reply!r:.200}")
+            self._pongs_owed -= 1
+
+    async def wait_closed(self) -> None:
+        """Return as soon as the worker closes its channel (it exited); only call it between
+        steps. Cancelling it loses nothing: trio's receive_some is cancel-safe."""
+        stream = self._stream
+        if stream is None:
+            return
+        while True:
+            try:
+                data = await stream.receive_some(_RECEIVE_BYTES)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+            if not data:
+                return
+            with contextlib.suppress(ValueError):  # a garbled frame shows at the next step
+                self._inbox.extend(self._decoder.feed(data))
+
     async def stop(self) -> None:
         """Ask the worker to exit; kill it if it has not after the timeout; reap it."""
         if self._process is None:
@@ -138,10 +171,17 @@ class WorkerLink:
             await self._send({"type": "shutdown"})
         await self._discard_process()
 
+    async def kill(self) -> None:
+        """End a hung or broken worker at once (SIGKILL) and reap it."""
+        if self._process is not None and self._process.returncode is None:
+            self._process.kill()
+        await self._discard_process()
+
     # ---- internals --------------------------------------------------------------------
 
     def _child_env(self) -> dict[str, str]:
         env = dict(os.environ if self._env is None else self._env)
+        env.pop(ADMIN_TOKEN_VARIABLE, None)  # the worker has no use for the admin secret
         # the worker imports gpu_worker from this checkout even when it is not installed
         path = env.get("PYTHONPATH")
         env["PYTHONPATH"] = _PROJECT_ROOT + (os.pathsep + path if path else "")
@@ -154,6 +194,15 @@ class WorkerLink:
             await self._stream.send_all(encode_frame(msg))
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise WorkerDied(f"the worker channel is closed: {exc}") from exc
+
+    async def _receive_answer(self) -> dict[str, Any]:
+        """The next message that is not the late answer of a cancelled ping."""
+        while True:
+            reply = await self._receive()
+            if reply.get("type") == "pong" and self._pongs_owed:
+                self._pongs_owed -= 1
+                continue
+            return reply
 
     async def _receive(self) -> dict[str, Any]:
         stream = self._stream

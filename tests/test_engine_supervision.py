@@ -1,0 +1,140 @@
+"""The engine watches its worker: death or a hang while idle or mid-step is noticed and the
+worker replaced; restarts are bounded; a smaller KV cache after a restart fails only what no
+longer fits; iteration log lines can be sampled. (The same on real processes:
+test_server_supervision.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import trio
+from structlog.testing import capture_logs
+
+from service.engine.engine import EngineFailed
+from service.engine.request import SamplingParams, SamplingSpec
+from tests.sim_worker import SimWorker, collect, expected_tokens, running_engine, sim_config
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, sampling=SamplingSpec(temperature=0.0))
+
+
+async def wait_until(condition, timeout: float = 60.0) -> float:
+    """Virtual seconds until `condition()` holds."""
+    started = trio.current_time()
+    with trio.fail_after(timeout):
+        while not condition():
+            await trio.sleep(0.01)
+    return trio.current_time() - started
+
+
+async def test_a_worker_that_exits_while_idle_is_replaced_at_once(autojump_clock):
+    worker = SimWorker()
+    async with running_engine(worker=worker) as engine:
+        await wait_until(lambda: engine.ready)
+        worker.exit_while_idle()
+        noticed = await wait_until(lambda: not engine.ready)
+        assert noticed < 0.05  # the channel closing is seen at once, not at the next ping
+        await wait_until(lambda: engine.ready)
+        assert worker.starts == 2 and worker.kills == 1
+        channel = await engine.submit([1, 2], greedy(3), request_id="after")
+        assert (await collect(channel)).token_ids == expected_tokens([1, 2], 3)
+
+
+async def test_a_worker_that_hangs_while_idle_is_killed_and_replaced(autojump_clock):
+    worker = SimWorker()
+    config = sim_config(step_timeout=5.0)
+    async with running_engine(config, worker) as engine:
+        await wait_until(lambda: engine.ready)
+        worker.hung = True
+        noticed = await wait_until(lambda: not engine.ready)
+        # a ping goes out within a second of idling and gets step_timeout to answer
+        assert 5.0 <= noticed <= 6.5
+        await wait_until(lambda: engine.ready)
+        assert worker.kills == 1 and worker.starts == 2
+
+
+async def test_a_step_that_never_returns_fails_the_running_and_restarts(autojump_clock):
+    worker = SimWorker(hang_at_step=3)
+    config = sim_config(step_timeout=4.0, max_num_seqs=1)
+    async with running_engine(config, worker) as engine:
+        stuck = await engine.submit([1, 2, 3], greedy(20), request_id="stuck")
+        queued = await engine.submit([4, 5], greedy(4), request_id="queued")
+        with trio.fail_after(60):  # virtual seconds: a hang fails instead of stalling
+            failed = await collect(stuck)
+            served = await collect(queued)
+    assert (failed.finish.reason, failed.finish.detail) == ("error", "worker_hung")
+    assert failed.finish.error == "the worker stopped answering"
+    assert served.token_ids == expected_tokens([4, 5], 4)
+    assert worker.kills == 1 and worker.starts == 2
+
+
+async def test_restarts_are_bounded_then_the_waiting_fail_and_the_engine_stops(autojump_clock):
+    worker = SimWorker(die_at_step=2, failing_starts=100)
+    config = sim_config(max_num_seqs=1, max_worker_restarts=3)
+    outcomes = {}
+    with pytest.raises(BaseExceptionGroup) as failure:
+        async with running_engine(config, worker) as engine:
+            running = await engine.submit([1, 2], greedy(10), request_id="running")
+            waiting = await engine.submit([3, 4], greedy(10), request_id="waiting")
+            with trio.fail_after(600):
+                outcomes["running"] = await collect(running)
+                outcomes["waiting"] = await collect(waiting)
+                await trio.sleep_forever()  # the engine's failure ends this block
+    assert failure.group_contains(EngineFailed)
+    assert outcomes["running"].finish.detail == "worker_died"
+    assert (outcomes["waiting"].finish.reason, outcomes["waiting"].finish.detail) == (
+        "error",
+        "worker_unavailable",
+    )
+    assert worker._start_calls == 1 + 3
+
+
+async def test_a_restart_within_the_bound_keeps_the_waiting(autojump_clock):
+    worker = SimWorker(die_at_step=2, failing_starts=2)
+    config = sim_config(max_num_seqs=1, max_worker_restarts=3)
+    async with running_engine(config, worker) as engine:
+        await engine.submit([1, 2], greedy(10), request_id="running")
+        waiting = await engine.submit([3, 4], greedy(5), request_id="waiting")
+        served = await collect(waiting)
+    assert served.token_ids == expected_tokens([3, 4], 5)
+    assert worker.starts == 2
+
+
+async def test_a_smaller_cache_after_a_restart_fails_only_what_no_longer_fits(autojump_clock):
+    # 64 blocks of 16 tokens before the crash, 8 blocks after: 128 tokens minus the watermark
+    worker = SimWorker(num_blocks=64, die_at_step=2, blocks_after_restart=8)
+    config = sim_config(max_num_seqs=1)
+    async with running_engine(config, worker) as engine:
+        await engine.submit([1, 2], greedy(10), request_id="running")
+        too_big = await engine.submit([5] * 100, greedy(400), request_id="too_big")
+        fits = await engine.submit([6] * 10, greedy(20), request_id="fits")
+        with trio.fail_after(60):
+            refused = await collect(too_big)
+            served = await collect(fits)
+        assert engine.scheduler.capacity_tokens < 500
+    assert (refused.finish.reason, refused.finish.detail) == ("error", "kv_capacity_exceeded")
+    assert "500" in refused.finish.error
+    assert served.token_ids == expected_tokens([6] * 10, 20)
+
+
+@pytest.mark.parametrize(("every", "logged"), [(1, 12), (4, 3), (0, 0)])
+async def test_iteration_lines_are_sampled(autojump_clock, every: int, logged: int):
+    observed = []
+
+    class Count:
+        def on_iteration(self, stats) -> None:
+            observed.append(stats.iteration)
+
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: None
+
+    with capture_logs() as logs:
+        async with running_engine(sim_config(log_iterations=every)) as engine:
+            engine.add_observer(Count())
+            channel = await engine.submit([1, 2, 3], greedy(12), request_id="r")
+            await collect(channel)
+    lines = [event["iteration"] for event in logs if event["event"] == "iteration"]
+    assert len(observed) == 12  # observers (metrics) always see every iteration
+    assert lines == [i for i in observed if every and i % every == 0]
+    assert len(lines) == logged
+    assert [e["event"] for e in logs].count("request.finished") == 1
