@@ -3,7 +3,7 @@
 Run as `python tests/fake_worker_child.py --fd N`. FAKE_WORKER_MODE picks a behaviour:
 "ok" (answer steps: token = 1000 + step_id), "fatal" (fail init), "exit_at_init" (exit
 without a word), "die_on_step_2" (exit abruptly on the second step), "ignore_shutdown"
-(never exits on its own; the link must kill it).
+(never exits on its own; the link must kill it), "slow_pong" (answers pings after 0.5 s).
 """
 
 from __future__ import annotations
@@ -76,6 +76,12 @@ def main() -> int:
                     "error": None,
                 }
                 sock.sendall(encode_frame(result))
+            elif kind == "ping":
+                if mode == "slow_pong":
+                    time.sleep(0.5)
+                sock.sendall(encode_frame({"type": "pong"}))
+            elif kind == "env":  # test-only: what the worker's environment holds
+                sock.sendall(encode_frame({"type": "env", "env": dict(os.environ)}))
             elif kind == "shutdown":
                 if mode == "ignore_shutdown":
                     time.sleep(3600)

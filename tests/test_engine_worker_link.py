@@ -94,3 +94,47 @@ async def test_missing_executable_is_a_start_error():
     worker = WorkerLink(WorkerConfig(model_dir="/none"), command=["/nonexistent/python"])
     with pytest.raises(WorkerStartError):
         await worker.start()
+
+
+async def test_ping_round_trips_and_a_cancelled_ping_does_not_confuse_the_next_step():
+    worker = link("slow_pong")
+    await worker.start()
+    await worker.ping()
+    with trio.move_on_after(0.1):  # cancelled while its pong is still on the way
+        await worker.ping()
+    result = await worker.step(plan(1))  # the late pong is skipped, the result is the step's
+    assert result.step_id == 1
+    await worker.ping()
+    await worker.stop()
+
+
+async def test_wait_closed_returns_when_the_idle_worker_exits():
+    worker = link("ok")
+    handshake = await worker.start()
+    with trio.move_on_after(0.3) as idle:
+        await worker.wait_closed()
+    assert idle.cancelled_caught  # alive: it keeps waiting
+    os.kill(handshake.pid, 9)
+    with trio.fail_after(10):
+        await worker.wait_closed()
+    await worker.kill()
+    assert not alive(handshake.pid)
+
+
+async def test_kill_ends_a_stopped_worker_at_once():
+    worker = link("ok", stop_timeout=30)
+    handshake = await worker.start()
+    os.kill(handshake.pid, 19)  # SIGSTOP: it can answer nothing, not even a shutdown
+    with trio.fail_after(5):
+        await worker.kill()
+    assert not alive(handshake.pid)
+
+
+async def test_the_worker_does_not_inherit_the_admin_token():
+    env = dict(os.environ, FAKE_WORKER_MODE="ok", CADENCE_ADMIN_TOKEN="secret")
+    worker = WorkerLink(WorkerConfig(model_dir="/none"), command=[sys.executable, CHILD], env=env)
+    await worker.start()
+    await worker._send({"type": "env"})
+    child_env = (await worker._receive())["env"]
+    await worker.stop()
+    assert "CADENCE_ADMIN_TOKEN" not in child_env and child_env["FAKE_WORKER_MODE"] == "ok"
