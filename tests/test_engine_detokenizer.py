@@ -7,10 +7,15 @@ several characters, so stop strings start and end inside tokens.
 
 from __future__ import annotations
 
+import sys
+from types import FrameType
+
 import pytest
 
 from service.config import default_cache_dir
+from service.engine import detokenizer as detokenizer_module
 from service.engine.detokenizer import Detokenizer
+from service.engine.validation import MAX_STOP_CHARS
 from service.model_files.resolve import resolve_model
 from service.tokenizer import Tokenizer
 from tests.sim_worker import SimTokenizer
@@ -122,3 +127,51 @@ def test_multibyte_characters_split_across_real_tokens_are_held_whole(real_token
     assert not stopped and "".join(pieces) == text
     assert all("\ufffd" not in piece for piece in pieces)
     assert " 🎉" in pieces  # released whole, by the third of its three tokens
+
+
+# ---- the cost of stop strings ---------------------------------------------------------------
+
+
+class LinesRun:
+    """Counts the Python lines run in one module's code. The stop-string matcher's loops are
+    Python, so this counts its comparisons; its C-level string operations only touch the new
+    text and the held-back window (at most MAX_STOP_CHARS - 1 characters)."""
+
+    def __init__(self, module_file: str) -> None:
+        self.count = 0
+        self._file = module_file
+
+    def __enter__(self) -> LinesRun:
+        self._previous = sys.gettrace()
+        sys.settrace(self._enter_frame)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.settrace(self._previous)
+
+    def _enter_frame(self, frame: FrameType, event: str, arg: object):
+        return self._count_line if frame.f_code.co_filename == self._file else None
+
+    def _count_line(self, frame: FrameType, event: str, arg: object):
+        self.count += event == "line"
+        return self._count_line
+
+
+def test_the_work_per_token_does_not_grow_with_the_output():
+    # The 16 longest stop strings allowed, each starting with a phrase the output keeps
+    # repeating (so every token advances their matching) and then going elsewhere.
+    phrase = "Tell me more about the quick brown fox and the dog"  # 50 characters
+    stops = [(phrase[i : i + 10 + i] + "~" * MAX_STOP_CHARS)[:MAX_STOP_CHARS] for i in range(16)]
+    detok = Detokenizer(TOK, TOK.encode("Say it:"), stops)
+    ids = TOK.encode(phrase * 100)
+    lines_per_window = []
+    held_back = False
+    for start in range(0, 5000, 100):  # windows of 100 tokens: two repetitions of the phrase
+        with LinesRun(detokenizer_module.__file__) as lines:
+            deltas = [detok.add_token(i) for i in ids[start : start + 100]]
+        lines_per_window.append(lines.count)
+        held_back |= any(d.text == "" for d in deltas)
+        assert not any(d.stopped for d in deltas)
+    assert held_back  # the stop strings were live: text that began one was held
+    near_start, at_the_end = lines_per_window[1], lines_per_window[-1]
+    assert at_the_end <= near_start

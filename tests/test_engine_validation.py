@@ -15,6 +15,7 @@ from service.engine.request import SamplingParams
 from service.engine.validation import (
     MAX_PRIORITY,
     MAX_SEED,
+    MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_TENANT_CHARS,
     InvalidRequest,
@@ -64,6 +65,7 @@ def refusal(**kw) -> InvalidRequest:
         ({"p": params(stop=[""])}, "stop", None),
         ({"p": params(stop=[1])}, "stop", None),
         ({"p": params(stop=["a"] * (MAX_STOP_STRINGS + 1))}, "stop", None),
+        ({"p": params(stop=["a", "b" * (MAX_STOP_CHARS + 1)])}, "stop", None),
         ({"tenant": ""}, "user", None),
         ({"tenant": "t" * (MAX_TENANT_CHARS + 1)}, "user", None),
         ({"priority": MAX_PRIORITY + 1}, "priority", None),
@@ -85,6 +87,7 @@ def test_each_rule_names_its_field(kw, param, code):
         {"p": params(temperature=0.0, top_p=1.0, top_k=0, seed=0)},
         {"p": params(temperature=2.0, top_p=1e-9, top_k=10**9, seed=MAX_SEED)},
         {"p": params(temperature=1, stop=["a"] * MAX_STOP_STRINGS)},  # an int temperature
+        {"p": params(stop=["€" * MAX_STOP_CHARS] * MAX_STOP_STRINGS)},  # characters, not bytes
         {"prompt": [99, 0]},  # the vocabulary's ends
         {"tenant": "t" * MAX_TENANT_CHARS, "priority": MAX_PRIORITY},
         {"priority": -MAX_PRIORITY},
@@ -100,6 +103,7 @@ def test_the_edges_of_every_range_are_accepted(kw):
     [
         ({"prompt": ()}, "the prompt is empty"),
         ({"p": params(stop=[""])}, "stop must be a list of non-empty strings"),
+        ({"p": params(stop=["s" * 300])}, f"at most {MAX_STOP_CHARS} characters"),
         ({"tenant": ""}, f"tenant name must have 1 to {MAX_TENANT_CHARS} characters"),
         ({"priority": 10**7}, f"between {-MAX_PRIORITY} and {MAX_PRIORITY}"),
         ({"p": params(seed=-1)}, f"[0, {MAX_SEED}]"),

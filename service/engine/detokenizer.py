@@ -8,11 +8,15 @@ byte-level BPE) produce the right characters. Text ending in U+FFFD is an incomp
 character: it is held back until the following token completes it.
 
 Stop strings: text that could still turn out to be the start of a stop string is held back;
-once a stop string appears, it and everything after it are cut.
+once a stop string appears, it and everything after it are cut. The matcher sees each new
+piece of text once and remembers, per stop string, only how much of it the text ends with,
+so the work per token does not grow with the output (stop strings are at most
+validation.MAX_STOP_CHARS long).
 """
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -37,29 +41,27 @@ class Detokenizer:
         self._ids = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        self._stops = [s for s in stop if s]
-        self._longest_stop = max((len(s) for s in self._stops), default=0)
-        self._text = ""  # decoded output so far
-        self._emitted = 0  # how much of _text has been sent
+        self._matcher = StopMatcher([s for s in stop if s])
+        self._held = ""  # decoded, not sent: it may be the start of a stop string
+        self._sent = io.StringIO()  # appends in place, where `str +=` would copy the output
 
     @property
     def text(self) -> str:
-        return self._text[: self._emitted]
+        return self._sent.getvalue()
 
     def add_token(self, token_id: int) -> Delta:
         self._ids.append(token_id)
-        self._text += self._decode_new()
-        return self._release()
+        return self._release(self._decode_new())
 
     def flush(self) -> str:
         """At the end of a sequence: everything held back (not cut by a stop) goes out."""
         ids = self._ids[self._prefix_offset :]
         prefix = self._tokenizer.decode(ids[: self._read_offset - self._prefix_offset])
         rest = self._tokenizer.decode(ids)[len(prefix) :]
-        self._text += rest.rstrip(_INCOMPLETE)
         self._read_offset = len(self._ids)
-        out = self._text[self._emitted :]
-        self._emitted = len(self._text)
+        out = self._held + rest.rstrip(_INCOMPLETE)
+        self._held = ""
+        self._sent.write(out)
         return out
 
     def _decode_new(self) -> str:
@@ -73,29 +75,75 @@ class Detokenizer:
         self._read_offset = len(self._ids)
         return full_text[len(prefix_text) :]
 
-    def _release(self) -> Delta:
-        text = self._text
-        if not self._stops:
-            out = text[self._emitted :]
-            self._emitted = len(text)
-            return Delta(out, False)
-        # a stop string may straddle the previous release point
-        search_from = max(0, self._emitted - self._longest_stop + 1)
-        cut = min((i for s in self._stops if (i := text.find(s, search_from)) >= 0), default=-1)
-        if cut >= 0:
-            out = text[self._emitted : cut]
-            self._text = text[:cut]
-            self._emitted = cut
-            return Delta(out, True)
-        safe = len(text) - self._held_back(text)
-        out = text[self._emitted : safe] if safe > self._emitted else ""
-        self._emitted = max(self._emitted, safe)
-        return Delta(out, False)
+    def _release(self, new: str) -> Delta:
+        pending = self._held + new
+        stop_starts_back = self._matcher.feed(new)
+        if stop_starts_back is not None:
+            self._held = ""
+            return self._send(pending[: len(pending) - stop_starts_back], stopped=True)
+        safe = len(pending) - self._matcher.held
+        self._held = pending[safe:]
+        return self._send(pending[:safe], stopped=False)
 
-    def _held_back(self, text: str) -> int:
-        """Length of the longest suffix of `text` that begins some stop string."""
-        for n in range(min(self._longest_stop - 1, len(text)), 0, -1):
-            suffix = text[-n:]
-            if any(s.startswith(suffix) for s in self._stops):
-                return n
-        return 0
+    def _send(self, text: str, stopped: bool) -> Delta:
+        self._sent.write(text)
+        return Delta(text, stopped)
+
+
+class StopMatcher:
+    """Finds the earliest stop string in text fed piece by piece (Knuth-Morris-Pratt, one
+    automaton per stop string). Of the text it keeps, per stop string, only how many
+    characters of that stop the text ends with, so a piece costs O(len(piece) + longest
+    stop) comparisons per stop string, however long the text before it."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self._stops = stops
+        self._fallbacks = [_fallback_table(s) for s in stops]
+        self._matched = [0] * len(stops)
+
+    @property
+    def held(self) -> int:
+        """Length of the longest end of the text that begins a stop string (and is not one)."""
+        return max(self._matched, default=0)
+
+    def feed(self, piece: str) -> int | None:
+        """Add `piece` to the text; if stop strings now appear, how many characters before
+        the end of the text the earliest of them starts, else None."""
+        earliest = None
+        for i, stop in enumerate(self._stops):
+            matched = self._matched[i]
+            if not matched and stop[0] not in piece:
+                continue  # the common case, checked at C speed
+            matched, end = _advance(stop, self._fallbacks[i], matched, piece)
+            self._matched[i] = matched
+            if end >= 0:  # the farthest back from the end is the earliest in the text
+                starts_back = len(piece) - end + len(stop)
+                earliest = max(starts_back, earliest or 0)
+        return earliest
+
+
+def _fallback_table(stop: str) -> list[int]:
+    """table[n - 1] is the longest proper prefix of stop[:n] that is also a suffix of it:
+    where a partial match of n characters resumes when the next character does not fit."""
+    table = [0] * len(stop)
+    k = 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = table[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        table[i] = k
+    return table
+
+
+def _advance(stop: str, table: list[int], matched: int, piece: str) -> tuple[int, int]:
+    """Run one stop string's automaton over `piece`: the characters of `stop` matched at the
+    end, and where in `piece` its first complete match ends (-1 if none)."""
+    for end, char in enumerate(piece, 1):
+        while matched and stop[matched] != char:
+            matched = table[matched - 1]
+        if stop[matched] == char:
+            matched += 1
+            if matched == len(stop):
+                return matched, end
+    return matched, -1

@@ -14,6 +14,10 @@ from dataclasses import dataclass
 from service.engine.request import SamplingParams
 
 MAX_STOP_STRINGS = 16
+# Real stop strings are short (a role marker, a closing tag, a fence); 256 characters leaves
+# them ample room while bounding what a stream may hold back (up to 255 characters that could
+# begin a stop) and the matcher's per-request tables (16 x 256 entries).
+MAX_STOP_CHARS = 256
 MAX_TENANT_CHARS = 128
 MAX_PRIORITY = 1_000_000
 MAX_SEED = 2**63 - 1
@@ -82,6 +86,10 @@ def _check_stop(stop: list[str]) -> None:
         raise InvalidRequest("stop must be a list of non-empty strings", "stop")
     if len(stop) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"stop accepts at most {MAX_STOP_STRINGS} strings", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise InvalidRequest(
+            f"each stop string may have at most {MAX_STOP_CHARS} characters", "stop"
+        )
 
 
 def _check_routing(tenant: str, priority: int) -> None:
