@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import socket
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +24,7 @@ from service.logging import configure_logging
 from service.model_files.resolve import print_progress, resolve_model, served_model_name
 from service.tokenizer import Tokenizer
 
-DRAIN_SECONDS = 5.0
+CLOSE_GRACE_SECONDS = 2.0  # after the drain: for the last events to reach the clients
 log = structlog.get_logger("cadence.server")
 
 
@@ -52,14 +56,17 @@ class Server:
 
     async def _serve_http(self, app: QuartTrio, engine: Engine) -> None:
         async with trio.open_nursery() as nursery:
-            binds = await nursery.start(
-                lambda task_status: serve(
+
+            async def serve_until_shut_down(task_status: trio.TaskStatus[list[str]]) -> None:
+                await serve(
                     app,
                     self.hypercorn_config(),
-                    shutdown_trigger=lambda: _drain_on_signal(engine),
+                    shutdown_trigger=lambda: self._shut_down_on_signal(engine, nursery),
                     task_status=task_status,
                 )
-            )
+                nursery.cancel_scope.cancel()  # ends the connection cutter, if it still waits
+
+            binds = await nursery.start(serve_until_shut_down)
             url = binds[0] if binds else f"http://{self.config.host}:{self.config.port}"
             print(f"cadence listening on {url}", flush=True)
             log.info("server.listening", url=url)
@@ -71,26 +78,73 @@ class Server:
         hc.accesslog = None  # the engine logs every request as JSON already
         hc.errorlog = "-"
         hc.loglevel = "WARNING"
-        hc.graceful_timeout = DRAIN_SECONDS
+        hc.graceful_timeout = CLOSE_GRACE_SECONDS
         return hc
 
+    async def _shut_down_on_signal(self, engine: Engine, nursery: trio.Nursery) -> None:
+        """Hypercorn's shutdown trigger: returns once in-flight requests are drained."""
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                log.info("server.signal", signal=signal.Signals(signum).name)
+                break
+        timeout = self.config.shutdown_timeout
+        log.info("server.shutdown", drain_seconds=timeout)
+        # Stop admitting, let running requests finish, abort the rest with "shutdown" so
+        # their streams end with a reason before the connections close.
+        engine.begin_shutdown()
+        await engine.drain(timeout)
+        nursery.start_soon(_cut_connections_after, CLOSE_GRACE_SECONDS + 0.5)
 
-async def _drain_on_signal(engine: Engine) -> None:
-    """Hypercorn's shutdown trigger: returns once in-flight requests are drained."""
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for signum in signals:
-            log.info("server.signal", signal=signal.Signals(signum).name)
-            break
-    log.info("server.shutdown", drain_seconds=DRAIN_SECONDS)
-    # Stop admitting, let running requests finish, abort the rest with "shutdown" so
-    # their streams end with a reason before the connections close.
-    engine.begin_shutdown()
-    await engine.drain(DRAIN_SECONDS)
+
+async def _cut_connections_after(seconds: float) -> None:
+    """Hypercorn writes to a client inside a shielded cancel scope, so a client that never
+    reads would keep the server alive for ever after its graceful timeout. Shutting those
+    sockets down makes the blocked write fail, and the server can end."""
+    await trio.sleep(seconds)
+    cut = 0
+    for fd in _client_connection_fds():
+        with contextlib.suppress(OSError):
+            sock = socket.socket(fileno=os.dup(fd))
+            with sock:
+                sock.shutdown(socket.SHUT_RDWR)
+            cut += 1
+    log.warning("server.connections_cut", count=cut)
+
+
+def _client_connection_fds() -> list[int]:
+    """This process's connected TCP sockets (the clients'; the worker's channel is a Unix
+    socket and the listener has no peer)."""
+    fds = []
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            probe = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        with probe:
+            if probe.family in (socket.AF_INET, socket.AF_INET6) and _has_peer(probe):
+                fds.append(fd)
+    return fds
+
+
+def _has_peer(sock: socket.socket) -> bool:
+    try:
+        sock.getpeername()
+    except OSError:
+        return False
+    return True
 
 
 def build_server(config: Config) -> Server:
     """Everything up to serving; raises ModelFileError for a model that cannot be served."""
-    configure_logging(config.log_file, config.log_level)
+    configure_logging(
+        config.log_file,
+        config.log_level,
+        max_bytes=config.log_max_bytes,
+        backups=config.log_backups,
+    )
     model_dir = resolve_model(config.model, config.cache_dir, progress=print_progress)
     name = config.served_model_name or served_model_name(config.model)
     return Server(config, model_dir, Tokenizer.from_dir(model_dir), name)

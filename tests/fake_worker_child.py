@@ -47,7 +47,7 @@ def main() -> int:
     mode = os.environ.get("FAKE_WORKER_MODE", "ok")
     sock = socket.socket(fileno=fd)
     decoder = FrameDecoder()
-    steps = 0
+    steps = warm_ups = 0
     while True:
         data = sock.recv(1 << 16)
         if not data:
@@ -62,7 +62,8 @@ def main() -> int:
                     return 1
                 sock.sendall(encode_frame(handshake()))
             elif kind == "step":
-                steps += 1
+                warm_ups += msg["step_id"] < 0  # the link's warm-up steps have negative ids
+                steps += msg["step_id"] >= 0
                 if mode == "die_on_step_2" and steps == 2:
                     os._exit(9)
                 sampled = [s for s, flag in zip(msg["seq_ids"], msg["sample"], strict=True) if flag]
@@ -82,6 +83,8 @@ def main() -> int:
                 sock.sendall(encode_frame({"type": "pong"}))
             elif kind == "env":  # test-only: what the worker's environment holds
                 sock.sendall(encode_frame({"type": "env", "env": dict(os.environ)}))
+            elif kind == "warm_ups":  # test-only: warm-up steps seen before the first real one
+                sock.sendall(encode_frame({"type": "warm_ups", "count": warm_ups}))
             elif kind == "shutdown":
                 if mode == "ignore_shutdown":
                     time.sleep(3600)

@@ -95,6 +95,7 @@ def start_server(
     admin_token: str | None = ADMIN_TOKEN,
     wait: bool = True,
     dtype: str = "float32",
+    keep_admin_env: bool = False,
 ) -> RunningServer:
     """Start `python -m service.cli serve --port 0 ...`; with `wait`, until /health is 200."""
     log_file = log_dir / "server.jsonl"
@@ -119,9 +120,11 @@ def start_server(
         str(cache_dir()),
         *extra_args,
     ]
-    if admin_token is not None:
-        command += ["--admin-token", admin_token]
-    env = {k: v for k, v in os.environ.items() if k != "CADENCE_ADMIN_TOKEN"}
+    if admin_token is not None:  # from a file, as operators should: a flag shows in `ps`
+        token_file = log_dir / "admin-token"
+        token_file.write_text(admin_token + "\n")
+        command += ["--admin-token-file", str(token_file)]
+    env = {k: v for k, v in os.environ.items() if keep_admin_env or k != "CADENCE_ADMIN_TOKEN"}
     stderr = open(log_dir / "server.stderr", "wb")  # noqa: SIM115 - lives as long as the server
     process = subprocess.Popen(
         command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=stderr, env=env

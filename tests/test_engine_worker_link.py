@@ -138,3 +138,11 @@ async def test_the_worker_does_not_inherit_the_admin_token():
     child_env = (await worker._receive())["env"]
     await worker.stop()
     assert "CADENCE_ADMIN_TOKEN" not in child_env and child_env["FAKE_WORKER_MODE"] == "ok"
+
+
+async def test_start_warms_the_worker_up_with_a_prefill_and_a_decode_step():
+    worker = link("ok")
+    await worker.start()
+    await worker._send({"type": "warm_ups"})
+    assert (await worker._receive())["count"] == 2
+    await worker.stop()

@@ -23,6 +23,7 @@ from gpu_worker.protocol import (
     BatchPlan,
     FrameDecoder,
     Handshake,
+    SamplingSpec,
     StepResult,
     WorkerConfig,
     encode_frame,
@@ -122,7 +123,38 @@ class WorkerLink:
         if reply.get("type") != "ready":
             await self._discard_process()
             raise WorkerStartError(f"unexpected first message from the worker: {reply!r:.200}")
-        return record_from_message(Handshake, reply)
+        handshake = record_from_message(Handshake, reply)
+        await self._warm_up(handshake)
+        return handshake
+
+    async def _warm_up(self, handshake: Handshake) -> None:
+        """A prefill and a decode step through a scratch block before anyone waits on the
+        worker: first calls pay one-off costs (kernel loading, allocator growth) that would
+        otherwise land on the first request's TTFT, and could trip the step watchdog."""
+        length = max(1, min(8, handshake.block_size - 1, handshake.max_model_len - 1))
+        token = min(1, handshake.vocab_size - 1)
+        chunks = [(-1, length, 0)]  # (step id, tokens, first position)
+        if length < handshake.block_size:
+            chunks.append((-2, 1, length))
+        for step_id, count, start in chunks:
+            plan = BatchPlan(
+                step_id=step_id,
+                seq_ids=[0],
+                num_tokens=[count],
+                start_pos=[start],
+                input_ids=[token] * count,
+                block_tables=[[0]],  # nothing owns a block yet: the engine allocates later
+                sample=[True],
+                sampling=[SamplingSpec()],
+            )
+            try:
+                result = await self.step(plan)
+            except WorkerDied as exc:
+                await self._discard_process()
+                raise WorkerStartError(f"the worker failed its warm-up step: {exc}") from exc
+            if result.error is not None:
+                await self._discard_process()
+                raise WorkerStartError(f"the worker failed its warm-up step: {result.error}")
 
     async def step(self, plan: BatchPlan) -> StepResult:
         await self._send(to_message("step", plan))
