@@ -65,6 +65,7 @@ class SimWorker:
     die_at_step: int | None = None  # the n-th step call (1-based) raises WorkerDied
     hang_at_step: int | None = None  # the n-th step call never returns (a hung worker)
     failing_starts: int = 0  # this many start() calls after the first fail
+    hang_at_start: int | None = None  # the n-th start() call never returns
     blocks_after_restart: int | None = None  # a restarted worker's (different) KV size
     hung: bool = False  # pings and steps never answer, like a SIGSTOPped process
     kills: int = 0
@@ -82,6 +83,8 @@ class SimWorker:
         self._start_calls += 1
         if 1 < self._start_calls <= 1 + self.failing_starts:
             raise WorkerStartError("simulated: the worker cannot start")
+        if self._start_calls == self.hang_at_start:
+            await trio.sleep_forever()
         if self.starts and self.blocks_after_restart is not None:
             self.num_blocks = self.blocks_after_restart
         self.starts += 1

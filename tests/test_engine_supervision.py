@@ -138,3 +138,15 @@ async def test_iteration_lines_are_sampled(autojump_clock, every: int, logged: i
     assert lines == [i for i in observed if every and i % every == 0]
     assert len(lines) == logged
     assert [e["event"] for e in logs].count("request.finished") == 1
+
+
+async def test_a_restart_that_hangs_is_abandoned_and_counts_as_a_failed_start(autojump_clock):
+    worker = SimWorker(die_at_step=2, hang_at_start=2)
+    config = sim_config(max_num_seqs=1, max_worker_restarts=3)
+    async with running_engine(config, worker) as engine:
+        await engine.submit([1, 2], greedy(10), request_id="running")
+        waiting = await engine.submit([3, 4], greedy(5), request_id="waiting")
+        with trio.fail_after(3600):
+            served = await collect(waiting)
+    assert served.token_ids == expected_tokens([3, 4], 5)
+    assert worker._start_calls == 3 and worker.kills == 2  # the dead one, the hung start

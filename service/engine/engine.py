@@ -27,12 +27,13 @@ from service.engine.request import FinishEvent, Request, SamplingParams, Status,
 from service.engine.scheduler import Outcome, ScheduleOutput, Scheduler
 from service.engine.stats import IterationStats, Observer, RequestStats
 from service.engine.validation import InvalidRequest, Limits, validate
-from service.engine.worker_link import WorkerDied, WorkerHung
+from service.engine.worker_link import WorkerDied, WorkerHung, WorkerStartError
 
 log = structlog.get_logger()
 
 _RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
 _WORKER_STOP_TIMEOUT_S = 10.0
+_WORKER_START_TIMEOUT_S = 900.0  # loading, converting, building kernels: slow, not endless
 _IDLE_PING_S = 1.0  # how often an idle worker must prove it still answers
 
 
@@ -427,7 +428,11 @@ class Engine:
     # ---- worker supervision -----------------------------------------------------------
 
     async def _start_worker(self) -> None:
-        handshake = await self._worker.start()
+        with trio.move_on_after(_WORKER_START_TIMEOUT_S) as start:
+            handshake = await self._worker.start()
+        if start.cancelled_caught:
+            await self._worker.kill()
+            raise WorkerStartError(f"the worker did not start within {_WORKER_START_TIMEOUT_S} s")
         self.handshake = handshake
         blocks = BlockManager(handshake.num_blocks, handshake.block_size, self.config.watermark)
         if self._scheduler is None:
