@@ -177,7 +177,8 @@ def _nucleus_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         cumulative = top.cumsum(dim=-1)
         wanted = top_p[pending]
         # A token belongs to the nucleus when the mass before it is below p.
-        kept = ((cumulative - top) < wanted[:, None]).sum(dim=-1)
+        # At least the top token: a p too small for float32 (5e-324) would keep none.
+        kept = ((cumulative - top) < wanted[:, None]).sum(dim=-1).clamp(min=1)
         found = (cumulative[:, -1] >= wanted) | (k >= vocab)
         floor[pending[found]] = top.gather(1, (kept - 1)[:, None])[found, 0]
         pending = pending[~found]

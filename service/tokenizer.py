@@ -32,6 +32,7 @@ class Tokenizer:
         self._eos_token = eos_token
         self._eos_token_ids = eos_token_ids
         self._template = _compile_template(chat_template) if chat_template else None
+        self._max_token_chars = _longest_token_chars(backend)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -58,7 +59,10 @@ class Tokenizer:
         )
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works and encode does not: a long prompt
+        # tokenized in a worker thread must leave the event loop running.
+        batch = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        return batch[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -83,6 +87,12 @@ class Tokenizer:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
     @property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for: a text longer than n times this
+        cannot encode to n tokens or fewer, which rejects a huge prompt without encoding it."""
+        return self._max_token_chars
+
+    @property
     def eos_token_ids(self) -> list[int]:
         return list(self._eos_token_ids)
 
@@ -93,6 +103,16 @@ class Tokenizer:
     @property
     def bos_token_id(self) -> int | None:
         return None if self._bos_token is None else self._backend.token_to_id(self._bos_token)
+
+
+def _longest_token_chars(backend: RustTokenizer) -> int:
+    ids = range(backend.get_vocab_size(with_added_tokens=True))
+    decoded = backend.decode_batch([[i] for i in ids], skip_special_tokens=False)
+    # A byte-level token holding part of a UTF-8 character decodes to one replacement
+    # character but can add up to its byte count to a text: its raw form has one
+    # character per byte, so the larger of the two lengths is a safe bound.
+    raw = (backend.id_to_token(i) or "" for i in ids)
+    return max(1, *map(len, decoded), *map(len, raw))
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -268,7 +268,8 @@ async def test_the_right_token_reads_state_and_swaps_the_policy(client):
     ],
 )
 async def test_a_bad_policy_body_gets_400_naming_the_field(client, body: bytes, param: str | None):
-    response = await client.put("/admin/policy", data=body, headers=bearer(TOKEN))
+    headers = {**bearer(TOKEN), "Content-Type": "application/json"}
+    response = await client.put("/admin/policy", data=body, headers=headers)
     assert response.status_code == 400
     error = (await response.get_json())["error"]
     assert error["param"] == param

@@ -79,6 +79,15 @@ CASES = [
 ]
 
 
+def body_of(body: object) -> dict:
+    """httpx arguments sending `body`: raw bytes still declared JSON, to reach the parser."""
+    if body is None:
+        return {}
+    if isinstance(body, bytes):
+        return {"content": body, "headers": {"Content-Type": "application/json"}}
+    return {"json": body}
+
+
 @pytest.mark.parametrize(
     ("name", "method", "path", "body", "status", "code"), CASES, ids=[c[0] for c in CASES]
 )
@@ -91,10 +100,7 @@ def test_bad_input_gets_its_status_in_openai_shape(
     status: int,
     code: str | None,
 ) -> None:
-    kwargs: dict = {"content": body} if isinstance(body, bytes) else {"json": body}
-    if body is None:
-        kwargs = {}
-    response = httpx.request(method, f"{cadence_server.url}{path}", timeout=60, **kwargs)
+    response = httpx.request(method, f"{cadence_server.url}{path}", timeout=60, **body_of(body))
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -105,13 +111,7 @@ def test_bad_input_gets_its_status_in_openai_shape(
 
 def test_server_is_healthy_and_serving_after_bad_input(cadence_server: RunningServer) -> None:
     for _, method, path, body, _, _ in CASES:
-        kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
-        httpx.request(
-            method,
-            f"{cadence_server.url}{path}",
-            timeout=60,
-            **(kwargs if body is not None else {}),
-        )
+        httpx.request(method, f"{cadence_server.url}{path}", timeout=60, **body_of(body))
     assert httpx.get(f"{cadence_server.url}/health").status_code == 200
     ok = httpx.post(
         f"{cadence_server.url}{COMPLETIONS}",

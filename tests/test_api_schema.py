@@ -6,10 +6,22 @@ the HTTP tests (tests/test_api_errors.py) see as the same 400s.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
+from service.api.app import create_app
 from service.api.errors import APIError
-from service.api.openai_schema import parse_chat_request, parse_completion_request
+from service.api.openai_schema import (
+    GenerationRequest,
+    PromptBound,
+    parse_chat_request,
+    parse_completion_request,
+)
+from service.api.openapi import openapi_document
+from service.config import Config
+from service.engine.engine import Engine
+from tests.sim_worker import SimTokenizer, SimWorker
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
@@ -160,3 +172,60 @@ def test_neutral_values_of_unsupported_fields_are_accepted() -> None:
         None,
     )
     assert req.params.sampling.top_k == 0
+
+
+BOUND = PromptBound(max_tokens=8, max_token_chars=4)  # texts of more than 32 characters
+
+
+@pytest.mark.parametrize(
+    ("parse", "body", "param"),
+    [
+        (parse_completion_request, {"prompt": "x" * 33}, "prompt"),
+        (parse_completion_request, {"prompt": ["x" * 33]}, "prompt"),
+        # the length is checked before the ids themselves (-1 would be another 400)
+        (parse_completion_request, {"prompt": [-1] * 9}, "prompt"),
+        (parse_completion_request, {"prompt": [[1] * 9]}, "prompt"),
+        (parse_chat_request, {"messages": [{"role": "user", "content": "x" * 33}]}, "messages"),
+        (
+            parse_chat_request,
+            {
+                "messages": [
+                    {"role": "system", "content": "x" * 20},
+                    {"role": "user", "content": [{"type": "text", "text": "x" * 13}]},
+                ]
+            },
+            "messages",
+        ),
+    ],
+)
+def test_a_prompt_that_cannot_fit_is_rejected_before_tokenizing(
+    parse: Callable[..., GenerationRequest], body: dict, param: str
+) -> None:
+    with pytest.raises(APIError) as info:
+        parse(body, None, BOUND)
+    assert (info.value.status, info.value.param) == (400, param)
+    assert info.value.code == "context_length_exceeded"
+
+
+def test_a_prompt_at_the_bound_is_parsed() -> None:
+    assert parse_completion_request({"prompt": "x" * 32}, None, BOUND).prompt == "x" * 32
+    assert parse_completion_request({"prompt": [1] * 8}, None, BOUND).prompt == [1] * 8
+    chat = {"messages": [{"role": "user", "content": "x" * 32}]}
+    assert parse_chat_request(chat, None, BOUND).messages is not None
+
+
+def test_the_openapi_document_describes_every_route() -> None:
+    config = Config()
+    engine = Engine(config, SimWorker(), SimTokenizer())
+    app = create_app(config, engine, SimTokenizer(), "sim")  # type: ignore[arg-type]
+    served = {
+        (rule.rule, method)
+        for rule in app.url_map.iter_rules()
+        if rule.endpoint != "static"
+        for method in rule.methods - {"HEAD", "OPTIONS"}
+    }
+    paths = openapi_document(64, "sim")["paths"]
+    described = {
+        (path, method.upper()) for path, operations in paths.items() for method in operations
+    }
+    assert described == served

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -69,6 +70,46 @@ def test_model_facts(model_dir: Path) -> None:
     assert tok.eos_token_ids == [2, 0]
     assert tok.bos_token_id == 1
     assert tok.vocab_size == len(tiny_vocab()[0])
+
+
+def test_no_text_holds_more_characters_than_its_tokens_times_max_token_chars(
+    model_dir: Path,
+) -> None:
+    tok = Tokenizer.from_dir(model_dir)
+    longest = max(len(tok.decode([i], skip_special_tokens=False)) for i in range(tok.vocab_size))
+    assert tok.max_token_chars >= longest > 1
+    for text in ["the world", "naïve café 日本語 🤖", "<|im_start|>x", "  \n\t ", "0123456789"]:
+        assert len(text) <= len(tok.encode(text)) * tok.max_token_chars
+
+
+def test_encode_lets_other_threads_run(model_dir: Path) -> None:
+    """The server tokenizes in a worker thread; that only keeps its event loop running if the
+    tokenizer releases the GIL (`tokenizers`' encode does not, encode_batch does)."""
+    tok = Tokenizer.from_dir(model_dir)
+    text = "the world is in order, naïve café 日本語 " * 20_000
+    gaps: list[float] = []
+    done = threading.Event()
+
+    def tick() -> None:
+        last = time.perf_counter()
+        while not done.is_set():
+            time.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    start = time.perf_counter()
+    tok.encode(text)
+    took = time.perf_counter() - start
+    done.set()
+    ticker.join()
+    print(
+        f"encode took {1e3 * took:.0f} ms; the other thread's longest wait {1e3 * max(gaps):.0f} ms"
+    )
+    assert took > 0.1  # long enough for a held GIL to show
+    assert max(gaps) < took / 2
 
 
 def test_chat_template_renders_messages(model_dir: Path) -> None:

@@ -65,6 +65,15 @@ def test_top_p_restricts_the_support_to_the_nucleus():
     assert len(set(tokens)) > 1 or len(nucleus) == 1
 
 
+@pytest.mark.parametrize("top_p", [5e-324, 1e-45, 1e-300])
+def test_a_top_p_below_float32_keeps_the_most_probable_token(top_p: float):
+    logits = random_logits(3, seed=2)
+    out = Sampler(0, torch.device("cpu")).sample(
+        logits, [SamplingSpec(temperature=1.0, top_p=top_p)] * 3, [0, 1, 2]
+    )
+    assert out.tokens == logits.argmax(dim=-1).tolist()
+
+
 def test_unrestricted_sampling_follows_the_distribution():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.2] + [1e-9] * (VOCAB - 3)))
     tokens = draw(logits, SamplingSpec(temperature=1.0), times=4000)

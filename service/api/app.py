@@ -1,4 +1,5 @@
-"""The Quart-Trio app: routes, error shapes, CORS and the body limit."""
+"""The Quart-Trio app: routes, error shapes, CORS, JSON-only bodies, read to their end, and the
+body limit."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from service.api import routes_admin, routes_openai
+from service.api import openapi, routes_admin, routes_openai
 from service.api.app_state import EXTENSION_KEY, AppState
+from service.api.body import drain_unread_body
+from service.api.cors import CorsPolicy
 from service.api.errors import APIError, error_body, error_response, json_response
 from service.api.metrics import Metrics
 from service.config import Config
@@ -16,16 +19,8 @@ from service.engine.engine import Engine
 from service.tokenizer import Tokenizer
 
 log = structlog.get_logger("cadence.app")
-CORS_HEADERS = {
-    "Access-Control-Allow-Origin": "*",
-    "Access-Control-Expose-Headers": "Retry-After, X-Request-Id",
-}
-PREFLIGHT_HEADERS = {
-    **CORS_HEADERS,
-    "Access-Control-Allow-Methods": "GET, POST, PUT, OPTIONS",
-    "Access-Control-Allow-Headers": "Authorization, Content-Type, X-Tenant",
-    "Access-Control-Max-Age": "600",
-}
+JSON_MIMETYPE = "application/json"
+METHODS_WITH_BODY = ("POST", "PUT")
 
 
 def create_app(
@@ -42,8 +37,11 @@ def create_app(
     app.extensions[EXTENSION_KEY] = AppState(config, engine, tokenizer, served_model_name, metrics)
     app.register_blueprint(routes_openai.blueprint)
     app.register_blueprint(routes_admin.blueprint)
+    app.register_blueprint(openapi.blueprint)
     _install_page(app)
-    _install_cors(app)
+    _install_cors(app, CorsPolicy(frozenset(config.allowed_origins)))
+    _install_json_only(app)
+    _install_body_drain(app)
     _install_error_handlers(app)
     return app
 
@@ -55,17 +53,45 @@ def _install_page(app: QuartTrio) -> None:
         return await app.send_static_file("index.html")
 
 
-def _install_cors(app: QuartTrio) -> None:
+def _install_cors(app: QuartTrio, policy: CorsPolicy) -> None:
     @app.before_request
     async def answer_preflight() -> Response | None:
-        if request.method == "OPTIONS":
-            return Response(b"", 204, PREFLIGHT_HEADERS)
-        return None
+        origin = request.headers.get("Origin")
+        method = request.headers.get("Access-Control-Request-Method")
+        if request.method != "OPTIONS" or origin is None or method is None:
+            return None
+        return policy.preflight(
+            origin, request.path, method, request.headers.get("Access-Control-Request-Headers")
+        )
 
     @app.after_request
-    async def allow_any_origin(response: Response) -> Response:
-        for name, value in CORS_HEADERS.items():
-            response.headers.setdefault(name, value)
+    async def allow_configured_origins(response: Response) -> Response:
+        origin = request.headers.get("Origin")
+        response.headers.update(policy.response_headers(origin, request.path))
+        return response
+
+
+def _install_json_only(app: QuartTrio) -> None:
+    @app.before_request
+    async def require_json_body() -> None:
+        # A browser sends text/plain, form and untyped bodies to any origin without a
+        # preflight; demanding JSON keeps pages the CORS policy does not allow from driving us.
+        if request.method not in METHODS_WITH_BODY or request.url_rule is None:
+            return
+        if request.mimetype != JSON_MIMETYPE:
+            raise APIError(
+                415,
+                f"the request body must be JSON: send 'Content-Type: {JSON_MIMETYPE}'",
+                code="unsupported_media_type",
+            )
+
+
+def _install_body_drain(app: QuartTrio) -> None:
+    @app.after_request
+    async def drain_body_before_answering(response: Response) -> Response:
+        if not await drain_unread_body():
+            # Too large to read: the rest of it must not reach the next request.
+            response.headers["Connection"] = "close"
         return response
 
 
@@ -81,9 +107,7 @@ def _install_error_handlers(app: QuartTrio) -> None:
         message = error.description or error.name
         if status == 413:
             message = f"the request body is larger than {app.config['MAX_CONTENT_LENGTH']} bytes"
-        # An unread body stays on the connection; closing it keeps the next request sane.
-        headers = {"Connection": "close"} if status == 413 else None
-        return json_response(error_body(message, status, code=code), status, headers)
+        return json_response(error_body(message, status, code=code), status)
 
     @app.errorhandler(Exception)
     async def unexpected_error(error: Exception) -> Response:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import trio
 from quart import current_app
 
 if TYPE_CHECKING:
@@ -14,6 +15,7 @@ if TYPE_CHECKING:
     from service.tokenizer import Tokenizer
 
 EXTENSION_KEY = "cadence"
+TOKENIZER_THREADS = 2  # prompts tokenized at once, off the event loop
 
 
 @dataclass(slots=True)
@@ -24,6 +26,9 @@ class AppState:
     served_model_name: str
     metrics: Metrics
     heartbeat_seconds: float = 1.0
+    tokenizer_threads: trio.CapacityLimiter = field(
+        default_factory=lambda: trio.CapacityLimiter(TOKENIZER_THREADS)
+    )
 
 
 def app_state() -> AppState:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 from service.engine.stats import IterationStats, RequestStats
+from service.logging import log_lines_dropped
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # 1 ms .. 2 min: ITL lives at the low end, TTFT of a long prompt under load at the high end.
@@ -92,6 +96,25 @@ def _metric(
     return cls(full_name, doc, labels, registry=registry)
 
 
+class _CountersReadAtScrape(Collector):
+    """Counters kept elsewhere (the engine, the log sink), read when /metrics is scraped."""
+
+    def __init__(self) -> None:
+        self.values = {"worker_restarts": 0.0, "log_lines_dropped": 0.0}
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(
+            "cadence:worker_restarts",
+            "Workers started again after one died or hung.",
+            value=self.values["worker_restarts"],
+        )
+        yield CounterMetricFamily(
+            "cadence:log_lines_dropped",
+            "Log lines dropped because the log's reader fell behind.",
+            value=self.values["log_lines_dropped"],
+        )
+
+
 class Metrics:
     """One registry per app (never the process-global one), updated by the engine's events."""
 
@@ -100,6 +123,8 @@ class Metrics:
         for attribute, kind, name, doc in _DEFINITIONS:
             labels = _LABELS.get(attribute, ())
             setattr(self, attribute, _metric(kind, name, doc, labels, self.registry))
+        self._read_at_scrape = _CountersReadAtScrape()
+        self.registry.register(self._read_at_scrape)
 
     # --- service.engine.stats.Observer -------------------------------------------------------
     def on_request_received(self, request_id: str, tenant: str, prompt_tokens: int) -> None:
@@ -148,4 +173,6 @@ class Metrics:
         name = policy.get("name") if isinstance(policy, dict) else policy
         if name:
             self.policy.labels(policy=name).set(1)
+        self._read_at_scrape.values["worker_restarts"] = engine_state.get("worker_restarts", 0)
+        self._read_at_scrape.values["log_lines_dropped"] = log_lines_dropped()
         return generate_latest(self.registry)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpu_worker.protocol import SamplingSpec
-from service.api.errors import bad_request
+from service.api.errors import APIError, bad_request
 from service.engine.request import SamplingParams
 
 MAX_LOGPROBS = 5  # completions' `logprobs` (how many alternatives OpenAI would list)
@@ -22,7 +22,7 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 # Fields OpenAI (or common benchmark clients) send that cadence accepts only with their
 # neutral value: anything else would silently change the meaning of the request.
-_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (0, 0.0, None),
     "presence_penalty": (0, 0.0, None),
     "repetition_penalty": (1, 1.0, None),
@@ -41,6 +41,32 @@ _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "user": (),  # handled as the tenant; listed so it is never "unrecognized"
     "stream_options": (),
 }
+
+
+@dataclass(frozen=True, slots=True)
+class PromptBound:
+    """The most a prompt can hold and still fit the context window, checked before anything
+    costly: a token-id list by its length, a text by its characters (no token stands for
+    more than `max_token_chars` of them), before any tokenizing."""
+
+    max_tokens: int
+    max_token_chars: int
+
+    def check_tokens(self, count: int, param: str) -> None:
+        if count > self.max_tokens:
+            raise self._too_long(f"{count} tokens", param)
+
+    def check_chars(self, count: int, param: str) -> None:
+        if count > self.max_tokens * self.max_token_chars:
+            raise self._too_long(f"{count} characters, more than that many tokens can hold", param)
+
+    def _too_long(self, size: str, param: str) -> APIError:
+        return bad_request(
+            f"This model's maximum context length is {self.max_tokens} tokens. However, your "
+            f"prompt has {size}. Please reduce the length of the prompt.",
+            param,
+            "context_length_exceeded",
+        )
 
 
 @dataclass(slots=True)
@@ -103,9 +129,9 @@ class _Fields:
 
     def check_leftovers(self) -> None:
         for name in sorted(set(self.body) - self.used):
-            if name not in _NEUTRAL_VALUES:
+            if name not in NEUTRAL_VALUES:
                 raise bad_request(f"Unrecognized request argument supplied: {name}", name)
-            allowed = _NEUTRAL_VALUES[name]
+            allowed = NEUTRAL_VALUES[name]
             if allowed and self.body[name] not in allowed and self.body[name] != {}:
                 raise bad_request(
                     f"'{name}' is not supported by this server (only {allowed[0]!r} is accepted)",
@@ -113,9 +139,12 @@ class _Fields:
                 )
 
 
-def parse_completion_request(body: Any, header_tenant: str | None) -> GenerationRequest:
+def parse_completion_request(
+    body: Any, header_tenant: str | None, bound: PromptBound | None = None
+) -> GenerationRequest:
+    """`bound` None: the context window is not known yet (the worker is still starting)."""
     fields = _Fields(body)
-    prompt = _parse_prompt(fields.raw("prompt"))
+    prompt = _parse_prompt(fields.raw("prompt"), bound)
     logprobs = fields.integer("logprobs", None)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"'logprobs' must be between 0 and {MAX_LOGPROBS}", "logprobs")
@@ -127,9 +156,11 @@ def parse_completion_request(body: Any, header_tenant: str | None) -> Generation
     return request
 
 
-def parse_chat_request(body: Any, header_tenant: str | None) -> GenerationRequest:
+def parse_chat_request(
+    body: Any, header_tenant: str | None, bound: PromptBound | None = None
+) -> GenerationRequest:
     fields = _Fields(body)
-    messages = _parse_messages(fields.raw("messages"))
+    messages = _parse_messages(fields.raw("messages"), bound)
     logprobs = fields.boolean("logprobs", False)
     if fields.integer("top_logprobs", 0):
         raise bad_request("'top_logprobs' > 0 is not supported", "top_logprobs")
@@ -181,7 +212,7 @@ def _parse_common(
     )
 
 
-def _parse_prompt(value: Any) -> str | list[int]:
+def _parse_prompt(value: Any, bound: PromptBound | None) -> str | list[int]:
     if value is None:
         raise bad_request("'prompt' is required", "prompt")
     if isinstance(value, list) and value and isinstance(value[0], str | list):
@@ -193,10 +224,14 @@ def _parse_prompt(value: Any) -> str | list[int]:
     if isinstance(value, str):
         if not value:
             raise bad_request("'prompt' must not be empty", "prompt")
+        if bound is not None:
+            bound.check_chars(len(value), "prompt")
         return value
     if isinstance(value, list):
         if not value:
             raise bad_request("'prompt' must not be empty", "prompt")
+        if bound is not None:
+            bound.check_tokens(len(value), "prompt")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
             raise bad_request(
                 "'prompt' must be a string or a list of non-negative token ids", "prompt"
@@ -205,10 +240,14 @@ def _parse_prompt(value: Any) -> str | list[int]:
     raise bad_request("'prompt' must be a string or a list of token ids", "prompt")
 
 
-def _parse_messages(value: Any) -> list[dict[str, str]]:
+def _parse_messages(value: Any, bound: PromptBound | None) -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
         raise bad_request("'messages' must be a non-empty list", "messages")
-    return [_parse_message(i, message) for i, message in enumerate(value)]
+    messages = [_parse_message(i, message) for i, message in enumerate(value)]
+    if bound is not None:
+        # The template adds to the contents, so they alone bound the rendered prompt.
+        bound.check_chars(sum(len(m["content"]) for m in messages), "messages")
+    return messages
 
 
 def _parse_message(index: int, message: Any) -> dict[str, str]:

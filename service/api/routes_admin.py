@@ -14,6 +14,7 @@ from quart import Blueprint, Response, request
 from policies.base import PolicyError
 from policies.registry import describe_policies
 from service.api.app_state import AppState, app_state
+from service.api.body import read_body
 from service.api.errors import APIError, bad_request, json_response
 from service.api.metrics import CONTENT_TYPE
 
@@ -37,7 +38,7 @@ async def get_policy() -> Response:
 async def put_policy() -> Response:
     state = require_admin()
     who = admin_identity()
-    name, params = parse_policy_body(await request.get_data(cache=False))
+    name, params = parse_policy_body(await read_body())
     try:
         swap = state.engine.set_policy(name, params, by=who)
     except PolicyError as exc:

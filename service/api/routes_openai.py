@@ -11,6 +11,7 @@ import trio
 from quart import Blueprint, Response, request
 
 from service.api.app_state import AppState, app_state
+from service.api.body import read_body
 from service.api.errors import APIError, bad_request, json_response
 from service.api.openai_responses import (
     ResponseHeader,
@@ -24,6 +25,7 @@ from service.api.openai_responses import (
 )
 from service.api.openai_schema import (
     GenerationRequest,
+    PromptBound,
     parse_chat_request,
     parse_completion_request,
 )
@@ -31,8 +33,15 @@ from service.api.sse import DONE, HEARTBEAT, SSE_HEADERS, event_groups, sse_data
 from service.engine.engine import EngineUnavailable, Overloaded
 from service.engine.request import Event, FinishEvent, TokenEvent
 from service.engine.validation import InvalidRequest
+from service.tokenizer import Tokenizer
 
 blueprint = Blueprint("openai", __name__)
+SERVER_STATE_FAILURES = (
+    "worker_died",
+    "worker_hung",
+    "worker_unavailable",
+    "kv_capacity_exceeded",
+)
 
 
 @blueprint.get("/health")
@@ -62,17 +71,27 @@ async def list_models() -> Response:
 @blueprint.post("/v1/completions")
 async def completions() -> Response:
     body = await read_json_body()
-    return await serve_generation(parse_completion_request(body, request.headers.get("X-Tenant")))
+    tenant = request.headers.get("X-Tenant")
+    return await serve_generation(parse_completion_request(body, tenant, prompt_bound()))
 
 
 @blueprint.post("/v1/chat/completions")
 async def chat_completions() -> Response:
     body = await read_json_body()
-    return await serve_generation(parse_chat_request(body, request.headers.get("X-Tenant")))
+    tenant = request.headers.get("X-Tenant")
+    return await serve_generation(parse_chat_request(body, tenant, prompt_bound()))
+
+
+def prompt_bound() -> PromptBound | None:
+    state = app_state()
+    max_model_len = state.engine.max_model_len
+    if max_model_len is None:
+        return None  # no worker yet: the request gets its 503 before any tokenizing
+    return PromptBound(max_model_len, state.tokenizer.max_token_chars)
 
 
 async def read_json_body() -> Any:
-    data = await request.get_data(cache=False)
+    data = await read_body()
     if not data:
         raise bad_request("the request body is empty; send a JSON object")
     try:
@@ -93,7 +112,7 @@ async def serve_generation(req: GenerationRequest) -> Response:
         )
     if not state.engine.ready:
         raise unavailable("the model worker is not ready yet; retry shortly")
-    prompt_ids = tokenize_prompt(req, state)
+    prompt_ids = await tokenize_prompt(req, state)
     prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     try:
@@ -121,20 +140,27 @@ def unavailable(message: str) -> APIError:
     return APIError(503, message, code="engine_unavailable", headers={"Retry-After": "1"})
 
 
-def tokenize_prompt(req: GenerationRequest, state: AppState) -> list[int]:
-    if req.kind == "chat":
-        assert req.messages is not None
-        try:
-            text = state.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
-        except Exception as exc:  # a template may reject a message order (e.g. two system turns)
-            raise bad_request(
-                f"the chat template rejected the messages: {exc}", "messages"
-            ) from None
-        return state.tokenizer.encode(text, add_special_tokens=False)
-    if isinstance(req.prompt, str):
-        return state.tokenizer.encode(req.prompt, add_special_tokens=True)
-    assert req.prompt is not None
-    return list(req.prompt)
+async def tokenize_prompt(req: GenerationRequest, state: AppState) -> list[int]:
+    if isinstance(req.prompt, list):
+        return list(req.prompt)
+    # Up to max_model_len x the longest token's characters (hundreds of KB): seconds of
+    # tokenizer work that must not stop every other stream, so it runs in a thread.
+    return await trio.to_thread.run_sync(
+        prompt_ids_of, req, state.tokenizer, limiter=state.tokenizer_threads
+    )
+
+
+def prompt_ids_of(req: GenerationRequest, tokenizer: Tokenizer) -> list[int]:
+    """Render and tokenize a text prompt or a chat (blocking: call it in a worker thread)."""
+    if req.kind == "completion":
+        assert isinstance(req.prompt, str)
+        return tokenizer.encode(req.prompt, add_special_tokens=True)
+    assert req.messages is not None
+    try:
+        text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
+    except Exception as exc:  # a template may reject a message order (e.g. two system turns)
+        raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def token_pieces(state: AppState, events: list[TokenEvent]) -> TokenPieces:
@@ -154,10 +180,10 @@ def failure_of(finish: FinishEvent | None) -> APIError | None:
         )
     if finish.reason == "error":
         message = finish.error or finish.detail
-        if finish.detail == "worker_died":
-            return APIError(
-                503, f"the model worker died during the request: {message}", code="worker_died"
-            )
+        if finish.detail in SERVER_STATE_FAILURES:
+            # Not the request's fault and not a bug: the worker died, hung, cannot be
+            # restarted, or came back too small for it. Retrying later may succeed.
+            return APIError(503, f"{message}; retry later", code=finish.detail)
         return APIError(500, f"generation failed: {message}", code="generation_error")
     if finish.reason == "abort":
         return unavailable(f"the request was aborted ({finish.detail})")

@@ -107,6 +107,7 @@ class Engine:
         self._ready = False
         self._accepting = True
         self._next_seq_id = 0
+        self._worker_restarts = 0
 
     # ---- public API -------------------------------------------------------------------
 
@@ -222,6 +223,7 @@ class Engine:
             "policy": self.policy_info(),
             "iteration": stats.iteration if stats else 0,
             "worker_ready": self._ready,
+            "worker_restarts": self._worker_restarts,
             "max_model_len": self.max_model_len,
         }
 
@@ -492,6 +494,7 @@ class Engine:
                 await trio.sleep(_RESTART_BACKOFF_S[min(attempt, len(_RESTART_BACKOFF_S)) - 1])
             try:
                 await self._start_worker()
+                self._worker_restarts += 1
                 return
             except Exception as start_error:  # waiting requests stay queued while we retry
                 log.error("worker.restart_failed", attempt=attempt + 1, error=str(start_error))

@@ -1,0 +1,388 @@
+"""The server's OpenAPI 3.1 description, served at GET /openapi.json.
+
+Clients and code generators read it; tests/test_api_fuzz.py hands it to schemathesis, which
+fuzzes every route from it. So it states the limits the server really enforces: the context
+window of the running model, the engine's validation bounds, each policy's parameter ranges.
+A field the server accepts but the document omits would never be fuzzed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from quart import Blueprint, Response
+
+from policies.registry import POLICIES
+from service.api.app_state import app_state
+from service.api.errors import json_response
+from service.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from service.api.openai_schema import CHAT_ROLES, MAX_LOGPROBS, NEUTRAL_VALUES
+from service.engine.validation import (
+    MAX_PRIORITY,
+    MAX_SEED,
+    MAX_STOP_STRINGS,
+    MAX_TEMPERATURE,
+    MAX_TENANT_CHARS,
+)
+
+blueprint = Blueprint("openapi", __name__)
+Schema = dict[str, Any]
+JSON = "application/json"
+SSE = "text/event-stream"
+
+
+@blueprint.get("/openapi.json")
+async def openapi_json() -> Response:
+    state = app_state()
+    return json_response(openapi_document(state.engine.max_model_len, state.served_model_name))
+
+
+def openapi_document(max_model_len: int | None, model_name: str) -> Schema:
+    """The description of every route; `max_model_len` None: the worker is not ready yet."""
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "cadence", "version": "1", "description": f"Serving {model_name}."},
+        "paths": {**_public_paths(max_model_len), **_admin_paths()},
+        "components": {
+            "schemas": {"Error": _error_schema()},
+            "securitySchemes": {"admin": {"type": "http", "scheme": "bearer"}},
+        },
+    }
+
+
+# ---- /v1 and the public routes ------------------------------------------------------------
+
+
+def _public_paths(max_model_len: int | None) -> Schema:
+    return {
+        "/v1/completions": {
+            "post": _generation("Create a completion", _completion_request(max_model_len))
+        },
+        "/v1/chat/completions": {
+            "post": _generation("Create a chat completion", _chat_request(max_model_len))
+        },
+        "/v1/models": {"get": _get("The model served", _models_schema())},
+        "/health": {
+            "get": {
+                "summary": "200 when the worker is ready, 503 while it starts or restarts",
+                "responses": {
+                    "200": _json_content("Ready", _health_schema()),
+                    "503": _json_content("Not ready", _health_schema()),
+                },
+            }
+        },
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus metrics",
+                "responses": {"200": _content("Metrics", METRICS_CONTENT_TYPE, {"type": "string"})},
+            }
+        },
+        "/openapi.json": {"get": _get("This document", {"type": "object"})},
+        "/": {
+            "get": {
+                "summary": "The playground page",
+                "responses": {"200": _content("HTML", "text/html", {"type": "string"})},
+            }
+        },
+    }
+
+
+def _generation(summary: str, request_schema: Schema) -> Schema:
+    return {
+        "summary": summary,
+        "parameters": [
+            {"name": "X-Tenant", "in": "header", "required": False, "schema": {"type": "string"}}
+        ],
+        "requestBody": {"required": True, "content": {JSON: {"schema": request_schema}}},
+        "responses": {
+            "200": {
+                "description": "The whole response, or with stream=true server-sent events",
+                "content": {JSON: {"schema": _completion_response()}, SSE: {"schema": {}}},
+            },
+            **_errors(400, 404, 413, 415, 429, 503),
+        },
+    }
+
+
+def _completion_request(max_model_len: int | None) -> Schema:
+    ids = _token_ids(max_model_len)
+    text = {"type": "string", "minLength": 1}
+    prompt = {
+        "oneOf": [
+            text,
+            ids,
+            {"type": "array", "items": text, "minItems": 1, "maxItems": 1},
+            {"type": "array", "items": ids, "minItems": 1, "maxItems": 1},
+        ]
+    }
+    return _request(
+        {
+            "prompt": prompt,
+            "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS},
+        },
+        ["prompt"],
+        max_model_len,
+    )
+
+
+def _chat_request(max_model_len: int | None) -> Schema:
+    part = _object({"type": {"const": "text"}, "text": {"type": "string"}}, ["type", "text"])
+    content = {"oneOf": [{"type": "string"}, {"type": "array", "items": part}]}
+    message = {
+        "type": "object",
+        "properties": {"role": {"enum": list(CHAT_ROLES)}, "content": content},
+        "required": ["role", "content"],
+    }
+    return _request(
+        {
+            "messages": {"type": "array", "items": message, "minItems": 1},
+            "max_completion_tokens": _max_tokens(max_model_len),
+            "logprobs": {"type": ["boolean", "null"]},
+            "top_logprobs": {"enum": [0, None]},
+        },
+        ["messages"],
+        max_model_len,
+    )
+
+
+def _request(own: Schema, required: list[str], max_model_len: int | None) -> Schema:
+    """A generation request: its own fields, the sampling fields both kinds share, and the
+    OpenAI fields accepted only with their neutral value."""
+    stop_text = {"type": "string", "minLength": 1}
+    shared = {
+        "model": {"type": ["string", "null"]},
+        "max_tokens": _max_tokens(max_model_len),
+        "temperature": _number(0, MAX_TEMPERATURE),
+        "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
+        "top_k": {"type": ["integer", "null"], "minimum": -1},
+        "seed": _integer(0, MAX_SEED),
+        "n": {"enum": [1, None]},
+        "stop": {
+            "oneOf": [
+                {"type": "null"},
+                stop_text,
+                {"type": "array", "items": stop_text, "maxItems": MAX_STOP_STRINGS},
+            ]
+        },
+        "ignore_eos": {"type": ["boolean", "null"]},
+        "stream": {"type": ["boolean", "null"]},
+        "stream_options": _stream_options(),
+        "user": {"type": ["string", "null"], "maxLength": MAX_TENANT_CHARS},
+        "priority": _integer(-MAX_PRIORITY, MAX_PRIORITY),
+    }
+    neutral = {
+        name: {"enum": list(dict.fromkeys(values))}
+        for name, values in NEUTRAL_VALUES.items()
+        if values and name not in shared
+    }
+    return _object({**neutral, **shared, **own}, required)
+
+
+def _stream_options() -> Schema:
+    """Allowed only with stream=true (a 400 otherwise)."""
+    flags = {"include_usage": {"type": "boolean"}, "continuous_usage_stats": {"type": "boolean"}}
+    return {"oneOf": [{"type": "null"}, _object(flags, [])]}
+
+
+def _token_ids(max_model_len: int | None) -> Schema:
+    ids: Schema = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+    if max_model_len is not None:
+        ids["maxItems"] = max_model_len
+    return ids
+
+
+def _max_tokens(max_model_len: int | None) -> Schema:
+    schema: Schema = {"type": ["integer", "null"], "minimum": 1}
+    if max_model_len is not None:
+        schema["maximum"] = max_model_len
+    return schema
+
+
+def _completion_response() -> Schema:
+    choice = {
+        "type": "object",
+        "properties": {
+            "index": {"type": "integer"},
+            "finish_reason": {"type": ["string", "null"]},
+        },
+        "required": ["index", "finish_reason"],
+    }
+    counts = {name: {"type": "integer", "minimum": 0} for name in _USAGE_FIELDS}
+    usage = _object(counts, list(_USAGE_FIELDS))
+    return {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"enum": ["text_completion", "chat.completion"]},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {"type": "array", "items": choice, "minItems": 1, "maxItems": 1},
+            "usage": usage,
+        },
+        "required": ["id", "object", "created", "model", "choices", "usage"],
+    }
+
+
+_USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "total_tokens")
+
+
+def _models_schema() -> Schema:
+    card = {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "model"},
+            "max_model_len": {"type": "integer"},
+        },
+        "required": ["id", "object"],
+    }
+    return _object({"object": {"const": "list"}, "data": {"type": "array", "items": card}}, [])
+
+
+def _health_schema() -> Schema:
+    return {
+        "type": "object",
+        "properties": {"status": {"enum": ["ok", "unavailable"]}, "policy": _policy_info()},
+        "required": ["status", "policy"],
+    }
+
+
+# ---- /admin ------------------------------------------------------------------------------
+
+
+def _admin_paths() -> Schema:
+    state = {
+        "type": "object",
+        "properties": {"policy": _policy_info(), "worker_ready": {"type": "boolean"}},
+        "required": ["policy", "worker_ready"],
+    }
+    listing = {
+        "type": "object",
+        "properties": {"current": _policy_info(), "available": {"type": "array"}},
+        "required": ["current", "available"],
+    }
+    swap = _object(
+        {"old": _policy_info(), "new": _policy_info(), "iteration": {"type": "integer"}}, []
+    )
+    return {
+        "/admin/policy": {
+            "get": _admin(_get("The policy in force and those available", listing)),
+            "put": _admin(
+                {
+                    "summary": "Swap the scheduling policy (takes effect at the next iteration)",
+                    "requestBody": {
+                        "required": True,
+                        "content": {JSON: {"schema": _policy_swap()}},
+                    },
+                    "responses": {
+                        "200": _json_content("Swapped", swap),
+                        **_errors(400, 415),
+                    },
+                }
+            ),
+        },
+        "/admin/state": {"get": _admin(_get("Engine state", state))},
+    }
+
+
+def _admin(operation: Schema) -> Schema:
+    operation["security"] = [{"admin": []}]
+    operation["responses"].update(_errors(401, 403))
+    return operation
+
+
+def _policy_swap() -> Schema:
+    return {
+        "oneOf": [
+            _object({"name": {"const": name}, "params": _policy_params(cls.Params)}, ["name"])
+            for name, cls in POLICIES.items()
+        ]
+    }
+
+
+def _policy_params(params_cls: type) -> Schema:
+    """A policy's parameters from its dataclass: type and the metadata's min and max."""
+    properties = {}
+    for spec in dataclasses.fields(params_cls):
+        kind = spec.type if isinstance(spec.type, str) else spec.type.__name__
+        schema: Schema = {"type": _PARAM_TYPES.get(kind.partition("[")[0], "object")}
+        if "min" in spec.metadata:
+            schema["minimum"] = spec.metadata["min"]
+        if "max" in spec.metadata:
+            schema["maximum"] = spec.metadata["max"]
+        properties[spec.name] = schema
+    return {"oneOf": [{"type": "null"}, _object(properties, [])]}
+
+
+_PARAM_TYPES = {"int": "integer", "float": "number", "bool": "boolean", "dict": "object"}
+
+
+def _policy_info() -> Schema:
+    return _object_open({"name": {"enum": list(POLICIES)}, "params": {"type": "object"}})
+
+
+# ---- building blocks ---------------------------------------------------------------------
+
+
+def _object(properties: Schema, required: list[str]) -> Schema:
+    """A JSON object with exactly these fields: the server rejects unknown ones."""
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": required,
+        "additionalProperties": False,
+    }
+
+
+def _object_open(properties: Schema) -> Schema:
+    return {"type": "object", "properties": properties, "required": list(properties)}
+
+
+def _integer(low: int, high: int) -> Schema:
+    return {"type": ["integer", "null"], "minimum": low, "maximum": high}
+
+
+def _number(low: float, high: float) -> Schema:
+    return {"type": ["number", "null"], "minimum": low, "maximum": high}
+
+
+def _get(summary: str, schema: Schema) -> Schema:
+    return {"summary": summary, "responses": {"200": _json_content(summary, schema)}}
+
+
+def _json_content(description: str, schema: Schema) -> Schema:
+    return _content(description, JSON, schema)
+
+
+def _content(description: str, media_type: str, schema: Schema) -> Schema:
+    return {"description": description, "content": {media_type: {"schema": schema}}}
+
+
+def _errors(*statuses: int) -> Schema:
+    reference = {"$ref": "#/components/schemas/Error"}
+    return {str(status): _json_content(_ERROR_TEXT[status], reference) for status in statuses}
+
+
+_ERROR_TEXT = {
+    400: "Invalid request",
+    401: "Missing admin token",
+    403: "Wrong admin token, or admin disabled",
+    404: "Unknown model",
+    413: "Body too large",
+    415: "Body not declared application/json",
+    429: "Overloaded, retry later",
+    503: "Worker not ready, restarting or shutting down",
+}
+
+
+def _error_schema() -> Schema:
+    error = _object_open(
+        {
+            "message": {"type": "string"},
+            "type": {"type": "string"},
+            "param": {"type": ["string", "null"]},
+            "code": {"type": ["string", "null"]},
+        }
+    )
+    return _object_open({"error": error})
