@@ -48,6 +48,7 @@ class Server:
             ) as engine:
                 app = create_app(self.config, engine, self.tokenizer, self.served_model_name)
                 await self._serve_http(app, engine)
+            failed = engine.failure is not None
         except* Exception as failure:
             log.error("engine.failed", error=repr(failure.exceptions[0]))
             failed = True
@@ -82,11 +83,11 @@ class Server:
         return hc
 
     async def _shut_down_on_signal(self, engine: Engine, nursery: trio.Nursery) -> None:
-        """Hypercorn's shutdown trigger: returns once in-flight requests are drained."""
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async for signum in signals:
-                log.info("server.signal", signal=signal.Signals(signum).name)
-                break
+        """Hypercorn's shutdown trigger, on a signal or when the engine stopped on its own
+        (its worker cannot be restarted): returns once in-flight requests are drained."""
+        async with trio.open_nursery() as waiters:
+            waiters.start_soon(_wait_for_signal, waiters.cancel_scope)
+            waiters.start_soon(_wait_for_engine_stop, engine, waiters.cancel_scope)
         timeout = self.config.shutdown_timeout
         log.info("server.shutdown", drain_seconds=timeout)
         # Stop admitting, let running requests finish, abort the rest with "shutdown" so
@@ -94,6 +95,19 @@ class Server:
         engine.begin_shutdown()
         await engine.drain(timeout)
         nursery.start_soon(_cut_connections_after, CLOSE_GRACE_SECONDS + 0.5)
+
+
+async def _wait_for_signal(done: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            log.info("server.signal", signal=signal.Signals(signum).name)
+            break
+    done.cancel()
+
+
+async def _wait_for_engine_stop(engine: Engine, done: trio.CancelScope) -> None:
+    await engine.wait_stopped()
+    done.cancel()
 
 
 async def _cut_connections_after(seconds: float) -> None:

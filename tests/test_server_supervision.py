@@ -72,6 +72,8 @@ def test_sigkill_of_an_idle_worker_is_noticed_at_once(watched_server: RunningSer
     down = seconds_until(lambda: health(watched_server) == 503, 10)
     replaced_worker(watched_server, old_pid)
     print(f"/health went 503 {down:.2f} s after the SIGKILL, with no request sent")
+    metrics = httpx.get(f"{watched_server.url}/metrics", timeout=10).text
+    assert "cadence:worker_restarts_total 1.0" in metrics
 
 
 def test_sigstop_of_an_idle_worker_is_noticed_and_the_worker_replaced(

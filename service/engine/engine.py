@@ -108,6 +108,8 @@ class Engine:
         self._accepting = True
         self._next_seq_id = 0
         self._worker_restarts = 0
+        self._stopped = trio.Event()
+        self.failure: EngineFailed | None = None  # why the engine stopped on its own
 
     # ---- public API -------------------------------------------------------------------
 
@@ -131,12 +133,18 @@ class Engine:
         self._observers.append(observer)
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Start the worker (its failure raises), then serve until cancelled, or until the
+        worker cannot be restarted: then `failure` is set and run returns, so that a server
+        can end its connections gracefully before it exits."""
         try:
             await self._start_worker()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._admission_task)
                 nursery.start_soon(self._scheduling_task)
                 task_status.started()
+        except* EngineFailed as failed:
+            self.failure = failed.exceptions[0]
+            log.error("engine.failed", error=str(self.failure))
         finally:
             self._ready = False
             self._accepting = False
@@ -144,6 +152,11 @@ class Engine:
             self._finish_all("abort", "shutdown")
             with trio.CancelScope(shield=True), trio.move_on_after(_WORKER_STOP_TIMEOUT_S):
                 await self._worker.stop()
+            self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        """Return once `run` has ended (see `failure` for why)."""
+        await self._stopped.wait()
 
     async def submit(
         self,
