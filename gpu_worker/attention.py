@@ -16,7 +16,8 @@ layer_ops.rope_and_cache_) before a layer attends:
   matrices outgrow the cache, PyTorch's CPU flash-attention kernel takes over: once over the
   cached prefix, once causally over the chunk itself, the two merged by log-sum-exp. On a
   CPU with AVX512-BF16, bfloat16 chunks go to a C++ kernel instead (gpu_worker.native),
-  which reads the cache itself;
+  which reads the cache itself; on other CPUs (and in float32) the native decode kernel
+  takes the chunk's rows, one query each, where it builds;
 - decode tokens (sequences with one new token), all together, over their block tables
   padded to a common width: the keys are gathered into a buffer shared by every layer
   for one batched matmul, the softmax is masked by context length, and the values are
@@ -28,6 +29,11 @@ layer_ops.rope_and_cache_) before a layer attends:
 
 The index tensors and buffers are built once per step and shared by every layer, so the
 per-layer work is a handful of kernels with no host synchronisation.
+
+With the native kernels a query row gets the same bits whatever else is in the step and
+whether it is a decode row or a row of a prefill chunk, so recompute after a preemption
+reproduces the tokens decoded before it, in bfloat16 too. The PyTorch paths (CUDA, or no
+compiler) agree with them only to float tolerance.
 """
 
 from __future__ import annotations
@@ -61,6 +67,10 @@ class PrefillChunk:
     context_len: int  # start position + number of new tokens
     causal_tile: torch.Tensor  # [QUERY_BLOCK, QUERY_BLOCK]: -inf above the diagonal
     block_table: torch.Tensor  # [W] the sequence's blocks, for the native kernel
+    # Where the chunk's rows run through the native decode kernel (see _prefill_attention):
+    # each row's block table [n, blocks] and context length [n]; None elsewhere.
+    row_tables: torch.Tensor | None = None
+    row_lens: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -192,10 +202,20 @@ def _prefill_attention(
     v_cache: torch.Tensor,
     chunk: PrefillChunk,
 ) -> torch.Tensor:
-    """One sequence's chunk: q [n, heads, d] -> [n, heads, d]."""
+    """One sequence's chunk: q [n, heads, d] -> [n, heads, d].
+
+    A row must get the bits the same token gets as a decode row (recompute after a
+    preemption prefills tokens that were decoded before): the native prefill kernel shares
+    the decode kernel's arithmetic; where it does not serve, the decode kernel itself takes
+    the chunk's rows, one query each.
+    """
+    scale = q.shape[-1] ** -0.5
     kernel = _native_prefill_kernel(q)
     if kernel is not None:
-        return kernel(q, k_cache, v_cache, chunk.block_table, chunk.start, q.shape[-1] ** -0.5)
+        return kernel(q, k_cache, v_cache, chunk.block_table, chunk.start, scale)
+    if chunk.row_tables is not None:
+        decode_kernel = _native_kernel(k_cache)
+        return decode_kernel(q, k_cache, v_cache, chunk.row_tables, chunk.row_lens, scale)
     if chunk.context_len > FLASH_MIN_CONTEXT:
         return _flash_prefill_attention(q, k, v, k_cache, v_cache, chunk)
     return _blocked_prefill_attention(q, k, v, k_cache, v_cache, chunk)
@@ -408,13 +428,13 @@ def _prefill_chunk(
     tile: torch.Tensor,
 ) -> PrefillChunk:
     kv_heads, cache_blocks, block_size = cache_like.shape[:3]
+    num_blocks = -(-(start + count) // block_size)
     cache_rows = None
     if start > 0:
-        num_blocks = -(-(start + count) // block_size)
         heads = torch.arange(kv_heads)[:, None] * cache_blocks
         rows = (heads + block_tables[seq, :num_blocks]).reshape(-1)
         cache_rows = rows.to(cache_like.device, non_blocking=True)
-    return PrefillChunk(
+    chunk = PrefillChunk(
         rows=slice(row, row + count),
         cache_rows=cache_rows,
         start=start,
@@ -422,6 +442,16 @@ def _prefill_chunk(
         causal_tile=tile,
         block_table=block_tables[seq],
     )
+    if _rows_run_as_decode_queries(cache_like):
+        chunk.row_tables = block_tables[seq, :num_blocks].expand(count, -1).contiguous()
+        chunk.row_lens = torch.arange(start + 1, start + count + 1)
+    return chunk
+
+
+def _rows_run_as_decode_queries(cache_like: torch.Tensor) -> bool:
+    """Whether prefill rows go to the native decode kernel: no prefill kernel, but that one."""
+    probe = cache_like[:0, 0, 0]  # a q-like tensor: the cache's dtype, device and head_dim
+    return _native_prefill_kernel(probe) is None and _native_kernel(cache_like) is not None
 
 
 def _decode_group_for(

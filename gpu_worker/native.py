@@ -2,7 +2,9 @@
 
 - paged_decode_attention.cpp: decode attention read straight from the paged KV cache;
 - paged_prefill_attention.cpp: a prefill chunk's causal attention, likewise (bfloat16, on
-  CPUs with AVX512-BF16; elsewhere the op is not registered);
+  CPUs with AVX512-BF16; elsewhere the op is not registered); bf16_attention.h holds the
+  arithmetic both attention kernels run for a bfloat16 query row, so that a row gets the
+  same bits from either;
 - layer_ops.cpp: the small operations between a layer's matmuls, fused (RMSNorm with the
   residual add, rotary embedding with the KV-cache write, SwiGLU);
 - top_logits.cpp: the ids of each row's k largest logits.

@@ -10,6 +10,11 @@
 // or bfloat16); scores and probabilities are rounded to that dtype as the PyTorch path's
 // tensors are, and the output is written in it. AVX-512 paths where the compiler targets
 // it (-march=native), with plain loops for other CPUs and head_dims.
+//
+// A query row's result depends only on its own query and keys, never on the other rows of
+// the call, so a float32 prefill chunk can run its rows here as well (gpu_worker.attention).
+// In bfloat16 on CPUs with AVX512-BF16 a task runs the prefill kernel's arithmetic instead
+// (bf16_attention.h): a token gets the same bits decoded or recomputed in a chunk.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -18,10 +23,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
+#include "bf16_attention.h"
 #include "cpu_vec.h"
 
 namespace {
@@ -132,94 +137,6 @@ inline void dot_rows_sums(const __m512* acc, float* out) {
   const __m256 upper = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1));
   const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd), upper);
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1)));
-}
-#endif
-
-#if defined(__AVX512BF16__)
-constexpr int64_t kBf16Lanes = 32;  // bfloat16 values per vector
-
-// Probabilities rounded to bfloat16 are bfloat16 values: the upper halves of their floats.
-inline uint32_t bf16_bits(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  return bits >> 16;
-}
-
-inline __m512bh load32(const c10::BFloat16* p) {
-  return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
-}
-
-// dot(q, rows[r]) -> out[r] for bfloat16 rows straight from the cache: vdpbf16ps multiplies
-// bfloat16 pairs and adds them in float32, so no row is widened and staged first (decode
-// steps ~10% faster on 2 cores, where this kernel is compute-bound).
-void dot_rows_bf16(const c10::BFloat16* q, const c10::BFloat16* const* rows, int64_t d,
-                   float* out) {
-  __m512 acc[kRows];
-  for (int64_t r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < d; i += kBf16Lanes) {
-    const __m512bh qi = load32(q + i);
-    for (int64_t r = 0; r < kRows; ++r) {
-      acc[r] = _mm512_dpbf16_ps(acc[r], qi, load32(rows[r] + i));
-    }
-  }
-  dot_rows_sums(acc, out);
-}
-
-// acc [d] = sum over t < len of probs[t] * rows t, the bfloat16 value rows straight from the
-// cache, two tokens at a time: unpacklo/hi_epi16 interleave their rows into bfloat16 pairs
-// for vdpbf16ps to meet the pair of their probabilities. The interleave permutes elements
-// within each 128-bit lane, undone at the end. The probabilities must be bfloat16 values.
-// Even and odd pairs go to separate accumulators: twice the independent chains, which the
-// latency of vdpbf16ps needs at d = 64 (C = 2 chunks).
-template <int64_t C>
-void weighted_rows_bf16(const c10::BFloat16* cache, const int64_t* offsets, int64_t len,
-                        const float* probs, float* acc) {
-  __m512 lo[2][C], hi[2][C];
-  for (int64_t s = 0; s < 2; ++s) {
-    for (int64_t c = 0; c < C; ++c) lo[s][c] = hi[s][c] = _mm512_setzero_ps();
-  }
-  // Tokens t and t + 1 into accumulator set s (a constant where it is called).
-  auto add_pair = [&](int64_t t, int64_t s) {
-    const bool pair = t + 1 < len;
-    const c10::BFloat16* row0 = cache + offsets[t];
-    const c10::BFloat16* row1 = pair ? cache + offsets[t + 1] : row0;  // alone: weight 0
-    const uint32_t w = bf16_bits(probs[t]) | (pair ? bf16_bits(probs[t + 1]) << 16 : 0u);
-    const __m512bh weights = (__m512bh)_mm512_set1_epi32(static_cast<int>(w));
-    for (int64_t c = 0; c < C; ++c) {
-      const __m512i r0 = _mm512_loadu_si512(row0 + c * kBf16Lanes);
-      const __m512i r1 = _mm512_loadu_si512(row1 + c * kBf16Lanes);
-      lo[s][c] = _mm512_dpbf16_ps(lo[s][c], (__m512bh)_mm512_unpacklo_epi16(r0, r1), weights);
-      hi[s][c] = _mm512_dpbf16_ps(hi[s][c], (__m512bh)_mm512_unpackhi_epi16(r0, r1), weights);
-    }
-  };
-  int64_t t = 0;
-  for (; t + 4 <= len; t += 4) {
-    add_pair(t, 0);
-    add_pair(t + 2, 1);
-  }
-  for (; t < len; t += 2) add_pair(t, 0);
-  for (int64_t c = 0; c < C; ++c) {
-    __m512 first, second;
-    deinterleave(_mm512_add_ps(lo[0][c], lo[1][c]), _mm512_add_ps(hi[0][c], hi[1][c]), first,
-                 second);
-    _mm512_storeu_ps(acc + c * kBf16Lanes, first);
-    _mm512_storeu_ps(acc + c * kBf16Lanes + kLanes, second);
-  }
-}
-
-// As weighted_rows_bf16<d / 32>, for d a multiple of 32 up to 256.
-void weighted_rows_bf16_any(const c10::BFloat16* cache, const int64_t* offsets, int64_t len,
-                            const float* probs, int64_t d, float* acc) {
-  switch (d / kBf16Lanes) {
-    case 1: return weighted_rows_bf16<1>(cache, offsets, len, probs, acc);
-    case 2: return weighted_rows_bf16<2>(cache, offsets, len, probs, acc);
-    case 3: return weighted_rows_bf16<3>(cache, offsets, len, probs, acc);
-    case 4: return weighted_rows_bf16<4>(cache, offsets, len, probs, acc);
-    case 5: return weighted_rows_bf16<5>(cache, offsets, len, probs, acc);
-    case 6: return weighted_rows_bf16<6>(cache, offsets, len, probs, acc);
-    case 7: return weighted_rows_bf16<7>(cache, offsets, len, probs, acc);
-    default: return weighted_rows_bf16<8>(cache, offsets, len, probs, acc);
-  }
 }
 #endif
 
@@ -339,24 +256,6 @@ void key_scores(const Problem<T>& p, int64_t seq, int64_t first_head, const int6
       prefetch_row(p.k_cache, offsets[t + r + kPrefetchTokens], d);
       prefetch_row(p.v_cache, offsets[t + r + kPrefetchTokens], d);
     }
-#if defined(__AVX512BF16__)
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      if (d % kBf16Lanes == 0) {  // bfloat16 keys need no widening: see dot_rows_bf16
-        const T* keys[kRows];  // past the end, the last row again (its scores are dropped)
-        for (int64_t r = 0; r < kRows; ++r) keys[r] = p.k_cache + offsets[t + std::min(r, n - 1)];
-        for (int64_t g = 0; g < p.group; ++g) {
-          float* scores = b.scores + g * len + t;
-          if (n == kRows) {  // straight into the row; a short last step goes through b.four
-            dot_rows_bf16(query(p, seq, first_head + g), keys, d, scores);
-            continue;
-          }
-          dot_rows_bf16(query(p, seq, first_head + g), keys, d, b.four);
-          for (int64_t r = 0; r < n; ++r) scores[r] = b.four[r];
-        }
-        continue;
-      }
-    }
-#endif
     stage(p.k_cache, offsets + t, n, d, b.rows);
     for (int64_t g = 0; g < p.group; ++g) {
       dot_rows(b.q + g * d, b.rows, d, b.four);
@@ -380,16 +279,6 @@ template <typename T>
 void weighted_values(const Problem<T>& p, const int64_t* offsets, int64_t len,
                      const Buffers& b) {
   const int64_t d = p.head_dim;
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (d % kBf16Lanes == 0 && d <= 256) {
-      for (int64_t g = 0; g < p.group; ++g) {
-        weighted_rows_bf16_any(p.v_cache, offsets, len, b.scores + g * len, d, b.acc + g * d);
-      }
-      return;
-    }
-  }
-#endif
   std::fill(b.acc, b.acc + p.group * d, 0.f);
   for (int64_t t = 0; t < len; t += kRows) {
     const int64_t n = std::min(kRows, len - t);
@@ -420,24 +309,58 @@ void attend(const Problem<T>& p, int64_t seq, int64_t head, std::vector<float>& 
   softmax_rows(p, len, b);
   weighted_values(p, offsets.data(), len, b);
   T* out = p.out + (seq * p.heads + first_head) * p.head_dim;
-  int64_t i = 0;
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    // vcvtneps2bf16 rounds to nearest even, as c10::BFloat16 does for finite values.
-    for (; i + kLanes <= p.group * p.head_dim; i += kLanes) {
-      const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_loadu_ps(b.acc + i));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)rounded);
-    }
-  }
-#endif
-  for (; i < p.group * p.head_dim; ++i) out[i] = static_cast<T>(b.acc[i]);
+  for (int64_t i = 0; i < p.group * p.head_dim; ++i) out[i] = static_cast<T>(b.acc[i]);
 }
+
+#if defined(__AVX512BF16__)
+// As attend, for bfloat16 on CPUs with AVX512-BF16: the prefill kernel's arithmetic
+// (bf16_attention.h), so that a token decoded here and the same token recomputed in a
+// prefill chunk after a preemption get the same bits. With one query token per task there
+// is nothing to reuse a layout for: keys are transposed block by block as they are used.
+void attend_bf16(const Problem<bf16>& p, int64_t seq, int64_t head, Workspace& w) {
+  const int64_t len = p.context_lens[seq];
+  check_sequence(p, seq, len);
+  const PagedKV kv{p.k_cache, p.v_cache, p.block_tables + seq * p.width, p.cache_blocks,
+                   p.block_size, p.head_dim};
+  w.start(kv, head, len, std::min(p.group, kUnit));
+  w.keys.resize(2 * p.head_dim / 2 * kKeys);
+  const Direct keys_and_values{w, p.head_dim, len, w.keys.data()};
+  for (int64_t first = 0; first < p.group; first += kUnit) {
+    const int64_t n = std::min(kUnit, p.group - first);
+    Unit u;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t h = head * p.group + first + i;
+      u.queries[i] = reinterpret_cast<const uint32_t*>(query(p, seq, h));
+      u.out[i] = p.out + (seq * p.heads + h) * p.head_dim;
+      u.lens[i] = len;
+    }
+    u.max_len = len;
+    attend_unit(u, n, p.head_dim, p.scale, w, keys_and_values);
+  }
+}
+
+// Whether attend_bf16 serves these shapes: head_dim a multiple of 32 up to 256.
+bool bf16_kernel_serves(int64_t head_dim) {
+  return head_dim % kChunk == 0 && head_dim <= 8 * kChunk;
+}
+#endif
 
 template <typename T>
 void run(const Problem<T>& p, int64_t batch) {
   // One task per (sequence, kv head): equal work when contexts are similar, and enough
   // tasks (batch * kv_heads) to keep every thread busy.
   at::parallel_for(0, batch * p.kv_heads, 1, [&](int64_t begin, int64_t end) {
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, bf16>) {
+      if (bf16_kernel_serves(p.head_dim)) {
+        Workspace w;
+        for (int64_t task = begin; task < end; ++task) {
+          attend_bf16(p, task / p.kv_heads, task % p.kv_heads, w);
+        }
+        return;
+      }
+    }
+#endif
     std::vector<float> scratch;
     std::vector<int64_t> offsets;
     for (int64_t task = begin; task < end; ++task) {

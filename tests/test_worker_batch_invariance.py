@@ -1,0 +1,140 @@
+"""A token's logits are the same bits however the worker computes its row.
+
+A decode step puts a sequence beside whatever else is running, and recompute after a
+preemption prefills, in chunks under the token budget, tokens that were decoded one per
+step. Greedy output stays the solo run's only if a row's arithmetic depends neither on its
+company nor on which kernel (decode or prefill) runs it. In bfloat16, the default, any
+difference is enough to flip a near-tie, so equality here is bitwise. On the default model,
+in bfloat16 and in float32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_worker.protocol import WorkerConfig
+from gpu_worker.runner import ModelRunner
+from service.config import default_cache_dir
+from service.model_files.resolve import resolve_model
+from tests.worker_fixtures import Chunk, make_plan
+
+pytestmark = pytest.mark.real_model
+
+PROMPT = 21  # tokens prefilled before decoding starts
+LENGTH = 45  # prompt and decoded tokens
+OTHERS = 15  # sequences that may share a decode step
+SEQ = 0
+
+
+def random_tokens(count: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 49152, (count,), generator=generator).tolist()
+
+
+TOKENS = random_tokens(LENGTH, seed=1)
+
+
+@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+def runner(request) -> ModelRunner:
+    model_dir = resolve_model(None, default_cache_dir())
+    config = WorkerConfig(
+        model_dir=str(model_dir), dtype=request.param, device="cpu", kv_memory=float(1 << 28)
+    )
+    return ModelRunner(config)
+
+
+class Blocks:
+    """Hands out fresh block tables, so that no two sequences (or runs) share a block."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.next = 0
+
+    def table(self, tokens: int) -> list[int]:
+        count = -(-tokens // self.block_size)
+        self.next += count
+        return list(range(self.next - count, self.next))
+
+
+def logits_by_position(runner: ModelRunner, steps: list[list[Chunk]]) -> dict[int, torch.Tensor]:
+    """Runs the steps; the logits of SEQ's last row in each, by that row's position."""
+    found = {}
+    for chunks in steps:
+        logits = runner.step_logits(make_plan(chunks))
+        mine = next(i for i, c in enumerate(chunks) if c.seq_id == SEQ)
+        found[chunks[mine].start + len(chunks[mine].tokens) - 1] = logits[mine]
+    return found
+
+
+def decoding_steps(table: list[int], company: list[list[Chunk]]) -> list[list[Chunk]]:
+    """The prompt in one chunk, then one token per step, each beside company[i]."""
+    steps = [[Chunk(SEQ, TOKENS[:PROMPT], 0, table)]]
+    for i, position in enumerate(range(PROMPT, LENGTH)):
+        steps.append([Chunk(SEQ, [TOKENS[position]], position, table), *company[i]])
+    return steps
+
+
+def decoding_company(runner: ModelRunner, blocks: Blocks) -> list[list[Chunk]]:
+    """Other sequences, prefilled now, and for each decode step some of them (all OTHERS in
+    the first) decoding one token each at their own positions: the batch size changes
+    every step."""
+    lengths = [5 + 7 * i % 30 for i in range(OTHERS)]
+    tables = [blocks.table(n + LENGTH) for n in lengths]
+    prompts = [random_tokens(n, seed=100 + i) for i, n in enumerate(lengths)]
+    others = range(1, OTHERS + 1)
+    runner.step_logits(make_plan([Chunk(s, prompts[s - 1], 0, tables[s - 1]) for s in others]))
+    positions = list(lengths)
+    company = []
+    for step in range(LENGTH - PROMPT):
+        beside = []
+        for s in others[: OTHERS - (step * 4) % OTHERS]:
+            beside.append(Chunk(s, [TOKENS[step]], positions[s - 1], tables[s - 1]))
+            positions[s - 1] += 1
+        company.append(beside)
+    return company
+
+
+def recompute_steps(table: list[int], chunk: int, beside: list[Chunk]) -> list[list[Chunk]]:
+    """The whole sequence again, as after a preemption: prefill chunks of `chunk` tokens."""
+    return [
+        [Chunk(SEQ, TOKENS[start : start + chunk], start, table), *beside]
+        for start in range(0, LENGTH, chunk)
+    ]
+
+
+def assert_same_bits(found: dict[int, torch.Tensor], reference: dict[int, torch.Tensor]) -> None:
+    """Equal logits at every position both have (decoded positions: the prompt's last on)."""
+    shared = sorted(found.keys() & reference.keys())
+    assert shared
+    differing = [p for p in shared if not torch.equal(found[p], reference[p])]
+    assert not differing, f"logits differ at positions {differing} of {shared}"
+
+
+@pytest.fixture(scope="module")
+def decoded_alone(runner: ModelRunner) -> dict[int, torch.Tensor]:
+    blocks = Blocks(runner.cache.block_size)
+    no_company = [[] for _ in range(LENGTH - PROMPT)]
+    return logits_by_position(runner, decoding_steps(blocks.table(LENGTH), no_company))
+
+
+def test_a_decode_row_ignores_the_sequences_beside_it(runner, decoded_alone):
+    blocks = Blocks(runner.cache.block_size)
+    table = blocks.table(LENGTH)
+    company = decoding_company(runner, blocks)
+    assert_same_bits(logits_by_position(runner, decoding_steps(table, company)), decoded_alone)
+
+
+@pytest.mark.parametrize("chunk", [2, 7, 16, LENGTH])
+def test_recompute_in_chunks_gives_the_decoded_bits(runner, decoded_alone, chunk):
+    blocks = Blocks(runner.cache.block_size)
+    found = logits_by_position(runner, recompute_steps(blocks.table(LENGTH), chunk, []))
+    assert_same_bits(found, decoded_alone)
+
+
+def test_recompute_beside_decode_rows_gives_the_decoded_bits(runner, decoded_alone):
+    blocks = Blocks(runner.cache.block_size)
+    table = blocks.table(LENGTH)
+    company = decoding_company(runner, blocks)
+    found = logits_by_position(runner, recompute_steps(table, 6, company[0]))
+    assert_same_bits(found, decoded_alone)
