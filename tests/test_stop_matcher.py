@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 
-from service.engine.detokenizer import StopMatcher
+from service.engine.detokenizer import StopMatcher, _fallback_table
 
 
 def words(max_len: int) -> list[str]:
@@ -55,3 +55,16 @@ def test_pieces_of_any_size_report_the_earliest_stop_start():
                         break
                     assert starts_back is None
                     assert matcher.held == held_reference(seen, list(stops))
+
+
+def borders_reference(stop: str) -> list[int]:
+    """For each prefix of `stop`, its longest proper prefix that is also its suffix."""
+    return [
+        max((k for k in range(n) if stop[:n].endswith(stop[:k])), default=0)
+        for n in range(1, len(stop) + 1)
+    ]
+
+
+def test_the_fallback_table_is_the_longest_border_of_each_prefix():
+    for stop in words(9):
+        assert _fallback_table(stop) == borders_reference(stop), stop
