@@ -8,7 +8,7 @@ import sys
 
 
 def bench(argv: list[str] | None = None) -> int:
-    """`cadence bench SCENARIO | compare | engine | sampler ...`."""
+    """`cadence bench SCENARIO | compare | engine | sampler | roofline ...`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command, rest = (argv[0], argv[1:]) if argv else ("", argv)
     if command == "compare":
@@ -17,6 +17,8 @@ def bench(argv: list[str] | None = None) -> int:
         from ops.engine_bench import main
     elif command == "sampler":
         from ops.sampler_bench import main
+    elif command == "roofline":
+        from ops.roofline import main
     else:
         from ops.bench import main
 
