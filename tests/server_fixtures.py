@@ -85,6 +85,24 @@ class RunningServer:
         raise TimeoutError(f"server at {self.url} not healthy after {timeout} s")
 
 
+def wait_for_health(server: RunningServer, status: int, timeout: float) -> float:
+    """Seconds until /health answers `status` (polling every 20 ms)."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        if httpx.get(f"{server.url}/health", timeout=10).status_code == status:
+            return time.monotonic() - started
+        time.sleep(0.02)
+    raise TimeoutError(f"/health never answered {status} within {timeout} s")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def cache_dir() -> Path:
     return default_cache_dir() if os.environ.get("CADENCE_CACHE") else Path("/root/.cache/cadence")
 

@@ -22,7 +22,7 @@ from gpu_worker.protocol import BatchPlan, Handshake, StepResult
 from service.config import Config
 from service.engine.assembly import open_engine
 from service.engine.engine import Engine
-from service.engine.request import Event, FinishEvent, TokenEvent
+from service.engine.request import Event, FinishEvent, SamplingParams, SamplingSpec, TokenEvent
 from service.engine.stats import IterationStats, RequestStats
 from service.engine.worker_link import WorkerDied, WorkerStartError
 
@@ -205,6 +205,10 @@ class SimWorker:
             if pos >= 0:
                 h = (h * 1000003 + self._read(table, seq_id, pos)) % 1_000_000_007
         return 97 + h % 26  # a..z
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, sampling=SamplingSpec(temperature=0.0), **kw)
 
 
 def expected_tokens(prompt: list[int], count: int) -> list[int]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from tests.server_fixtures import (
     start_server,
     stop_server,
     stream_completion,
+    wait_for_health,
 )
 
 pytestmark = pytest.mark.real_model
@@ -28,16 +28,6 @@ def own_server(tmp_path: Path) -> Iterator[RunningServer]:
     server = start_server(tmp_path)
     yield server
     stop_server(server)
-
-
-def wait_for_health(server: RunningServer, status: int, timeout: float) -> float:
-    """Seconds until /health answers `status` (polling every 20 ms)."""
-    started = time.monotonic()
-    while time.monotonic() - started < timeout:
-        if httpx.get(f"{server.url}/health", timeout=10).status_code == status:
-            return time.monotonic() - started
-        time.sleep(0.02)
-    raise TimeoutError(f"/health never answered {status} within {timeout} s")
 
 
 async def test_sigkill_of_the_worker_mid_stream(own_server: RunningServer) -> None:

@@ -18,15 +18,12 @@ from tests.sim_worker import (
     SimWorker,
     collect,
     expected_tokens,
+    greedy,
     running_engine,
     sim_config,
 )
 
 TOK = SimTokenizer()
-
-
-def greedy(max_tokens: int, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, sampling=SamplingSpec(temperature=0.0), **kw)
 
 
 async def test_stream_yields_tokens_then_one_finish(autojump_clock):

@@ -10,12 +10,14 @@ import trio
 from structlog.testing import capture_logs
 
 from service.engine.engine import EngineFailed, EngineUnavailable
-from service.engine.request import SamplingParams, SamplingSpec
-from tests.sim_worker import SimWorker, collect, expected_tokens, running_engine, sim_config
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, sampling=SamplingSpec(temperature=0.0))
+from tests.sim_worker import (
+    SimWorker,
+    collect,
+    expected_tokens,
+    greedy,
+    running_engine,
+    sim_config,
+)
 
 
 async def wait_until(condition, timeout: float = 60.0) -> float:
@@ -90,14 +92,19 @@ async def test_restarts_are_bounded_then_the_waiting_fail_and_the_engine_stops(a
     assert worker._start_calls == 1 + 3
 
 
-async def test_a_restart_within_the_bound_keeps_the_waiting(autojump_clock):
-    worker = SimWorker(die_at_step=2, failing_starts=2)
+async def served_behind_a_crash(worker: SimWorker) -> list[int]:
+    """A request waits behind one running when the worker dies; what it gets in the end."""
     config = sim_config(max_num_seqs=1, max_worker_restarts=3)
     async with running_engine(config, worker) as engine:
         await engine.submit([1, 2], greedy(10), request_id="running")
         waiting = await engine.submit([3, 4], greedy(5), request_id="waiting")
-        served = await collect(waiting)
-    assert served.token_ids == expected_tokens([3, 4], 5)
+        with trio.fail_after(3600):  # virtual seconds: a hang fails instead of stalling
+            return (await collect(waiting)).token_ids
+
+
+async def test_a_restart_within_the_bound_keeps_the_waiting(autojump_clock):
+    worker = SimWorker(die_at_step=2, failing_starts=2)
+    assert await served_behind_a_crash(worker) == expected_tokens([3, 4], 5)
     assert worker.starts == 2
 
 
@@ -143,11 +150,5 @@ async def test_iteration_lines_are_sampled(autojump_clock, every: int, logged: i
 
 async def test_a_restart_that_hangs_is_abandoned_and_counts_as_a_failed_start(autojump_clock):
     worker = SimWorker(die_at_step=2, hang_at_start=2)
-    config = sim_config(max_num_seqs=1, max_worker_restarts=3)
-    async with running_engine(config, worker) as engine:
-        await engine.submit([1, 2], greedy(10), request_id="running")
-        waiting = await engine.submit([3, 4], greedy(5), request_id="waiting")
-        with trio.fail_after(3600):
-            served = await collect(waiting)
-    assert served.token_ids == expected_tokens([3, 4], 5)
+    assert await served_behind_a_crash(worker) == expected_tokens([3, 4], 5)
     assert worker._start_calls == 3 and worker.kills == 2  # the dead one, the hung start

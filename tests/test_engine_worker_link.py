@@ -11,6 +11,7 @@ import trio
 
 from gpu_worker.protocol import BatchPlan, SamplingSpec, WorkerConfig
 from service.engine.worker_link import WorkerDied, WorkerLink, WorkerStartError
+from tests.server_fixtures import alive
 
 CHILD = str(Path(__file__).with_name("fake_worker_child.py"))
 
@@ -33,14 +34,6 @@ def plan(step_id: int) -> BatchPlan:
         sample=[True, False],
         sampling=[SamplingSpec(), SamplingSpec()],
     )
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 async def test_handshake_steps_and_clean_stop():

@@ -21,10 +21,12 @@ import trio
 from tests.server_fixtures import (
     ADMIN_TOKEN,
     RunningServer,
+    alive,
     cache_dir,
     start_server,
     stop_server,
     stream_completion,
+    wait_for_health,
 )
 
 pytestmark = pytest.mark.real_model
@@ -38,10 +40,6 @@ def watched_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running
     stop_server(server)
 
 
-def health(server: RunningServer) -> int:
-    return httpx.get(f"{server.url}/health", timeout=10).status_code
-
-
 def seconds_until(condition, timeout: float) -> float:
     started = time.monotonic()
     while not condition():
@@ -51,16 +49,8 @@ def seconds_until(condition, timeout: float) -> float:
     return time.monotonic() - started
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def replaced_worker(server: RunningServer, old_pid: int) -> int:
-    seconds_until(lambda: health(server) == 200, 300)
+    wait_for_health(server, 200, 300)
     new_pid = server.admin_state()["worker_pid"]
     assert new_pid != old_pid and not alive(old_pid)
     return new_pid
@@ -69,7 +59,7 @@ def replaced_worker(server: RunningServer, old_pid: int) -> int:
 def test_sigkill_of_an_idle_worker_is_noticed_at_once(watched_server: RunningServer) -> None:
     old_pid = watched_server.admin_state()["worker_pid"]
     os.kill(old_pid, signal.SIGKILL)
-    down = seconds_until(lambda: health(watched_server) == 503, 10)
+    down = wait_for_health(watched_server, 503, 10)
     replaced_worker(watched_server, old_pid)
     print(f"/health went 503 {down:.2f} s after the SIGKILL, with no request sent")
     metrics = httpx.get(f"{watched_server.url}/metrics", timeout=10).text
@@ -81,7 +71,7 @@ def test_sigstop_of_an_idle_worker_is_noticed_and_the_worker_replaced(
 ) -> None:
     old_pid = watched_server.admin_state()["worker_pid"]
     os.kill(old_pid, signal.SIGSTOP)
-    down = seconds_until(lambda: health(watched_server) == 503, 30)
+    down = wait_for_health(watched_server, 503, 30)
     replaced_worker(watched_server, old_pid)
     print(f"/health went 503 {down:.2f} s after the SIGSTOP (step timeout {STEP_TIMEOUT} s)")
     hung = watched_server.log_events("worker.hung")
