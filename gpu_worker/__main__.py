@@ -82,7 +82,8 @@ class WorkerLoop:
         handshake = self.runner.handshake
         log(
             f"ready: {handshake.model_name} on {handshake.device} ({handshake.dtype}), "
-            f"{handshake.num_blocks} KV blocks, loaded in {handshake.load_seconds:.1f}s"
+            f"{handshake.num_blocks} KV blocks, loaded in {handshake.load_seconds:.1f}s; "
+            f"kernels {_chosen(handshake.kernels)}"
         )
         self.send(to_message("ready", handshake))
         return None
@@ -111,6 +112,12 @@ def keep_freed_memory() -> None:
         return  # not glibc: nothing to tune
     libc.mallopt(_M_MMAP_THRESHOLD, 32 * 1024 * 1024)  # glibc's largest accepted value
     libc.mallopt(_M_TRIM_THRESHOLD, 1024 * 1024 * 1024)
+
+
+def _chosen(report: dict) -> str:
+    """ "attention=native layer_ops=native matmul=onednn (measured)" """
+    names = " ".join(f"{seam}={report[seam]}" for seam in ("attention", "layer_ops", "matmul"))
+    return f"{names} ({'cached' if report['cached'] else 'measured'})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,57 +1,57 @@
-"""Paged attention in plain PyTorch.
+"""Paged attention: the index tensors of one step, and the backends that compute it.
 
-Each layer's cache is a pair of tensors [kv_heads, num_blocks, block_size, head_dim]; a
-sequence's token at absolute position p lives in slot p % block_size of block
-block_table[p // block_size]. Heads come first so that gathering a sequence's blocks
-yields, per head, one contiguous [tokens, head_dim] matrix: what the matmuls want.
+Each layer's cache (kv_cache.LayerKV) is a pair of tensors [kv_heads, num_blocks,
+block_size, head_dim]; a sequence's token at absolute position p lives in slot
+p % block_size of block block_table[p // block_size]. Heads come first so that gathering a
+sequence's blocks yields, per head, one contiguous [tokens, head_dim] matrix: what the
+matmuls want. The model has written the new tokens' K/V into their slots (with the rotary
+embedding, layer_ops.rope_and_cache_) before a layer attends.
 
-The model has written the new tokens' K/V into their slots (with the rotary embedding,
-layer_ops.rope_and_cache_) before a layer attends:
+A step holds prefill chunks (sequences with several new tokens), attended one at a time,
+and decode tokens (sequences with one new token), attended all together. Three backends
+compute them; gpu_worker.kernels picks one per worker by measuring the candidates:
 
-- prefill chunks (sequences with several new tokens), one at a time: a chunk that starts
-  at position 0 attends over its own K/V; a later chunk gathers the sequence's cached
-  prefix from its blocks. Queries go in blocks that only compute against the keys they
-  can see (causal by absolute position), which halves a long chunk's work next to SDPA's
-  CPU kernel, which computes the full square and masks it. Over long contexts, whose score
-  matrices outgrow the cache, PyTorch's CPU flash-attention kernel takes over: once over the
-  cached prefix, once causally over the chunk itself, the two merged by log-sum-exp. On a
-  CPU with AVX512-BF16, bfloat16 chunks go to a C++ kernel instead (gpu_worker.native),
-  which reads the cache itself; on other CPUs (and in float32) the native decode kernel
-  takes the chunk's rows, one query each, where it builds;
-- decode tokens (sequences with one new token), all together, over their block tables
-  padded to a common width: the keys are gathered into a buffer shared by every layer
-  for one batched matmul, the softmax is masked by context length, and the values are
-  never copied: embedding_bag sums the probability-weighted value rows straight from
-  the cache. With one query per sequence this is memory-bound, and on a CPU it runs
-  several times faster than SDPA's kernel over gathered K and V. On a CPU, a C++ kernel
-  (gpu_worker.native) does better still when it builds: it walks the block tables itself
-  and reads each K/V byte once.
+- TorchAttention, PyTorch ops on any device, the reference. A chunk's queries go in blocks
+  that only compute against the keys they can see (causal by absolute position), which
+  halves a long chunk's work next to SDPA's CPU kernel, which computes the full square and
+  masks it. Over long contexts, whose score matrices outgrow the cache, PyTorch's CPU
+  flash-attention kernel takes over: once over the cached prefix, once causally over the
+  chunk itself, the two merged by log-sum-exp. Decode tokens' keys are gathered into a
+  buffer for one batched matmul, the softmax is masked by context length, and the values
+  are never copied: embedding_bag sums the probability-weighted value rows straight from
+  the cache.
+- NativeAttention, the C++ kernels (gpu_worker.native): decode rows and prefill chunks each
+  walk their block tables and read each K/V byte once. The chunk kernel needs bfloat16 on a
+  CPU with AVX512-BF16.
+- NativeRowsAttention, where the chunk kernel does not serve: the C++ decode kernel takes a
+  chunk's rows too, one query each.
 
-The index tensors and buffers are built once per step and shared by every layer, so the
-per-layer work is a handful of kernels with no host synchronisation.
-
-With the native kernels a query row gets the same bits whatever else is in the step and
+With the native backends a query row gets the same bits whatever else is in the step and
 whether it is a decode row or a row of a prefill chunk, so recompute after a preemption
-reproduces the tokens decoded before it, in bfloat16 too. The PyTorch paths (CUDA, or no
-compiler) agree with them only to float tolerance.
+reproduces the tokens decoded before it, in bfloat16 too (`row_invariant`). PyTorch agrees
+with them only to float tolerance.
+
+The index tensors are built once per step and shared by every layer, so the per-layer work
+is a handful of kernels with no host synchronisation.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from gpu_worker import native
+from gpu_worker.kv_cache import LayerKV
 
 QUERY_BLOCK = 128  # prefill queries per attention block
 # Past this many keys, a query block's score matrices (bfloat16 scores, float32 and
 # bfloat16 probabilities for 128 queries of 9 heads: 19 MB at 2048 keys) outgrow the CPU's
 # last-level cache and the blocked path slows down sharply; the flash kernel, which holds
-# no score matrix, takes over (BENCHMARKS.md has the A/B).
+# no score matrix, takes over (BENCHMARKS.md has the A/B). PyTorch has it for CPUs only.
 FLASH_MIN_CONTEXT = 2048
 # (output [B, heads, n, d], log-sum-exp [B, heads, n] in float32) of q, k, v [B, heads, n, d]
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -60,22 +60,22 @@ _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 @dataclass(slots=True)
 class PrefillChunk:
     rows: slice  # the chunk's rows in the flattened batch
-    # Rows of the cache seen as [kv_heads * blocks, ...] that hold the context, head by head;
-    # None when the chunk starts at 0 and attends only to itself.
-    cache_rows: torch.Tensor | None
     start: int  # absolute position of the chunk's first token
     context_len: int  # start position + number of new tokens
-    causal_tile: torch.Tensor  # [QUERY_BLOCK, QUERY_BLOCK]: -inf above the diagonal
-    block_table: torch.Tensor  # [W] the sequence's blocks, for the native kernel
-    # Where the chunk's rows run through the native decode kernel (see _prefill_attention):
-    # each row's block table [n, blocks] and context length [n]; None elsewhere.
+    block_table: torch.Tensor  # [W] the sequence's blocks
+    # TorchAttention's: rows of the cache seen as [kv_heads * blocks, ...] that hold the
+    # context, head by head (None when the chunk starts at 0 and attends only to itself),
+    # and a [QUERY_BLOCK, QUERY_BLOCK] tile, -inf above the diagonal.
+    cache_rows: torch.Tensor | None = None
+    causal_tile: torch.Tensor | None = None
+    # NativeRowsAttention's: each row's block table [n, blocks] and context length [n].
     row_tables: torch.Tensor | None = None
     row_lens: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
 class DecodeGather:
-    """The PyTorch decode path's index tensors and key buffer."""
+    """TorchAttention's decode index tensors and key buffer."""
 
     key_rows: torch.Tensor  # [kv_heads * B * W] rows of the cache seen as [heads * blocks, ...]
     bias: torch.Tensor  # [kv_heads * B, 1, W * block_size]: 0 for a visible key, -inf past the end
@@ -91,7 +91,43 @@ class DecodeGroup:
     rows: slice | torch.Tensor  # rows of the flattened batch that are single-token sequences
     block_tables: torch.Tensor  # [B, W]
     context_lens: torch.Tensor  # [B]
-    gather: DecodeGather | None  # None where the native kernel reads the cache itself
+    gather: DecodeGather | None = None  # TorchAttention's only
+
+
+class AttentionBackend:
+    """One way to compute paged attention; see the module docstring for the three.
+
+    The defaults fit kernels that walk the block tables themselves and need no more."""
+
+    name: str
+    row_invariant: bool  # a row's bits depend on nothing but its query and context
+
+    def decode_group(
+        self,
+        rows: slice | torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        cache_like: torch.Tensor,
+        group_size: int,
+    ) -> DecodeGroup:
+        """Tensor ops only, so that a CUDA graph can capture it with static inputs."""
+        return DecodeGroup(rows, block_tables, context_lens)
+
+    def prefill_chunk(
+        self, chunk: PrefillChunk, table: torch.Tensor, cache_like: torch.Tensor
+    ) -> PrefillChunk:
+        """Adds what this backend needs to a chunk; `table` covers exactly its context."""
+        return chunk
+
+    def decode(self, q: torch.Tensor, kv: LayerKV, group: DecodeGroup) -> torch.Tensor:
+        """q [B, heads, d] -> [B, heads, d]."""
+        raise NotImplementedError
+
+    def prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, chunk: PrefillChunk
+    ) -> torch.Tensor:
+        """One sequence's chunk: q [n, heads, d], its own k/v [n, kv_heads, d] -> [n, heads, d]."""
+        raise NotImplementedError
 
 
 @dataclass(slots=True)
@@ -100,45 +136,122 @@ class AttentionMetadata:
     decode: DecodeGroup | None
     prefills: list[PrefillChunk]
     num_tokens: int
+    backend: AttentionBackend
 
     @property
     def decode_only(self) -> bool:
         return not self.prefills
 
 
-def decode_group(
-    rows: slice | torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    cache_like: torch.Tensor,
-    group_size: int,
-    use_native: bool = True,
-) -> DecodeGroup:
-    """Tensor ops only, so a CUDA graph can capture it with static inputs.
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, meta: AttentionMetadata
+) -> torch.Tensor:
+    """New tokens' q [T, heads, d] and k/v [T, kv_heads, d] -> attention output [T, heads * d].
 
-    `cache_like` is any layer's cache tensor (it gives shapes and dtype); `group_size`
-    the number of query heads per key/value head. The native kernel runs where
-    `use_native` allows it and it is available: on CPU caches, when it builds.
+    The new tokens' K/V must already be in their cache slots (layer_ops.rope_and_cache_).
     """
-    gather = None
-    if not (use_native and _native_kernel(cache_like) is not None):
+    num_tokens, backend, group = q.shape[0], meta.backend, meta.decode
+    if group is not None and meta.decode_only:
+        return backend.decode(q, kv, group).reshape(num_tokens, -1)
+    out = q.new_empty(q.shape)
+    for chunk in meta.prefills:
+        rows = chunk.rows
+        out[rows] = backend.prefill(q[rows], k[rows], v[rows], kv, chunk)
+    if group is not None:
+        out[group.rows] = backend.decode(q[group.rows], kv, group)
+    return out.view(num_tokens, -1)
+
+
+class TorchAttention(AttentionBackend):
+    name = "torch"
+    row_invariant = False
+
+    def decode_group(
+        self,
+        rows: slice | torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        cache_like: torch.Tensor,
+        group_size: int,
+    ) -> DecodeGroup:
         gather = _decode_gather(block_tables, context_lens, cache_like, group_size)
-    return DecodeGroup(rows, block_tables, context_lens, gather)
+        return DecodeGroup(rows, block_tables, context_lens, gather)
+
+    def prefill_chunk(
+        self, chunk: PrefillChunk, table: torch.Tensor, cache_like: torch.Tensor
+    ) -> PrefillChunk:
+        kv_heads, cache_blocks = cache_like.shape[:2]
+        if chunk.start > 0:
+            heads = torch.arange(kv_heads)[:, None] * cache_blocks
+            rows = (heads + table).reshape(-1)
+            chunk.cache_rows = rows.to(cache_like.device, non_blocking=True)
+        chunk.causal_tile = causal_tile(cache_like.dtype, cache_like.device)
+        return chunk
+
+    def decode(self, q: torch.Tensor, kv: LayerKV, group: DecodeGroup) -> torch.Tensor:
+        return _gathered_decode_attention(q, kv.k, kv.v, group.gather)
+
+    def prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, chunk: PrefillChunk
+    ) -> torch.Tensor:
+        if chunk.context_len > FLASH_MIN_CONTEXT and q.device.type == "cpu":
+            return _flash_prefill_attention(q, k, v, kv.k, kv.v, chunk)
+        return _blocked_prefill_attention(q, k, v, kv.k, kv.v, chunk)
 
 
-def _native_kernel(cache_like: torch.Tensor) -> Callable[..., torch.Tensor] | None:
-    """The C++ decode kernel for this cache, or None (CUDA keeps the PyTorch path)."""
-    kernels = native.kernels() if cache_like.device.type == "cpu" else None
-    return None if kernels is None else kernels.paged_decode_attention
+class NativeAttention(AttentionBackend):
+    name = "native"
+    row_invariant = True
+
+    def __init__(self, kernels: Any) -> None:
+        self.kernels = kernels
+
+    @staticmethod
+    def serves(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+        """bfloat16, on a CPU where the chunk kernel is registered (AVX512-BF16)."""
+        kernels = native.kernels() if device.type == "cpu" else None
+        return (
+            dtype == torch.bfloat16
+            and head_dim % 32 == 0
+            and head_dim <= 256
+            and hasattr(kernels, "paged_prefill_attention")
+        )
+
+    def decode(self, q: torch.Tensor, kv: LayerKV, group: DecodeGroup) -> torch.Tensor:
+        return self.kernels.paged_decode_attention(
+            q, kv.k, kv.v, group.block_tables, group.context_lens, q.shape[-1] ** -0.5
+        )
+
+    def prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, chunk: PrefillChunk
+    ) -> torch.Tensor:
+        return self.kernels.paged_prefill_attention(
+            q, kv.k, kv.v, chunk.block_table, chunk.start, q.shape[-1] ** -0.5
+        )
 
 
-def _native_prefill_kernel(q: torch.Tensor) -> Callable[..., torch.Tensor] | None:
-    """The C++ prefill kernel where it serves q: bfloat16 on a CPU with AVX512-BF16."""
-    if not (q.device.type == "cpu" and q.dtype == torch.bfloat16):
-        return None
-    head_dim = q.shape[-1]
-    kernels = native.kernels() if head_dim % 32 == 0 and head_dim <= 256 else None
-    return getattr(kernels, "paged_prefill_attention", None)
+class NativeRowsAttention(NativeAttention):
+    name = "native-rows"
+
+    @staticmethod
+    def serves(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+        """Any dtype, on a CPU where the kernels build."""
+        return device.type == "cpu" and native.kernels() is not None
+
+    def prefill_chunk(
+        self, chunk: PrefillChunk, table: torch.Tensor, cache_like: torch.Tensor
+    ) -> PrefillChunk:
+        count = chunk.context_len - chunk.start
+        chunk.row_tables = table.expand(count, -1).contiguous()
+        chunk.row_lens = torch.arange(chunk.start + 1, chunk.context_len + 1)
+        return chunk
+
+    def prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, chunk: PrefillChunk
+    ) -> torch.Tensor:
+        return self.kernels.paged_decode_attention(
+            q, kv.k, kv.v, chunk.row_tables, chunk.row_lens, q.shape[-1] ** -0.5
+        )
 
 
 def _decode_gather(
@@ -167,58 +280,6 @@ def _decode_gather(
         bag_rows=bag_rows.expand(kv_heads, batch, group_size, keys_per_seq).reshape(-1),
         bag_offsets=torch.arange(0, bags * keys_per_seq, keys_per_seq, device=device),
     )
-
-
-def paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-) -> torch.Tensor:
-    """New tokens' q [T, heads, d] and k/v [T, kv_heads, d] -> attention output [T, heads * d].
-
-    The new tokens' K/V must already be in their cache slots (layer_ops.rope_and_cache_).
-    """
-    num_tokens = q.shape[0]
-    group = meta.decode
-    if group is not None and meta.decode_only:
-        return _decode_attention(q, k_cache, v_cache, group).reshape(num_tokens, -1)
-    out = q.new_empty(q.shape)
-    for chunk in meta.prefills:
-        rows = chunk.rows
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk)
-    if group is not None:
-        out[group.rows] = _decode_attention(q[group.rows], k_cache, v_cache, group)
-    return out.view(num_tokens, -1)
-
-
-def _prefill_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    chunk: PrefillChunk,
-) -> torch.Tensor:
-    """One sequence's chunk: q [n, heads, d] -> [n, heads, d].
-
-    A row must get the bits the same token gets as a decode row (recompute after a
-    preemption prefills tokens that were decoded before): the native prefill kernel shares
-    the decode kernel's arithmetic; where it does not serve, the decode kernel itself takes
-    the chunk's rows, one query each.
-    """
-    scale = q.shape[-1] ** -0.5
-    kernel = _native_prefill_kernel(q)
-    if kernel is not None:
-        return kernel(q, k_cache, v_cache, chunk.block_table, chunk.start, scale)
-    if chunk.row_tables is not None:
-        decode_kernel = _native_kernel(k_cache)
-        return decode_kernel(q, k_cache, v_cache, chunk.row_tables, chunk.row_lens, scale)
-    if chunk.context_len > FLASH_MIN_CONTEXT:
-        return _flash_prefill_attention(q, k, v, k_cache, v_cache, chunk)
-    return _blocked_prefill_attention(q, k, v, k_cache, v_cache, chunk)
 
 
 def _blocked_prefill_attention(
@@ -315,17 +376,6 @@ def _merge(
     return merged.to(out_a.dtype)
 
 
-def _decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup
-) -> torch.Tensor:
-    """q [B, heads, d] -> [B, heads, d]."""
-    if group.gather is not None:
-        return _gathered_decode_attention(q, k_cache, v_cache, group.gather)
-    kernel = _native_kernel(k_cache)
-    tables, lens = group.block_tables, group.context_lens
-    return kernel(q, k_cache, v_cache, tables, lens, q.shape[-1] ** -0.5)
-
-
 def _gathered_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGather
 ) -> torch.Tensor:
@@ -385,73 +435,39 @@ def build_metadata(
     slots: torch.Tensor,
     cache_like: torch.Tensor,
     group_size: int,
+    backend: AttentionBackend,
 ) -> AttentionMetadata:
     """Index tensors of one mixed step, shared by every layer.
 
     `block_tables` is the plan's tables padded to a common width ([S, W], on the host);
     `slots` the flat cache slot of each new token, already on the device; `cache_like`
-    any layer's cache tensor; `group_size` the query heads per key/value head.
+    any layer's K cache; `group_size` the query heads per key/value head.
     """
     prefills: list[PrefillChunk] = []
     decode_seqs: list[int] = []
     decode_rows: list[int] = []
-    tile = causal_tile(cache_like.dtype, cache_like.device)
+    block_size = cache_like.shape[2]
     row = 0
     for seq, (count, start) in enumerate(zip(num_tokens, start_pos, strict=True)):
         if count == 1:
             decode_seqs.append(seq)
             decode_rows.append(row)
         else:
-            chunk = _prefill_chunk(seq, row, count, start, block_tables, cache_like, tile)
-            prefills.append(chunk)
+            table = block_tables[seq, : -(-(start + count) // block_size)]
+            chunk = PrefillChunk(slice(row, row + count), start, start + count, block_tables[seq])
+            prefills.append(backend.prefill_chunk(chunk, table, cache_like))
         row += count
     decode = None
     if decode_seqs:
         decode = _decode_group_for(
-            decode_seqs, decode_rows, start_pos, block_tables, cache_like, group_size
+            decode_seqs, decode_rows, start_pos, block_tables, cache_like, group_size, backend
         )
-    return AttentionMetadata(slots=slots, decode=decode, prefills=prefills, num_tokens=row)
+    return AttentionMetadata(slots, decode, prefills, row, backend)
 
 
 def causal_tile(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     tile = torch.full((QUERY_BLOCK, QUERY_BLOCK), -math.inf, dtype=dtype, device=device)
     return tile.triu_(diagonal=1)
-
-
-def _prefill_chunk(
-    seq: int,
-    row: int,
-    count: int,
-    start: int,
-    block_tables: torch.Tensor,
-    cache_like: torch.Tensor,
-    tile: torch.Tensor,
-) -> PrefillChunk:
-    kv_heads, cache_blocks, block_size = cache_like.shape[:3]
-    num_blocks = -(-(start + count) // block_size)
-    cache_rows = None
-    if start > 0:
-        heads = torch.arange(kv_heads)[:, None] * cache_blocks
-        rows = (heads + block_tables[seq, :num_blocks]).reshape(-1)
-        cache_rows = rows.to(cache_like.device, non_blocking=True)
-    chunk = PrefillChunk(
-        rows=slice(row, row + count),
-        cache_rows=cache_rows,
-        start=start,
-        context_len=start + count,
-        causal_tile=tile,
-        block_table=block_tables[seq],
-    )
-    if _rows_run_as_decode_queries(cache_like):
-        chunk.row_tables = block_tables[seq, :num_blocks].expand(count, -1).contiguous()
-        chunk.row_lens = torch.arange(start + 1, start + count + 1)
-    return chunk
-
-
-def _rows_run_as_decode_queries(cache_like: torch.Tensor) -> bool:
-    """Whether prefill rows go to the native decode kernel: no prefill kernel, but that one."""
-    probe = cache_like[:0, 0, 0]  # a q-like tensor: the cache's dtype, device and head_dim
-    return _native_prefill_kernel(probe) is None and _native_kernel(cache_like) is not None
 
 
 def _decode_group_for(
@@ -461,6 +477,7 @@ def _decode_group_for(
     block_tables: torch.Tensor,
     cache_like: torch.Tensor,
     group_size: int,
+    backend: AttentionBackend,
 ) -> DecodeGroup:
     device = cache_like.device
     block_size = cache_like.shape[2]
@@ -470,4 +487,4 @@ def _decode_group_for(
     lens = torch.tensor(context_lens, device=device)
     contiguous = rows[-1] - rows[0] == len(rows) - 1
     row_index = slice(rows[0], rows[-1] + 1) if contiguous else torch.tensor(rows, device=device)
-    return decode_group(row_index, tables, lens, cache_like, group_size)
+    return backend.decode_group(row_index, tables, lens, cache_like, group_size)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.attention import AttentionMetadata, decode_group
+from gpu_worker.attention import AttentionMetadata
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.model import Model
 from gpu_worker.sampler import Logits
@@ -58,9 +58,11 @@ def decode_forward(
     context_lens: torch.Tensor,
 ) -> Logits:
     """One decode token per row -> logits [rows, vocab]; tensor ops only."""
-    cache_like, group_size = cache.layers[0][0], model.config.group_size
-    group = decode_group(slice(None), block_tables, context_lens, cache_like, group_size)
-    meta = AttentionMetadata(slots=slots, decode=group, prefills=[], num_tokens=input_ids.shape[0])
+    backend = model.kernels.attention
+    group = backend.decode_group(
+        slice(None), block_tables, context_lens, cache.like, model.config.group_size
+    )
+    meta = AttentionMetadata(slots, group, [], input_ids.shape[0], backend)
     return model.logits(model.forward(input_ids, positions, cache.layers, meta))
 
 

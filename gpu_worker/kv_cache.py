@@ -19,8 +19,20 @@ class KVCacheError(ValueError):
 
 
 @dataclass(slots=True)
+class LayerKV:
+    """One layer's cache: K and V [kv_heads, num_blocks + 1, block_size, d]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def bytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+@dataclass(slots=True)
 class KVCache:
-    layers: list[tuple[torch.Tensor, torch.Tensor]]  # [kv_heads, num_blocks + 1, block_size, d]
+    layers: list[LayerKV]
     num_blocks: int  # usable by the service
     block_size: int
 
@@ -30,7 +42,12 @@ class KVCache:
 
     @property
     def bytes(self) -> int:
-        return sum(2 * k.numel() * k.element_size() for k, _v in self.layers)
+        return sum(layer.bytes for layer in self.layers)
+
+    @property
+    def like(self) -> torch.Tensor:
+        """Any layer's K cache: it gives the shapes, dtype and device of them all."""
+        return self.layers[0].k
 
 
 def block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -74,7 +91,7 @@ def allocate(
     # poison the output (NaN * 0 = NaN).
     shape = (config.num_key_value_heads, num_blocks + 1, block_size, config.head_dim)
     layers = [
-        (
+        LayerKV(
             torch.zeros(shape, dtype=dtype, device=device),
             torch.zeros(shape, dtype=dtype, device=device),
         )

@@ -23,16 +23,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from gpu_worker import native
-
-
-def for_device(device: torch.device) -> LayerOps:
-    """The fused kernels on a CPU where they build, PyTorch ops elsewhere."""
-    kernels = native.kernels() if device.type == "cpu" else None
-    return TorchLayerOps() if kernels is None else NativeLayerOps(kernels)
-
 
 class TorchLayerOps:
+    name = "torch"
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
 
@@ -70,6 +64,8 @@ class TorchLayerOps:
 
 
 class NativeLayerOps:
+    name = "native"
+
     def __init__(self, kernels: Any) -> None:
         self.rms_norm = kernels.rms_norm
         self.add_rms_norm_ = kernels.add_rms_norm_

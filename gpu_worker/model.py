@@ -6,8 +6,9 @@ the LM head runs separately, only on the rows that sample a token.
 
 The layers are plain tensors rather than nn.Modules: a decode step is hundreds of small
 kernels, and module call overhead would be a visible share of it on a CPU. Weights come in
-with their Hugging Face names; q/k/v and gate/up are fused into single matmuls at load,
-and on a CPU every matmul weight is prepacked for oneDNN once (see `Linear`).
+with their Hugging Face names; q/k/v and gate/up are fused into single matmuls at load.
+Which kernels run the attention, the small layer ops and the matmuls is the worker's
+choice (gpu_worker.kernels), made once before the model loads.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gpu_worker import layer_ops
 from gpu_worker.attention import AttentionMetadata, paged_attention
+from gpu_worker.kernels import Kernels
+from gpu_worker.kv_cache import LayerKV
 from gpu_worker.model_config import ModelConfig, RopeScaling
 from gpu_worker.sampler import Logits
 
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 REFINED_LOGITS = 8  # top logits per row recomputed in float32 when the model runs in bfloat16
 PROBE_ROWS = 64  # rows that decide whether oneDNN reduces a lone row alike (see Linear)
 
@@ -35,10 +36,10 @@ class MissingWeights(ValueError):
 class Linear:
     """y = x @ weight.T + bias.
 
-    On a CPU the weight is reordered once into oneDNN's blocked layout: the same results,
-    bit for bit, and faster than F.linear, which reorders the weight on every call (most
-    of all for the skinny matmuls of decode steps). Elsewhere, or when oneDNN cannot take
-    the weight, it is plain F.linear.
+    With `prepack` (the "onednn" matmul kernels) the weight is reordered once into oneDNN's
+    blocked layout: the same results, bit for bit, and faster than F.linear, which reorders
+    the weight on every call (most of all for the skinny matmuls of decode steps). Without
+    it, or when oneDNN cannot take the weight, it is plain F.linear.
 
     A row's result must not depend on how many rows share the call (a token decoded alone
     or beside others, or recomputed in a prefill chunk). For some shapes oneDNN reduces a
@@ -48,9 +49,11 @@ class Linear:
 
     __slots__ = ("bias", "packed", "pads_lone_rows", "weight")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, prepack: bool = True
+    ) -> None:
         self.bias = bias
-        self.packed = _onednn_packed(weight, bias)
+        self.packed = _onednn_packed(weight, bias) if prepack else None
         self.weight = weight if self.packed is None else None
         self.pads_lone_rows = self.packed is not None and not _lone_rows_reduce_alike(self)
 
@@ -118,28 +121,33 @@ class Model:
         max_positions: int,
         dtype: torch.dtype,
         device: torch.device,
+        kernels: Kernels,
     ) -> None:
         self.config = config
         self.dtype = dtype
         self.device = device
+        self.kernels = kernels
+        self.ops = kernels.layer_ops
         take = _WeightTaker(weights, dtype, device)
         self.embed = take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
-        self.layers = [_load_layer(take, config, i) for i in range(config.num_hidden_layers)]
+        prepack = kernels.matmul == "onednn"
+        self.layers = [
+            _load_layer(take, config, i, prepack) for i in range(config.num_hidden_layers)
+        ]
         self.norm = take("model.norm.weight", (config.hidden_size,))
         if config.tie_word_embeddings or "lm_head.weight" not in weights:
             lm_head = self.embed
         else:
             lm_head = take("lm_head.weight", (config.vocab_size, config.hidden_size))
-        self.lm_head = Linear(lm_head)
+        self.lm_head = Linear(lm_head, prepack=prepack)
         self.lm_head_rows = lm_head  # dense, for recomputing single logits
         self.cos, self.signed_sin = rope_tables(config, max_positions, dtype, device)
-        self.ops = layer_ops.for_device(device)
 
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: KVCaches,
+        kv_caches: list[LayerKV],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """[T] token ids at [T] positions -> final-normed hidden states [T, hidden].
@@ -154,17 +162,15 @@ class Model:
         x = F.embedding(input_ids, self.embed)
         h = ops.rms_norm(x, self.layers[0].input_norm, eps)
         next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
-        for layer, next_norm, (k_cache, v_cache) in zip(
-            self.layers, next_norms, kv_caches, strict=True
-        ):
+        for layer, next_norm, kv in zip(self.layers, next_norms, kv_caches, strict=True):
             qkv = layer.qkv(h)
             ops.rope_and_cache_(
                 qkv,
                 positions,
                 self.cos,
                 self.signed_sin,
-                k_cache,
-                v_cache,
+                kv.k,
+                kv.v,
                 meta.slots,
                 heads,
                 kv_heads,
@@ -172,7 +178,7 @@ class Model:
             q = qkv[:, :q_width].view(num_tokens, heads, head_dim)
             k = qkv[:, q_width : q_width + kv_width].view(num_tokens, kv_heads, head_dim)
             v = qkv[:, q_width + kv_width :].view(num_tokens, kv_heads, head_dim)
-            attn = paged_attention(q, k, v, k_cache, v_cache, meta)
+            attn = paged_attention(q, k, v, kv, meta)
             h = ops.add_rms_norm_(x, layer.o_proj(attn), layer.post_norm, eps)
             h = ops.add_rms_norm_(x, layer.down(ops.silu_and_mul(layer.gate_up(h))), next_norm, eps)
         return h
@@ -267,7 +273,7 @@ class _WeightTaker:
         return torch.cat(parts).contiguous()
 
 
-def _load_layer(take: _WeightTaker, cfg: ModelConfig, index: int) -> Layer:
+def _load_layer(take: _WeightTaker, cfg: ModelConfig, index: int, prepack: bool) -> Layer:
     prefix = f"model.layers.{index}."
     hidden, head_dim = cfg.hidden_size, cfg.head_dim
     q_rows = cfg.num_attention_heads * head_dim
@@ -286,9 +292,9 @@ def _load_layer(take: _WeightTaker, cfg: ModelConfig, index: int) -> Layer:
     )
     return Layer(
         input_norm=take(prefix + "input_layernorm.weight", (hidden,)),
-        qkv=Linear(qkv_weight, qkv_bias),
-        o_proj=Linear(take(attn + "o_proj.weight", (hidden, q_rows))),
+        qkv=Linear(qkv_weight, qkv_bias, prepack=prepack),
+        o_proj=Linear(take(attn + "o_proj.weight", (hidden, q_rows)), prepack=prepack),
         post_norm=take(prefix + "post_attention_layernorm.weight", (hidden,)),
-        gate_up=Linear(gate_up_weight),
-        down=Linear(take(mlp + "down_proj.weight", (hidden, inter))),
+        gate_up=Linear(gate_up_weight, prepack=prepack),
+        down=Linear(take(mlp + "down_proj.weight", (hidden, inter)), prepack=prepack),
     )

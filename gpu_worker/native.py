@@ -11,8 +11,8 @@
 
 torch.utils.cpp_extension compiles them once per machine into the torch extensions directory
 (~/.cache/torch_extensions unless TORCH_EXTENSIONS_DIR says otherwise) and later processes
-load the cached library. They are an optimisation only: when they cannot be built (no
-compiler, no ninja) the reason is logged once and callers keep the PyTorch paths.
+load the cached library. They are candidates only (gpu_worker.kernels): when they cannot
+be built (no compiler, no ninja) the reason is logged once and the PyTorch ones serve.
 
 Setting CADENCE_NATIVE_KERNELS=0 turns them off without trying to build them.
 """

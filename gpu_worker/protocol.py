@@ -33,6 +33,7 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
 }
 MAX_FRAME_BYTES = 256 * 1024 * 1024
+KERNEL_SEAMS = ("attention", "layer_ops", "matmul")  # see gpu_worker.kernels
 
 
 @dataclass(slots=True)
@@ -46,6 +47,24 @@ class WorkerConfig:
     max_num_batched_tokens: int = 8192  # largest flattened step the worker must accept
     seed: int = 0
     use_cuda_graphs: bool = True
+    kernels: str = "auto"  # "auto", or pins: "attention=native,matmul=onednn" (kernel_choice)
+    kernel_cache: str | None = None  # JSON file of measured kernel choices; None: measure
+
+
+def parse_kernel_pins(text: str) -> dict[str, str]:
+    """ "auto" -> {}; "attention=torch,matmul=aten" -> those pins; ValueError otherwise."""
+    if text.strip() == "auto":
+        return {}
+    pins = {}
+    for part in text.split(","):
+        seam, sep, name = (piece.strip() for piece in part.partition("="))
+        if not sep or seam not in KERNEL_SEAMS or not name.replace("-", "").isalnum():
+            raise ValueError(
+                f"kernels must be 'auto' or SEAM=NAME pairs separated by commas, with SEAM one "
+                f"of {', '.join(KERNEL_SEAMS)}; got {text!r}"
+            )
+        pins[seam] = name
+    return pins
 
 
 @dataclass(slots=True)
@@ -65,6 +84,9 @@ class Handshake:
     decode_buckets: list[int]
     pid: int
     load_seconds: float
+    # gpu_worker.kernel_choice's report: the kernel chosen for each seam, every
+    # candidate's measured time or failure, and whether the choice came from the cache.
+    kernels: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

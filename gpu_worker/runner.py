@@ -10,14 +10,20 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker import kv_cache
+from gpu_worker import kernel_choice, kv_cache
 from gpu_worker.attention import build_metadata
 from gpu_worker.checkpoint import load_weights
 from gpu_worker.device import free_memory_bytes, resolve_device, resolve_dtype
 from gpu_worker.graphs import DecodeRunner
 from gpu_worker.model import Model
 from gpu_worker.model_config import ModelConfig
-from gpu_worker.protocol import BatchPlan, Handshake, StepResult, WorkerConfig
+from gpu_worker.protocol import (
+    BatchPlan,
+    Handshake,
+    StepResult,
+    WorkerConfig,
+    parse_kernel_pins,
+)
 from gpu_worker.sampler import Logits, Sampler
 
 
@@ -34,6 +40,13 @@ class ModelRunner:
         context_limit = self.model_config.context_limit
         max_blocks_per_seq = -(-context_limit // block_size)
 
+        shapes = kernel_choice.Shapes.of(self.model_config, block_size, self.dtype, self.device)
+        cache_file = worker_config.kernel_cache
+        self.kernel_choice = kernel_choice.choose(
+            shapes,
+            parse_kernel_pins(worker_config.kernels),
+            Path(cache_file) if cache_file else None,
+        )
         weights = load_weights(model_dir, self.dtype, self.device)
         # The rope tables cover the whole context limit of the model.
         self.model = Model(
@@ -42,6 +55,7 @@ class ModelRunner:
             max_positions=context_limit,
             dtype=self.dtype,
             device=self.device,
+            kernels=self.kernel_choice.kernels,
         )
         del weights
         gc.collect()
@@ -81,6 +95,7 @@ class ModelRunner:
             decode_buckets=self.decode_runner.buckets,
             pid=os.getpid(),
             load_seconds=round(time.perf_counter() - started, 3),
+            kernels=self.kernel_choice.report(),
         )
 
     def execute(self, plan: BatchPlan) -> StepResult:
@@ -148,8 +163,9 @@ class ModelRunner:
             plan.start_pos,
             tables,
             slots,
-            self.cache.layers[0][0],
+            self.cache.like,
             self.model_config.group_size,
+            self.model.kernels.attention,
         )
         hidden = self.model.forward(
             torch.tensor(plan.input_ids, device=device),

@@ -14,6 +14,7 @@ from typing import Any
 
 import trio
 
+from gpu_worker.protocol import parse_kernel_pins
 from service.config import Config, default_cache_dir
 
 TOOL_COMMANDS = "cadence.commands"  # entry-point group: commands other packages provide
@@ -149,6 +150,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument(
+        "--kernels",
+        type=kernel_pins,
+        default=defaults.kernels,
+        help="'auto' (measure the candidates on this machine, cached per machine) or pins "
+        "such as 'attention=native-rows,matmul=aten' (seams: attention, layer_ops, matmul)",
+    )
+    p.add_argument(
         "--debug-invariants", action="store_true", help="check KV block accounting every iteration"
     )
 
@@ -161,6 +169,14 @@ def parse_key_value(text: str) -> tuple[str, Any]:
         return key, json.loads(raw)
     except json.JSONDecodeError:
         return key, raw
+
+
+def kernel_pins(text: str) -> str:
+    try:
+        parse_kernel_pins(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def positive_int(text: str) -> int:

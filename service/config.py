@@ -27,6 +27,7 @@ class Config:
     block_size: int = 16
     cache_dir: Path = field(default_factory=default_cache_dir)
     use_cuda_graphs: bool = True
+    kernels: str = "auto"  # measure each seam's candidates, or pin some: "attention=torch"
     seed: int = 0
     # supervision of the worker
     step_timeout: float = 30.0  # a step (or an idle ping) slower than this means a hung worker

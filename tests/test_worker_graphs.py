@@ -43,14 +43,14 @@ def test_padded_decode_batch_matches_unpadded_and_touches_no_other_kv(tiny_llama
     _prefill(runner, 99, random_prompt(30, seed=50), bystander_table)
 
     caches = runner.cache.layers
-    before = [(k.clone(), v.clone()) for k, v in caches]
+    before = [(kv.k.clone(), kv.v.clone()) for kv in caches]
     decodes = [Chunk(i, [firsts[i]], len(prompts[i]), tables[i]) for i in range(len(prompts))]
     padded_logits = runner.step_logits(make_plan(decodes))  # 5 rows, run as a bucket of 8
 
     written = {(t[len(p) // 4], len(p) % 4) for p, t in zip(prompts, tables, strict=True)}
     scratch = runner.cache.scratch_block
-    for (k_before, v_before), (k_after, v_after) in zip(before, caches, strict=True):
-        for before_t, after_t in ((k_before, k_after), (v_before, v_after)):
+    for (k_before, v_before), after in zip(before, caches, strict=True):
+        for before_t, after_t in ((k_before, after.k), (v_before, after.v)):
             changed = (before_t != after_t).any(dim=(0, 3)).nonzero().tolist()
             touched = {(block, slot) for block, slot in changed}
             assert touched - {(scratch, 0)} <= written
@@ -58,8 +58,8 @@ def test_padded_decode_batch_matches_unpadded_and_touches_no_other_kv(tiny_llama
 
     # The same decodes one at a time (bucket 1: no padding) give the same logits.
     for layer, (k_before, v_before) in zip(caches, before, strict=True):
-        layer[0].copy_(k_before)
-        layer[1].copy_(v_before)
+        layer.k.copy_(k_before)
+        layer.v.copy_(v_before)
     for i, chunk in enumerate(decodes):
         alone = runner.step_logits(make_plan([chunk]))[0]
         assert max_diff(padded_logits[i], alone) < 1e-4 * max(1.0, alone.abs().max().item())

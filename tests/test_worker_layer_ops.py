@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gpu_worker import layer_ops, native
+from gpu_worker import kernels, native
 from gpu_worker.layer_ops import NativeLayerOps, TorchLayerOps
 from gpu_worker.model import rope_tables
 
@@ -37,8 +37,9 @@ def assert_at_most_one_ulp_apart(got: torch.Tensor, expected: torch.Tensor) -> N
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
 
 
-def test_cpu_uses_the_fused_ops():
-    assert isinstance(layer_ops.for_device(torch.device("cpu")), NativeLayerOps)
+def test_cpu_offers_the_fused_ops():
+    offered = kernels.layer_ops_candidates(torch.device("cpu"))
+    assert [type(ops) for ops in offered] == [TorchLayerOps, NativeLayerOps]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker import attention, layer_ops
+from gpu_worker import attention
 from gpu_worker.protocol import SamplingSpec
 from tests.worker_fixtures import (
     Chunk,
@@ -48,24 +48,25 @@ def variant_dir(request, tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp(request.param), kind, **overrides)
 
 
-@pytest.fixture(params=["blocked", "flash"])
-def prefill_path(request, monkeypatch):
-    """Tiny test contexts stay under FLASH_MIN_CONTEXT; the flash path runs them too."""
-    if request.param == "flash":
+@pytest.fixture(params=["native-rows", "torch-blocked", "torch-flash"])
+def prefill_path(request, monkeypatch) -> str:
+    """The attention backends float32 offers on a CPU (kernels pins for make_runner).
+
+    Tiny test contexts stay under FLASH_MIN_CONTEXT; the flash path runs them too."""
+    if request.param == "torch-flash":
         monkeypatch.setattr(attention, "FLASH_MIN_CONTEXT", 0)
+    return "attention=" + request.param.removesuffix("-blocked").removesuffix("-flash")
 
 
 @pytest.fixture(params=["native", "torch"])
-def layer_ops_path(request, monkeypatch):
+def layer_ops_path(request) -> str:
     """CPUs run the fused C++ layer ops; the PyTorch ones (what CUDA runs) are checked too."""
-    if request.param == "torch":
-        monkeypatch.setattr(layer_ops, "for_device", lambda device: layer_ops.TorchLayerOps())
+    return "layer_ops=" + request.param
 
 
-@pytest.mark.usefixtures("prefill_path", "layer_ops_path")
-def test_prefill_logits_match_transformers(variant_dir):
+def test_prefill_logits_match_transformers(variant_dir, prefill_path, layer_ops_path):
     hf = hf_model(variant_dir)
-    runner = make_runner(variant_dir)
+    runner = make_runner(variant_dir, kernels=f"{prefill_path},{layer_ops_path}")
     for seq_id, length in enumerate((1, 5, 37, 150)):
         prompt = random_prompt(length, seed=length)
         with torch.no_grad():
@@ -75,11 +76,10 @@ def test_prefill_logits_match_transformers(variant_dir):
         assert max_diff(logits, reference) < tolerance(reference), f"prompt length {length}"
 
 
-@pytest.mark.usefixtures("layer_ops_path")
-def test_token_by_token_logits_match_transformers_at_every_position(variant_dir):
+def test_token_by_token_logits_match_transformers_at_every_position(variant_dir, layer_ops_path):
     """Chunks of one token: each step attends only to K/V earlier steps left in the cache."""
     hf = hf_model(variant_dir)
-    runner = make_runner(variant_dir)
+    runner = make_runner(variant_dir, kernels=layer_ops_path)
     prompt = random_prompt(40, seed=3)
     with torch.no_grad():
         reference = hf(torch.tensor([prompt])).logits[0]
@@ -91,9 +91,8 @@ def test_token_by_token_logits_match_transformers_at_every_position(variant_dir)
     assert max_diff(torch.stack(rows), reference) < tolerance(reference)
 
 
-@pytest.mark.usefixtures("prefill_path")
-def test_chunked_prefill_equals_unchunked(tiny_llama_dir):  # noqa: F811
-    runner = make_runner(tiny_llama_dir)
+def test_chunked_prefill_equals_unchunked(tiny_llama_dir, prefill_path):  # noqa: F811
+    runner = make_runner(tiny_llama_dir, kernels=prefill_path)
     prompt = random_prompt(100, seed=5)
     whole_table = blocks_for(0, len(prompt) + 20)
     whole = runner.step_logits(make_plan([Chunk(0, prompt, 0, whole_table)]))[0]
@@ -121,9 +120,8 @@ def test_chunked_prefill_equals_unchunked(tiny_llama_dir):  # noqa: F811
     assert tokens == whole_tokens
 
 
-@pytest.mark.usefixtures("prefill_path")
-def test_a_sequence_is_the_same_alone_and_in_a_mixed_batch(tiny_llama_dir):  # noqa: F811
-    runner = make_runner(tiny_llama_dir)
+def test_a_sequence_is_the_same_alone_and_in_a_mixed_batch(tiny_llama_dir, prefill_path):  # noqa: F811
+    runner = make_runner(tiny_llama_dir, kernels=prefill_path)
     target = random_prompt(30, seed=11)
     # Alone: the first 20 tokens, then a chunk of 10 at position 20.
     alone_table = blocks_for(0, 40)

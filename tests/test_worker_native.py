@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gpu_worker import attention, native
+from gpu_worker.kv_cache import LayerKV
 
 
 def test_the_kernel_builds_here() -> None:
@@ -40,15 +41,13 @@ def random_decode_case(
 
 def decode_both_ways(q, k_cache, v_cache, tables, lens) -> tuple[torch.Tensor, torch.Tensor]:
     group_size = q.shape[1] // k_cache.shape[0]
+    kv = LayerKV(k_cache, v_cache)
 
-    def run(use_native: bool) -> torch.Tensor:
-        group = attention.decode_group(
-            slice(None), tables, lens, k_cache, group_size, use_native=use_native
-        )
-        assert (group.gather is None) == use_native
-        return attention._decode_attention(q, k_cache, v_cache, group)
+    def run(backend: attention.AttentionBackend) -> torch.Tensor:
+        group = backend.decode_group(slice(None), tables, lens, k_cache, group_size)
+        return backend.decode(q, kv, group)
 
-    return run(True), run(False)
+    return run(attention.NativeAttention(native.kernels())), run(attention.TorchAttention())
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -106,9 +105,10 @@ def random_prefill_case(
 
 def test_the_prefill_kernel_serves_bfloat16_on_this_cpu():
     # The suite's machines have AVX512-BF16 (the kernel is registered only where they do).
-    q = torch.zeros(3, 2, 64, dtype=torch.bfloat16)
-    assert attention._native_prefill_kernel(q) is not None
-    assert attention._native_prefill_kernel(q.float()) is None
+    cpu = torch.device("cpu")
+    assert attention.NativeAttention.serves(cpu, torch.bfloat16, 64)
+    assert not attention.NativeAttention.serves(cpu, torch.float32, 64)
+    assert not attention.NativeAttention.serves(cpu, torch.bfloat16, 40)
 
 
 @pytest.mark.parametrize(

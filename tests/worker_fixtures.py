@@ -10,6 +10,7 @@ import torch
 
 from gpu_worker.protocol import BatchPlan, SamplingSpec, WorkerConfig
 from gpu_worker.runner import ModelRunner
+from service.config import default_cache_dir
 
 VOCAB = 256
 BLOCK_SIZE = 4  # small, so short test prompts already span several blocks
@@ -83,6 +84,7 @@ def make_runner(model_dir: Path, **overrides) -> ModelRunner:
         kv_memory=float(2 * 1024 * 1024),
         max_num_seqs=16,
         seed=0,
+        kernel_cache=str(default_cache_dir() / "kernels.json"),
     )
     settings.update(overrides)
     return ModelRunner(WorkerConfig(**settings))

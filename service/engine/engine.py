@@ -467,6 +467,7 @@ class Engine:
             pid=handshake.pid,
             num_blocks=handshake.num_blocks,
             load_seconds=handshake.load_seconds,
+            kernels=handshake.kernels,
         )
 
     def _fail_what_no_longer_fits(self) -> None:

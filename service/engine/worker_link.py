@@ -60,6 +60,8 @@ def worker_config_for(config: Config, model_dir: Path | str) -> WorkerConfig:
         max_num_batched_tokens=config.max_batched_tokens,
         seed=config.seed,
         use_cuda_graphs=config.use_cuda_graphs,
+        kernels=config.kernels,
+        kernel_cache=str(config.cache_dir / "kernels.json"),
     )
 
 

@@ -1,0 +1,486 @@
+"""Choosing the worker's kernels by measuring them on this machine.
+
+The kernel that wins on one CPU loses on another: oneDNN's bfloat16 matmuls use AMX tiles
+where a CPU has them and a hand-written AVX-512 loop does not; without AVX-512 the C++
+kernels fall back to scalar loops. So at worker start every candidate of each seam
+(gpu_worker.kernels) runs on the model's own shapes, is checked against the PyTorch
+reference, and is timed; the fastest that passes is used.
+
+Attention has one more check. A candidate that claims row invariance is held to it, bit
+for bit: a decode row alone and among others, and a prefill row against the same token
+decoded. Candidates that keep it win over faster ones that do not, because recompute after
+a preemption must reproduce the tokens decoded before it (tests/test_worker_batch_
+invariance.py shows it on the real model).
+
+The choice is cached in a JSON file (the service passes <cache dir>/kernels.json), one
+entry per CPU model and ISA flags, torch version, kernel sources, device, dtype, model
+shapes, block size and pins, so that only a worker's first start on a machine pays for the
+measuring (about a second for the default model). An operator may pin a seam to one
+candidate (`--kernels attention=torch`); a pinned candidate is still checked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.nn.functional as F
+
+from gpu_worker import kernels as kernel_set
+from gpu_worker import native
+from gpu_worker.attention import AttentionBackend, build_metadata
+from gpu_worker.kernels import Kernels
+from gpu_worker.kv_cache import LayerKV
+from gpu_worker.layer_ops import LayerOps
+from gpu_worker.model import Linear
+from gpu_worker.model_config import ModelConfig
+
+C = TypeVar("C")
+REPEATS = 5  # timed runs per candidate, after one warm-up; the median counts
+# Agreement with the reference: the PyTorch and C++ paths sum in other orders.
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
+
+
+@dataclass(frozen=True, slots=True)
+class Shapes:
+    """What the candidates are measured on: the model's shapes, dtype and device."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    block_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(
+        cls, config: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> Shapes:
+        return cls(
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+            config.hidden_size,
+            config.intermediate_size,
+            block_size,
+            dtype,
+            device,
+        )
+
+
+@dataclass(slots=True)
+class Trial:
+    name: str
+    ms: float | None  # median time of the seam's workload; None when it failed its check
+    failed: str = ""  # why it failed
+
+
+@dataclass(slots=True)
+class Choice:
+    kernels: Kernels
+    trials: dict[str, list[Trial]] = field(default_factory=dict)
+    cached: bool = False
+
+    def report(self) -> dict[str, Any]:
+        """The chosen names and every candidate's time (or failure), for the handshake."""
+        measured = {
+            seam: {t.name: t.ms if t.ms is not None else f"failed: {t.failed}" for t in trials}
+            for seam, trials in self.trials.items()
+        }
+        return {**self.kernels.names(), "measured": measured, "cached": self.cached}
+
+
+class NoCorrectKernel(RuntimeError):
+    """Every candidate of a seam failed its check."""
+
+
+def pick(
+    candidates: Sequence[C],
+    name: Callable[[C], str],
+    check: Callable[[C], str | None],
+    measure: Callable[[C], float],
+    preferred: Callable[[C], bool] = lambda candidate: True,
+) -> tuple[C, list[Trial]]:
+    """The fastest candidate whose check passes (returns None), preferred ones first."""
+    trials, passing = [], []
+    for candidate in candidates:
+        failure = check(candidate)
+        if failure is None:
+            trial = Trial(name(candidate), round(measure(candidate), 3))
+            passing.append((not preferred(candidate), trial.ms, len(passing), candidate))
+        else:
+            trial = Trial(name(candidate), None, failure)
+        trials.append(trial)
+    if not passing:
+        raise NoCorrectKernel("; ".join(f"{t.name}: {t.failed}" for t in trials))
+    return min(passing)[-1], trials
+
+
+def choose(shapes: Shapes, pins: dict[str, str], cache_file: Path | None) -> Choice:
+    """The kernels for these shapes: from the cache file, or measured now and recorded
+    there (no file: measured every time)."""
+    key = _cache_key(shapes, pins)
+    recorded = None if cache_file is None else _read_cache(cache_file).get(key)
+    if recorded is not None:
+        try:
+            chosen = kernel_set.by_names(
+                recorded["names"], shapes.device, shapes.dtype, shapes.head_dim
+            )
+        except KeyError:  # a kernel no longer offered here: measure again
+            pass
+        else:
+            trials = {
+                seam: [Trial(**t) for t in seam_trials]
+                for seam, seam_trials in recorded["trials"].items()
+            }
+            return Choice(chosen, trials, cached=True)
+    choice = measure_all(shapes, pins)
+    if cache_file is not None:
+        _write_cache(cache_file, key, choice)
+    return choice
+
+
+def measure_all(shapes: Shapes, pins: dict[str, str]) -> Choice:
+    offered = kernel_set.candidates(shapes.device, shapes.dtype, shapes.head_dim)
+    for seam, name in pins.items():
+        offered[seam] = [c for c in offered[seam] if kernel_set.name_of(c) == name]
+        if not offered[seam]:
+            raise NoCorrectKernel(f"the pinned {seam} kernel {name!r} is not offered here")
+    attention, attention_trials = choose_attention(offered["attention"], shapes)
+    layer_ops, layer_ops_trials = choose_layer_ops(offered["layer_ops"], shapes)
+    matmul, matmul_trials = choose_matmul(offered["matmul"], shapes)
+    trials = {"attention": attention_trials, "layer_ops": layer_ops_trials, "matmul": matmul_trials}
+    return Choice(Kernels(attention, layer_ops, matmul), trials)
+
+
+# ---- attention ------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class AttentionCase:
+    """A decode batch and a prefill chunk on a paged cache of the model's shapes.
+
+    Block tables are shuffled, contexts differ between sequences, and the chunk starts
+    mid-sequence, so a candidate meets what a serving step gives it.
+    """
+
+    kv: LayerKV
+    q_decode: torch.Tensor  # [B, heads, d]
+    tables: torch.Tensor  # [B, W] on the host
+    lens: list[int]
+    q_chunk: torch.Tensor  # [n, heads, d]
+    k_chunk: torch.Tensor  # [n, kv_heads, d]
+    v_chunk: torch.Tensor
+    chunk_start: int
+    chunk_table: torch.Tensor  # [W]
+    group_size: int
+
+
+def attention_case(
+    shapes: Shapes, batch: int = 16, chunk: int = 256, start: int = 512
+) -> AttentionCase:
+    generator = torch.Generator().manual_seed(0)
+    bs, d, kv_heads = shapes.block_size, shapes.head_dim, shapes.kv_heads
+    lens = torch.randint(start - 128, start + 128, (batch,), generator=generator).tolist()
+    width = -(-max(max(lens), start + chunk) // bs)
+    num_blocks = (batch + 1) * width
+    order = torch.randperm(num_blocks, generator=generator)
+    tables, chunk_table = order[: batch * width].view(batch, width), order[batch * width :]
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=generator).to(shapes.device, shapes.dtype)
+
+    kv = LayerKV(randn(kv_heads, num_blocks, bs, d), randn(kv_heads, num_blocks, bs, d))
+    k_chunk, v_chunk = randn(chunk, kv_heads, d), randn(chunk, kv_heads, d)
+    positions = torch.arange(start, start + chunk)
+    slots = (chunk_table[positions // bs] * bs + positions % bs).to(shapes.device)
+    kv.k.view(kv_heads, -1, d).index_copy_(1, slots, k_chunk.transpose(0, 1))
+    kv.v.view(kv_heads, -1, d).index_copy_(1, slots, v_chunk.transpose(0, 1))
+    # As the model passes q: a strided view of a wider row.
+    q_decode = randn(batch, shapes.heads + kv_heads, d)[:, : shapes.heads]
+    q_chunk = randn(chunk, shapes.heads + kv_heads, d)[:, : shapes.heads]
+    group_size = shapes.heads // kv_heads
+    return AttentionCase(
+        kv, q_decode, tables, lens, q_chunk, k_chunk, v_chunk, start, chunk_table, group_size
+    )
+
+
+def run_decode(
+    backend: AttentionBackend, case: AttentionCase, seqs: Sequence[int] | None = None
+) -> torch.Tensor:
+    seqs = range(len(case.lens)) if seqs is None else seqs
+    lens = [case.lens[s] for s in seqs]
+    device = case.kv.k.device
+    meta = build_metadata(
+        [1] * len(seqs),
+        [n - 1 for n in lens],
+        case.tables[list(seqs)],
+        torch.zeros(len(seqs), dtype=torch.long, device=device),
+        case.kv.k,
+        case.group_size,
+        backend,
+    )
+    return backend.decode(case.q_decode[list(seqs)], case.kv, meta.decode)
+
+
+def run_prefill(backend: AttentionBackend, case: AttentionCase) -> torch.Tensor:
+    n, device = case.q_chunk.shape[0], case.kv.k.device
+    meta = build_metadata(
+        [n],
+        [case.chunk_start],
+        case.chunk_table[None],
+        torch.zeros(n, dtype=torch.long, device=device),
+        case.kv.k,
+        case.group_size,
+        backend,
+    )
+    chunk = meta.prefills[0]
+    return backend.prefill(case.q_chunk, case.k_chunk, case.v_chunk, case.kv, chunk)
+
+
+def decode_chunk_rows(
+    backend: AttentionBackend, case: AttentionCase, rows: list[int]
+) -> torch.Tensor:
+    """The chunk's `rows` as decode tokens, each over its own context."""
+    start, device = case.chunk_start, case.kv.k.device
+    meta = build_metadata(
+        [1] * len(rows),
+        [start + r for r in rows],
+        case.chunk_table.expand(len(rows), -1),
+        torch.zeros(len(rows), dtype=torch.long, device=device),
+        case.kv.k,
+        case.group_size,
+        backend,
+    )
+    return backend.decode(case.q_chunk[rows], case.kv, meta.decode)
+
+
+def check_attention(
+    backend: AttentionBackend, case: AttentionCase, expected: tuple[torch.Tensor, torch.Tensor]
+) -> str | None:
+    """None when the backend agrees with the reference (and keeps its rows invariant, if
+    it claims to); else what is wrong."""
+    tolerance = TOLERANCE[case.kv.k.dtype]
+    try:
+        decoded, prefilled = run_decode(backend, case), run_prefill(backend, case)
+        for what, got, want in (
+            ("decode", decoded, expected[0]),
+            ("prefill", prefilled, expected[1]),
+        ):
+            if not torch.allclose(got.float(), want.float(), atol=tolerance, rtol=tolerance):
+                error = (got.float() - want.float()).abs().max().item()
+                return f"{what} differs from the reference by up to {error:.3g}"
+        if backend.row_invariant:
+            return _row_invariance_failure(backend, case, decoded, prefilled)
+    except RuntimeError as exc:
+        return f"raised {exc}"
+    return None
+
+
+def _row_invariance_failure(
+    backend: AttentionBackend, case: AttentionCase, decoded: torch.Tensor, prefilled: torch.Tensor
+) -> str | None:
+    for seq in (0, len(case.lens) // 2, len(case.lens) - 1):
+        if not torch.equal(run_decode(backend, case, [seq])[0], decoded[seq]):
+            return f"decode row {seq} alone differs from the same row in a batch"
+    rows = [0, prefilled.shape[0] // 2, prefilled.shape[0] - 1]
+    if not torch.equal(decode_chunk_rows(backend, case, rows), prefilled[rows]):
+        return "prefill rows differ from the same tokens decoded"
+    return None
+
+
+def choose_attention(
+    candidates: Sequence[AttentionBackend], shapes: Shapes
+) -> tuple[AttentionBackend, list[Trial]]:
+    case = attention_case(shapes)
+    reference = kernel_set.reference().attention
+    expected = (run_decode(reference, case), run_prefill(reference, case))
+
+    def measure(backend: AttentionBackend) -> float:
+        return median_ms(lambda: (run_decode(backend, case), run_prefill(backend, case)))
+
+    return pick(
+        candidates,
+        lambda backend: backend.name,
+        lambda backend: check_attention(backend, case, expected),
+        measure,
+        preferred=lambda backend: backend.row_invariant,
+    )
+
+
+# ---- layer ops --------------------------------------------------------------------------
+
+
+def run_layer_ops(ops: LayerOps, shapes: Shapes, rows: int = 128) -> list[torch.Tensor]:
+    """One layer's small ops on `rows` tokens -> every output (for checking)."""
+    generator = torch.Generator().manual_seed(1)
+    dtype, device, d = shapes.dtype, shapes.device, shapes.head_dim
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=generator).to(device, dtype)
+
+    x, delta, weight = randn(rows, shapes.hidden), randn(rows, shapes.hidden), randn(shapes.hidden)
+    gate_up = randn(rows, 2 * shapes.intermediate)
+    qkv = randn(rows, (shapes.heads + 2 * shapes.kv_heads) * d)
+    blocks = -(-rows // shapes.block_size)
+    k_cache = torch.zeros(shapes.kv_heads, blocks, shapes.block_size, d, dtype=dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    positions = torch.arange(rows, device=device)
+    cos, signed_sin = randn(rows, d), randn(rows, d)  # any tables of the right shape
+    normed = ops.rms_norm(x, weight, 1e-5)
+    added = ops.add_rms_norm_(x, delta, weight, 1e-5)
+    activated = ops.silu_and_mul(gate_up)
+    ops.rope_and_cache_(
+        qkv, positions, cos, signed_sin, k_cache, v_cache, positions, shapes.heads, shapes.kv_heads
+    )
+    return [normed, added, x, activated, qkv, k_cache, v_cache]
+
+
+def choose_layer_ops(
+    candidates: Sequence[LayerOps], shapes: Shapes
+) -> tuple[LayerOps, list[Trial]]:
+    expected = run_layer_ops(kernel_set.reference().layer_ops, shapes)
+    tolerance = TOLERANCE[shapes.dtype]
+
+    def check(ops: LayerOps) -> str | None:
+        try:
+            outputs = run_layer_ops(ops, shapes)
+        except RuntimeError as exc:
+            return f"raised {exc}"
+        for got, want in zip(outputs, expected, strict=True):
+            if not torch.allclose(got.float(), want.float(), atol=tolerance, rtol=tolerance):
+                return "differs from the reference"
+        return None
+
+    return pick(
+        candidates,
+        lambda ops: ops.name,
+        check,
+        lambda ops: median_ms(lambda: run_layer_ops(ops, shapes)),
+    )
+
+
+# ---- matmul -----------------------------------------------------------------------------
+
+
+def matmul_weights(shapes: Shapes) -> list[torch.Tensor]:
+    """One layer's matmul weights, fused as the model holds them (qkv, o, gate_up, down)."""
+    generator = torch.Generator().manual_seed(2)
+    qkv_rows = (shapes.heads + 2 * shapes.kv_heads) * shapes.head_dim
+    sizes = [
+        (qkv_rows, shapes.hidden),
+        (shapes.hidden, shapes.heads * shapes.head_dim),
+        (2 * shapes.intermediate, shapes.hidden),
+        (shapes.hidden, shapes.intermediate),
+    ]
+    return [
+        (torch.randn(size, generator=generator) * 0.05).to(shapes.device, shapes.dtype)
+        for size in sizes
+    ]
+
+
+def choose_matmul(candidates: Sequence[str], shapes: Shapes) -> tuple[str, list[Trial]]:
+    weights = matmul_weights(shapes)
+    generator = torch.Generator().manual_seed(3)
+    inputs = [
+        torch.randn(rows, w.shape[1], generator=generator).to(shapes.device, shapes.dtype)
+        for w in weights
+        for rows in (64, 256)  # a decode batch and a prefill chunk
+    ]
+    pairs = [(w, x) for i, w in enumerate(weights) for x in inputs[2 * i : 2 * i + 2]]
+    tolerance = TOLERANCE[shapes.dtype]
+    linears: dict[str, list[Linear]] = {}
+
+    def run(kind: str) -> list[torch.Tensor]:
+        if kind not in linears:
+            linears[kind] = [Linear(w, prepack=kind == "onednn") for w in weights]
+        return [linears[kind][i // 2](x) for i, (_w, x) in enumerate(pairs)]
+
+    def check(kind: str) -> str | None:
+        try:
+            outputs = run(kind)
+        except RuntimeError as exc:
+            return f"raised {exc}"
+        for got, (w, x) in zip(outputs, pairs, strict=True):
+            want = F.linear(x.float(), w.float())
+            if not torch.allclose(got.float(), want, atol=tolerance, rtol=tolerance):
+                return "differs from the float32 product"
+        return None
+
+    return pick(candidates, lambda kind: kind, check, lambda kind: median_ms(lambda: run(kind)))
+
+
+# ---- measuring and the cache ------------------------------------------------------------
+
+
+def median_ms(run: Callable[[], object], repeats: int = REPEATS) -> float:
+    run()  # warm-up: first-call allocations and lazy initialisation
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1000
+
+
+def machine() -> dict[str, str]:
+    """What a choice depends on besides the shapes: the processor and the software."""
+    model, flags = "", ""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not model:
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = value.strip()
+    sources = b"".join(p.read_bytes() for p in sorted(native.SOURCES[0].parent.iterdir()))
+    return {
+        "cpu": model,
+        "cpu_flags": hashlib.sha256(flags.encode()).hexdigest()[:16],
+        "torch": torch.__version__,
+        "kernel_sources": hashlib.sha256(sources).hexdigest()[:16],
+        "threads": str(torch.get_num_threads()),
+    }
+
+
+def _cache_key(shapes: Shapes, pins: dict[str, str]) -> str:
+    described = {**machine(), **{k: str(v) for k, v in asdict(shapes).items()}, "pins": pins}
+    if shapes.device.type == "cuda":
+        described["gpu"] = torch.cuda.get_device_name(shapes.device)
+    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet, or unreadable: measure
+        return {}
+    return recorded if isinstance(recorded, dict) else {}
+
+
+def _write_cache(path: Path, key: str, choice: Choice) -> None:
+    """Best effort: a worker that cannot write the cache measures again next time."""
+    recorded = _read_cache(path)
+    recorded[key] = {
+        "names": choice.kernels.names(),
+        "trials": {seam: [asdict(t) for t in trials] for seam, trials in choice.trials.items()},
+        "machine": machine()["cpu"],
+    }
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(recorded, indent=1, sort_keys=True))
+        partial.replace(path)
+    except OSError:
+        pass

@@ -1,0 +1,97 @@
+"""The kernel backend: which implementation of each hot operation a worker runs.
+
+Three seams, each with its candidates:
+- attention: NativeAttention, NativeRowsAttention, TorchAttention (gpu_worker.attention);
+- layer ops: NativeLayerOps, TorchLayerOps (gpu_worker.layer_ops);
+- matmul: "onednn" (weights prepacked once, see model.Linear) or "aten" (F.linear).
+
+A candidate is offered where it can run: the native ones on CPUs where the C++ kernels
+build (and the chunk kernel where the CPU has AVX512-BF16), oneDNN where PyTorch has it;
+the PyTorch ones everywhere, as the reference. gpu_worker.kernel_choice measures them on
+the model's shapes and picks; the model and the runner ask the Kernels they are given and
+never look at the device themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gpu_worker import native
+from gpu_worker.attention import (
+    AttentionBackend,
+    NativeAttention,
+    NativeRowsAttention,
+    TorchAttention,
+)
+from gpu_worker.layer_ops import LayerOps, NativeLayerOps, TorchLayerOps
+from gpu_worker.protocol import KERNEL_SEAMS
+
+SEAMS = KERNEL_SEAMS
+
+
+@dataclass(frozen=True, slots=True)
+class Kernels:
+    attention: AttentionBackend
+    layer_ops: LayerOps
+    matmul: str  # "onednn" or "aten"
+
+    def names(self) -> dict[str, str]:
+        return {
+            "attention": self.attention.name,
+            "layer_ops": self.layer_ops.name,
+            "matmul": self.matmul,
+        }
+
+
+def reference() -> Kernels:
+    """PyTorch everywhere: runs on any device; what every candidate is checked against."""
+    return Kernels(TorchAttention(), TorchLayerOps(), "aten")
+
+
+def attention_candidates(
+    device: torch.device, dtype: torch.dtype, head_dim: int
+) -> list[AttentionBackend]:
+    kernels = native.kernels() if device.type == "cpu" else None
+    found: list[AttentionBackend] = [TorchAttention()]
+    if kernels is not None:
+        found.append(NativeRowsAttention(kernels))
+        if NativeAttention.serves(device, dtype, head_dim):
+            found.append(NativeAttention(kernels))
+    return found
+
+
+def layer_ops_candidates(device: torch.device) -> list[LayerOps]:
+    kernels = native.kernels() if device.type == "cpu" else None
+    return [TorchLayerOps()] + ([] if kernels is None else [NativeLayerOps(kernels)])
+
+
+def matmul_candidates(device: torch.device) -> list[str]:
+    onednn = device.type == "cpu" and torch.backends.mkldnn.is_available()
+    return ["aten"] + (["onednn"] if onednn else [])
+
+
+def candidates(device: torch.device, dtype: torch.dtype, head_dim: int) -> dict[str, list]:
+    """Every seam's candidates, the reference first."""
+    return {
+        "attention": attention_candidates(device, dtype, head_dim),
+        "layer_ops": layer_ops_candidates(device),
+        "matmul": matmul_candidates(device),
+    }
+
+
+def by_names(
+    names: dict[str, str], device: torch.device, dtype: torch.dtype, head_dim: int
+) -> Kernels:
+    """The Kernels a recorded choice names; KeyError when one is not offered here."""
+    offered = candidates(device, dtype, head_dim)
+    chosen = {}
+    for seam in SEAMS:
+        by_name = {name_of(c): c for c in offered[seam]}
+        chosen[seam] = by_name[names[seam]]
+    return Kernels(**chosen)
+
+
+def name_of(candidate: object) -> str:
+    return candidate if isinstance(candidate, str) else candidate.name

@@ -1,0 +1,201 @@
+"""Choosing kernels by measuring them: every candidate against the PyTorch reference, the
+chooser's rules, its cache, and pins."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gpu_worker import kernel_choice, kernels
+from gpu_worker.attention import NativeAttention, TorchAttention
+from gpu_worker.kernel_choice import NoCorrectKernel, Shapes, Trial, pick
+from gpu_worker.protocol import parse_kernel_pins
+from service.cli import build_parser
+from tests.worker_fixtures import make_runner, tiny_llama_dir  # noqa: F401 (fixture)
+
+CPU = torch.device("cpu")
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+def case_and_expected(shapes: Shapes) -> tuple[kernel_choice.AttentionCase, tuple]:
+    case = kernel_choice.attention_case(shapes)
+    reference = TorchAttention()
+    return case, (
+        kernel_choice.run_decode(reference, case),
+        kernel_choice.run_prefill(reference, case),
+    )
+
+
+def smollm_shapes(dtype: torch.dtype) -> Shapes:
+    """The default model's shapes: 9 heads over 3 kv heads of 64, hidden 576."""
+    return Shapes(9, 3, 64, 576, 1536, 16, dtype, CPU)
+
+
+class ZeroAttention(NativeAttention):
+    """The fastest kernel of all, and wrong: it never reads the cache."""
+
+    name = "zeros"
+
+    def decode(self, q, kv, group):
+        return torch.zeros_like(q)
+
+    def prefill(self, q, k, v, kv, chunk):
+        return torch.zeros_like(q)
+
+
+class CompanyDependentAttention(NativeAttention):
+    """Within float tolerance of the reference, but a row's bits depend on its batch."""
+
+    name = "company"
+
+    def decode(self, q, kv, group):
+        out = super().decode(q, kv, group)
+        return out + 1e-3 * (q.shape[0] > 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_attention_candidate_offered_here_matches_the_reference(dtype):
+    shapes = smollm_shapes(dtype)
+    offered = kernels.attention_candidates(CPU, dtype, shapes.head_dim)
+    names = [backend.name for backend in offered]
+    assert names == ["torch", "native-rows"] + (["native"] if dtype == torch.bfloat16 else [])
+    case, expected = case_and_expected(shapes)
+    assert expected[0].abs().max() > 0.1 and expected[1].abs().max() > 0.1
+    for backend in offered:
+        assert kernel_choice.check_attention(backend, case, expected) is None, backend.name
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_layer_ops_and_matmul_candidate_passes_its_check(dtype):
+    shapes = smollm_shapes(dtype)
+    ops, ops_trials = kernel_choice.choose_layer_ops(kernels.layer_ops_candidates(CPU), shapes)
+    matmul, matmul_trials = kernel_choice.choose_matmul(kernels.matmul_candidates(CPU), shapes)
+    assert [t.name for t in ops_trials] == ["torch", "native"]
+    assert [t.name for t in matmul_trials] == ["aten", "onednn"]
+    assert all(t.ms is not None and t.ms > 0 for t in ops_trials + matmul_trials)
+    assert ops.name == min(ops_trials, key=lambda t: t.ms).name
+    assert matmul == min(matmul_trials, key=lambda t: t.ms).name
+
+
+def test_a_wrong_candidate_fails_its_check():
+    shapes = smollm_shapes(torch.bfloat16)
+    case, expected = case_and_expected(shapes)
+    failure = kernel_choice.check_attention(ZeroAttention(None), case, expected)
+    assert failure is not None and failure.startswith("decode differs from the reference")
+
+
+def test_a_candidate_whose_rows_depend_on_their_company_fails_the_invariance_check():
+    shapes = smollm_shapes(torch.bfloat16)
+    case, expected = case_and_expected(shapes)
+    backend = CompanyDependentAttention(kernels.native.kernels())
+    assert kernel_choice.check_attention(backend, case, expected) == (
+        "decode row 0 alone differs from the same row in a batch"
+    )
+
+
+def test_the_chooser_skips_the_fastest_candidate_when_it_fails_its_check(monkeypatch):
+    native = kernels.native.kernels()
+    offered = [TorchAttention(), NativeAttention(native), ZeroAttention(native)]
+    monkeypatch.setattr(kernels, "attention_candidates", lambda *shapes: offered)
+    choice = kernel_choice.measure_all(smollm_shapes(torch.bfloat16), {})
+    trials = {t.name: t for t in choice.trials["attention"]}
+    assert trials["zeros"].ms is None and "differs" in trials["zeros"].failed
+    assert choice.kernels.attention.name == "native"
+    assert choice.report()["measured"]["attention"]["zeros"].startswith("failed: decode differs")
+
+
+def test_pick_takes_the_fastest_passing_candidate_and_preferred_ones_first():
+    times = {"a": 3.0, "b": 1.0, "c": 2.0, "d": 0.5}
+    failing = {"d"}
+
+    def run(preferred):
+        return pick(
+            list(times),
+            str,
+            lambda c: "wrong" if c in failing else None,
+            times.__getitem__,
+            preferred,
+        )
+
+    chosen, trials = run(lambda c: True)
+    assert chosen == "b"
+    assert trials[3] == Trial("d", None, "wrong")
+    assert run(lambda c: c in ("a", "c"))[0] == "c"  # preferred beats faster
+    failing.update(times)
+    with pytest.raises(NoCorrectKernel, match="a: wrong; b: wrong"):
+        run(lambda c: True)
+
+
+def test_the_choice_is_cached_per_machine_and_shapes(tmp_path, monkeypatch):
+    cache = tmp_path / "kernels.json"
+    shapes = smollm_shapes(torch.float32)
+    first = kernel_choice.choose(shapes, {}, cache)
+    assert not first.cached and cache.exists()
+    measured = []
+    monkeypatch.setattr(kernel_choice, "measure_all", lambda s, p: measured.append(s) or first)
+    again = kernel_choice.choose(shapes, {}, cache)
+    assert again.cached and again.kernels.names() == first.kernels.names()
+    assert again.report()["measured"] == first.report()["measured"]
+    assert not measured
+    # Other shapes, other pins, another machine: each measures.
+    kernel_choice.choose(smollm_shapes(torch.bfloat16), {}, cache)
+    kernel_choice.choose(shapes, {"matmul": "aten"}, cache)
+    monkeypatch.setattr(kernel_choice, "machine", lambda: {"cpu": "another"})
+    kernel_choice.choose(shapes, {}, cache)
+    assert len(measured) == 3
+
+
+def test_a_cached_choice_that_is_no_longer_offered_or_a_broken_cache_is_measured_again(
+    tmp_path,
+):
+    cache = tmp_path / "kernels.json"
+    shapes = smollm_shapes(torch.float32)
+    kernel_choice.choose(shapes, {}, cache)
+    recorded = json.loads(cache.read_text())
+    (entry,) = recorded.values()
+    entry["names"]["attention"] = "a-kernel-from-another-build"
+    cache.write_text(json.dumps(recorded))
+    assert not kernel_choice.choose(shapes, {}, cache).cached
+    cache.write_text("{not json")
+    assert not kernel_choice.choose(shapes, {}, cache).cached
+    assert kernel_choice.choose(shapes, {}, cache).cached
+
+
+def test_pins_parse_and_bind():
+    assert parse_kernel_pins("auto") == {}
+    assert parse_kernel_pins("attention=torch, matmul=aten") == {
+        "attention": "torch",
+        "matmul": "aten",
+    }
+    for bad in ("", "attention", "attention=", "sampler=torch", "attention=torch;matmul=aten"):
+        with pytest.raises(ValueError, match="SEAM=NAME"):
+            parse_kernel_pins(bad)
+    choice = kernel_choice.measure_all(smollm_shapes(torch.bfloat16), {"attention": "torch"})
+    assert choice.kernels.attention.name == "torch"
+    assert [t.name for t in choice.trials["attention"]] == ["torch"]
+    with pytest.raises(NoCorrectKernel, match="pinned attention kernel 'flash3' is not offered"):
+        kernel_choice.measure_all(smollm_shapes(torch.bfloat16), {"attention": "flash3"})
+
+
+def test_the_cli_refuses_bad_pins(capsys):
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--kernels", "attention=torch"]).kernels == "attention=torch"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--kernels", "attention"])
+    assert "SEAM=NAME" in capsys.readouterr().err
+
+
+def test_the_handshake_reports_the_choice(tiny_llama_dir, tmp_path):  # noqa: F811
+    runner = make_runner(tiny_llama_dir, kernel_cache=str(tmp_path / "k.json"))
+    report = runner.handshake.kernels
+    assert report["attention"] == runner.model.kernels.attention.name == "native-rows"
+    assert set(report["measured"]) == {"attention", "layer_ops", "matmul"}
+    assert report["cached"] is False
+    assert make_runner(tiny_llama_dir, kernel_cache=str(tmp_path / "k.json")).handshake.kernels[
+        "cached"
+    ]
+    pinned = make_runner(tiny_llama_dir, kernels="attention=torch,layer_ops=torch")
+    assert isinstance(pinned.model.kernels.attention, TorchAttention)
+    assert pinned.model.ops.name == "torch"
