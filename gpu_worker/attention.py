@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from gpu_worker import native
 from gpu_worker.kv_cache import LayerKV
+from gpu_worker.kv_quant import KV_CACHE_DTYPES, as_bytes, dequantize
 
 QUERY_BLOCK = 128  # prefill queries per attention block
 # Past this many keys, a query block's score matrices (bfloat16 scores, float32 and
@@ -181,22 +182,27 @@ class TorchAttention(AttentionBackend):
         self, chunk: PrefillChunk, table: torch.Tensor, cache_like: torch.Tensor
     ) -> PrefillChunk:
         kv_heads, cache_blocks = cache_like.shape[:2]
-        if chunk.start > 0:
+        # An 8-bit cache is read back for the chunk's own keys too: they must be the
+        # values later steps will see.
+        if chunk.start > 0 or cache_like.dtype in KV_CACHE_DTYPES.values():
             heads = torch.arange(kv_heads)[:, None] * cache_blocks
             rows = (heads + table).reshape(-1)
             chunk.cache_rows = rows.to(cache_like.device, non_blocking=True)
-        chunk.causal_tile = causal_tile(cache_like.dtype, cache_like.device)
+        chunk.causal_tile = causal_tile(_score_dtype(cache_like), cache_like.device)
         return chunk
 
     def decode(self, q: torch.Tensor, kv: LayerKV, group: DecodeGroup) -> torch.Tensor:
+        if kv.quantized:
+            return _dequantized_decode_attention(q, kv, group.gather)
         return _gathered_decode_attention(q, kv.k, kv.v, group.gather)
 
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, chunk: PrefillChunk
     ) -> torch.Tensor:
-        if chunk.context_len > FLASH_MIN_CONTEXT and q.device.type == "cpu":
-            return _flash_prefill_attention(q, k, v, kv.k, kv.v, chunk)
-        return _blocked_prefill_attention(q, k, v, kv.k, kv.v, chunk)
+        long = chunk.context_len > FLASH_MIN_CONTEXT
+        if long and q.device.type == "cpu" and not kv.quantized:
+            return _flash_prefill_attention(q, k, v, kv, chunk)
+        return _blocked_prefill_attention(q, k, v, kv, chunk)
 
 
 class NativeAttention(AttentionBackend):
@@ -219,14 +225,28 @@ class NativeAttention(AttentionBackend):
 
     def decode(self, q: torch.Tensor, kv: LayerKV, group: DecodeGroup) -> torch.Tensor:
         return self.kernels.paged_decode_attention(
-            q, kv.k, kv.v, group.block_tables, group.context_lens, q.shape[-1] ** -0.5
+            q,
+            kv.k,
+            kv.v,
+            group.block_tables,
+            group.context_lens,
+            q.shape[-1] ** -0.5,
+            kv.k_scales,
+            kv.v_scales,
         )
 
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, chunk: PrefillChunk
     ) -> torch.Tensor:
         return self.kernels.paged_prefill_attention(
-            q, kv.k, kv.v, chunk.block_table, chunk.start, q.shape[-1] ** -0.5
+            q,
+            kv.k,
+            kv.v,
+            chunk.block_table,
+            chunk.start,
+            q.shape[-1] ** -0.5,
+            kv.k_scales,
+            kv.v_scales,
         )
 
 
@@ -250,7 +270,14 @@ class NativeRowsAttention(NativeAttention):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, chunk: PrefillChunk
     ) -> torch.Tensor:
         return self.kernels.paged_decode_attention(
-            q, kv.k, kv.v, chunk.row_tables, chunk.row_lens, q.shape[-1] ** -0.5
+            q,
+            kv.k,
+            kv.v,
+            chunk.row_tables,
+            chunk.row_lens,
+            q.shape[-1] ** -0.5,
+            kv.k_scales,
+            kv.v_scales,
         )
 
 
@@ -266,7 +293,7 @@ def _decode_gather(
     keys_per_seq = width * block_size
     key_pos = torch.arange(keys_per_seq, device=device)
     visible = key_pos[None, :] < context_lens[:, None]
-    bias = torch.zeros(visible.shape, dtype=cache_like.dtype, device=device)
+    bias = torch.zeros(visible.shape, dtype=_score_dtype(cache_like), device=device)
     bias.masked_fill_(~visible, -math.inf)
     slots = block_tables[:, :, None] * block_size + torch.arange(block_size, device=device)
     heads = torch.arange(kv_heads, device=device)
@@ -283,12 +310,7 @@ def _decode_gather(
 
 
 def _blocked_prefill_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    chunk: PrefillChunk,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, chunk: PrefillChunk
 ) -> torch.Tensor:
     """As _prefill_attention, with matmuls over query blocks.
 
@@ -301,8 +323,8 @@ def _blocked_prefill_attention(
     if chunk.cache_rows is None:
         keys, values = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
     else:
-        keys = _gather(k_cache, chunk.cache_rows, chunk.context_len)
-        values = _gather(v_cache, chunk.cache_rows, chunk.context_len)
+        keys = _gather(kv.k, kv.k_scales, chunk.cache_rows, chunk.context_len, q.dtype)
+        values = _gather(kv.v, kv.v_scales, chunk.cache_rows, chunk.context_len, q.dtype)
     scale, unused = head_dim**-0.5, q.new_zeros(())  # beta=0: baddbmm ignores its input
     out = q.new_empty(q.shape)
     grouped = q.view(num_queries, kv_heads, group_size, head_dim)
@@ -326,12 +348,7 @@ def _blocked_prefill_attention(
 
 
 def _flash_prefill_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    chunk: PrefillChunk,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, chunk: PrefillChunk
 ) -> torch.Tensor:
     """As _blocked_prefill_attention, for long contexts.
 
@@ -350,8 +367,8 @@ def _flash_prefill_attention(
     if chunk.cache_rows is not None:
         # Without a mask, the query heads of one key/value head are just more query rows.
         grouped = q.view(num_queries, kv_heads, group_size, head_dim).permute(1, 2, 0, 3)
-        keys = _gather(k_cache, chunk.cache_rows, chunk.start)[None]
-        values = _gather(v_cache, chunk.cache_rows, chunk.start)[None]
+        keys = _gather(kv.k, None, chunk.cache_rows, chunk.start, q.dtype)[None]
+        values = _gather(kv.v, None, chunk.cache_rows, chunk.start, q.dtype)[None]
         queries = grouped.reshape(1, kv_heads, -1, head_dim)
         prefix_out, prefix_lse = _FLASH(queries, keys, values, scale=scale)
         out = _merge(
@@ -417,15 +434,67 @@ def _gathered_decode_attention(
     )
 
 
+def _dequantized_decode_attention(
+    q: torch.Tensor, kv: LayerKV, group: DecodeGather
+) -> torch.Tensor:
+    """As _gathered_decode_attention, over an 8-bit cache: keys and values are gathered
+    and dequantized (embedding_bag cannot read codes)."""
+    batch, heads, head_dim = q.shape
+    kv_heads = kv.k.shape[0]
+    group_size = heads // kv_heads
+    keys = _rows_of(kv.k, kv.k_scales, group.key_rows, q.dtype).view(kv_heads * batch, -1, head_dim)
+    values = _rows_of(kv.v, kv.v_scales, group.key_rows, q.dtype).view(keys.shape)
+    queries = q.view(batch, kv_heads, group_size, head_dim).transpose(0, 1)
+    scores = torch.baddbmm(
+        group.bias.to(q.dtype),
+        queries.reshape(kv_heads * batch, group_size, head_dim),
+        keys.transpose(1, 2),
+        alpha=head_dim**-0.5,
+    )
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.bmm(probs, values)
+    return (
+        out.view(kv_heads, batch, group_size, head_dim)
+        .transpose(0, 1)
+        .reshape(batch, heads, head_dim)
+    )
+
+
+def _score_dtype(cache_like: torch.Tensor) -> torch.dtype:
+    """The dtype of masks added to scores: the cache's, or float32 for an 8-bit cache
+    (the model dtype is not known here; adding float32 to the scores rounds alike)."""
+    return torch.float32 if cache_like.dtype in KV_CACHE_DTYPES.values() else cache_like.dtype
+
+
 def _as_rows(cache: torch.Tensor) -> torch.Tensor:
     """[kv_heads, blocks, block_size, d] -> [kv_heads * blocks, block_size * d] (a view)."""
     return cache.view(cache.shape[0] * cache.shape[1], -1)
 
 
-def _gather(cache: torch.Tensor, rows: torch.Tensor, length: int) -> torch.Tensor:
-    """One sequence's first `length` cached tokens -> [kv_heads, length, d]."""
-    gathered = _as_rows(cache).index_select(0, rows)
+def _gather(
+    cache: torch.Tensor,
+    scales: torch.Tensor | None,
+    rows: torch.Tensor,
+    length: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """One sequence's first `length` cached tokens -> [kv_heads, length, d] of `dtype`."""
+    gathered = _rows_of(cache, scales, rows, dtype)
     return gathered.view(cache.shape[0], -1, cache.shape[3])[:, :length]
+
+
+def _rows_of(
+    cache: torch.Tensor, scales: torch.Tensor | None, rows: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Whole blocks `rows` of the cache seen as [kv_heads * blocks, block_size * d],
+    dequantized to `dtype` when the cache is 8-bit."""
+    gathered = _as_rows(as_bytes(cache)).index_select(0, rows).view(cache.dtype)
+    if scales is None:
+        return gathered
+    block_size, head_dim = cache.shape[2], cache.shape[3]
+    row_scales = scales.view(-1, block_size).index_select(0, rows)
+    codes = gathered.view(-1, block_size, head_dim)
+    return dequantize(codes, row_scales, dtype).view(gathered.shape)
 
 
 def build_metadata(

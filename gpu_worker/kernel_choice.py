@@ -39,7 +39,8 @@ from gpu_worker import native
 from gpu_worker.attention import AttentionBackend, build_metadata
 from gpu_worker.kernels import Kernels
 from gpu_worker.kv_cache import LayerKV
-from gpu_worker.layer_ops import LayerOps
+from gpu_worker.kv_quant import quantize_rows
+from gpu_worker.layer_ops import LayerOps, write_kv
 from gpu_worker.model import Linear
 from gpu_worker.model_config import ModelConfig
 
@@ -61,10 +62,16 @@ class Shapes:
     block_size: int
     dtype: torch.dtype
     device: torch.device
+    cache_dtype: torch.dtype  # the model's dtype, or an 8-bit one (gpu_worker.kv_quant)
 
     @classmethod
     def of(
-        cls, config: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device
+        cls,
+        config: ModelConfig,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        cache_dtype: torch.dtype,
     ) -> Shapes:
         return cls(
             config.num_attention_heads,
@@ -75,7 +82,17 @@ class Shapes:
             block_size,
             dtype,
             device,
+            cache_dtype,
         )
+
+    def cache(self, num_blocks: int, generator: torch.Generator) -> LayerKV:
+        """A layer's cache of `num_blocks` blocks holding random rows."""
+        shape = (self.kv_heads, num_blocks, self.block_size, self.head_dim)
+        k, v = (torch.randn(shape, generator=generator).to(self.dtype) for _ in "kv")
+        if self.cache_dtype == self.dtype:
+            return LayerKV(k.to(self.device), v.to(self.device))
+        (k, k_scales), (v, v_scales) = (quantize_rows(x, self.cache_dtype) for x in (k, v))
+        return LayerKV(*(t.to(self.device) for t in (k, v, k_scales, v_scales)))
 
 
 @dataclass(slots=True)
@@ -200,12 +217,11 @@ def attention_case(
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=generator).to(shapes.device, shapes.dtype)
 
-    kv = LayerKV(randn(kv_heads, num_blocks, bs, d), randn(kv_heads, num_blocks, bs, d))
+    kv = shapes.cache(num_blocks, generator)
     k_chunk, v_chunk = randn(chunk, kv_heads, d), randn(chunk, kv_heads, d)
     positions = torch.arange(start, start + chunk)
     slots = (chunk_table[positions // bs] * bs + positions % bs).to(shapes.device)
-    kv.k.view(kv_heads, -1, d).index_copy_(1, slots, k_chunk.transpose(0, 1))
-    kv.v.view(kv_heads, -1, d).index_copy_(1, slots, v_chunk.transpose(0, 1))
+    write_kv(kv, k_chunk, v_chunk, slots)
     # As the model passes q: a strided view of a wider row.
     q_decode = randn(batch, shapes.heads + kv_heads, d)[:, : shapes.heads]
     q_chunk = randn(chunk, shapes.heads + kv_heads, d)[:, : shapes.heads]
@@ -270,7 +286,7 @@ def check_attention(
 ) -> str | None:
     """None when the backend agrees with the reference (and keeps its rows invariant, if
     it claims to); else what is wrong."""
-    tolerance = TOLERANCE[case.kv.k.dtype]
+    tolerance = TOLERANCE[case.q_decode.dtype]
     try:
         decoded, prefilled = run_decode(backend, case), run_prefill(backend, case)
         for what, got, want in (
@@ -332,18 +348,16 @@ def run_layer_ops(ops: LayerOps, shapes: Shapes, rows: int = 128) -> list[torch.
     x, delta, weight = randn(rows, shapes.hidden), randn(rows, shapes.hidden), randn(shapes.hidden)
     gate_up = randn(rows, 2 * shapes.intermediate)
     qkv = randn(rows, (shapes.heads + 2 * shapes.kv_heads) * d)
-    blocks = -(-rows // shapes.block_size)
-    k_cache = torch.zeros(shapes.kv_heads, blocks, shapes.block_size, d, dtype=dtype, device=device)
-    v_cache = torch.zeros_like(k_cache)
+    kv = shapes.cache(-(-rows // shapes.block_size), generator)
     positions = torch.arange(rows, device=device)
     cos, signed_sin = randn(rows, d), randn(rows, d)  # any tables of the right shape
     normed = ops.rms_norm(x, weight, 1e-5)
     added = ops.add_rms_norm_(x, delta, weight, 1e-5)
     activated = ops.silu_and_mul(gate_up)
     ops.rope_and_cache_(
-        qkv, positions, cos, signed_sin, k_cache, v_cache, positions, shapes.heads, shapes.kv_heads
+        qkv, positions, cos, signed_sin, kv, positions, shapes.heads, shapes.kv_heads
     )
-    return [normed, added, x, activated, qkv, k_cache, v_cache]
+    return [normed, added, x, activated, qkv, *kv.values(dtype)]
 
 
 def choose_layer_ops(

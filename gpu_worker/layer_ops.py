@@ -9,9 +9,9 @@ Both have one interface, so the model's forward pass is written once:
     rms_norm(x, weight, eps) -> normed x
     add_rms_norm_(x, delta, weight, eps) -> normed x, after x += delta in place
     silu_and_mul(gate_up [T, 2I]) -> silu(gate) * up [T, I]
-    rope_and_cache_(qkv, positions, cos, signed_sin, k_cache, v_cache, slots, heads, kv_heads)
+    rope_and_cache_(qkv, positions, cos, signed_sin, kv, slots, heads, kv_heads)
         rotates q and k inside qkv [T, (heads + 2 kv_heads) * d] in place and writes the
-        new k and v rows to their cache slots.
+        new k and v rows to their slots of the layer's cache kv (quantized if it is 8-bit).
     top_k_ids(logits [S, vocab], k) -> [S, k] ids of each row's k largest logits, best
         first (which of equal logits is taken may differ between the two).
 """
@@ -22,6 +22,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from gpu_worker.kv_cache import LayerKV
+from gpu_worker.kv_quant import as_bytes, quantize_rows
 
 
 class TorchLayerOps:
@@ -45,19 +48,18 @@ class TorchLayerOps:
         positions: torch.Tensor,
         cos: torch.Tensor,
         signed_sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv: LayerKV,
         slots: torch.Tensor,
         heads: int,
         kv_heads: int,
     ) -> None:
-        head_dim = k_cache.shape[3]
+        head_dim = kv.k.shape[3]
         rows = qkv.shape[0]
         qk = qkv[:, : (heads + kv_heads) * head_dim].view(rows, heads + kv_heads, head_dim)
         # Broadcast over heads: q and k heads rotate in one go.
         qk.copy_(apply_rope(qk, cos[positions].unsqueeze(1), signed_sin[positions].unsqueeze(1)))
         v = qkv[:, (heads + kv_heads) * head_dim :].view(rows, kv_heads, head_dim)
-        write_kv(k_cache, v_cache, qk[:, heads:], v, slots)
+        write_kv(kv, qk[:, heads:], v, slots)
 
     def top_k_ids(self, logits: torch.Tensor, k: int) -> torch.Tensor:
         return logits.topk(k, dim=-1).indices
@@ -70,8 +72,33 @@ class NativeLayerOps:
         self.rms_norm = kernels.rms_norm
         self.add_rms_norm_ = kernels.add_rms_norm_
         self.silu_and_mul = kernels.silu_and_mul
-        self.rope_and_cache_ = kernels.rope_and_cache_
+        self._rope_and_cache_ = kernels.rope_and_cache_
         self.top_k_ids = kernels.top_k_indices
+
+    def rope_and_cache_(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        kv: LayerKV,
+        slots: torch.Tensor,
+        heads: int,
+        kv_heads: int,
+    ) -> None:
+        self._rope_and_cache_(
+            qkv,
+            positions,
+            cos,
+            signed_sin,
+            kv.k,
+            kv.v,
+            slots,
+            heads,
+            kv_heads,
+            kv.k_scales,
+            kv.v_scales,
+        )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -93,17 +120,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
-def write_kv(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    slots: torch.Tensor,
-) -> None:
+def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     """k/v [T, kv_heads, d] into their slots of the [kv_heads, blocks, block_size, d] caches."""
-    kv_heads, head_dim = k_cache.shape[0], k_cache.shape[3]
-    k_cache.view(kv_heads, -1, head_dim).index_copy_(1, slots, k.transpose(0, 1))
-    v_cache.view(kv_heads, -1, head_dim).index_copy_(1, slots, v.transpose(0, 1))
+    kv_heads, head_dim = kv.k.shape[0], kv.k.shape[3]
+    for cache, scales, rows in ((kv.k, kv.k_scales, k), (kv.v, kv.v_scales, v)):
+        rows = rows.transpose(0, 1)
+        if scales is not None:
+            rows, row_scales = quantize_rows(rows, cache.dtype)
+            scales.view(kv_heads, -1).index_copy_(1, slots, row_scales)
+        # As bytes: PyTorch has no index_copy_ for fp8.
+        cache, rows = (as_bytes(t) for t in (cache, rows))
+        cache.view(kv_heads, -1, head_dim).index_copy_(1, slots, rows)
 
 
 LayerOps = TorchLayerOps | NativeLayerOps

@@ -7,6 +7,8 @@
   same bits from either;
 - layer_ops.cpp: the small operations between a layer's matmuls, fused (RMSNorm with the
   residual add, rotary embedding with the KV-cache write, SwiGLU);
+- kv_quant.h: the 8-bit KV cache (int8 or fp8 codes, one scale per row) that the cache
+  write quantizes and both attention kernels dequantize (reference: gpu_worker.kv_quant);
 - top_logits.cpp: the ids of each row's k largest logits.
 
 torch.utils.cpp_extension compiles them once per machine into the torch extensions directory
@@ -47,10 +49,14 @@ def kernels() -> Any | None:
 
     Its ops take CPU tensors only:
     - paged_decode_attention(q [B, heads, d], k_cache, v_cache [kv_heads, blocks,
-      block_size, d], block_tables [B, W], context_lens [B], scale) -> [B, heads, d];
+      block_size, d], block_tables [B, W], context_lens [B], scale, k_scales=None,
+      v_scales=None) -> [B, heads, d];
     - paged_prefill_attention(q [n, heads, d], k_cache, v_cache, block_table [W], start,
-      scale) -> [n, heads, d], where the CPU has AVX512-BF16;
+      scale, k_scales=None, v_scales=None) -> [n, heads, d], where the CPU has AVX512-BF16;
     - rms_norm, add_rms_norm_, silu_and_mul, rope_and_cache_: see gpu_worker.layer_ops;
+      rope_and_cache_ takes k_scales=None, v_scales=None last.
+    Caches hold q's dtype, or int8 / float8_e4m3fn codes with their scales [kv_heads, blocks,
+    block_size] float32 (gpu_worker.kv_quant).
     - top_k_indices(logits [rows, vocab], k) -> [rows, k] int64, best first (ties: lower id).
     """
     if not ENABLED:

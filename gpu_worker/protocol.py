@@ -47,6 +47,7 @@ class WorkerConfig:
     max_num_batched_tokens: int = 8192  # largest flattened step the worker must accept
     seed: int = 0
     use_cuda_graphs: bool = True
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "int8" | "fp8"
     kernels: str = "auto"  # "auto", or pins: "attention=native,matmul=onednn" (kernel_choice)
     kernel_cache: str | None = None  # JSON file of measured kernel choices; None: measure
 
@@ -81,6 +82,7 @@ class Handshake:
     block_size: int
     num_blocks: int
     kv_bytes: int
+    kv_cache_dtype: str  # the cache tensors' dtype: "bfloat16", "int8", "float8_e4m3fn", ...
     decode_buckets: list[int]
     pid: int
     load_seconds: float

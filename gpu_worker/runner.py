@@ -40,7 +40,10 @@ class ModelRunner:
         context_limit = self.model_config.context_limit
         max_blocks_per_seq = -(-context_limit // block_size)
 
-        shapes = kernel_choice.Shapes.of(self.model_config, block_size, self.dtype, self.device)
+        cache_dtype = kv_cache.cache_dtype(worker_config.kv_cache_dtype, self.dtype)
+        shapes = kernel_choice.Shapes.of(
+            self.model_config, block_size, self.dtype, self.device, cache_dtype
+        )
         cache_file = worker_config.kernel_cache
         self.kernel_choice = kernel_choice.choose(
             shapes,
@@ -63,11 +66,11 @@ class ModelRunner:
         num_blocks = kv_cache.count_blocks(
             worker_config.kv_memory,
             free_memory_bytes(self.device),
-            kv_cache.block_bytes(self.model_config, block_size, self.dtype),
+            kv_cache.block_bytes(self.model_config, block_size, cache_dtype),
             max_useful_blocks=max_blocks_per_seq * worker_config.max_num_seqs,
         )
         self.cache = kv_cache.allocate(
-            self.model_config, num_blocks, block_size, self.dtype, self.device
+            self.model_config, num_blocks, block_size, cache_dtype, self.device
         )
         # A sequence can never outgrow the whole cache.
         self.max_model_len = min(context_limit, num_blocks * block_size)
@@ -92,6 +95,7 @@ class ModelRunner:
             block_size=block_size,
             num_blocks=num_blocks,
             kv_bytes=self.cache.bytes,
+            kv_cache_dtype=str(cache_dtype).removeprefix("torch."),
             decode_buckets=self.decode_runner.buckets,
             pid=os.getpid(),
             load_seconds=round(time.perf_counter() - started, 3),

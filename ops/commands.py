@@ -8,7 +8,7 @@ import sys
 
 
 def bench(argv: list[str] | None = None) -> int:
-    """`cadence bench SCENARIO | compare | engine | sampler | roofline ...`."""
+    """`cadence bench SCENARIO | compare | engine | sampler | roofline | kv-accuracy ...`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command, rest = (argv[0], argv[1:]) if argv else ("", argv)
     if command == "compare":
@@ -19,6 +19,8 @@ def bench(argv: list[str] | None = None) -> int:
         from ops.sampler_bench import main
     elif command == "roofline":
         from ops.roofline import main
+    elif command == "kv-accuracy":
+        from ops.kv_accuracy import main
     else:
         from ops.bench import main
 

@@ -192,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine cap per step (default: the whole burst fits for fcfs)",
     )
     parser.add_argument("--kv-memory", type=float, default=2 * 1024**3)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"])
+    parser.add_argument("--kernels", default="auto", help="as `cadence serve --kernels`")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-file", type=Path, default=None, help="the engine's JSON log lines")
     return parser
@@ -200,7 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_file, "info" if args.log_file else "warning")
-    config = Config(model=args.model, dtype=args.dtype, kv_memory=args.kv_memory)
+    config = Config(
+        model=args.model,
+        dtype=args.dtype,
+        kv_memory=args.kv_memory,
+        kv_cache_dtype=args.kv_cache_dtype,
+        kernels=args.kernels,
+    )
     model_dir = resolve_model(args.model, config.cache_dir)
     tokenizer = Tokenizer.from_dir(model_dir)
     maker = PromptMaker(codec_from_tokenizer_json(model_dir / "tokenizer.json"))
@@ -222,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(
         f"{args.num_requests} requests, prompt {args.prompt_len}, output {args.output_len}, "
-        f"{args.dtype}, max_batched_tokens {cap}"
+        f"{args.dtype}, {args.kv_cache_dtype} KV cache, max_batched_tokens {cap}"
     )
     print_report([summarize(r) for r in runs], runs)
     return 0

@@ -24,6 +24,7 @@ class Config:
     dtype: str = "bfloat16"
     device: str = "auto"
     kv_memory: float = 0.25  # <= 1.0: fraction of free device memory; > 1.0: bytes
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "int8" or "fp8"
     block_size: int = 16
     cache_dir: Path = field(default_factory=default_cache_dir)
     use_cuda_graphs: bool = True

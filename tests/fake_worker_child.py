@@ -34,6 +34,7 @@ def handshake() -> dict:
         "block_size": 16,
         "num_blocks": 64,
         "kv_bytes": 0,
+        "kv_cache_dtype": "float32",
         "decode_buckets": [1],
         "pid": os.getpid(),
         "load_seconds": 0.0,

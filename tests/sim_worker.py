@@ -104,6 +104,7 @@ class SimWorker:
             block_size=self.block_size,
             num_blocks=self.num_blocks,
             kv_bytes=0,
+            kv_cache_dtype="bfloat16",
             decode_buckets=[1, 2, 4, 8],
             pid=0,
             load_seconds=0.1,

@@ -28,9 +28,9 @@ def case_and_expected(shapes: Shapes) -> tuple[kernel_choice.AttentionCase, tupl
     )
 
 
-def smollm_shapes(dtype: torch.dtype) -> Shapes:
+def smollm_shapes(dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> Shapes:
     """The default model's shapes: 9 heads over 3 kv heads of 64, hidden 576."""
-    return Shapes(9, 3, 64, 576, 1536, 16, dtype, CPU)
+    return Shapes(9, 3, 64, 576, 1536, 16, dtype, CPU, cache_dtype or dtype)
 
 
 class ZeroAttention(NativeAttention):
@@ -56,8 +56,10 @@ class CompanyDependentAttention(NativeAttention):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_every_attention_candidate_offered_here_matches_the_reference(dtype):
-    shapes = smollm_shapes(dtype)
+@pytest.mark.parametrize("cache_dtype", [None, torch.int8, torch.float8_e4m3fn])
+def test_every_attention_candidate_offered_here_matches_the_reference(dtype, cache_dtype):
+    """On 8-bit caches too, where the native kernels keep their rows invariant."""
+    shapes = smollm_shapes(dtype, cache_dtype)
     offered = kernels.attention_candidates(CPU, dtype, shapes.head_dim)
     names = [backend.name for backend in offered]
     assert names == ["torch", "native-rows"] + (["native"] if dtype == torch.bfloat16 else [])
@@ -68,8 +70,9 @@ def test_every_attention_candidate_offered_here_matches_the_reference(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_every_layer_ops_and_matmul_candidate_passes_its_check(dtype):
-    shapes = smollm_shapes(dtype)
+@pytest.mark.parametrize("cache_dtype", [None, torch.int8])
+def test_every_layer_ops_and_matmul_candidate_passes_its_check(dtype, cache_dtype):
+    shapes = smollm_shapes(dtype, cache_dtype)
     ops, ops_trials = kernel_choice.choose_layer_ops(kernels.layer_ops_candidates(CPU), shapes)
     matmul, matmul_trials = kernel_choice.choose_matmul(kernels.matmul_candidates(CPU), shapes)
     assert [t.name for t in ops_trials] == ["torch", "native"]

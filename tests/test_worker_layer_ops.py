@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from gpu_worker import kernels, native
+from gpu_worker.kv_cache import LayerKV
+from gpu_worker.kv_quant import KV_CACHE_DTYPES, as_bytes, quantize_rows
 from gpu_worker.layer_ops import NativeLayerOps, TorchLayerOps
 from gpu_worker.model import rope_tables
 
@@ -77,7 +79,9 @@ def test_silu_and_mul_matches(fused, dtype, width):
     assert_at_most_one_ulp_apart(got, TorchLayerOps().silu_and_mul(gate_up))
 
 
-def rope_case(dtype: torch.dtype, head_dim: int):
+def rope_case(dtype: torch.dtype, head_dim: int, cache_dtype: str | None = None):
+    """A step's qkv rows and a layer's cache (8-bit when cache_dtype names one) with
+    stale rows in it."""
     heads, kv_heads = 6, 2
     config = SimpleNamespace(head_dim=head_dim, rope_theta=10000.0, rope_scaling=None)
     cos, sin = rope_tables(config, 64, dtype, torch.device("cpu"))
@@ -86,34 +90,51 @@ def rope_case(dtype: torch.dtype, head_dim: int):
     positions = torch.randperm(64, generator=torch.Generator().manual_seed(7))[:tokens]
     cache_shape = (kv_heads, 9, 4, head_dim)  # 36 slots per head
     slots = torch.randperm(36, generator=torch.Generator().manual_seed(8))[:tokens]
-    caches = rows(cache_shape, dtype, 9), rows(cache_shape, dtype, 10)
-    return qkv, positions, cos, sin, caches, slots, heads, kv_heads
+    k, v = rows(cache_shape, dtype, 9), rows(cache_shape, dtype, 10)
+    if cache_dtype is None:
+        kv = LayerKV(k, v)
+    else:
+        (k, k_scales), (v, v_scales) = (
+            quantize_rows(x, KV_CACHE_DTYPES[cache_dtype]) for x in (k, v)
+        )
+        kv = LayerKV(k, v, k_scales, v_scales)
+    return qkv, positions, cos, sin, kv, slots, heads, kv_heads
+
+
+def copy_of(kv: LayerKV) -> LayerKV:
+    return LayerKV(
+        *(None if t is None else t.clone() for t in (kv.k, kv.v, kv.k_scales, kv.v_scales))
+    )
+
+
+def same_cache(a: LayerKV, b: LayerKV) -> bool:
+    pairs = zip(a.tensors, b.tensors, strict=True)
+    return all(x is y is None or torch.equal(as_bytes(x), as_bytes(y)) for x, y in pairs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 40])
-def test_rope_and_cache_is_exact(fused, dtype, head_dim):
-    qkv, positions, cos, sin, caches, slots, heads, kv_heads = rope_case(dtype, head_dim)
+@pytest.mark.parametrize("cache_dtype", [None, "int8", "fp8"])
+def test_rope_and_cache_is_exact(fused, dtype, head_dim, cache_dtype):
+    qkv, positions, cos, sin, kv, slots, heads, kv_heads = rope_case(dtype, head_dim, cache_dtype)
     results = []
     for ops in (fused, TorchLayerOps()):
-        out, (k_cache, v_cache) = qkv.clone(), (c.clone() for c in caches)
-        ops.rope_and_cache_(out, positions, cos, sin, k_cache, v_cache, slots, heads, kv_heads)
-        results.append((out, k_cache, v_cache))
-    (out, k_cache, v_cache), (out_ref, k_ref, v_ref) = results
-    assert torch.equal(out, out_ref) and torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+        out, written = qkv.clone(), copy_of(kv)
+        ops.rope_and_cache_(out, positions, cos, sin, written, slots, heads, kv_heads)
+        results.append((out, written))
+    (out, written), (out_ref, written_ref) = results
+    assert torch.equal(out, out_ref) and same_cache(written, written_ref)
     assert not torch.equal(out, qkv)  # it rotated something
-    assert not torch.equal(k_cache, caches[0])  # and wrote the new keys
+    assert not same_cache(written, kv)  # and wrote the new keys
 
 
 def test_rope_and_cache_rejects_a_slot_outside_the_cache(fused):
-    qkv, positions, cos, sin, (k_cache, v_cache), slots, heads, kv_heads = rope_case(
-        torch.float32, 64
-    )
-    slots[3] = k_cache.shape[1] * k_cache.shape[2]
-    before = k_cache.clone()
+    qkv, positions, cos, sin, kv, slots, heads, kv_heads = rope_case(torch.float32, 64)
+    slots[3] = kv.k.shape[1] * kv.k.shape[2]
+    before = kv.k.clone()
     with pytest.raises(RuntimeError, match="outside the cache"):
-        fused.rope_and_cache_(qkv, positions, cos, sin, k_cache, v_cache, slots, heads, kv_heads)
-    assert torch.equal(k_cache, before)
+        fused.rope_and_cache_(qkv, positions, cos, sin, kv, slots, heads, kv_heads)
+    assert torch.equal(kv.k, before)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -131,7 +131,7 @@ def test_prefill_kernel_matches_the_pytorch_path(
     )
     kernel = native.kernels().paged_prefill_attention
     got = kernel(q, k_cache, v_cache, chunk.block_table, start, head_dim**-0.5)
-    expected = attention._blocked_prefill_attention(q, k, v, k_cache, v_cache, chunk)
+    expected = attention._blocked_prefill_attention(q, k, v, LayerKV(k_cache, v_cache), chunk)
     assert got.dtype == torch.bfloat16 and got.shape == q.shape
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
 

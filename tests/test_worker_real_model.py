@@ -28,9 +28,13 @@ def default_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return resolve_model(None, cache)
 
 
-def runner_for(model_dir: Path, dtype: str) -> ModelRunner:
+def runner_for(model_dir: Path, dtype: str, kv_cache_dtype: str = "auto") -> ModelRunner:
     config = WorkerConfig(
-        model_dir=str(model_dir), dtype=dtype, device="cpu", kv_memory=float(1 << 28)
+        model_dir=str(model_dir),
+        dtype=dtype,
+        device="cpu",
+        kv_memory=float(1 << 28),
+        kv_cache_dtype=kv_cache_dtype,
     )
     return ModelRunner(config)
 
@@ -56,14 +60,17 @@ def greedy(runner: ModelRunner, prompt: list[int], max_tokens: int, eos: set[int
     return tokens
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_the_default_model_knows_the_capital_of_france(default_model_dir, dtype):
-    runner = runner_for(default_model_dir, dtype)
+@pytest.mark.parametrize(
+    ("dtype", "kv_cache_dtype"),
+    [("bfloat16", "auto"), ("float32", "auto"), ("bfloat16", "int8"), ("bfloat16", "fp8")],
+)
+def test_the_default_model_knows_the_capital_of_france(default_model_dir, dtype, kv_cache_dtype):
+    runner = runner_for(default_model_dir, dtype, kv_cache_dtype)
     prompt = chat_prompt(default_model_dir, "What is the capital of France?")
     answer = Tokenizer.from_dir(default_model_dir).decode(
         greedy(runner, prompt, 32, set(Tokenizer.from_dir(default_model_dir).eos_token_ids))
     )
-    print(f"\n{dtype}: {answer!r}")
+    print(f"\n{dtype}, {kv_cache_dtype} cache: {answer!r}")
     assert "Paris" in answer
 
 

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "cpu_vec.h"
+#include "kv_quant.h"
 
 #if defined(__AVX512BF16__)
 
@@ -35,27 +36,33 @@ using bf16 = c10::BFloat16;
 constexpr int64_t kKeys = 16;  // keys per score vector
 constexpr int64_t kChunk = 32;  // bfloat16 values per vector
 
-// One sequence's keys and values in the paged caches [kv_heads, cache_blocks, block_size, d].
+// One sequence's keys and values in the paged caches [kv_heads, cache_blocks, block_size, d]
+// (bfloat16, or 8-bit codes and scales: kv_quant.h).
 struct PagedKV {
-  const bf16* k_cache;
-  const bf16* v_cache;
+  CacheRows<bf16> k, v;
   const int64_t* table;  // the sequence's block ids
   int64_t cache_blocks, block_size, d;
 
-  // Rows of tokens [0, len) of `head` in `cache`, walking the block table once rather
-  // than dividing per token.
-  void rows(const bf16* cache, int64_t head, int64_t len, std::vector<const bf16*>& out) const {
-    out.resize(len);
+  // Indices of the rows of tokens [0, len) of `head`, then kPrefetchTokens copies of the
+  // last (past the end, prefetch it again rather than test every time), walking the block
+  // table once rather than dividing per token.
+  void row_ids(int64_t head, int64_t len, std::vector<int64_t>& out) const {
+    out.resize(len + kPrefetchTokens);
     for (int64_t t = 0, i = 0; t < len; ++i) {
-      const bf16* block = cache + (head * cache_blocks + table[i]) * block_size * d;
-      for (int64_t slot = 0; slot < block_size && t < len; ++slot, ++t) out[t] = block + slot * d;
+      const int64_t first = (head * cache_blocks + table[i]) * block_size;
+      for (int64_t slot = 0; slot < block_size && t < len; ++slot, ++t) out[t] = first + slot;
     }
+    std::fill(out.begin() + len, out.end(), out[len - 1]);
   }
 };
 
 // One kv head's keys and values [0, len) of a task, and the scores of a pass.
 struct Workspace {
-  std::vector<const bf16*> key_rows, value_rows;  // of tokens [0, len) in the caches
+  std::vector<const bf16*> key_rows, value_rows;  // of tokens [0, len)
+  std::vector<int64_t> row_ids;  // of tokens [0, len) in the caches
+  // An 8-bit cache's rows [0, len), dequantized: from here on a task cannot tell them from
+  // a bfloat16 cache's, so it gives them the same bits.
+  std::vector<bf16> dequantized_keys, dequantized_values;
   // [key blocks][d / 2][16]: pairs of dims of 16 keys (Direct: room for two blocks)
   std::vector<uint32_t> keys;
   std::vector<uint32_t> values;  // [key pairs][d / 32][2][16]: LaidOut's value pairs
@@ -65,11 +72,20 @@ struct Workspace {
 
   // Rows of keys and values [0, len) of `head`, and room for `queries` per pass.
   void start(const PagedKV& kv, int64_t head, int64_t len, int64_t queries) {
-    kv.rows(kv.k_cache, head, len, key_rows);
-    kv.rows(kv.v_cache, head, len, value_rows);
+    kv.row_ids(head, len, row_ids);
+    rows(kv.k, len, kv.d, dequantized_keys, key_rows);
+    rows(kv.v, len, kv.d, dequantized_values, value_rows);
     stride = (len + kKeys) / kKeys * kKeys;
     scores.resize(stride * queries);
     probs.resize(scores.size());
+  }
+
+ private:
+  void rows(const CacheRows<bf16>& cache, int64_t len, int64_t d, std::vector<bf16>& buffer,
+            std::vector<const bf16*>& out) const {
+    if (cache.quantized()) return dequantize_rows(cache, row_ids, len, d, buffer, out);
+    out.resize(len);
+    for (int64_t t = 0; t < len; ++t) out[t] = cache.values + row_ids[t] * d;
   }
 };
 

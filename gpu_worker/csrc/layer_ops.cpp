@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "cpu_vec.h"
+#include "kv_quant.h"
 
 namespace {
 
@@ -208,14 +209,38 @@ void rotate_head(T* x, const T* cos, const T* sin, int64_t d, float* rolled) {
   }
 }
 
+// Where the new k or v rows go: a cache of T, or 8-bit codes and their scales (kv_quant.h).
+template <typename T>
+struct CacheOut {
+  T* values;
+  uint8_t* codes;
+  float* scales;
+  Codes kind;
+
+  void write(int64_t row, const T* x, int64_t d) const {
+    if (kind == Codes::kNone) {
+      std::copy(x, x + d, values + row * d);
+    } else {
+      scales[row] = quantize_row(kind, x, d, codes + row * d);
+    }
+  }
+};
+
+template <typename T>
+CacheOut<T> cache_out(at::Tensor& cache, const std::optional<at::Tensor>& scales, Codes kind) {
+  if (kind == Codes::kNone) return {cache.mutable_data_ptr<T>(), nullptr, nullptr, kind};
+  return {nullptr, static_cast<uint8_t*>(cache.mutable_data_ptr()),
+          scales->mutable_data_ptr<float>(), kind};
+}
+
 struct RopeShape {
   int64_t heads, kv_heads, head_dim, row_stride, slots_per_head, max_positions;
 };
 
 template <typename T>
 void rope_and_cache_rows(T* qkv, const int64_t* positions, const T* cos, const T* sin,
-                         T* k_cache, T* v_cache, const int64_t* slots, int64_t rows,
-                         const RopeShape& s) {
+                         const CacheOut<T>& k_cache, const CacheOut<T>& v_cache,
+                         const int64_t* slots, int64_t rows, const RopeShape& s) {
   const int64_t d = s.head_dim;
   // Checked before anything is written: a bad index must not write outside the cache.
   for (int64_t r = 0; r < rows; ++r) {
@@ -235,19 +260,23 @@ void rope_and_cache_rows(T* qkv, const int64_t* positions, const T* cos, const T
       const T* k = row + s.heads * d;
       const T* v = k + s.kv_heads * d;
       for (int64_t h = 0; h < s.kv_heads; ++h) {
-        const int64_t offset = (h * s.slots_per_head + slots[r]) * d;
-        std::copy(k + h * d, k + (h + 1) * d, k_cache + offset);
-        std::copy(v + h * d, v + (h + 1) * d, v_cache + offset);
+        const int64_t cache_row = h * s.slots_per_head + slots[r];
+        k_cache.write(cache_row, k + h * d, d);
+        v_cache.write(cache_row, v + h * d, d);
       }
     }
   });
 }
 
 // qkv [T, (heads + 2 kv_heads) * d]: q and k rotated in place at their positions, then the
-// new k and v rows written to the caches [kv_heads, blocks, block_size, d] at flat `slots`.
+// new k and v rows written to the caches [kv_heads, blocks, block_size, d] at flat `slots`:
+// caches of qkv's dtype, or int8 / float8_e4m3fn ones that get each row quantized, its scale
+// going to k_scales / v_scales [kv_heads, blocks, block_size].
 void rope_and_cache_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
                      const at::Tensor& signed_sin, at::Tensor& k_cache, at::Tensor& v_cache,
-                     const at::Tensor& slots, int64_t heads, int64_t kv_heads) {
+                     const at::Tensor& slots, int64_t heads, int64_t kv_heads,
+                     const std::optional<at::Tensor>& k_scales,
+                     const std::optional<at::Tensor>& v_scales) {
   check_rows(qkv, "qkv");
   const int64_t rows = qkv.size(0);
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "caches must match");
@@ -259,11 +288,17 @@ void rope_and_cache_(at::Tensor& qkv, const at::Tensor& positions, const at::Ten
   TORCH_CHECK(cos.dim() == 2 && cos.sizes() == signed_sin.sizes() && cos.size(1) == d &&
                   cos.is_contiguous() && signed_sin.is_contiguous(),
               "rope tables must be contiguous [positions, head_dim]");
-  for (const at::Tensor* t : {&cos, &signed_sin, const_cast<const at::Tensor*>(&k_cache),
-                             const_cast<const at::Tensor*>(&v_cache)}) {
+  for (const at::Tensor* t : {&cos, &signed_sin}) {
     TORCH_CHECK(t->scalar_type() == qkv.scalar_type() && t->device().is_cpu(),
-                "rope tables and caches must be CPU tensors of qkv's dtype");
+                "rope tables must be CPU tensors of qkv's dtype");
   }
+  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
+              "caches must be CPU tensors of one dtype");
+  const Codes kind = checked_codes(k_cache, k_scales, "k_cache", "k_scales");
+  checked_codes(v_cache, v_scales, "v_cache", "v_scales");
+  TORCH_CHECK(kind != Codes::kNone || k_cache.scalar_type() == qkv.scalar_type(),
+              "caches must be of qkv's dtype, or int8 or float8_e4m3fn");
   TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong &&
                   positions.numel() == rows && slots.numel() == rows,
               "positions and slots must be int64, one per row");
@@ -274,7 +309,8 @@ void rope_and_cache_(at::Tensor& qkv, const at::Tensor& positions, const at::Ten
     using T = decltype(zero);
     rope_and_cache_rows<T>(qkv.mutable_data_ptr<T>(), pos.const_data_ptr<int64_t>(),
                            cos.const_data_ptr<T>(), signed_sin.const_data_ptr<T>(),
-                           k_cache.mutable_data_ptr<T>(), v_cache.mutable_data_ptr<T>(),
+                           cache_out<T>(k_cache, k_scales, kind),
+                           cache_out<T>(v_cache, v_scales, kind),
                            flat_slots.const_data_ptr<int64_t>(), rows, shape);
   });
 }
@@ -286,7 +322,8 @@ TORCH_LIBRARY_FRAGMENT(cadence, m) {
   m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("rope_and_cache_(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor signed_sin, "
-        "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, int heads, int kv_heads) -> ()");
+        "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, int heads, int kv_heads, "
+        "Tensor(d!)? k_scales=None, Tensor(e!)? v_scales=None) -> ()");
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
   m.impl("add_rms_norm_", c10::DispatchKey::CPU, &add_rms_norm_);
   m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);

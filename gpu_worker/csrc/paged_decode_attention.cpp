@@ -9,7 +9,10 @@
 // Scores, softmax and value sums accumulate in float32 whatever the cache dtype (float32
 // or bfloat16); scores and probabilities are rounded to that dtype as the PyTorch path's
 // tensors are, and the output is written in it. AVX-512 paths where the compiler targets
-// it (-march=native), with plain loops for other CPUs and head_dims.
+// it (-march=native), with plain loops for other CPUs and head_dims. An 8-bit cache
+// (kv_quant.h) is read as the cache of the model dtype holding its dequantized values, bit
+// for bit: rows are dequantized as they are staged, or, in the bfloat16 kernel, when a task
+// starts.
 //
 // A query row's result depends only on its own query and keys, never on the other rows of
 // the call, so a float32 prefill chunk can run its rows here as well (gpu_worker.attention).
@@ -28,6 +31,7 @@
 
 #include "bf16_attention.h"
 #include "cpu_vec.h"
+#include "kv_quant.h"
 
 namespace {
 
@@ -54,22 +58,19 @@ template <typename T>
 struct Problem {
   const T* q;  // [batch, heads, head_dim], rows strided
   int64_t q_batch_stride, q_head_stride;
-  const T* k_cache;  // [kv_heads, cache_blocks, block_size, head_dim], contiguous
-  const T* v_cache;
+  CacheRows<T> k, v;  // [kv_heads, cache_blocks, block_size, head_dim], contiguous
   const int64_t* block_tables;  // [batch, width]
   const int64_t* context_lens;  // [batch]
   T* out;  // [batch, heads, head_dim], contiguous
   int64_t heads, kv_heads, group, head_dim, cache_blocks, block_size, width;
   float scale;
 
-  // Offsets into a cache of tokens [0, len) of sequence `seq`'s rows under kv head `head`
-  // (the same for K and V), walking the block table once rather than dividing per token.
-  void row_offsets(int64_t seq, int64_t head, int64_t len, int64_t* offsets) const {
+  // The rows in a cache of tokens [0, len) of sequence `seq` under kv head `head` (the same
+  // for K and V), walking the block table once rather than dividing per token.
+  void row_ids(int64_t seq, int64_t head, int64_t len, int64_t* ids) const {
     for (int64_t t = 0, i = 0; t < len; ++i) {
       const int64_t first = (head * cache_blocks + block_tables[seq * width + i]) * block_size;
-      for (int64_t slot = 0; slot < block_size && t < len; ++slot, ++t) {
-        offsets[t] = (first + slot) * head_dim;
-      }
+      for (int64_t slot = 0; slot < block_size && t < len; ++slot, ++t) ids[t] = first + slot;
     }
   }
 };
@@ -91,30 +92,20 @@ void check_sequence(const Problem<T>& p, int64_t seq, int64_t len) {
 // for every query of the group.
 constexpr int64_t kRows = 4;
 
-// How far ahead of the rows being read to prefetch: the rows of a sequence are scattered
-// over blocks, so the hardware prefetcher loses the stream at every block boundary, and
-// the cache is far larger than the CPU's caches (decode steps 25% slower without it).
-constexpr int64_t kPrefetchTokens = 32;
-
-// Asks for the cache lines of the row at `offset`.
+// The n rows `ids` -> float32 [kRows, d], missing rows zero.
 template <typename T>
-void prefetch_row(const T* cache, int64_t offset, int64_t head_dim) {
-  const char* row = reinterpret_cast<const char*>(cache + offset);
-  for (int64_t byte = 0; byte < head_dim * static_cast<int64_t>(sizeof(T)); byte += 64) {
-    __builtin_prefetch(row + byte);
-  }
-}
-
-// The n rows at `offsets` -> float32 [kRows, d], missing rows zero.
-template <typename T>
-void stage(const T* cache, const int64_t* offsets, int64_t n, int64_t d, float* rows) {
+void stage(const CacheRows<T>& cache, const int64_t* ids, int64_t n, int64_t d, float* rows) {
   for (int64_t r = 0; r < kRows; ++r) {
     float* dst = rows + r * d;
     if (r >= n) {
       std::fill(dst, dst + d, 0.f);
       continue;
     }
-    const T* src = cache + offsets[r];
+    if (cache.quantized()) {
+      cache.dequantize(ids[r], d, dst);
+      continue;
+    }
+    const T* src = cache.values + ids[r] * d;
     int64_t i = 0;
 #if defined(__AVX512F__)
     for (; i + kLanes <= d; i += kLanes) _mm512_storeu_ps(dst + i, load16(src + i));
@@ -239,10 +230,10 @@ Buffers carve(std::vector<float>& scratch, int64_t group, int64_t d, int64_t len
   return b;
 }
 
-// Scores of the group's queries, scaled -> b.scores, for the tokens whose rows are at
-// `offsets` (followed by kPrefetchTokens more to prefetch).
+// Scores of the group's queries, scaled -> b.scores, for the tokens of rows `ids`
+// (followed by kPrefetchTokens more to prefetch).
 template <typename T>
-void key_scores(const Problem<T>& p, int64_t seq, int64_t first_head, const int64_t* offsets,
+void key_scores(const Problem<T>& p, int64_t seq, int64_t first_head, const int64_t* ids,
                 int64_t len, const Buffers& b) {
   const int64_t d = p.head_dim;
   for (int64_t g = 0; g < p.group; ++g) {
@@ -253,10 +244,10 @@ void key_scores(const Problem<T>& p, int64_t seq, int64_t first_head, const int6
     const int64_t n = std::min(kRows, len - t);
     for (int64_t r = 0; r < n; ++r) {
       // The values too: the value pass then finds them in the CPU's cache.
-      prefetch_row(p.k_cache, offsets[t + r + kPrefetchTokens], d);
-      prefetch_row(p.v_cache, offsets[t + r + kPrefetchTokens], d);
+      p.k.prefetch(ids[t + r + kPrefetchTokens], d);
+      p.v.prefetch(ids[t + r + kPrefetchTokens], d);
     }
-    stage(p.k_cache, offsets + t, n, d, b.rows);
+    stage(p.k, ids + t, n, d, b.rows);
     for (int64_t g = 0; g < p.group; ++g) {
       dot_rows(b.q + g * d, b.rows, d, b.four);
       std::copy(b.four, b.four + n, b.scores + g * len + t);
@@ -276,13 +267,12 @@ void softmax_rows(const Problem<T>& p, int64_t len, const Buffers& b) {
 
 // b.acc[g] = sum over tokens of probability g * value row.
 template <typename T>
-void weighted_values(const Problem<T>& p, const int64_t* offsets, int64_t len,
-                     const Buffers& b) {
+void weighted_values(const Problem<T>& p, const int64_t* ids, int64_t len, const Buffers& b) {
   const int64_t d = p.head_dim;
   std::fill(b.acc, b.acc + p.group * d, 0.f);
   for (int64_t t = 0; t < len; t += kRows) {
     const int64_t n = std::min(kRows, len - t);
-    stage(p.v_cache, offsets + t, n, d, b.rows);
+    stage(p.v, ids + t, n, d, b.rows);
     for (int64_t g = 0; g < p.group; ++g) {
       std::fill(b.four, b.four + kRows, 0.f);  // the zero rows past the end get no weight
       std::copy(b.scores + g * len + t, b.scores + g * len + t + n, b.four);
@@ -292,22 +282,22 @@ void weighted_values(const Problem<T>& p, const int64_t* offsets, int64_t len,
 }
 
 // One sequence and kv head: the `group` query heads that share it, start to finish.
-// `scratch` and `offsets` (the tokens' rows in the caches) are reused across tasks.
+// `scratch` and `ids` (the tokens' rows in the caches) are reused across tasks.
 template <typename T>
 void attend(const Problem<T>& p, int64_t seq, int64_t head, std::vector<float>& scratch,
-            std::vector<int64_t>& offsets) {
+            std::vector<int64_t>& ids) {
   const int64_t len = p.context_lens[seq];
   check_sequence(p, seq, len);
   const Buffers b = carve(scratch, p.group, p.head_dim, len);
-  offsets.resize(len + kPrefetchTokens);
-  p.row_offsets(seq, head, len, offsets.data());
+  ids.resize(len + kPrefetchTokens);
+  p.row_ids(seq, head, len, ids.data());
   // Past the end, prefetch the last row again rather than test every time.
-  std::fill(offsets.begin() + len, offsets.end(), offsets[len - 1]);
+  std::fill(ids.begin() + len, ids.end(), ids[len - 1]);
 
   const int64_t first_head = head * p.group;
-  key_scores(p, seq, first_head, offsets.data(), len, b);
+  key_scores(p, seq, first_head, ids.data(), len, b);
   softmax_rows(p, len, b);
-  weighted_values(p, offsets.data(), len, b);
+  weighted_values(p, ids.data(), len, b);
   T* out = p.out + (seq * p.heads + first_head) * p.head_dim;
   for (int64_t i = 0; i < p.group * p.head_dim; ++i) out[i] = static_cast<T>(b.acc[i]);
 }
@@ -320,8 +310,8 @@ void attend(const Problem<T>& p, int64_t seq, int64_t head, std::vector<float>& 
 void attend_bf16(const Problem<bf16>& p, int64_t seq, int64_t head, Workspace& w) {
   const int64_t len = p.context_lens[seq];
   check_sequence(p, seq, len);
-  const PagedKV kv{p.k_cache, p.v_cache, p.block_tables + seq * p.width, p.cache_blocks,
-                   p.block_size, p.head_dim};
+  const PagedKV kv{p.k, p.v, p.block_tables + seq * p.width, p.cache_blocks, p.block_size,
+                   p.head_dim};
   w.start(kv, head, len, std::min(p.group, kUnit));
   w.keys.resize(2 * p.head_dim / 2 * kKeys);
   const Direct keys_and_values{w, p.head_dim, len, w.keys.data()};
@@ -362,37 +352,42 @@ void run(const Problem<T>& p, int64_t batch) {
     }
 #endif
     std::vector<float> scratch;
-    std::vector<int64_t> offsets;
+    std::vector<int64_t> ids;
     for (int64_t task = begin; task < end; ++task) {
-      attend(p, task / p.kv_heads, task % p.kv_heads, scratch, offsets);
+      attend(p, task / p.kv_heads, task % p.kv_heads, scratch, ids);
     }
   });
 }
 
 template <typename T>
-Problem<T> make_problem(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out,
-                        double scale) {
+Problem<T> make_problem(const at::Tensor& q, const CacheRows<T>& k, const CacheRows<T>& v,
+                        const at::Tensor& k_cache, const at::Tensor& tables,
+                        const at::Tensor& lens, at::Tensor& out, double scale) {
   const int64_t heads = q.size(1), kv_heads = k_cache.size(0);
-  return Problem<T>{q.const_data_ptr<T>(), q.stride(0), q.stride(1),
-                    k_cache.const_data_ptr<T>(), v_cache.const_data_ptr<T>(),
+  return Problem<T>{q.const_data_ptr<T>(), q.stride(0), q.stride(1), k, v,
                     tables.const_data_ptr<int64_t>(), lens.const_data_ptr<int64_t>(),
                     out.mutable_data_ptr<T>(), heads, kv_heads, heads / kv_heads, q.size(2),
                     k_cache.size(1), k_cache.size(2), tables.size(1), static_cast<float>(scale)};
 }
 
 // q [batch, heads, head_dim] (last dim contiguous), caches [kv_heads, blocks, block_size,
-// head_dim], block_tables [batch, width] and context_lens [batch] int64 -> [batch, heads, d].
+// head_dim] of q's dtype, or int8 / float8_e4m3fn with their scales [kv_heads, blocks,
+// block_size], block_tables [batch, width] and context_lens [batch] int64 -> [batch, heads, d].
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& context_lens, double scale) {
-  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
+                                  const at::Tensor& context_lens, double scale,
+                                  const std::optional<at::Tensor>& k_scales,
+                                  const std::optional<at::Tensor>& v_scales) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [batch, heads, d], rows contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "caches must match");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() &&
-                  k_cache.scalar_type() == v_cache.scalar_type(),
-              "q and caches must share a dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "caches must share a dtype");
+  const Codes kind = checked_codes(k_cache, k_scales, "k_cache", "k_scales");
+  checked_codes(v_cache, v_scales, "v_cache", "v_scales");
+  TORCH_CHECK(kind != Codes::kNone || q.scalar_type() == k_cache.scalar_type(),
+              "q and caches must share a dtype (or the caches be int8 or float8_e4m3fn)");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "block tables and context lengths must be int64");
   const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
@@ -407,12 +402,16 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   at::Tensor out = at::empty({batch, heads, head_dim}, q.options());
   if (batch == 0) return out;
 
+  const auto attend_all = [&](auto zero) {
+    using T = decltype(zero);
+    run(make_problem<T>(q, cache_rows<T>(k_cache, k_scales, kind),
+                        cache_rows<T>(v_cache, v_scales, kind), k_cache, tables, lens, out,
+                        scale),
+        batch);
+  };
   AT_DISPATCH_SWITCH(q.scalar_type(), "paged_decode_attention",
-      AT_DISPATCH_CASE(at::kFloat, [&] {
-        run(make_problem<float>(q, k_cache, v_cache, tables, lens, out, scale), batch);
-      }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
-        run(make_problem<c10::BFloat16>(q, k_cache, v_cache, tables, lens, out, scale), batch);
-      }));
+      AT_DISPATCH_CASE(at::kFloat, [&] { attend_all(scalar_t{}); })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] { attend_all(scalar_t{}); }));
   return out;
 }
 
@@ -420,6 +419,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 TORCH_LIBRARY(cadence, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale) -> Tensor");
+        "Tensor context_lens, float scale, Tensor? k_scales=None, Tensor? v_scales=None) "
+        "-> Tensor");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
 }

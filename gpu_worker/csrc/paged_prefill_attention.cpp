@@ -1,5 +1,6 @@
 // Causal attention of one prefill chunk straight from the paged KV cache, on the CPU, for
-// bfloat16 caches on CPUs with AVX512-BF16.
+// bfloat16 queries on CPUs with AVX512-BF16, over bfloat16 caches or 8-bit ones (kv_quant.h:
+// each task dequantizes the rows it sees to bfloat16 first).
 //
 // The PyTorch path (gpu_worker/attention.py) runs a handful of kernels per block of 128
 // queries (matmul, mask, softmax, cast, matmul, copies): ~60 ms of a ~200 ms step for
@@ -84,14 +85,21 @@ void run(const Chunk& c) {
 
 // q [n, heads, d] (rows strided, last dim contiguous) of one sequence's chunk at positions
 // start .. start + n - 1, whose K/V are already in the caches [kv_heads, blocks, block_size,
-// d]; block_table [W] int64 covers them -> [n, heads, d].
+// d] (bfloat16, or int8 / float8_e4m3fn with their scales [kv_heads, blocks, block_size]);
+// block_table [W] int64 covers them -> [n, heads, d].
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                    const at::Tensor& v_cache, const at::Tensor& block_table,
-                                   int64_t start, double scale) {
-  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
-                  v_cache.scalar_type() == at::kBFloat16,
-              "bfloat16 q and caches only");
+                                   int64_t start, double scale,
+                                   const std::optional<at::Tensor>& k_scales,
+                                   const std::optional<at::Tensor>& v_scales) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "CPU tensors only");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "caches must share a dtype");
+  const Codes kind = checked_codes(k_cache, k_scales, "k_cache", "k_scales");
+  checked_codes(v_cache, v_scales, "v_cache", "v_scales");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 &&
+                  (kind != Codes::kNone || k_cache.scalar_type() == at::kBFloat16),
+              "bfloat16 q and caches only (or int8 or float8_e4m3fn caches)");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [n, heads, d], rows contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "caches must match");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
@@ -114,8 +122,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   }
   at::Tensor out = at::empty({n, heads, d}, q.options());
   if (n == 0) return out;
-  const PagedKV kv{k_cache.const_data_ptr<bf16>(), v_cache.const_data_ptr<bf16>(), ids,
-                   cache_blocks, block_size, d};
+  const PagedKV kv{cache_rows<bf16>(k_cache, k_scales, kind),
+                   cache_rows<bf16>(v_cache, v_scales, kind), ids, cache_blocks, block_size, d};
   run(Chunk{q.const_data_ptr<bf16>(), q.stride(0), q.stride(1), kv, out.mutable_data_ptr<bf16>(),
             n, start, heads, kv_heads, heads / kv_heads, d, static_cast<float>(scale)});
   return out;
@@ -126,7 +134,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
 // Registered only where the CPU can run it; gpu_worker.attention checks for the op.
 TORCH_LIBRARY_FRAGMENT(cadence, m) {
   m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
-        "int start, float scale) -> Tensor");
+        "int start, float scale, Tensor? k_scales=None, Tensor? v_scales=None) -> Tensor");
   m.impl("paged_prefill_attention", c10::DispatchKey::CPU, &paged_prefill_attention);
 }
 

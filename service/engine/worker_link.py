@@ -56,6 +56,7 @@ def worker_config_for(config: Config, model_dir: Path | str) -> WorkerConfig:
         device=config.device,
         block_size=config.block_size,
         kv_memory=config.kv_memory,
+        kv_cache_dtype=config.kv_cache_dtype,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_batched_tokens,
         seed=config.seed,
