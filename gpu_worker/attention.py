@@ -9,7 +9,8 @@ embedding, layer_ops.rope_and_cache_) before a layer attends.
 
 A step holds prefill chunks (sequences with several new tokens), attended one at a time,
 and decode tokens (sequences with one new token), attended all together. Three backends
-compute them; gpu_worker.kernels picks one per worker by measuring the candidates:
+compute them (and HybridAttention mixes two); gpu_worker.kernels picks one per worker by
+measuring the candidates:
 
 - TorchAttention, PyTorch ops on any device, the reference. A chunk's queries go in blocks
   that only compute against the keys they can see (causal by absolute position), which
@@ -279,6 +280,30 @@ class NativeRowsAttention(NativeAttention):
             kv.k_scales,
             kv.v_scales,
         )
+
+
+class HybridAttention(NativeAttention):
+    """The C++ decode kernel, PyTorch's prefill (oneDNN and flash attention, which use AMX
+    tiles where a CPU has them). Not row invariant, so the chooser takes it only where no
+    invariant candidate passes; it is measured and reported, and `--kernels
+    attention=hybrid` pins it where long prompts' TTFT matters more than exact recompute."""
+
+    name = "hybrid"
+    row_invariant = False
+
+    @staticmethod
+    def serves(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+        return NativeRowsAttention.serves(device, dtype, head_dim)
+
+    def prefill_chunk(
+        self, chunk: PrefillChunk, table: torch.Tensor, cache_like: torch.Tensor
+    ) -> PrefillChunk:
+        return TorchAttention().prefill_chunk(chunk, table, cache_like)
+
+    def prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, chunk: PrefillChunk
+    ) -> torch.Tensor:
+        return TorchAttention().prefill(q, k, v, kv, chunk)
 
 
 def _decode_gather(

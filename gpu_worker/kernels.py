@@ -1,7 +1,8 @@
 """The kernel backend: which implementation of each hot operation a worker runs.
 
 Three seams, each with its candidates:
-- attention: NativeAttention, NativeRowsAttention, TorchAttention (gpu_worker.attention);
+- attention: NativeAttention, NativeRowsAttention, HybridAttention, TorchAttention
+  (gpu_worker.attention);
 - layer ops: NativeLayerOps, TorchLayerOps (gpu_worker.layer_ops);
 - matmul: "onednn" (weights prepacked once, see model.Linear) or "aten" (F.linear).
 
@@ -21,6 +22,7 @@ import torch
 from gpu_worker import native
 from gpu_worker.attention import (
     AttentionBackend,
+    HybridAttention,
     NativeAttention,
     NativeRowsAttention,
     TorchAttention,
@@ -56,7 +58,7 @@ def attention_candidates(
     kernels = native.kernels() if device.type == "cpu" else None
     found: list[AttentionBackend] = [TorchAttention()]
     if kernels is not None:
-        found.append(NativeRowsAttention(kernels))
+        found += [NativeRowsAttention(kernels), HybridAttention(kernels)]
         if NativeAttention.serves(device, dtype, head_dim):
             found.append(NativeAttention(kernels))
     return found

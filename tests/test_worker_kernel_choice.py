@@ -62,7 +62,8 @@ def test_every_attention_candidate_offered_here_matches_the_reference(dtype, cac
     shapes = smollm_shapes(dtype, cache_dtype)
     offered = kernels.attention_candidates(CPU, dtype, shapes.head_dim)
     names = [backend.name for backend in offered]
-    assert names == ["torch", "native-rows"] + (["native"] if dtype == torch.bfloat16 else [])
+    expected_names = ["torch", "native-rows", "hybrid"]
+    assert names == expected_names + (["native"] if dtype == torch.bfloat16 else [])
     case, expected = case_and_expected(shapes)
     assert expected[0].abs().max() > 0.1 and expected[1].abs().max() > 0.1
     for backend in offered:

@@ -48,7 +48,7 @@ def variant_dir(request, tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp(request.param), kind, **overrides)
 
 
-@pytest.fixture(params=["native-rows", "torch-blocked", "torch-flash"])
+@pytest.fixture(params=["native-rows", "hybrid", "torch-blocked", "torch-flash"])
 def prefill_path(request, monkeypatch) -> str:
     """The attention backends float32 offers on a CPU (kernels pins for make_runner).
 
