@@ -469,7 +469,16 @@ def machine() -> dict[str, str]:
 
 
 def _cache_key(shapes: Shapes, pins: dict[str, str]) -> str:
-    described = {**machine(), **{k: str(v) for k, v in asdict(shapes).items()}, "pins": pins}
+    """Everything the choice depends on, the candidates on offer included (a new one must
+    be measured)."""
+    offered = kernel_set.candidates(shapes.device, shapes.dtype, shapes.head_dim)
+    names = {seam: [kernel_set.name_of(c) for c in found] for seam, found in offered.items()}
+    described = {
+        **machine(),
+        **{k: str(v) for k, v in asdict(shapes).items()},
+        "pins": pins,
+        "offered": names,
+    }
     if shapes.device.type == "cuda":
         described["gpu"] = torch.cuda.get_device_name(shapes.device)
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:24]

@@ -84,6 +84,21 @@ def test_policy_listing_names_every_policy(cadence_server: RunningServer) -> Non
     assert body["current"]["name"] in names
 
 
+def test_state_reports_the_workers_kernels_and_cache(
+    cadence_server: RunningServer, cadence_server_bf16: RunningServer
+) -> None:
+    for server, dtype, attention in (
+        (cadence_server, "float32", "native-rows"),
+        (cadence_server_bf16, "bfloat16", "native"),
+    ):
+        state = server.admin_state()
+        assert state["kv_cache_dtype"] == dtype
+        kernels = state["kernels"]
+        assert kernels["attention"] == attention
+        assert set(kernels["measured"]["attention"]) >= {"torch", "native-rows", "hybrid"}
+        assert kernels["layer_ops"] in kernels["measured"]["layer_ops"]
+
+
 def swap_body(i: int) -> dict:
     return {
         "prompt": f"Stream {i}: describe the sea.",

@@ -143,12 +143,16 @@ def test_the_choice_is_cached_per_machine_and_shapes(tmp_path, monkeypatch):
     assert again.cached and again.kernels.names() == first.kernels.names()
     assert again.report()["measured"] == first.report()["measured"]
     assert not measured
-    # Other shapes, other pins, another machine: each measures.
+    # Other shapes, other pins, a new candidate, another machine: each measures.
     kernel_choice.choose(smollm_shapes(torch.bfloat16), {}, cache)
     kernel_choice.choose(shapes, {"matmul": "aten"}, cache)
+    offered = kernels.matmul_candidates
+    monkeypatch.setattr(kernels, "matmul_candidates", lambda device: [*offered(device), "new"])
+    kernel_choice.choose(shapes, {}, cache)
+    monkeypatch.setattr(kernels, "matmul_candidates", offered)
     monkeypatch.setattr(kernel_choice, "machine", lambda: {"cpu": "another"})
     kernel_choice.choose(shapes, {}, cache)
-    assert len(measured) == 3
+    assert len(measured) == 4
 
 
 def test_a_cached_choice_that_is_no_longer_offered_or_a_broken_cache_is_measured_again(
