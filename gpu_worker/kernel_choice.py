@@ -45,7 +45,7 @@ from gpu_worker.model import Linear
 from gpu_worker.model_config import ModelConfig
 
 C = TypeVar("C")
-REPEATS = 5  # timed runs per candidate, after one warm-up; the median counts
+REPEATS = 5  # timed rounds, after one warm-up; each candidate's median counts
 # Agreement with the reference: the PyTorch and C++ paths sum in other orders.
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
 
@@ -125,22 +125,37 @@ def pick(
     candidates: Sequence[C],
     name: Callable[[C], str],
     check: Callable[[C], str | None],
-    measure: Callable[[C], float],
+    workload: Callable[[C], object],
     preferred: Callable[[C], bool] = lambda candidate: True,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[C, list[Trial]]:
-    """The fastest candidate whose check passes (returns None), preferred ones first."""
-    trials, passing = [], []
-    for candidate in candidates:
-        failure = check(candidate)
-        if failure is None:
-            trial = Trial(name(candidate), round(measure(candidate), 3))
-            passing.append((not preferred(candidate), trial.ms, len(passing), candidate))
-        else:
-            trial = Trial(name(candidate), None, failure)
-        trials.append(trial)
+    """The fastest candidate whose check passes (returns None), preferred ones first.
+
+    Candidates are timed in turns, one run each per round, so that a change in the
+    machine's load (a neighbour on a shared host) weighs on all of them alike; each gets
+    the median of REPEATS rounds, after a warm-up run.
+    """
+    failures = {id(c): check(c) for c in candidates}
+    passing = [c for c in candidates if failures[id(c)] is None]
+    times: dict[int, list[float]] = {id(c): [] for c in passing}
+    for candidate in passing:
+        workload(candidate)  # first-call allocations and lazy initialisation
+    for _ in range(REPEATS):
+        for candidate in passing:
+            started = clock()
+            workload(candidate)
+            times[id(candidate)].append(clock() - started)
+    trials = [
+        Trial(name(c), None, failures[id(c)])
+        if failures[id(c)] is not None
+        else Trial(name(c), round(statistics.median(times[id(c)]) * 1000, 3))
+        for c in candidates
+    ]
     if not passing:
         raise NoCorrectKernel("; ".join(f"{t.name}: {t.failed}" for t in trials))
-    return min(passing)[-1], trials
+    # Ties go to the earlier candidate: min keeps the first of equals.
+    best = min(passing, key=lambda c: (not preferred(c), statistics.median(times[id(c)])))
+    return best, trials
 
 
 def choose(shapes: Shapes, pins: dict[str, str], cache_file: Path | None) -> Choice:
@@ -322,14 +337,15 @@ def choose_attention(
     reference = kernel_set.reference().attention
     expected = (run_decode(reference, case), run_prefill(reference, case))
 
-    def measure(backend: AttentionBackend) -> float:
-        return median_ms(lambda: (run_decode(backend, case), run_prefill(backend, case)))
+    def workload(backend: AttentionBackend) -> None:
+        run_decode(backend, case)
+        run_prefill(backend, case)
 
     return pick(
         candidates,
         lambda backend: backend.name,
         lambda backend: check_attention(backend, case, expected),
-        measure,
+        workload,
         preferred=lambda backend: backend.row_invariant,
     )
 
@@ -380,7 +396,7 @@ def choose_layer_ops(
         candidates,
         lambda ops: ops.name,
         check,
-        lambda ops: median_ms(lambda: run_layer_ops(ops, shapes)),
+        lambda ops: run_layer_ops(ops, shapes),
     )
 
 
@@ -431,20 +447,10 @@ def choose_matmul(candidates: Sequence[str], shapes: Shapes) -> tuple[str, list[
                 return "differs from the float32 product"
         return None
 
-    return pick(candidates, lambda kind: kind, check, lambda kind: median_ms(lambda: run(kind)))
+    return pick(candidates, lambda kind: kind, check, run)
 
 
 # ---- measuring and the cache ------------------------------------------------------------
-
-
-def median_ms(run: Callable[[], object], repeats: int = REPEATS) -> float:
-    run()  # warm-up: first-call allocations and lazy initialisation
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1000
 
 
 def machine() -> dict[str, str]:

@@ -113,19 +113,34 @@ def test_the_chooser_skips_the_fastest_candidate_when_it_fails_its_check(monkeyp
 def test_pick_takes_the_fastest_passing_candidate_and_preferred_ones_first():
     times = {"a": 3.0, "b": 1.0, "c": 2.0, "d": 0.5}
     failing = {"d"}
+    now = [0.0]
+    order = []
+
+    def workload(candidate):
+        order.append(candidate)
+        now[0] += times[candidate]
 
     def run(preferred):
+        order.clear()
         return pick(
             list(times),
             str,
             lambda c: "wrong" if c in failing else None,
-            times.__getitem__,
+            workload,
             preferred,
+            clock=lambda: now[0],
         )
 
     chosen, trials = run(lambda c: True)
     assert chosen == "b"
-    assert trials[3] == Trial("d", None, "wrong")
+    assert trials == [
+        Trial("a", 3000.0),
+        Trial("b", 1000.0),
+        Trial("c", 2000.0),
+        Trial("d", None, "wrong"),
+    ]
+    # A warm-up each, then rounds in turn: load that drifts weighs on all alike.
+    assert order == ["a", "b", "c"] * (1 + kernel_choice.REPEATS)
     assert run(lambda c: c in ("a", "c"))[0] == "c"  # preferred beats faster
     failing.update(times)
     with pytest.raises(NoCorrectKernel, match="a: wrong; b: wrong"):
