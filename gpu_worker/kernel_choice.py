@@ -8,9 +8,9 @@ reference, and is timed; the fastest that passes is used.
 
 Attention has one more check. A candidate that claims row invariance is held to it, bit
 for bit: a decode row alone and among others, and a prefill row against the same token
-decoded. Candidates that keep it win over faster ones that do not, because recompute after
-a preemption must reproduce the tokens decoded before it (tests/test_worker_batch_
-invariance.py shows it on the real model).
+decoded. Candidates that keep it win over faster ones that do not, up to PREFERENCE_WORTH
+times slower, because recompute after a preemption must reproduce the tokens decoded
+before it (tests/test_worker_batch_invariance.py shows it on the real model).
 
 The choice is cached in a JSON file (the service passes <cache dir>/kernels.json), one
 entry per CPU model and ISA flags, torch version, kernel sources, device, dtype, model
@@ -46,6 +46,11 @@ from gpu_worker.model_config import ModelConfig
 
 C = TypeVar("C")
 REPEATS = 5  # timed rounds, after one warm-up; each candidate's median counts
+# How much slower a row-invariant attention kernel may be and still win: invariance makes
+# recompute after a preemption exact and a row independent of its batch, worth a lot, but
+# not everything: on a CPU without AVX-512 the C++ kernels run scalar loops, and there a
+# PyTorch kernel several times faster should serve. (Here, float32: 1.9x.)
+PREFERENCE_WORTH = 3.0
 # Agreement with the reference: the PyTorch and C++ paths sum in other orders.
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
 
@@ -129,7 +134,8 @@ def pick(
     preferred: Callable[[C], bool] = lambda candidate: True,
     clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[C, list[Trial]]:
-    """The fastest candidate whose check passes (returns None), preferred ones first.
+    """The fastest candidate whose check passes (returns None); but a preferred one when it
+    is at most PREFERENCE_WORTH times slower than the fastest.
 
     Candidates are timed in turns, one run each per round, so that a change in the
     machine's load (a neighbour on a shared host) weighs on all of them alike; each gets
@@ -154,7 +160,12 @@ def pick(
     if not passing:
         raise NoCorrectKernel("; ".join(f"{t.name}: {t.failed}" for t in trials))
     # Ties go to the earlier candidate: min keeps the first of equals.
-    best = min(passing, key=lambda c: (not preferred(c), statistics.median(times[id(c)])))
+    median = {id(c): statistics.median(times[id(c)]) for c in passing}
+    fastest = min(passing, key=lambda c: median[id(c)])
+    favoured = [c for c in passing if preferred(c)]
+    best = min(favoured, key=lambda c: median[id(c)]) if favoured else fastest
+    if median[id(best)] > PREFERENCE_WORTH * median[id(fastest)]:
+        best = fastest
     return best, trials
 
 

@@ -142,6 +142,9 @@ def test_pick_takes_the_fastest_passing_candidate_and_preferred_ones_first():
     # A warm-up each, then rounds in turn: load that drifts weighs on all alike.
     assert order == ["a", "b", "c"] * (1 + kernel_choice.REPEATS)
     assert run(lambda c: c in ("a", "c"))[0] == "c"  # preferred beats faster
+    assert run(lambda c: c == "a")[0] == "a"  # 3x the fastest: still worth it
+    times["a"] = 3.01
+    assert run(lambda c: c == "a")[0] == "b"  # beyond that, speed wins
     failing.update(times)
     with pytest.raises(NoCorrectKernel, match="a: wrong; b: wrong"):
         run(lambda c: True)
