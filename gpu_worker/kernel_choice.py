@@ -481,6 +481,7 @@ def machine() -> dict[str, str]:
         "cpu_flags": hashlib.sha256(flags.encode()).hexdigest()[:16],
         "torch": torch.__version__,
         "kernel_sources": hashlib.sha256(sources).hexdigest()[:16],
+        "kernel_march": native.MARCH,
         "threads": str(torch.get_num_threads()),
     }
 

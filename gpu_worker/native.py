@@ -41,6 +41,9 @@ SOURCES = [
     )
 ]
 ENABLED = os.environ.get("CADENCE_NATIVE_KERNELS", "1") != "0"
+# The instruction set to build for: this CPU's, or another level to see how the kernels do
+# on CPUs without this one's extensions (x86-64-v3: AVX2, no AVX-512).
+MARCH = os.environ.get("CADENCE_NATIVE_MARCH", "native")
 
 
 @functools.cache
@@ -65,12 +68,15 @@ def kernels() -> Any | None:
         from torch.utils import cpp_extension
 
         cpp_extension.load(
-            name="cadence_native",
+            # One build per instruction set: switching MARCH must not overwrite another.
+            name="cadence_native"
+            if MARCH == "native"
+            else f"cadence_native_{MARCH.replace('-', '_')}",
             sources=[str(source) for source in SOURCES],
             # -march=native: the build is cached per machine, and AVX-512 where the CPU has it;
             # -fopenmp: at::parallel_for is inline and runs serially without it;
             # -ffp-contract=off: a*b + c stays two roundings, as in PyTorch's kernels.
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+            extra_cflags=["-O3", f"-march={MARCH}", "-fopenmp", "-ffp-contract=off"],
             is_python_module=False,
         )
     except Exception as exc:  # a missing compiler or ninja fails in many different ways
