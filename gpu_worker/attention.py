@@ -32,6 +32,11 @@ whether it is a decode row or a row of a prefill chunk, so recompute after a pre
 reproduces the tokens decoded before it, in bfloat16 too (`row_invariant`). PyTorch agrees
 with them only to float tolerance.
 
+An 8-bit cache (gpu_worker.kv_quant) carries a scale per row beside its codes. The C++
+kernels dequantize a task's rows once and run their usual arithmetic; PyTorch gathers and
+dequantizes the rows it needs (embedding_bag cannot read codes, so its decode multiplies
+gathered values instead).
+
 The index tensors are built once per step and shared by every layer, so the per-layer work
 is a handful of kernels with no host synchronisation.
 """
