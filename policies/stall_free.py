@@ -3,6 +3,9 @@
 Optimizes inter-token latency of running requests (Sarathi-Serve's stall-free batching):
 every step carries all decodes, so a long prompt arriving never freezes their streams;
 its prefill is spread over several budget-sized steps, raising its own TTFT in exchange.
+With nothing decoding there is no stream to stall, and a step may take `solo_budget`
+tokens (in chunks as large), as far as the engine's cap allows: fewer, larger steps
+prefill a lone long prompt faster (4-6 % for 4-8k tokens at 2048 against 512 here).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ class StallFree(Policy):
         # with decodes present, at most this share of the budget goes to prefill
         max_prefill_share: float = field(default=1.0, metadata={"min": 0.0, "max": 1.0})
         chunk_size: int = field(default=512, metadata={"min": 1, "max": 1 << 20})
+        # with nothing decoding: the step's budget and its largest chunk
+        solo_budget: int = field(default=2048, metadata={"min": 1, "max": 1 << 20})
 
         def validate(self) -> None:
             if self.max_prefill_share * self.token_budget < 1 and self.max_prefill_share > 0:
@@ -31,11 +36,16 @@ class StallFree(Policy):
     def decide(self, view: View) -> Decision:
         p = self.params
         decoding, prefilling = split_running(view)
+        if not decoding:
+            budget = min(max(p.token_budget, p.solo_budget), view.max_batched_tokens)
+            chunk_size = max(p.chunk_size, budget)
+            prefills = [*prefilling, *view.waiting]
+            return fill_budget(
+                view, [], prefills, budget=budget, prefill_cap=budget, chunk_size=chunk_size
+            )
         budget = min(p.token_budget, view.max_batched_tokens)
-        prefill_cap = budget
-        if decoding:
-            # at least one token of prefill per step, so a prompt always progresses
-            prefill_cap = max(1, int(p.max_prefill_share * budget))
+        # at least one token of prefill per step, so a prompt always progresses
+        prefill_cap = max(1, int(p.max_prefill_share * budget))
         return fill_budget(
             view,
             decoding,

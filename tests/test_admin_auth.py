@@ -245,7 +245,12 @@ async def test_the_right_token_reads_state_and_swaps_the_policy(client):
     assert swap["old"]["name"] == "fcfs"
     assert swap["new"] == {
         "name": "stall_free",
-        "params": {"token_budget": 512, "max_prefill_share": 1.0, "chunk_size": 64},
+        "params": {
+            "token_budget": 512,
+            "max_prefill_share": 1.0,
+            "chunk_size": 64,
+            "solo_budget": 2048,
+        },
     }
     assert swap["iteration"] == 1
 

@@ -56,8 +56,23 @@ def test_stall_free_prefill_share_limits_prefill_when_decodes_run():
     policy = make_policy("stall_free", {"token_budget": 200, "max_prefill_share": 0.25})
     d = policy.decide(view(DECODING, [seq(10, 4096)]))
     assert dict(d.schedule)[10] == 50
-    d = policy.decide(view([], [seq(10, 4096)]))  # no decodes: the whole budget
-    assert dict(d.schedule)[10] == 200
+    d = policy.decide(view([], [seq(10, 4096)]))  # no decodes: the solo budget, to the cap
+    assert dict(d.schedule)[10] == 512
+
+
+def test_stall_free_takes_larger_steps_while_nothing_decodes():
+    policy = make_policy(
+        "stall_free", {"token_budget": 256, "chunk_size": 100, "solo_budget": 1500}
+    )
+    d = policy.decide(view([], [seq(10, 4096), seq(11, 4096)], cap=4096))
+    assert d.schedule == [(10, 1500)]  # one chunk as large as the solo budget
+    d = policy.decide(view([], [seq(10, 1000), seq(11, 4096)], cap=1200))
+    assert d.schedule == [(10, 1000), (11, 200)]  # the engine's cap bounds it
+    d = policy.decide(view(DECODING, [seq(10, 4096), seq(11, 4096), seq(12, 4096)], cap=4096))
+    assert sum(n for _, n in d.schedule) == 256 and dict(d.schedule)[10] == 100  # as before
+    small = make_policy("stall_free", {"token_budget": 700, "chunk_size": 300, "solo_budget": 100})
+    d = small.decide(view([], [seq(10, 4096), seq(11, 4096)], cap=4096))
+    assert d.schedule == [(10, 700)]  # never below the budget with decodes
 
 
 def test_priority_orders_by_aged_priority_and_preempts_lower():

@@ -162,17 +162,28 @@ def test_every_policy_returns_a_decision_the_core_could_run_as_is(
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(v=views(), budget=st.integers(1, 300), chunk=st.integers(1, 100), share=st.floats(0, 1))
+@given(
+    v=views(),
+    budget=st.integers(1, 300),
+    chunk=st.integers(1, 100),
+    share=st.floats(0, 1),
+    solo=st.integers(1, 400),
+)
 def test_stall_free_runs_every_decode_first_then_chunks_within_its_share(
-    v: View, budget: int, chunk: int, share: float
+    v: View, budget: int, chunk: int, share: float, solo: int
 ):
     if share * budget < 1 and share > 0:
         return  # rejected by the parameters' validation
-    policy = make_policy(
-        "stall_free", {"token_budget": budget, "chunk_size": chunk, "max_prefill_share": share}
-    )
-    decision = policy.decide(v)
+    params = {
+        "token_budget": budget,
+        "chunk_size": chunk,
+        "max_prefill_share": share,
+        "solo_budget": solo,
+    }
+    decision = make_policy("stall_free", params).decide(v)
     decodes, _ = split_running(v)
+    if not decodes:  # no stream to stall: the larger of the two budgets, in chunks as large
+        budget = chunk = max(budget, solo)
     step_budget = min(budget, v.max_batched_tokens)
     expected_decodes = [s.seq_id for s in decodes][: min(v.max_seqs, step_budget)]
     assert decision.schedule[: len(expected_decodes)] == [(i, 1) for i in expected_decodes]
