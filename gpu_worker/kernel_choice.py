@@ -234,7 +234,7 @@ def attention_case(
 ) -> AttentionCase:
     generator = torch.Generator().manual_seed(0)
     bs, d, kv_heads = shapes.block_size, shapes.head_dim, shapes.kv_heads
-    lens = torch.randint(start - 128, start + 128, (batch,), generator=generator).tolist()
+    lens = torch.randint(max(1, start - 128), start + 128, (batch,), generator=generator).tolist()
     width = -(-max(max(lens), start + chunk) // bs)
     num_blocks = (batch + 1) * width
     order = torch.randperm(num_blocks, generator=generator)
