@@ -475,12 +475,11 @@ def machine() -> dict[str, str]:
                 model = value.strip()
             elif key.strip() == "flags" and not flags:
                 flags = value.strip()
-    sources = b"".join(p.read_bytes() for p in sorted(native.SOURCES[0].parent.iterdir()))
     return {
         "cpu": model,
         "cpu_flags": hashlib.sha256(flags.encode()).hexdigest()[:16],
         "torch": torch.__version__,
-        "kernel_sources": hashlib.sha256(sources).hexdigest()[:16],
+        "kernel_sources": native.sources_digest(),
         "kernel_march": native.MARCH,
         "threads": str(torch.get_num_threads()),
     }

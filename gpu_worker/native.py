@@ -11,10 +11,15 @@
   write quantizes and both attention kernels dequantize (reference: gpu_worker.kv_quant);
 - top_logits.cpp: the ids of each row's k largest logits.
 
-torch.utils.cpp_extension compiles them once per machine into the torch extensions directory
-(~/.cache/torch_extensions unless TORCH_EXTENSIONS_DIR says otherwise) and later processes
-load the cached library. They are candidates only (gpu_worker.kernels): when they cannot
-be built (no compiler, no ninja) the reason is logged once and the PyTorch ones serve.
+torch.utils.cpp_extension compiles them once into a directory of their own under the torch
+extensions directory (~/.cache/torch_extensions unless TORCH_EXTENSIONS_DIR says
+otherwise), one per checkout, source text, flags and torch version, and later processes
+load the cached library. One shared directory would make two checkouts rebuild each
+other's library at every start, each waiting on the other's lock; and a build killed
+midway leaves its lock behind, on which every later start would wait for ever, so a lock
+older than any build is removed. The kernels are candidates only (gpu_worker.kernels):
+when they cannot be built (no compiler, no ninja) the reason is logged once and the
+PyTorch ones serve.
 
 Setting CADENCE_NATIVE_KERNELS=0 turns them off without trying to build them.
 """
@@ -22,8 +27,10 @@ Setting CADENCE_NATIVE_KERNELS=0 turns them off without trying to build them.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +51,38 @@ ENABLED = os.environ.get("CADENCE_NATIVE_KERNELS", "1") != "0"
 # The instruction set to build for: this CPU's, or another level to see how the kernels do
 # on CPUs without this one's extensions (x86-64-v3: AVX2, no AVX-512).
 MARCH = os.environ.get("CADENCE_NATIVE_MARCH", "native")
+# -march: the build is cached per machine, and AVX-512 where the CPU has it;
+# -fopenmp: at::parallel_for is inline and runs serially without it;
+# -ffp-contract=off: a*b + c stays two roundings, as in PyTorch's kernels.
+CFLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-ffp-contract=off"]
+STALE_LOCK_SECONDS = 15 * 60  # a build takes about a minute
+
+
+def sources_digest() -> str:
+    """The text of every source and header, for whatever depends on the kernels' code."""
+    text = b"".join(path.read_bytes() for path in sorted(SOURCES[0].parent.iterdir()))
+    return hashlib.sha256(text).hexdigest()[:16]
+
+
+def build_directory() -> Path:
+    """This checkout's build of these sources with these flags and this torch."""
+    described = f"{SOURCES[0].parent.resolve()}|{sources_digest()}|{CFLAGS}|{torch.__version__}"
+    digest = hashlib.sha256(described.encode()).hexdigest()[:16]
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    return Path(root) / f"cadence_native_{digest}"
+
+
+def clear_stale_lock(directory: Path, max_age: float = STALE_LOCK_SECONDS) -> bool:
+    """Removes the build lock a killed build left; True when there was one."""
+    lock = directory / "lock"
+    try:
+        stale = time.time() - lock.stat().st_mtime > max_age
+    except FileNotFoundError:
+        return False
+    if stale:
+        log.warning("removing the lock of a build that never finished: %s", lock)
+        lock.unlink(missing_ok=True)
+    return stale
 
 
 @functools.cache
@@ -67,16 +106,14 @@ def kernels() -> Any | None:
     try:
         from torch.utils import cpp_extension
 
+        directory = build_directory()
+        directory.mkdir(parents=True, exist_ok=True)
+        clear_stale_lock(directory)
         cpp_extension.load(
-            # One build per instruction set: switching MARCH must not overwrite another.
-            name="cadence_native"
-            if MARCH == "native"
-            else f"cadence_native_{MARCH.replace('-', '_')}",
+            name="cadence_native",
             sources=[str(source) for source in SOURCES],
-            # -march=native: the build is cached per machine, and AVX-512 where the CPU has it;
-            # -fopenmp: at::parallel_for is inline and runs serially without it;
-            # -ffp-contract=off: a*b + c stays two roundings, as in PyTorch's kernels.
-            extra_cflags=["-O3", f"-march={MARCH}", "-fopenmp", "-ffp-contract=off"],
+            extra_cflags=CFLAGS,
+            build_directory=str(directory),
             is_python_module=False,
         )
     except Exception as exc:  # a missing compiler or ninja fails in many different ways

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 
@@ -143,3 +146,28 @@ def test_prefill_kernel_rejects_a_block_outside_the_cache():
     kernel = native.kernels().paged_prefill_attention
     with pytest.raises(RuntimeError, match="outside the cache"):
         kernel(q, k_cache, v_cache, table, 10, 0.125)
+
+
+def test_each_checkout_sources_and_flags_get_their_own_build(tmp_path, monkeypatch):
+    here = native.build_directory()
+    assert here == native.build_directory() and here.name.startswith("cadence_native_")
+    assert (here / "cadence_native.so").exists()  # the one this process loaded
+    monkeypatch.setattr(native, "CFLAGS", [*native.CFLAGS[:1], "-march=x86-64-v3"])
+    assert native.build_directory() != here
+    monkeypatch.undo()
+    copy = tmp_path / "csrc"
+    copy.mkdir()
+    for source in native.SOURCES[0].parent.iterdir():
+        (copy / source.name).write_bytes(source.read_bytes())
+    monkeypatch.setattr(native, "SOURCES", [copy / s.name for s in native.SOURCES])
+    assert native.build_directory() != here  # another checkout, same text
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(tmp_path):
+    assert not native.clear_stale_lock(tmp_path)
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert not native.clear_stale_lock(tmp_path) and lock.exists()
+    old = time.time() - native.STALE_LOCK_SECONDS - 1
+    os.utime(lock, (old, old))
+    assert native.clear_stale_lock(tmp_path) and not lock.exists()
