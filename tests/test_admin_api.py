@@ -92,7 +92,7 @@ def test_state_reports_the_workers_kernels_and_cache(
         (cadence_server_bf16, "bfloat16", "native"),
     ):
         state = server.admin_state()
-        assert state["kv_cache_dtype"] == dtype
+        assert state["kv_cache"]["dtype"] == dtype and state["kv_cache"]["block_size"] == 16
         kernels = state["kernels"]
         assert kernels["attention"] == attention
         assert set(kernels["measured"]["attention"]) >= {"torch", "native-rows", "hybrid"}

@@ -25,6 +25,7 @@ REQUIRED = [
     "cadence:policy_swaps",
     "cadence:iteration_tokens",
     "cadence:request_success",
+    "cadence:cache_config_info",
 ]
 
 
@@ -75,3 +76,12 @@ def test_metrics_parse_and_move_with_requests(cadence_server: RunningServer) -> 
     ]
     assert "0.001" in buckets and any(float(b) >= 60 for b in buckets if b != "+Inf")
     assert after[("cadence:kv_cache_usage_perc", ())] == 0.0  # idle again
+    state = cadence_server.admin_state()["kv_cache"]
+    config = [labels for (name, labels) in after if name == "cadence:cache_config_info"]
+    assert config == [
+        (
+            ("block_size", "16"),
+            ("cache_dtype", "float32"),
+            ("num_gpu_blocks", str(state["num_blocks"])),
+        )
+    ]

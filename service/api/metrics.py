@@ -81,8 +81,14 @@ _DEFINITIONS = [
      "Finished requests by finish reason."),
     ("policy", "gauge", "policy_info",
      "The scheduling policy in force (value 1)."),
+    ("cache_config", "gauge", "cache_config_info",
+     "The worker's KV cache: block size, blocks and dtype (value 1), as vLLM's."),
 ]
-_LABELS = {"finished": ("finished_reason",), "policy": ("policy",)}
+_LABELS = {
+    "finished": ("finished_reason",),
+    "policy": ("policy",),
+    "cache_config": ("block_size", "num_gpu_blocks", "cache_dtype"),
+}
 
 
 def _metric(
@@ -173,6 +179,12 @@ class Metrics:
         name = policy.get("name") if isinstance(policy, dict) else policy
         if name:
             self.policy.labels(policy=name).set(1)
+        cache = engine_state.get("kv_cache")
+        if cache:
+            # One series: a restarted worker's cache may differ from its predecessor's.
+            self.cache_config.clear()
+            labels = (str(cache["block_size"]), str(cache["num_blocks"]), cache["dtype"])
+            self.cache_config.labels(*labels).set(1)
         self._read_at_scrape.values["worker_restarts"] = engine_state.get("worker_restarts", 0)
         self._read_at_scrape.values["log_lines_dropped"] = log_lines_dropped()
         return generate_latest(self.registry)

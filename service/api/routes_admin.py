@@ -62,10 +62,8 @@ async def get_state() -> Response:
     body = dict(engine.state())
     handshake = engine.handshake
     body["worker_pid"] = handshake.pid if handshake is not None else None
-    # What the worker chose at its start: the kernels (with every candidate's measured
-    # time) and the KV cache's dtype.
+    # The kernels the worker chose at its start, with every candidate's measured time.
     body["kernels"] = handshake.kernels if handshake is not None else None
-    body["kv_cache_dtype"] = handshake.kv_cache_dtype if handshake is not None else None
     return json_response(body)
 
 

@@ -238,6 +238,18 @@ class Engine:
             "worker_ready": self._ready,
             "worker_restarts": self._worker_restarts,
             "max_model_len": self.max_model_len,
+            "kv_cache": self._kv_cache_config(),
+        }
+
+    def _kv_cache_config(self) -> dict | None:
+        """The worker's KV cache as it started: None before a worker has."""
+        handshake = self.handshake
+        if handshake is None:
+            return None
+        return {
+            "block_size": handshake.block_size,
+            "num_blocks": handshake.num_blocks,
+            "dtype": handshake.kv_cache_dtype,
         }
 
     def begin_shutdown(self) -> None:
