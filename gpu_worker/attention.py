@@ -86,7 +86,9 @@ class DecodeGather:
 
     key_rows: torch.Tensor  # [kv_heads * B * W] rows of the cache seen as [heads * blocks, ...]
     bias: torch.Tensor  # [kv_heads * B, 1, W * block_size]: 0 for a visible key, -inf past the end
-    keys: torch.Tensor  # [kv_heads * B * W, block_size * head_dim] gather buffer
+    # [kv_heads * B * W, block_size * head_dim] gather buffer; None for an 8-bit cache,
+    # whose keys are dequantized into a new tensor
+    keys: torch.Tensor | None
     # One bag per (kv head, sequence, query head of the group): the flat value-cache rows
     # of the sequence's key slots, in the order of the softmax's columns.
     bag_rows: torch.Tensor  # [kv_heads * B * group * W * block_size]
@@ -198,9 +200,7 @@ class TorchAttention(AttentionBackend):
         return chunk
 
     def decode(self, q: torch.Tensor, kv: LayerKV, group: DecodeGroup) -> torch.Tensor:
-        if kv.quantized:
-            return _dequantized_decode_attention(q, kv, group.gather)
-        return _gathered_decode_attention(q, kv.k, kv.v, group.gather)
+        return _gathered_decode_attention(q, kv, group.gather)
 
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, chunk: PrefillChunk
@@ -230,29 +230,23 @@ class NativeAttention(AttentionBackend):
         )
 
     def decode(self, q: torch.Tensor, kv: LayerKV, group: DecodeGroup) -> torch.Tensor:
+        return self._decode_rows(q, kv, group.block_tables, group.context_lens)
+
+    def _decode_rows(
+        self, q: torch.Tensor, kv: LayerKV, tables: torch.Tensor, lens: torch.Tensor
+    ) -> torch.Tensor:
+        """Query row i over the first lens[i] tokens of block table tables[i]."""
+        scale = q.shape[-1] ** -0.5
         return self.kernels.paged_decode_attention(
-            q,
-            kv.k,
-            kv.v,
-            group.block_tables,
-            group.context_lens,
-            q.shape[-1] ** -0.5,
-            kv.k_scales,
-            kv.v_scales,
+            q, kv.k, kv.v, tables, lens, scale, kv.k_scales, kv.v_scales
         )
 
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, chunk: PrefillChunk
     ) -> torch.Tensor:
+        scale = q.shape[-1] ** -0.5
         return self.kernels.paged_prefill_attention(
-            q,
-            kv.k,
-            kv.v,
-            chunk.block_table,
-            chunk.start,
-            q.shape[-1] ** -0.5,
-            kv.k_scales,
-            kv.v_scales,
+            q, kv.k, kv.v, chunk.block_table, chunk.start, scale, kv.k_scales, kv.v_scales
         )
 
 
@@ -275,16 +269,7 @@ class NativeRowsAttention(NativeAttention):
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, chunk: PrefillChunk
     ) -> torch.Tensor:
-        return self.kernels.paged_decode_attention(
-            q,
-            kv.k,
-            kv.v,
-            chunk.row_tables,
-            chunk.row_lens,
-            q.shape[-1] ** -0.5,
-            kv.k_scales,
-            kv.v_scales,
-        )
+        return self._decode_rows(q, kv, chunk.row_tables, chunk.row_lens)
 
 
 class HybridAttention(NativeAttention):
@@ -301,15 +286,8 @@ class HybridAttention(NativeAttention):
     def serves(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
         return NativeRowsAttention.serves(device, dtype, head_dim)
 
-    def prefill_chunk(
-        self, chunk: PrefillChunk, table: torch.Tensor, cache_like: torch.Tensor
-    ) -> PrefillChunk:
-        return TorchAttention().prefill_chunk(chunk, table, cache_like)
-
-    def prefill(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, chunk: PrefillChunk
-    ) -> torch.Tensor:
-        return TorchAttention().prefill(q, k, v, kv, chunk)
+    prefill_chunk = TorchAttention.prefill_chunk
+    prefill = TorchAttention.prefill
 
 
 def _decode_gather(
@@ -331,10 +309,13 @@ def _decode_gather(
     key_rows = (heads[:, None] * cache_blocks + block_tables.reshape(1, -1)).reshape(-1)
     bag_rows = heads.view(-1, 1, 1, 1) * (cache_blocks * block_size) + slots.view(1, batch, 1, -1)
     bags = kv_heads * batch * group_size
+    quantized = cache_like.dtype in KV_CACHE_DTYPES.values()
     return DecodeGather(
         key_rows=key_rows,
         bias=bias.repeat(kv_heads, 1).view(kv_heads * batch, 1, keys_per_seq),
-        keys=cache_like.new_empty((kv_heads * batch * width, block_size * head_dim)),
+        keys=None
+        if quantized
+        else cache_like.new_empty((kv_heads * batch * width, block_size * head_dim)),
         bag_rows=bag_rows.expand(kv_heads, batch, group_size, keys_per_seq).reshape(-1),
         bag_offsets=torch.arange(0, bags * keys_per_seq, keys_per_seq, device=device),
     )
@@ -424,58 +405,29 @@ def _merge(
     return merged.to(out_a.dtype)
 
 
-def _gathered_decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGather
-) -> torch.Tensor:
+def _gathered_decode_attention(q: torch.Tensor, kv: LayerKV, group: DecodeGather) -> torch.Tensor:
     """As _decode_attention, in PyTorch.
 
     The query heads that share a key/value head become that head's query rows, so grouped-
     query attention needs no copy of K per query head: (kv_heads * B) small matmuls of
-    [group, d] x [d, keys].
+    [group, d] x [d, keys]. An 8-bit cache's keys and values are gathered and dequantized
+    (embedding_bag cannot read codes).
     """
     batch, heads, head_dim = q.shape
-    kv_heads = k_cache.shape[0]
+    kv_heads = kv.k.shape[0]
     group_size = heads // kv_heads
-    # Whole blocks of one head are contiguous rows of the cache seen as 2-D: index_select
-    # copies those at memcpy speed (selecting along dim 1 of the 4-D view does not).
-    torch.index_select(_as_rows(k_cache), 0, group.key_rows, out=group.keys)
-    keys = group.keys.view(kv_heads * batch, -1, head_dim)
+    if kv.quantized:
+        keys = _rows_of(kv.k, kv.k_scales, group.key_rows, q.dtype)
+    else:
+        # Whole blocks of one head are contiguous rows of the cache seen as 2-D:
+        # index_select copies those at memcpy speed (selecting along dim 1 of the 4-D
+        # view does not).
+        keys = torch.index_select(_as_rows(kv.k), 0, group.key_rows, out=group.keys)
+    keys = keys.view(kv_heads * batch, -1, head_dim)
     queries = q.view(batch, kv_heads, group_size, head_dim).transpose(0, 1)
     # Scale and mask inside the matmul: the same values as scaling and masking a float32
     # copy of the scores afterwards, without those passes over them. The softmax still
     # computes in float32 (a bfloat16 softmax changes greedy tokens across schedules).
-    scores = torch.baddbmm(
-        group.bias,
-        queries.reshape(kv_heads * batch, group_size, head_dim),
-        keys.transpose(1, 2),
-        alpha=head_dim**-0.5,
-    )
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out = F.embedding_bag(
-        group.bag_rows,
-        v_cache.view(-1, head_dim),
-        group.bag_offsets,
-        mode="sum",
-        per_sample_weights=probs.view(-1),
-    )
-    return (
-        out.view(kv_heads, batch, group_size, head_dim)
-        .transpose(0, 1)
-        .reshape(batch, heads, head_dim)
-    )
-
-
-def _dequantized_decode_attention(
-    q: torch.Tensor, kv: LayerKV, group: DecodeGather
-) -> torch.Tensor:
-    """As _gathered_decode_attention, over an 8-bit cache: keys and values are gathered
-    and dequantized (embedding_bag cannot read codes)."""
-    batch, heads, head_dim = q.shape
-    kv_heads = kv.k.shape[0]
-    group_size = heads // kv_heads
-    keys = _rows_of(kv.k, kv.k_scales, group.key_rows, q.dtype).view(kv_heads * batch, -1, head_dim)
-    values = _rows_of(kv.v, kv.v_scales, group.key_rows, q.dtype).view(keys.shape)
-    queries = q.view(batch, kv_heads, group_size, head_dim).transpose(0, 1)
     scores = torch.baddbmm(
         group.bias.to(q.dtype),
         queries.reshape(kv_heads * batch, group_size, head_dim),
@@ -483,7 +435,17 @@ def _dequantized_decode_attention(
         alpha=head_dim**-0.5,
     )
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out = torch.bmm(probs, values)
+    if kv.quantized:
+        values = _rows_of(kv.v, kv.v_scales, group.key_rows, q.dtype).view(keys.shape)
+        out = torch.bmm(probs, values)
+    else:
+        out = F.embedding_bag(
+            group.bag_rows,
+            kv.v.view(-1, head_dim),
+            group.bag_offsets,
+            mode="sum",
+            per_sample_weights=probs.view(-1),
+        )
     return (
         out.view(kv_heads, batch, group_size, head_dim)
         .transpose(0, 1)
