@@ -87,16 +87,18 @@ def test_policy_listing_names_every_policy(cadence_server: RunningServer) -> Non
 def test_state_reports_the_workers_kernels_and_cache(
     cadence_server: RunningServer, cadence_server_bf16: RunningServer
 ) -> None:
-    for server, dtype, attention in (
-        (cadence_server, "float32", "native-rows"),
-        (cadence_server_bf16, "bfloat16", "native"),
+    # Which kernel wins is the machine's measurement; the bf16 chunk kernel is offered
+    # only in bfloat16 (the suite's machines have AVX512-BF16).
+    for server, dtype, offered in (
+        (cadence_server, "float32", {"torch", "native-rows", "hybrid"}),
+        (cadence_server_bf16, "bfloat16", {"torch", "native-rows", "hybrid", "native"}),
     ):
         state = server.admin_state()
         assert state["kv_cache"]["dtype"] == dtype and state["kv_cache"]["block_size"] == 16
         kernels = state["kernels"]
-        assert kernels["attention"] == attention
-        assert set(kernels["measured"]["attention"]) >= {"torch", "native-rows", "hybrid"}
-        assert kernels["layer_ops"] in kernels["measured"]["layer_ops"]
+        assert set(kernels["measured"]["attention"]) == offered
+        for seam in ("attention", "layer_ops", "matmul"):
+            assert isinstance(kernels["measured"][seam][kernels[seam]], float)
 
 
 def swap_body(i: int) -> dict:
