@@ -8,6 +8,7 @@ decision (token budget, sequence cap, free KV blocks), so a wrong policy cannot 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -27,6 +28,7 @@ class SeqView:
     num_computed_tokens: int  # tokens whose K/V is in the cache
     num_blocks: int  # KV blocks held now
     preempted: int = 0  # how many times it was preempted
+    deadline: float | None = None  # engine clock: it must start by then, or it is refused
 
     @property
     def num_tokens(self) -> int:
@@ -40,6 +42,52 @@ class SeqView:
     @property
     def is_decoding(self) -> bool:
         return self.num_tokens - self.num_computed_tokens <= 1
+
+
+def by_deadline(seq: SeqView) -> tuple[bool, float, float]:
+    """Sort key: earliest deadline first, then those without one, each by arrival."""
+    return (seq.deadline is None, seq.deadline or 0.0, seq.arrival)
+
+
+def attention_pairs(start: int, tokens: int) -> int:
+    """(query, key) pairs of a chunk of `tokens` at position `start`: each query attends
+    to the `start` cached keys and, causally, to its chunk up to itself."""
+    return tokens * start + tokens * (tokens + 1) // 2
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """The engine's model of a step's worker time, fitted to the steps it measured:
+    base_ms + ms_per_token * tokens + ms_per_pair * attention pairs."""
+
+    base_ms: float
+    ms_per_token: float
+    ms_per_pair: float
+
+    def chunk_ms(self, start: int, tokens: int) -> float:
+        """What a chunk adds to a step: its tokens and its attention at its position."""
+        return self.ms_per_token * tokens + self.ms_per_pair * attention_pairs(start, tokens)
+
+    def decode_ms(self, seqs: tuple[SeqView, ...] | list[SeqView]) -> float:
+        """A step of these decodes alone, base included."""
+        return self.base_ms + sum(self.chunk_ms(s.num_computed_tokens, 1) for s in seqs)
+
+    def largest_chunk(self, start: int, max_ms: float, limit: int) -> int:
+        """The most tokens (<= limit) a chunk at `start` may have to add at most `max_ms`;
+        at least 1, so that a prompt always progresses."""
+        a = self.ms_per_pair / 2
+        b = self.ms_per_token + self.ms_per_pair * (start + 0.5)
+        if b <= 0:
+            return limit  # free (a zero-cost fit): only the limit bounds it
+        if max_ms <= 0:
+            return 1
+        # the root of a*n^2 + b*n = max_ms, in the form that stays exact for tiny a
+        tokens = int(min(limit, 2 * max_ms / (b + math.sqrt(b * b + 4 * a * max_ms))))
+        while tokens < limit and self.chunk_ms(start, tokens + 1) <= max_ms:
+            tokens += 1  # rounding left one out
+        while tokens > 1 and self.chunk_ms(start, tokens) > max_ms:
+            tokens -= 1
+        return max(1, min(limit, tokens))
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +106,7 @@ class View:
     max_seqs: int
     last_step_ms: float | None  # worker time of the previous step, if any
     last_step_tokens: int  # tokens computed in the previous step
+    step_cost: StepCost | None = None  # None until the engine has measured enough steps
 
     def blocks_for(self, seq: SeqView, new_tokens: int) -> int:
         """Extra blocks `seq` needs to hold `new_tokens` more tokens."""

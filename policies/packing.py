@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from policies.base import Decision, SeqView, View
+from policies.base import Decision, SeqView, StepCost, View
 
 
 def fill_budget(
@@ -19,12 +19,17 @@ def fill_budget(
     budget: int,
     prefill_cap: int,
     chunk_size: int,
+    prefill_ms: float | None = None,
+    cost: StepCost | None = None,
 ) -> Decision:
     """Schedule `decodes` (one token each) then chunks of `prefills`, in the orders given.
 
     The step holds at most `budget` tokens (never more than the engine's cap), at most
     `prefill_cap` of them prefill, and at most view.max_seqs sequences. Waiting sequences
     are admitted only while their blocks (plus those the decodes need) appear to fit.
+    With `prefill_ms` and a `cost` model, the chunks together also add at most that much
+    time by their cost at their positions (a chunk deep in a long prompt is shorter); the
+    first chunk has at least one token, so a prompt always progresses.
     """
     budget = min(budget, view.max_batched_tokens)
     schedule: list[tuple[int, int]] = []
@@ -44,6 +49,11 @@ def fill_budget(
         if waiting and admit_slots < 1:
             continue
         chunk = min(seq.remaining, chunk_size, prefill_left)
+        start = seq.num_computed_tokens
+        if prefill_ms is not None and cost is not None:
+            if prefill_ms <= 0:
+                break
+            chunk = cost.largest_chunk(start, prefill_ms, chunk)
         need = view.blocks_for(seq, chunk)
         if need > free:
             continue  # a smaller prompt further down may still fit
@@ -51,6 +61,8 @@ def fill_budget(
         free -= need
         prefill_left -= chunk
         admit_slots -= waiting
+        if prefill_ms is not None and cost is not None:
+            prefill_ms -= cost.chunk_ms(start, chunk)
     return Decision(schedule=schedule)
 
 

@@ -2,17 +2,18 @@
 
 Optimizes latency of important requests. Effective priority = priority + aging_rate *
 seconds since arrival, so a low-priority request eventually outranks newer high-priority
-ones. Decodes and prefill chunks are ordered by effective priority and packed into the
-budget as under stall_free. With `preempt`, when KV blocks are short for a waiting request,
-running requests of strictly lower base priority are named for preemption (lowest first);
-the strict base-priority rule prevents two requests from evicting each other in turn.
+ones; among equals the earlier deadline goes first, then the earlier arrival. Decodes and
+prefill chunks are ordered so and packed into the budget as under stall_free. With
+`preempt`, when KV blocks are short for a waiting request, running requests of strictly
+lower base priority are named for preemption (lowest first); the strict base-priority rule
+prevents two requests from evicting each other in turn.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from policies.base import Decision, Policy, SeqView, View
+from policies.base import Decision, Policy, SeqView, View, by_deadline
 from policies.packing import fill_budget, split_running
 
 
@@ -33,8 +34,8 @@ class Priority(Policy):
     def decide(self, view: View) -> Decision:
         p = self.params
 
-        def rank(s: SeqView) -> tuple[float, float]:
-            return (-self.effective(s, view.now), s.arrival)
+        def rank(s: SeqView) -> tuple[float, bool, float, float]:
+            return (-self.effective(s, view.now), *by_deadline(s))
 
         decoding, prefilling = split_running(view)
         decoding.sort(key=rank)

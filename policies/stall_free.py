@@ -3,6 +3,11 @@
 Optimizes inter-token latency of running requests (Sarathi-Serve's stall-free batching):
 every step carries all decodes, so a long prompt arriving never freezes their streams;
 its prefill is spread over several budget-sized steps, raising its own TTFT in exchange.
+With `bound_cost` (the default), the budget holds in time as well as in tokens: once the
+engine has fitted its step-cost model (View.step_cost), the chunks of a step may add no
+more time than one `chunk_size` chunk at the start of a prompt, so a chunk deep in a long
+prompt, where attention over the prefix makes each token dearer, is shorter and the
+decodes' worst gap stays that of an early-chunk step at any context.
 With nothing decoding there is no stream to stall, and a step may take `solo_budget`
 tokens (in chunks as large), as far as the engine's cap allows: fewer, larger steps
 prefill a lone long prompt faster (4-6 % for 4-8k tokens at 2048 against 512 here).
@@ -28,6 +33,8 @@ class StallFree(Policy):
         chunk_size: int = field(default=512, metadata={"min": 1, "max": 1 << 20})
         # with nothing decoding: the step's budget and its largest chunk
         solo_budget: int = field(default=2048, metadata={"min": 1, "max": 1 << 20})
+        # with decodes present: chunks cost at most what one early chunk costs
+        bound_cost: bool = True
 
         def validate(self) -> None:
             if self.max_prefill_share * self.token_budget < 1 and self.max_prefill_share > 0:
@@ -46,6 +53,9 @@ class StallFree(Policy):
         budget = min(p.token_budget, view.max_batched_tokens)
         # at least one token of prefill per step, so a prompt always progresses
         prefill_cap = max(1, int(p.max_prefill_share * budget))
+        cost = view.step_cost if p.bound_cost else None
+        early_tokens = min(prefill_cap, p.chunk_size, max(1, budget - len(decoding)))
+        early_chunk_ms = None if cost is None else cost.chunk_ms(0, early_tokens)
         return fill_budget(
             view,
             decoding,
@@ -53,4 +63,6 @@ class StallFree(Policy):
             budget=budget,
             prefill_cap=prefill_cap,
             chunk_size=p.chunk_size,
+            prefill_ms=early_chunk_ms,
+            cost=cost,
         )

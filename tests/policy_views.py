@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from policies.base import SeqView, View
+from policies.base import SeqView, StepCost, View
 
 BLOCK = 16
 
@@ -17,6 +17,7 @@ def seq(
     priority: int = 0,
     arrival: float | None = None,
     blocks: int | None = None,
+    deadline: float | None = None,
 ) -> SeqView:
     """A sequence; by default decoding if it has generated tokens, else waiting."""
     if computed is None:
@@ -30,6 +31,7 @@ def seq(
         num_generated=generated,
         num_computed_tokens=computed,
         num_blocks=-(-computed // BLOCK) if blocks is None else blocks,
+        deadline=deadline,
     )
 
 
@@ -42,6 +44,7 @@ def view(
     max_seqs: int = 64,
     now: float = 10.0,
     last: tuple[float | None, int] = (None, 0),
+    cost: StepCost | None = None,
 ) -> View:
     return View(
         iteration=1,
@@ -56,4 +59,5 @@ def view(
         max_seqs=max_seqs,
         last_step_ms=last[0],
         last_step_tokens=last[1],
+        step_cost=cost,
     )

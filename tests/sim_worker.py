@@ -1,6 +1,7 @@
 """A simulated worker for engine tests: same interface as WorkerLink, no model, no process.
 
-Cost model: a step takes base_ms + per_token_ms * tokens + per_seq_ms * sequences, slept
+Cost model: a step takes base_ms + per_token_ms * tokens + per_seq_ms * sequences
+(+ per_pair_ms * attention pairs, for the cost of attention over long prefixes), slept
 with trio.sleep so a MockClock makes timing exact and instant. It keeps a fake KV cache
 (each slot remembers which sequence wrote which token at which position) and checks every
 plan against it: a chunk must continue where the previous one ended, block tables must
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 import trio
 
 from gpu_worker.protocol import BatchPlan, Handshake, StepResult
+from policies.base import attention_pairs
 from service.config import Config
 from service.engine.assembly import open_engine
 from service.engine.engine import Engine
@@ -60,6 +62,7 @@ class SimWorker:
     base_ms: float = 5.0
     per_token_ms: float = 0.1
     per_seq_ms: float = 0.2
+    per_pair_ms: float = 0.0
     # (seq_id, position of the token to sample) -> sample EOS there
     eos_at: Callable[[int, int], bool] | None = None
     die_at_step: int | None = None  # the n-th step call (1-based) raises WorkerDied
@@ -134,6 +137,7 @@ class SimWorker:
             self.base_ms
             + self.per_token_ms * plan.total_tokens
             + self.per_seq_ms * len(plan.seq_ids)
+            + self.per_pair_ms * sum(map(attention_pairs, plan.start_pos, plan.num_tokens))
         )
 
     async def step(self, plan: BatchPlan) -> StepResult:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import trio
 
+from policies.base import attention_pairs
 from service.engine.request import SamplingParams, SamplingSpec
 from tests.sim_worker import SimWorker, collect, running_engine, sim_config
 
@@ -13,9 +14,11 @@ GREEDY = SamplingSpec(temperature=0.0)
 BUDGET = 256
 
 
-async def interference(policy: str, params: dict, prompt_len: int) -> tuple[float, float, float]:
+async def interference(
+    policy: str, params: dict, prompt_len: int, per_pair_ms: float = 0.0
+) -> tuple[float, float, float]:
     """Four requests decode; a long prompt arrives. Returns (max decode gap, long TTFT, bound)."""
-    worker = SimWorker(max_batched_tokens=8192, num_blocks=1024)
+    worker = SimWorker(max_batched_tokens=8192, num_blocks=1024, per_pair_ms=per_pair_ms)
     config = sim_config(policy=policy, policy_params=params, max_batched_tokens=8192)
     greedy = SamplingParams(max_tokens=120, sampling=GREEDY)
     async with running_engine(config, worker) as engine, trio.open_nursery() as nursery:
@@ -41,8 +44,10 @@ async def interference(policy: str, params: dict, prompt_len: int) -> tuple[floa
         for a, b in zip(results[f"d{i}"].times, results[f"d{i}"].times[1:], strict=False)
         if b > arrived
     ]
-    bound = (worker.base_ms + worker.per_token_ms * BUDGET + worker.per_seq_ms * 5) / 1000
-    return max(gaps), long_ttft, bound
+    early_chunk = BUDGET - 4  # the first chunk's step: four decodes and the rest of the budget
+    pairs = attention_pairs(0, early_chunk) + 4 * 200  # the decoders' contexts are < 200
+    bound = worker.base_ms + worker.per_token_ms * BUDGET + worker.per_seq_ms * 5
+    return max(gaps), long_ttft, (bound + per_pair_ms * pairs) / 1000
 
 
 async def test_fcfs_gap_grows_with_prompt_length(autojump_clock):
@@ -68,6 +73,25 @@ async def test_stall_free_gap_bounded_by_one_budget_step(autojump_clock, prompt_
     assert gap <= bound + 1e-9
     assert fcfs_gap > gap
     assert ttft > fcfs_ttft  # the trade: the long prompt waits longer for its first token
+
+
+# Attention over the prefix: a 252-token chunk at position 3,800 costs 5x one at position 0.
+PER_PAIR_MS = 4e-4
+
+
+async def test_stall_free_bounds_a_deep_chunk_by_its_cost_not_its_tokens(autojump_clock):
+    params = {"token_budget": BUDGET, "chunk_size": BUDGET}
+    gap, ttft, bound = await interference("stall_free", params, 4096, PER_PAIR_MS)
+    blind = {**params, "bound_cost": False}
+    blind_gap, blind_ttft, _ = await interference("stall_free", blind, 4096, PER_PAIR_MS)
+    print(
+        f"stall_free with attention cost: gap {gap * 1000:.1f} ms (one early-chunk step "
+        f"{bound * 1000:.1f}), TTFT {ttft * 1000:.0f} ms; by tokens only: gap "
+        f"{blind_gap * 1000:.1f} ms, TTFT {blind_ttft * 1000:.0f} ms"
+    )
+    assert blind_gap > 3 * bound  # by tokens, the chunks deep in the prompt cost far more
+    assert gap <= 1.1 * bound  # by cost, none costs more than an early one (fit error aside)
+    assert ttft < 3 * blind_ttft  # the price: more, shorter steps
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "stall_free", "priority", "fair", "slo"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from policies.base import PolicyError
+from policies.base import PolicyError, StepCost
 from policies.registry import POLICIES, describe_policies, make_policy
 from tests.policy_views import seq, view
 
@@ -176,14 +176,16 @@ def test_fair_weights_shift_the_share():
     assert 25 <= firsts.count(1) <= 35  # about 3 of 4
 
 
-def test_slo_shrinks_the_chunk_when_steps_overshoot_and_grows_when_under():
+def test_slo_chunk_shrinks_on_a_slower_machine_and_grows_on_a_faster_one():
     policy = make_policy("slo", {"itl_target_ms": 50, "min_chunk": 8, "max_budget": 4096})
     prompt = seq(10, 100000)
-    d = policy.decide(view(DECODING, [prompt], cap=8192, last=(20.0, 100)))  # 0.2 ms/token
-    chunk = dict(d.schedule)[10]
-    assert chunk <= 0.9 * 50 / 0.2
-    d = policy.decide(view(DECODING, [prompt], cap=8192, last=(200.0, chunk)))
-    assert dict(d.schedule)[10] < chunk
+    chunks = []
+    for ms_per_token in (0.2, 0.4, 0.1):
+        cost = StepCost(base_ms=5.0, ms_per_token=ms_per_token, ms_per_pair=1e-5)
+        d = policy.decide(view(DECODING, [prompt], cap=8192, cost=cost))
+        chunks.append(dict(d.schedule)[10])
+        assert cost.decode_ms(DECODING) + cost.chunk_ms(0, chunks[-1]) <= 0.9 * 50
+    assert chunks[1] < chunks[0] < chunks[2]
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))

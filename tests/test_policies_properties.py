@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from policies.base import Decision, Policy, PolicyError, SeqView, View, parse_params
+from policies.base import Decision, Policy, PolicyError, SeqView, StepCost, View, parse_params
 from policies.fair import Fair
 from policies.fcfs import Fcfs
 from policies.packing import fill_budget, split_running
@@ -631,76 +631,112 @@ def test_fair_weights_must_be_positive_numbers():
 
 
 def slo(**params: Any) -> Slo:
-    base = {"itl_target_ms": 100, "headroom": 1.0, "min_chunk": 1, "smoothing": 0.5}
+    base = {"itl_target_ms": 100, "headroom": 1.0, "min_chunk": 1}
     policy = make_policy("slo", {**base, **params})
     assert isinstance(policy, Slo)
     return policy
 
 
-def test_slo_learns_nothing_before_a_step_has_run():
-    policy = slo()
-    policy.decide(view([], [seq(10, 5000)], last=(None, 0)))
-    policy.decide(view([], [seq(10, 5000)], last=(10.0, 0)))
-    assert policy.ms_per_token is None
+LINEAR = StepCost(base_ms=10.0, ms_per_token=1.0, ms_per_pair=0.0)  # 1 ms a token
 
 
-def test_slo_first_sample_is_taken_as_is_then_smoothed():
-    policy = slo(smoothing=0.25)
-    policy.decide(view([], [seq(10, 5000)], last=(10.0, 1)))  # 10 ms per token
-    assert policy.ms_per_token == 10.0
-    policy.decide(view([], [seq(10, 5000)], last=(20.0, 10)))  # 2 ms per token, under target
-    assert policy.ms_per_token == pytest.approx(0.25 * 10 + 0.75 * 2)
+def test_slo_runs_min_chunk_of_prefill_until_the_engine_has_a_cost_model():
+    d = slo(min_chunk=8).decide(view(decoding(1, 2), [seq(10, 5000)], cap=100000))
+    assert d.schedule == [(1, 1), (2, 1), (10, 8)]
 
 
-def test_slo_an_overshooting_step_raises_the_estimate_at_once_but_never_lowers_it():
-    policy = slo(smoothing=0.5)
-    policy.decide(view([], [seq(10, 5000)], last=(50.0, 100)))  # 0.5 ms/token
-    policy.decide(view([], [seq(10, 5000)], last=(150.0, 100)))  # over 100 ms: 1.5 at once
-    assert policy.ms_per_token == 1.5
-    policy.decide(view([], [seq(10, 5000)], last=(101.0, 1000)))  # over, but cheap per token
-    assert policy.ms_per_token == 1.5
+def test_slo_prefill_fills_what_the_decodes_leave_of_the_target():
+    running = decoding(1, 2, 3, 4)
+    d = slo().decide(view(running, [seq(10, 100000)], cap=100000, cost=LINEAR))
+    # 100 ms target - (10 ms base + 4 decodes at 1 ms) = 86 ms: 86 tokens of prefill
+    assert d.schedule == [(1, 1), (2, 1), (3, 1), (4, 1), (10, 86)]
 
 
-def test_slo_a_step_exactly_at_the_target_is_smoothed_not_an_overshoot():
-    policy = slo(smoothing=0.5)
-    policy.decide(view([], [seq(10, 5000)], last=(50.0, 100)))  # 0.5
-    policy.decide(view([], [seq(10, 5000)], last=(100.0, 50)))  # exactly 100 ms: 2.0
-    assert policy.ms_per_token == pytest.approx(1.25)
-
-
-def test_slo_budget_grows_at_most_doubling_and_stays_under_max_budget():
-    policy = slo(max_budget=50, min_chunk=4)
-    assert policy.budget == 4
-    budgets = []
-    for _ in range(6):
-        policy.decide(view([], [seq(10, 100000)], cap=100000, last=(1.0, 100)))  # very cheap
-        budgets.append(policy.budget)
-    assert budgets == [8, 16, 32, 50, 50, 50]
-
-
-def test_slo_prefill_is_the_affordable_budget_minus_the_decodes():
-    policy = slo(min_chunk=1)
-    policy.budget = 1000  # grown already
-    d = policy.decide(view(decoding(1, 2, 3, 4), [seq(10, 100000)], cap=100000, last=(10.0, 10)))
-    # 1 ms per token, 100 ms target: 100 tokens in all, 96 of them prefill
-    assert d.schedule == [(1, 1), (2, 1), (3, 1), (4, 1), (10, 96)]
-    assert policy.budget == 100
+def test_slo_a_chunk_deep_in_a_prompt_is_shorter_by_its_attention_cost():
+    cost = StepCost(base_ms=0.0, ms_per_token=0.1, ms_per_pair=1e-4)
+    early = slo().decide(view([], [seq(10, 8000)], cap=100000, cost=cost)).schedule
+    deep_seq = seq(10, 8000, computed=6000, blocks=400)
+    deep = slo().decide(view([deep_seq], [], cap=100000, cost=cost)).schedule
+    (_, early_tokens), (_, deep_tokens) = early[0], deep[0]
+    assert deep_tokens < early_tokens / 2
+    for start, tokens in ((0, early_tokens), (6000, deep_tokens)):  # as large as fits in 100 ms
+        assert cost.chunk_ms(start, tokens) <= 100 < cost.chunk_ms(start, tokens + 1)
 
 
 def test_slo_prefill_never_drops_below_min_chunk():
-    policy = slo(min_chunk=20)
-    policy.budget = 1000
-    d = policy.decide(view(decoding(*range(30)), [seq(100, 1000)], cap=100000, last=(100.0, 1)))
-    # 100 ms per token affords one token; still 30 decodes and a 20-token chunk
-    assert dict(d.schedule)[100] == 20
-    assert policy.budget == 1
+    slow = StepCost(base_ms=10.0, ms_per_token=100.0, ms_per_pair=0.0)
+    d = slo(min_chunk=20).decide(
+        view(decoding(*range(30)), [seq(100, 1000)], cap=100000, cost=slow)
+    )
+    # the decodes alone take 3 s of a 100 ms target; still all 30 and a 20-token chunk
+    assert len(d.schedule) == 31 and dict(d.schedule)[100] == 20
 
 
-def test_slo_headroom_scales_the_target():
-    policy = slo(headroom=0.5, min_chunk=1)
-    policy.budget = 1000
-    d = policy.decide(view([], [seq(10, 100000)], cap=100000, last=(10.0, 10)))
-    assert d.schedule == [(10, 50)]
+def test_slo_headroom_scales_the_target_and_max_budget_caps_the_prefill():
+    d = slo(headroom=0.5).decide(view([], [seq(10, 100000)], cap=100000, cost=LINEAR))
+    assert d.schedule == [(10, 40)]  # 50 ms - 10 ms base
+    d = slo(max_budget=25).decide(view([], [seq(10, 100000)], cap=100000, cost=LINEAR))
+    assert d.schedule == [(10, 25)]
+
+
+def test_slo_starts_waiting_requests_earliest_deadline_first_after_started_prefills():
+    started = seq(1, 40, computed=8, blocks=1)
+    waiting = [seq(2, 40), seq(3, 40, deadline=30.0), seq(4, 40, deadline=20.0)]
+    d = slo(itl_target_ms=500).decide(view([started], waiting, cap=100000, cost=LINEAR))
+    assert [i for i, _ in d.schedule] == [1, 4, 3, 2]
+
+
+# ---- the step-cost model the policies read -----------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    per_token=st.floats(0.0, 5.0),
+    per_pair=st.floats(0.0, 1e-2),
+    start=st.integers(0, 8192),
+    max_ms=st.floats(0.0, 5000.0),
+    limit=st.integers(1, 4096),
+)
+def test_largest_chunk_is_the_most_tokens_that_cost_at_most_max_ms(
+    per_token: float, per_pair: float, start: int, max_ms: float, limit: int
+):
+    cost = StepCost(base_ms=3.0, ms_per_token=per_token, ms_per_pair=per_pair)
+    tokens = cost.largest_chunk(start, max_ms, limit)
+    assert 1 <= tokens <= limit
+    if tokens > 1:
+        assert cost.chunk_ms(start, tokens) <= max_ms * (1 + 1e-9)
+    if tokens < limit:
+        assert cost.chunk_ms(start, tokens + 1) > max_ms * (1 - 1e-9)
+
+
+def test_stall_free_bounds_a_deep_chunk_by_the_cost_of_an_early_one():
+    cost = StepCost(base_ms=20.0, ms_per_token=0.35, ms_per_pair=4e-4)
+    policy = make_policy("stall_free", {"token_budget": 512, "chunk_size": 512})
+    deep = seq(10, 4096, computed=3584, blocks=224)
+    d = policy.decide(view([*decoding(1, 2), deep], [], cost=cost))
+    tokens = dict(d.schedule)[10]
+    early_ms = cost.chunk_ms(0, 510)  # the budget less the two decodes
+    assert tokens < 200
+    assert cost.chunk_ms(3584, tokens) <= early_ms < cost.chunk_ms(3584, tokens + 1)
+    early = policy.decide(view(decoding(1, 2), [seq(10, 4096)], cost=cost))
+    assert dict(early.schedule)[10] == 510  # at the start of the prompt: the token budget
+
+
+def test_stall_free_bounds_tokens_only_without_a_cost_model_or_when_told_to():
+    cost = StepCost(base_ms=20.0, ms_per_token=0.35, ms_per_pair=4e-4)
+    deep = seq(10, 4096, computed=3584, blocks=224)
+    unbounded = make_policy("stall_free", {"bound_cost": False})
+    for policy, c in ((make_policy("stall_free"), None), (unbounded, cost)):
+        d = policy.decide(view([*decoding(1, 2), deep], [], cost=c))
+        assert dict(d.schedule)[10] == 510
+
+
+def test_stall_free_cost_bound_is_shared_by_every_chunk_of_the_step():
+    cost = StepCost(base_ms=0.0, ms_per_token=1.0, ms_per_pair=0.0)
+    policy = make_policy("stall_free", {"token_budget": 512, "chunk_size": 100})
+    d = policy.decide(view(decoding(1), [seq(10, 60), seq(11, 60), seq(12, 60)], cost=cost))
+    # 100 tokens' worth of time (one early chunk_size chunk): 60 + 40, nothing for the third
+    assert d.schedule == [(1, 1), (10, 60), (11, 40)]
 
 
 # ---- registry and parse_params ---------------------------------------------------------------

@@ -239,7 +239,13 @@ class Engine:
             "worker_restarts": self._worker_restarts,
             "max_model_len": self.max_model_len,
             "kv_cache": self._kv_cache_config(),
+            "step_cost": self._step_cost(),
         }
+
+    def _step_cost(self) -> dict | None:
+        """The fitted model of a step's time that policies and admission use, if fitted yet."""
+        cost = self._scheduler.step_cost.estimate() if self._scheduler else None
+        return None if cost is None else dataclasses.asdict(cost)
 
     def _kv_cache_config(self) -> dict | None:
         """The worker's KV cache as it started: None before a worker has."""

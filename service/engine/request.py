@@ -76,6 +76,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose K/V is in the worker's cache
     admitted_order: int = -1  # increasing each time it is admitted, for "most recently admitted"
     preemptions: int = 0
+    deadline: float | None = None  # engine clock: not started by then, it is refused
     first_scheduled: float | None = None
     first_token: float | None = None
     token_times: list[float] = field(default_factory=list)

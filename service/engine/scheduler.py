@@ -25,6 +25,7 @@ from gpu_worker.protocol import BatchPlan, StepResult
 from policies.base import Decision, Policy, SeqView, View
 from service.engine.block_manager import BlockManager
 from service.engine.request import Request, Status
+from service.engine.step_cost import StepCostModel
 
 
 @dataclass(slots=True)
@@ -105,6 +106,7 @@ class Scheduler:
         self._admissions = 0
         self._last_step_ms: float | None = None
         self._last_step_tokens = 0
+        self.step_cost = StepCostModel()  # fitted to every step's measured time
 
     # ---- membership -------------------------------------------------------------------
 
@@ -198,6 +200,7 @@ class Scheduler:
             return [self._fail(item.request, error) for item in out.scheduled]
         self._last_step_ms = result.step_ms
         self._last_step_tokens = out.plan.total_tokens
+        self.step_cost.observe_plan(out.plan.num_tokens, out.plan.start_pos, result.step_ms)
         for item in out.scheduled:
             if not item.request.is_finished:  # not aborted while the step ran
                 item.request.num_computed_tokens += item.num_tokens
@@ -226,6 +229,7 @@ class Scheduler:
             max_seqs=self.max_num_seqs,
             last_step_ms=self._last_step_ms,
             last_step_tokens=self._last_step_tokens,
+            step_cost=self.step_cost.estimate(),
         )
 
     def _seq_view(self, r: Request) -> SeqView:
@@ -239,6 +243,7 @@ class Scheduler:
             num_computed_tokens=r.num_computed_tokens,
             num_blocks=self.blocks.num_held(r.seq_id),
             preempted=r.preemptions,
+            deadline=r.deadline if r.first_scheduled is None else None,
         )
 
     # ---- results ----------------------------------------------------------------------
