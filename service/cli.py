@@ -88,6 +88,27 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=positive_int, default=defaults.block_size)
     p.add_argument("--max-queue", type=positive_int, default=defaults.max_queue)
     p.add_argument(
+        "--max-queued-tokens",
+        type=positive_int,
+        default=defaults.max_queued_tokens,
+        help="prompt tokens waiting to start beyond this get 429 (never less than one "
+        "full-window prompt)",
+    )
+    p.add_argument(
+        "--max-queue-time",
+        type=positive_float,
+        default=None,
+        help="seconds a request may wait to start; later it ends with 503 deadline_exceeded, "
+        "and one predicted not to start in time gets 429 at arrival (default: no limit)",
+    )
+    p.add_argument(
+        "--max-predicted-ttft",
+        type=positive_float,
+        default=None,
+        help="refuse at arrival (429 + Retry-After) a request whose TTFT, predicted from the "
+        "queue ahead and the measured step costs, exceeds this many seconds (default: off)",
+    )
+    p.add_argument(
         "--max-model-len",
         type=positive_int,
         default=None,

@@ -39,6 +39,11 @@ class Config:
     max_batched_tokens: int = 512  # hard cap of tokens in one step, whatever the policy says
     max_num_seqs: int = 128
     max_queue: int = 1024  # waiting requests beyond this get "overloaded" (HTTP 429)
+    # prompt tokens waiting to start beyond this get "overloaded" (at least one full prompt)
+    max_queued_tokens: int = 262144
+    max_queue_time: float | None = None  # seconds a request may wait to start, else 503
+    # refuse at arrival (429) a request whose predicted TTFT exceeds this many seconds
+    max_predicted_ttft: float | None = None
     max_model_len: int | None = None  # None: the model's own context window
     watermark: float = 0.01  # fraction of KV blocks kept free when admitting
     # HTTP

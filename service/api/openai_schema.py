@@ -18,6 +18,7 @@ from service.api.errors import APIError, bad_request
 from service.engine.request import SamplingParams
 
 MAX_LOGPROBS = 5  # completions' `logprobs` (how many alternatives OpenAI would list)
+MAX_DEADLINE_MS = 86_400_000.0
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 # Fields OpenAI (or common benchmark clients) send that cadence accepts only with their
@@ -82,6 +83,7 @@ class GenerationRequest:
     include_usage: bool
     tenant: str
     priority: int
+    deadline_ms: float | None = None  # cadence's extension: how long it may wait to start
 
 
 class _Fields:
@@ -209,7 +211,20 @@ def _parse_common(
         include_usage=_parse_stream_options(fields.raw("stream_options"), stream),
         tenant=_parse_tenant(header_tenant, fields.raw("user")),
         priority=fields.integer("priority", 0) or 0,
+        deadline_ms=_parse_deadline(fields),
     )
+
+
+def _parse_deadline(fields: _Fields) -> float | None:
+    if fields.raw("deadline_ms") is None:
+        return None
+    value = fields.number("deadline_ms", 0.0)
+    if not 0 < value <= MAX_DEADLINE_MS:
+        raise bad_request(
+            f"'deadline_ms' must be more than 0 and at most {MAX_DEADLINE_MS:g} (a day)",
+            "deadline_ms",
+        )
+    return value
 
 
 def _parse_prompt(value: Any, bound: PromptBound | None) -> str | list[int]:

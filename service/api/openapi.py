@@ -17,7 +17,7 @@ from policies.registry import POLICIES
 from service.api.app_state import app_state
 from service.api.errors import json_response
 from service.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from service.api.openai_schema import CHAT_ROLES, MAX_LOGPROBS, NEUTRAL_VALUES
+from service.api.openai_schema import CHAT_ROLES, MAX_DEADLINE_MS, MAX_LOGPROBS, NEUTRAL_VALUES
 from service.engine.validation import (
     MAX_PRIORITY,
     MAX_SEED,
@@ -170,6 +170,13 @@ def _request(own: Schema, required: list[str], max_model_len: int | None) -> Sch
         "stream_options": _stream_options(),
         "user": {"type": ["string", "null"], "maxLength": MAX_TENANT_CHARS},
         "priority": _integer(-MAX_PRIORITY, MAX_PRIORITY),
+        "deadline_ms": {
+            "type": ["number", "null"],
+            "exclusiveMinimum": 0,
+            "maximum": MAX_DEADLINE_MS,
+            "description": "cadence: milliseconds the request may wait to start; if it "
+            "cannot, 429 at arrival or 503 deadline_exceeded (both with Retry-After)",
+        },
     }
     neutral = {
         name: {"enum": list(dict.fromkeys(values))}
@@ -371,8 +378,8 @@ _ERROR_TEXT = {
     404: "Unknown model",
     413: "Body too large",
     415: "Body not declared application/json",
-    429: "Overloaded, retry later",
-    503: "Worker not ready, restarting or shutting down",
+    429: "Overloaded, or it could not start before its deadline: retry later",
+    503: "Worker not ready, restarting or shutting down; or deadline_exceeded",
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -41,6 +42,7 @@ SERVER_STATE_FAILURES = (
     "worker_hung",
     "worker_unavailable",
     "kv_capacity_exceeded",
+    "deadline_exceeded",
 )
 
 
@@ -115,25 +117,56 @@ async def serve_generation(req: GenerationRequest) -> Response:
     prompt_ids = await tokenize_prompt(req, state)
     prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
     request_id = f"{prefix}-{uuid.uuid4().hex}"
+    deadline_s = None if req.deadline_ms is None else req.deadline_ms / 1000
     try:
         channel = await state.engine.submit(
-            prompt_ids, req.params, request_id=request_id, tenant=req.tenant, priority=req.priority
+            prompt_ids,
+            req.params,
+            request_id=request_id,
+            tenant=req.tenant,
+            priority=req.priority,
+            deadline_s=deadline_s,
         )
     except Overloaded as exc:
         raise APIError(
             429,
             f"the server is overloaded ({exc}); retry later",
             code="overloaded",
-            headers={"Retry-After": "1"},
+            headers={"Retry-After": str(max(1, math.ceil(exc.retry_after)))},
         ) from None
     except EngineUnavailable as exc:
         raise unavailable(str(exc) or "the engine is not available") from None
     except InvalidRequest as exc:
         raise bad_request(str(exc), exc.param, exc.code) from None
     header = ResponseHeader(req.kind, request_id, state.served_model_name)
-    if req.stream:
-        return stream_response(req, header, channel, state)
-    return await whole_response(req, header, channel, state)
+    if not req.stream:
+        return await whole_response(req, header, channel, state)
+    first: list[Event] = []
+    if deadline_s is not None or state.config.max_queue_time is not None:
+        # A request that may miss its deadline is answered once it is decided: its first
+        # token (200, streamed) or its refusal (an HTTP error a client can retry on).
+        first = await first_event(channel, header.request_id, state)
+    return stream_response(req, header, channel, state, first)
+
+
+async def first_event(
+    channel: trio.MemoryReceiveChannel, request_id: str, state: AppState
+) -> list[Event]:
+    """The request's first event; a failure before any token becomes the HTTP error."""
+    try:
+        event = await channel.receive()
+    except trio.EndOfChannel:
+        event = None
+    except BaseException:  # the client went away (cancelled): free what it held
+        channel.close()
+        state.engine.abort(request_id)
+        raise
+    if isinstance(event, TokenEvent):
+        return [event]
+    channel.close()
+    error = failure_of(event)
+    assert error is not None, "a request cannot finish well before its first token"
+    raise error
 
 
 def unavailable(message: str) -> APIError:
@@ -182,8 +215,11 @@ def failure_of(finish: FinishEvent | None) -> APIError | None:
         message = finish.error or finish.detail
         if finish.detail in SERVER_STATE_FAILURES:
             # Not the request's fault and not a bug: the worker died, hung, cannot be
-            # restarted, or came back too small for it. Retrying later may succeed.
-            return APIError(503, f"{message}; retry later", code=finish.detail)
+            # restarted, came back too small for it, or the queue was too long for its
+            # deadline. Retrying later may succeed.
+            return APIError(
+                503, f"{message}; retry later", code=finish.detail, headers={"Retry-After": "1"}
+            )
         return APIError(500, f"generation failed: {message}", code="generation_error")
     if finish.reason == "abort":
         return unavailable(f"the request was aborted ({finish.detail})")
@@ -230,9 +266,10 @@ def stream_response(
     header: ResponseHeader,
     channel: trio.MemoryReceiveChannel,
     state: AppState,
+    first: list[Event],
 ) -> Response:
     response = Response(
-        sse_stream(req, header, channel, state),
+        sse_stream(req, header, channel, state, first),
         200,
         {**SSE_HEADERS, "X-Request-Id": header.request_id},
     )
@@ -245,13 +282,15 @@ async def sse_stream(
     header: ResponseHeader,
     channel: trio.MemoryReceiveChannel,
     state: AppState,
+    first: list[Event],
 ) -> AsyncIterator[bytes]:
+    """`first`: events already read from the channel (a request with a deadline)."""
     finish: FinishEvent | None = None
     text_offset = 0
     try:
         if req.kind == "chat":
             yield sse_data(delta_chunk(header, "", None, role=True))
-        async for group in event_groups(channel, state.heartbeat_seconds):
+        async for group in event_groups(channel, state.heartbeat_seconds, first):
             if not group:
                 yield HEARTBEAT
                 continue

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import orjson
@@ -29,20 +29,24 @@ def sse_data(payload: dict[str, Any]) -> bytes:
 
 
 async def event_groups(
-    channel: trio.MemoryReceiveChannel, heartbeat_seconds: float
+    channel: trio.MemoryReceiveChannel,
+    heartbeat_seconds: float,
+    first: Sequence[Event] = (),
 ) -> AsyncIterator[list[Event]]:
     """Yield the events that are ready, as one group; an empty group means "send a heartbeat".
 
     Grouping lets a slow client catch up in one write instead of one write per token.
+    `first`: events already taken from the channel, which open the first group.
     Ends after the FinishEvent or when the engine closes the channel.
     """
+    group: list[Event] = list(first)
     while True:
-        group: list[Event] = []
-        with trio.move_on_after(heartbeat_seconds):
-            try:
-                group.append(await channel.receive())
-            except trio.EndOfChannel:
-                return
+        if not group:
+            with trio.move_on_after(heartbeat_seconds):
+                try:
+                    group.append(await channel.receive())
+                except trio.EndOfChannel:
+                    return
         # Never yield inside the timeout scope: the consumer's writes would run under it.
         while group and not isinstance(group[-1], FinishEvent):
             try:
@@ -52,3 +56,4 @@ async def event_groups(
         yield group
         if group and isinstance(group[-1], FinishEvent):
             return
+        group = []

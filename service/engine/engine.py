@@ -56,7 +56,12 @@ class TokenizerLike(Decoder, Protocol):
 
 
 class Overloaded(Exception):
-    """The admission queue is full; the caller should retry later (HTTP 429)."""
+    """The queue is full, or the request could not start or answer in time: nothing was
+    queued; the caller should retry after `retry_after` seconds (HTTP 429)."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class EngineUnavailable(Exception):
@@ -85,6 +90,7 @@ class _Ticket:
     tenant: str
     priority: int
     received: float
+    deadline_s: float | None  # seconds it may wait to start, as the client asked
     done: trio.Event = dataclasses.field(default_factory=trio.Event)
     channel: trio.MemoryReceiveChannel | None = None  # the verdict: a stream, or
     error: Exception | None = None  # why not
@@ -166,16 +172,25 @@ class Engine:
         request_id: str,
         tenant: str = "default",
         priority: int = 0,
+        deadline_s: float | None = None,
     ) -> trio.MemoryReceiveChannel:
         """Queue a request; its channel yields TokenEvent* then one FinishEvent, then closes.
 
+        `deadline_s`: seconds it may wait to start (the server's --max-queue-time bounds it
+        too); not started by then, it finishes with ("error", "deadline_exceeded").
         Raises InvalidRequest, Overloaded or EngineUnavailable, and then nothing was queued.
         """
         if not self._accepting or not self._ready:
             raise EngineUnavailable("the engine is not ready (starting, restarting or stopping)")
         params = dataclasses.replace(params)  # validation fills a missing max_tokens
         ticket = _Ticket(
-            list(prompt_token_ids), params, request_id, tenant, priority, trio.current_time()
+            list(prompt_token_ids),
+            params,
+            request_id,
+            tenant,
+            priority,
+            trio.current_time(),
+            deadline_s,
         )
         try:
             self._admit_send.send_nowait(ticket)
@@ -290,8 +305,8 @@ class Engine:
             )
         ids, params = ticket.prompt_token_ids, ticket.params
         validate(ids, params, self._limits(), ticket.tenant, ticket.priority)
-        if len(sched.waiting) >= self.config.max_queue:
-            raise Overloaded(f"{len(sched.waiting)} requests are waiting; try again later")
+        deadline = self._deadline_of(ticket)
+        self._shed_if_overloaded(sched, len(ids), deadline)
         assert params.max_tokens is not None
         # never blocks: a token event per output token, the finish event, and a spare
         send, receive = trio.open_memory_channel(params.max_tokens + 2)
@@ -306,6 +321,7 @@ class Engine:
             received=ticket.received,
             stream=send,
             detokenizer=Detokenizer(self.tokenizer, ids, params.stop),
+            deadline=deadline,
         )
         self._next_seq_id += 1
         self._requests[request.request_id] = request
@@ -314,6 +330,57 @@ class Engine:
         self._wakeup.set()
         self._report_received(request)
         return receive
+
+    def _deadline_of(self, ticket: _Ticket) -> float | None:
+        waits = [w for w in (ticket.deadline_s, self.config.max_queue_time) if w is not None]
+        return ticket.received + min(waits) if waits else None
+
+    def _shed_if_overloaded(
+        self, sched: Scheduler, prompt_len: int, deadline: float | None
+    ) -> None:
+        """Refuse at arrival, in milliseconds, what the queue cannot take or cannot serve in
+        time: too many requests or prompt tokens waiting, a predicted TTFT over
+        --max-predicted-ttft, or a predicted start after the request's deadline."""
+        if len(sched.waiting) >= self.config.max_queue:
+            raise Overloaded(f"{len(sched.waiting)} requests are waiting; try again later")
+        assert self.max_model_len is not None
+        queued = sched.queued_prompt_tokens()
+        if queued + prompt_len > max(self.config.max_queued_tokens, self.max_model_len):
+            raise Overloaded(f"{queued} prompt tokens are waiting; try again later")
+        target = self.config.max_predicted_ttft
+        if target is None and deadline is None:
+            return
+        ahead_ms = sched.predicted_prefill_ms()
+        if ahead_ms is None:
+            return  # no step measured yet: nothing to predict from
+        if target is not None:
+            ttft_ms = sched.predicted_prefill_ms(prompt_len) or 0.0
+            if ttft_ms > target * 1000:
+                raise Overloaded(
+                    f"its predicted time to first token, {ttft_ms / 1000:.1f} s, exceeds "
+                    f"the server's {target:g} s",
+                    retry_after=ttft_ms / 1000 - target,
+                )
+        now = trio.current_time()
+        if deadline is not None and now + ahead_ms / 1000 > deadline:
+            raise Overloaded(
+                f"it could start in {ahead_ms / 1000:.1f} s at the earliest, after its "
+                f"deadline ({deadline - now:.1f} s)",
+                retry_after=now + ahead_ms / 1000 - deadline,
+            )
+
+    def _expire_deadlines(self, now: float) -> None:
+        """Requests whose deadline passed before they started end now, exactly once."""
+        assert self._scheduler is not None
+        expired = [
+            r
+            for r in self._scheduler.waiting
+            if r.deadline is not None and r.deadline <= now and r.first_scheduled is None
+        ]
+        for request in expired:
+            waited = request.deadline - request.received
+            message = f"the request did not start within its {waited:g} s deadline"
+            self._finish(request, "error", "deadline_exceeded", error=message)
 
     def _limits(self) -> Limits:
         assert self.handshake is not None and self._scheduler is not None
@@ -339,6 +406,7 @@ class Engine:
         sched = self._scheduler
         assert sched is not None
         while True:
+            self._expire_deadlines(trio.current_time())
             try:
                 if not sched.has_work() or not await self._iterate(sched):
                     # nothing to do, or nothing could be scheduled: wait for a request or an abort
