@@ -96,7 +96,9 @@ def add_workload_args(parser: argparse.ArgumentParser, scenario: str | None) -> 
             group.add_argument(flag, **kwargs)
 
 
-def add_client_args(parser: argparse.ArgumentParser, *, single_url: bool = True) -> None:
+def add_client_args(
+    parser: argparse.ArgumentParser, *, single_url: bool = True, slo: bool = True
+) -> None:
     if single_url:
         parser.add_argument("--url", default=DEFAULT_URL, help="server base URL")
     parser.add_argument("--model", help="model name to request (default: the server's first)")
@@ -107,8 +109,11 @@ def add_client_args(parser: argparse.ArgumentParser, *, single_url: bool = True)
     )
     parser.add_argument("--seed", type=int, default=0, help="same seed, same workload")
     parser.add_argument("--out", type=Path, help="output directory (default artifacts/bench/...)")
-    parser.add_argument("--slo-ttft-ms", type=float, help="goodput: TTFT target")
-    parser.add_argument("--slo-itl-p99-ms", type=float, help="goodput: per-request p99 ITL target")
+    if slo:
+        parser.add_argument("--slo-ttft-ms", type=float, help="goodput: TTFT target")
+        parser.add_argument(
+            "--slo-itl-p99-ms", type=float, help="goodput: per-request p99 ITL target"
+        )
     parser.add_argument("--concurrency", type=int, help="at most this many requests in flight")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -122,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_workload_args(sub, name)
         add_client_args(sub)
     subs.add_parser("compare", help="one workload against several servers", add_help=False)
+    subs.add_parser("capacity", help="the highest rate meeting latency targets", add_help=False)
     subs.add_parser("engine", help="the engine alone on the real model, no HTTP", add_help=False)
     subs.add_parser("sampler", help="the sampler alone: cost per setting", add_help=False)
     return parser
@@ -188,18 +194,21 @@ def slo_from_args(args: argparse.Namespace) -> SLO:
     return SLO(ttft_ms=args.slo_ttft_ms, itl_p99_ms=args.slo_itl_p99_ms)
 
 
-async def execute(
-    url: str, label: str, specs: list[RequestSpec], args: argparse.Namespace
-) -> BenchRun:
-    model = args.model or await discover_model(url, args.api_key)
-    config = ClientConfig(
+def client_config(url: str, model: str, args: argparse.Namespace) -> ClientConfig:
+    return ClientConfig(
         base_url=url,
         model=model,
         api_key=args.api_key,
         timeout_s=args.timeout,
         concurrency=args.concurrency,
     )
-    result = await run_workload(config, specs)
+
+
+async def execute(
+    url: str, label: str, specs: list[RequestSpec], args: argparse.Namespace
+) -> BenchRun:
+    model = args.model or await discover_model(url, args.api_key)
+    result = await run_workload(client_config(url, model, args), specs)
     slo = slo_from_args(args)
     return BenchRun(
         label=label,
@@ -287,4 +296,3 @@ def main(argv: list[str] | None = None) -> int:
     print(write_run(run, args.scenario, args, out_dir))
     print(f"\nwrote {out_dir}/bench.json")
     return 0 if run.summary["succeeded"] else 1
-

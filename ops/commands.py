@@ -8,7 +8,7 @@ import sys
 
 
 def bench(argv: list[str] | None = None) -> int:
-    """`cadence bench SCENARIO | compare | engine | sampler | roofline | kv-accuracy ...`."""
+    """`cadence bench SCENARIO | compare | capacity | engine | sampler | roofline | kv-accuracy`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command, rest = (argv[0], argv[1:]) if argv else ("", argv)
     if command == "compare":
@@ -21,6 +21,8 @@ def bench(argv: list[str] | None = None) -> int:
         from ops.roofline import main
     elif command == "kv-accuracy":
         from ops.kv_accuracy import main
+    elif command == "capacity":
+        from ops.capacity import main
     else:
         from ops.bench import main
 

@@ -100,3 +100,46 @@ def write_bench_plots(records: Sequence[RequestRecord], out_dir: Path, label: st
         plot_itl_cdf({label: records}, out_dir / "itl_cdf.png"),
         plot_ttft_by_prompt_len(records, out_dir / "ttft_by_prompt_len.png"),
     ]
+
+
+LINE_STYLES = ("-", "--", ":", "-.")
+
+
+def plot_attainment(
+    curves: Mapping[str, Mapping[float, Mapping[float, float]]],
+    thresholds: Sequence[float],
+    path: Path,
+) -> Path:
+    """SLO attainment against request rate: a colour per sweep, a line style per ITL target.
+
+    `curves`: sweep name -> ITL target (ms) -> rate -> attainment (0..1).
+    """
+    fig = Figure(figsize=(8, 5))
+    ax = fig.add_subplot()
+    rates: set[float] = set()
+    for colour, (name, by_target) in enumerate(curves.items()):
+        for style, (target, points) in enumerate(sorted(by_target.items())):
+            xs = sorted(points)
+            rates.update(xs)
+            ax.plot(
+                xs,
+                [points[x] * 100 for x in xs],
+                color=f"C{colour % 10}",
+                ls=LINE_STYLES[style % len(LINE_STYLES)],
+                marker="o",
+                ms=4,
+                label=f"{name}, ITL p99 <= {target:g} ms",
+            )
+    for threshold in sorted(set(thresholds)):
+        ax.axhline(threshold * 100, color="grey", lw=1, label=f"{threshold:.0%} of requests")
+    ax.set_xscale("log")
+    ax.set_xticks(sorted(rates), [f"{r:g}" for r in sorted(rates)])
+    ax.minorticks_off()
+    ax.set_ylim(-2, 102)
+    label_axes(
+        ax,
+        "request rate (requests/s, log scale)",
+        "requests meeting TTFT and ITL targets (%)",
+        "SLO attainment by request rate",
+    )
+    return save(fig, path)

@@ -6,6 +6,7 @@ same seed gives the same workload against every server (what `bench compare` rel
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -13,6 +14,7 @@ from ops.client import RequestSpec
 from ops.prompts import PromptMaker
 
 SCENARIOS = ("throughput", "poisson", "interference", "tenants")
+CONTEXT_WINDOW = 8192  # the default model's; prompt + output must fit in it
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +26,55 @@ class LengthRange:
 
     def draw(self, rng: random.Random) -> int:
         return self.lo if self.lo == self.hi else rng.randint(self.lo, self.hi)
+
+
+@dataclass(frozen=True, slots=True)
+class LogNormal:
+    """A long-tailed token length: log-normal around `median`, clipped to `clip`."""
+
+    median: int
+    sigma: float
+    clip: LengthRange
+
+    def __post_init__(self) -> None:
+        if self.sigma < 0 or not self.clip.lo <= self.median <= self.clip.hi:
+            raise ValueError(
+                f"log-normal length needs sigma >= 0 and {self.clip.lo} <= median <= "
+                f"{self.clip.hi}, got median {self.median}, sigma {self.sigma:g}"
+            )
+
+    def draw(self, rng: random.Random) -> int:
+        value = round(rng.lognormvariate(math.log(self.median), self.sigma))
+        return min(self.clip.hi, max(self.clip.lo, value))
+
+
+@dataclass(frozen=True, slots=True)
+class MixedShape:
+    """What the `mixed` workload's requests look like, whatever their rate."""
+
+    prompt: LogNormal
+    output: LogNormal
+    doc_share: float  # share of requests that carry a long document instead of a chat turn
+    doc: LengthRange
+    context_window: int = CONTEXT_WINDOW
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.doc_share <= 1:
+            raise ValueError(f"document share {self.doc_share:g} is outside 0..1")
+        longest = max(self.prompt.clip.hi, self.doc.hi if self.doc_share else 0)
+        if longest + self.output.clip.hi > self.context_window:
+            raise ValueError(
+                f"a {longest}-token prompt plus {self.output.clip.hi} output tokens does not "
+                f"fit the {self.context_window}-token context window"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedRequest:
+    arrival_s: float
+    prompt_len: int
+    max_tokens: int
+    role: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,4 +211,33 @@ def tenants(
         factory.add(
             at, light_prompt.draw(rng), light_output.draw(rng), role="light", tenant="light"
         )
+    return factory.specs
+
+
+def mixed_plan(
+    rng: random.Random, rate: float, duration_s: float, shape: MixedShape
+) -> list[PlannedRequest]:
+    """Poisson arrivals of chat turns and documents, lengths only (no prompt text).
+
+    Lengths come from their own generator, seeded first, so request k has the same lengths
+    at every rate and only its arrival scales: the rates of a sweep differ by load alone.
+    """
+    lengths_rng = random.Random(rng.getrandbits(64))
+    plan = []
+    for at in poisson_arrivals(rng, rate, duration_s):
+        is_doc = lengths_rng.random() < shape.doc_share
+        prompt_len = shape.doc.draw(lengths_rng) if is_doc else shape.prompt.draw(lengths_rng)
+        max_tokens = shape.output.draw(lengths_rng)
+        plan.append(PlannedRequest(at, prompt_len, max_tokens, "document" if is_doc else "chat"))
+    return plan
+
+
+def mixed(
+    maker: PromptMaker, rng: random.Random, *, rate: float, duration_s: float, shape: MixedShape
+) -> list[RequestSpec]:
+    """Chat turns with long-tailed lengths and a share of long documents, Poisson arrivals."""
+    plan = mixed_plan(rng, rate, duration_s, shape)
+    factory = _SpecFactory(maker, rng, len(plan))
+    for planned in plan:
+        factory.add(planned.arrival_s, planned.prompt_len, planned.max_tokens, role=planned.role)
     return factory.specs

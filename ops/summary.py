@@ -73,6 +73,11 @@ def tpot(record: RequestRecord) -> float | None:
     return (record.chunk_times[-1] - record.chunk_times[0]) / (record.output_tokens - 1)
 
 
+def itl_p99(record: RequestRecord) -> float | None:
+    """The request's own p99 gap between token chunks (None with fewer than two chunks)."""
+    return percentile(gaps(record), 99)
+
+
 def meets_slo(record: RequestRecord, slo: SLO) -> bool:
     """Both targets at once, as goodput requires; an unset target is always met."""
     if not record.ok:
@@ -81,7 +86,7 @@ def meets_slo(record: RequestRecord, slo: SLO) -> bool:
     if slo.ttft_ms is not None and (first is None or first * 1000 > slo.ttft_ms):
         return False
     if slo.itl_p99_ms is not None:
-        own_p99 = percentile(gaps(record), 99)
+        own_p99 = itl_p99(record)
         if own_p99 is not None and own_p99 * 1000 > slo.itl_p99_ms:
             return False
     return True

@@ -30,10 +30,13 @@ class FakeServer:
     """Streams `max_tokens` chunks `token_gap_s` apart, like /v1/completions with stream=true.
 
     A prompt containing "FAIL" gets HTTP 500; one containing "CUT" has its stream cut after
-    two chunks. Records the bodies and headers it received, and accepts PUT /admin/policy.
+    two chunks. Beyond `max_streams` streams at once, a request gets HTTP 429. Records the
+    bodies and headers it received, and accepts PUT /admin/policy.
     """
 
     token_gap_s: float = 0.005
+    max_streams: int | None = None
+    open_streams: int = 0
     bodies: list[dict] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     policy_puts: list[tuple[dict, str | None]] = field(default_factory=list)  # (body, auth)
@@ -67,10 +70,18 @@ class FakeServer:
             if "FAIL" in request["prompt"]:
                 await _respond(stream, 500, "application/json", b'{"error": "boom"}')
                 return
-            await stream.send_all(
-                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
-            )
-            await self._stream_tokens(stream, request)
+            if self.max_streams is not None and self.open_streams >= self.max_streams:
+                await _respond(stream, 429, "application/json", b'{"error": "overloaded"}')
+                return
+            self.open_streams += 1
+            try:
+                await stream.send_all(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                    b"connection: close\r\n\r\n"
+                )
+                await self._stream_tokens(stream, request)
+            finally:
+                self.open_streams -= 1
 
     async def _stream_tokens(self, stream: trio.SocketStream, request: dict) -> None:
         count = request["max_tokens"]
