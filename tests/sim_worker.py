@@ -254,6 +254,7 @@ class RecordingObserver:
     finished: list[RequestStats] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     swaps: list[tuple[str, str, int]] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
 
     def on_request_received(self, request_id: str, tenant: str, prompt_tokens: int) -> None:
         self.received.append(request_id)
@@ -269,6 +270,9 @@ class RecordingObserver:
 
     def on_policy_swap(self, old: str, new: str, iteration: int) -> None:
         self.swaps.append((old, new, iteration))
+
+    def on_request_refused(self, reason: str) -> None:
+        self.refused.append(reason)
 
 
 @dataclass

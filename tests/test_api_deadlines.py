@@ -63,6 +63,13 @@ async def test_a_request_that_cannot_start_by_its_deadline_is_refused_and_stream
     result = busy["result"]
     assert result.error is None and result.done and result.finish_reason == "length"
     assert len(result.text) > 0
+    metrics = httpx.get(f"{cadence_server.url}/metrics", timeout=30).text
+    shed = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("cadence:request_refused_total{")
+    )
+    assert shed >= len(refusals)
 
 
 async def test_a_stream_with_a_deadline_it_meets_is_the_same_stream(

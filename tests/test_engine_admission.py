@@ -49,6 +49,7 @@ async def test_a_request_not_started_by_its_deadline_ends_once_and_never_runs(au
     assert "0.25 s deadline" in (out.finish.error or "")
     assert 0.25 <= waited <= 0.25 + 0.01  # ended at the first step boundary after it
     assert [s.request_id for s in observer.finished].count("late") == 1
+    assert observer.refused == ["deadline_exceeded"]
     late_seq = 1
     assert all(late_seq not in plan.seq_ids for plan in worker.plans)
     assert engine.state()["waiting"] == 0
@@ -89,7 +90,9 @@ async def test_the_servers_max_queue_time_bounds_every_request_and_the_tighter_o
 async def test_the_queue_is_bounded_by_waiting_prompt_tokens(autojump_clock):
     worker = SimWorker(max_model_len=512)
     config = sim_config(max_num_seqs=1, max_queued_tokens=600)
+    observer = RecordingObserver()
     async with running_engine(config, worker) as engine:
+        engine.add_observer(observer)
         async with trio.open_nursery() as nursery:
             await occupy(engine, nursery, 100)
             accepted = []
@@ -101,6 +104,7 @@ async def test_the_queue_is_bounded_by_waiting_prompt_tokens(autojump_clock):
             with pytest.raises(Overloaded, match="600 prompt tokens are waiting"):
                 await engine.submit([7] * 10, greedy(2), request_id="over")
             assert engine.state()["waiting"] == 3  # nothing queued by the refusal
+            assert observer.refused == ["queued_tokens"]
         after = await engine.submit([7] * 200, greedy(2), request_id="after")
         out = await collect(after)
     assert out.finish is not None and out.finish.reason == "length"

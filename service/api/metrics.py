@@ -77,6 +77,9 @@ _DEFINITIONS = [
      "Scheduling policy hot swaps."),
     ("received", "counter", "request_received_total",
      "Requests accepted by the engine."),
+    ("refused", "counter", "request_refused_total",
+     "Load shed: refused at arrival (queue full, queued tokens, predicted TTFT, deadline) "
+     "or not started by its deadline."),
     ("finished", "counter", "request_success_total",
      "Finished requests by finish reason."),
     ("policy", "gauge", "policy_info",
@@ -86,6 +89,7 @@ _DEFINITIONS = [
 ]
 _LABELS = {
     "finished": ("finished_reason",),
+    "refused": ("reason",),
     "policy": ("policy",),
     "cache_config": ("block_size", "num_gpu_blocks", "cache_dtype"),
 }
@@ -161,6 +165,9 @@ class Metrics:
 
     def on_preemption(self, request_id: str) -> None:
         self.preemptions.inc()
+
+    def on_request_refused(self, reason: str) -> None:
+        self.refused.labels(reason=reason).inc()
 
     def on_policy_swap(self, old: str, new: str, iteration: int) -> None:
         self.policy_swaps.inc()

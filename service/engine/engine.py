@@ -59,8 +59,9 @@ class Overloaded(Exception):
     """The queue is full, or the request could not start or answer in time: nothing was
     queued; the caller should retry after `retry_after` seconds (HTTP 429)."""
 
-    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+    def __init__(self, message: str, reason: str, retry_after: float = 1.0) -> None:
         super().__init__(message)
+        self.reason = reason  # queue_full | queued_tokens | predicted_ttft | deadline
         self.retry_after = retry_after
 
 
@@ -195,7 +196,8 @@ class Engine:
         try:
             self._admit_send.send_nowait(ticket)
         except trio.WouldBlock:
-            raise Overloaded("the admission queue is full; try again later") from None
+            self._report_refused(request_id, "queue_full")
+            raise Overloaded("the admission queue is full; try again later", "queue_full") from None
         try:
             await ticket.done.wait()
         except BaseException:
@@ -290,7 +292,10 @@ class Engine:
             if not ticket.withdrawn:
                 try:
                     ticket.channel = self._admit(ticket)
-                except (InvalidRequest, Overloaded, EngineUnavailable) as exc:
+                except Overloaded as exc:
+                    self._report_refused(ticket.request_id, exc.reason)
+                    ticket.error = exc
+                except (InvalidRequest, EngineUnavailable) as exc:
                     ticket.error = exc
             ticket.done.set()
 
@@ -342,11 +347,15 @@ class Engine:
         time: too many requests or prompt tokens waiting, a predicted TTFT over
         --max-predicted-ttft, or a predicted start after the request's deadline."""
         if len(sched.waiting) >= self.config.max_queue:
-            raise Overloaded(f"{len(sched.waiting)} requests are waiting; try again later")
+            raise Overloaded(
+                f"{len(sched.waiting)} requests are waiting; try again later", "queue_full"
+            )
         assert self.max_model_len is not None
         queued = sched.queued_prompt_tokens()
         if queued + prompt_len > max(self.config.max_queued_tokens, self.max_model_len):
-            raise Overloaded(f"{queued} prompt tokens are waiting; try again later")
+            raise Overloaded(
+                f"{queued} prompt tokens are waiting; try again later", "queued_tokens"
+            )
         target = self.config.max_predicted_ttft
         if target is None and deadline is None:
             return
@@ -359,6 +368,7 @@ class Engine:
                 raise Overloaded(
                     f"its predicted time to first token, {ttft_ms / 1000:.1f} s, exceeds "
                     f"the server's {target:g} s",
+                    "predicted_ttft",
                     retry_after=ttft_ms / 1000 - target,
                 )
         now = trio.current_time()
@@ -366,6 +376,7 @@ class Engine:
             raise Overloaded(
                 f"it could start in {ahead_ms / 1000:.1f} s at the earliest, after its "
                 f"deadline ({deadline - now:.1f} s)",
+                "deadline",
                 retry_after=now + ahead_ms / 1000 - deadline,
             )
 
@@ -380,6 +391,7 @@ class Engine:
         for request in expired:
             waited = request.deadline - request.received
             message = f"the request did not start within its {waited:g} s deadline"
+            self._report_refused(request.request_id, "deadline_exceeded")
             self._finish(request, "error", "deadline_exceeded", error=message)
 
     def _limits(self) -> Limits:
@@ -617,6 +629,12 @@ class Engine:
         )
         for observer in self._observers:
             observer.on_request_received(request.request_id, request.tenant, request.prompt_len)
+
+    def _report_refused(self, request_id: str, reason: str) -> None:
+        """Load shed: refused at arrival, or its deadline passed before it started."""
+        log.info("request.refused", request_id=request_id, reason=reason)
+        for observer in self._observers:
+            observer.on_request_refused(reason)
 
     def _report_iteration(
         self, sched: Scheduler, out: ScheduleOutput, result: StepResult, schedule_ms: float
