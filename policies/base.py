@@ -58,11 +58,13 @@ def attention_pairs(start: int, tokens: int) -> int:
 @dataclass(frozen=True, slots=True)
 class StepCost:
     """The engine's model of a step's worker time, fitted to the steps it measured:
-    base_ms + ms_per_token * tokens + ms_per_pair * attention pairs."""
+    base_ms + ms_per_token * tokens + ms_per_pair * a chunk's attention pairs
+    + ms_per_context * the cached tokens each decode reads."""
 
     base_ms: float
     ms_per_token: float
     ms_per_pair: float
+    ms_per_context: float = 0.0
 
     def chunk_ms(self, start: int, tokens: int) -> float:
         """What a chunk adds to a step: its tokens and its attention at its position."""
@@ -70,7 +72,8 @@ class StepCost:
 
     def decode_ms(self, seqs: tuple[SeqView, ...] | list[SeqView]) -> float:
         """A step of these decodes alone, base included."""
-        return self.base_ms + sum(self.chunk_ms(s.num_computed_tokens, 1) for s in seqs)
+        context = sum(s.num_computed_tokens for s in seqs)
+        return self.base_ms + self.ms_per_token * len(seqs) + self.ms_per_context * context
 
     def largest_chunk(self, start: int, max_ms: float, limit: int) -> int:
         """The most tokens (<= limit) a chunk at `start` may have to add at most `max_ms`;

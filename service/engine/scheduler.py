@@ -168,7 +168,8 @@ class Scheduler:
         work_ms = cost.chunk_ms(0, new_prompt) if new_prompt else 0.0
         work_ms += sum(cost.chunk_ms(r.num_computed_tokens, r.remaining) for r in prefills)
         tokens = new_prompt + sum(r.remaining for r in prefills)
-        step_ms = cost.base_ms + sum(cost.chunk_ms(r.num_computed_tokens, 1) for r in decoding)
+        context = sum(r.num_computed_tokens for r in decoding)
+        step_ms = cost.base_ms + cost.ms_per_token * len(decoding) + cost.ms_per_context * context
         steps = -(-tokens // max(1, self.max_batched_tokens - len(decoding)))
         return work_ms + steps * step_ms
 

@@ -1,15 +1,18 @@
 """What a step costs: a model of the worker's step time, fitted online to the measured steps.
 
-    step_ms ~= base_ms + ms_per_token * tokens + ms_per_pair * attention pairs
+    step_ms ~= base_ms + ms_per_token * tokens
+               + ms_per_pair * prefill attention pairs + ms_per_context * decode context
 
-A step's tokens pay for the matmuls (weights read once per step, then per-token work); its
-attention pairs (each query token times the keys it attends to) pay for attention, which is
-what makes a 512-token chunk deep in a long prompt cost several times one at its start.
+A step's tokens pay for the matmuls (weights read once per step, then per-token work). Its
+prefill attention pairs (each query token of a chunk times the keys it attends to) are what
+make a 512-token chunk deep in a long prompt cost several times one at its start. Decode
+attention is priced apart, per cached token a decoding sequence reads: it streams the KV
+cache from memory, several times dearer per pair than a chunk's compute-bound attention.
 The fit is least squares over the steps seen, weighted so that older steps fade (the
-machine's speed drifts with its load), with every coefficient kept non-negative: the
-subset of terms with the smallest error among the non-negative solutions wins. Policies
-get the coefficients as a `policies.base.StepCost` in their view; admission uses them to
-predict how long a queue takes to prefill.
+machine's speed drifts with its load), with every coefficient kept non-negative: every term
+if their fit is, else the best non-negative fit of fewer terms. Policies get the
+coefficients as a `policies.base.StepCost` in their view; admission uses them to predict
+how long a queue takes to prefill.
 """
 
 from __future__ import annotations
@@ -24,25 +27,29 @@ from policies.base import StepCost, attention_pairs
 _FORGET = 0.995
 # The least steps before the fit is trusted.
 _MIN_STEPS = 8
-# Terms are scaled to comparable magnitudes (ms per 100 tokens, per 100k pairs), so
-# the normal equations stay well conditioned from decode-only to 4k-deep prefill steps.
-_SCALE = np.array([1.0, 1e-2, 1e-5])
+# Terms are scaled to comparable magnitudes (per 100 tokens, 100k pairs, 10k context
+# tokens), so the normal equations stay well conditioned from decode-only steps to 4k-deep
+# prefill chunks.
+_SCALE = np.array([1.0, 1e-2, 1e-5, 1e-4])
+_TERMS = len(_SCALE)
+_RIDGE = 1e-6  # relative to the data's own scale: negligible wherever the data decides
 
 
 class StepCostModel:
     def __init__(self) -> None:
-        self._xtx = np.zeros((3, 3))
-        self._xty = np.zeros(3)
+        self._xtx = np.zeros((_TERMS, _TERMS))
+        self._xty = np.zeros(_TERMS)
         self._yty = 0.0
         self._steps = 0
         self._estimate: StepCost | None = None
         self._stale = False
 
-    def observe(self, tokens: int, pairs: int, step_ms: float) -> None:
-        """One measured step: `tokens` computed, `pairs` attention pairs, `step_ms` taken."""
+    def observe(self, tokens: int, pairs: int, context: int, step_ms: float) -> None:
+        """One measured step: `tokens` computed, `pairs` prefill attention pairs, `context`
+        cached tokens its decodes read, `step_ms` taken."""
         if step_ms <= 0 or tokens < 1:
             return
-        x = np.array([1.0, tokens, pairs]) * _SCALE
+        x = np.array([1.0, tokens, pairs, context]) * _SCALE
         self._xtx = _FORGET * self._xtx + np.outer(x, x)
         self._xty = _FORGET * self._xty + x * step_ms
         self._yty = _FORGET * self._yty + step_ms * step_ms
@@ -50,8 +57,10 @@ class StepCostModel:
         self._stale = True
 
     def observe_plan(self, num_tokens: list[int], start_pos: list[int], step_ms: float) -> None:
-        pairs = sum(attention_pairs(s, n) for s, n in zip(start_pos, num_tokens, strict=True))
-        self.observe(sum(num_tokens), pairs, step_ms)
+        rows = list(zip(start_pos, num_tokens, strict=True))
+        pairs = sum(attention_pairs(start, n) for start, n in rows if n > 1)
+        context = sum(start for start, n in rows if n == 1)
+        self.observe(sum(num_tokens), pairs, context, step_ms)
 
     def estimate(self) -> StepCost | None:
         """The fitted coefficients, or None before enough steps were measured."""
@@ -66,28 +75,34 @@ class StepCostModel:
         fits = []
         for terms in _TERM_SUBSETS:
             coef = self._solve(terms)
-            if coef is not None and (coef >= 0).all():
-                if len(terms) == 3:
+            if (coef >= 0).all():
+                if len(terms) == _TERMS:
                     return _cost(coef)
                 fits.append((self._residual(coef), coef))
         return _cost(min(fits, key=lambda fit: fit[0])[1]) if fits else None
 
-    def _solve(self, terms: tuple[int, ...]) -> np.ndarray | None:
+    def _solve(self, terms: tuple[int, ...]) -> np.ndarray:
+        """Least squares over `terms`, with a slight ridge: where the steps cannot tell
+        terms apart (every decode step alike, no chunk seen yet) it shares the cost between
+        them, instead of failing or swinging to huge opposite-signed values."""
         index = np.array(terms)
         a = self._xtx[np.ix_(index, index)]
-        if np.linalg.matrix_rank(a, tol=1e-9 * max(1.0, float(np.abs(a).max()))) < len(terms):
-            return None  # these steps cannot tell the terms apart (e.g. all the same size)
-        coef = np.zeros(3)
-        coef[index] = np.linalg.solve(a, self._xty[index])
+        ridge = _RIDGE * max(float(np.trace(self._xtx)), 1e-12) / _TERMS
+        coef = np.zeros(_TERMS)
+        coef[index] = np.linalg.solve(a + ridge * np.eye(len(terms)), self._xty[index])
         return coef
 
     def _residual(self, coef: np.ndarray) -> float:
         return float(self._yty - 2 * coef @ self._xty + coef @ self._xtx @ coef)
 
 
-_TERM_SUBSETS = [terms for size in (3, 2, 1) for terms in itertools.combinations(range(3), size)]
+_TERM_SUBSETS = [
+    terms for size in range(_TERMS, 0, -1) for terms in itertools.combinations(range(_TERMS), size)
+]
 
 
 def _cost(coef: np.ndarray) -> StepCost:
-    base, per_token, per_pair = (coef * _SCALE).tolist()
-    return StepCost(base_ms=base, ms_per_token=per_token, ms_per_pair=per_pair)
+    base, per_token, per_pair, per_context = (coef * _SCALE).tolist()
+    return StepCost(
+        base_ms=base, ms_per_token=per_token, ms_per_pair=per_pair, ms_per_context=per_context
+    )
