@@ -109,6 +109,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "queue ahead and the measured step costs, exceeds this many seconds (default: off)",
     )
     p.add_argument(
+        "--admission-watermark",
+        type=fraction,
+        default=defaults.admission_watermark,
+        help="after a preemption, admit nobody until this fraction of the KV blocks is free "
+        "and unpromised again (hysteresis; keep it above the 0.01 admission watermark)",
+    )
+    p.add_argument(
+        "--max-preemptions",
+        type=non_negative_int,
+        default=defaults.max_preemptions,
+        help="a request preempted this many times is never preempted again (0: never preempt)",
+    )
+    p.add_argument(
         "--max-model-len",
         type=positive_int,
         default=None,
@@ -218,6 +231,13 @@ def non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 0 and < 1, got {value}")
     return value
 
 

@@ -46,6 +46,9 @@ class Config:
     max_predicted_ttft: float | None = None
     max_model_len: int | None = None  # None: the model's own context window
     watermark: float = 0.01  # fraction of KV blocks kept free when admitting
+    # after a preemption, admission waits until this fraction of the blocks is free again
+    admission_watermark: float = 0.05
+    max_preemptions: int = 3  # a request preempted this many times is never a victim again
     # HTTP
     host: str = "127.0.0.1"
     port: int = 8000

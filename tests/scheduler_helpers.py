@@ -64,6 +64,9 @@ def make_scheduler(
     max_tokens: int = 32,
     max_seqs: int = 4,
     watermark: float = 0.0,
+    *,
+    admission_watermark: float = 0.0,
+    max_preemptions: int = 3,
 ) -> tuple[Scheduler, Scripted]:
     policy = Scripted()
     sched = Scheduler(
@@ -72,6 +75,8 @@ def make_scheduler(
         max_batched_tokens=max_tokens,
         max_num_seqs=max_seqs,
         eos_token_ids=[EOS],
+        max_preemptions=max_preemptions,
+        admission_watermark=admission_watermark,
     )
     return sched, policy
 

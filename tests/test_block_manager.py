@@ -47,8 +47,8 @@ def test_watermark_applies_to_admission_only():
     bm = BlockManager(num_blocks=100, block_size=16, watermark=0.1)
     assert bm.watermark_blocks == 10
     bm.allocate(1, 16 * 85)
-    assert not bm.can_admit(16 * 6)  # would leave 9 < 10 free
-    assert bm.can_admit(16 * 5)
+    assert bm.admission_shortfall(16 * 6) == 1  # would leave 9 < 10 free
+    assert bm.admission_shortfall(16 * 5) == 0
     assert bm.can_grow(1, 16 * 95)  # a running sequence may use the reserve
 
 
@@ -63,3 +63,21 @@ def test_invariant_check_catches_corruption():
     bm._free.append(bm._tables[1][0])  # free and owned at once
     with pytest.raises(BlockAccountingError):
         bm.check_invariants()
+
+
+def test_a_promise_holds_back_admission_until_its_blocks_are_allocated_or_freed():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    bm.allocate(1, 4)
+    bm.promise(1, 24)  # 6 blocks in all: 5 still owed
+    assert (bm.num_free, bm.num_promised, bm.num_available) == (9, 5, 4)
+    assert bm.admission_shortfall(24) == 2 and bm.admission_shortfall(16) == 0
+    assert bm.can_grow(2, 36)  # growth may take promised blocks
+    bm.allocate(1, 12)  # a chunk keeps part of the promise: admission sees no change
+    assert (bm.num_free, bm.num_promised, bm.num_available) == (7, 3, 4)
+    assert bm.num_claimed(1) == 6
+    bm.allocate(1, 28)  # past the promise: it is met and gone
+    assert bm.num_promised == 0 and bm.num_promised_to(1) == 0
+    bm.check_invariants()
+    bm.promise(2, 8)
+    assert bm.free(2) == 0 and bm.num_promised == 0  # freeing drops a promise too
+    bm.check_invariants()

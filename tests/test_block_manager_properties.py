@@ -2,8 +2,10 @@
 
 tests/test_block_manager.py walks through the rules once each. Here hypothesis drives the
 BlockManager with arbitrary interleavings of growth, over-asks and frees over several
-sequences, and compares it after every operation with the obvious model (a sequence of n
-tokens holds ceil(n / block_size) blocks; free = total - held). The examples below pin the
+sequences, and promises of blocks to come, and compares it after every operation with the
+obvious model (a sequence of n tokens holds ceil(n / block_size) blocks; free = total -
+held; a promise of n tokens is owed ceil(n / block_size) - held until it is met or the
+sequence is freed; admission sees free - owed). The examples below pin the
 admission watermark at its boundaries and what `check_invariants` reports for each kind
 of corruption it exists to catch.
 """
@@ -25,6 +27,7 @@ operations = st.lists(
     st.one_of(
         st.tuples(st.just("allocate"), st.integers(0, 4), st.integers(0, 80)),
         st.tuples(st.just("free"), st.integers(0, 4), st.just(0)),
+        st.tuples(st.just("promise"), st.integers(0, 4), st.integers(0, 80)),
     ),
     max_size=40,
 )
@@ -43,15 +46,20 @@ def test_random_allocations_and_frees_match_the_model(
     bm = BlockManager(num_blocks, block_size, watermark)
     assert bm.watermark_blocks == int(watermark * num_blocks)
     held: dict[int, int] = {}  # seq_id -> blocks held, the model
+    promised: dict[int, int] = {}  # seq_id -> table length promised
+
+    def owed(s: int) -> int:
+        return max(0, promised.get(s, 0) - held.get(s, 0))
+
     for op, seq_id, tokens in ops:
         free_before = bm.num_free
+        available = free_before - sum(owed(s) for s in promised)
         if op == "allocate":
             needed = max(0, blocks_for(tokens, block_size) - held.get(seq_id, 0))
             assert bm.extra_blocks(seq_id, tokens) == needed
-            assert bm.can_grow(seq_id, tokens) == (needed <= free_before)
-            assert bm.can_admit(tokens) == (
-                blocks_for(tokens, block_size) <= free_before - bm.watermark_blocks
-            )
+            assert bm.can_grow(seq_id, tokens) == (needed <= free_before)  # promises or not
+            shortfall = blocks_for(tokens, block_size) - (available - bm.watermark_blocks)
+            assert bm.admission_shortfall(tokens) == shortfall
             old_table = list(bm.table(seq_id))
             if needed > free_before:
                 with pytest.raises(OutOfBlocks):
@@ -64,21 +72,29 @@ def test_random_allocations_and_frees_match_the_model(
                 table = bm.table(seq_id)
                 assert table[: len(old_table)] == old_table  # growth only appends
                 assert bm.num_free == free_before - needed
+        elif op == "promise":
+            bm.promise(seq_id, tokens)
+            promised[seq_id] = blocks_for(tokens, block_size)
         else:
             dropped = bm.free(seq_id)
+            promised.pop(seq_id, None)
             assert dropped == held.pop(seq_id, 0)
             assert bm.table(seq_id) == [] and bm.num_held(seq_id) == 0
             assert bm.num_free == free_before + dropped
         for s in range(5):
             assert bm.num_held(s) == held.get(s, 0) == len(bm.table(s))
+            assert bm.num_promised_to(s) == owed(s)
+            assert bm.num_claimed(s) == held.get(s, 0) + owed(s)
+        assert bm.num_promised == sum(owed(s) for s in promised)
+        assert bm.num_available == bm.num_free - bm.num_promised
         assert bm.num_used == sum(held.values()) == num_blocks - bm.num_free
         owned = [b for s in held for b in bm.table(s)]
         assert len(owned) == len(set(owned))
         assert all(0 <= b < num_blocks for b in owned)
         bm.check_invariants()
-    for s in list(held):
+    for s in range(5):
         bm.free(s)
-    assert bm.num_free == num_blocks and bm.num_used == 0
+    assert bm.num_free == num_blocks and bm.num_used == 0 and bm.num_promised == 0
     bm.check_invariants()
 
 
@@ -91,7 +107,7 @@ def test_a_manager_needs_at_least_one_block_of_at_least_one_token(num_blocks: in
 def test_without_a_watermark_admission_may_use_every_free_block():
     bm = BlockManager(4, 4)
     assert bm.watermark_blocks == 0
-    assert bm.can_admit(16) and not bm.can_admit(17)
+    assert bm.admission_shortfall(16) == 0 and bm.admission_shortfall(17) == 1
 
 
 def test_the_smallest_manager_works():
@@ -157,7 +173,7 @@ def test_admission_keeps_the_watermark_free(used: int, asked: int, admitted: boo
     bm = BlockManager(10, 1, watermark=0.2)
     if used:
         bm.allocate(99, used)
-    assert bm.can_admit(asked) is admitted
+    assert (bm.admission_shortfall(asked) <= 0) is admitted
     # a running sequence may grow into the reserve
     assert bm.can_grow(99, used + bm.num_free)
     assert not bm.can_grow(99, used + bm.num_free + 1)
@@ -198,6 +214,10 @@ def corrupted(kind: str) -> BlockManager:
         bm._free.pop()
     elif kind == "stray free block":
         bm._free.append(4)
+    elif kind == "met promise kept":
+        bm._promised[1] = 1
+    elif kind == "promised count drifted":
+        bm._num_promised += 1
     return bm
 
 
@@ -214,6 +234,8 @@ def corrupted(kind: str) -> BlockManager:
         ("free and owned", "both free and owned, or neither"),
         ("lost block", "both free and owned, or neither"),
         ("stray free block", r"^free 3 \+ owned 2 != total 4$"),
+        ("met promise kept", r"^sequence 1: a met promise is still counted$"),
+        ("promised count drifted", r"^promised 1 but 0 blocks owed$"),
     ],
 )
 def test_check_invariants_reports_each_kind_of_corruption(kind: str, message: str):

@@ -15,7 +15,8 @@ import pytest
 import structlog
 import trio
 
-from service.cli import parse_key_value
+from service.cli import build_parser, config_from_args, parse_key_value
+from service.config import Config
 from service.logging import configure_logging
 from tests.server_fixtures import REPO_ROOT, start_server, stop_server, stream_completion
 
@@ -61,6 +62,24 @@ def test_policy_params_parse_as_json_when_they_can() -> None:
     assert parse_key_value("name=plain") == ("name", "plain")
     with pytest.raises(argparse.ArgumentTypeError):
         parse_key_value("=3")
+
+
+def test_preemption_flags_map_onto_the_config(capsys) -> None:
+    parser = build_parser()
+    given = ["serve", "--admission-watermark", "0.2", "--max-preemptions", "0"]
+    config = config_from_args(parser.parse_args(given))
+    assert (config.admission_watermark, config.max_preemptions) == (0.2, 0)
+    default = config_from_args(parser.parse_args(["serve"]))
+    assert (default.admission_watermark, default.max_preemptions) == (0.05, 3)
+    assert Config().admission_watermark > Config().watermark  # hysteresis needs a gap
+    for bad, message in [
+        (["--admission-watermark", "1"], "must be >= 0 and < 1"),
+        (["--admission-watermark", "nan"], "must be >= 0 and < 1"),
+        (["--max-preemptions", "-1"], "must be >= 0"),
+    ]:
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", *bad])
+        assert message in capsys.readouterr().err
 
 
 def test_log_lines_are_json_with_ts_level_event_first(tmp_path: Path) -> None:

@@ -269,6 +269,8 @@ async def test_state_reports_the_engine(autojump_clock):
     assert state["worker_ready"] is True
     assert state["policy"]["name"] == "stall_free"
     assert state["kv_blocks_total"] == 512 and state["max_model_len"] == 8192
+    assert (state["admission_paused"], state["kv_blocks_promised"]) == (False, 0)
+    assert state["corrections"] == {}
 
 
 async def test_preemption_by_recompute_keeps_outputs(autojump_clock):

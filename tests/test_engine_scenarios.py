@@ -1,13 +1,24 @@
-"""The seeds' two scenarios on the simulated worker: interference and membership."""
+"""Scenarios on the simulated worker: the seeds' two (interference and membership) and a
+preemption storm."""
 
 from __future__ import annotations
+
+import collections
+import random
 
 import pytest
 import trio
 
 from policies.base import attention_pairs
 from service.engine.request import SamplingParams, SamplingSpec
-from tests.sim_worker import SimWorker, collect, running_engine, sim_config
+from tests.sim_worker import (
+    RecordingObserver,
+    SimWorker,
+    collect,
+    expected_tokens,
+    running_engine,
+    sim_config,
+)
 
 GREEDY = SamplingSpec(temperature=0.0)
 
@@ -119,3 +130,50 @@ async def test_slo_keeps_decode_gaps_under_its_target(autojump_clock):
     assert gap <= 0.040
     # and it is not timid: the prompt moves in chunks far above the minimum
     assert ttft < 4096 / 16 * 0.0075
+
+
+async def burst_preemptions(**guards: float) -> tuple[collections.Counter[str], list[dict]]:
+    """48 short prompts with long answers at once into 64 blocks of 16 tokens: the answers
+    cannot all fit, so running sequences must preempt one another. Returns the
+    preemptions of each request and the engine's state every 50 ms; every answer is
+    checked token by token."""
+    rng = random.Random(0)
+    observer = RecordingObserver()
+    states: list[dict] = []
+    config = sim_config(max_queue=64, **guards)
+    async with running_engine(config, SimWorker(num_blocks=64)) as engine:
+        engine.add_observer(observer)
+        requests = []
+        for i in range(48):
+            prompt = [rng.randrange(1, 250) for _ in range(rng.randint(8, 64))]
+            params = SamplingParams(max_tokens=rng.randint(100, 400), sampling=GREEDY)
+            channel = await engine.submit(prompt, params, request_id=f"r{i}")
+            requests.append((prompt, params.max_tokens, channel))
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                while True:
+                    states.append(engine.state())
+                    await trio.sleep(0.05)
+
+            nursery.start_soon(watch)
+            for prompt, max_tokens, channel in requests:
+                assert (await collect(channel)).token_ids == expected_tokens(prompt, max_tokens)
+            nursery.cancel_scope.cancel()
+    return collections.Counter(observer.preempted), states
+
+
+async def test_a_burst_on_a_tight_cache_preempts_no_request_beyond_the_cap(autojump_clock):
+    storm, _ = await burst_preemptions(max_preemptions=1000, admission_watermark=0.0)
+    capped, states = await burst_preemptions()  # the defaults: 3 at most, a 5 % watermark
+    print(
+        f"preemptions, unguarded: {storm.total()} (at most {max(storm.values())} for one); "
+        f"guarded: {capped.total()} (at most {max(capped.values())})"
+    )
+    assert max(storm.values()) > 3  # without the guards the same requests go again and again
+    assert max(capped.values()) <= 3
+    assert capped.total() <= storm.total() / 2
+    # what an operator sees meanwhile in /admin/state
+    assert any(s["admission_paused"] for s in states)
+    assert any(s["kv_blocks_promised"] for s in states)
+    assert max(s["corrections"].get("admission_paused", 0) for s in states) > 0

@@ -22,6 +22,7 @@ REQUIRED = [
     "cadence:prompt_tokens",
     "cadence:generation_tokens",
     "cadence:num_preemptions",
+    "cadence:request_preemptions",
     "cadence:policy_swaps",
     "cadence:iteration_tokens",
     "cadence:request_success",
@@ -65,6 +66,8 @@ def test_metrics_parse_and_move_with_requests(cadence_server: RunningServer) -> 
     assert delta("cadence:request_success_total", (("finished_reason", "length"),)) == 1
     assert delta("cadence:time_to_first_token_seconds_count") == 1
     assert delta("cadence:e2e_request_latency_seconds_count") == 1
+    assert delta("cadence:request_preemptions_count") == 1
+    assert delta("cadence:request_preemptions_bucket", (("le", "0.0"),)) == 1  # never preempted
     assert delta("cadence:inter_token_latency_seconds_count") == 6
     assert delta("cadence:iteration_tokens_count") >= 7
     buckets = [
@@ -76,7 +79,9 @@ def test_metrics_parse_and_move_with_requests(cadence_server: RunningServer) -> 
     ]
     assert "0.001" in buckets and any(float(b) >= 60 for b in buckets if b != "+Inf")
     assert after[("cadence:kv_cache_usage_perc", ())] == 0.0  # idle again
-    state = cadence_server.admin_state()["kv_cache"]
+    idle = cadence_server.admin_state()
+    assert (idle["admission_paused"], idle["kv_blocks_promised"]) == (False, 0)
+    state = idle["kv_cache"]
     config = [labels for (name, labels) in after if name == "cadence:cache_config_info"]
     assert config == [
         (

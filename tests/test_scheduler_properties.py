@@ -140,7 +140,7 @@ def check_membership(sched: Scheduler, live: dict[int, Request]) -> None:
         assert r.num_computed_tokens <= r.num_tokens
         blocks = -(-r.num_computed_tokens // sched.blocks.block_size)
         assert sched.blocks.num_held(r.seq_id) == blocks
-    sched.blocks.check_invariants()
+    sched.check_invariants()  # the blocks', the promises', the cap's
     assert sched.has_work() == bool(live)
 
 
@@ -152,6 +152,8 @@ def check_membership(sched: Scheduler, live: dict[int, Request]) -> None:
     max_tokens=st.integers(1, 40),
     max_seqs=st.integers(1, 5),
     watermark=st.sampled_from([0.0, 0.0, 0.1, 0.25]),
+    admission_watermark=st.sampled_from([0.0, 0.3]),
+    max_preemptions=st.integers(0, 3),
     steps=st.integers(1, 25),
 )
 def test_every_step_keeps_the_core_promises_whatever_the_policy_decides(
@@ -161,9 +163,19 @@ def test_every_step_keeps_the_core_promises_whatever_the_policy_decides(
     max_tokens: int,
     max_seqs: int,
     watermark: float,
+    admission_watermark: float,
+    max_preemptions: int,
     steps: int,
 ):
-    sched, policy = make_scheduler(num_blocks, block_size, max_tokens, max_seqs, watermark)
+    sched, policy = make_scheduler(
+        num_blocks,
+        block_size,
+        max_tokens,
+        max_seqs,
+        watermark,
+        admission_watermark=admission_watermark,
+        max_preemptions=max_preemptions,
+    )
     capacity = (num_blocks - sched.blocks.watermark_blocks) * block_size
     live: dict[int, Request] = {}
     next_id = 0
@@ -199,7 +211,7 @@ def test_every_step_keeps_the_core_promises_whatever_the_policy_decides(
         assert out.iteration == view.iteration == iteration
         check_step(sched, out, before, block_size)
         check_preempted(sched, out, before)
-        if had_work and not out.preempted:
+        if had_work:  # a preemption is made only for a sequence that then runs
             assert out.plan is not None, "work was pending but nothing ran"
         # a request aborted while the step runs (the engine removes it at once)
         if out.scheduled and data.draw(st.integers(0, 9), label="abort") == 0:
@@ -415,8 +427,8 @@ def test_a_waiting_sequence_one_block_over_the_watermark_waits():
     assert b.status is Status.WAITING and (1, 13) not in scheduled(out)
     assert sched.corrections["admission_deferred"] >= 1
     assert scheduled(out) == [(0, 1)]  # the fallback ran a: 6 blocks, 2 above the watermark
-    out = step(sched, Decision(schedule=[(1, 8)]))  # a chunk that fits is admitted
-    assert scheduled(out) == [(1, 8)]
+    out = step(sched, Decision(schedule=[(1, 8)]))  # its first chunk fits, its prompt does not
+    assert b.status is Status.WAITING and scheduled(out) == [(0, 1)]
 
 
 def test_policy_victims_make_room_for_a_newcomer_in_the_order_named():
@@ -482,7 +494,7 @@ def test_a_running_sequence_with_no_one_to_preempt_is_skipped():
     assert sched.corrections["no_blocks"] >= 1 and a.status is Status.RUNNING
 
 
-def test_the_default_victim_is_the_most_recently_admitted_other_sequence():
+def test_of_equal_progress_the_default_victim_is_the_most_recently_admitted_other_one():
     sched, _ = make_scheduler(num_blocks=3, block_size=4, max_tokens=64)
     reqs = [make_request(i, 4) for i in range(3)]
     for r in reqs:
@@ -502,8 +514,8 @@ def test_a_scheduled_sequence_is_never_the_default_victim():
         sched.add(r)
     step(sched, Decision(schedule=[(0, 4), (1, 4), (2, 4)]))  # one full block each
     out = step(sched, Decision(schedule=[(2, 1), (0, 1)]))
-    # 2 grows by preempting 1 (the most recent other); then 0 would need a block, but the
-    # only other running sequence, 2, is already in this step
+    # 2 grows by preempting 1 (equal progress: the most recent other); then 0 would need a
+    # block, but the only other running sequence, 2, is already in this step
     assert [r.seq_id for r in out.preempted] == [1]
     assert scheduled(out) == [(2, 1)]
     assert sched.corrections["no_blocks"] == 1
@@ -599,15 +611,20 @@ def test_an_entry_refused_after_a_preemption_does_not_end_the_step():
 
 
 def test_an_entry_without_room_does_not_end_the_step():
-    sched, _ = make_scheduler(num_blocks=4, block_size=4, max_tokens=64)
-    a = make_request(0, 40)
+    sched, _ = make_scheduler(num_blocks=6, block_size=4, max_tokens=64)
+    e, held = make_request(0, 4, max_tokens=20), make_request(1, 3, max_tokens=20)
+    sched.add(e)
+    sched.add(held)
+    step(sched, Decision(schedule=[(0, 4), (1, 3)]))  # both decode, one block each
+    a = make_request(2, 16)
     sched.add(a)
-    step(sched, Decision(schedule=[(0, 4)]))  # a holds 1 block and needs 9 more
-    x, w = make_request(1, 4), make_request(2, 4)
-    sched.add(x)
-    sched.add(w)
-    out = step(sched, Decision(schedule=[(1, 4), (0, 36), (2, 4)]))
-    assert scheduled(out) == [(1, 4), (2, 4)]
+    step(sched, Decision(schedule=[(2, 4)]))  # admitted on 4 free blocks: 3 promised
+    for _ in range(5):
+        step(sched, Decision(schedule=[(0, 1)]))  # e grows into 2 of the promised blocks
+    assert sched.blocks.num_free == 1 and sched.blocks.num_promised == 3
+    out = step(sched, Decision(schedule=[(0, 1), (2, 12), (1, 1)]))
+    # a is 2 blocks short and the only sequence it may preempt holds 1: nobody goes
+    assert scheduled(out) == [(0, 1), (1, 1)]
     assert not out.preempted and sched.corrections["no_blocks"] == 1
 
 
@@ -646,7 +663,7 @@ def test_the_sequence_asking_for_room_is_never_its_own_victim():
         step(sched, Decision(schedule=[(seq_id, 4)]))
     out = step(sched, Decision(schedule=[(2, 1)], preempt=[2]))  # the newest, naming itself
     assert sched.corrections["bad_preempt_id"] == 0  # running, so a well-formed id
-    assert [r.seq_id for r in out.preempted] == [1]  # the most recent *other* one
+    assert [r.seq_id for r in out.preempted] == [1]  # equal progress: the most recent *other* one
     assert scheduled(out) == [(2, 1)] and reqs[2].status is Status.RUNNING
 
 

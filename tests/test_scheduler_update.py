@@ -25,6 +25,8 @@ def scheduler(num_blocks: int = 16, **kw) -> Scheduler:
         max_batched_tokens=64,
         max_num_seqs=8,
         eos_token_ids=[EOS],
+        max_preemptions=3,
+        admission_watermark=0.0,
         **kw,
     )
 

@@ -93,10 +93,10 @@ def test_a_step_holds_exactly_the_budget():
     assert sched.corrections["token_budget"] == 1
 
 
-def test_out_of_blocks_preempts_the_most_recently_admitted():
+def test_out_of_blocks_preempts_the_most_recently_admitted_of_equal_progress():
     sched, _ = make_scheduler(num_blocks=3, block_size=4)
     a, b, c = make_request(0, 4), make_request(1, 4), make_request(2, 4)
-    decode_ready(sched, a, b, c)  # each holds one full block; none free
+    decode_ready(sched, a, b, c)  # each holds one full block, 4 tokens computed; none free
     out = run(sched, Decision(schedule=[(0, 1)]))
     assert [r.seq_id for r in out.preempted] == [2]
     assert c.status is Status.WAITING and c.num_computed_tokens == 0 and c.num_generated == 1

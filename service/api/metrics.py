@@ -43,9 +43,13 @@ LATENCY_BUCKETS = (
     120.0,
 )
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# a storm shows as finished requests piling up at --max-preemptions (default 3)
+COUNT_BUCKETS = (0, 1, 2, 3, 5, 10, 20)
+BUCKETS = {"latency": LATENCY_BUCKETS, "tokens": TOKEN_BUCKETS, "count": COUNT_BUCKETS}
 
 
 # (attribute, kind, name after "cadence:", help); histograms take their buckets by kind
+# fmt: off
 _DEFINITIONS = [
     ("ttft", "latency", "time_to_first_token_seconds",
      "Time from request received to its first token."),
@@ -73,6 +77,8 @@ _DEFINITIONS = [
      "Generated tokens of finished requests."),
     ("preemptions", "counter", "num_preemptions_total",
      "Sequences preempted (KV freed, recomputed later)."),
+    ("request_preemptions", "count", "request_preemptions",
+     "Times each finished request was preempted."),
     ("policy_swaps", "counter", "policy_swaps_total",
      "Scheduling policy hot swaps."),
     ("received", "counter", "request_received_total",
@@ -87,6 +93,7 @@ _DEFINITIONS = [
     ("cache_config", "gauge", "cache_config_info",
      "The worker's KV cache: block size, blocks and dtype (value 1), as vLLM's."),
 ]
+# fmt: on
 _LABELS = {
     "finished": ("finished_reason",),
     "refused": ("reason",),
@@ -99,9 +106,8 @@ def _metric(
     kind: str, name: str, doc: str, labels: tuple[str, ...], registry: CollectorRegistry
 ) -> Histogram | Gauge | Counter:
     full_name = f"cadence:{name}"
-    if kind in ("latency", "tokens"):
-        buckets = LATENCY_BUCKETS if kind == "latency" else TOKEN_BUCKETS
-        return Histogram(full_name, doc, labels, buckets=buckets, registry=registry)
+    if kind in BUCKETS:
+        return Histogram(full_name, doc, labels, buckets=BUCKETS[kind], registry=registry)
     cls = Gauge if kind == "gauge" else Counter
     return cls(full_name, doc, labels, registry=registry)
 
@@ -153,6 +159,7 @@ class Metrics:
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.generation_tokens.inc(stats.completion_tokens)
         self.e2e.observe(stats.e2e)
+        self.request_preemptions.observe(stats.preemptions)
         for value, histogram in (
             (stats.ttft, self.ttft),
             (stats.queue_time, self.queue_time),

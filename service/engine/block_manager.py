@@ -3,6 +3,11 @@
 The tensors live in the worker; here are only block ids 0..num_blocks-1. Every block carries
 a reference count so that a later prefix cache can share blocks between sequences; today
 each block has exactly one owner (refcount 1) or is free (refcount 0).
+
+A sequence admitted on its whole prompt is allocated its blocks chunk by chunk; the blocks
+it will still need are *promised* to it, and admission counts only the free blocks nobody
+is promised (`num_available`), so two long prompts are never admitted against the same
+blocks. A promise binds admission only: growth (`can_grow`) may take any free block.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ class BlockManager:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._refcount = [0] * num_blocks
         self._tables: dict[int, list[int]] = {}
+        self._promised: dict[int, int] = {}  # seq_id -> table length promised, while unmet
+        self._num_promised = 0  # blocks promised and not yet allocated, over all sequences
 
     @property
     def num_free(self) -> int:
@@ -36,12 +43,30 @@ class BlockManager:
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
 
+    @property
+    def num_promised(self) -> int:
+        return self._num_promised
+
+    @property
+    def num_available(self) -> int:
+        """Free blocks not promised to anyone (negative once growth took promised ones)."""
+        return len(self._free) - self._num_promised
+
     def table(self, seq_id: int) -> list[int]:
         """The block table of `seq_id` (empty if it holds none). Do not mutate."""
         return self._tables.get(seq_id, _EMPTY)
 
     def num_held(self, seq_id: int) -> int:
         return len(self._tables.get(seq_id, _EMPTY))
+
+    def num_promised_to(self, seq_id: int) -> int:
+        """Blocks promised to `seq_id` and not yet allocated."""
+        target = self._promised.get(seq_id)
+        return 0 if target is None else max(0, target - self.num_held(seq_id))
+
+    def num_claimed(self, seq_id: int) -> int:
+        """Blocks `seq_id` holds or is promised: what freeing it gives back to admission."""
+        return self.num_held(seq_id) + self.num_promised_to(seq_id)
 
     def blocks_to_hold(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -53,9 +78,21 @@ class BlockManager:
     def can_grow(self, seq_id: int, num_tokens: int) -> bool:
         return self.extra_blocks(seq_id, num_tokens) <= len(self._free)
 
-    def can_admit(self, num_tokens: int) -> bool:
-        """Admission of a new sequence keeps `watermark_blocks` free for running ones to grow."""
-        return self.blocks_to_hold(num_tokens) <= len(self._free) - self.watermark_blocks
+    def admission_shortfall(self, num_tokens: int) -> int:
+        """Blocks missing to admit a sequence of `num_tokens` while keeping `watermark_blocks`
+        for running ones to grow (<= 0: it fits)."""
+        available = self.num_available - self.watermark_blocks
+        return self.blocks_to_hold(num_tokens) - available
+
+    def promise(self, seq_id: int, num_tokens: int) -> None:
+        """Set aside the blocks `seq_id` needs to hold `num_tokens`, allocated later chunk by
+        chunk; the promise ends when they are allocated or the sequence is freed."""
+        owed = self.extra_blocks(seq_id, num_tokens)
+        self._num_promised += owed - self.num_promised_to(seq_id)
+        if owed:
+            self._promised[seq_id] = self.blocks_to_hold(num_tokens)
+        else:
+            self._promised.pop(seq_id, None)
 
     def allocate(self, seq_id: int, num_tokens: int) -> None:
         """Grow the table of `seq_id` to cover `num_tokens` tokens (a block at each boundary)."""
@@ -64,14 +101,26 @@ class BlockManager:
             return
         if extra > len(self._free):
             raise OutOfBlocks(f"sequence {seq_id} needs {extra} blocks, {len(self._free)} free")
+        owed = self.num_promised_to(seq_id)
         table = self._tables.setdefault(seq_id, [])
         for _ in range(extra):
             block = self._free.pop()
             self._refcount[block] += 1
             table.append(block)
+        if owed:
+            self._keep_promise(seq_id, owed)
+
+    def _keep_promise(self, seq_id: int, owed_before: int) -> None:
+        still_owed = self.num_promised_to(seq_id)
+        self._num_promised -= owed_before - still_owed
+        if not still_owed:
+            del self._promised[seq_id]
 
     def free(self, seq_id: int) -> int:
-        """Release every block of `seq_id`; idempotent. Returns how many references dropped."""
+        """Release every block of `seq_id` and its promise; idempotent. Returns how many
+        references dropped."""
+        self._num_promised -= self.num_promised_to(seq_id)
+        self._promised.pop(seq_id, None)
         table = self._tables.pop(seq_id, None)
         if not table:
             return 0
@@ -82,7 +131,9 @@ class BlockManager:
         return len(table)
 
     def check_invariants(self) -> None:
-        """free + owned == total, no double ownership, refcounts match the tables."""
+        """free + owned == total, no double ownership, refcounts match the tables, the
+        promised count is the sum of the unmet promises."""
+        self._check_promises()
         counted = [0] * self.num_blocks
         for seq_id, table in self._tables.items():
             if not table:
@@ -108,6 +159,14 @@ class BlockManager:
             raise BlockAccountingError(
                 f"free {len(self._free)} + owned {owned} != total {self.num_blocks}"
             )
+
+    def _check_promises(self) -> None:
+        for seq_id, target in self._promised.items():
+            if target <= self.num_held(seq_id):
+                raise BlockAccountingError(f"sequence {seq_id}: a met promise is still counted")
+        owed = sum(self.num_promised_to(seq_id) for seq_id in self._promised)
+        if owed != self._num_promised:
+            raise BlockAccountingError(f"promised {self._num_promised} but {owed} blocks owed")
 
 
 _EMPTY: list[int] = []

@@ -250,6 +250,9 @@ class Engine:
             "running": stats.running if stats else 0,
             "kv_blocks_used": stats.kv_blocks_used if stats else 0,
             "kv_blocks_total": stats.kv_blocks_total if stats else 0,
+            "kv_blocks_promised": stats.kv_blocks_promised if stats else 0,
+            "admission_paused": stats.admission_paused if stats else False,
+            "corrections": dict(self._scheduler.corrections) if self._scheduler else {},
             "policy": self.policy_info(),
             "iteration": stats.iteration if stats else 0,
             "worker_ready": self._ready,
@@ -555,6 +558,8 @@ class Engine:
                 max_batched_tokens=self.config.max_batched_tokens,
                 max_num_seqs=self.config.max_num_seqs,
                 eos_token_ids=self.tokenizer.eos_token_ids,
+                max_preemptions=self.config.max_preemptions,
+                admission_watermark=self.config.admission_watermark,
             )
         else:
             self._scheduler.replace_blocks(blocks)

@@ -4,9 +4,30 @@ schedule(): view -> policy decision -> core validation -> blocks -> BatchPlan. T
 proposes; this module disposes. Whatever the decision says, a step never holds more than
 `max_batched_tokens` tokens or `max_num_seqs` sequences, a decoding sequence computes
 exactly one token, a prefill chunk never runs past its sequence, and blocks come from free
-ones only. A sequence that needs a block when none is free makes room by preempting
-(recompute) the policy's listed victims first, else the most recently admitted running
-sequence. Every fix is counted in `corrections` so tests can see it.
+ones only. Every fix is counted in `corrections` so tests can see it. The rules for blocks:
+
+- Admission counts the whole prompt. A waiting sequence (new, or preempted: then with the
+  tokens it had generated) is admitted only if blocks for everything it computes before it
+  samples fit in the free blocks that are not promised to admitted sequences still
+  prefilling, minus the `watermark` kept for running ones to grow. Its blocks are allocated
+  chunk by chunk; the rest are promised to it (BlockManager.promise). Only victims the
+  policy named may be preempted to admit someone: the core never evicts for a newcomer.
+- Hysteresis. A preemption pauses admission for the rest of its step and after, until the
+  unpromised free blocks exceed `admission_watermark` (a fraction of the blocks, above the
+  watermark; checked when a step begins and when a sequence leaves), so admission does not
+  oscillate at the edge of the cache.
+- Growth. A running sequence may take any free block, into the watermark and even blocks
+  promised to a prefill (which then makes room the same way). If too few are free, it
+  preempts (recompute) the policy's named victims first, then the others by least progress
+  lost: fewest computed tokens, ties to the most recently admitted. A victim is never in
+  this step nor preempted `max_preemptions` times already (a named one at the cap counts a
+  correction). Preemption is all or nothing: if the allowed victims cannot free enough,
+  nobody is preempted and the sequence waits this step (`no_blocks`).
+- No deadlock. A request at the cap can never be a victim, so it is readmitted only if its
+  whole life (prompt + max_tokens) fits, with those of the other running requests at the
+  cap, in the whole cache. Then whenever none of those can grow, the rest (all under the
+  cap) hold enough blocks to make room, so some sequence always runs and every request
+  finishes, each preempted at most `max_preemptions` times.
 
 update(): the scheduled tokens are now cached; each sampled token is appended; EOS and
 max_tokens finish a sequence and free its blocks. Text (detokenization, stop strings) and
@@ -18,7 +39,7 @@ from __future__ import annotations
 
 import bisect
 import collections
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 from gpu_worker.protocol import BatchPlan, StepResult
@@ -62,7 +83,7 @@ class _Draft:
     """The step being assembled from one decision."""
 
     out: ScheduleOutput
-    victims: list[Request]  # running sequences the policy offered for preemption, in order
+    victims: list[Request]  # running sequences the policy offered, under the cap, in order
     chosen: set[int]  # seq_ids already in the step
     budget: int  # tokens still free in the step
 
@@ -74,10 +95,31 @@ class SchedulerStats:
     running: int
     kv_blocks_used: int
     kv_blocks_total: int
+    kv_blocks_promised: int  # to admitted sequences still prefilling, not yet allocated
+    admission_paused: bool  # since a preemption, until blocks exceed admission_watermark
 
 
 def _seq_key(request: Request) -> int:
     return request.seq_id
+
+
+def _progress_lost(request: Request) -> tuple[int, int]:
+    """Victim order: fewest computed tokens to recompute, then the most recently admitted."""
+    return request.num_computed_tokens, -request.admitted_order
+
+
+def _first_enough(
+    short: int, candidates: Iterable[Request], gain: Callable[[int], int]
+) -> list[Request] | None:
+    """The first candidates whose preemption gains `short` blocks, or None if all of them
+    together would not: a preemption that cannot make enough room is not made."""
+    victims = []
+    for victim in candidates:
+        if short <= 0:
+            break
+        victims.append(victim)
+        short -= gain(victim.seq_id)
+    return victims if short <= 0 else None
 
 
 class Scheduler:
@@ -89,12 +131,17 @@ class Scheduler:
         max_batched_tokens: int,
         max_num_seqs: int,
         eos_token_ids: Collection[int],
+        max_preemptions: int,
+        admission_watermark: float,
         waiting_view: int = 256,
     ) -> None:
         self.blocks = blocks
         self.policy = policy
         self.max_batched_tokens = max_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.max_preemptions = max_preemptions  # a request preempted this often is kept
+        self.admission_watermark = admission_watermark  # fraction of the blocks
+        self.admission_paused = False
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting_view = waiting_view  # policies see this many of the waiting, in order
         self.running: list[Request] = []  # admission order
@@ -123,6 +170,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
+        self._resume_admission_if_room()
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
@@ -148,6 +196,8 @@ class Scheduler:
             running=len(self.running),
             kv_blocks_used=self.blocks.num_used,
             kv_blocks_total=self.blocks.num_blocks,
+            kv_blocks_promised=self.blocks.num_promised,
+            admission_paused=self.admission_paused,
         )
 
     def queued_prompt_tokens(self) -> int:
@@ -179,12 +229,27 @@ class Scheduler:
         blocks = self.blocks
         return (blocks.num_blocks - blocks.watermark_blocks) * blocks.block_size
 
+    @property
+    def admission_watermark_blocks(self) -> int:
+        return int(self.admission_watermark * self.blocks.num_blocks)
+
     def check_invariants(self) -> None:
-        """Block accounting is exact and every block belongs to a sequence it knows."""
+        """Block accounting is exact, every block and promise belongs to a sequence it
+        knows, and no request is preempted beyond the cap."""
         self.blocks.check_invariants()
         held = {seq_id for seq_id in self._by_seq if self.blocks.num_held(seq_id)}
         assert held >= {r.seq_id for r in self.running if r.num_computed_tokens}, "lost blocks"
         assert self.blocks.num_used == sum(self.blocks.num_held(s) for s in self._by_seq)
+        for r in self.running:
+            owed = self.blocks.num_promised_to(r.seq_id)
+            # a prefill is owed exactly the rest of its prompt; after it samples, nothing
+            assert owed == self.blocks.extra_blocks(r.seq_id, r.num_tokens) or (
+                owed == 0 and r.remaining == 1
+            ), f"sequence {r.seq_id}: promised {owed} blocks"
+        running_promises = sum(self.blocks.num_promised_to(r.seq_id) for r in self.running)
+        assert self.blocks.num_promised == running_promises, "a promise outlived its sequence"
+        assert self.running or not self.admission_paused, "paused with nothing left to resume it"
+        assert all(r.preemptions <= self.max_preemptions for r in self._by_seq.values())
 
     def replace_blocks(self, blocks: BlockManager) -> None:
         """A restarted worker's fresh cache; only while nothing runs."""
@@ -199,6 +264,7 @@ class Scheduler:
         if self._pending_policy is not None:
             self.policy, self._pending_policy = self._pending_policy, None
         self.iteration += 1
+        self._resume_admission_if_room()
         view = self.build_view(now)
         try:
             decision = self.policy.decide(view)
@@ -358,7 +424,7 @@ class Scheduler:
                 return True
             self.corrections["no_blocks"] += 1
             return False
-        return self._admit(request, tokens, draft)
+        return self._admit(request, draft)
 
     def _add_to_step(self, request: Request, tokens: int, draft: _Draft) -> None:
         self.blocks.allocate(request.seq_id, request.num_computed_tokens + tokens)
@@ -380,54 +446,88 @@ class Scheduler:
                 self.corrections["bad_preempt_id"] += 1
                 continue
             seen.add(seq_id)
+            if self._at_cap(request):
+                self.corrections["preempt_cap"] += 1
+                continue
             victims.append(request)
         return victims
 
+    def _at_cap(self, request: Request) -> bool:
+        return request.preemptions >= self.max_preemptions
+
     def _grow(self, request: Request, tokens: int, draft: _Draft) -> bool:
-        """Free blocks for a running sequence, preempting others if it must."""
+        """Blocks for a running sequence's next tokens: free ones, else victims'."""
         needed = request.num_computed_tokens + tokens
-        while not self.blocks.can_grow(request.seq_id, needed):
-            victim = self._pick_victim(request, draft, use_default=True)
-            if victim is None:
-                return False
+        short = self.blocks.extra_blocks(request.seq_id, needed) - self.blocks.num_free
+        if short <= 0:
+            return True
+        victims = _first_enough(short, self._growth_victims(request, draft), self.blocks.num_held)
+        if victims is None:
+            return False
+        for victim in victims:
             self._preempt(victim, draft.out)
         return True
 
-    def _admit(self, request: Request, tokens: int, draft: _Draft) -> bool:
-        """Admit a waiting sequence if its blocks fit above the watermark.
+    def _growth_victims(self, request: Request, draft: _Draft) -> list[Request]:
+        """The policy's victims in its order, then the others by least progress lost."""
+        named = self._named_victims(request, draft)
+        taken = {r.seq_id for r in named} | draft.chosen
+        others = [
+            r
+            for r in self.running
+            if r is not request and r.seq_id not in taken and not self._at_cap(r)
+        ]
+        return named + sorted(others, key=_progress_lost)
 
-        Only victims the policy named may be preempted to admit someone: the core on its
-        own never evicts running work for a newcomer.
-        """
+    def _named_victims(self, request: Request, draft: _Draft) -> list[Request]:
+        return [
+            r
+            for r in draft.victims
+            if r is not request and r.status is Status.RUNNING and r.seq_id not in draft.chosen
+        ]
+
+    def _admit(self, request: Request, draft: _Draft) -> bool:
+        """Admit a waiting sequence if blocks for its whole prompt fit (module docstring)."""
         if len(self.running) >= self.max_num_seqs:
             self.corrections["max_seqs"] += 1
             return False
-        while not self.blocks.can_admit(tokens):
-            victim = self._pick_victim(request, draft, use_default=False)
-            if victim is None:
-                self.corrections["admission_deferred"] += 1
-                return False
+        if self.admission_paused:
+            self.corrections["admission_paused"] += 1
+            return False
+        victims = self._admission_victims(request, draft)
+        if victims is None:
+            self.corrections["admission_deferred"] += 1
+            return False
+        for victim in victims:
             self._preempt(victim, draft.out)
         self.waiting.remove(request)
         request.status = Status.RUNNING
         request.admitted_order = self._admissions
         self._admissions += 1
         self.running.append(request)
+        self.blocks.promise(request.seq_id, request.num_tokens)
         return True
 
-    def _pick_victim(self, request: Request, draft: _Draft, *, use_default: bool) -> Request | None:
-        chosen = draft.chosen
-        while draft.victims:
-            victim = draft.victims.pop(0)
-            runnable = victim is not request and victim.status is Status.RUNNING
-            if runnable and victim.seq_id not in chosen:
-                return victim
-        if not use_default:
+    def _admission_victims(self, request: Request, draft: _Draft) -> list[Request] | None:
+        """Who must go for `request` to fit (often nobody), or None if it cannot fit."""
+        if self._at_cap(request) and not self._life_fits_beside_the_kept(request):
             return None
-        candidates = [r for r in self.running if r is not request and r.seq_id not in chosen]
-        if not candidates:
-            return None
-        return max(candidates, key=lambda r: r.admitted_order)
+        short = self.blocks.admission_shortfall(request.num_tokens)
+        if short <= 0:
+            return []
+        named = self._named_victims(request, draft)
+        return _first_enough(short, named, self.blocks.num_claimed)
+
+    def _life_fits_beside_the_kept(self, request: Request) -> bool:
+        """A request that can no longer be preempted must be able to finish: its whole life,
+        with those of the running ones like it, fits in the cache (no deadlock)."""
+        kept = [r for r in self.running if self._at_cap(r)]
+        lives = sum(self._blocks_for_life(r) for r in [*kept, request])
+        return lives <= self.blocks.num_blocks
+
+    def _blocks_for_life(self, request: Request) -> int:
+        assert request.params.max_tokens is not None  # validation fills it
+        return self.blocks.blocks_to_hold(request.prompt_len + request.params.max_tokens)
 
     def _preempt(self, victim: Request, out: ScheduleOutput) -> None:
         self.blocks.free(victim.seq_id)
@@ -435,6 +535,12 @@ class Scheduler:
         victim.reset_for_recompute()
         bisect.insort(self.waiting, victim, key=_seq_key)
         out.preempted.append(victim)
+        self.admission_paused = True
+
+    def _resume_admission_if_room(self) -> None:
+        """The end of the pause a preemption began: enough blocks are back (hysteresis)."""
+        if self.blocks.num_available > self.admission_watermark_blocks:
+            self.admission_paused = False
 
     def _fallback_decision(self) -> Decision:
         """Running sequences first, then waiting ones, as much of each as fits."""
