@@ -110,6 +110,13 @@ class View:
     last_step_ms: float | None  # worker time of the previous step, if any
     last_step_tokens: int  # tokens computed in the previous step
     step_cost: StepCost | None = None  # None until the engine has measured enough steps
+    # blocks a newcomer's whole prompt may take: free, not promised to running prefills,
+    # above the watermark, and 0 while admission pauses after a preemption (None: as free)
+    admit_blocks: int | None = None
+
+    @property
+    def admittable_blocks(self) -> int:
+        return self.free_blocks if self.admit_blocks is None else self.admit_blocks
 
     def blocks_for(self, seq: SeqView, new_tokens: int) -> int:
         """Extra blocks `seq` needs to hold `new_tokens` more tokens."""

@@ -26,7 +26,8 @@ def fill_budget(
 
     The step holds at most `budget` tokens (never more than the engine's cap), at most
     `prefill_cap` of them prefill, and at most view.max_seqs sequences. Waiting sequences
-    are admitted only while their blocks (plus those the decodes need) appear to fit.
+    are admitted only while the blocks of their whole prompt appear admittable and their
+    chunk's blocks (plus those the decodes need) appear free.
     With `prefill_ms` and a `cost` model, the chunks together also add at most that much
     time by their cost at their positions (a chunk deep in a long prompt is shorter); the
     first chunk has at least one token, so a prompt always progresses.
@@ -42,12 +43,16 @@ def fill_budget(
         budget -= 1
     prefill_left = min(budget, prefill_cap)
     admit_slots = view.max_seqs - len(view.running)  # the core caps running sequences too
+    admittable = view.admittable_blocks
     for seq in prefills:
         if prefill_left < 1 or len(schedule) >= view.max_seqs:
             break
         waiting = seq.num_blocks == 0  # a running sequence always holds a block
         if waiting and admit_slots < 1:
             continue
+        whole = view.blocks_for(seq, seq.remaining) if waiting else 0
+        if whole > admittable:
+            continue  # the core admits only a whole prompt's blocks; a smaller one may fit
         chunk = min(seq.remaining, chunk_size, prefill_left)
         start = seq.num_computed_tokens
         if prefill_ms is not None and cost is not None:
@@ -61,6 +66,7 @@ def fill_budget(
         free -= need
         prefill_left -= chunk
         admit_slots -= waiting
+        admittable -= whole
         if prefill_ms is not None and cost is not None:
             prefill_ms -= cost.chunk_ms(start, chunk)
     return Decision(schedule=schedule)

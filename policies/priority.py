@@ -62,7 +62,8 @@ class Priority(Policy):
             return []
         budget = min(self.params.token_budget, view.max_batched_tokens)
         chunk = min(blocked.remaining, budget, self.params.chunk_size)
-        short = view.blocks_for(blocked, chunk) - view.free_blocks
+        # the core admits a whole prompt's blocks, not a chunk's
+        short = view.blocks_for(blocked, blocked.remaining) - view.admittable_blocks
         if short <= 0:
             return []  # left out for the token budget or the sequence cap, not for blocks
         victims = []

@@ -45,6 +45,7 @@ def view(
     now: float = 10.0,
     last: tuple[float | None, int] = (None, 0),
     cost: StepCost | None = None,
+    admit: int | None = None,
 ) -> View:
     return View(
         iteration=1,
@@ -60,4 +61,5 @@ def view(
         last_step_ms=last[0],
         last_step_tokens=last[1],
         step_cost=cost,
+        admit_blocks=admit,
     )

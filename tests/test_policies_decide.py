@@ -101,13 +101,17 @@ LOW_DECODERS = [seq(2, 20, generated=3), seq(3, 20, generated=3)]
 URGENT = seq(9, 40, priority=9)  # waiting, needs 3 blocks for a 40-token chunk
 
 
-def test_priority_preempts_only_what_the_urgent_chunk_needs_within_the_budget():
+def test_priority_preempts_what_the_urgent_prompt_needs_whatever_its_first_chunk():
     d = priority_step(40, [HIGH_DECODER, *LOW_DECODERS], [URGENT])
     assert d.preempt == [3, 2]  # latest-arriving of the lowest first, until 3 blocks are free
     assert d.schedule == [(1, 1), (9, 39)]  # the kept decode and what is left of the budget
     d = priority_step(3, [HIGH_DECODER, *LOW_DECODERS], [URGENT])
-    assert d.preempt == [3]  # a 1-token chunk needs one block
-    assert d.schedule == [(1, 1), (2, 1), (9, 1)]
+    # a 2-token chunk, but the core admits only the whole prompt's 3 blocks: both must go
+    assert d.preempt == [3, 2]
+    assert d.schedule == [(1, 1), (9, 2)]
+    roomy = make_policy("priority", {"aging_rate": 0, "token_budget": 40, "chunk_size": 40})
+    d = roomy.decide(view([HIGH_DECODER, *LOW_DECODERS], [URGENT], free=5, admit=1))
+    assert d.preempt == [3]  # free blocks are promised to others: 1 admittable, 2 missing
 
 
 def test_priority_preempts_nobody_for_a_request_left_out_by_the_sequence_cap():
@@ -178,7 +182,7 @@ def test_fair_weights_shift_the_share():
 
 def test_slo_chunk_shrinks_on_a_slower_machine_and_grows_on_a_faster_one():
     policy = make_policy("slo", {"itl_target_ms": 50, "min_chunk": 8, "max_budget": 4096})
-    prompt = seq(10, 100000)
+    prompt = seq(10, 10000)
     chunks = []
     for ms_per_token in (0.2, 0.4, 0.1):
         cost = StepCost(base_ms=5.0, ms_per_token=ms_per_token, ms_per_pair=1e-5)

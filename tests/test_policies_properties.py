@@ -523,7 +523,7 @@ def test_priority_keeps_everyone_when_eviction_would_not_make_room():
 
 
 def test_priority_sizes_the_blocked_chunk_by_budget_cap_and_chunk_size():
-    running = [seq(1, 16, generated=1, priority=0, blocks=1)]
+    running = [seq(1, 200, generated=1, priority=0, blocks=13)]
     for params, cap, chunk in [
         ({"token_budget": 16, "chunk_size": 64}, 512, 16),
         ({"token_budget": 64, "chunk_size": 16}, 512, 16),
@@ -531,7 +531,7 @@ def test_priority_sizes_the_blocked_chunk_by_budget_cap_and_chunk_size():
     ]:
         policy = make_policy("priority", {"aging_rate": 0.0, **params})
         d = policy.decide(view(running, [seq(10, 200, priority=5)], free=0, cap=cap))
-        assert d.preempt == [1]  # one block is enough for a 16-token chunk
+        assert d.preempt == [1]  # its 13 blocks admit the whole 200-token prompt
         assert d.schedule == [(10, chunk)]
 
 
@@ -647,7 +647,7 @@ def test_slo_runs_min_chunk_of_prefill_until_the_engine_has_a_cost_model():
 
 def test_slo_prefill_fills_what_the_decodes_leave_of_the_target():
     running = decoding(1, 2, 3, 4)
-    d = slo().decide(view(running, [seq(10, 100000)], cap=100000, cost=LINEAR))
+    d = slo().decide(view(running, [seq(10, 10000)], cap=100000, cost=LINEAR))
     # 100 ms target - (10 ms base + 4 decodes at 1 ms) = 86 ms: 86 tokens of prefill
     assert d.schedule == [(1, 1), (2, 1), (3, 1), (4, 1), (10, 86)]
 
@@ -673,9 +673,9 @@ def test_slo_prefill_never_drops_below_min_chunk():
 
 
 def test_slo_headroom_scales_the_target_and_max_budget_caps_the_prefill():
-    d = slo(headroom=0.5).decide(view([], [seq(10, 100000)], cap=100000, cost=LINEAR))
+    d = slo(headroom=0.5).decide(view([], [seq(10, 10000)], cap=100000, cost=LINEAR))
     assert d.schedule == [(10, 40)]  # 50 ms - 10 ms base
-    d = slo(max_budget=25).decide(view([], [seq(10, 100000)], cap=100000, cost=LINEAR))
+    d = slo(max_budget=25).decide(view([], [seq(10, 10000)], cap=100000, cost=LINEAR))
     assert d.schedule == [(10, 25)]
 
 
@@ -971,3 +971,15 @@ def test_a_sequence_view_knows_its_remaining_tokens_and_whether_it_decodes():
 def test_policies_decide_nothing_on_an_empty_view(cls: type[Policy]):
     policy = cls.from_params({})
     assert policy.decide(view()).schedule == []
+
+
+def test_fill_budget_admits_only_prompts_whose_whole_blocks_are_admittable():
+    # 100 free blocks, but only 10 not promised to running prefills: a 400-token prompt
+    # (25 blocks) would be refused by the core whatever its first chunk; a 64-token one fits
+    big, small = seq(10, 400), seq(11, 64)
+    d = make_policy("stall_free").decide(view([], [big, small], free=100, admit=10))
+    assert d.schedule == [(11, 64)]
+    d = make_policy("stall_free").decide(view([], [big, small], free=100, admit=0))
+    assert d.schedule == []  # admission paused after a preemption: nobody is proposed
+    d = make_policy("stall_free").decide(view([], [big, small], free=100))
+    assert d.schedule == [(10, 400), (11, 64)]  # no promises: free blocks are admittable

@@ -111,6 +111,7 @@ def test_after_a_preemption_nobody_is_admitted_until_blocks_exceed_the_higher_wa
     admit_all(sched, a, b, c, e)  # 3 + 3 + 4 + 2 blocks: none free
     out = step(sched, Decision(schedule=[(0, 1)]))  # a needs a fourth block: e goes
     assert preempted(out) == [3] and sched.blocks.num_free == 1 and sched.admission_paused
+    assert sched.build_view(0.0).admit_blocks == 0  # the policies see the pause too
     newcomer = make_request(4, 3)  # one block: it would fit
     sched.add(newcomer)
     out = step(sched, Decision(schedule=[(4, 3), (0, 1)]))
@@ -121,6 +122,7 @@ def test_after_a_preemption_nobody_is_admitted_until_blocks_exceed_the_higher_wa
     assert scheduled(out) == [(0, 1)] and sched.corrections["admission_paused"] == 2
     sched.remove(b)
     assert sched.blocks.num_available == 8 and not sched.admission_paused
+    assert sched.build_view(0.0).admit_blocks == 8 - sched.blocks.watermark_blocks
     out = step(sched, Decision(schedule=[(4, 3), (0, 1)]))
     assert scheduled(out) == [(4, 3), (0, 1)]
 

@@ -312,6 +312,7 @@ class Scheduler:
             waiting=tuple(self._seq_view(r) for r in self.waiting[: self.waiting_view]),
             num_waiting=len(self.waiting),
             free_blocks=blocks.num_free,
+            admit_blocks=0 if self.admission_paused else -blocks.admission_shortfall(0),
             total_blocks=blocks.num_blocks,
             block_size=blocks.block_size,
             max_batched_tokens=self.max_batched_tokens,
