@@ -2,7 +2,9 @@
 
 N is an inherited, connected stream socket. The loop is plain blocking I/O: the process
 does one thing at a time (receive a step, compute it, answer), so nothing is gained from
-an event loop. It exits 0 on "shutdown" or when the socket closes, 1 when init fails.
+an event loop. Each result says how long the worker waited for its plan (`idle_ms`): the
+time the device sat idle while the service prepared the step. It exits 0 on "shutdown" or
+when the socket closes, 1 when init fails.
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ import argparse
 import ctypes
 import socket
 import sys
+import time
 from typing import Any
 
 from gpu_worker.protocol import (
+    MAX_IDLE_GAP_S,
     FrameDecoder,
     StepResult,
     WorkerConfig,
@@ -36,6 +40,8 @@ class WorkerLoop:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.runner = None  # a ModelRunner once "init" succeeded
+        self.answered_at: float | None = None  # when the last step's result went out
+        self.received_at = 0.0  # when the bytes of the messages being handled arrived
 
     def send(self, msg: dict[str, Any]) -> None:
         self.sock.sendall(encode_frame(msg))
@@ -45,6 +51,7 @@ class WorkerLoop:
         decoder = FrameDecoder()
         while True:
             data = self.sock.recv(RECEIVE_BYTES)
+            self.received_at = time.perf_counter()
             if not data:
                 log("service closed the channel; exiting")
                 return 0
@@ -56,8 +63,12 @@ class WorkerLoop:
     def handle(self, msg: dict[str, Any]) -> int | None:
         kind = msg.get("type")
         if kind == "step":
-            self.send(to_message("result", self.step(msg)))
+            result = self.step(msg)
+            result.idle_ms = self.idle_ms()
+            self.send(to_message("result", result))
+            self.answered_at = time.perf_counter()
         elif kind == "ping":
+            self.answered_at = None  # the service pings only when it has nothing to run
             self.send({"type": "pong"})
         elif kind == "init":
             return self.init(msg)
@@ -67,6 +78,14 @@ class WorkerLoop:
         else:
             log(f"ignoring a message of unknown type {kind!r}")
         return None
+
+    def idle_ms(self) -> float | None:
+        """How long this plan kept the worker waiting after its previous result; None when
+        the service was idle rather than busy preparing the step."""
+        if self.answered_at is None:
+            return None
+        gap = max(0.0, self.received_at - self.answered_at)
+        return gap * 1000 if gap <= MAX_IDLE_GAP_S else None
 
     def init(self, msg: dict[str, Any]) -> int | None:
         # Imported here so a worker that is only spawned and closed never pays for torch.

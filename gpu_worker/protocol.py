@@ -9,10 +9,16 @@ Conversation:
     worker  -> service  {"type": "ready", **Handshake}        or {"type": "fatal", "message": ...}
     service -> worker   {"type": "step", **BatchPlan}         (repeated)
     worker  -> service  {"type": "result", **StepResult}      (one per step, in order)
+    service -> worker   {"type": "ping"}                      (only while no step is out)
+    worker  -> service  {"type": "pong"}
     service -> worker   {"type": "shutdown"}                  worker exits 0
 
 An exception inside a step is reported as a StepResult with `error` set; the worker
 keeps serving. Only a failure that leaves the worker unusable is "fatal".
+
+The service sends the next step as soon as it has the previous result (at most one step
+is out at a time), so the worker idles only for the gap between the two; each result
+reports that gap as `idle_ms`.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
 }
 MAX_FRAME_BYTES = 256 * 1024 * 1024
+# A longer wait for a plan is the service having no work, not the cost of preparing a step.
+MAX_IDLE_GAP_S = 1.0
 KERNEL_SEAMS = ("attention", "layer_ops", "matmul")  # see gpu_worker.kernels
 
 
@@ -138,6 +146,9 @@ class StepResult:
     logprobs: list[float] | None = None
     step_ms: float = 0.0  # forward + sample, measured in the worker
     error: str | None = None
+    # how long the worker waited for this plan after sending its previous result; None for
+    # a first step, after a ping, or after more than MAX_IDLE_GAP_S (the service was idle)
+    idle_ms: float | None = None
 
 
 def to_message(kind: str, record: Any) -> dict[str, Any]:

@@ -1,12 +1,14 @@
 """Offline engine benchmark: N requests at once through the engine and a real worker, no HTTP.
 
     cadence bench engine --policy fcfs --policy stall_free       (64 x 256 prompt, 128 output)
+    cadence bench engine --overlap both       (each policy with and without overlap)
 
 For each policy in turn it starts a fresh worker, warms it up, submits every request at
 once (ignore_eos, greedy), and prints output tokens/s, TTFT and ITL percentiles (engine
-clock, as the tokens are emitted), and the service-side scheduling time per iteration
-against the worker's step time. Greedy outputs are compared across policies: the same
-prompts must give the same tokens whatever the schedule.
+clock, as the tokens are emitted), the service-side scheduling time per iteration against
+the worker's step time, and how long the worker waited for each plan (its idle gap, which
+overlapped scheduling is there to close). Greedy outputs are compared across runs: the
+same prompts must give the same tokens whatever the schedule.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ class IterationRecorder:
 
 @dataclass(slots=True)
 class PolicyRun:
-    policy: str
+    policy: str  # and "(no overlap)" for the sequential loop
     seconds: float
     timelines: list[Timeline]
     iterations: list[IterationStats]
@@ -80,7 +82,8 @@ async def run_policy(
         start = trio.current_time()
         await _generate(engine, prompts, params, timelines)
         seconds = trio.current_time() - start
-    return PolicyRun(config.policy, seconds, timelines, recorder.iterations)
+    label = config.policy if config.overlap else f"{config.policy} (no overlap)"
+    return PolicyRun(label, seconds, timelines, recorder.iterations)
 
 
 async def _generate(
@@ -111,6 +114,7 @@ def summarize(run: PolicyRun) -> dict:
     full = [s for s in run.iterations if s.num_seqs >= len(run.timelines)] or run.iterations
     step = sum(s.step_ms for s in full) / max(1, len(full))
     sched = sum(s.schedule_ms for s in full) / max(1, len(full))
+    idle = distribution([s.worker_idle_ms for s in full if s.worker_idle_ms is not None])
     return {
         "policy": run.policy,
         "seconds": run.seconds,
@@ -122,6 +126,7 @@ def summarize(run: PolicyRun) -> dict:
         "step_ms": step,
         "schedule_ms": sched,
         "schedule_share": sched / step if step else 0.0,
+        "idle": idle,
         "finished": sum(t.finish == "length" for t in run.timelines),
     }
 
@@ -140,6 +145,8 @@ def print_report(summaries: list[dict], runs: list[PolicyRun]) -> None:
         "step ms",
         "sched ms",
         "sched/step",
+        "idle ms",
+        "idle p50",
     ]
     rows = [
         [
@@ -160,11 +167,15 @@ def print_report(summaries: list[dict], runs: list[PolicyRun]) -> None:
             f"{s['step_ms']:.1f}",
             f"{s['schedule_ms']:.2f}",
             f"{100 * s['schedule_share']:.2f}%",
+            *(_fine_ms(s["idle"][q]) for q in ("mean", "p50")),
         ]
         for s in summaries
     ]
     print(format_table(headers, rows))
-    print("(times in ms, engine clock; step/sched ms: mean over steps running every request)")
+    print(
+        "(times in ms, engine clock; step/sched/idle ms: mean over steps running every request;"
+        " idle: the worker's wait for each plan)"
+    )
     base = runs[0]
     for other in runs[1:]:
         same = sum(
@@ -172,6 +183,11 @@ def print_report(summaries: list[dict], runs: list[PolicyRun]) -> None:
         )
         total = len(base.timelines)
         print(f"greedy outputs identical {base.policy} vs {other.policy}: {same}/{total}")
+
+
+def _fine_ms(value: float | None) -> str:
+    """Idle gaps are fractions of a millisecond when overlapped; none without a burst."""
+    return "-" if value is None else f"{value:.3f}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -196,6 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"])
     parser.add_argument("--kernels", default="auto", help="as `cadence serve --kernels`")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--overlap",
+        choices=["on", "off", "both"],
+        default="on",
+        help="overlapped scheduling; both: run each policy with it and without",
+    )
     parser.add_argument("--log-file", type=Path, default=None, help="the engine's JSON log lines")
     return parser
 
@@ -218,10 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [tokenizer.encode(maker.make(args.prompt_len, o)) for o in offsets]
     cap = args.max_batched_tokens or max(2048, args.num_requests * args.prompt_len)
     runs = []
-    for policy in args.policy or ["fcfs", "stall_free"]:
+    overlaps = {"on": [True], "off": [False], "both": [False, True]}[args.overlap]
+    for policy, overlap in itertools.product(args.policy or ["fcfs", "stall_free"], overlaps):
         run_config = dataclasses.replace(
             config,
             policy=policy,
+            overlap=overlap,
             max_batched_tokens=cap,
             max_num_seqs=max(128, args.num_requests),
             max_queue=max(config.max_queue, args.num_requests),

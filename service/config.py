@@ -49,6 +49,9 @@ class Config:
     # after a preemption, admission waits until this fraction of the blocks is free again
     admission_watermark: float = 0.05
     max_preemptions: int = 3  # a request preempted this many times is never a victim again
+    # schedule and send step k+1 before step k's text and events, so the worker never waits
+    # on them; off: the sequential loop, for comparison
+    overlap: bool = True
     # HTTP
     host: str = "127.0.0.1"
     port: int = 8000

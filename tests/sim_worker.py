@@ -1,14 +1,19 @@
 """A simulated worker for engine tests: same interface as WorkerLink, no model, no process.
 
 Cost model: a step takes base_ms + per_token_ms * tokens + per_seq_ms * sequences
-(+ per_pair_ms * attention pairs, for the cost of attention over long prefixes), slept
-with trio.sleep so a MockClock makes timing exact and instant. It keeps a fake KV cache
-(each slot remembers which sequence wrote which token at which position) and checks every
-plan against it: a chunk must continue where the previous one ended, block tables must
-cover the positions, no two sequences may share a block, a read must find what the same
-sequence wrote. The sampled token is a function of the sequence's own content read back
-from that cache, so outputs do not depend on batch composition or on preemption, exactly
-the property the real model must have under greedy sampling.
+(+ per_pair_ms * attention pairs, for the cost of attention over long prefixes) from the
+moment its plan arrives: the result is ready then, whatever the engine does meanwhile, and
+receive_result sleeps until it is, so a MockClock makes timing exact and instant. Like the
+real worker it reports, in `idle_ms`, how long each plan kept it waiting after its
+previous result, and `events` records, in order, when plans arrive and when the engine
+takes their results, so tests can see it overlap its own work with a step.
+
+It keeps a fake KV cache (each slot remembers which sequence wrote which token at which
+position) and checks every plan against it: a chunk must continue where the previous one
+ended, block tables must cover the positions, no two sequences may share a block, a read
+must find what the same sequence wrote. The sampled token is a function of the sequence's
+own content read back from that cache, so outputs do not depend on batch composition or
+on preemption, exactly the property the real model must have under greedy sampling.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from gpu_worker.protocol import BatchPlan, Handshake, StepResult
+from gpu_worker.protocol import MAX_IDLE_GAP_S, BatchPlan, Handshake, StepResult
 from policies.base import attention_pairs
 from service.config import Config
 from service.engine.assembly import open_engine
@@ -54,6 +59,15 @@ class KVMismatch(AssertionError):
 
 
 @dataclass
+class _InFlight:
+    """The plan the simulated worker is computing."""
+
+    step_id: int
+    ready_at: float  # when its result is sent (or the worker dies)
+    result: StepResult | None  # None: never answered (the worker dies or hangs on it)
+
+
+@dataclass
 class SimWorker:
     num_blocks: int = 512
     block_size: int = 16
@@ -65,21 +79,26 @@ class SimWorker:
     per_pair_ms: float = 0.0
     # (seq_id, position of the token to sample) -> sample EOS there
     eos_at: Callable[[int, int], bool] | None = None
-    die_at_step: int | None = None  # the n-th step call (1-based) raises WorkerDied
-    hang_at_step: int | None = None  # the n-th step call never returns (a hung worker)
+    die_at_step: int | None = None  # the worker dies computing the n-th plan (1-based)
+    hang_at_step: int | None = None  # the n-th plan's result never comes (a hung worker)
     failing_starts: int = 0  # this many start() calls after the first fail
     hang_at_start: int | None = None  # the n-th start() call never returns
     blocks_after_restart: int | None = None  # a restarted worker's (different) KV size
     hung: bool = False  # pings and steps never answer, like a SIGSTOPped process
+    on_plan: Callable[[BatchPlan], None] | None = None  # called as each plan arrives
     kills: int = 0
-    plans: list[BatchPlan] = field(default_factory=list)
-    step_windows: list[tuple[float, float]] = field(default_factory=list)
+    plans: list[BatchPlan] = field(default_factory=list)  # as they arrived
+    # ("plan", step_id) when a plan arrives, ("result", step_id) when the engine takes its
+    # result; tests may add their own entries to see what the engine did in between
+    events: list[tuple[str, int]] = field(default_factory=list)
     starts: int = 0
     stopped: bool = False
     _kv: dict[int, list[tuple[int, int, int] | None]] = field(default_factory=dict)
     _calls: int = 0
     _start_calls: int = 0
     _gone: trio.Event = field(default_factory=trio.Event)
+    _in_flight: _InFlight | None = None
+    _answered_at: float | None = None  # when the last result was sent
 
     async def start(self) -> Handshake:
         await trio.sleep(0.1)
@@ -94,6 +113,8 @@ class SimWorker:
         self.hung = False
         self._gone = trio.Event()
         self._kv.clear()
+        self._in_flight = None
+        self._answered_at = None
         return Handshake(
             model_name="sim",
             architecture="SimForCausalLM",
@@ -117,6 +138,8 @@ class SimWorker:
         self.stopped = True
 
     async def ping(self) -> None:
+        assert self._in_flight is None, "a ping while a plan is in flight"
+        self._answered_at = None  # as the real worker: the service was idle
         if self.hung:
             await trio.sleep_forever()
         await trio.sleep(0.001)
@@ -140,21 +163,45 @@ class SimWorker:
             + self.per_pair_ms * sum(map(attention_pairs, plan.start_pos, plan.num_tokens))
         )
 
-    async def step(self, plan: BatchPlan) -> StepResult:
+    async def send_step(self, plan: BatchPlan) -> None:
+        await trio.lowlevel.checkpoint()  # a real send is one: aborts and arrivals land here
+        assert self._in_flight is None, "a plan sent before the previous result was taken"
+        now = trio.current_time()
         self._calls += 1
-        if self.die_at_step is not None and self._calls == self.die_at_step:
-            await trio.sleep(0.001)
-            raise WorkerDied("simulated crash")
-        if self.hung or self._calls == self.hang_at_step:
-            self.hung = True
-            await trio.sleep_forever()
-        self.check_plan(plan)
-        cost = self.cost_ms(plan)
-        begin = trio.current_time()
-        await trio.sleep(cost / 1000)
         self.plans.append(plan)
-        self.step_windows.append((begin, trio.current_time()))
-        result = StepResult(step_id=plan.step_id, step_ms=cost)
+        self.events.append(("plan", plan.step_id))
+        if self.on_plan is not None:
+            self.on_plan(plan)
+        if self._calls == self.hang_at_step:
+            self.hung = True
+        if self.hung or self._calls == self.die_at_step:
+            self._in_flight = _InFlight(plan.step_id, now + 0.001, None)  # never answered
+            return
+        self.check_plan(plan)
+        result = self._compute(plan)
+        result.idle_ms = self._idle_ms(now)
+        self._in_flight = _InFlight(plan.step_id, now + result.step_ms / 1000, result)
+
+    async def receive_result(self, step_id: int) -> StepResult:
+        flight = self._in_flight
+        assert flight is not None and flight.step_id == step_id, "no such plan in flight"
+        if self.hung:
+            await trio.sleep_forever()
+        await trio.sleep_until(flight.ready_at)
+        if flight.result is None:
+            raise WorkerDied("simulated crash")
+        self._in_flight = None
+        self._answered_at = flight.ready_at
+        self.events.append(("result", step_id))
+        return flight.result
+
+    def _idle_ms(self, now: float) -> float | None:
+        if self._answered_at is None or now - self._answered_at > MAX_IDLE_GAP_S:
+            return None
+        return (now - self._answered_at) * 1000
+
+    def _compute(self, plan: BatchPlan) -> StepResult:
+        result = StepResult(step_id=plan.step_id, step_ms=self.cost_ms(plan))
         offset = 0
         for i, seq_id in enumerate(plan.seq_ids):
             n, start, table = plan.num_tokens[i], plan.start_pos[i], plan.block_tables[i]

@@ -326,7 +326,7 @@ async def test_log_events_carry_the_agreed_fields(autojump_clock):
     assert set(events["iteration"]) >= {
         "iteration", "policy", "prefill_tokens", "decode_seqs", "batch_tokens", "num_seqs",
         "running", "waiting", "kv_blocks_used", "kv_blocks_total", "step_ms", "schedule_ms",
-        "preempted",
+        "preempted", "worker_idle_ms",
     }  # fmt: skip
     finished = events["request.finished"]
     assert finished["completion_tokens"] == 4 and finished["finish_reason"] == "length"

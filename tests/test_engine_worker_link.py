@@ -48,6 +48,18 @@ async def test_handshake_steps_and_clean_stop():
     assert worker.returncode == 0 and not alive(pid)  # exited and reaped
 
 
+async def test_a_step_in_two_calls_and_a_result_for_another_step_is_an_error():
+    worker = link("ok")
+    await worker.start()
+    await worker.send_step(plan(1))
+    result = await worker.receive_result(1)
+    assert (result.step_id, result.tokens, result.idle_ms) == (1, [1001], None)
+    await worker.send_step(plan(2))
+    with pytest.raises(WorkerDied, match="result for step 2, expected 3"):
+        await worker.receive_result(3)
+    await worker.stop()
+
+
 async def test_death_mid_run_raises_worker_died_and_restart_works():
     worker = link("die_on_step_2")
     await worker.start()

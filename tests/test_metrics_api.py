@@ -25,6 +25,7 @@ REQUIRED = [
     "cadence:request_preemptions",
     "cadence:policy_swaps",
     "cadence:iteration_tokens",
+    "cadence:worker_idle_seconds",
     "cadence:request_success",
     "cadence:cache_config_info",
 ]
@@ -70,6 +71,7 @@ def test_metrics_parse_and_move_with_requests(cadence_server: RunningServer) -> 
     assert delta("cadence:request_preemptions_bucket", (("le", "0.0"),)) == 1  # never preempted
     assert delta("cadence:inter_token_latency_seconds_count") == 6
     assert delta("cadence:iteration_tokens_count") >= 7
+    assert delta("cadence:worker_idle_seconds_count") >= 6  # each step but the first
     buckets = [
         le
         for (name, labels) in after

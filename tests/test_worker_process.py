@@ -6,12 +6,14 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from typing import Any
 
 import pytest
 
+import gpu_worker.__main__ as worker_main
 from gpu_worker.protocol import (
     FrameDecoder,
     Handshake,
@@ -32,21 +34,12 @@ from tests.worker_fixtures import (
 TIMEOUT = 120.0
 
 
-class WorkerProcess:
+class ServiceSide:
     """The service's side of the channel, written with blocking sockets for the test."""
 
-    def __init__(self) -> None:
-        parent, child = socket.socketpair()
-        # One thread: the tiny model gains nothing from more, and the test machine is shared.
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "gpu_worker", "--fd", str(child.fileno())],
-            pass_fds=(child.fileno(),),
-            env=env,
-        )
-        child.close()
-        parent.settimeout(TIMEOUT)
-        self.sock = parent
+    def __init__(self, sock: socket.socket) -> None:
+        sock.settimeout(TIMEOUT)
+        self.sock = sock
         self.decoder = FrameDecoder()
         self.pending: deque[dict[str, Any]] = deque()
 
@@ -66,6 +59,22 @@ class WorkerProcess:
         msg = self.receive()
         assert msg["type"] == "result"
         return record_from_message(StepResult, msg)
+
+
+class WorkerProcess(ServiceSide):
+    """`python -m gpu_worker` at the other end."""
+
+    def __init__(self) -> None:
+        parent, child = socket.socketpair()
+        # One thread: the tiny model gains nothing from more, and the test machine is shared.
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "gpu_worker", "--fd", str(child.fileno())],
+            pass_fds=(child.fileno(),),
+            env=env,
+        )
+        child.close()
+        super().__init__(parent)
 
     def close(self) -> None:
         self.sock.close()
@@ -124,6 +133,7 @@ def test_handshake_steps_errors_and_clean_shutdown(worker, tiny_llama_dir):  # n
         result = worker.step(plan)
         decode_times.append(time.perf_counter() - started)
         assert result.error is None and result.step_id == step_id
+        assert result.idle_ms is not None  # sent right after the previous result
         tokens += result.tokens
         started = time.perf_counter()
         assert worker.step(make_plan([], step_id=1000 + step_id)).error is None
@@ -158,3 +168,34 @@ def test_steps_before_init_are_refused(worker):
     assert reply.step_id == 9 and "before a successful init" in reply.error
     worker.send({"type": "shutdown"})
     assert worker.process.wait(timeout=TIMEOUT) == 0
+
+
+class InstantRunner:
+    """Stands in for the model: answers every plan at once."""
+
+    def execute(self, plan) -> StepResult:
+        return StepResult(step_id=plan.step_id)
+
+
+def test_each_result_says_how_long_its_plan_kept_the_worker_waiting(monkeypatch):
+    service_end, worker_end = socket.socketpair()
+    loop = worker_main.WorkerLoop(worker_end)
+    loop.runner = InstantRunner()
+    thread = threading.Thread(target=loop.serve)
+    thread.start()
+    service = ServiceSide(service_end)
+    try:
+        assert service.step(make_plan([], step_id=1)).idle_ms is None  # nothing before it
+        time.sleep(0.02)
+        assert service.step(make_plan([], step_id=2)).idle_ms > 10
+        service.send({"type": "ping"})
+        assert service.receive()["type"] == "pong"
+        assert service.step(make_plan([], step_id=3)).idle_ms is None  # the service was idle
+        monkeypatch.setattr(worker_main, "MAX_IDLE_GAP_S", 0.005)
+        time.sleep(0.02)
+        assert service.step(make_plan([], step_id=4)).idle_ms is None  # too long: idle too
+        service.send({"type": "shutdown"})
+        thread.join(TIMEOUT)
+    finally:
+        service_end.close()
+        worker_end.close()

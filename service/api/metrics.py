@@ -45,7 +45,14 @@ LATENCY_BUCKETS = (
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # a storm shows as finished requests piling up at --max-preemptions (default 3)
 COUNT_BUCKETS = (0, 1, 2, 3, 5, 10, 20)
-BUCKETS = {"latency": LATENCY_BUCKETS, "tokens": TOKEN_BUCKETS, "count": COUNT_BUCKETS}
+# 0.1 ms .. 1 s (the worker reports no longer gap); overlap keeps it near the bottom.
+GAP_BUCKETS = (1e-4, 2.5e-4, 5e-4, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+BUCKETS = {
+    "latency": LATENCY_BUCKETS,
+    "tokens": TOKEN_BUCKETS,
+    "count": COUNT_BUCKETS,
+    "gap": GAP_BUCKETS,
+}
 
 
 # (attribute, kind, name after "cadence:", help); histograms take their buckets by kind
@@ -65,6 +72,8 @@ _DEFINITIONS = [
      "Tokens computed per engine iteration."),
     ("step_seconds", "latency", "iteration_step_seconds",
      "Worker time of one iteration (forward + sample)."),
+    ("worker_idle", "gap", "worker_idle_seconds",
+     "Time the worker waited for a plan after sending its previous result."),
     ("running", "gauge", "num_requests_running",
      "Requests admitted and holding KV blocks."),
     ("waiting", "gauge", "num_requests_waiting",
@@ -149,6 +158,8 @@ class Metrics:
     def on_iteration(self, stats: IterationStats) -> None:
         self.iteration_tokens.observe(stats.batch_tokens)
         self.step_seconds.observe(stats.step_ms / 1000.0)
+        if stats.worker_idle_ms is not None:
+            self.worker_idle.observe(stats.worker_idle_ms / 1000.0)
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
         if stats.kv_blocks_total:

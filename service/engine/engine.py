@@ -5,6 +5,21 @@ The scheduling task runs iterations: `Scheduler.schedule()` -> worker step ->
 `Scheduler.update()`, then the engine's own part: text (detokenizer, stop strings), stream
 events, observers, and supervision of the worker. The front end talks to it only through
 submit() (a stream of events) and abort().
+
+Overlap (Config.overlap, on by default): as soon as result k is in and update() has
+committed its tokens, step k+1 is scheduled and sent, and step k's own part runs while the
+worker computes k+1. The loop is the same without overlap; only that part moves back to
+before the next schedule(). Outputs stay token-exact because:
+- update() appends every sampled token, and ends EOS and max_tokens sequences (freeing
+  their blocks), before the next schedule(); only stop strings are found later.
+- A request that ends while it is in the plan in flight (a stop string found in step k's
+  part, an abort at any await) is computed once more for nothing: update() skips finished
+  requests (no progress, no token) and _emit sends nothing for them.
+- Its blocks, freed when it ends, are allocated again only by schedule(), which runs after
+  result k+1 is in: at most one plan is in flight, so the worker is done with every block
+  of plan k+1 before another plan may use it (debug_invariants checks it).
+- A step's outcomes go out before anything fails its requests (a dead or hung worker,
+  shutdown), so no computed token is lost; an output never depends on its batch.
 """
 
 from __future__ import annotations
@@ -38,11 +53,13 @@ _IDLE_PING_S = 1.0  # how often an idle worker must prove it still answers
 
 
 class Worker(Protocol):
-    """What the engine needs of a worker (WorkerLink; tests use a simulated one)."""
+    """What the engine needs of a worker (WorkerLink; tests use a simulated one). One plan
+    is in flight at most: the next is sent after the previous one's result is received."""
 
     async def start(self) -> Handshake: ...
-    async def step(self, plan: BatchPlan) -> StepResult: ...
-    async def ping(self) -> None: ...
+    async def send_step(self, plan: BatchPlan) -> None: ...
+    async def receive_result(self, step_id: int) -> StepResult: ...
+    async def ping(self) -> None: ...  # only while no plan is in flight
     async def wait_closed(self) -> None: ...  # returns when the worker is gone (between steps)
     async def kill(self) -> None: ...
     async def stop(self) -> None: ...
@@ -82,6 +99,18 @@ class PolicySwap:
 
 
 @dataclass(slots=True)
+class _Step:
+    """One step from its plan to its report; with overlap its report comes after the next
+    step's plan went out."""
+
+    out: ScheduleOutput
+    deadline: float  # engine clock: no result by then means a hung worker
+    service_s: float  # service time spent on it: scheduling, then its results
+    result: StepResult | None = None
+    outcomes: list[Outcome] = dataclasses.field(default_factory=list)
+
+
+@dataclass(slots=True)
 class _Ticket:
     """A request on its way through admission, and the verdict its submitter waits for."""
 
@@ -114,6 +143,7 @@ class Engine:
         self._ready = False
         self._accepting = True
         self._next_seq_id = 0
+        self._unemitted: _Step | None = None  # its tokens are committed, not yet sent out
         self._worker_restarts = 0
         self._stopped = trio.Event()
         self.failure: EngineFailed | None = None  # why the engine stopped on its own
@@ -214,6 +244,7 @@ class Engine:
         """End a request now (synchronous, idempotent); its blocks are free at once."""
         request = self._requests.get(request_id)
         if request is not None:
+            self._emit_committed(request)
             self._finish(request, "abort", "aborted")
             self._wakeup.set()  # freed blocks may let a stuck admission through
 
@@ -423,7 +454,7 @@ class Engine:
         while True:
             self._expire_deadlines(trio.current_time())
             try:
-                if not sched.has_work() or not await self._iterate(sched):
+                if not await self._iterate(sched):
                     # nothing to do, or nothing could be scheduled: wait for a request or an abort
                     await self._wait_for_work()
             except WorkerDied as exc:
@@ -462,25 +493,64 @@ class Engine:
             )
 
     async def _iterate(self, sched: Scheduler) -> bool:
+        """Send the next step; run the previous step's part (text, events, report), after
+        the send when overlapping; take the new step's result. False: nothing to do."""
+        try:
+            step = await self._send_next_step(sched)
+        finally:
+            emitted = self._emit_unemitted(sched)  # valid tokens, whatever became of the send
+        if step is None:
+            return emitted  # a stop string it found may have freed blocks for a schedule
+        await self._take_result(sched, step)
+        if not self.config.overlap:
+            self._emit_unemitted(sched)
+        return True
+
+    async def _send_next_step(self, sched: Scheduler) -> _Step | None:
+        """Schedule a step and hand its plan to the worker; None if nothing can run."""
+        if not sched.has_work():
+            return None
         started = time.perf_counter()
         out = sched.schedule(trio.current_time())
         self._note_scheduled(out)
         if out.plan is None:
-            return False
-        planned = time.perf_counter()
+            return None
+        deadline = trio.current_time() + self.config.step_timeout
+        step = _Step(out, deadline, service_s=time.perf_counter() - started)
+        with trio.move_on_at(deadline):
+            await self._worker.send_step(out.plan)
+            return step
+        raise WorkerHung(f"the worker took no plan for {self.config.step_timeout} s")
+
+    async def _take_result(self, sched: Scheduler, step: _Step) -> None:
+        """Wait for the step's result and apply it: its tokens are committed from here."""
+        assert step.out.plan is not None
         result = None
-        with trio.move_on_after(self.config.step_timeout):
-            result = await self._worker.step(out.plan)
+        with trio.move_on_at(step.deadline):
+            result = await self._worker.receive_result(step.out.plan.step_id)
         if result is None:
             raise WorkerHung(f"a step took longer than {self.config.step_timeout} s")
-        stepped = time.perf_counter()
+        started = time.perf_counter()
+        if self.config.debug_invariants:
+            _check_blocks_kept(sched, step.out.plan)
+        step.result = result
+        step.outcomes = sched.update(step.out, result)
+        step.service_s += time.perf_counter() - started
+        self._unemitted = step
+
+    def _emit_unemitted(self, sched: Scheduler) -> bool:
+        """The engine's part of the step whose result was applied last; False if none."""
+        step, self._unemitted = self._unemitted, None
+        if step is None:
+            return False
+        started = time.perf_counter()
         now = trio.current_time()
-        for outcome in sched.update(out, result):
+        for outcome in step.outcomes:
             self._emit(outcome, now)
         if self.config.debug_invariants:
             sched.check_invariants()
-        schedule_ms = (planned - started + time.perf_counter() - stepped) * 1000
-        self._report_iteration(sched, out, result, schedule_ms)
+        step.service_s += time.perf_counter() - started
+        self._report_iteration(sched, step)
         return True
 
     def _note_scheduled(self, out: ScheduleOutput) -> None:
@@ -499,9 +569,20 @@ class Engine:
             for observer in self._observers:
                 observer.on_preemption(request.request_id)
 
+    def _emit_committed(self, request: Request) -> None:
+        """Before ending a request from outside the loop (abort, shutdown): the tokens that
+        update() committed for it and the overlapped loop has not sent yet go out first, as
+        they would have without overlap."""
+        step = self._unemitted
+        for outcome in step.outcomes if step else ():
+            if outcome.request is request:
+                self._emit(outcome, trio.current_time())
+
     def _emit(self, outcome: Outcome, now: float) -> None:
         """Text and events for one request's share of a step; finish it if it is done."""
         request, finish = outcome.request, outcome.finish
+        if request.is_finished:
+            return  # already ended: by an abort, after its committed tokens went out
         if outcome.token is None:
             assert finish is not None
             self._finish(request, *finish, error=outcome.error)
@@ -539,6 +620,7 @@ class Engine:
 
     def _finish_all(self, reason: str, detail: str) -> None:
         for request in list(self._requests.values()):
+            self._emit_committed(request)
             self._finish(request, reason, detail)
 
     # ---- worker supervision -----------------------------------------------------------
@@ -641,10 +723,9 @@ class Engine:
         for observer in self._observers:
             observer.on_request_refused(reason)
 
-    def _report_iteration(
-        self, sched: Scheduler, out: ScheduleOutput, result: StepResult, schedule_ms: float
-    ) -> None:
-        assert out.plan is not None
+    def _report_iteration(self, sched: Scheduler, step: _Step) -> None:
+        out, result = step.out, step.result
+        assert out.plan is not None and result is not None
         stats = sched.stats()
         record = IterationStats(
             iteration=out.iteration,
@@ -658,8 +739,9 @@ class Engine:
             kv_blocks_used=stats.kv_blocks_used,
             kv_blocks_total=stats.kv_blocks_total,
             step_ms=result.step_ms,
-            schedule_ms=schedule_ms,
+            schedule_ms=step.service_s * 1000,
             preempted=len(out.preempted),
+            worker_idle_ms=result.idle_ms,
         )
         every = self.config.log_iterations
         if every and out.iteration % every == 0:
@@ -674,6 +756,19 @@ class Engine:
         log.info("request.finished", **stats.log_fields())
         for observer in self._observers:
             observer.on_request_finished(stats)
+
+
+def _check_blocks_kept(sched: Scheduler, plan: BatchPlan) -> None:
+    """No block of the plan just computed went to another sequence while the worker ran it:
+    blocks freed meanwhile (stop string, abort) wait for the next schedule()."""
+    owner = {
+        block: request.seq_id
+        for request in (*sched.running, *sched.waiting)
+        for block in sched.blocks.table(request.seq_id)
+    }
+    for seq_id, table in zip(plan.seq_ids, plan.block_tables, strict=True):
+        taken = [block for block in table if owner.get(block, seq_id) != seq_id]
+        assert not taken, f"step {plan.step_id}: blocks {taken} of seq {seq_id} reallocated"
 
 
 def _log_since_received(event: str, request: Request, now: float, key: str) -> None:

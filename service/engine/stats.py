@@ -27,8 +27,12 @@ class IterationStats:
     kv_blocks_used: int
     kv_blocks_total: int
     step_ms: float  # measured in the worker
-    schedule_ms: float  # service-side: view, decision, validation, plan building, results
+    # service-side: view, decision, validation, plan building, results (text, events); with
+    # overlap the results part runs while the worker computes the next step
+    schedule_ms: float
     preempted: int  # sequences preempted at this iteration
+    # the worker's wait for this plan after its previous result; None when it was idle anyway
+    worker_idle_ms: float | None
 
 
 @dataclass(frozen=True, slots=True)

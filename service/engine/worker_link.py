@@ -3,7 +3,9 @@
 The worker runs as `python -m gpu_worker --fd N`, N being its end of a socketpair; the
 service keeps the other end as a trio SocketStream and exchanges length-prefixed frames
 (gpu_worker.protocol). The process is a trio.Process, reaped by `stop()` (or when a dead
-one is replaced), so no zombie and no helper thread is left behind.
+one is replaced), so no zombie and no helper thread is left behind. A step is two calls,
+`send_step` and `receive_result`, so that the engine can do other work while the worker
+computes; at most one step is out at a time.
 """
 
 from __future__ import annotations
@@ -160,7 +162,16 @@ class WorkerLink:
                 raise WorkerStartError(f"the worker failed its warm-up step: {result.error}")
 
     async def step(self, plan: BatchPlan) -> StepResult:
+        """One plan and its result, when there is nothing to do meanwhile (the warm-up)."""
+        await self.send_step(plan)
+        return await self.receive_result(plan.step_id)
+
+    async def send_step(self, plan: BatchPlan) -> None:
+        """Hand the worker its next plan; send one only after the previous one's result."""
         await self._send(to_message("step", plan))
+
+    async def receive_result(self, step_id: int) -> StepResult:
+        """The result of the plan sent last; WorkerDied if the worker fails it."""
         reply = await self._receive_answer()
         kind = reply.get("type")
         if kind == "fatal":
@@ -168,12 +179,12 @@ class WorkerLink:
         if kind != "result":
             raise WorkerDied(f"unexpected message from the worker: {kind!r}")
         result = record_from_message(StepResult, reply)
-        if result.step_id != plan.step_id:
-            raise WorkerDied(f"result for step {result.step_id}, expected {plan.step_id}")
+        if result.step_id != step_id:
+            raise WorkerDied(f"result for step {result.step_id}, expected {step_id}")
         return result
 
     async def ping(self) -> None:
-        """One round trip; proves the worker still answers between steps."""
+        """One round trip; proves the worker still answers between steps (none is out)."""
         await self._send({"type": "ping"})
         self._pongs_owed += 1  # after the send: a send cancelled at its start sent nothing
         while self._pongs_owed:
