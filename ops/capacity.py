@@ -3,7 +3,7 @@
     cadence bench capacity --url URL [--rates 0.25,0.5,1,2] [--duration 60] [--ttft-ms 3000]
         [--itl-p99-ms 250,500,1000] [--attainment 0.9] [--bisect 2] [--label NAME]
         [--policy NAME --policy NAME --admin-token T]
-    cadence bench capacity --merge DIR DIR ... --out DIR
+    cadence bench capacity --merge DIR DIR ... --out DIR [--rescore --ttft-ms 5000 ...]
 
 Runs the mixed workload (chat turns with long-tailed lengths, a share of long documents,
 Poisson arrivals; the same seed gives the same requests at a rate against any server) at
@@ -11,7 +11,8 @@ each rate, waiting for every request to end, then bisects between the highest pa
 the lowest failing rate of the --bisect-target ITL target. With --policy, the whole sweep
 runs once per policy (a cadence server's admin API). Writes capacity.json, summary.txt and
 attainment.png into --out; --merge puts finished sweeps (say cadence's and vLLM's) into one
-table and plot.
+table and plot, and with --rescore judges their recorded requests against this command's
+--ttft-ms, --itl-p99-ms and --attainment instead (a different SLO, no new run).
 """
 
 from __future__ import annotations
@@ -37,7 +38,14 @@ from ops.capacity_report import (
     rate_result,
     report_text,
 )
-from ops.client import ClientConfig, RequestSpec, discover_model, run_workload, set_policy
+from ops.client import (
+    ClientConfig,
+    RequestRecord,
+    RequestSpec,
+    discover_model,
+    run_workload,
+    set_policy,
+)
 from ops.compare import parse_policy
 from ops.plots import plot_attainment
 from ops.prompts import PromptMaker, load_codec
@@ -69,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--admin-token", help="bearer token of the admin API (for --policy)")
     parser.add_argument(
         "--merge", nargs="+", type=Path, metavar="DIR", help="report finished sweeps together"
+    )
+    parser.add_argument(
+        "--rescore",
+        action="store_true",
+        help="with --merge: judge the recorded requests against this command's SLO flags",
     )
     add_shape_args(parser)
     add_client_args(parser, slo=False)
@@ -274,8 +287,9 @@ def write_report(sweeps: list[dict[str, Any]], out_dir: Path, plots: bool) -> st
     return text
 
 
-def load_sweeps(dirs: list[Path]) -> list[dict[str, Any]]:
-    """Every sweep of every DIR/capacity.json; a name seen before gets its directory added."""
+def load_sweeps(dirs: list[Path], rescored: Sweep | None = None) -> list[dict[str, Any]]:
+    """Every sweep of every DIR/capacity.json; a name seen before gets its directory added.
+    With `rescored`, each run's recorded requests are judged against its SLO instead."""
     sweeps, seen = [], set()
     for directory in dirs:
         path = directory / "capacity.json"
@@ -289,8 +303,26 @@ def load_sweeps(dirs: list[Path]) -> list[dict[str, Any]]:
             if sweep["name"] in seen:
                 sweep["name"] = f"{sweep['name']} ({directory.name})"
             seen.add(sweep["name"])
+            if rescored is not None:
+                sweep = rescore(sweep, document["workload"]["duration_s"], rescored)
             sweeps.append(sweep)
     return sweeps
+
+
+def rescore(sweep: dict[str, Any], duration_s: float, slo: Sweep) -> dict[str, Any]:
+    """The sweep's runs judged against another SLO, from their recorded requests."""
+    runs = []
+    for run in sweep["runs"]:
+        records = [RequestRecord(**record) for record in run["requests"]]
+        result = rate_result(records, run["rate"], duration_s, slo.ttft_ms, slo.itl_targets)
+        runs.append({**run, **result})
+    return {**sweep, "runs": runs, "slo": slo_settings(slo), "capacity": capacities(runs, slo)}
+
+
+def rescored_slo(args: argparse.Namespace) -> Sweep | None:
+    if not args.rescore:
+        return None
+    return sweep_from_args(argparse.Namespace(**{**vars(args), "policy": None}))
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -318,7 +350,12 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help or a usage error already printed by argparse
         return int(exc.code or 0)
     try:
-        document = {"sweeps": load_sweeps(args.merge)} if args.merge else measure(args)
+        if args.rescore and not args.merge:
+            raise ValueError("--rescore needs --merge")
+        if args.merge:
+            document = {"sweeps": load_sweeps(args.merge, rescored_slo(args))}
+        else:
+            document = measure(args)
     except ValueError as exc:  # bad flags, PromptError, ModelFileError, a refused policy
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2

@@ -1,6 +1,7 @@
 """`cadence bench capacity`: the mixed workload, SLO attainment, the capacity rule and the
 command end to end against a fake streaming server."""
 
+import dataclasses
 import random
 
 import orjson
@@ -394,3 +395,33 @@ async def test_merge_puts_finished_sweeps_in_one_table_and_plot(tmp_path, capsys
     assert row.split() == ["500", "ms", "1", "(2", "fails)", "0.5", "(1", "fails)", "<", "0.5"]
     assert (out / "attainment.png").read_bytes().startswith(PNG_MAGIC)
     assert not (out / "capacity.json").exists()
+
+
+async def test_rescore_judges_the_recorded_requests_against_another_slo(tmp_path):
+    # 10 requests a run: `met` of them fast, the rest with one 2.4 s gap between chunks
+    runs = []
+    for rate, met in ((0.5, 10), (1, 8), (2, 3)):
+        records = [record([0.1, 0.12])] * met + [record([0.1, 2.5])] * (10 - met)
+        run = {**rate_result(records, rate, 10.0, 3000, [500]), "bisection": False}
+        run["requests"] = [dataclasses.asdict(r) for r in records]
+        runs.append(run)
+    sweep = {
+        "name": "cadence",
+        "url": "http://x",
+        "model": "m",
+        "slo": {"ttft_ms": 3000, "itl_p99_ms": [500], "attainment": 0.9, "bisect_target": 500},
+        "runs": runs,
+        "capacity": [{"itl_p99_ms": 500, **capacity_dict({0.5: 1.0, 1: 0.8, 2: 0.3})}],
+    }
+    (tmp_path / "run").mkdir()
+    document = {"sweeps": [sweep], "workload": {"duration_s": 10.0}}
+    (tmp_path / "run" / "capacity.json").write_bytes(orjson.dumps(document))
+    out = tmp_path / "rescored"
+    argv = ["capacity", "--merge", str(tmp_path / "run"), "--rescore", "--out", str(out),
+            "--itl-p99-ms", "500,3000", "--attainment", "0.75", "--no-plots"]  # fmt: skip
+    assert await run_main(argv) == 0
+    rows = (out / "summary.txt").read_text().split("capacity (requests/s)\n")[1].splitlines()
+    # 500 ms: 1.0, 0.8, 0.3 against 75 %; 3000 ms: every recorded request meets it
+    assert rows[2].split() == ["500", "ms", "1", "(2", "fails)"]
+    assert rows[3].split() == ["3000", "ms", ">=", "2"]
+    assert "met@3000" in (out / "summary.txt").read_text()
