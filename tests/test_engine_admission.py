@@ -118,9 +118,10 @@ async def test_the_token_bound_never_refuses_one_full_window_prompt(autojump_clo
 
 
 async def warm_cost_model(engine: Engine) -> None:
-    """Enough measured steps for the engine's step-cost model."""
-    channel = await engine.submit([3] * 40, greedy(12), request_id="warm")
-    await collect(channel)
+    """Enough measured steps, with chunks of several sizes, for the step-cost model to
+    tell a chunk's tokens from its overhead."""
+    for i, length in enumerate((40, 120, 250)):
+        await collect(await engine.submit([3] * length, greedy(4), request_id=f"warm{i}"))
     assert engine.state()["step_cost"] is not None
 
 
