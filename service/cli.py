@@ -98,7 +98,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--max-queue-time",
         type=positive_float,
         default=None,
-        help="seconds a request may wait to start; later it ends with 503 deadline_exceeded, "
+        help="seconds a request may wait to start; later it ends with 429 deadline_exceeded, "
         "and one predicted not to start in time gets 429 at arrival (default: no limit)",
     )
     p.add_argument(

@@ -41,7 +41,7 @@ class Config:
     max_queue: int = 1024  # waiting requests beyond this get "overloaded" (HTTP 429)
     # prompt tokens waiting to start beyond this get "overloaded" (at least one full prompt)
     max_queued_tokens: int = 262144
-    max_queue_time: float | None = None  # seconds a request may wait to start, else 503
+    max_queue_time: float | None = None  # seconds a request may wait to start, else 429
     # refuse at arrival (429) a request whose predicted TTFT exceeds this many seconds
     max_predicted_ttft: float | None = None
     max_model_len: int | None = None  # None: the model's own context window

@@ -250,6 +250,7 @@ async def test_the_right_token_reads_state_and_swaps_the_policy(client):
             "max_prefill_share": 1.0,
             "chunk_size": 64,
             "solo_budget": 2048,
+            "bound_cost": True,
         },
     }
     assert swap["iteration"] == 1

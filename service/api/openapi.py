@@ -175,7 +175,7 @@ def _request(own: Schema, required: list[str], max_model_len: int | None) -> Sch
             "exclusiveMinimum": 0,
             "maximum": MAX_DEADLINE_MS,
             "description": "cadence: milliseconds the request may wait to start; if it "
-            "cannot, 429 at arrival or 503 deadline_exceeded (both with Retry-After)",
+            "cannot, 429 (overloaded at arrival, deadline_exceeded later; with Retry-After)",
         },
     }
     neutral = {
@@ -379,7 +379,7 @@ _ERROR_TEXT = {
     413: "Body too large",
     415: "Body not declared application/json",
     429: "Overloaded, or it could not start before its deadline: retry later",
-    503: "Worker not ready, restarting or shutting down; or deadline_exceeded",
+    503: "Worker not ready, restarting or shutting down",
 }
 
 

@@ -42,7 +42,6 @@ SERVER_STATE_FAILURES = (
     "worker_hung",
     "worker_unavailable",
     "kv_capacity_exceeded",
-    "deadline_exceeded",
 )
 
 
@@ -213,10 +212,17 @@ def failure_of(finish: FinishEvent | None) -> APIError | None:
         )
     if finish.reason == "error":
         message = finish.error or finish.detail
+        if finish.detail == "deadline_exceeded":
+            # load shed, as a refusal at arrival is: the queue was too long for its deadline
+            return APIError(
+                429,
+                f"{message}: the server is overloaded; retry later",
+                code="deadline_exceeded",
+                headers={"Retry-After": "1"},
+            )
         if finish.detail in SERVER_STATE_FAILURES:
             # Not the request's fault and not a bug: the worker died, hung, cannot be
-            # restarted, came back too small for it, or the queue was too long for its
-            # deadline. Retrying later may succeed.
+            # restarted, or came back too small for it. Retrying later may succeed.
             return APIError(
                 503, f"{message}; retry later", code=finish.detail, headers={"Retry-After": "1"}
             )
