@@ -249,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             max_batched_tokens=cap,
             max_num_seqs=max(128, args.num_requests),
             max_queue=max(config.max_queue, args.num_requests),
+            max_queued_tokens=max(config.max_queued_tokens, sum(map(len, prompts))),
         )
         runs.append(
             trio.run(run_policy, run_config, model_dir, tokenizer, prompts, args.output_len)

@@ -72,7 +72,9 @@ class LLM:
     ) -> list[Completion]:
         # everything is submitted at once: the queue must hold all of it
         config = dataclasses.replace(
-            self.config, max_queue=max(self.config.max_queue, len(token_lists))
+            self.config,
+            max_queue=max(self.config.max_queue, len(token_lists)),
+            max_queued_tokens=max(self.config.max_queued_tokens, sum(map(len, token_lists))),
         )
         results: list[Completion | None] = [None] * len(token_lists)
         async with (

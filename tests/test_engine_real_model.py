@@ -153,3 +153,15 @@ def test_offline_generate_matches_the_engine(tokenizer, dtype):
     assert outs[0].finish_reason in ("stop", "length")
     with pytest.raises(ValueError, match="unknown config"):
         LLM(not_an_option=1)
+
+
+def test_offline_generate_queues_a_batch_beyond_the_servers_token_bound(tokenizer):
+    from service.offline import LLM
+
+    # one runs at a time, so a server would refuse the fourth 3,000-token prompt (9,000
+    # tokens waiting > the 8,192 the bound never goes below); a batch is submitted at once
+    # and must all be queued
+    llm = LLM(dtype="bfloat16", device="cpu", max_num_seqs=1, max_queued_tokens=1)
+    prompts = [[tokenizer.bos_token_id or 1] + [100 + i] * 2999 for i in range(4)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=1, sampling=ARGMAX))
+    assert [out.finish_reason for out in outs] == ["length"] * 4
