@@ -7,7 +7,7 @@ A step's tokens pay for the matmuls (weights read once per step, then per-token 
 prefill attention pairs (each query token of a chunk times the keys it attends to) are what
 make a 512-token chunk deep in a long prompt cost several times one at its start. Decode
 attention is priced apart, per cached token a decoding sequence reads: it streams the KV
-cache from memory, several times dearer per pair than a chunk's compute-bound attention.
+cache from memory, so a pair costs it another price than a chunk's compute-bound attention.
 The fit is least squares over the steps seen, weighted so that older steps fade (the
 machine's speed drifts with its load), with every coefficient kept non-negative: every term
 if their fit is, else the best non-negative fit of fewer terms. Policies get the
