@@ -65,8 +65,10 @@ class WorkerLoop:
         if kind == "step":
             result = self.step(msg)
             result.idle_ms = self.idle_ms()
-            self.send(to_message("result", result))
+            # Stamped before the send: waking the service may preempt this process inside
+            # sendall, and the wait for the next plan starts when the result is ready.
             self.answered_at = time.perf_counter()
+            self.send(to_message("result", result))
         elif kind == "ping":
             self.answered_at = None  # the service pings only when it has nothing to run
             self.send({"type": "pong"})

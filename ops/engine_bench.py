@@ -186,7 +186,7 @@ def print_report(summaries: list[dict], runs: list[PolicyRun]) -> None:
 
 
 def _fine_ms(value: float | None) -> str:
-    """Idle gaps are fractions of a millisecond when overlapped; none without a burst."""
+    """Idle gaps are a few milliseconds or less: three decimals; none without a burst."""
     return "-" if value is None else f"{value:.3f}"
 
 
