@@ -63,7 +63,7 @@ class IterationRecorder:
 
 @dataclass(slots=True)
 class PolicyRun:
-    policy: str  # and "(no overlap)" for the sequential loop
+    policy: str  # with its overlap setting
     seconds: float
     timelines: list[Timeline]
     iterations: list[IterationStats]
@@ -82,7 +82,7 @@ async def run_policy(
         start = trio.current_time()
         await _generate(engine, prompts, params, timelines)
         seconds = trio.current_time() - start
-    label = config.policy if config.overlap else f"{config.policy} (no overlap)"
+    label = f"{config.policy} (overlap {config.overlap})"
     return PolicyRun(label, seconds, timelines, recorder.iterations)
 
 
@@ -214,9 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--overlap",
-        choices=["on", "off", "both"],
-        default="on",
-        help="overlapped scheduling; both: run each policy with it and without",
+        choices=["auto", "on", "off", "both"],
+        default="auto",
+        help="as `cadence serve --overlap` (auto: off on the CPU); both: off, then on",
     )
     parser.add_argument("--log-file", type=Path, default=None, help="the engine's JSON log lines")
     return parser
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [tokenizer.encode(maker.make(args.prompt_len, o)) for o in offsets]
     cap = args.max_batched_tokens or max(2048, args.num_requests * args.prompt_len)
     runs = []
-    overlaps = {"on": [True], "off": [False], "both": [False, True]}[args.overlap]
+    overlaps = {"both": ["off", "on"]}.get(args.overlap, [args.overlap])
     for policy, overlap in itertools.product(args.policy or ["fcfs", "stall_free"], overlaps):
         run_config = dataclasses.replace(
             config,

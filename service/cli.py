@@ -201,9 +201,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--debug-invariants", action="store_true", help="check KV block accounting every iteration"
     )
     p.add_argument(
-        "--no-overlap",
-        action="store_true",
-        help="finish each step's text and events before scheduling the next (for comparison)",
+        "--overlap",
+        choices=["auto", "on", "off"],
+        default=defaults.overlap,
+        help="schedule step k+1 before step k's text and events; auto: unless the worker "
+        "computes on the CPU, whose cores the service would take from it",
     )
 
 
@@ -270,7 +272,6 @@ def config_from_args(args: argparse.Namespace) -> Config:
     config = Config(**{f.name: given[f.name] for f in fields(Config) if f.name in given})
     config.cache_dir = args.cache_dir or default_cache_dir()
     config.use_cuda_graphs = not args.no_cuda_graphs
-    config.overlap = not args.no_overlap
     config.policy_params = dict(args.policy_param)
     config.admin_token = admin_token_of(args)
     return config

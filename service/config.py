@@ -50,8 +50,9 @@ class Config:
     admission_watermark: float = 0.05
     max_preemptions: int = 3  # a request preempted this many times is never a victim again
     # schedule and send step k+1 before step k's text and events, so the worker never waits
-    # on them; off: the sequential loop, for comparison
-    overlap: bool = True
+    # on them: "on", "off", or "auto" (on unless the worker computes on the CPU, whose cores
+    # the service would take from it)
+    overlap: str = "auto"
     # HTTP
     host: str = "127.0.0.1"
     port: int = 8000

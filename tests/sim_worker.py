@@ -77,6 +77,7 @@ class SimWorker:
     per_token_ms: float = 0.1
     per_seq_ms: float = 0.2
     per_pair_ms: float = 0.0
+    device: str = "cpu"  # as reported in the handshake
     # (seq_id, position of the token to sample) -> sample EOS there
     eos_at: Callable[[int, int], bool] | None = None
     die_at_step: int | None = None  # the worker dies computing the n-th plan (1-based)
@@ -124,7 +125,7 @@ class SimWorker:
             num_kv_heads=1,
             head_dim=1,
             dtype="float32",
-            device="cpu",
+            device=self.device,
             block_size=self.block_size,
             num_blocks=self.num_blocks,
             kv_bytes=0,
@@ -277,7 +278,13 @@ def expected_tokens(prompt: list[int], count: int) -> list[int]:
 
 
 def sim_config(**overrides: object) -> Config:
-    base = {"max_batched_tokens": 512, "max_num_seqs": 64, "debug_invariants": True}
+    # overlap "on": the engine suites run the overlapped loop ("auto" would be off: "cpu")
+    base = {
+        "max_batched_tokens": 512,
+        "max_num_seqs": 64,
+        "debug_invariants": True,
+        "overlap": "on",
+    }
     base.update(overrides)
     return Config(**base)  # type: ignore[arg-type]
 

@@ -88,7 +88,7 @@ def test_outputs_are_the_sequential_loops_whatever_ends_a_request(
         max_batched_tokens=max_batched_tokens,
         max_num_seqs=max_num_seqs,
         max_queue=64,
-        overlap=overlap,
+        overlap="on" if overlap else "off",
     )
     run = TraceRun(config, SimWorker(num_blocks=num_blocks))
     trio.run(run.play, trace, swaps, clock=trio.testing.MockClock(autojump_threshold=0))
@@ -206,7 +206,7 @@ async def run_with_slow_engine_work(
 ) -> tuple[SimWorker, SlowEngineWork]:
     worker = SimWorker()
     observer = SlowEngineWork(worker=worker, clock=clock, cost=cost)
-    async with running_engine(sim_config(overlap=overlap), worker) as engine:
+    async with running_engine(sim_config(overlap="on" if overlap else "off"), worker) as engine:
         engine.add_observer(observer)
         channels = [
             await engine.submit([i + 1] * 20, greedy(16), request_id=f"r{i}") for i in range(3)
@@ -252,7 +252,7 @@ async def test_a_stop_string_found_while_its_next_step_runs_costs_no_extra_token
     end = text.find(stop) + len(stop)
     assert end < 40  # it ends the request mid-stream
     worker = SimWorker()
-    async with running_engine(sim_config(overlap=overlap), worker) as engine:
+    async with running_engine(sim_config(overlap="on" if overlap else "off"), worker) as engine:
         # a neighbour that keeps running (and may take the freed blocks) after the stop
         other = await engine.submit([9] * 30, greedy(40), request_id="other")
         stopped = await engine.submit(prompt, greedy(40, stop=[stop]), request_id="stopped")
@@ -280,7 +280,7 @@ async def test_an_abort_while_the_next_plan_is_sent_keeps_the_committed_tokens(
             engines[0].abort("r")  # step 5's token is committed; with overlap not yet sent
 
     worker.on_plan = abort_at_step_6
-    async with running_engine(sim_config(overlap=overlap), worker) as engine:
+    async with running_engine(sim_config(overlap="on" if overlap else "off"), worker) as engine:
         engines.append(engine)
         got = await collect(await engine.submit([1, 2], greedy(30), request_id="r"))
         assert engine.state()["kv_blocks_used"] == 0
@@ -293,7 +293,7 @@ async def test_an_abort_while_the_next_plan_is_sent_keeps_the_committed_tokens(
 async def test_a_worker_dying_with_a_plan_in_flight_fails_the_running_once(autojump_clock, overlap):
     worker = SimWorker(die_at_step=5)
     observer = RecordingObserver()
-    config = sim_config(max_num_seqs=2, overlap=overlap)  # the third waits
+    config = sim_config(max_num_seqs=2, overlap="on" if overlap else "off")  # the third waits
     prompts = {"a": [1, 2, 3], "b": [4, 5], "c": [6, 7]}
     async with running_engine(config, worker) as engine:
         engine.add_observer(observer)
@@ -312,3 +312,22 @@ async def test_a_worker_dying_with_a_plan_in_flight_fails_the_running_once(autoj
     assert got["c"].token_ids == expected_tokens(prompts["c"], 12)
     assert sorted(s.request_id for s in observer.finished) == ["a", "b", "c"]
     assert worker.starts == 2 and worker.kills == 1
+
+
+@pytest.mark.parametrize(
+    ("setting", "device", "expected"),
+    [
+        ("auto", "cpu", False),  # the service's part would take the worker's cores
+        ("auto", "cuda:0", True),
+        ("on", "cpu", True),
+        ("off", "cuda:0", False),
+    ],
+)
+async def test_auto_overlaps_unless_the_worker_computes_on_the_cpu(
+    autojump_clock, setting, device, expected
+):
+    worker = SimWorker(device=device)
+    async with running_engine(sim_config(overlap=setting), worker) as engine:
+        assert engine.state()["overlap"] is expected
+        out = await collect(await engine.submit([5] * 8, greedy(6), request_id="r"))
+    assert len(out.tokens) == 6
