@@ -70,10 +70,11 @@ class StepCost:
         """What a chunk adds to a step: its tokens and its attention at its position."""
         return self.ms_per_token * tokens + self.ms_per_pair * attention_pairs(start, tokens)
 
-    def decode_ms(self, seqs: tuple[SeqView, ...] | list[SeqView]) -> float:
-        """A step of these decodes alone, base included."""
-        context = sum(s.num_computed_tokens for s in seqs)
-        return self.base_ms + self.ms_per_token * len(seqs) + self.ms_per_context * context
+    def decode_ms(self, contexts: list[int]) -> float:
+        """A step of decodes alone, base included: one per cached-token count in `contexts`."""
+        return (
+            self.base_ms + self.ms_per_token * len(contexts) + self.ms_per_context * sum(contexts)
+        )
 
     def largest_chunk(self, start: int, max_ms: float, limit: int) -> int:
         """The most tokens (<= limit) a chunk at `start` may have to add at most `max_ms`;

@@ -40,7 +40,9 @@ class Slo(Policy):
             prefill_ms = None
             prefill_cap = p.min_chunk
         else:
-            prefill_ms = p.headroom * p.itl_target_ms - cost.decode_ms(decoding)
+            prefill_ms = p.headroom * p.itl_target_ms - cost.decode_ms(
+                [s.num_computed_tokens for s in decoding]
+            )
             prefill_cap = p.max_budget
             if prefill_ms < cost.chunk_ms(0, p.min_chunk):
                 prefill_ms, prefill_cap = None, p.min_chunk  # the floor that keeps prefill moving

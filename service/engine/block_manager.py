@@ -78,11 +78,15 @@ class BlockManager:
     def can_grow(self, seq_id: int, num_tokens: int) -> bool:
         return self.extra_blocks(seq_id, num_tokens) <= len(self._free)
 
+    @property
+    def num_admittable(self) -> int:
+        """Blocks a newcomer may take: unpromised, keeping `watermark_blocks` for running
+        sequences to grow."""
+        return self.num_available - self.watermark_blocks
+
     def admission_shortfall(self, num_tokens: int) -> int:
-        """Blocks missing to admit a sequence of `num_tokens` while keeping `watermark_blocks`
-        for running ones to grow (<= 0: it fits)."""
-        available = self.num_available - self.watermark_blocks
-        return self.blocks_to_hold(num_tokens) - available
+        """Blocks missing to admit a sequence of `num_tokens` (<= 0: it fits)."""
+        return self.blocks_to_hold(num_tokens) - self.num_admittable
 
     def promise(self, seq_id: int, num_tokens: int) -> None:
         """Set aside the blocks `seq_id` needs to hold `num_tokens`, allocated later chunk by

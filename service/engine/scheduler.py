@@ -218,8 +218,7 @@ class Scheduler:
         work_ms = cost.chunk_ms(0, new_prompt) if new_prompt else 0.0
         work_ms += sum(cost.chunk_ms(r.num_computed_tokens, r.remaining) for r in prefills)
         tokens = new_prompt + sum(r.remaining for r in prefills)
-        context = sum(r.num_computed_tokens for r in decoding)
-        step_ms = cost.base_ms + cost.ms_per_token * len(decoding) + cost.ms_per_context * context
+        step_ms = cost.decode_ms([r.num_computed_tokens for r in decoding])
         steps = -(-tokens // max(1, self.max_batched_tokens - len(decoding)))
         return work_ms + steps * step_ms
 
@@ -312,7 +311,7 @@ class Scheduler:
             waiting=tuple(self._seq_view(r) for r in self.waiting[: self.waiting_view]),
             num_waiting=len(self.waiting),
             free_blocks=blocks.num_free,
-            admit_blocks=0 if self.admission_paused else -blocks.admission_shortfall(0),
+            admit_blocks=0 if self.admission_paused else blocks.num_admittable,
             total_blocks=blocks.num_blocks,
             block_size=blocks.block_size,
             max_batched_tokens=self.max_batched_tokens,
