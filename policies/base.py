@@ -25,10 +25,15 @@ class SeqView:
     arrival: float  # seconds, engine clock
     prompt_len: int
     num_generated: int
-    num_computed_tokens: int  # tokens whose K/V is in the cache
-    num_blocks: int  # KV blocks held now
+    # tokens whose K/V is in the cache; for a waiting sequence, the prefix it would find
+    # in the prefix cache (admission starts it there)
+    num_computed_tokens: int
+    # KV blocks held now; for a waiting sequence, the cached blocks it would share at no
+    # cost (others hold them), so that View.blocks_for is what admitting it takes
+    num_blocks: int
     preempted: int = 0  # how many times it was preempted
     deadline: float | None = None  # engine clock: it must start by then, or it is refused
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache, not computed
 
     @property
     def num_tokens(self) -> int:

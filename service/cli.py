@@ -122,6 +122,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="a request preempted this many times is never preempted again (0: never preempt)",
     )
     p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.enable_prefix_caching,
+        help="share the KV blocks of prompt prefixes computed before (vLLM's flag; on by "
+        "default, --no-enable-prefix-caching turns it off)",
+    )
+    p.add_argument(
         "--max-model-len",
         type=positive_int,
         default=None,

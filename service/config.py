@@ -49,6 +49,8 @@ class Config:
     # after a preemption, admission waits until this fraction of the blocks is free again
     admission_watermark: float = 0.05
     max_preemptions: int = 3  # a request preempted this many times is never a victim again
+    # requests sharing a prefix share its KV blocks (hash-chained full blocks, LRU-evicted)
+    enable_prefix_caching: bool = True
     # schedule and send step k+1 before step k's text and events, so the worker never waits
     # on them: "on", "off", or "auto" (on unless the worker computes on the CPU, whose cores
     # the service would take from it)

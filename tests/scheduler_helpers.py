@@ -40,9 +40,12 @@ def make_request(
     tenant: str = "t",
     priority: int = 0,
     received: float | None = None,
+    family: int | None = None,
 ) -> Request:
+    """Requests of one `family` (default: its own) share their prompts' prefixes."""
     send, _ = trio.open_memory_channel(1000)
-    prompt = [(seq_id * 31 + i) % 250 for i in range(prompt_len)]
+    first = (seq_id if family is None else family) * 31
+    prompt = [(first + i) % 250 for i in range(prompt_len)]
     params = SamplingParams(max_tokens=max_tokens)
     return Request(
         request_id=f"r{seq_id}",
@@ -67,10 +70,11 @@ def make_scheduler(
     *,
     admission_watermark: float = 0.0,
     max_preemptions: int = 3,
+    prefix_caching: bool = False,
 ) -> tuple[Scheduler, Scripted]:
     policy = Scripted()
     sched = Scheduler(
-        BlockManager(num_blocks, block_size, watermark),
+        BlockManager(num_blocks, block_size, watermark, enable_caching=prefix_caching),
         policy,
         max_batched_tokens=max_tokens,
         max_num_seqs=max_seqs,

@@ -8,12 +8,15 @@ real worker it reports, in `idle_ms`, how long each plan kept it waiting after i
 previous result, and `events` records, in order, when plans arrive and when the engine
 takes their results, so tests can see it overlap its own work with a step.
 
-It keeps a fake KV cache (each slot remembers which sequence wrote which token at which
-position) and checks every plan against it: a chunk must continue where the previous one
-ended, block tables must cover the positions, no two sequences may share a block, a read
-must find what the same sequence wrote. The sampled token is a function of the sequence's
-own content read back from that cache, so outputs do not depend on batch composition or
-on preemption, exactly the property the real model must have under greedy sampling.
+It keeps a fake KV cache (each slot remembers the token at its position and a digest of
+every token up to it) and checks every plan against it: a chunk must continue where the
+cache ends, block tables must cover the positions, a block a step writes is in no other
+table of the step, and a sequence reading a position again finds the same digest as the
+first time it wrote or read it (nobody overwrote a block under it). Cached prefixes are
+shared: a sequence may start past position 0 and read what others wrote. The sampled token
+is a function of the sequence's content read back from that cache, so outputs do not
+depend on batch composition, on preemption or on the prefix cache, exactly the property
+the real model must have under greedy sampling.
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ class SimWorker:
     starts: int = 0
     stopped: bool = False
     _kv: dict[int, list[tuple[int, int, int] | None]] = field(default_factory=dict)
+    _digests: dict[int, dict[int, int]] = field(default_factory=dict)  # seq -> pos -> digest
     _calls: int = 0
     _start_calls: int = 0
     _gone: trio.Event = field(default_factory=trio.Event)
@@ -114,6 +118,7 @@ class SimWorker:
         self.hung = False
         self._gone = trio.Event()
         self._kv.clear()
+        self._digests.clear()
         self._in_flight = None
         self._answered_at = None
         return Handshake(
@@ -223,31 +228,44 @@ class SimWorker:
         assert len(set(plan.seq_ids)) == n, "a sequence appears twice in one step"
         assert sum(plan.num_tokens) == len(plan.input_ids), "input ids do not match num_tokens"
         assert plan.total_tokens <= self.max_batched_tokens, "step larger than the worker allows"
-        seen: set[int] = set()
+        written: set[int] = set()
         for i in range(n):
             table = plan.block_tables[i]
             end = plan.start_pos[i] + plan.num_tokens[i]
             assert plan.num_tokens[i] >= 1
             assert end <= len(table) * self.block_size, "block table too short for positions"
             assert end <= self.max_model_len
+            assert len(set(table)) == len(table), "a block twice in one table"
             for block in table:
                 assert 0 <= block < self.num_blocks, f"block {block} out of range"
-                assert block not in seen, f"block {block} shared by two sequences"
-                seen.add(block)
+            for block in table[plan.start_pos[i] // self.block_size :]:
+                assert block not in written, f"block {block} written by two sequences"
+                written.add(block)
+        for i in range(n):
+            read = plan.block_tables[i][: plan.start_pos[i] // self.block_size]
+            assert not written & set(read), "a step writes a block another sequence reads"
 
     def _write(self, table: list[int], seq_id: int, pos: int, token: int) -> None:
-        if pos > 0:
-            self._read(table, seq_id, pos - 1)  # a chunk must continue the cached prefix
+        # a chunk must continue the cached prefix
+        parent = self._slot(table, seq_id, pos - 1)[2] if pos > 0 else 0
+        digest = (parent * 1000003 + token + 1) % 1_000_000_007
         block = table[pos // self.block_size]
         slots = self._kv.setdefault(block, [None] * self.block_size)
-        slots[pos % self.block_size] = (seq_id, pos, token)
+        slots[pos % self.block_size] = (pos, token, digest)
+        self._digests.setdefault(seq_id, {})[pos] = digest
 
-    def _read(self, table: list[int], seq_id: int, pos: int) -> int:
+    def _slot(self, table: list[int], seq_id: int, pos: int) -> tuple[int, int, int]:
         slots = self._kv.get(table[pos // self.block_size])
         entry = None if slots is None else slots[pos % self.block_size]
-        if entry is None or entry[0] != seq_id or entry[1] != pos:
+        if entry is None or entry[0] != pos:
             raise KVMismatch(f"seq {seq_id} position {pos}: cache holds {entry}")
-        return entry[2]
+        known = self._digests.setdefault(seq_id, {}).setdefault(pos, entry[2])
+        if known != entry[2]:
+            raise KVMismatch(f"seq {seq_id} position {pos}: overwritten since it was read")
+        return entry
+
+    def _read(self, table: list[int], seq_id: int, pos: int) -> int:
+        return self._slot(table, seq_id, pos)[1]
 
     def _next_token(self, table: list[int], seq_id: int, last: int) -> int:
         if self.eos_at is not None and self.eos_at(seq_id, last + 1):

@@ -205,9 +205,17 @@ def corrupted(kind: str) -> BlockManager:
         bm._refcount[owned] += 1
     elif kind == "refcount of a free block":
         bm._refcount[bm._free[0]] = 1
-    elif kind == "shared block":
-        bm._tables[2].append(owned)
+    elif kind == "held twice by one":
+        bm._tables[1].append(owned)
         bm._refcount[owned] += 1
+    elif kind == "evictable and free":
+        block = bm._free[0]
+        bm._hash_of[block], bm._block_of[b"h"] = b"h", block
+        bm._evictable[block] = None
+    elif kind == "evictable without hash":
+        bm._evictable[bm._free.pop()] = None
+    elif kind == "hash maps disagree":
+        bm._hash_of[owned] = b"x"
     elif kind == "free and owned":
         bm._free.append(owned)
     elif kind == "lost block":
@@ -230,10 +238,13 @@ def corrupted(kind: str) -> BlockManager:
         ("free twice", r"^a block is on the free list twice$"),
         ("refcount too high", "refcount 2 but 1 owners"),
         ("refcount of a free block", "refcount 1 but 0 owners"),
-        ("shared block", "owned by 2 sequences"),
-        ("free and owned", "both free and owned, or neither"),
-        ("lost block", "both free and owned, or neither"),
-        ("stray free block", r"^free 3 \+ owned 2 != total 4$"),
+        ("held twice by one", r"^sequence 1 holds a block twice$"),
+        ("evictable and free", r"^block \d is in 2 of free, evictable and held$"),
+        ("evictable without hash", r"^evictable block \d has no hash$"),
+        ("hash maps disagree", r"^the hash -> block and block -> hash maps disagree$"),
+        ("free and owned", r"is in 2 of free, evictable and held$"),
+        ("lost block", r"is in 0 of free, evictable and held$"),
+        ("stray free block", r"^free 3 \+ evictable 0 \+ held 2 != total 4$"),
         ("met promise kept", r"^sequence 1: a met promise is still counted$"),
         ("promised count drifted", r"^promised 1 but 0 blocks owed$"),
     ],

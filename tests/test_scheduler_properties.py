@@ -96,8 +96,14 @@ def check_step(
         was = before[seq_id]
         request = item.request
         assert n == item.num_tokens >= 1
-        # a chunk continues where the cache ends (0 after a preemption in this step: none)
-        assert start == was.num_computed
+        if was.status is Status.WAITING:
+            # admitted: from its cached prefix, whole blocks, never past its last token
+            assert start % block_size == 0 and start < was.num_tokens
+            assert start == 0 or sched.blocks.enable_caching
+        else:  # a chunk continues where the cache ends
+            assert start == was.num_computed
+        written = plan.block_tables[i][start // block_size :]
+        assert all(sched.blocks.refcount(b) == 1 for b in written), "writes a shared block"
         assert start + n <= was.num_tokens
         if was.num_tokens - was.num_computed == 1:
             assert n == 1  # decoding: exactly one token
@@ -155,6 +161,7 @@ def check_membership(sched: Scheduler, live: dict[int, Request]) -> None:
     admission_watermark=st.sampled_from([0.0, 0.3]),
     max_preemptions=st.integers(0, 3),
     steps=st.integers(1, 25),
+    prefix_caching=st.booleans(),
 )
 def test_every_step_keeps_the_core_promises_whatever_the_policy_decides(
     data: st.DataObject,
@@ -166,6 +173,7 @@ def test_every_step_keeps_the_core_promises_whatever_the_policy_decides(
     admission_watermark: float,
     max_preemptions: int,
     steps: int,
+    prefix_caching: bool,
 ):
     sched, policy = make_scheduler(
         num_blocks,
@@ -175,6 +183,7 @@ def test_every_step_keeps_the_core_promises_whatever_the_policy_decides(
         watermark,
         admission_watermark=admission_watermark,
         max_preemptions=max_preemptions,
+        prefix_caching=prefix_caching,
     )
     capacity = (num_blocks - sched.blocks.watermark_blocks) * block_size
     live: dict[int, Request] = {}
@@ -185,7 +194,8 @@ def test_every_step_keeps_the_core_promises_whatever_the_policy_decides(
             if capacity - max_new < 1:
                 continue
             prompt = data.draw(st.integers(1, min(capacity - max_new, 60)), label="prompt")
-            request = make_request(next_id, prompt, max_tokens=max_new)
+            family = data.draw(st.integers(0, 2), label="prompt family")  # shared prefixes
+            request = make_request(next_id, prompt, max_tokens=max_new, family=family)
             sched.add(request)
             live[next_id] = request
             next_id += 1
@@ -221,14 +231,16 @@ def test_every_step_keeps_the_core_promises_whatever_the_policy_decides(
             del live[gone.seq_id]
         outcomes = sched.update(out, sampled_result(out)) if out.plan is not None else []
         finished = {o.request.seq_id for o in outcomes if o.finish == ("length", "max_tokens")}
-        for item in out.scheduled:
+        for k, item in enumerate(out.scheduled):
             request = item.request
             was = before[request.seq_id]
+            assert out.plan is not None
+            start = out.plan.start_pos[k]  # where it was (an admission: its cache hit)
             if request.is_finished:  # aborted: nothing applied
-                assert request.num_computed_tokens == was.num_computed
+                assert request.num_computed_tokens == start
                 assert request.token_ids == was.token_ids
                 continue
-            assert request.num_computed_tokens == was.num_computed + item.num_tokens
+            assert request.num_computed_tokens == start + item.num_tokens
             if item.samples:
                 assert request.token_ids == [*was.token_ids, SAMPLED]
                 done = request.num_generated >= request.params.max_tokens

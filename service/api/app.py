@@ -78,6 +78,8 @@ def _install_json_only(app: QuartTrio) -> None:
         # preflight; demanding JSON keeps pages the CORS policy does not allow from driving us.
         if request.method not in METHODS_WITH_BODY or request.url_rule is None:
             return
+        if not request.content_length and "Transfer-Encoding" not in request.headers:
+            return  # no body at all (POST /reset_prefix_cache): nothing a page could forge
         if request.mimetype != JSON_MIMETYPE:
             raise APIError(
                 415,

@@ -80,6 +80,8 @@ _DEFINITIONS = [
      "Requests waiting for admission."),
     ("kv_usage", "gauge", "kv_cache_usage_perc",
      "Fraction of KV cache blocks in use (0..1)."),
+    ("prefix_cache_blocks", "gauge", "prefix_cache_blocks",
+     "KV blocks registered in the prefix cache, in use or evictable."),
     ("prompt_tokens", "counter", "prompt_tokens_total",
      "Prompt tokens of finished requests."),
     ("generation_tokens", "counter", "generation_tokens_total",
@@ -125,9 +127,25 @@ class _CountersReadAtScrape(Collector):
     """Counters kept elsewhere (the engine, the log sink), read when /metrics is scraped."""
 
     def __init__(self) -> None:
-        self.values = {"worker_restarts": 0.0, "log_lines_dropped": 0.0}
+        self.values = {
+            "worker_restarts": 0.0,
+            "log_lines_dropped": 0.0,
+            "prefix_cache_queries": 0.0,
+            "prefix_cache_hits": 0.0,
+        }
 
     def collect(self) -> Iterator[CounterMetricFamily]:
+        # vLLM's names: tokens of the prompts admitted, and of those the ones found cached
+        yield CounterMetricFamily(
+            "cadence:prefix_cache_queries",
+            "Prefix cache queries, in tokens (those of each sequence admitted).",
+            value=self.values["prefix_cache_queries"],
+        )
+        yield CounterMetricFamily(
+            "cadence:prefix_cache_hits",
+            "Prefix cache hits, in tokens (found cached, not computed).",
+            value=self.values["prefix_cache_hits"],
+        )
         yield CounterMetricFamily(
             "cadence:worker_restarts",
             "Workers started again after one died or hung.",
@@ -211,5 +229,9 @@ class Metrics:
             labels = (str(cache["block_size"]), str(cache["num_blocks"]), cache["dtype"])
             self.cache_config.labels(*labels).set(1)
         self._read_at_scrape.values["worker_restarts"] = engine_state.get("worker_restarts", 0)
+        prefix = engine_state.get("prefix_cache") or {}
+        self.prefix_cache_blocks.set(prefix.get("cached_blocks", 0))
+        self._read_at_scrape.values["prefix_cache_queries"] = prefix.get("queries_tokens", 0)
+        self._read_at_scrape.values["prefix_cache_hits"] = prefix.get("hits_tokens", 0)
         self._read_at_scrape.values["log_lines_dropped"] = log_lines_dropped()
         return generate_latest(self.registry)

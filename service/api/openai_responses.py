@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from service.engine.request import FinishEvent
+
 
 @dataclass(slots=True)
 class ResponseHeader:
@@ -34,11 +36,13 @@ class TokenPieces:
     logprobs: list[float] = field(default_factory=list)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(finish: FinishEvent) -> dict[str, Any]:
+    """OpenAI's usage object, with the prompt tokens the prefix cache served."""
     return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens": finish.prompt_tokens,
+        "completion_tokens": finish.completion_tokens,
+        "total_tokens": finish.prompt_tokens + finish.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": finish.cached_tokens},
     }
 
 
@@ -68,7 +72,7 @@ def full_response(
     header: ResponseHeader,
     text: str,
     finish_reason: str,
-    usage_: dict[str, int],
+    usage_: dict[str, Any],
     logprobs: dict[str, Any] | None,
 ) -> dict[str, Any]:
     if header.kind == "chat":
@@ -116,7 +120,7 @@ def delta_chunk(
     return body
 
 
-def usage_chunk(header: ResponseHeader, usage_: dict[str, int]) -> dict[str, Any]:
+def usage_chunk(header: ResponseHeader, usage_: dict[str, Any]) -> dict[str, Any]:
     body = header.base("chat.completion.chunk" if header.kind == "chat" else "text_completion")
     body["choices"] = []
     body["usage"] = usage_

@@ -215,8 +215,10 @@ def _completion_response() -> Schema:
         },
         "required": ["index", "finish_reason"],
     }
-    counts = {name: {"type": "integer", "minimum": 0} for name in _USAGE_FIELDS}
-    usage = _object(counts, list(_USAGE_FIELDS))
+    counts: Schema = {name: {"type": "integer", "minimum": 0} for name in _USAGE_FIELDS}
+    cached = {"cached_tokens": {"type": "integer", "minimum": 0}}
+    details = {"prompt_tokens_details": _object(cached, ["cached_tokens"])}
+    usage = _object({**counts, **details}, [*_USAGE_FIELDS, "prompt_tokens_details"])
     return {
         "type": "object",
         "properties": {
@@ -269,6 +271,7 @@ def _admin_paths() -> Schema:
         "properties": {"current": _policy_info(), "available": {"type": "array"}},
         "required": ["current", "available"],
     }
+    reset = _object({"reset_blocks": {"type": "integer", "minimum": 0}}, ["reset_blocks"])
     swap = _object(
         {"old": _policy_info(), "new": _policy_info(), "iteration": {"type": "integer"}}, []
     )
@@ -290,6 +293,14 @@ def _admin_paths() -> Schema:
             ),
         },
         "/admin/state": {"get": _admin(_get("Engine state", state))},
+        "/reset_prefix_cache": {
+            "post": _admin(
+                {
+                    "summary": "Forget every cached prefix (vLLM's endpoint)",
+                    "responses": {"200": _json_content("Reset", reset)},
+                }
+            )
+        },
     }
 
 

@@ -67,6 +67,23 @@ async def get_state() -> Response:
     return json_response(body)
 
 
+@blueprint.post("/reset_prefix_cache")
+async def reset_prefix_cache() -> Response:
+    """vLLM's endpoint: forget every cached prefix (blocks in use stay with their
+    requests, unshared from now on); for benchmarks that must start cold."""
+    state = require_admin()
+    cached = state.engine.reset_prefix_cache()
+    log.info(
+        "admin.change",
+        who=admin_identity(),
+        what="prefix_cache",
+        old=cached,
+        new=0,
+        when=time.time(),
+    )
+    return json_response({"reset_blocks": cached})
+
+
 def parse_policy_body(data: bytes) -> tuple[str, dict[str, Any] | None]:
     try:
         body = orjson.loads(data)

@@ -261,9 +261,7 @@ async def whole_response(
     if req.params.sampling.logprobs:
         pieces = token_pieces(state, tokens)
         logprobs = chat_logprobs(pieces) if req.kind == "chat" else completion_logprobs(pieces, 0)
-    body = full_response(
-        header, text, finish.reason, usage(finish.prompt_tokens, finish.completion_tokens), logprobs
-    )
+    body = full_response(header, text, finish.reason, usage(finish), logprobs)
     return json_response(body, 200, {"X-Request-Id": header.request_id})
 
 
@@ -313,9 +311,7 @@ async def sse_stream(
             assert finish is not None
             yield sse_data(delta_chunk(header, None, finish.reason))
             if req.include_usage:
-                yield sse_data(
-                    usage_chunk(header, usage(finish.prompt_tokens, finish.completion_tokens))
-                )
+                yield sse_data(usage_chunk(header, usage(finish)))
         yield DONE
     finally:
         # Reached by trio.Cancelled (hypercorn reported the disconnect) or GeneratorExit

@@ -41,7 +41,7 @@ from service.config import Config
 from service.engine.block_manager import BlockManager
 from service.engine.detokenizer import Decoder, Detokenizer
 from service.engine.request import FinishEvent, Request, SamplingParams, Status, TokenEvent
-from service.engine.scheduler import Outcome, ScheduleOutput, Scheduler
+from service.engine.scheduler import Outcome, ScheduleOutput, Scheduler, SchedulerStats
 from service.engine.stats import IterationStats, Observer, RequestStats
 from service.engine.validation import InvalidRequest, Limits, validate
 from service.engine.worker_link import WorkerDied, WorkerHung, WorkerStartError
@@ -295,7 +295,25 @@ class Engine:
             "kv_cache": self._kv_cache_config(),
             "overlap": self._overlap,
             "step_cost": self._step_cost(),
+            "prefix_cache": self._prefix_cache_state(stats),
         }
+
+    def _prefix_cache_state(self, stats: SchedulerStats | None) -> dict:
+        """Cached and evictable blocks, and the hit rate in tokens since the start."""
+        queries, hits = (stats.prefix_queries, stats.prefix_hits) if stats else (0, 0)
+        return {
+            "enabled": self.config.enable_prefix_caching,
+            "cached_blocks": stats.kv_blocks_cached if stats else 0,
+            "evictable_blocks": stats.kv_blocks_evictable if stats else 0,
+            "queries_tokens": queries,
+            "hits_tokens": hits,
+            "hit_rate": hits / queries if queries else None,
+            "evicted_blocks": stats.kv_blocks_evicted if stats else 0,
+        }
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix now; returns how many blocks were cached."""
+        return self._scheduler.reset_prefix_cache() if self._scheduler else 0
 
     def _step_cost(self) -> dict | None:
         """The fitted model of a step's time that policies and admission use, if fitted yet."""
@@ -615,7 +633,12 @@ class Engine:
         request.finished = trio.current_time()
         request.finish_reason, request.finish_detail = reason, detail
         completion = request.num_generated
-        _send(request, FinishEvent(reason, detail, request.prompt_len, completion, error))
+        _send(
+            request,
+            FinishEvent(
+                reason, detail, request.prompt_len, completion, error, request.num_cached_tokens
+            ),
+        )
         request.stream.close()
         self._requests.pop(request.request_id, None)
         if not self._requests:
@@ -636,7 +659,12 @@ class Engine:
             await self._worker.kill()
             raise WorkerStartError(f"the worker did not start within {_WORKER_START_TIMEOUT_S} s")
         self.handshake = handshake
-        blocks = BlockManager(handshake.num_blocks, handshake.block_size, self.config.watermark)
+        blocks = BlockManager(
+            handshake.num_blocks,
+            handshake.block_size,
+            self.config.watermark,
+            enable_caching=self.config.enable_prefix_caching,
+        )
         if self._scheduler is None:
             self._scheduler = Scheduler(
                 blocks,
@@ -765,15 +793,17 @@ class Engine:
 
 
 def _check_blocks_kept(sched: Scheduler, plan: BatchPlan) -> None:
-    """No block of the plan just computed went to another sequence while the worker ran it:
-    blocks freed meanwhile (stop string, abort) wait for the next schedule()."""
-    owner = {
-        block: request.seq_id
-        for request in (*sched.running, *sched.waiting)
-        for block in sched.blocks.table(request.seq_id)
-    }
-    for seq_id, table in zip(plan.seq_ids, plan.block_tables, strict=True):
-        taken = [block for block in table if owner.get(block, seq_id) != seq_id]
+    """No block the plan just computed wrote went to another sequence while the worker ran
+    it: blocks freed meanwhile (stop string, abort) wait for the next schedule(). (The
+    blocks it only read may be shared: cached prefixes are.)"""
+    holders: dict[int, set[int]] = {}
+    for request in (*sched.running, *sched.waiting):
+        for block in sched.blocks.table(request.seq_id):
+            holders.setdefault(block, set()).add(request.seq_id)
+    size = sched.blocks.block_size
+    for seq_id, start, table in zip(plan.seq_ids, plan.start_pos, plan.block_tables, strict=True):
+        written = table[start // size :]
+        taken = [block for block in written if holders.get(block, {seq_id}) != {seq_id}]
         assert not taken, f"step {plan.step_id}: blocks {taken} of seq {seq_id} reallocated"
 
 

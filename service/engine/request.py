@@ -49,6 +49,7 @@ class FinishEvent:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache, not computed
 
 
 Event = TokenEvent | FinishEvent
@@ -74,6 +75,8 @@ class Request:
     detokenizer: Detokenizer
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V is in the worker's cache
+    num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
+    block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, chained
     admitted_order: int = -1  # increasing each time it is admitted, for "most recently admitted"
     preemptions: int = 0
     deadline: float | None = None  # engine clock: not started by then, it is refused

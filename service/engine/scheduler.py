@@ -29,6 +29,13 @@ ones only. Every fix is counted in `corrections` so tests can see it. The rules 
   cap) hold enough blocks to make room, so some sequence always runs and every request
   finishes, each preempted at most `max_preemptions` times.
 
+Prefix caching. A waiting sequence starts with its longest cached prefix of full blocks
+(never the whole of its tokens: the step must compute at least the last one to sample):
+admission shares those blocks and counts only what they do not cover, a hit block that
+others hold costing nothing; the policy's view shows the hit as computed already. A block
+is registered in the cache by update(), once the step that filled it has returned, so a
+hit never names a block a failed step left half-written.
+
 update(): the scheduled tokens are now cached; each sampled token is appended; EOS and
 max_tokens finish a sequence and free its blocks. Text (detokenization, stop strings) and
 streams are the engine's business, which is what keeps this module free of I/O: a whole
@@ -39,12 +46,13 @@ from __future__ import annotations
 
 import bisect
 import collections
+import dataclasses
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 from gpu_worker.protocol import BatchPlan, StepResult
 from policies.base import Decision, Policy, SeqView, View
-from service.engine.block_manager import BlockManager
+from service.engine.block_manager import BlockManager, chain_hashes
 from service.engine.request import Request, Status
 from service.engine.step_cost import StepCostModel
 
@@ -97,6 +105,11 @@ class SchedulerStats:
     kv_blocks_total: int
     kv_blocks_promised: int  # to admitted sequences still prefilling, not yet allocated
     admission_paused: bool  # since a preemption, until blocks exceed admission_watermark
+    kv_blocks_cached: int  # registered in the prefix cache, held or evictable
+    kv_blocks_evictable: int  # cached and held by nobody: free, until evicted
+    prefix_queries: int  # tokens of the sequences admitted, summed over admissions
+    prefix_hits: int  # of those, tokens found in the prefix cache
+    kv_blocks_evicted: int  # cached blocks reused for others since the worker started
 
 
 def _seq_key(request: Request) -> int:
@@ -153,6 +166,8 @@ class Scheduler:
         self._admissions = 0
         self._last_step_ms: float | None = None
         self._last_step_tokens = 0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
         self.step_cost = StepCostModel()  # fitted to every step's measured time
 
     # ---- membership -------------------------------------------------------------------
@@ -198,7 +213,17 @@ class Scheduler:
             kv_blocks_total=self.blocks.num_blocks,
             kv_blocks_promised=self.blocks.num_promised,
             admission_paused=self.admission_paused,
+            kv_blocks_cached=self.blocks.num_cached,
+            kv_blocks_evictable=self.blocks.num_evictable,
+            prefix_queries=self.prefix_queries,
+            prefix_hits=self.prefix_hits,
+            kv_blocks_evicted=self.blocks.num_evicted,
         )
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (blocks in use stay with their sequences); returns
+        how many blocks were cached."""
+        return self.blocks.reset_cache()
 
     def queued_prompt_tokens(self) -> int:
         """Tokens the waiting sequences must compute before they can sample."""
@@ -238,13 +263,19 @@ class Scheduler:
         self.blocks.check_invariants()
         held = {seq_id for seq_id in self._by_seq if self.blocks.num_held(seq_id)}
         assert held >= {r.seq_id for r in self.running if r.num_computed_tokens}, "lost blocks"
-        assert self.blocks.num_used == sum(self.blocks.num_held(s) for s in self._by_seq)
+        tables = [self.blocks.table(s) for s in self._by_seq]
+        assert self.blocks.num_used == len({b for table in tables for b in table}), "stray block"
         for r in self.running:
             owed = self.blocks.num_promised_to(r.seq_id)
             # a prefill is owed exactly the rest of its prompt; after it samples, nothing
             assert owed == self.blocks.extra_blocks(r.seq_id, r.num_tokens) or (
                 owed == 0 and r.remaining == 1
             ), f"sequence {r.seq_id}: promised {owed} blocks"
+        for r in self.running:
+            written = self.blocks.table(r.seq_id)[r.num_computed_tokens // self.blocks.block_size :]
+            assert all(self.blocks.refcount(b) == 1 for b in written), "a shared block is written"
+            assert not any(map(self.blocks.is_cached, written)), "a cached block is written"
+            assert r.num_computed_tokens < r.num_tokens or r.num_generated, "nothing to sample"
         running_promises = sum(self.blocks.num_promised_to(r.seq_id) for r in self.running)
         assert self.blocks.num_promised == running_promises, "a promise outlived its sequence"
         assert self.running or not self.admission_paused, "paused with nothing left to resume it"
@@ -292,6 +323,7 @@ class Scheduler:
         for item in out.scheduled:
             if not item.request.is_finished:  # not aborted while the step ran
                 item.request.num_computed_tokens += item.num_tokens
+                self._register_blocks(item.request)
         sampled = [item.request for item in out.scheduled if item.samples]
         outcomes = []
         for i, request in enumerate(sampled):
@@ -302,13 +334,27 @@ class Scheduler:
             outcomes.append(self._append(request, result.tokens[i], logprob))
         return outcomes
 
+    def _register_blocks(self, request: Request) -> None:
+        """Make the blocks `request` has filled and computed findable by later prompts."""
+        hashes = chain_hashes(request.token_ids, self.blocks.block_size, request.block_hashes)
+        self.blocks.register(request.seq_id, hashes, request.num_computed_tokens)
+
+    def _prefix_hit(self, request: Request) -> list[int]:
+        """The cached blocks a waiting request would start with; at least its last token
+        is left to compute, since the step must produce the logits it samples from."""
+        if not self.blocks.enable_caching:
+            return []
+        size = self.blocks.block_size
+        hashes = chain_hashes(request.token_ids, size, request.block_hashes)
+        return self.blocks.match(hashes[: (request.num_tokens - 1) // size])
+
     def build_view(self, now: float) -> View:
         blocks = self.blocks
         return View(
             iteration=self.iteration,
             now=now,
             running=tuple(self._seq_view(r) for r in self.running),
-            waiting=tuple(self._seq_view(r) for r in self.waiting[: self.waiting_view]),
+            waiting=tuple(self._waiting_view(r) for r in self.waiting[: self.waiting_view]),
             num_waiting=len(self.waiting),
             free_blocks=blocks.num_free,
             admit_blocks=0 if self.admission_paused else blocks.num_admittable,
@@ -333,6 +379,20 @@ class Scheduler:
             num_blocks=self.blocks.num_held(r.seq_id),
             preempted=r.preemptions,
             deadline=r.deadline if r.first_scheduled is None else None,
+            num_cached_tokens=r.num_cached_tokens,
+        )
+
+    def _waiting_view(self, r: Request) -> SeqView:
+        """As admission would take it: its cache hit computed already, the hit blocks that
+        others hold counted as its own (they cost it nothing)."""
+        hit = self._prefix_hit(r)
+        hit_tokens = len(hit) * self.blocks.block_size
+        return dataclasses.replace(
+            self._seq_view(r),
+            num_computed_tokens=hit_tokens,
+            num_blocks=self.blocks.blocks_to_hold(r.num_tokens)
+            - self.blocks.admission_cost(r.num_tokens, hit),
+            num_cached_tokens=min(hit_tokens, r.prompt_len),
         )
 
     # ---- results ----------------------------------------------------------------------
@@ -375,9 +435,19 @@ class Scheduler:
             if picked is None:
                 continue
             request, tokens = picked
-            tokens = self._legal_tokens(request, tokens, draft.budget)
-            if tokens > 0 and self._make_room(request, tokens, draft):
-                self._add_to_step(request, tokens, draft)
+            if request.status is Status.WAITING:
+                # admitted first: its cache hit decides how many tokens are left to compute
+                if tokens < 1 or draft.budget < 1:
+                    self.corrections["nonpositive_tokens" if tokens < 1 else "token_budget"] += 1
+                    continue
+                if not self._admit(request, draft):
+                    continue
+                tokens = self._legal_tokens(request, tokens, draft.budget)
+            else:
+                tokens = self._legal_tokens(request, tokens, draft.budget)
+                if tokens < 1 or not self._make_room(request, tokens, draft):
+                    continue
+            self._add_to_step(request, tokens, draft)
 
     def _pick(self, entry: object, draft: _Draft) -> tuple[Request, int] | None:
         """The request and token count of one decision entry, if the entry is acceptable."""
@@ -419,12 +489,10 @@ class Scheduler:
         return tokens
 
     def _make_room(self, request: Request, tokens: int, draft: _Draft) -> bool:
-        if request.status is Status.RUNNING:
-            if self._grow(request, tokens, draft):
-                return True
-            self.corrections["no_blocks"] += 1
-            return False
-        return self._admit(request, draft)
+        if self._grow(request, tokens, draft):
+            return True
+        self.corrections["no_blocks"] += 1
+        return False
 
     def _add_to_step(self, request: Request, tokens: int, draft: _Draft) -> None:
         self.blocks.allocate(request.seq_id, request.num_computed_tokens + tokens)
@@ -487,14 +555,16 @@ class Scheduler:
         ]
 
     def _admit(self, request: Request, draft: _Draft) -> bool:
-        """Admit a waiting sequence if blocks for its whole prompt fit (module docstring)."""
+        """Admit a waiting sequence if blocks for its whole prompt fit (module docstring),
+        starting from its cached prefix."""
         if len(self.running) >= self.max_num_seqs:
             self.corrections["max_seqs"] += 1
             return False
         if self.admission_paused:
             self.corrections["admission_paused"] += 1
             return False
-        victims = self._admission_victims(request, draft)
+        hit = self._prefix_hit(request)
+        victims = self._admission_victims(request, hit, draft)
         if victims is None:
             self.corrections["admission_deferred"] += 1
             return False
@@ -505,18 +575,40 @@ class Scheduler:
         request.admitted_order = self._admissions
         self._admissions += 1
         self.running.append(request)
+        self._start_from_cache(request, hit)
         self.blocks.promise(request.seq_id, request.num_tokens)
         return True
 
-    def _admission_victims(self, request: Request, draft: _Draft) -> list[Request] | None:
+    def _start_from_cache(self, request: Request, hit: list[int]) -> None:
+        self.blocks.share(request.seq_id, hit)
+        request.num_computed_tokens = len(hit) * self.blocks.block_size
+        if request.first_scheduled is None:  # what its usage reports: the first admission
+            request.num_cached_tokens = min(request.num_computed_tokens, request.prompt_len)
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += request.num_computed_tokens
+
+    def _admission_victims(
+        self, request: Request, hit: list[int], draft: _Draft
+    ) -> list[Request] | None:
         """Who must go for `request` to fit (often nobody), or None if it cannot fit."""
         if self._at_cap(request) and not self._life_fits_beside_the_kept(request):
             return None
-        short = self.blocks.admission_shortfall(request.num_tokens)
+        short = self.blocks.admission_shortfall(request.num_tokens, hit)
         if short <= 0:
             return []
         named = self._named_victims(request, draft)
-        return _first_enough(short, named, self.blocks.num_claimed)
+        hit_blocks = set(hit)
+
+        def gain(seq_id: int) -> int:
+            # a hit block only the victim holds turns evictable: freed, then taken back
+            lost = sum(
+                1
+                for b in self.blocks.table(seq_id)
+                if b in hit_blocks and self.blocks.refcount(b) == 1
+            )
+            return self.blocks.num_claimed(seq_id) - lost
+
+        return _first_enough(short, named, gain)
 
     def _life_fits_beside_the_kept(self, request: Request) -> bool:
         """A request that can no longer be preempted must be able to finish: its whole life,

@@ -54,6 +54,7 @@ class RequestStats:
     token_times: tuple[float, ...]  # when each output token was emitted, engine clock
     preemptions: int
     iteration: int  # the last iteration begun when it finished
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission
 
     @classmethod
     def of(cls, request: Request, policy: str, iteration: int) -> RequestStats:
@@ -73,6 +74,7 @@ class RequestStats:
             token_times=tuple(request.token_times),
             preemptions=request.preemptions,
             iteration=iteration,
+            cached_tokens=request.num_cached_tokens,
         )
 
     @property
@@ -107,6 +109,7 @@ class RequestStats:
             "finish_detail": self.finish_detail,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
             "ttft_ms": _ms(self.ttft),
             "itl_p50_ms": _ms(_percentile(itls, 0.50)),
             "itl_p99_ms": _ms(_percentile(itls, 0.99)),
