@@ -1,4 +1,7 @@
-"""A streaming OpenAI-completions client (trio + httpx) that times every token chunk.
+"""A streaming OpenAI client (trio + httpx) that times every token chunk.
+
+`run_workload` sends /v1/completions requests; `send_chat` sends one /v1/chat/completions
+request, for drivers that build each request from the answer to the one before.
 
 Each request is sent at its scheduled arrival (optionally bounded by a concurrency limit);
 one failed request is recorded with its error and never stops the run. All times are
@@ -43,6 +46,7 @@ class RequestRecord:
     chunk_times: list[float] = field(default_factory=list)  # arrival of each non-empty chunk
     completion_tokens: int | None = None  # from the server's usage, when it sends one
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when sent
     finish_reason: str | None = None
     status: int | None = None
     error: str | None = None
@@ -116,21 +120,30 @@ async def set_policy(
     return response.json()
 
 
-def request_body(config: ClientConfig, spec: RequestSpec) -> dict[str, Any]:
-    body: dict[str, Any] = {
+def _generation_fields(config: ClientConfig, max_tokens: int) -> dict[str, Any]:
+    return {
         "model": config.model,
-        "prompt": spec.prompt,
-        "max_tokens": spec.max_tokens,
+        "max_tokens": max_tokens,
         "stream": True,
         "temperature": config.temperature,
         "ignore_eos": config.ignore_eos,
         "stream_options": {"include_usage": True},
     }
+
+
+def request_body(config: ClientConfig, spec: RequestSpec) -> dict[str, Any]:
+    body = {**_generation_fields(config, spec.max_tokens), "prompt": spec.prompt}
     if spec.tenant is not None:
         body["user"] = spec.tenant
     if spec.priority is not None:
         body["priority"] = spec.priority
     return body
+
+
+def chat_request_body(
+    config: ClientConfig, messages: list[dict[str, str]], max_tokens: int
+) -> dict[str, Any]:
+    return {**_generation_fields(config, max_tokens), "messages": messages}
 
 
 def request_headers(config: ClientConfig, spec: RequestSpec) -> dict[str, str]:
@@ -151,12 +164,14 @@ def new_record(spec: RequestSpec) -> RequestRecord:
     )
 
 
-def apply_event(record: RequestRecord, payload: dict[str, Any], at: float) -> None:
-    """Fold one SSE `data:` object into the record (completions or chat chunk shapes)."""
+def apply_event(record: RequestRecord, payload: dict[str, Any], at: float) -> str:
+    """Fold one SSE `data:` object into the record (completions or chat chunk shapes);
+    returns the text the event carried ('' when none)."""
     if payload.get("error"):
         error = payload["error"]
         record.error = str(error.get("message", error) if isinstance(error, dict) else error)
-        return
+        return ""
+    text = None
     choices = payload.get("choices") or []
     if choices:
         choice = choices[0]
@@ -173,33 +188,80 @@ def apply_event(record: RequestRecord, payload: dict[str, Any], at: float) -> No
     if usage:
         record.completion_tokens = usage.get("completion_tokens", record.completion_tokens)
         record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
+        details = usage.get("prompt_tokens_details") or {}
+        record.cached_tokens = details.get("cached_tokens", record.cached_tokens)
+    return text or ""
 
 
-async def _stream_one(
+async def _stream_events(
     client: httpx.AsyncClient,
-    config: ClientConfig,
-    spec: RequestSpec,
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
     record: RequestRecord,
     t0: float,
-) -> None:
-    url = f"{api_root(config.base_url)}/v1/completions"
-    async with client.stream(
-        "POST", url, json=request_body(config, spec), headers=request_headers(config, spec)
-    ) as response:
+) -> str:
+    """POST `body` and fold its SSE stream into `record`; returns the streamed text."""
+    pieces: list[str] = []
+    async with client.stream("POST", url, json=body, headers=headers) as response:
         record.status = response.status_code
         if response.status_code != 200:
-            body = (await response.aread()).decode("utf-8", "replace")
-            record.error = f"HTTP {response.status_code}: {body[:300]}"
-            return
+            error_body = (await response.aread()).decode("utf-8", "replace")
+            record.error = f"HTTP {response.status_code}: {error_body[:300]}"
+            return ""
         async for line in response.aiter_lines():
             if not line.startswith("data:"):
                 continue  # blank separators, comments, `event:` lines
             data = line[len("data:") :].strip()
             if data == "[DONE]":
                 break
-            apply_event(record, orjson.loads(data), trio.current_time() - t0)
+            pieces.append(apply_event(record, orjson.loads(data), trio.current_time() - t0))
             if record.error is not None:
-                return
+                break
+    return "".join(pieces)
+
+
+async def send_timed(
+    client: httpx.AsyncClient,
+    config: ClientConfig,
+    path: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    record: RequestRecord,
+    t0: float,
+) -> str:
+    """Send one streaming request now, timing it into `record`; returns the streamed text.
+    A failure or timeout is recorded in `record.error`, never raised."""
+    record.send_s = trio.current_time() - t0
+    text = ""
+    with trio.move_on_after(config.timeout_s) as scope:
+        try:
+            text = await _stream_events(
+                client, f"{api_root(config.base_url)}{path}", body, headers, record, t0
+            )
+        except Exception as exc:  # one failed request is data, not a reason to stop the run
+            record.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if scope.cancelled_caught:
+        record.error = f"timeout after {config.timeout_s:g} s"
+    record.end_s = trio.current_time() - t0
+    if record.error is None and record.first_token_s is None:
+        record.error = "stream ended without any token"
+    return text
+
+
+async def send_chat(
+    client: httpx.AsyncClient,
+    config: ClientConfig,
+    messages: list[dict[str, str]],
+    max_tokens: int,
+    record: RequestRecord,
+    t0: float,
+) -> str:
+    """One streaming /v1/chat/completions request, timed into `record`; returns the
+    assistant's text as it arrived (check `record.ok` before building on it)."""
+    body = chat_request_body(config, messages, max_tokens)
+    headers = _auth_headers(config.api_key)
+    return await send_timed(client, config, "/v1/chat/completions", body, headers, record, t0)
 
 
 async def _run_one(
@@ -212,26 +274,22 @@ async def _run_one(
 ) -> None:
     await trio.sleep_until(t0 + spec.arrival_s)
     async with limiter if limiter is not None else contextlib.nullcontext():
-        record.send_s = trio.current_time() - t0
-        with trio.move_on_after(config.timeout_s) as scope:
-            try:
-                await _stream_one(client, config, spec, record, t0)
-            except Exception as exc:  # one failed request is data, not a reason to stop the run
-                record.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        if scope.cancelled_caught:
-            record.error = f"timeout after {config.timeout_s:g} s"
-        record.end_s = trio.current_time() - t0
-        if record.error is None and record.first_token_s is None:
-            record.error = "stream ended without any token"
+        body, headers = request_body(config, spec), request_headers(config, spec)
+        await send_timed(client, config, "/v1/completions", body, headers, record, t0)
+
+
+def open_client(config: ClientConfig) -> httpx.AsyncClient:
+    """One connection pool for a whole run, with no cap beyond the run's own."""
+    timeout = httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    return httpx.AsyncClient(timeout=timeout, limits=limits)
 
 
 async def run_workload(config: ClientConfig, specs: list[RequestSpec]) -> RunResult:
     """Send every spec at its arrival time; return one record per spec, in spec order."""
     records = [new_record(spec) for spec in specs]
     limiter = trio.CapacityLimiter(config.concurrency) if config.concurrency else None
-    timeout = httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    async with open_client(config) as client:
         started_unix = time.time()
         t0 = trio.current_time()
         async with trio.open_nursery() as nursery:

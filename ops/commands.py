@@ -8,7 +8,8 @@ import sys
 
 
 def bench(argv: list[str] | None = None) -> int:
-    """`cadence bench SCENARIO | compare | capacity | engine | sampler | roofline | kv-accuracy`."""
+    """`cadence bench SCENARIO | compare | capacity | chat | engine | sampler | roofline |
+    kv-accuracy`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command, rest = (argv[0], argv[1:]) if argv else ("", argv)
     if command == "compare":
@@ -23,6 +24,8 @@ def bench(argv: list[str] | None = None) -> int:
         from ops.kv_accuracy import main
     elif command == "capacity":
         from ops.capacity import main
+    elif command == "chat":
+        from ops.chat import main
     else:
         from ops.bench import main
 

@@ -25,13 +25,20 @@ def train_tokenizer_json(path: Path) -> Path:
     return path
 
 
+PROMPT_TOKENS = 5  # what the fake's usage says of every prompt
+
+
 @dataclass(slots=True)
 class FakeServer:
     """Streams `max_tokens` chunks `token_gap_s` apart, like /v1/completions with stream=true.
 
-    A prompt containing "FAIL" gets HTTP 500; one containing "CUT" has its stream cut after
-    two chunks. Beyond `max_streams` streams at once, a request gets HTTP 429. Records the
-    bodies and headers it received, and accepts PUT /admin/policy.
+    /v1/chat/completions streams deltas instead: the answer to M messages is ` mMw0 mMw1 ...`.
+    A prompt (a chat's last message) containing "FAIL" gets HTTP 500; one containing "CUT"
+    has its stream cut after two chunks. Beyond `max_streams` streams at once, a request gets
+    HTTP 429. Records the bodies and headers it received, and accepts PUT /admin/policy.
+    With `metrics_prefix` ("cadence:", "vllm:") GET /metrics serves prefix-cache counters
+    that every streamed request raises by its prompt's PROMPT_TOKENS and `cached_tokens`,
+    which its usage reports as prompt_tokens_details when set; without, /metrics is a 404.
     """
 
     token_gap_s: float = 0.005
@@ -41,6 +48,10 @@ class FakeServer:
     headers: list[dict[str, str]] = field(default_factory=list)
     policy_puts: list[tuple[dict, str | None]] = field(default_factory=list)  # (body, auth)
     port: int = 0
+    cached_tokens: int | None = None
+    metrics_prefix: str | None = None
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def url(self) -> str:
@@ -59,6 +70,10 @@ class FakeServer:
                 self.policy_puts.append((orjson.loads(body), headers.get("authorization")))
                 await _respond(stream, 200, "application/json", b'{"iteration": 3}')
                 return
+            if path == "/metrics":
+                status, text = (404, "") if self.metrics_prefix is None else (200, self.metrics())
+                await _respond(stream, status, "text/plain", text.encode())
+                return
             if path == "/v1/models":
                 await _respond(
                     stream, 200, "application/json", orjson.dumps({"data": [{"id": "fake-model"}]})
@@ -67,7 +82,8 @@ class FakeServer:
             request = orjson.loads(body)
             self.bodies.append(request)
             self.headers.append(headers)
-            if "FAIL" in request["prompt"]:
+            prompt = _prompt_of(request)
+            if "FAIL" in prompt:
                 await _respond(stream, 500, "application/json", b'{"error": "boom"}')
                 return
             if self.max_streams is not None and self.open_streams >= self.max_streams:
@@ -79,21 +95,47 @@ class FakeServer:
                     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                     b"connection: close\r\n\r\n"
                 )
-                await self._stream_tokens(stream, request)
+                await self._stream_tokens(stream, request, prompt)
             finally:
                 self.open_streams -= 1
 
-    async def _stream_tokens(self, stream: trio.SocketStream, request: dict) -> None:
+    async def _stream_tokens(self, stream: trio.SocketStream, request: dict, prompt: str) -> None:
         count = request["max_tokens"]
+        messages = request.get("messages")
+        self.prefix_cache_queries += PROMPT_TOKENS
+        self.prefix_cache_hits += self.cached_tokens or 0
         for i in range(count):
             await trio.sleep(self.token_gap_s)
-            if "CUT" in request["prompt"] and i == 2:
+            if "CUT" in prompt and i == 2:
                 return
             finish = "length" if i == count - 1 else None
-            chunk = {"choices": [{"index": 0, "text": f" w{i}", "finish_reason": finish}]}
+            if messages is None:
+                choice = {"index": 0, "text": f" w{i}", "finish_reason": finish}
+            else:
+                content = f" m{len(messages)}w{i}"
+                choice = {"index": 0, "delta": {"content": content}, "finish_reason": finish}
+            chunk = {"choices": [choice]}
             await stream.send_all(b"data: " + orjson.dumps(chunk) + b"\n\n")
-        usage = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": count}}
-        await stream.send_all(b"data: " + orjson.dumps(usage) + b"\n\ndata: [DONE]\n\n")
+        usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": count}
+        if self.cached_tokens is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        end = {"choices": [], "usage": usage}
+        await stream.send_all(b"data: " + orjson.dumps(end) + b"\n\ndata: [DONE]\n\n")
+
+    def metrics(self) -> str:
+        """The prefix-cache counters in Prometheus text, among other series."""
+        p, labels = self.metrics_prefix, '{model_name="fake-model"}'
+        return (
+            f"# TYPE {p}prefix_cache_queries_total counter\n"
+            f"{p}prefix_cache_queries_total{labels} {self.prefix_cache_queries}\n"
+            f"# TYPE {p}prefix_cache_hits_total counter\n"
+            f"{p}prefix_cache_hits_total{labels} {self.prefix_cache_hits}\n"
+            f"{p}num_requests_running {self.open_streams}\n"
+        )
+
+
+def _prompt_of(request: dict) -> str:
+    return request["messages"][-1]["content"] if "messages" in request else request["prompt"]
 
 
 async def _read_request(stream: trio.SocketStream) -> tuple[str, str, dict[str, str], bytes]:
