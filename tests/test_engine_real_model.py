@@ -165,3 +165,76 @@ def test_offline_generate_queues_a_batch_beyond_the_servers_token_bound(tokenize
     prompts = [[tokenizer.bos_token_id or 1] + [100 + i] * 2999 for i in range(4)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=1, sampling=ARGMAX))
     assert [out.finish_reason for out in outs] == ["length"] * 4
+
+
+SYSTEM = (
+    "You are a patient teacher at a school by the sea. You answer questions from pupils "
+    "aged ten to fourteen. Keep every answer short, friendly and exact; use simple words; "
+    "never invent facts; if you are not sure, say so. When a pupil asks about numbers, show "
+    "the working in one line. When a pupil asks about places, name the country and the "
+    "continent. When a pupil asks for a poem, keep to the form they asked for and count the "
+    "syllables. End every answer with a question that makes the pupil think a little more "
+    "about what they have just learned, unless the pupil asked you not to. "
+) * 2
+
+
+def shared_prompts(tokenizer) -> list[list[int]]:
+    """The three questions behind one long system prompt: ~20 full blocks shared."""
+    return [
+        tokenizer.encode(
+            tokenizer.apply_chat_template(
+                [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+            )
+        )
+        for q in QUESTIONS
+    ]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+async def test_greedy_same_with_the_prefix_cache_on_and_off(model_dir, tokenizer, dtype):
+    """Alone, again (the whole prompt but its last block cached), together, and on a
+    cache so tight that sequences are preempted and cached blocks evicted: every output
+    equals the one computed with the prefix cache off."""
+    params = SamplingParams(max_tokens=24, ignore_eos=True, sampling=ARGMAX)
+    token_lists = shared_prompts(tokenizer)
+    base = {"dtype": dtype, "device": "cpu", "use_cuda_graphs": False, "watermark": 0.0}
+    off = Config(**base, kv_memory=0.05, enable_prefix_caching=False)
+    async with started(off, model_dir, tokenizer) as (engine, _):
+        reference = [
+            (await run_together(engine, [ids], params, f"off{i}"))[0]
+            for i, ids in enumerate(token_lists)
+        ]
+    async with started(Config(**base, kv_memory=0.05), model_dir, tokenizer) as (engine, seen):
+        alone = [
+            (await run_together(engine, [ids], params, f"alone{i}"))[0]
+            for i, ids in enumerate(token_lists)
+        ]
+        again = await run_together(engine, token_lists[:1], params, "again")
+        together = await run_together(engine, token_lists, params, "together")
+    cached = {s.request_id: s.cached_tokens for s in seen.finished}
+    print("cached prompt tokens:", cached, "prompt lengths:", [len(t) for t in token_lists])
+    assert cached["alone0-0"] == 0 and cached["alone1-0"] >= 16 * 15  # the system prompt
+    assert cached["again-0"] == (len(token_lists[0]) - 1) // 16 * 16
+    # room for ~25 blocks: one request fits, three beside one another do not
+    tight = Config(**base, kv_memory=26 * block_bytes(dtype))
+    async with started(tight, model_dir, tokenizer) as (engine, _):
+        with structlog.testing.capture_logs() as logs:
+            squeezed = await run_together(engine, token_lists, params, "tight")
+            for i, ids in enumerate(reversed(token_lists)):  # from evictable blocks, or not
+                squeezed.append((await run_together(engine, [ids], params, f"after{i}"))[0])
+        state = engine.state()["prefix_cache"]
+    print("tight:", state, "preempted:", sum(e["event"] == PREEMPTED for e in logs))
+    assert any(e["event"] == PREEMPTED for e in logs), "the tight cache forced no preemption"
+    assert state["evicted_blocks"] > 0 and state["hits_tokens"] > 0
+    expected = [*reference, *reversed(reference)]
+    for name, outputs, wanted in [
+        ("alone", alone, reference),
+        ("again", again, reference[:1]),
+        ("together", together, reference),
+        ("tight", squeezed, expected),
+    ]:
+        for i, (tokens, solo) in enumerate(zip(outputs, wanted, strict=True)):
+            assert tokens == solo, (
+                f"{name} {i} differs from the cache-off run at token "
+                f"{first_difference(tokens, solo)}"
+            )

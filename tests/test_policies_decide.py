@@ -143,6 +143,17 @@ def test_fair_interleaves_tenants_within_one_step():
     assert policy.counters == {"a": 128.0, "b": 128.0}
 
 
+def test_fair_bills_a_tenant_for_tokens_computed_not_for_tokens_cached():
+    """A waiting prompt whose first 192 tokens are in the prefix cache shows them as
+    computed: the policy schedules and bills only the 8 that must be computed."""
+    policy = make_policy("fair", {"token_budget": 256, "chunk_size": 256})
+    cached = seq(1, 200, computed=192, tenant="a")
+    cold = seq(2, 200, tenant="b")
+    d = policy.decide(view([], [cached, cold]))
+    assert d.schedule == [(1, 8), (2, 200)]
+    assert policy.counters == {"a": 8.0, "b": 200.0}
+
+
 def test_fair_interleaves_decodes_by_tenant_under_the_sequence_cap():
     policy = make_policy("fair", {})
     running = [seq(i, 20, generated=2, tenant="a") for i in range(4)]
