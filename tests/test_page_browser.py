@@ -108,6 +108,21 @@ def test_long_prompt_injected_while_two_streams_run(page: Page) -> None:
     assert injected.startswith("finished"), injected
 
 
+def test_a_repeated_long_prompt_shows_its_cached_tokens(page: Page) -> None:
+    """The same long prompt twice: the second panel reports the prefix cache's share (all
+    full blocks but the one holding the last token, which is computed to sample from)."""
+    page.fill("#long-len", "512")
+    for done in (1, 2):
+        page.click("#inject")
+        page.wait_for_function(
+            f"document.querySelectorAll('.stream.injected[data-state=\"done\"]').length === {done}",
+            timeout=120_000,
+        )
+    stats = page.locator(".stream.injected .stats").all_inner_texts()  # newest first
+    print(stats)
+    assert stats[0].endswith("prompt 512 tokens, 496 cached"), stats
+
+
 def test_policy_switch_with_admin_token(page: Page, page_server: RunningServer) -> None:
     page.fill("#admin-token", ADMIN_TOKEN)
     page.press("#admin-token", "Tab")  # a change event, as when a person leaves the field
