@@ -8,7 +8,7 @@ import sys
 
 
 def bench(argv: list[str] | None = None) -> int:
-    """`cadence bench SCENARIO | compare | capacity | chat | engine | sampler | roofline |
+    """`cadence bench SCENARIO | compare | capacity | chat | prefix | engine | sampler | roofline |
     kv-accuracy`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command, rest = (argv[0], argv[1:]) if argv else ("", argv)
@@ -24,6 +24,8 @@ def bench(argv: list[str] | None = None) -> int:
         from ops.kv_accuracy import main
     elif command == "capacity":
         from ops.capacity import main
+    elif command == "prefix":
+        from ops.prefix_probe import main
     elif command == "chat":
         from ops.chat import main
     else:
