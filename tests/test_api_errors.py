@@ -30,7 +30,11 @@ CASES = [
     ("absurd temperature", "POST", COMPLETIONS, {"prompt": "x", "temperature": 1e9}, 400, None),
     ("top_p zero", "POST", COMPLETIONS, {"prompt": "x", "top_p": 0}, 400, None),
     ("n=3", "POST", COMPLETIONS, {"prompt": "x", "n": 3}, 400, None),
-    ("unknown field", "POST", COMPLETIONS, {"prompt": "x", "temprature": 1}, 400, None),
+    # vLLM's and SGLang's fields, at values asking for what cadence does not do
+    ("min_tokens", "POST", COMPLETIONS, {"prompt": "x", "min_tokens": 5}, 400, None),
+    ("guided_json", "POST", COMPLETIONS, {"prompt": "x", "guided_json": {"a": 1}}, 400, None),
+    ("continuing", "POST", CHAT, {"messages": USER, "continue_final_message": True}, 400, None),
+    ("skip_special 1", "POST", COMPLETIONS, {"prompt": "x", "skip_special_tokens": 1}, 400, None),
     (
         "context window exceeded",
         "POST",

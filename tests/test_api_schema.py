@@ -124,7 +124,9 @@ def test_single_element_prompt_lists_are_one_prompt() -> None:
         ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
         ({"prompt": "x", "echo": True}, "echo"),
         ({"prompt": "x", "best_of": 3}, "best_of"),
-        ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
+        ({"prompt": "x", "min_tokens": 3}, "min_tokens"),
+        ({"prompt": "x", "no_stop_trim": True}, "no_stop_trim"),
+        ({"prompt": "x", "skip_special_tokens": "no"}, "skip_special_tokens"),
     ],
 )
 def test_bad_completion_bodies_are_400_naming_the_field(body: object, param: str | None) -> None:
@@ -172,6 +174,25 @@ def test_neutral_values_of_unsupported_fields_are_accepted() -> None:
         None,
     )
     assert req.params.sampling.top_k == 0
+
+
+def test_unknown_fields_are_ignored_and_named_and_known_ones_honoured() -> None:
+    req = parse_chat_request(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 5,  # sglang-router's rewrite of max_tokens
+            "skip_special_tokens": False,
+            "separate_reasoning": False,
+            "stream_reasoning": True,
+            "stop_token_ids": [],
+            "frobnicate": 1,
+            "temprature": 0.3,
+        },
+        None,
+    )
+    assert req.ignored == ("frobnicate", "temprature")
+    assert req.params.max_tokens == 5 and req.params.skip_special_tokens is False
+    assert parse_completion_request({"prompt": "x"}, None).ignored == ()
 
 
 BOUND = PromptBound(max_tokens=8, max_token_chars=4)  # texts of more than 32 characters

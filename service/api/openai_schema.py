@@ -41,6 +41,56 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "service_tier": (None, "auto", "default"),
     "user": (),  # handled as the tenant; listed so it is never "unrecognized"
     "stream_options": (),
+    # vLLM's and SGLang's extensions, which routers (sglang-router, vllm-router) and their
+    # clients add to every body: accepted at the values that ask for nothing more
+    "add_generation_prompt": (True, None),
+    "continue_final_message": (False, None),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None,),
+    "documents": (None,),
+    "mm_processor_kwargs": (None,),
+    "include_stop_str_in_output": (False, None),
+    "no_stop_trim": (False, None),
+    "spaces_between_special_tokens": (True, None),
+    "min_tokens": (0, None),
+    "min_new_tokens": (0, None),
+    "stop_token_ids": (None, []),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "logits_processors": (None, []),
+    "custom_logit_processor": (None,),
+    "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,),
+    "length_penalty": (1, 1.0, None),
+    "use_beam_search": (False, None),
+    "return_tokens_as_token_ids": (False, None),
+    "return_token_ids": (False, None),
+    "return_hidden_states": (False, None),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "regex": (None,),
+    "ebnf": (None,),
+    "json_schema": (None,),
+    "lora_path": (None,),
+    "lora_request": (None,),
+    "kv_transfer_params": (None,),
+    "reasoning_effort": (None,),
+    # nothing to ask for: this server runs no reasoning parser, keeps no sessions and is
+    # never one half of a prefill/decode pair, so any value means what it means with none
+    "separate_reasoning": (),
+    "add_special_tokens": (),  # the tokenizer's own choice either way: no BOS is configured
+    "stream_reasoning": (),
+    "include_reasoning": (),
+    "request_id": (),
+    "rid": (),
+    "session_params": (),
+    "bootstrap_host": (),
+    "bootstrap_port": (),
+    "bootstrap_room": (),
+    "vllm_xargs": (),
 }
 
 
@@ -84,6 +134,7 @@ class GenerationRequest:
     tenant: str
     priority: int
     deadline_ms: float | None = None  # cadence's extension: how long it may wait to start
+    ignored: tuple[str, ...] = ()  # fields this server does not know, ignored (and logged)
 
 
 class _Fields:
@@ -94,6 +145,7 @@ class _Fields:
             raise bad_request("the request body must be a JSON object")
         self.body = body
         self.used: set[str] = set()
+        self.ignored: list[str] = []  # fields this server does not know
 
     def raw(self, name: str) -> Any:
         self.used.add(name)
@@ -130,9 +182,12 @@ class _Fields:
         return value
 
     def check_leftovers(self) -> None:
+        """Known fields at values asking for what this server lacks are a 400; unknown ones
+        are ignored (and logged by the caller), as vLLM does."""
         for name in sorted(set(self.body) - self.used):
             if name not in NEUTRAL_VALUES:
-                raise bad_request(f"Unrecognized request argument supplied: {name}", name)
+                self.ignored.append(name)
+                continue
             allowed = NEUTRAL_VALUES[name]
             if allowed and self.body[name] not in allowed and self.body[name] != {}:
                 raise bad_request(
@@ -155,6 +210,7 @@ def parse_completion_request(
         request.params.max_tokens = 16  # OpenAI's default for completions
     request.prompt = prompt
     fields.check_leftovers()
+    request.ignored = tuple(fields.ignored)
     return request
 
 
@@ -169,6 +225,7 @@ def parse_chat_request(
     request = _parse_common(fields, "chat", header_tenant, logprobs)
     request.messages = messages
     fields.check_leftovers()
+    request.ignored = tuple(fields.ignored)
     return request
 
 
@@ -198,6 +255,7 @@ def _parse_common(
         max_tokens=max_tokens,
         stop=_parse_stop(fields.raw("stop")),
         ignore_eos=fields.boolean("ignore_eos", False),
+        skip_special_tokens=fields.boolean("skip_special_tokens", True),
         sampling=sampling,
     )
     stream = fields.boolean("stream", False)

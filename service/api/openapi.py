@@ -166,6 +166,7 @@ def _request(own: Schema, required: list[str], max_model_len: int | None) -> Sch
             ]
         },
         "ignore_eos": {"type": ["boolean", "null"]},
+        "skip_special_tokens": {"type": ["boolean", "null"]},
         "stream": {"type": ["boolean", "null"]},
         "stream_options": _stream_options(),
         "user": {"type": ["string", "null"], "maxLength": MAX_TENANT_CHARS},
@@ -179,11 +180,22 @@ def _request(own: Schema, required: list[str], max_model_len: int | None) -> Sch
         },
     }
     neutral = {
-        name: {"enum": list(dict.fromkeys(values))}
+        name: {"enum": _distinct(values)}
         for name, values in NEUTRAL_VALUES.items()
         if values and name not in shared
     }
-    return _object({**neutral, **shared, **own}, required)
+    schema = _object({**neutral, **shared, **own}, required)
+    schema["additionalProperties"] = True  # unknown fields are ignored (and logged), as vLLM does
+    return schema
+
+
+def _distinct(values: tuple) -> list:
+    """Without repeats by JSON equality: 0 and 0.0 are one number, False is not 0."""
+    seen: list = []
+    for value in values:
+        if not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in seen):
+            seen.append(value)
+    return seen
 
 
 def _stream_options() -> Schema:

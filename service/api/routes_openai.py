@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
+import structlog
 import trio
 from quart import Blueprint, Response, request
 
@@ -36,6 +37,7 @@ from service.engine.request import Event, FinishEvent, TokenEvent
 from service.engine.validation import InvalidRequest
 from service.tokenizer import Tokenizer
 
+log = structlog.get_logger("cadence.api")
 blueprint = Blueprint("openai", __name__)
 SERVER_STATE_FAILURES = (
     "worker_died",
@@ -116,6 +118,9 @@ async def serve_generation(req: GenerationRequest) -> Response:
     prompt_ids = await tokenize_prompt(req, state)
     prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
     request_id = f"{prefix}-{uuid.uuid4().hex}"
+    if req.ignored:
+        # as vLLM: a field it does not know is no reason to refuse (routers add their own)
+        log.warning("request.fields_ignored", request_id=request_id, fields=list(req.ignored))
     deadline_s = None if req.deadline_ms is None else req.deadline_ms / 1000
     try:
         channel = await state.engine.submit(

@@ -36,8 +36,15 @@ class Delta:
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: Decoder, prompt_ids: list[int], stop: list[str]) -> None:
+    def __init__(
+        self,
+        tokenizer: Decoder,
+        prompt_ids: list[int],
+        stop: list[str],
+        skip_special_tokens: bool = True,
+    ) -> None:
         self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
         self._ids = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -56,8 +63,8 @@ class Detokenizer:
     def flush(self) -> str:
         """At the end of a sequence: everything held back (not cut by a stop) goes out."""
         ids = self._ids[self._prefix_offset :]
-        prefix = self._tokenizer.decode(ids[: self._read_offset - self._prefix_offset])
-        rest = self._tokenizer.decode(ids)[len(prefix) :]
+        prefix = self._decode(ids[: self._read_offset - self._prefix_offset])
+        rest = self._decode(ids)[len(prefix) :]
         self._read_offset = len(self._ids)
         out = self._held + rest.rstrip(_INCOMPLETE)
         self._held = ""
@@ -66,7 +73,7 @@ class Detokenizer:
 
     def _decode_new(self) -> str:
         window = self._ids[self._prefix_offset :]
-        decode = self._tokenizer.decode
+        decode = self._decode
         prefix_text = decode(window[: self._read_offset - self._prefix_offset])
         full_text = decode(window)
         if len(full_text) <= len(prefix_text) or full_text.endswith(_INCOMPLETE):
@@ -74,6 +81,9 @@ class Detokenizer:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         return full_text[len(prefix_text) :]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
 
     def _release(self, new: str) -> Delta:
         pending = self._held + new

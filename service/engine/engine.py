@@ -381,7 +381,9 @@ class Engine:
             priority=ticket.priority,
             received=ticket.received,
             stream=send,
-            detokenizer=Detokenizer(self.tokenizer, ids, params.stop),
+            detokenizer=Detokenizer(
+                self.tokenizer, ids, params.stop, params.skip_special_tokens
+            ),
             deadline=deadline,
         )
         self._next_seq_id += 1

@@ -31,6 +31,7 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: the rest of the context window
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    skip_special_tokens: bool = True  # False: special tokens (EOS too) appear in the text
     sampling: SamplingSpec = field(default_factory=_openai_default_sampling)
 
 
