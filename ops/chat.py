@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--conversations", type=int, default=16, help="conversations in the run")
     group.add_argument("--turns", type=int, default=4, help="user turns per conversation")
     group.add_argument("--system-len", type=int, default=1024, help="shared system prompt tokens")
+    group.add_argument(
+        "--system-prompts",
+        type=int,
+        default=1,
+        help="distinct system prompts (tenants); each conversation draws one",
+    )
     group.add_argument("--user-len", default="64", help="tokens of each user message: N or LO:HI")
     group.add_argument("--max-tokens", type=int, default=64, help="answer tokens of every turn")
     group.add_argument("--rate", type=float, default=1.0, help="conversation starts per second")
@@ -78,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the last turn's prompt + answer must fit in it",
     )
     add_client_args(parser, slo=False)
+    parser.add_argument(
+        "--metrics-url",
+        action="append",
+        help="read the prefix-cache and request counters here (repeat for the replicas behind "
+        "a router: summed, with each one's share of the requests; default: --url)",
+    )
     return parser
 
 
@@ -93,10 +105,13 @@ class ChatShape:
     rate: float
     think_s: float
     context_window: int = scenarios.CONTEXT_WINDOW
+    system_prompts: int = 1
 
     def __post_init__(self) -> None:
         if min(self.conversations, self.turns, self.system_len, self.max_tokens) < 1:
             raise ValueError("--conversations, --turns, --system-len and --max-tokens must be >= 1")
+        if self.system_prompts < 1:
+            raise ValueError("--system-prompts must be >= 1")
         if self.rate <= 0 or self.think_s < 0:
             raise ValueError("--rate must be > 0 and --think-s >= 0")
         # the chat template adds a few tokens a message on top of this
@@ -118,6 +133,7 @@ def shape_from_args(args: argparse.Namespace) -> ChatShape:
         rate=args.rate,
         think_s=args.think_s,
         context_window=args.context_window,
+        system_prompts=args.system_prompts,
     )
 
 
@@ -128,11 +144,12 @@ class Conversation:
     user_messages: tuple[str, ...]
     user_lens: tuple[int, ...]  # tokens of each user message
     think_s: tuple[float, ...]  # pause before each turn after an answer (0 before the first)
+    system: int = 0  # which of the trace's system prompts it starts with
 
 
 @dataclass(frozen=True, slots=True)
 class ChatTrace:
-    system: str
+    systems: tuple[str, ...]  # each --system-len tokens; conversations share them
     system_len: int
     max_tokens: int
     conversations: tuple[Conversation, ...]
@@ -157,8 +174,10 @@ def build_trace(maker: PromptMaker, shape: ChatShape, seed: int) -> ChatTrace:
     rng = random.Random(seed)
     text_rng, time_rng = random.Random(rng.getrandbits(64)), random.Random(rng.getrandbits(64))
     count = shape.conversations * shape.turns
-    # distinct corpus offsets: conversations share the system prompt and nothing else
-    system_offset, *offsets = maker.distinct_offsets(text_rng, 1 + count)
+    # distinct corpus offsets: conversations share a system prompt and nothing else
+    k = shape.system_prompts
+    all_offsets = maker.distinct_offsets(text_rng, k + count)
+    system_offsets, offsets = all_offsets[:k], all_offsets[k:]
     conversations, start = [], 0.0
     for index in range(shape.conversations):
         lens = tuple(shape.user_len.draw(text_rng) for _ in range(shape.turns))
@@ -172,10 +191,12 @@ def build_trace(maker: PromptMaker, shape: ChatShape, seed: int) -> ChatTrace:
                 user_messages=tuple(maker.make(n, at) for n, at in zip(lens, own, strict=True)),
                 user_lens=lens,
                 think_s=(0.0, *pauses),
+                # (one system prompt draws nothing: the trace is what it was before tenants)
+                system=text_rng.randrange(k) if k > 1 else 0,
             )
         )
     return ChatTrace(
-        system=maker.make(shape.system_len, system_offset),
+        systems=tuple(maker.make(shape.system_len, at) for at in system_offsets),
         system_len=shape.system_len,
         max_tokens=shape.max_tokens,
         conversations=tuple(conversations),
@@ -212,7 +233,7 @@ async def run_conversation(
 ) -> None:
     """Its turns one after another into `records`; a failed turn ends the conversation."""
     await trio.sleep_until(t0 + conversation.start_s)
-    messages = [{"role": "system", "content": trace.system}]
+    messages = [{"role": "system", "content": trace.systems[conversation.system]}]
     for turn, (user, pause) in enumerate(
         zip(conversation.user_messages, conversation.think_s, strict=True), start=1
     ):
@@ -291,16 +312,70 @@ def prefix_counters(text: str) -> PrefixCounters | None:
     return None
 
 
-async def scrape_prefix_counters(url: str) -> PrefixCounters | None:
-    """The server's counters now; None when /metrics cannot be read or lacks them."""
+# requests a server took: cadence counts them as they arrive, vLLM as they finish
+REQUEST_COUNTERS = ("cadence:request_received_total", "vllm:request_success_total")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerCounters:
+    url: str
+    prefix: PrefixCounters | None  # None: /metrics unreadable or without them
+    requests: float | None
+
+
+def server_counters(url: str, text: str | None) -> ServerCounters:
+    if text is None:
+        return ServerCounters(url, None, None)
+    samples = metric_samples(text)
+    requests = next((samples[name] for name in REQUEST_COUNTERS if name in samples), None)
+    return ServerCounters(url, prefix_counters(text), requests)
+
+
+async def scrape_counters(url: str) -> ServerCounters:
+    """The server's counters now."""
     try:
         async with httpx.AsyncClient(timeout=METRICS_TIMEOUT_S) as client:
             response = await client.get(f"{api_root(url)}/metrics")
     except httpx.HTTPError:
+        return server_counters(url, None)
+    return server_counters(url, response.text if response.status_code == 200 else None)
+
+
+def _difference(before: float | None, after: float | None) -> float | None:
+    return None if before is None or after is None else after - before
+
+
+def servers_delta(
+    before: Sequence[ServerCounters], after: Sequence[ServerCounters]
+) -> dict[str, Any] | None:
+    """What the run added to the servers' counters, summed over them (None: unknown, a
+    server did not say), with each server's own part: behind a router, where its requests
+    went and how much of their prompts each cache held."""
+    parts = [prefix_cache_delta(b.prefix, a.prefix) for b, a in zip(before, after, strict=True)]
+    if not parts or any(part is None for part in parts):
         return None
-    if response.status_code != 200:
-        return None
-    return prefix_counters(response.text)
+    queries = sum(part["queries"] for part in parts)
+    hits = sum(part["hits"] for part in parts)
+    servers = [
+        {
+            "url": a.url,
+            "queries": part["queries"],
+            "hits": part["hits"],
+            "requests": _difference(b.requests, a.requests),
+        }
+        for b, a, part in zip(before, after, parts, strict=True)
+    ]
+    counted = [server["requests"] for server in servers]
+    total = sum(counted) if None not in counted else None
+    return {
+        "counter": parts[0]["counter"],
+        "queries": queries,
+        "hits": hits,
+        "hit_rate": hits / queries if queries > 0 else None,
+        "computed": queries - hits,  # prompt tokens the servers had to compute
+        "servers": servers,
+        "largest_share": max(counted) / total if total else None,
+    }
 
 
 def prefix_cache_delta(
@@ -370,11 +445,23 @@ def _percent(share: float | None) -> str:
 def prefix_cache_line(prefix_cache: dict[str, Any] | None) -> str:
     if prefix_cache is None:
         return "prefix-cache hit rate (/metrics): unknown, no prefix-cache counters there"
-    return (
+    servers = prefix_cache.get("servers") or []
+    where = "the server's" if len(servers) <= 1 else f"the {len(servers)} servers'"
+    line = (
         f"prefix-cache hit rate (/metrics): {_percent(prefix_cache['hit_rate'])}, "
-        f"{prefix_cache['hits']:,.0f} of {prefix_cache['queries']:,.0f} prompt tokens "
-        f"({prefix_cache['counter']}: all the server's traffic meanwhile)"
+        f"{prefix_cache['hits']:,.0f} of {prefix_cache['queries']:,.0f} prompt tokens, "
+        f"{prefix_cache['queries'] - prefix_cache['hits']:,.0f} computed "
+        f"({prefix_cache['counter']}: all {where} traffic meanwhile)"
     )
+    if len(servers) > 1:
+        shares = ", ".join(
+            f"{s['url']}: {s['requests']:,.0f}" for s in servers if s["requests"] is not None
+        )
+        line += (
+            f"\nrequests by server: {shares}; largest share "
+            f"{_percent(prefix_cache['largest_share'])}"
+        )
+    return line
 
 
 def report_text(summary: dict[str, Any], heading: str) -> str:
@@ -420,9 +507,10 @@ async def measure(
 ) -> tuple[dict[str, Any], ChatRun]:
     """Runs the conversations; returns chat.json's document and the run."""
     model = args.model or await discover_model(args.url, args.api_key)
-    before = await scrape_prefix_counters(args.url)
+    metrics_urls = args.metrics_url or [args.url]
+    before = [await scrape_counters(url) for url in metrics_urls]
     run = await run_chat(client_config(args.url, model, args), trace)
-    after = await scrape_prefix_counters(args.url)
+    after = [await scrape_counters(url) for url in metrics_urls]
     document = {
         "scenario": "chat",
         "url": args.url,
@@ -430,7 +518,7 @@ async def measure(
         "started_unix": run.started_unix,
         "config": jsonable_args(args),
         "workload": {**dataclasses.asdict(shape), "seed": args.seed, "tokenizer": args.tokenizer},
-        "summary": summarize_chat(run.records, prefix_cache_delta(before, after)),
+        "summary": summarize_chat(run.records, servers_delta(before, after)),
         "requests": [
             {"conversation": r.conversation, "turn": r.turn, **dataclasses.asdict(r.request)}
             for r in run.records
@@ -444,7 +532,7 @@ def heading(document: dict[str, Any]) -> str:
     return (
         f"{PROG} against {document['url']} (model {document['model']}): "
         f"{workload['conversations']} conversations x {workload['turns']} turns, "
-        f"{workload['system_len']}-token system prompt shared"
+        f"{workload['system_prompts']} shared system prompt(s) of {workload['system_len']} tokens"
     )
 
 

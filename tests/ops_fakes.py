@@ -131,6 +131,7 @@ class FakeServer:
             f"# TYPE {p}prefix_cache_hits_total counter\n"
             f"{p}prefix_cache_hits_total{labels} {self.prefix_cache_hits}\n"
             f"{p}num_requests_running {self.open_streams}\n"
+            f"{p}request_received_total {len(self.bodies)}\n"
         )
 
 

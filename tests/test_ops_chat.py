@@ -13,12 +13,15 @@ from ops.chat import (
     ChatTrace,
     Conversation,
     PrefixCounters,
+    ServerCounters,
     TurnRecord,
     build_trace,
     prefix_cache_delta,
     prefix_counters,
     report_text,
     run_chat,
+    server_counters,
+    servers_delta,
     summarize_chat,
 )
 from ops.client import ClientConfig, RequestRecord
@@ -61,7 +64,7 @@ def fake_answer(messages_sent: int, max_tokens: int) -> str:
 def expected_messages(trace: ChatTrace, conversation: Conversation, turn: int) -> list[dict]:
     """Turn `turn`'s messages: the system prompt, each earlier turn with the fake's answer
     to it, and the new user message."""
-    messages = [{"role": "system", "content": trace.system}]
+    messages = [{"role": "system", "content": trace.systems[conversation.system]}]
     for user in conversation.user_messages[: turn - 1]:
         messages.append({"role": "user", "content": user})
         answer = fake_answer(len(messages), trace.max_tokens)
@@ -80,7 +83,7 @@ def hand_made_trace(user_messages: list[list[str]], max_tokens: int = 3) -> Chat
         )
         for i, texts in enumerate(user_messages)
     )
-    return ChatTrace("be brief", 2, max_tokens, conversations)
+    return ChatTrace(("be brief",), 2, max_tokens, conversations)
 
 
 # the conversations
@@ -91,14 +94,14 @@ def test_the_trace_is_seeded_and_its_text_does_not_depend_on_timing(maker, token
     assert trace == build_trace(maker, SMALL, seed=7)
     assert trace != build_trace(maker, SMALL, seed=8)
     retimed = build_trace(maker, dataclasses.replace(SMALL, rate=5.0, think_s=2.0), seed=7)
-    assert retimed.system == trace.system
+    assert retimed.systems == trace.systems and len(trace.systems) == 1
     assert [c.user_messages for c in retimed.conversations] == [
         c.user_messages for c in trace.conversations
     ]
     assert [c.start_s for c in retimed.conversations] != [c.start_s for c in trace.conversations]
 
     codec = load_codec(tokenizer_json)
-    assert len(codec.encode(trace.system)) == SMALL.system_len
+    assert len(codec.encode(trace.systems[0])) == SMALL.system_len
     starts = [c.start_s for c in trace.conversations]
     assert starts == sorted(starts) and starts[0] > 0
     users = [u for c in trace.conversations for u in c.user_messages]
@@ -232,6 +235,42 @@ def test_the_hit_rate_is_the_run_s_delta_and_unknown_without_counters():
     assert prefix_cache_delta(before, None) is None
 
 
+def test_tenants_draw_their_system_prompt_and_share_only_it(maker):
+    shape = dataclasses.replace(SMALL, conversations=12, system_prompts=3)
+    trace = build_trace(maker, shape, seed=1)
+    assert len(set(trace.systems)) == 3
+    assert {c.system for c in trace.conversations} == {0, 1, 2}
+    users = [u for c in trace.conversations for u in c.user_messages]
+    assert len(set(users)) == len(users) and not set(users) & set(trace.systems)
+
+
+def counters(url: str, queries: float, hits: float, requests: float | None) -> ServerCounters:
+    prefix = PrefixCounters("cadence:prefix_cache_queries_total", queries, hits)
+    return ServerCounters(url, prefix, requests)
+
+
+def test_replicas_counters_are_summed_with_each_one_s_share_of_the_requests():
+    before = [counters("a", 100, 50, 4), counters("b", 0, 0, 0)]
+    after = [counters("a", 700, 450, 34), counters("b", 400, 50, 10)]
+    delta = servers_delta(before, after)
+    assert (delta["queries"], delta["hits"], delta["computed"]) == (1000, 450, 550)
+    assert delta["hit_rate"] == 0.45 and delta["largest_share"] == 0.75
+    assert [s["requests"] for s in delta["servers"]] == [30, 10]
+    assert servers_delta(before, [after[0], ServerCounters("b", None, 10)]) is None
+    unknown_requests = servers_delta(before, [after[0], counters("b", 400, 50, None)])
+    assert unknown_requests["largest_share"] is None and unknown_requests["hits"] == 450
+
+
+def test_server_counters_read_requests_under_either_name():
+    assert server_counters("u", "cadence:request_received_total 7\n").requests == 7
+    vllm = (
+        'vllm:request_success_total{finished_reason="stop"} 3\n'
+        'vllm:request_success_total{finished_reason="length"} 2\n'
+    )
+    assert server_counters("u", vllm).requests == 5
+    assert server_counters("u", None) == ServerCounters("u", None, None)
+
+
 # the report
 
 
@@ -342,6 +381,8 @@ async def test_the_command_runs_every_turn_and_reads_the_hit_rate_from_metrics(
     summary = doc["summary"]
     assert summary["cached_share"] == pytest.approx(2 / PROMPT_TOKENS)
     assert [t["requests"] for t in summary["by_turn"]] == [3, 3, 3]
+    # the fake names its request counter like cadence's whatever its prefix
+    requests = 9 if metrics_prefix == "cadence:" else None
     if metrics_prefix is None:
         assert summary["prefix_cache"] is None
     else:
@@ -350,6 +391,11 @@ async def test_the_command_runs_every_turn_and_reads_the_hit_rate_from_metrics(
             "queries": 9 * PROMPT_TOKENS,
             "hits": 9 * 2,
             "hit_rate": pytest.approx(2 / PROMPT_TOKENS),
+            "computed": 9 * (PROMPT_TOKENS - 2),
+            "servers": [
+                {"url": server.url, "queries": 9 * PROMPT_TOKENS, "hits": 18, "requests": requests}
+            ],
+            "largest_share": None if requests is None else 1.0,
         }
 
     # the same seed and tokenizer make the same conversations for any server
@@ -367,6 +413,24 @@ async def test_the_command_runs_every_turn_and_reads_the_hit_rate_from_metrics(
     assert ("hit rate (/metrics): unknown" in summary_text) == (metrics_prefix is None)
     if metrics_prefix == "vllm:":
         assert (out / "ttft_by_prompt_len.png").read_bytes().startswith(PNG_MAGIC)
+
+
+async def test_counters_are_read_from_every_metrics_url(nursery, tmp_path, tokenizer_json):
+    """Behind a router: the replicas' counters, summed, and where the requests went."""
+    served, idle = FakeServer(cached_tokens=2, metrics_prefix="cadence:"), FakeServer(
+        metrics_prefix="cadence:"
+    )
+    for server in (served, idle):
+        await nursery.start(server.serve)
+    out = tmp_path / "run"
+    argv = ["chat", "--url", served.url, "--tokenizer", tokenizer_json, "--out", str(out),
+            "--metrics-url", served.url, "--metrics-url", idle.url, "--no-plots",
+            *SMALL_FLAGS]  # fmt: skip
+    assert await run_main(argv) == 0
+    cache = orjson.loads((out / "chat.json").read_bytes())["summary"]["prefix_cache"]
+    assert [s["url"] for s in cache["servers"]] == [served.url, idle.url]
+    assert [s["requests"] for s in cache["servers"]] == [9, 0] and cache["largest_share"] == 1.0
+    assert (cache["queries"], cache["hits"]) == (9 * PROMPT_TOKENS, 18)
 
 
 @pytest.mark.parametrize(
