@@ -151,7 +151,8 @@ async def shared_prefix_trace(
     policy: str, *, caching: bool, num_blocks: int, seed: int, aborts: bool = False
 ) -> tuple[dict[str, list[int]], RecordingObserver, dict]:
     """Conversations that share system prompts arrive in bursts on a small cache, some
-    repeated, some aborted mid-way: what each finished request generated, by request."""
+    repeated; with `aborts`, some are aborted mid-way and the policy is swapped now and
+    then: what each finished request generated, by request."""
     rng = random.Random(seed)
     systems = [system_prompt(rng.randint(20, 90), seed=100 + k) for k in range(3)]
     observer = RecordingObserver()
@@ -174,6 +175,8 @@ async def shared_prefix_trace(
                 await trio.sleep(rng.choice([0, 0, 0.01, 0.05]))
                 if aborts and rng.random() < 0.2:
                     engine.abort(f"r{rng.randrange(i + 1)}")
+                if aborts and rng.random() < 0.15:
+                    engine.set_policy(rng.choice(sorted(POLICIES)), {})
         state = engine.state()
     return outputs, observer, state
 
@@ -203,7 +206,9 @@ async def test_preemption_and_eviction_keep_answers_exact(autojump_clock):
 
 
 @pytest.mark.parametrize("seed", range(4))
-async def test_aborts_amid_shared_prefixes_free_every_reference(autojump_clock, seed: int):
+async def test_aborts_and_policy_swaps_amid_shared_prefixes_free_every_reference(
+    autojump_clock, seed: int
+):
     outputs, observer, state = await shared_prefix_trace(
         "stall_free", caching=True, num_blocks=32, seed=seed, aborts=True
     )
@@ -211,4 +216,5 @@ async def test_aborts_amid_shared_prefixes_free_every_reference(autojump_clock, 
     assert state["kv_blocks_used"] == 0 and state["running"] == state["waiting"] == 0
     assert state["prefix_cache"]["cached_blocks"] == state["prefix_cache"]["evictable_blocks"]
     assert len(outputs) + sum(1 for s in observer.finished if s.finish_reason == "abort") == 36
+    assert observer.swaps and state["prefix_cache"]["hits_tokens"] > 0
 
