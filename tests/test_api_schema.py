@@ -127,6 +127,8 @@ def test_single_element_prompt_lists_are_one_prompt() -> None:
         ({"prompt": "x", "min_tokens": 3}, "min_tokens"),
         ({"prompt": "x", "no_stop_trim": True}, "no_stop_trim"),
         ({"prompt": "x", "skip_special_tokens": "no"}, "skip_special_tokens"),
+        ({"prompt": "x", "cache_salt": ""}, "cache_salt"),
+        ({"prompt": "x", "cache_salt": 7}, "cache_salt"),
     ],
 )
 def test_bad_completion_bodies_are_400_naming_the_field(body: object, param: str | None) -> None:
@@ -192,6 +194,9 @@ def test_unknown_fields_are_ignored_and_named_and_known_ones_honoured() -> None:
     )
     assert req.ignored == ("frobnicate", "temprature")
     assert req.params.max_tokens == 5 and req.params.skip_special_tokens is False
+    assert req.params.cache_salt is None
+    salted = parse_completion_request({"prompt": "x", "cache_salt": "t1"}, None)
+    assert salted.params.cache_salt == "t1"
     assert parse_completion_request({"prompt": "x"}, None).ignored == ()
 
 

@@ -29,6 +29,13 @@ def test_a_hash_names_the_whole_prefix_not_only_its_block():
     assert chain_hashes([1, 2, 3, 4, 5, 6, 7, 8], SIZE, known) is known and known == a
 
 
+def test_a_salt_separates_the_chains_of_equal_prompts():
+    tokens = list(range(8))
+    plain, a, b = (chain_hashes(tokens, SIZE, [], salt) for salt in (None, "a", "b"))
+    assert len({plain[0], a[0], b[0]}) == 3 and len({plain[1], a[1], b[1]}) == 3
+    assert chain_hashes(tokens, SIZE, [], "a") == a
+
+
 def test_only_full_computed_blocks_are_found():
     bm = BlockManager(8, SIZE)
     tokens = list(range(10))

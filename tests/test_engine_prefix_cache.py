@@ -71,6 +71,17 @@ async def test_a_repeated_prompt_starts_from_its_cached_full_blocks(
     assert state["hits_tokens"] == hit and state["queries_tokens"] == 2 * prompt_len
 
 
+async def test_only_requests_with_the_same_cache_salt_share(autojump_clock):
+    """vLLM's cache_salt: a tenant's prefixes are found by its own requests only."""
+    prompt = system_prompt(100)
+    worker = SimWorker()
+    async with running_engine(sim_config(), worker) as engine:
+        for name, salt in [("a1", "a"), ("b1", "b"), ("a2", "a"), ("none", None)]:
+            params = greedy(3, cache_salt=salt)
+            await collect(await engine.submit(prompt, params, request_id=name))
+    assert [first_start(worker, i) for i in range(4)] == [0, 0, 96, 0]
+
+
 async def test_with_the_cache_off_nothing_is_shared(autojump_clock):
     prompt = system_prompt(100)
     worker = SimWorker()

@@ -19,6 +19,7 @@ from service.engine.request import SamplingParams
 
 MAX_LOGPROBS = 5  # completions' `logprobs` (how many alternatives OpenAI would list)
 MAX_DEADLINE_MS = 86_400_000.0
+MAX_CACHE_SALT_CHARS = 256
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 # Fields OpenAI (or common benchmark clients) send that cadence accepts only with their
@@ -256,6 +257,7 @@ def _parse_common(
         stop=_parse_stop(fields.raw("stop")),
         ignore_eos=fields.boolean("ignore_eos", False),
         skip_special_tokens=fields.boolean("skip_special_tokens", True),
+        cache_salt=_parse_cache_salt(fields.raw("cache_salt")),
         sampling=sampling,
     )
     stream = fields.boolean("stream", False)
@@ -271,6 +273,17 @@ def _parse_common(
         priority=fields.integer("priority", 0) or 0,
         deadline_ms=_parse_deadline(fields),
     )
+
+
+def _parse_cache_salt(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_CACHE_SALT_CHARS:
+        raise bad_request(
+            f"'cache_salt' must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
+            "cache_salt",
+        )
+    return value
 
 
 def _parse_deadline(fields: _Fields) -> float | None:

@@ -17,7 +17,13 @@ from policies.registry import POLICIES
 from service.api.app_state import app_state
 from service.api.errors import json_response
 from service.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from service.api.openai_schema import CHAT_ROLES, MAX_DEADLINE_MS, MAX_LOGPROBS, NEUTRAL_VALUES
+from service.api.openai_schema import (
+    CHAT_ROLES,
+    MAX_CACHE_SALT_CHARS,
+    MAX_DEADLINE_MS,
+    MAX_LOGPROBS,
+    NEUTRAL_VALUES,
+)
 from service.engine.validation import (
     MAX_PRIORITY,
     MAX_SEED,
@@ -167,6 +173,12 @@ def _request(own: Schema, required: list[str], max_model_len: int | None) -> Sch
         },
         "ignore_eos": {"type": ["boolean", "null"]},
         "skip_special_tokens": {"type": ["boolean", "null"]},
+        "cache_salt": {
+            "type": ["string", "null"],
+            "minLength": 1,
+            "maxLength": MAX_CACHE_SALT_CHARS,
+            "description": "vLLM's: only requests with the same salt share cached prefixes",
+        },
         "stream": {"type": ["boolean", "null"]},
         "stream_options": _stream_options(),
         "user": {"type": ["string", "null"], "maxLength": MAX_TENANT_CHARS},

@@ -34,12 +34,16 @@ class OutOfBlocks(RuntimeError):
     """An allocation asked for more blocks than are free (the scheduler checks first)."""
 
 
-def chain_hashes(token_ids: Sequence[int], block_size: int, known: list[bytes]) -> list[bytes]:
+def chain_hashes(
+    token_ids: Sequence[int], block_size: int, known: list[bytes], salt: str | None = None
+) -> list[bytes]:
     """Extend `known`, the hashes of the first full blocks of `token_ids`, to every full
-    block; returns it. A block's hash covers its parent's, so it names the whole prefix.
+    block; returns it. A block's hash covers its parent's, so it names the whole prefix;
+    the first block's parent is the `salt`, so only prompts with the same salt share.
     SHA-256, not Python's hash(): a collision would hand one request another's K/V."""
+    root = b"" if salt is None else hashlib.sha256(b"cache_salt\0" + salt.encode()).digest()
     for index in range(len(known), len(token_ids) // block_size):
-        digest = hashlib.sha256(known[-1] if known else b"")
+        digest = hashlib.sha256(known[-1] if known else root)
         block = token_ids[index * block_size : (index + 1) * block_size]
         digest.update(array("q", block).tobytes())
         known.append(digest.digest())

@@ -381,9 +381,7 @@ class Engine:
             priority=ticket.priority,
             received=ticket.received,
             stream=send,
-            detokenizer=Detokenizer(
-                self.tokenizer, ids, params.stop, params.skip_special_tokens
-            ),
+            detokenizer=Detokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens),
             deadline=deadline,
         )
         self._next_seq_id += 1

@@ -32,6 +32,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True  # False: special tokens (EOS too) appear in the text
+    # vLLM's: only requests with the same salt share cached prefix blocks (tenant isolation)
+    cache_salt: str | None = None
     sampling: SamplingSpec = field(default_factory=_openai_default_sampling)
 
 

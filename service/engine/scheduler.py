@@ -336,7 +336,7 @@ class Scheduler:
 
     def _register_blocks(self, request: Request) -> None:
         """Make the blocks `request` has filled and computed findable by later prompts."""
-        hashes = chain_hashes(request.token_ids, self.blocks.block_size, request.block_hashes)
+        hashes = self._hashes(request)
         self.blocks.register(request.seq_id, hashes, request.num_computed_tokens)
 
     def _prefix_hit(self, request: Request) -> list[int]:
@@ -344,9 +344,13 @@ class Scheduler:
         is left to compute, since the step must produce the logits it samples from."""
         if not self.blocks.enable_caching:
             return []
-        size = self.blocks.block_size
-        hashes = chain_hashes(request.token_ids, size, request.block_hashes)
-        return self.blocks.match(hashes[: (request.num_tokens - 1) // size])
+        hashes = self._hashes(request)
+        return self.blocks.match(hashes[: (request.num_tokens - 1) // self.blocks.block_size])
+
+    def _hashes(self, request: Request) -> list[bytes]:
+        """The chained hashes of `request`'s full blocks (computed once each)."""
+        size, salt = self.blocks.block_size, request.params.cache_salt
+        return chain_hashes(request.token_ids, size, request.block_hashes, salt)
 
     def build_view(self, now: float) -> View:
         blocks = self.blocks
