@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -13,7 +14,9 @@ from pathlib import Path
 import structlog
 import trio
 from hypercorn.config import Config as HypercornConfig
+from hypercorn.events import Closed, Event
 from hypercorn.trio import serve
+from hypercorn.trio.tcp_server import TCPServer
 from quart_trio import QuartTrio
 
 from service.api.app import create_app
@@ -26,6 +29,26 @@ from service.tokenizer import Tokenizer
 
 CLOSE_GRACE_SECONDS = 2.0  # after the drain: for the last events to reach the clients
 log = structlog.get_logger("cadence.server")
+
+
+def survive_the_send_race() -> None:
+    """Hypercorn 0.18's trio TCPServer closes a connection (send_eof) without holding the
+    lock its sends hold, so a send that starts during the close raises BusyResourceError,
+    which nothing catches: it ended the whole server. sglang-router's HTTP/2 health probe
+    did it to about one replica start in four. The send is to a connection being closed:
+    treat it like the BrokenResourceError hypercorn catches there, as the peer gone."""
+    send = TCPServer.protocol_send
+    if hasattr(send, "__wrapped__"):
+        return  # done already
+
+    @functools.wraps(send)
+    async def protocol_send(self: TCPServer, event: Event) -> None:
+        try:
+            await send(self, event)
+        except trio.BusyResourceError:
+            await self.protocol.handle(Closed())
+
+    TCPServer.protocol_send = protocol_send  # type: ignore[method-assign]
 
 
 @dataclass(slots=True)
@@ -56,6 +79,7 @@ class Server:
         return 1 if failed else 0
 
     async def _serve_http(self, app: QuartTrio, engine: Engine) -> None:
+        survive_the_send_race()
         async with trio.open_nursery() as nursery:
 
             async def serve_until_shut_down(task_status: trio.TaskStatus[list[str]]) -> None:
