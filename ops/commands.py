@@ -1,6 +1,6 @@
-"""The `cadence bench` and `cadence logs` commands, registered with the `cadence` CLI as
-entry points (pyproject.toml, group "cadence.commands"): the product finds its tooling
-by name and never imports it."""
+"""The `cadence bench`, `cadence logs` and `cadence replicas` commands, registered with the
+`cadence` CLI as entry points (pyproject.toml, group "cadence.commands"): the product finds
+its tooling by name and never imports it."""
 
 from __future__ import annotations
 
@@ -38,5 +38,12 @@ def bench(argv: list[str] | None = None) -> int:
 def logs(argv: list[str] | None = None) -> int:
     """`cadence logs report LOGFILE ...`."""
     from ops.logs_report import main
+
+    return main(argv)
+
+
+def replicas(argv: list[str] | None = None) -> int:
+    """`cadence replicas [-n N] ... [-- SERVE FLAGS]`: N servers behind sglang-router."""
+    from ops.replicas import main
 
     return main(argv)
