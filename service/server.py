@@ -8,13 +8,13 @@ import os
 import signal
 import socket
 import stat
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.events import Closed, Event
 from hypercorn.trio import serve
 from hypercorn.trio.tcp_server import TCPServer
 from quart_trio import QuartTrio
@@ -31,24 +31,33 @@ CLOSE_GRACE_SECONDS = 2.0  # after the drain: for the last events to reach the c
 log = structlog.get_logger("cadence.server")
 
 
-def survive_the_send_race() -> None:
-    """Hypercorn 0.18's trio TCPServer closes a connection (send_eof) without holding the
-    lock its sends hold, so a send that starts during the close raises BusyResourceError,
-    which nothing catches: it ended the whole server. sglang-router's HTTP/2 health probe
-    did it to about one replica start in four. The send is to a connection being closed:
-    treat it like the BrokenResourceError hypercorn catches there, as the peer gone."""
-    send = TCPServer.protocol_send
-    if hasattr(send, "__wrapped__"):
+def contain_connection_failures() -> None:
+    """One HTTP connection's failure ends that connection, never the server.
+
+    Hypercorn 0.18 runs each connection as a task of the server's own nursery, so an error
+    it does not expect in one connection's handling ended the whole server. sglang-router's
+    HTTP/2 health probe found two, at about one replica start in four: a send that starts
+    while the connection is closing (trio.BusyResourceError: `TCPServer._close` sends its
+    EOF without the lock the sends hold) and a KeyError for an HTTP/2 stream the closing
+    connection had dropped. The connection's own cleanup (its `finally`) has run by then;
+    the failure is logged and the server goes on. Cancellation still propagates."""
+    run = TCPServer.run
+    if hasattr(run, "__wrapped__"):
         return  # done already
+    TCPServer.run = contained(run)  # type: ignore[method-assign]
 
-    @functools.wraps(send)
-    async def protocol_send(self: TCPServer, event: Event) -> None:
+
+def contained(
+    run: Callable[[TCPServer], Awaitable[None]],
+) -> Callable[[TCPServer], Awaitable[None]]:
+    @functools.wraps(run)
+    async def run_one_connection(self: TCPServer) -> None:
         try:
-            await send(self, event)
-        except trio.BusyResourceError:
-            await self.protocol.handle(Closed())
+            await run(self)
+        except Exception as failure:  # one connection's: see contain_connection_failures
+            log.warning("http.connection_failed", error=repr(failure))
 
-    TCPServer.protocol_send = protocol_send  # type: ignore[method-assign]
+    return run_one_connection
 
 
 @dataclass(slots=True)
@@ -79,7 +88,7 @@ class Server:
         return 1 if failed else 0
 
     async def _serve_http(self, app: QuartTrio, engine: Engine) -> None:
-        survive_the_send_race()
+        contain_connection_failures()
         async with trio.open_nursery() as nursery:
 
             async def serve_until_shut_down(task_status: trio.TaskStatus[list[str]]) -> None:
