@@ -8,7 +8,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from service.api import openapi, routes_admin, routes_openai
+from service.api import openapi, routes_admin, routes_openai, routes_tokenize
 from service.api.app_state import EXTENSION_KEY, AppState
 from service.api.body import drain_unread_body
 from service.api.cors import CorsPolicy
@@ -36,6 +36,7 @@ def create_app(
     engine.add_observer(metrics)
     app.extensions[EXTENSION_KEY] = AppState(config, engine, tokenizer, served_model_name, metrics)
     app.register_blueprint(routes_openai.blueprint)
+    app.register_blueprint(routes_tokenize.blueprint)
     app.register_blueprint(routes_admin.blueprint)
     app.register_blueprint(openapi.blueprint)
     _install_page(app)

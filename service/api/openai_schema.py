@@ -230,6 +230,58 @@ def parse_chat_request(
     return request
 
 
+@dataclass(slots=True)
+class TokenizeRequest:
+    """vLLM's POST /tokenize: a prompt, or a chat rendered by the model's template."""
+
+    model: str | None
+    prompt: str | None
+    messages: list[dict[str, str]] | None
+    add_special_tokens: bool
+    add_generation_prompt: bool
+    return_token_strs: bool
+
+
+def parse_tokenize_request(body: Any, bound: PromptBound | None = None) -> TokenizeRequest:
+    fields = _Fields(body)
+    model = fields.raw("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request(f"'model' must be a string, got {model!r}", "model")
+    prompt, messages = fields.raw("prompt"), fields.raw("messages")
+    if (prompt is None) == (messages is None):
+        raise bad_request("send either 'prompt' or 'messages'", "prompt")
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise bad_request("'prompt' must be a string", "prompt")
+        if bound is not None:
+            bound.check_chars(len(prompt), "prompt")
+    else:
+        messages = _parse_messages(messages, bound)
+    return TokenizeRequest(
+        model=model,
+        prompt=prompt,
+        messages=messages,
+        # vLLM's defaults: a prompt gets the tokenizer's special tokens, a chat its template's
+        add_special_tokens=fields.boolean("add_special_tokens", prompt is not None),
+        add_generation_prompt=fields.boolean("add_generation_prompt", True),
+        return_token_strs=fields.boolean("return_token_strs", False),
+    )
+
+
+def parse_detokenize_request(body: Any, vocab_size: int) -> tuple[str | None, list[int]]:
+    """vLLM's POST /detokenize: (model, token ids)."""
+    fields = _Fields(body)
+    model = fields.raw("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request(f"'model' must be a string, got {model!r}", "model")
+    tokens = fields.raw("tokens")
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in tokens
+    ):
+        raise bad_request(f"'tokens' must be a list of token ids in [0, {vocab_size})", "tokens")
+    return model, tokens
+
+
 def _parse_common(
     fields: _Fields, kind: str, header_tenant: str | None, logprobs: bool
 ) -> GenerationRequest:

@@ -69,6 +69,8 @@ def _public_paths(max_model_len: int | None) -> Schema:
             "post": _generation("Create a chat completion", _chat_request(max_model_len))
         },
         "/v1/models": {"get": _get("The model served", _models_schema())},
+        "/tokenize": {"post": _tokenize()},
+        "/detokenize": {"post": _detokenize()},
         "/health": {
             "get": {
                 "summary": "200 when the worker is ready, 503 while it starts or restarts",
@@ -92,6 +94,57 @@ def _public_paths(max_model_len: int | None) -> Schema:
             }
         },
     }
+
+
+def _tokenize() -> Schema:
+    """vLLM's: a prompt, or a chat through the model's template."""
+    flags = {
+        "model": {"type": ["string", "null"]},
+        "add_special_tokens": {"type": ["boolean", "null"]},
+        "return_token_strs": {"type": ["boolean", "null"]},
+    }
+    prompt = {**flags, "prompt": {"type": "string"}}
+    chat = {
+        **flags,
+        "messages": _chat_request(None)["properties"]["messages"],
+        "add_generation_prompt": {"type": ["boolean", "null"]},
+    }
+    request = {"oneOf": [_open(prompt, ["prompt"]), _open(chat, ["messages"])]}
+    ids = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+    response = _object_open(
+        {
+            "count": {"type": "integer", "minimum": 0},
+            "max_model_len": {"type": ["integer", "null"]},
+            "tokens": ids,
+            "token_strs": {"type": ["array", "null"], "items": {"type": "string"}},
+        }
+    )
+    return _post("Tokenize a prompt or a chat (vLLM's endpoint)", request, response)
+
+
+def _detokenize() -> Schema:
+    request = _open(
+        {
+            "model": {"type": ["string", "null"]},
+            "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        },
+        ["tokens"],
+    )
+    response = _object_open({"prompt": {"type": "string"}})
+    return _post("Token ids back to text (vLLM's endpoint)", request, response)
+
+
+def _post(summary: str, request: Schema, response: Schema) -> Schema:
+    return {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {JSON: {"schema": request}}},
+        "responses": {"200": _json_content(summary, response), **_errors(400, 404, 413, 415)},
+    }
+
+
+def _open(properties: Schema, required: list[str]) -> Schema:
+    """An object with these fields; others are ignored, as vLLM does."""
+    return {"type": "object", "properties": properties, "required": required}
 
 
 def _generation(summary: str, request_schema: Schema) -> Schema:

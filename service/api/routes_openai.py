@@ -103,16 +103,20 @@ async def read_json_body() -> Any:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
 
 
-async def serve_generation(req: GenerationRequest) -> Response:
-    state = app_state()
-    if req.model is not None and req.model != state.served_model_name:
+def require_served_model(model: str | None, state: AppState) -> None:
+    """A request naming another model is a 404, as OpenAI and vLLM answer it."""
+    if model is not None and model != state.served_model_name:
         raise APIError(
             404,
-            f"The model `{req.model}` does not exist. This server serves "
-            f"`{state.served_model_name}`.",
+            f"The model `{model}` does not exist. This server serves `{state.served_model_name}`.",
             param="model",
             code="model_not_found",
         )
+
+
+async def serve_generation(req: GenerationRequest) -> Response:
+    state = app_state()
+    require_served_model(req.model, state)
     if not state.engine.ready:
         raise unavailable("the model worker is not ready yet; retry shortly")
     prompt_ids = await tokenize_prompt(req, state)
