@@ -21,7 +21,7 @@ class PolicyError(ValueError):
 class SeqView:
     seq_id: int
     tenant: str
-    priority: int  # larger runs first under the `priority` policy
+    priority: int  # as vLLM: lower runs first under the `priority` policy (default 0)
     arrival: float  # seconds, engine clock
     prompt_len: int
     num_generated: int

@@ -1,12 +1,15 @@
-"""priority: higher priority first, with aging so that nothing waits forever.
+"""priority: lower priority value first (vLLM's meaning, default 0), with aging so that
+nothing waits forever.
 
-Optimizes latency of important requests. Effective priority = priority + aging_rate *
-seconds since arrival, so a low-priority request eventually outranks newer high-priority
-ones; among equals the earlier deadline goes first, then the earlier arrival. Decodes and
-prefill chunks are ordered so and packed into the budget as under stall_free. With
-`preempt`, when KV blocks are short for a waiting request, running requests of strictly
-lower base priority are named for preemption (lowest first); the strict base-priority rule
-prevents two requests from evicting each other in turn.
+Optimizes latency of important requests; as in vLLM, a request's `priority` is a number
+where LOWER runs first. Effective priority = priority - aging_rate * seconds since
+arrival, so a request of a large value that has waited long eventually outranks newer
+ones of smaller values; the smallest effective value goes first, among equals the earlier
+deadline, then the earlier arrival. Decodes and prefill chunks are ordered so and packed
+into the budget as under stall_free. With `preempt`, when KV blocks are short for a waiting
+request, running requests of a strictly higher base priority value (less important) are
+named for preemption (the least important first); the strict base-priority rule prevents
+two requests from evicting each other in turn.
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ from policies.packing import fill_budget, split_running
 
 class Priority(Policy):
     name = "priority"
-    summary = "Latency of important requests: highest (aged) priority first, optional preemption."
+    summary = (
+        "Latency of important requests: lowest (aged) priority value first, as vLLM; "
+        "optional preemption."
+    )
 
     @dataclass(frozen=True, slots=True)
     class Params:
@@ -29,13 +35,14 @@ class Priority(Policy):
         chunk_size: int = field(default=512, metadata={"min": 1, "max": 1 << 20})
 
     def effective(self, seq: SeqView, now: float) -> float:
-        return seq.priority + self.params.aging_rate * max(0.0, now - seq.arrival)
+        """Lower runs first; waiting lowers it, so nothing waits forever."""
+        return seq.priority - self.params.aging_rate * max(0.0, now - seq.arrival)
 
     def decide(self, view: View) -> Decision:
         p = self.params
 
         def rank(s: SeqView) -> tuple[float, bool, float, float]:
-            return (-self.effective(s, view.now), *by_deadline(s))
+            return (self.effective(s, view.now), *by_deadline(s))
 
         decoding, prefilling = split_running(view)
         decoding.sort(key=rank)
@@ -67,10 +74,11 @@ class Priority(Policy):
         if short <= 0:
             return []  # left out for the token budget or the sequence cap, not for blocks
         victims = []
-        for seq in sorted(view.running, key=rank, reverse=True):  # lowest rank first
+        # the least important first: the largest effective value, latest deadline, arrival
+        for seq in sorted(view.running, key=rank, reverse=True):
             if short <= 0:
                 break
-            if seq.priority < blocked.priority:
+            if seq.priority > blocked.priority:  # strictly less important, by base value
                 victims.append(seq.seq_id)
                 short -= seq.num_blocks
         kept = [e for e in decision.schedule if e[0] not in set(victims)]

@@ -122,10 +122,11 @@ def test_every_request_finishes_once_with_its_tokens(
 
 
 async def _priority_stream(aging_rate: float, gap: float, horizon: float) -> float | None:
-    """One priority-0 request amid a stream of priority-9 ones, one sequence at a time.
+    """One priority-9 request amid a stream of priority-0 ones (lower runs first, as in
+    vLLM), one sequence at a time.
 
-    The stream arrives faster than it is served and goes on until the low request
-    finishes or `horizon` seconds pass. Returns when the low one finished, or None.
+    The stream arrives faster than it is served and goes on until the low-priority
+    (priority-9) request finishes or `horizon` seconds pass. Returns when it finished, or None.
     """
     config = sim_config(policy="priority", policy_params={"aging_rate": aging_rate}, max_num_seqs=1)
     engine = Engine(config, SimWorker(), SimTokenizer())
@@ -139,14 +140,14 @@ async def _priority_stream(aging_rate: float, gap: float, horizon: float) -> flo
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)
         async with trio.open_nursery() as clients:
-            first = await engine.submit([1] * 8, params, request_id="h-first", priority=9)
+            first = await engine.submit([1] * 8, params, request_id="h-first", priority=0)
             clients.start_soon(collect, first)
-            low = await engine.submit([2] * 8, params, request_id="low", priority=0)
+            low = await engine.submit([2] * 8, params, request_id="low", priority=9)
             clients.start_soon(read_low, low)
             i = 0
             while not low_done and trio.current_time() < horizon:
                 await trio.sleep(gap)
-                channel = await engine.submit([3] * 8, params, request_id=f"h{i}", priority=9)
+                channel = await engine.submit([3] * 8, params, request_id=f"h{i}", priority=0)
                 clients.start_soon(collect, channel)
                 i += 1
             engine.begin_shutdown()

@@ -75,19 +75,41 @@ def test_stall_free_takes_larger_steps_while_nothing_decodes():
     assert d.schedule == [(10, 700)]  # never below the budget with decodes
 
 
-def test_priority_orders_by_aged_priority_and_preempts_lower():
-    policy = make_policy("priority", {"aging_rate": 1.0, "preempt": True, "token_budget": 64})
-    low_old = seq(1, 20, priority=0, arrival=0.0)
-    d = policy.decide(view([], [low_old, seq(2, 20, priority=5, arrival=2.5)], now=3.0))
-    assert d.schedule[0][0] == 2  # 5 + 0.5 beats 0 + 3
-    d = policy.decide(view([], [low_old, seq(2, 20, priority=5, arrival=9.0)], now=10.0))
-    assert d.schedule[0][0] == 1  # aged: 0 + 10 beats a newcomer's 5 + 1
+def test_priority_runs_lower_values_first_as_vllm_does():
+    # vLLM's meaning: a lower `priority` value runs first, and 0 is the default
+    policy = make_policy("priority", {"aging_rate": 0, "token_budget": 90, "chunk_size": 30})
+    waiting = [
+        seq(10, 30, priority=5, arrival=1.0),
+        seq(11, 30, arrival=2.0),  # the default, 0
+        seq(12, 30, priority=-3, arrival=3.0),
+    ]
+    d = policy.decide(view([], waiting))
+    assert d.schedule == [(12, 30), (11, 30), (10, 30)]  # -3, 0, 5: against arrival order
+    decoders = [seq(1, 20, generated=3, priority=2), seq(2, 20, generated=3, priority=-1)]
+    d = policy.decide(view(decoders, [], max_seqs=1))
+    assert d.schedule == [(2, 1)]  # the one slot goes to the lower value
+    # preemption: a blocked request evicts a running one of a higher value, never a lower one
+    running = [seq(3, 32, generated=1, priority=7)]  # holds 2 blocks
+    d = policy.decide(view(running, [seq(4, 30, priority=0)], free=0))
+    assert d.preempt == [3] and (4, 30) in d.schedule
+    running = [seq(3, 32, generated=1, priority=0)]
+    d = policy.decide(view(running, [seq(4, 30, priority=7)], free=0))
+    assert d.preempt == [] and d.schedule == [(3, 1)]
 
-    running_low = seq(3, 32, priority=0, generated=1)  # holds 2 blocks
-    d = policy.decide(view([running_low], [seq(4, 30, priority=9, arrival=9.9)], free=0))
+
+def test_priority_orders_by_aged_priority_and_preempts_less_important():
+    policy = make_policy("priority", {"aging_rate": 1.0, "preempt": True, "token_budget": 64})
+    minor_old = seq(1, 20, priority=5, arrival=0.0)
+    d = policy.decide(view([], [minor_old, seq(2, 20, priority=0, arrival=2.5)], now=3.0))
+    assert d.schedule[0][0] == 2  # 0 - 0.5 beats 5 - 3
+    d = policy.decide(view([], [minor_old, seq(2, 20, priority=0, arrival=9.0)], now=10.0))
+    assert d.schedule[0][0] == 1  # aged: 5 - 10 beats a newcomer's 0 - 1
+
+    running_minor = seq(3, 32, priority=9, generated=1)  # holds 2 blocks
+    d = policy.decide(view([running_minor], [seq(4, 30, priority=0, arrival=9.9)], free=0))
     assert d.preempt == [3] and (4, 30) in d.schedule and (3, 1) not in d.schedule
-    same = seq(5, 30, priority=0, arrival=9.9)
-    d = policy.decide(view([running_low], [same], free=0))
+    same = seq(5, 30, priority=9, arrival=9.9)
+    d = policy.decide(view([running_minor], [same], free=0))
     assert d.preempt == []  # never for an equal base priority
 
 
@@ -96,26 +118,26 @@ def priority_step(budget: int, running, waiting, *, max_seqs: int = 64):
     return policy.decide(view(running, waiting, free=0, max_seqs=max_seqs))
 
 
-HIGH_DECODER = seq(1, 20, generated=3, priority=9)  # holds 2 blocks, needs no new one
-LOW_DECODERS = [seq(2, 20, generated=3), seq(3, 20, generated=3)]
-URGENT = seq(9, 40, priority=9)  # waiting, needs 3 blocks for a 40-token chunk
+IMPORTANT_DECODER = seq(1, 20, generated=3, priority=0)  # holds 2 blocks, needs no new one
+MINOR_DECODERS = [seq(2, 20, generated=3, priority=9), seq(3, 20, generated=3, priority=9)]
+URGENT = seq(9, 40, priority=0)  # waiting, needs 3 blocks for a 40-token chunk
 
 
 def test_priority_preempts_what_the_urgent_prompt_needs_whatever_its_first_chunk():
-    d = priority_step(40, [HIGH_DECODER, *LOW_DECODERS], [URGENT])
-    assert d.preempt == [3, 2]  # latest-arriving of the lowest first, until 3 blocks are free
+    d = priority_step(40, [IMPORTANT_DECODER, *MINOR_DECODERS], [URGENT])
+    assert d.preempt == [3, 2]  # latest-arriving of the least important first, until 3 free
     assert d.schedule == [(1, 1), (9, 39)]  # the kept decode and what is left of the budget
-    d = priority_step(3, [HIGH_DECODER, *LOW_DECODERS], [URGENT])
+    d = priority_step(3, [IMPORTANT_DECODER, *MINOR_DECODERS], [URGENT])
     # a 2-token chunk, but the core admits only the whole prompt's 3 blocks: both must go
     assert d.preempt == [3, 2]
     assert d.schedule == [(1, 1), (9, 2)]
     roomy = make_policy("priority", {"aging_rate": 0, "token_budget": 40, "chunk_size": 40})
-    d = roomy.decide(view([HIGH_DECODER, *LOW_DECODERS], [URGENT], free=5, admit=1))
+    d = roomy.decide(view([IMPORTANT_DECODER, *MINOR_DECODERS], [URGENT], free=5, admit=1))
     assert d.preempt == [3]  # free blocks are promised to others: 1 admittable, 2 missing
 
 
 def test_priority_preempts_nobody_for_a_request_left_out_by_the_sequence_cap():
-    blocks_free_for_it = view([HIGH_DECODER, *LOW_DECODERS], [URGENT], free=3, max_seqs=3)
+    blocks_free_for_it = view([IMPORTANT_DECODER, *MINOR_DECODERS], [URGENT], free=3, max_seqs=3)
     policy = make_policy("priority", {"aging_rate": 0, "token_budget": 512})
     d = policy.decide(blocks_free_for_it)
     assert d.preempt == [] and len(d.schedule) <= 3 and 9 not in dict(d.schedule)

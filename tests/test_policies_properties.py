@@ -216,7 +216,7 @@ def test_fcfs_never_mixes_a_prefill_with_decodes_and_keeps_arrival_order(v: View
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(v=views(), aging=st.floats(0, 5), budget=st.integers(1, 300), chunk=st.integers(1, 100))
-def test_priority_victims_are_running_lower_priority_sequences_never_scheduled(
+def test_priority_victims_are_running_less_important_sequences_never_scheduled(
     v: View, aging: float, budget: int, chunk: int
 ):
     policy = make_policy(
@@ -234,7 +234,7 @@ def test_priority_victims_are_running_lower_priority_sequences_never_scheduled(
         assert blocked_id not in running
         admitted = by_id[blocked_id]
         for victim in decision.preempt:
-            assert running[victim].priority < admitted.priority
+            assert running[victim].priority > admitted.priority  # a higher value: less important
             assert victim not in ids
         freed = sum(running[i].num_blocks for i in decision.preempt)
         assert v.blocks_for(admitted, chunk) <= v.free_blocks + freed
@@ -452,7 +452,7 @@ def test_fcfs_decodes_respect_the_sequence_cap():
 
 def test_priority_effective_priority_ages_only_after_arrival():
     policy = make_policy("priority", {"aging_rate": 2.0})
-    assert policy.effective(seq(1, 5, priority=3, arrival=4.0), now=6.5) == 3 + 2.0 * 2.5
+    assert policy.effective(seq(1, 5, priority=3, arrival=4.0), now=6.5) == 3 - 2.0 * 2.5
     assert policy.effective(seq(1, 5, priority=3, arrival=4.0), now=4.0) == 3
     assert policy.effective(seq(1, 5, priority=3, arrival=9.0), now=4.0) == 3  # clock skew
 
@@ -460,9 +460,9 @@ def test_priority_effective_priority_ages_only_after_arrival():
 def test_priority_orders_decodes_by_aged_priority_and_ties_by_arrival():
     policy = make_policy("priority", {"aging_rate": 0.0})
     running = [
-        seq(1, 10, generated=1, priority=1, arrival=1.0),
-        seq(2, 10, generated=1, priority=5, arrival=3.0),
-        seq(3, 10, generated=1, priority=5, arrival=2.0),
+        seq(1, 10, generated=1, priority=5, arrival=1.0),
+        seq(2, 10, generated=1, priority=1, arrival=3.0),
+        seq(3, 10, generated=1, priority=1, arrival=2.0),
     ]
     d = policy.decide(view(running, [], max_seqs=2))
     assert d.schedule == [(3, 1), (2, 1)]
@@ -470,14 +470,14 @@ def test_priority_orders_decodes_by_aged_priority_and_ties_by_arrival():
 
 def test_priority_budget_and_chunk_size_shape_the_prefill():
     policy = make_policy("priority", {"token_budget": 50, "chunk_size": 30})
-    d = policy.decide(view(decoding(1), [seq(10, 100, priority=2), seq(11, 100)]))
+    d = policy.decide(view(decoding(1), [seq(10, 100, priority=-2), seq(11, 100)]))
     assert d.schedule == [(1, 1), (10, 30), (11, 19)]
 
 
 def test_priority_without_preemption_never_names_victims():
     policy = make_policy("priority", {"preempt": False})
-    running_low = seq(3, 32, priority=0, generated=1)
-    d = policy.decide(view([running_low], [seq(4, 30, priority=9)], free=0))
+    running_minor = seq(3, 32, priority=9, generated=1)
+    d = policy.decide(view([running_minor], [seq(4, 30, priority=0)], free=0))
     assert d.preempt == [] and d.schedule == [(3, 1)]
 
 
@@ -489,71 +489,74 @@ def test_priority_names_no_victims_when_nothing_waits():
 
 def test_priority_needs_no_victims_when_the_waiting_ones_fit():
     policy = make_policy("priority")
-    low = seq(3, 32, priority=0, generated=1)
-    d = policy.decide(view([low], [seq(4, 30, priority=9)], free=3))
+    minor = seq(3, 32, priority=9, generated=1)
+    d = policy.decide(view([minor], [seq(4, 30, priority=0)], free=3))
     assert d.preempt == [] and d.schedule == [(3, 1), (4, 30)]
 
 
 def test_priority_victims_are_the_lowest_ranked_and_only_as_many_as_needed():
     policy = make_policy("priority", {"aging_rate": 0.0})
     running = [
-        seq(1, 32, generated=1, priority=2, blocks=2),
-        seq(2, 32, generated=1, priority=0, blocks=2),
-        seq(3, 32, generated=1, priority=1, blocks=2),
+        seq(1, 32, generated=1, priority=3, blocks=2),
+        seq(2, 32, generated=1, priority=5, blocks=2),
+        seq(3, 32, generated=1, priority=4, blocks=2),
     ]
-    blocked = seq(10, 64, priority=5, arrival=9.0)  # 4 blocks
+    blocked = seq(10, 64, priority=0, arrival=9.0)  # 4 blocks
     d = policy.decide(view(running, [blocked], free=1))
-    assert d.preempt == [2, 3]  # lowest first; 1 + 2 + 2 >= 4, priority-2 one kept
+    assert d.preempt == [2, 3]  # highest value first; 1 + 2 + 2 >= 4, priority-3 one kept
     assert d.schedule == [(1, 1), (10, 64)]
 
 
 def test_priority_a_victim_freeing_exactly_the_shortfall_is_enough():
     policy = make_policy("priority", {"aging_rate": 0.0})
-    running = [seq(1, 32, generated=1, priority=0, blocks=2), seq(2, 32, generated=1, blocks=2)]
-    d = policy.decide(view(running, [seq(10, 48, priority=5)], free=1))  # 3 needed, 1 free
+    running = [
+        seq(1, 32, generated=1, priority=5, blocks=2),
+        seq(2, 32, generated=1, priority=5, blocks=2),
+    ]
+    d = policy.decide(view(running, [seq(10, 48, priority=0)], free=1))  # 3 needed, 1 free
     assert d.preempt == [2]  # the later-arrived of two equals is ranked lower
     assert (10, 48) in d.schedule
 
 
 def test_priority_keeps_everyone_when_eviction_would_not_make_room():
     policy = make_policy("priority", {"aging_rate": 0.0})
-    running = [seq(1, 16, generated=1, priority=0, blocks=1)]
-    d = policy.decide(view(running, [seq(10, 64, priority=5)], free=2))  # needs 4: 2 + 1 < 4
+    running = [seq(1, 16, generated=1, priority=5, blocks=1)]
+    d = policy.decide(view(running, [seq(10, 64, priority=0)], free=2))  # needs 4: 2 + 1 < 4
     assert d.preempt == [] and d.schedule == [(1, 1)]
 
 
 def test_priority_sizes_the_blocked_chunk_by_budget_cap_and_chunk_size():
-    running = [seq(1, 200, generated=1, priority=0, blocks=13)]
+    running = [seq(1, 200, generated=1, priority=5, blocks=13)]
     for params, cap, chunk in [
         ({"token_budget": 16, "chunk_size": 64}, 512, 16),
         ({"token_budget": 64, "chunk_size": 16}, 512, 16),
         ({"token_budget": 64, "chunk_size": 64}, 16, 16),
     ]:
         policy = make_policy("priority", {"aging_rate": 0.0, **params})
-        d = policy.decide(view(running, [seq(10, 200, priority=5)], free=0, cap=cap))
+        d = policy.decide(view(running, [seq(10, 200, priority=0)], free=0, cap=cap))
         assert d.preempt == [1]  # its 13 blocks admit the whole 200-token prompt
         assert d.schedule == [(10, chunk)]
 
 
 def test_priority_only_the_best_blocked_waiting_request_gets_victims():
     policy = make_policy("priority", {"aging_rate": 0.0})
-    running = [seq(1, 16, generated=1, priority=1, blocks=1)]
-    waiting = [seq(10, 16, priority=0, arrival=1.0), seq(11, 16, priority=3, arrival=2.0)]
+    running = [seq(1, 16, generated=1, priority=2, blocks=1)]
+    waiting = [seq(10, 16, priority=3, arrival=1.0), seq(11, 16, priority=0, arrival=2.0)]
     d = policy.decide(view(running, waiting, free=0))
     assert d.preempt == [1] and d.schedule == [(11, 16)]  # for 11, not for 10
 
 
 def test_priority_a_waiting_request_without_a_slot_does_not_stall_a_running_prompt():
     policy = make_policy("priority", {"aging_rate": 0.0, "preempt": False})
-    running = [seq(1, 100, computed=16, priority=0)]
-    d = policy.decide(view(running, [seq(10, 50, priority=9)], max_seqs=1))
+    running = [seq(1, 100, computed=16, priority=9)]
+    d = policy.decide(view(running, [seq(10, 50, priority=0)], max_seqs=1))
     assert d.schedule == [(1, 84)]  # 10 ranks first but has no slot; 1 goes on
 
 
 def test_priority_a_running_prefill_is_not_the_blocked_request():
     policy = make_policy("priority", {"aging_rate": 0.0})
-    running = [seq(1, 100, computed=16, priority=9, blocks=1), seq(2, 16, generated=1)]
-    d = policy.decide(view(running, [seq(10, 16, priority=5)], free=0, cap=512))
+    running = [seq(1, 100, computed=16, priority=0, blocks=1), seq(2, 16, generated=1, priority=9)]
+    d = policy.decide(view(running, [seq(10, 16, priority=4)], free=0, cap=512))
     # the prefilling one could not grow either, but it is running: 10 is the one blocked
     assert d.preempt == [2]
     assert (10, 16) in d.schedule

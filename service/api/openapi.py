@@ -235,7 +235,10 @@ def _request(own: Schema, required: list[str], max_model_len: int | None) -> Sch
         "stream": {"type": ["boolean", "null"]},
         "stream_options": _stream_options(),
         "user": {"type": ["string", "null"], "maxLength": MAX_TENANT_CHARS},
-        "priority": _integer(-MAX_PRIORITY, MAX_PRIORITY),
+        "priority": {
+            **_integer(-MAX_PRIORITY, MAX_PRIORITY),
+            "description": "vLLM's: lower runs first (default 0), under the priority policy",
+        },
         "deadline_ms": {
             "type": ["number", "null"],
             "exclusiveMinimum": 0,
