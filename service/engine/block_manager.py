@@ -41,13 +41,17 @@ def chain_hashes(
     block; returns it. A block's hash covers its parent's, so it names the whole prefix;
     the first block's parent is the `salt`, so only prompts with the same salt share.
     SHA-256, not Python's hash(): a collision would hand one request another's K/V."""
-    root = b"" if salt is None else hashlib.sha256(b"cache_salt\0" + salt.encode()).digest()
     for index in range(len(known), len(token_ids) // block_size):
-        digest = hashlib.sha256(known[-1] if known else root)
+        digest = hashlib.sha256(known[-1] if known else _root(salt))
         block = token_ids[index * block_size : (index + 1) * block_size]
         digest.update(array("q", block).tobytes())
         known.append(digest.digest())
     return known
+
+
+def _root(salt: str | None) -> bytes:
+    """The first block's parent: nothing, or the salt's own hash."""
+    return b"" if salt is None else hashlib.sha256(b"cache_salt\0" + salt.encode()).digest()
 
 
 class BlockManager:

@@ -336,6 +336,8 @@ class Scheduler:
 
     def _register_blocks(self, request: Request) -> None:
         """Make the blocks `request` has filled and computed findable by later prompts."""
+        if not self.blocks.enable_caching:
+            return  # every step of every sequence: hash nothing nobody will look up
         hashes = self._hashes(request)
         self.blocks.register(request.seq_id, hashes, request.num_computed_tokens)
 
