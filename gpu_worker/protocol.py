@@ -105,7 +105,29 @@ class SamplingSpec:
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k cut
     seed: int | None = None  # seeded requests sample reproducibly whatever their batch
-    logprobs: bool = False
+    logprobs: bool = False  # the chosen token's log-probability
+    top_logprobs: int = 0  # with logprobs: the k most likely tokens at each sampled position
+    # the prompt's tokens' log-probabilities, each with this many alternatives (`echo`)
+    prompt_logprobs: int | None = None
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Log-probabilities at consecutive positions of one sequence, in float32 from the raw
+    logits: each position's token (the sampled one, or the prompt's next), and its
+    alternatives, most likely first (as many as the SamplingSpec asked for)."""
+
+    logprobs: list[float] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+
+    def extend(self, other: TokenLogprobs) -> None:
+        self.logprobs += other.logprobs
+        self.top_ids += other.top_ids
+        self.top_logprobs += other.top_logprobs
+
+    def __len__(self) -> int:
+        return len(self.logprobs)
 
 
 @dataclass(slots=True)
@@ -128,6 +150,7 @@ class BatchPlan:
     block_tables: list[list[int]]
     sample: list[bool]
     sampling: list[SamplingSpec]
+    prompt_targets: list[list[int] | None] = field(default_factory=list)
 
     @property
     def is_decode_only(self) -> bool:
@@ -143,7 +166,10 @@ class StepResult:
     step_id: int
     seq_ids: list[int] = field(default_factory=list)  # the sampled sequences, in plan order
     tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] | None = None
+    # of the sampled tokens, when any sequence asked for them; rows in seq_ids' order
+    logprobs: TokenLogprobs | None = None
+    # one per sequence of the plan when it had prompt_targets (None for those without)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     step_ms: float = 0.0  # forward + sample, measured in the worker
     error: str | None = None
     # how long the worker waited for this plan after sending its previous result; None for
@@ -165,8 +191,18 @@ def batch_plan_from_message(msg: dict[str, Any]) -> BatchPlan:
 
 
 def record_from_message(cls: type, msg: dict[str, Any]) -> Any:
-    """Handshake, StepResult or WorkerConfig from a decoded message."""
+    """Handshake or WorkerConfig from a decoded message."""
     return cls(**{k: v for k, v in msg.items() if k != "type"})
+
+
+def step_result_from_message(msg: dict[str, Any]) -> StepResult:
+    fields = {k: v for k, v in msg.items() if k != "type"}
+    if fields.get("logprobs") is not None:
+        fields["logprobs"] = TokenLogprobs(**fields["logprobs"])
+    fields["prompt_logprobs"] = [
+        None if p is None else TokenLogprobs(**p) for p in fields.get("prompt_logprobs", [])
+    ]
+    return StepResult(**fields)
 
 
 def encode_frame(msg: dict[str, Any]) -> bytes:

@@ -21,10 +21,13 @@ from gpu_worker.protocol import (
     BatchPlan,
     Handshake,
     StepResult,
+    TokenLogprobs,
     WorkerConfig,
     parse_kernel_pins,
 )
-from gpu_worker.sampler import Logits, Sampler
+from gpu_worker.sampler import Logits, Sampler, token_logprobs
+
+PROMPT_ROWS = 64  # prompt positions whose log-probabilities are computed at once
 
 
 class ModelRunner:
@@ -113,8 +116,15 @@ class ModelRunner:
         return result
 
     def _execute(self, plan: BatchPlan) -> StepResult:
-        logits = self._logits(plan)
+        self._check(plan)
         sampled = [i for i, wanted in enumerate(plan.sample) if wanted]
+        prompt_logprobs: list[TokenLogprobs | None] = []
+        if plan.prompt_targets:
+            hidden, first_rows = self._forward_mixed(plan)
+            logits = self._sampled_logits(plan, sampled, hidden, first_rows)
+            prompt_logprobs = self._prompt_logprobs(plan, hidden, first_rows)
+        else:
+            logits = self._logits(plan, sampled)
         output = self.sampler.sample(
             logits,
             [plan.sampling[i] for i in sampled],
@@ -125,13 +135,15 @@ class ModelRunner:
             seq_ids=[plan.seq_ids[i] for i in sampled],
             tokens=output.tokens,
             logprobs=output.logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def step_logits(self, plan: BatchPlan) -> torch.Tensor:
         """Runs one step without sampling: float32 logits of the sampling sequences."""
-        return self._logits(plan).dense()
+        self._check(plan)
+        return self._logits(plan, [i for i, wanted in enumerate(plan.sample) if wanted]).dense()
 
-    def _logits(self, plan: BatchPlan) -> Logits:
+    def _check(self, plan: BatchPlan) -> None:
         check_plan(
             plan,
             block_size=self.cache.block_size,
@@ -139,15 +151,48 @@ class ModelRunner:
             vocab_size=self.model_config.vocab_size,
             max_model_len=self.max_model_len,
         )
-        sampled = [i for i, wanted in enumerate(plan.sample) if wanted]
+
+    def _logits(self, plan: BatchPlan, sampled: list[int]) -> Logits:
         if not plan.seq_ids:
             return Logits(torch.empty((0, self.model_config.vocab_size), device=self.device))
         if plan.is_decode_only:
             logits = self.decode_runner.run(plan.input_ids, plan.start_pos, plan.block_tables)
             return logits.select(sampled) if len(sampled) < len(plan.seq_ids) else logits
-        return self._mixed_step_logits(plan, sampled)
+        hidden, first_rows = self._forward_mixed(plan)
+        return self._sampled_logits(plan, sampled, hidden, first_rows)
 
-    def _mixed_step_logits(self, plan: BatchPlan, sampled: list[int]) -> Logits:
+    def _sampled_logits(
+        self, plan: BatchPlan, sampled: list[int], hidden: torch.Tensor, first_rows: torch.Tensor
+    ) -> Logits:
+        counts = torch.tensor(plan.num_tokens)
+        last_rows = (first_rows + counts - 1)[sampled].to(self.device)
+        return self.model.logits(hidden[last_rows])
+
+    def _prompt_logprobs(
+        self, plan: BatchPlan, hidden: torch.Tensor, first_rows: torch.Tensor
+    ) -> list[TokenLogprobs | None]:
+        """Each prompt target's log-probability (and alternatives) from the position before
+        it, PROMPT_ROWS positions at a time: a whole chunk's float32 logits would take
+        chunk x vocab x 4 bytes at once."""
+        results: list[TokenLogprobs | None] = []
+        for i, targets in enumerate(plan.prompt_targets):
+            if not targets:
+                results.append(None)
+                continue
+            top = plan.sampling[i].prompt_logprobs or 0
+            found = TokenLogprobs()
+            first = int(first_rows[i])
+            for offset in range(0, len(targets), PROMPT_ROWS):
+                part = targets[offset : offset + PROMPT_ROWS]
+                rows = hidden[first + offset : first + offset + len(part)]
+                logits = self.model.logits(rows).dense()
+                wanted = torch.tensor(part, device=logits.device)
+                found.extend(token_logprobs(logits, wanted, [top] * len(part)))
+            results.append(found)
+        return results
+
+    def _forward_mixed(self, plan: BatchPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """The final hidden state of every token of the plan, and each sequence's first row."""
         bs = self.cache.block_size
         counts = torch.tensor(plan.num_tokens)
         starts = torch.tensor(plan.start_pos)
@@ -177,8 +222,7 @@ class ModelRunner:
             self.cache.layers,
             meta,
         )
-        last_rows = (first_rows + counts - 1)[sampled].to(device)
-        return self.model.logits(hidden[last_rows])
+        return hidden, first_rows
 
 
 def _check_worker_config(config: WorkerConfig) -> None:
@@ -211,6 +255,26 @@ def check_plan(
         raise ValueError(f"block ids must lie in 0..{num_blocks - 1}, got {min(used)}..{max(used)}")
     if plan.input_ids and (min(plan.input_ids) < 0 or max(plan.input_ids) >= vocab_size):
         raise ValueError(f"token ids must lie in 0..{vocab_size - 1}")
+    if plan.prompt_targets:
+        _check_prompt_targets(plan, vocab_size)
+
+
+def _check_prompt_targets(plan: BatchPlan, vocab_size: int) -> None:
+    if len(plan.prompt_targets) != len(plan.seq_ids):
+        raise ValueError(
+            f"plan has {len(plan.seq_ids)} seq_ids but {len(plan.prompt_targets)} prompt_targets"
+        )
+    for seq_id, targets, tokens in zip(
+        plan.seq_ids, plan.prompt_targets, plan.num_tokens, strict=True
+    ):
+        if targets is None:
+            continue
+        if len(targets) > tokens:
+            raise ValueError(
+                f"sequence {seq_id} has {len(targets)} prompt targets for {tokens} positions"
+            )
+        if targets and (min(targets) < 0 or max(targets) >= vocab_size):
+            raise ValueError(f"prompt targets must lie in 0..{vocab_size - 1}")
 
 
 def _check_sequence(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_worker.protocol import SamplingSpec
+from gpu_worker.protocol import SamplingSpec, TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
 
@@ -61,7 +61,7 @@ class Logits:
 @dataclass(slots=True)
 class SampleOutput:
     tokens: list[int]
-    logprobs: list[float] | None  # log-probability of each chosen token under the raw logits
+    logprobs: TokenLogprobs | None  # of each chosen token and its alternatives, raw logits
 
 
 class Sampler:
@@ -85,8 +85,8 @@ class Sampler:
         tokens = self._choose(logits, specs, positions)
         logprobs = None
         if any(spec.logprobs for spec in specs):
-            log_probs = torch.log_softmax(logits.dense(), dim=-1)
-            logprobs = log_probs.gather(1, tokens[:, None])[:, 0].tolist()
+            tops = [spec.top_logprobs if spec.logprobs else 0 for spec in specs]
+            logprobs = token_logprobs(logits.dense(), tokens, tops)
         return SampleOutput(tokens=tokens.tolist(), logprobs=logprobs)
 
     def _choose(
@@ -117,6 +117,23 @@ class Sampler:
                 generator.manual_seed(row_seed(spec.seed, positions[i]))
                 uniforms[i] = torch.rand(1, generator=generator, device=self.device)[0]
         return uniforms
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, tops: list[int]) -> TokenLogprobs:
+    """float32 logits [S, vocab] -> each row's log-probability of its target token and of
+    its tops[row] most likely tokens."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = log_probs.gather(1, targets[:, None])[:, 0].tolist()
+    k = min(max(tops, default=0), log_probs.shape[1])
+    if k == 0:
+        return TokenLogprobs(chosen, [[] for _ in tops], [[] for _ in tops])
+    best = log_probs.topk(k, dim=-1)
+    ids, values = best.indices.tolist(), best.values.tolist()
+    return TokenLogprobs(
+        chosen,
+        [row[:top] for row, top in zip(ids, tops, strict=True)],
+        [row[:top] for row, top in zip(values, tops, strict=True)],
+    )
 
 
 def row_seed(seed: int, position: int) -> int:

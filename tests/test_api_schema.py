@@ -48,7 +48,8 @@ def test_completion_fields_map_onto_sampling_params() -> None:
     )
     p, s = req.params, req.params.sampling
     assert (p.max_tokens, s.temperature, s.top_p, s.top_k, s.seed) == (7, 0.0, 0.5, 3, 42)
-    assert (p.stop, p.ignore_eos, s.logprobs) == (["\n"], True, True)
+    assert (p.stop, p.ignore_eos, s.logprobs, s.top_logprobs) == (["\n"], True, True, 0)
+    assert (req.echo, s.prompt_logprobs) == (False, None)
     assert (req.prompt, req.tenant, req.priority, req.stream, req.include_usage) == (
         "Hello",
         "alice",
@@ -118,11 +119,12 @@ def test_single_element_prompt_lists_are_one_prompt() -> None:
         ({"prompt": "x", "stream": "yes"}, "stream"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         ({"prompt": "x", "stream": True, "stream_options": {"bogus": 1}}, "stream_options"),
-        ({"prompt": "x", "logprobs": 9}, "logprobs"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "logprobs": -1}, "logprobs"),
         ({"prompt": "x", "model": 3}, "model"),
         ({"prompt": "x", "user": 3}, "user"),
         ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
-        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "echo": "yes"}, "echo"),
         ({"prompt": "x", "best_of": 3}, "best_of"),
         ({"prompt": "x", "min_tokens": 3}, "min_tokens"),
         ({"prompt": "x", "no_stop_trim": True}, "no_stop_trim"),
@@ -149,7 +151,9 @@ def test_bad_completion_bodies_are_400_naming_the_field(body: object, param: str
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0]"),
         ({"messages": [{"role": "user", "content": None}]}, "messages[0]"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0]"),
-        ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
+        ({**CHAT, "top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+        ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({**CHAT, "echo": True}, "echo"),
         ({**CHAT, "logprobs": 1}, "logprobs"),
         ({**CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
         ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
@@ -255,3 +259,31 @@ def test_the_openapi_document_describes_every_route() -> None:
         (path, method.upper()) for path, operations in paths.items() for method in operations
     }
     assert described == served
+
+
+@pytest.mark.parametrize(
+    ("body", "echo", "top", "prompt_top"),
+    [
+        ({"logprobs": 3}, False, 3, None),
+        ({"logprobs": 3, "echo": True}, True, 3, 3),
+        ({"echo": True}, True, None, None),  # the prompt's text only: no logprobs to compute
+    ],
+)
+def test_completion_logprobs_and_echo_reach_the_sampling_spec(body, echo, top, prompt_top) -> None:
+    req = parse_completion_request({"prompt": "x", **body}, None)
+    s = req.params.sampling
+    assert (req.echo, s.logprobs, s.prompt_logprobs) == (echo, top is not None, prompt_top)
+    assert s.top_logprobs == (top or 0)
+
+
+@pytest.mark.parametrize(
+    ("body", "logprobs", "top"),
+    [
+        ({"logprobs": True}, True, 0),
+        ({"logprobs": True, "top_logprobs": 20}, True, 20),
+        ({}, False, 0),
+    ],
+)
+def test_chat_top_logprobs_reach_the_sampling_spec(body, logprobs, top) -> None:
+    s = parse_chat_request({**CHAT, **body}, None).params.sampling
+    assert (s.logprobs, s.top_logprobs, s.prompt_logprobs) == (logprobs, top, None)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_worker.protocol import StepResult
+from gpu_worker.protocol import StepResult, TokenLogprobs
 from policies.base import Decision
 from service.engine.block_manager import BlockManager
-from service.engine.request import SamplingParams, SamplingSpec
+from service.engine.request import Request, SamplingParams, SamplingSpec
 from service.engine.scheduler import ScheduleOutput, Scheduler
 from tests.scheduler_helpers import Scripted, make_request
 from tests.sim_worker import EOS
@@ -75,11 +75,80 @@ def test_logprobs_reach_only_the_requests_that_asked():
     sched.add(asks)
     sched.add(plain)
     out = planned(sched, Decision(schedule=[(0, 4), (1, 4)]))
-    outcomes = sched.update(out, result(out, [5, 6], logprobs=[-0.5, -1.5]))
-    assert [(o.token, o.logprob) for o in outcomes] == [(5, -0.5), (6, None)]
+    rows = TokenLogprobs([-0.5, -1.5], [[5, 2], []], [[-0.5, -2.0], []])
+    outcomes = sched.update(out, result(out, [5, 6], logprobs=rows))
+    assert [(o.token, o.logprobs) for o in outcomes] == [
+        (5, TokenLogprobs([-0.5], [[5, 2]], [[-0.5, -2.0]])),
+        (6, None),
+    ]
     out = planned(sched, Decision(schedule=[(0, 1)]))
     (outcome,) = sched.update(out, result(out, [9]))  # the worker sent none this time
-    assert (outcome.token, outcome.logprob) == (9, None)
+    assert (outcome.token, outcome.logprobs) == (9, None)
+
+
+def echo_request(seq_id: int, prompt_len: int) -> Request:
+    request = make_request(seq_id, prompt_len, family=0)
+    request.params = SamplingParams(max_tokens=8, sampling=SamplingSpec(prompt_logprobs=2))
+    request.prompt_logprobs = TokenLogprobs()
+    return request
+
+
+def fake_prompt_logprobs(targets: list[int]) -> TokenLogprobs:
+    """What a worker would say of `targets`: each one's logprob is minus its token id."""
+    return TokenLogprobs(
+        [-float(t) for t in targets], [[t] for t in targets], [[0.0]] * len(targets)
+    )
+
+
+def run_chunk(sched: Scheduler, seq_id: int, tokens: int, sampled: list[int]) -> ScheduleOutput:
+    out = planned(sched, Decision(schedule=[(seq_id, tokens)]))
+    assert out.plan is not None
+    found = [None if t is None else fake_prompt_logprobs(t) for t in out.plan.prompt_targets]
+    sched.update(out, result(out, sampled, prompt_logprobs=found))
+    return out
+
+
+def test_prompt_targets_follow_the_chunks_and_stop_before_the_sampled_position():
+    sched = scheduler()
+    request = echo_request(0, 10)
+    sched.add(request)
+    prompt = list(request.token_ids)
+    first = run_chunk(sched, 0, 4, [])
+    assert first.plan is not None and first.plan.prompt_targets == [prompt[1:5]]
+    last = run_chunk(sched, 0, 6, [7])
+    assert last.plan is not None and last.plan.prompt_targets == [prompt[5:10]]
+    assert request.prompt_logprobs == fake_prompt_logprobs(prompt[1:])
+    decode = planned(sched, Decision(schedule=[(0, 1)]))
+    assert decode.plan is not None and decode.plan.prompt_targets == []  # nobody wants any
+
+
+def test_a_preempted_echo_request_keeps_each_prompt_logprob_once():
+    sched = scheduler()
+    request = echo_request(0, 10)
+    sched.add(request)
+    prompt = list(request.token_ids)
+    run_chunk(sched, 0, 6, [])
+    sched._preempt(request, ScheduleOutput(0, "test", None))
+    run_chunk(sched, 0, 10, [7])
+    assert request.prompt_logprobs == fake_prompt_logprobs(prompt[1:])
+
+
+def test_an_echo_request_computes_its_prompt_even_when_it_is_cached():
+    sched = scheduler()
+    first = make_request(0, 12, family=0)
+    sched.add(first)
+    planned_out = planned(sched, Decision(schedule=[(0, 12)]))
+    sched.update(planned_out, result(planned_out, [7]))
+    echo = echo_request(1, 12)  # the same prompt, whose first two blocks are cached
+    sched.add(echo)
+    out = planned(sched, Decision(schedule=[(1, 12)]))
+    assert echo.num_cached_tokens == 0
+    assert out.plan is not None and out.plan.start_pos == [0]
+    assert out.plan.prompt_targets == [echo.token_ids[1:12]]
+    later = make_request(2, 12, family=0)  # asks for no logprobs: it takes the hit
+    sched.add(later)
+    out = planned(sched, Decision(schedule=[(2, 12)]))
+    assert later.num_cached_tokens == 8
 
 
 @pytest.mark.parametrize(

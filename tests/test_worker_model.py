@@ -204,4 +204,39 @@ def test_bfloat16_logits_stay_close_to_float32(tiny_llama_dir):  # noqa: F811
     decode = make_plan([Chunk(0, [4], 50, blocks_for(0, 60), spec=SamplingSpec(logprobs=True))])
     result = bfloat16.execute(decode)
     assert result.error is None and len(result.tokens) == 1
-    assert result.logprobs is not None and result.logprobs[0] <= 0
+    assert result.logprobs is not None and result.logprobs.logprobs[0] <= 0
+
+
+def test_prompt_logprobs_over_chunks_equal_transformers_log_softmax(tiny_llama_dir):  # noqa: F811
+    """`echo`: each prompt token's log-probability and top alternatives, chunk by chunk
+    (PROMPT_ROWS positions at a time), beside a sequence that wants none."""
+    hf = hf_model(tiny_llama_dir)
+    runner = make_runner(tiny_llama_dir)
+    prompt = random_prompt(150, seed=21)
+    with torch.no_grad():
+        reference = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+    spec = SamplingSpec(prompt_logprobs=3)
+    table = blocks_for(0, len(prompt))
+    neighbour = random_prompt(20, seed=22)
+    alone = runner.step_logits(make_plan([Chunk(9, neighbour, 0, blocks_for(60, 20))]))[0]
+    found: list[float] = []
+    top_ids: list[list[int]] = []
+    for start, end in ((0, 100), (100, 150)):
+        plan = make_plan(
+            [
+                Chunk(0, prompt[start:end], start, table, sample=end == len(prompt), spec=spec),
+                Chunk(9, neighbour, 0, blocks_for(60, 20)),
+            ]
+        )
+        plan.prompt_targets = [prompt[start + 1 : min(end + 1, len(prompt))], None]
+        result = runner.execute(plan)
+        assert result.error is None and result.prompt_logprobs[1] is None
+        chunk = result.prompt_logprobs[0]
+        assert chunk is not None and len(chunk) == len(plan.prompt_targets[0])
+        found += chunk.logprobs
+        top_ids += chunk.top_ids
+        assert result.tokens[-1] == int(alone.argmax())  # the neighbour samples as alone
+    expected = reference[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert max_diff(torch.tensor(found), expected) < 1e-4
+    assert top_ids == reference[:-1].topk(3, dim=-1).indices.tolist()
+

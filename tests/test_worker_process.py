@@ -21,6 +21,7 @@ from gpu_worker.protocol import (
     WorkerConfig,
     encode_frame,
     record_from_message,
+    step_result_from_message,
     to_message,
 )
 from tests.worker_fixtures import (
@@ -58,7 +59,7 @@ class ServiceSide:
         self.send(to_message("step", plan))
         msg = self.receive()
         assert msg["type"] == "result"
-        return record_from_message(StepResult, msg)
+        return step_result_from_message(msg)
 
 
 class WorkerProcess(ServiceSide):
@@ -121,7 +122,7 @@ def test_handshake_steps_errors_and_clean_shutdown(worker, tiny_llama_dir):  # n
     assert error.step_id == 2 and "block" in error.error
     malformed = {"type": "step", "step_id": 3, "seq_ids": [0]}
     worker.send(malformed)
-    reply = record_from_message(StepResult, worker.receive())
+    reply = step_result_from_message(worker.receive())
     assert reply.step_id == 3 and "malformed" in reply.error
     assert worker.process.poll() is None
 
@@ -164,7 +165,7 @@ def test_a_closed_channel_ends_the_worker(worker, tiny_llama_dir):  # noqa: F811
 
 def test_steps_before_init_are_refused(worker):
     worker.send(to_message("step", make_plan([], step_id=9)))
-    reply = record_from_message(StepResult, worker.receive())
+    reply = step_result_from_message(worker.receive())
     assert reply.step_id == 9 and "before a successful init" in reply.error
     worker.send({"type": "shutdown"})
     assert worker.process.wait(timeout=TIMEOUT) == 0

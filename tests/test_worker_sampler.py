@@ -38,7 +38,8 @@ def test_refined_candidates_break_ties_of_low_precision_logits():
     assert dense[0].tolist() == pytest.approx([25.31, 25.33, 3.0, 25.0])
     out = Sampler(0, torch.device("cpu")).sample(refined, [SamplingSpec(logprobs=True)], [0])
     assert out.tokens == [1]
-    assert out.logprobs == pytest.approx([torch.log_softmax(dense, -1)[0, 1].item()])
+    assert out.logprobs is not None
+    assert out.logprobs.logprobs == pytest.approx([torch.log_softmax(dense, -1)[0, 1].item()])
 
 
 def test_top_k_one_is_greedy_whatever_the_temperature():
@@ -119,7 +120,27 @@ def test_logprobs_are_log_softmax_of_the_raw_logits():
     specs = [SamplingSpec(logprobs=True), SamplingSpec(temperature=0.7, logprobs=True)] * 2
     out = Sampler(0, torch.device("cpu")).sample(logits, specs, [0] * 4)
     expected = torch.log_softmax(logits, -1)[torch.arange(4), torch.tensor(out.tokens)]
-    assert out.logprobs == pytest.approx(expected.tolist(), abs=1e-6)
+    assert out.logprobs is not None
+    assert out.logprobs.logprobs == pytest.approx(expected.tolist(), abs=1e-6)
+    assert out.logprobs.top_ids == [[]] * 4  # none asked for alternatives
+
+
+def test_top_logprobs_are_each_rows_k_best_of_the_raw_logits():
+    logits = random_logits(3)
+    specs = [
+        SamplingSpec(logprobs=True, top_logprobs=5),
+        SamplingSpec(temperature=0.7, seed=3, logprobs=True, top_logprobs=20),
+        SamplingSpec(),  # asks for nothing: its row carries no alternatives
+    ]
+    out = Sampler(0, torch.device("cpu")).sample(logits, specs, [0] * 3)
+    assert out.logprobs is not None
+    log_probs = torch.log_softmax(logits, -1)
+    for row, k in ((0, 5), (1, 20)):
+        best = log_probs[row].topk(k)
+        assert out.logprobs.top_ids[row] == best.indices.tolist()
+        assert out.logprobs.top_logprobs[row] == pytest.approx(best.values.tolist(), abs=1e-6)
+    assert out.logprobs.top_ids[0][0] == out.tokens[0]  # greedy takes the best alternative
+    assert out.logprobs.top_ids[2] == [] and out.logprobs.top_logprobs[2] == []
 
 
 def test_mismatched_inputs_are_rejected():

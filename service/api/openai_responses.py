@@ -30,10 +30,18 @@ class ResponseHeader:
 
 @dataclass(slots=True)
 class TokenPieces:
-    """Generated tokens with their text pieces and log-probabilities (for `logprobs`)."""
+    """Tokens as text pieces, with their log-probabilities and their alternatives (each a
+    list of (piece, logprob), most likely first); None where there are none: a prompt's
+    first token."""
 
     pieces: list[str] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    top: list[list[tuple[str, float]] | None] = field(default_factory=list)
+
+    def extend(self, other: TokenPieces) -> None:
+        self.pieces += other.pieces
+        self.logprobs += other.logprobs
+        self.top += other.top
 
 
 def usage(finish: FinishEvent) -> dict[str, Any]:
@@ -46,15 +54,23 @@ def usage(finish: FinishEvent) -> dict[str, Any]:
     }
 
 
-def completion_logprobs(tokens: TokenPieces, text_offset: int) -> dict[str, Any]:
+def completion_logprobs(tokens: TokenPieces, text_offset: int, top_k: int) -> dict[str, Any]:
+    """OpenAI's legacy shape; as vLLM, each `top_logprobs` entry holds the k best and the
+    chosen token (so up to k + 1), and there are none when k is 0."""
     offsets = []
     for piece in tokens.pieces:
         offsets.append(text_offset)
         text_offset += len(piece)
+    top_logprobs = None
+    if top_k > 0:
+        top_logprobs = [
+            None if logprob is None or top is None else dict(top) | {piece: logprob}
+            for piece, logprob, top in zip(tokens.pieces, tokens.logprobs, tokens.top, strict=True)
+        ]
     return {
         "tokens": tokens.pieces,
         "token_logprobs": tokens.logprobs,
-        "top_logprobs": None,
+        "top_logprobs": top_logprobs,
         "text_offset": offsets,
     }
 
@@ -62,10 +78,17 @@ def completion_logprobs(tokens: TokenPieces, text_offset: int) -> dict[str, Any]
 def chat_logprobs(tokens: TokenPieces) -> dict[str, Any]:
     return {
         "content": [
-            {"token": piece, "logprob": logprob, "bytes": list(piece.encode()), "top_logprobs": []}
-            for piece, logprob in zip(tokens.pieces, tokens.logprobs, strict=True)
+            {
+                **_chat_token(piece, logprob),
+                "top_logprobs": [_chat_token(p, lp) for p, lp in top or ()],
+            }
+            for piece, logprob, top in zip(tokens.pieces, tokens.logprobs, tokens.top, strict=True)
         ]
     }
+
+
+def _chat_token(piece: str, logprob: float | None) -> dict[str, Any]:
+    return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
 
 
 def full_response(

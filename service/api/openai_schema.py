@@ -17,7 +17,7 @@ from gpu_worker.protocol import SamplingSpec
 from service.api.errors import APIError, bad_request
 from service.engine.request import SamplingParams
 
-MAX_LOGPROBS = 5  # completions' `logprobs` (how many alternatives OpenAI would list)
+MAX_LOGPROBS = 20  # alternatives per token: chat's `top_logprobs` (vLLM's max_logprobs too)
 MAX_DEADLINE_MS = 86_400_000.0
 MAX_CACHE_SALT_CHARS = 256
 CHAT_ROLES = ("system", "developer", "user", "assistant")
@@ -30,7 +30,7 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "repetition_penalty": (1, 1.0, None),
     "min_p": (0, 0.0, None),
     "best_of": (1, None),
-    "echo": (False, None),
+    "echo": (False, None),  # completions read it; chat's (vLLM's) is another thing
     "suffix": (None, ""),
     "logit_bias": (None,),
     "response_format": (None,),
@@ -135,6 +135,7 @@ class GenerationRequest:
     tenant: str
     priority: int
     deadline_ms: float | None = None  # cadence's extension: how long it may wait to start
+    echo: bool = False  # completions: the prompt comes back before the completion
     ignored: tuple[str, ...] = ()  # fields this server does not know, ignored (and logged)
 
 
@@ -206,10 +207,14 @@ def parse_completion_request(
     logprobs = fields.integer("logprobs", None)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"'logprobs' must be between 0 and {MAX_LOGPROBS}", "logprobs")
-    request = _parse_common(fields, "completion", header_tenant, logprobs is not None)
+    echo = fields.boolean("echo", False)
+    request = _parse_common(fields, "completion", header_tenant, logprobs)
     if request.params.max_tokens is None:
         request.params.max_tokens = 16  # OpenAI's default for completions
     request.prompt = prompt
+    request.echo = echo
+    if echo and logprobs is not None:
+        request.params.sampling.prompt_logprobs = logprobs
     fields.check_leftovers()
     request.ignored = tuple(fields.ignored)
     return request
@@ -221,9 +226,12 @@ def parse_chat_request(
     fields = _Fields(body)
     messages = _parse_messages(fields.raw("messages"), bound)
     logprobs = fields.boolean("logprobs", False)
-    if fields.integer("top_logprobs", 0):
-        raise bad_request("'top_logprobs' > 0 is not supported", "top_logprobs")
-    request = _parse_common(fields, "chat", header_tenant, logprobs)
+    top_logprobs = fields.integer("top_logprobs", 0) or 0
+    if not 0 <= top_logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"'top_logprobs' must be between 0 and {MAX_LOGPROBS}", "top_logprobs")
+    if top_logprobs and not logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    request = _parse_common(fields, "chat", header_tenant, top_logprobs if logprobs else None)
     request.messages = messages
     fields.check_leftovers()
     request.ignored = tuple(fields.ignored)
@@ -283,8 +291,10 @@ def parse_detokenize_request(body: Any, vocab_size: int) -> tuple[str | None, li
 
 
 def _parse_common(
-    fields: _Fields, kind: str, header_tenant: str | None, logprobs: bool
+    fields: _Fields, kind: str, header_tenant: str | None, top_logprobs: int | None
 ) -> GenerationRequest:
+    """`top_logprobs`: None, or the chosen tokens' log-probabilities with that many
+    alternatives each."""
     model = fields.raw("model")
     if model is not None and not isinstance(model, str):
         raise bad_request(f"'model' must be a string, got {model!r}", "model")
@@ -302,7 +312,8 @@ def _parse_common(
         top_p=fields.number("top_p", 1.0),
         top_k=0 if top_k == -1 else top_k,  # -1 is vLLM's "disabled", the same as 0
         seed=fields.integer("seed", None),
-        logprobs=logprobs,
+        logprobs=top_logprobs is not None,
+        top_logprobs=top_logprobs or 0,
     )
     params = SamplingParams(
         max_tokens=max_tokens,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -12,6 +13,7 @@ import structlog
 import trio
 from quart import Blueprint, Response, request
 
+from gpu_worker.protocol import TokenLogprobs
 from service.api.app_state import AppState, app_state
 from service.api.body import read_body
 from service.api.errors import APIError, bad_request, json_response
@@ -45,6 +47,14 @@ SERVER_STATE_FAILURES = (
     "worker_unavailable",
     "kv_capacity_exceeded",
 )
+
+
+@dataclass(slots=True)
+class Echo:
+    """The prompt a completion with `echo` returns before its own text."""
+
+    text: str
+    token_ids: list[int]
 
 
 @blueprint.get("/health")
@@ -147,14 +157,21 @@ async def serve_generation(req: GenerationRequest) -> Response:
     except InvalidRequest as exc:
         raise bad_request(str(exc), exc.param, exc.code) from None
     header = ResponseHeader(req.kind, request_id, state.served_model_name)
+    echo = echo_of(req, prompt_ids, state) if req.echo else None
     if not req.stream:
-        return await whole_response(req, header, channel, state)
+        return await whole_response(req, header, channel, state, echo)
     first: list[Event] = []
     if deadline_s is not None or state.config.max_queue_time is not None:
         # A request that may miss its deadline is answered once it is decided: its first
         # token (200, streamed) or its refusal (an HTTP error a client can retry on).
         first = await first_event(channel, header.request_id, state)
-    return stream_response(req, header, channel, state, first)
+    return stream_response(req, header, channel, state, first, echo)
+
+
+def echo_of(req: GenerationRequest, prompt_ids: list[int], state: AppState) -> Echo:
+    if isinstance(req.prompt, str):
+        return Echo(req.prompt, prompt_ids)
+    return Echo(state.tokenizer.decode(prompt_ids, skip_special_tokens=False), prompt_ids)
 
 
 async def first_event(
@@ -207,10 +224,58 @@ def prompt_ids_of(req: GenerationRequest, tokenizer: Tokenizer) -> list[int]:
 def token_pieces(state: AppState, events: list[TokenEvent]) -> TokenPieces:
     pieces = TokenPieces()
     for event in events:
-        for token_id in event.token_ids:
-            pieces.pieces.append(state.tokenizer.decode([token_id], skip_special_tokens=False))
-        pieces.logprobs.extend(event.logprobs or [])
+        pieces.pieces += [piece_of(state, token_id) for token_id in event.token_ids]
+        found = event.logprobs
+        if found is None:
+            pieces.logprobs += [None] * len(event.token_ids)
+            pieces.top += [None] * len(event.token_ids)
+        else:
+            pieces.logprobs += found.logprobs
+            pieces.top += alternatives(state, found)
     return pieces
+
+
+def prompt_pieces(state: AppState, echo: Echo, found: TokenLogprobs | None) -> TokenPieces:
+    """The prompt's tokens: the first has no log-probability, the others what the worker
+    computed for them."""
+    found = found or TokenLogprobs()
+    return TokenPieces(
+        pieces=[piece_of(state, token_id) for token_id in echo.token_ids],
+        logprobs=[None, *found.logprobs],
+        top=[None, *alternatives(state, found)],
+    )
+
+
+def alternatives(state: AppState, found: TokenLogprobs) -> list[list[tuple[str, float]] | None]:
+    return [
+        [(piece_of(state, i), lp) for i, lp in zip(ids, values, strict=True)]
+        for ids, values in zip(found.top_ids, found.top_logprobs, strict=True)
+    ]
+
+
+def piece_of(state: AppState, token_id: int) -> str:
+    return state.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def logprobs_of(
+    req: GenerationRequest,
+    state: AppState,
+    tokens: list[TokenEvent],
+    text_offset: int,
+    echo: Echo | None,
+) -> dict[str, Any] | None:
+    """The `logprobs` object of a response or stream chunk holding `tokens` (after the
+    prompt, when `echo` is given: the first chunk of an echoing completion)."""
+    if not req.params.sampling.logprobs:
+        return None
+    pieces = token_pieces(state, tokens)
+    if req.kind == "chat":
+        return chat_logprobs(pieces)
+    if echo is not None:
+        prompt = prompt_pieces(state, echo, tokens[0].prompt_logprobs if tokens else None)
+        prompt.extend(pieces)
+        pieces = prompt
+    return completion_logprobs(pieces, text_offset, req.params.sampling.top_logprobs)
 
 
 def failure_of(finish: FinishEvent | None) -> APIError | None:
@@ -246,6 +311,7 @@ async def whole_response(
     header: ResponseHeader,
     channel: trio.MemoryReceiveChannel,
     state: AppState,
+    echo: Echo | None,
 ) -> Response:
     tokens: list[TokenEvent] = []
     finish: FinishEvent | None = None
@@ -266,10 +332,9 @@ async def whole_response(
         raise error
     assert finish is not None
     text = "".join(event.text for event in tokens)
-    logprobs = None
-    if req.params.sampling.logprobs:
-        pieces = token_pieces(state, tokens)
-        logprobs = chat_logprobs(pieces) if req.kind == "chat" else completion_logprobs(pieces, 0)
+    if echo is not None:
+        text = echo.text + text
+    logprobs = logprobs_of(req, state, tokens, 0, echo)
     body = full_response(header, text, finish.reason, usage(finish), logprobs)
     return json_response(body, 200, {"X-Request-Id": header.request_id})
 
@@ -280,9 +345,10 @@ def stream_response(
     channel: trio.MemoryReceiveChannel,
     state: AppState,
     first: list[Event],
+    echo: Echo | None,
 ) -> Response:
     response = Response(
-        sse_stream(req, header, channel, state, first),
+        sse_stream(req, header, channel, state, first, echo),
         200,
         {**SSE_HEADERS, "X-Request-Id": header.request_id},
     )
@@ -296,8 +362,10 @@ async def sse_stream(
     channel: trio.MemoryReceiveChannel,
     state: AppState,
     first: list[Event],
+    echo: Echo | None,
 ) -> AsyncIterator[bytes]:
-    """`first`: events already read from the channel (a request with a deadline)."""
+    """`first`: events already read from the channel (a request with a deadline); `echo`:
+    the prompt, sent with the first tokens."""
     finish: FinishEvent | None = None
     text_offset = 0
     try:
@@ -309,9 +377,11 @@ async def sse_stream(
                 continue
             tokens = [event for event in group if isinstance(event, TokenEvent)]
             finish = _finish_in(group)
-            chunk = token_chunk(req, header, tokens, state, text_offset)
+            chunk = token_chunk(req, header, tokens, state, text_offset, echo)
             if chunk is not None:
                 text_offset += sum(len(event.text) for event in tokens)
+                if echo is not None:
+                    text_offset, echo = text_offset + len(echo.text), None
                 yield sse_data(chunk)
         error = failure_of(finish)
         if error is not None:
@@ -341,16 +411,12 @@ def token_chunk(
     tokens: list[TokenEvent],
     state: AppState,
     text_offset: int,
+    echo: Echo | None,
 ) -> dict[str, Any] | None:
     text = "".join(event.text for event in tokens)
-    if not tokens or (not text and not req.params.sampling.logprobs):
+    if not tokens or (not text and not req.params.sampling.logprobs and echo is None):
         return None  # nothing a client could see (e.g. half a UTF-8 character held back)
-    logprobs = None
-    if req.params.sampling.logprobs:
-        pieces = token_pieces(state, tokens)
-        logprobs = (
-            chat_logprobs(pieces)
-            if req.kind == "chat"
-            else completion_logprobs(pieces, text_offset)
-        )
+    logprobs = logprobs_of(req, state, tokens, text_offset, echo)
+    if echo is not None:
+        text = echo.text + text
     return delta_chunk(header, text, None, logprobs)

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import structlog
 import trio
 
-from gpu_worker.protocol import BatchPlan, Handshake, StepResult
+from gpu_worker.protocol import BatchPlan, Handshake, StepResult, TokenLogprobs
 from policies.registry import make_policy
 from service.config import Config
 from service.engine.block_manager import BlockManager
@@ -383,6 +383,7 @@ class Engine:
             stream=send,
             detokenizer=Detokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens),
             deadline=deadline,
+            prompt_logprobs=None if params.sampling.prompt_logprobs is None else TokenLogprobs(),
         )
         self._next_seq_id += 1
         self._requests[request.request_id] = request
@@ -610,8 +611,10 @@ class Engine:
             self._finish(request, *finish, error=outcome.error)
             return
         request.token_times.append(now)
+        event = TokenEvent("", [outcome.token], outcome.logprobs)
         if request.first_token is None:
             request.first_token = now
+            event.prompt_logprobs = request.prompt_logprobs
             _log_since_received("request.first_token", request, now, "ttft_ms")
         delta = request.detokenizer.add_token(outcome.token)
         text = delta.text
@@ -619,8 +622,8 @@ class Engine:
             finish = ("stop", "stop_string")
         elif finish is not None:
             text += request.detokenizer.flush()
-        logprobs = [outcome.logprob] if outcome.logprob is not None else None
-        _send(request, TokenEvent(text, [outcome.token], logprobs))
+        event.text = text
+        _send(request, event)
         if finish is not None:
             self._finish(request, *finish)
 

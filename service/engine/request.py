@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from gpu_worker.protocol import SamplingSpec
+from gpu_worker.protocol import SamplingSpec, TokenLogprobs
 
 if TYPE_CHECKING:
     from service.engine.detokenizer import Detokenizer
@@ -41,7 +41,9 @@ class SamplingParams:
 class TokenEvent:
     text: str  # newly decoded text since the previous event, stop strings already cut
     token_ids: list[int]
-    logprobs: list[float] | None
+    logprobs: TokenLogprobs | None  # of token_ids, when the request asked for them
+    # the first event of a request that asked for its prompt's: tokens 1.. of the prompt
+    prompt_logprobs: TokenLogprobs | None = None
 
 
 @dataclass(slots=True)
@@ -80,6 +82,8 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose K/V is in the worker's cache
     num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, chained
+    # of prompt tokens 1.. as computed so far, when its sampling asks for them (`echo`)
+    prompt_logprobs: TokenLogprobs | None = None
     admitted_order: int = -1  # increasing each time it is admitted, for "most recently admitted"
     preemptions: int = 0
     deadline: float | None = None  # engine clock: not started by then, it is refused
@@ -102,6 +106,13 @@ class Request:
     def remaining(self) -> int:
         """Tokens to compute before the next sample (1 for a decoding sequence)."""
         return max(1, len(self.token_ids) - self.num_computed_tokens)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Its prompt's log-probabilities are wanted and not all computed yet: its prompt
+        must then be computed, not taken from the prefix cache."""
+        found = self.prompt_logprobs
+        return found is not None and len(found) < self.prompt_len - 1
 
     @property
     def is_finished(self) -> bool:

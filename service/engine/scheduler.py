@@ -50,7 +50,7 @@ import dataclasses
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
-from gpu_worker.protocol import BatchPlan, StepResult
+from gpu_worker.protocol import BatchPlan, StepResult, TokenLogprobs
 from policies.base import Decision, Policy, SeqView, View
 from service.engine.block_manager import BlockManager, chain_hashes
 from service.engine.request import Request, Status
@@ -81,7 +81,7 @@ class Outcome:
 
     request: Request
     token: int | None = None  # the sampled token, appended to request.token_ids
-    logprob: float | None = None
+    logprobs: TokenLogprobs | None = None  # of the token, if the request asked for them
     finish: tuple[str, str] | None = None  # (reason, detail): finished and freed here
     error: str | None = None
 
@@ -320,8 +320,10 @@ class Scheduler:
         self._last_step_ms = result.step_ms
         self._last_step_tokens = out.plan.total_tokens
         self.step_cost.observe_plan(out.plan.num_tokens, out.plan.start_pos, result.step_ms)
-        for item in out.scheduled:
+        for i, item in enumerate(out.scheduled):
             if not item.request.is_finished:  # not aborted while the step ran
+                if result.prompt_logprobs:
+                    _keep_prompt_logprobs(item.request, result.prompt_logprobs[i])
                 item.request.num_computed_tokens += item.num_tokens
                 self._register_blocks(item.request)
         sampled = [item.request for item in out.scheduled if item.samples]
@@ -329,9 +331,10 @@ class Scheduler:
         for i, request in enumerate(sampled):
             if request.is_finished:
                 continue
-            wanted = result.logprobs is not None and request.params.sampling.logprobs
-            logprob = result.logprobs[i] if wanted else None
-            outcomes.append(self._append(request, result.tokens[i], logprob))
+            logprobs = None
+            if result.logprobs is not None and request.params.sampling.logprobs:
+                logprobs = _row(result.logprobs, i)
+            outcomes.append(self._append(request, result.tokens[i], logprobs))
         return outcomes
 
     def _register_blocks(self, request: Request) -> None:
@@ -344,7 +347,7 @@ class Scheduler:
     def _prefix_hit(self, request: Request) -> list[int]:
         """The cached blocks a waiting request would start with; at least its last token
         is left to compute, since the step must produce the logits it samples from."""
-        if not self.blocks.enable_caching:
+        if not self.blocks.enable_caching or request.needs_prompt_logprobs:
             return []
         hashes = self._hashes(request)
         return self.blocks.match(hashes[: (request.num_tokens - 1) // self.blocks.block_size])
@@ -415,9 +418,9 @@ class Scheduler:
         self.remove(request)
         return Outcome(request, finish=("error", "worker_error"), error=error)
 
-    def _append(self, request: Request, token: int, logprob: float | None) -> Outcome:
+    def _append(self, request: Request, token: int, logprobs: TokenLogprobs | None) -> Outcome:
         request.token_ids.append(token)
-        outcome = Outcome(request, token=token, logprob=logprob)
+        outcome = Outcome(request, token=token, logprobs=logprobs)
         assert request.params.max_tokens is not None  # validation fills it
         if token in self.eos_token_ids and not request.params.ignore_eos:
             outcome.finish = ("stop", "eos")
@@ -651,6 +654,7 @@ class Scheduler:
     def _build_plan(self, scheduled: list[Scheduled], step_id: int) -> BatchPlan:
         seq_ids, num_tokens, start_pos, input_ids = [], [], [], []
         tables, sample, sampling = [], [], []
+        prompt_targets: list[list[int] | None] = []
         table_of = self.blocks.table
         for item in scheduled:
             request = item.request
@@ -662,6 +666,7 @@ class Scheduler:
             tables.append(list(table_of(request.seq_id)))
             sample.append(item.samples)
             sampling.append(request.params.sampling)
+            prompt_targets.append(_prompt_targets(request, item.num_tokens))
         return BatchPlan(
             step_id=step_id,
             seq_ids=seq_ids,
@@ -671,4 +676,34 @@ class Scheduler:
             block_tables=tables,
             sample=sample,
             sampling=sampling,
+            prompt_targets=prompt_targets if any(prompt_targets) else [],
         )
+
+
+def _prompt_targets(request: Request, num_tokens: int) -> list[int] | None:
+    """The prompt tokens a chunk's positions predict, when the request wants them."""
+    if not request.needs_prompt_logprobs:
+        return None
+    start = request.num_computed_tokens
+    return request.token_ids[start + 1 : min(start + 1 + num_tokens, request.prompt_len)] or None
+
+
+def _keep_prompt_logprobs(request: Request, found: TokenLogprobs | None) -> None:
+    """Adds a chunk's prompt log-probabilities to what `request` has, once each: a request
+    recomputed after a preemption computes some again."""
+    if found is None or request.prompt_logprobs is None:
+        return
+    first = request.num_computed_tokens  # the target of the chunk's first position, minus 1
+    known = len(request.prompt_logprobs)
+    if first > known:
+        return  # cannot happen: such a request takes no prefix-cache hit
+    skip = known - first
+    request.prompt_logprobs.extend(
+        TokenLogprobs(found.logprobs[skip:], found.top_ids[skip:], found.top_logprobs[skip:])
+    )
+
+
+def _row(logprobs: TokenLogprobs, i: int) -> TokenLogprobs:
+    return TokenLogprobs(
+        logprobs.logprobs[i : i + 1], logprobs.top_ids[i : i + 1], logprobs.top_logprobs[i : i + 1]
+    )

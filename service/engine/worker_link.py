@@ -30,6 +30,7 @@ from gpu_worker.protocol import (
     WorkerConfig,
     encode_frame,
     record_from_message,
+    step_result_from_message,
     to_message,
 )
 from service.config import Config
@@ -178,7 +179,7 @@ class WorkerLink:
             raise WorkerDied(f"the worker reported a fatal error: {reply.get('message')}")
         if kind != "result":
             raise WorkerDied(f"unexpected message from the worker: {kind!r}")
-        result = record_from_message(StepResult, reply)
+        result = step_result_from_message(reply)
         if result.step_id != step_id:
             raise WorkerDied(f"result for step {result.step_id}, expected {step_id}")
         return result
