@@ -178,7 +178,16 @@ def _completion_request(max_model_len: int | None) -> Schema:
     return _request(
         {
             "prompt": prompt,
-            "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS},
+            "logprobs": {
+                **_integer(0, MAX_LOGPROBS),
+                "description": "each token's log-probability and its k most likely "
+                "alternatives (with the chosen token: up to k + 1)",
+            },
+            "echo": {
+                "type": ["boolean", "null"],
+                "description": "the prompt comes back before the completion; with logprobs, "
+                "its tokens' log-probabilities too (the first token's is null)",
+            },
         },
         ["prompt"],
         max_model_len,
@@ -198,7 +207,10 @@ def _chat_request(max_model_len: int | None) -> Schema:
             "messages": {"type": "array", "items": message, "minItems": 1},
             "max_completion_tokens": _max_tokens(max_model_len),
             "logprobs": {"type": ["boolean", "null"]},
-            "top_logprobs": {"enum": [0, None]},
+            "top_logprobs": {
+                **_integer(0, MAX_LOGPROBS),
+                "description": "the k most likely alternatives of each token; needs logprobs",
+            },
         },
         ["messages"],
         max_model_len,
