@@ -114,7 +114,11 @@ def test_single_element_prompt_lists_are_one_prompt() -> None:
         ({"prompt": "x", "seed": 1.5}, "seed"),
         ({"prompt": "x", "priority": "high"}, "priority"),
         ({"prompt": "x", "temperature": True}, "temperature"),
-        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": "x", "n": 33}, "n"),
+        ({"prompt": "x", "n": 3, "best_of": 2}, "best_of"),
+        ({"prompt": "x", "best_of": 33}, "best_of"),
+        ({"prompt": "x", "best_of": 2, "stream": True}, "best_of"),
         ({"prompt": "x", "stop": [1]}, "stop"),
         ({"prompt": "x", "stream": "yes"}, "stream"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
@@ -125,7 +129,6 @@ def test_single_element_prompt_lists_are_one_prompt() -> None:
         ({"prompt": "x", "user": 3}, "user"),
         ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
         ({"prompt": "x", "echo": "yes"}, "echo"),
-        ({"prompt": "x", "best_of": 3}, "best_of"),
         ({"prompt": "x", "min_tokens": 3}, "min_tokens"),
         ({"prompt": "x", "no_stop_trim": True}, "no_stop_trim"),
         ({"prompt": "x", "skip_special_tokens": "no"}, "skip_special_tokens"),
@@ -287,3 +290,13 @@ def test_completion_logprobs_and_echo_reach_the_sampling_spec(body, echo, top, p
 def test_chat_top_logprobs_reach_the_sampling_spec(body, logprobs, top) -> None:
     s = parse_chat_request({**CHAT, **body}, None).params.sampling
     assert (s.logprobs, s.top_logprobs, s.prompt_logprobs) == (logprobs, top, None)
+
+
+@pytest.mark.parametrize(
+    ("body", "n", "best_of"),
+    [({}, 1, 1), ({"n": 3}, 3, 3), ({"best_of": 4}, 1, 4), ({"n": 2, "best_of": 5}, 2, 5)],
+)
+def test_n_and_best_of_default_to_one_sequence_per_choice(body, n, best_of) -> None:
+    for parse, base in ((parse_completion_request, {"prompt": "x"}), (parse_chat_request, CHAT)):
+        req = parse({**base, **body}, None)
+        assert (req.n, req.best_of) == (n, best_of)

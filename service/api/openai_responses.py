@@ -44,13 +44,17 @@ class TokenPieces:
         self.top += other.top
 
 
-def usage(finish: FinishEvent) -> dict[str, Any]:
-    """OpenAI's usage object, with the prompt tokens the prefix cache served."""
+def usage(finishes: list[FinishEvent]) -> dict[str, Any]:
+    """OpenAI's usage object for a request's sequences (`finishes`, by index): the prompt
+    once, every sequence's tokens, and the prompt tokens the prefix cache served the first
+    (the others share what it computed)."""
+    prompt = finishes[0].prompt_tokens
+    completion = sum(finish.completion_tokens for finish in finishes)
     return {
-        "prompt_tokens": finish.prompt_tokens,
-        "completion_tokens": finish.completion_tokens,
-        "total_tokens": finish.prompt_tokens + finish.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": finish.cached_tokens},
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": finishes[0].cached_tokens},
     }
 
 
@@ -91,27 +95,38 @@ def _chat_token(piece: str, logprob: float | None) -> dict[str, Any]:
     return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
 
 
+@dataclass(slots=True)
+class Choice:
+    """One finished sequence of a whole (not streamed) response."""
+
+    text: str
+    finish_reason: str
+    logprobs: dict[str, Any] | None
+
+
 def full_response(
-    header: ResponseHeader,
-    text: str,
-    finish_reason: str,
-    usage_: dict[str, Any],
-    logprobs: dict[str, Any] | None,
+    header: ResponseHeader, choices: list[Choice], usage_: dict[str, Any]
 ) -> dict[str, Any]:
-    if header.kind == "chat":
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }
-        body = header.base("chat.completion")
-    else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        body = header.base("text_completion")
-    body["choices"] = [choice]
+    body = header.base("chat.completion" if header.kind == "chat" else "text_completion")
+    body["choices"] = [_full_choice(header, i, choice) for i, choice in enumerate(choices)]
     body["usage"] = usage_
     return body
+
+
+def _full_choice(header: ResponseHeader, index: int, choice: Choice) -> dict[str, Any]:
+    if header.kind == "chat":
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": choice.text},
+            "logprobs": choice.logprobs,
+            "finish_reason": choice.finish_reason,
+        }
+    return {
+        "index": index,
+        "text": choice.text,
+        "logprobs": choice.logprobs,
+        "finish_reason": choice.finish_reason,
+    }
 
 
 def delta_chunk(
@@ -121,19 +136,26 @@ def delta_chunk(
     logprobs: dict[str, Any] | None = None,
     *,
     role: bool = False,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One stream chunk: new text (or none, for the final chunk carrying finish_reason)."""
+    """One stream chunk of choice `index`: new text (or none, for the final chunk carrying
+    finish_reason)."""
     if header.kind == "chat":
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
         body = header.base("chat.completion.chunk")
     else:
         choice = {
-            "index": 0,
+            "index": index,
             "text": text or "",
             "logprobs": logprobs,
             "finish_reason": finish_reason,

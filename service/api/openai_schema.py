@@ -19,6 +19,7 @@ from service.engine.request import SamplingParams
 
 MAX_LOGPROBS = 20  # alternatives per token: chat's `top_logprobs` (vLLM's max_logprobs too)
 MAX_DEADLINE_MS = 86_400_000.0
+MAX_SEQUENCES = 32  # `n` and `best_of`: sequences generated for one request
 MAX_CACHE_SALT_CHARS = 256
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
@@ -29,7 +30,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0, 0.0, None),
     "repetition_penalty": (1, 1.0, None),
     "min_p": (0, 0.0, None),
-    "best_of": (1, None),
     "echo": (False, None),  # completions read it; chat's (vLLM's) is another thing
     "suffix": (None, ""),
     "logit_bias": (None,),
@@ -136,6 +136,8 @@ class GenerationRequest:
     priority: int
     deadline_ms: float | None = None  # cadence's extension: how long it may wait to start
     echo: bool = False  # completions: the prompt comes back before the completion
+    n: int = 1  # choices returned
+    best_of: int = 1  # sequences generated; the n of highest log-probability are returned
     ignored: tuple[str, ...] = ()  # fields this server does not know, ignored (and logged)
 
 
@@ -304,8 +306,7 @@ def _parse_common(
         if alternative is not None and alternative < 1:  # the engine names max_tokens
             raise bad_request("'max_completion_tokens' must be at least 1", "max_completion_tokens")
         max_tokens = alternative if alternative is not None else max_tokens
-    if fields.integer("n", 1) != 1:
-        raise bad_request("only n=1 is supported", "n")
+    n, best_of = _parse_sequences(fields)
     top_k = fields.integer("top_k", 0)
     sampling = SamplingSpec(
         temperature=fields.number("temperature", 1.0),
@@ -324,6 +325,8 @@ def _parse_common(
         sampling=sampling,
     )
     stream = fields.boolean("stream", False)
+    if stream and best_of > n:
+        raise bad_request("'best_of' greater than 'n' cannot be streamed", "best_of")
     return GenerationRequest(
         kind=kind,
         model=model,
@@ -335,7 +338,22 @@ def _parse_common(
         tenant=_parse_tenant(header_tenant, fields.raw("user")),
         priority=fields.integer("priority", 0) or 0,
         deadline_ms=_parse_deadline(fields),
+        n=n,
+        best_of=best_of,
     )
+
+
+def _parse_sequences(fields: _Fields) -> tuple[int, int]:
+    """(n, best_of): best_of defaults to n and may not be less."""
+    n = fields.integer("n", 1)
+    assert n is not None
+    if not 1 <= n <= MAX_SEQUENCES:
+        raise bad_request(f"'n' must be between 1 and {MAX_SEQUENCES}", "n")
+    best_of = fields.integer("best_of", n)
+    assert best_of is not None
+    if not n <= best_of <= MAX_SEQUENCES:
+        raise bad_request(f"'best_of' must be between 'n' ({n}) and {MAX_SEQUENCES}", "best_of")
+    return n, best_of
 
 
 def _parse_cache_salt(value: Any) -> str | None:

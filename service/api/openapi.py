@@ -22,6 +22,7 @@ from service.api.openai_schema import (
     MAX_CACHE_SALT_CHARS,
     MAX_DEADLINE_MS,
     MAX_LOGPROBS,
+    MAX_SEQUENCES,
     NEUTRAL_VALUES,
 )
 from service.engine.validation import (
@@ -228,7 +229,15 @@ def _request(own: Schema, required: list[str], max_model_len: int | None) -> Sch
         "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
         "top_k": {"type": ["integer", "null"], "minimum": -1},
         "seed": _integer(0, MAX_SEED),
-        "n": {"enum": [1, None]},
+        "n": {
+            **_integer(1, MAX_SEQUENCES),
+            "description": "choices to generate; they share the prompt's KV blocks",
+        },
+        "best_of": {
+            **_integer(1, MAX_SEQUENCES),
+            "description": "sequences to generate (at least n), of which the n of highest "
+            "cumulative log-probability are returned; more than n cannot be streamed",
+        },
         "stop": {
             "oneOf": [
                 {"type": "null"},
@@ -318,7 +327,12 @@ def _completion_response() -> Schema:
             "object": {"enum": ["text_completion", "chat.completion"]},
             "created": {"type": "integer"},
             "model": {"type": "string"},
-            "choices": {"type": "array", "items": choice, "minItems": 1, "maxItems": 1},
+            "choices": {
+                "type": "array",
+                "items": choice,
+                "minItems": 1,
+                "maxItems": MAX_SEQUENCES,
+            },
             "usage": usage,
         },
         "required": ["id", "object", "created", "model", "choices", "usage"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import uuid
 from collections.abc import AsyncIterator
@@ -18,6 +19,7 @@ from service.api.app_state import AppState, app_state
 from service.api.body import read_body
 from service.api.errors import APIError, bad_request, json_response
 from service.api.openai_responses import (
+    Choice,
     ResponseHeader,
     TokenPieces,
     chat_logprobs,
@@ -136,14 +138,21 @@ async def serve_generation(req: GenerationRequest) -> Response:
         # as vLLM: a field it does not know is no reason to refuse (routers add their own)
         log.warning("request.fields_ignored", request_id=request_id, fields=list(req.ignored))
     deadline_s = None if req.deadline_ms is None else req.deadline_ms / 1000
+    params = req.params
+    if req.best_of > req.n and not params.sampling.logprobs:
+        # the sequences are ranked by log-probability, which the worker then reports
+        params = dataclasses.replace(
+            params, sampling=dataclasses.replace(params.sampling, logprobs=True)
+        )
     try:
         channel = await state.engine.submit(
             prompt_ids,
-            req.params,
+            params,
             request_id=request_id,
             tenant=req.tenant,
             priority=req.priority,
             deadline_s=deadline_s,
+            n=req.best_of,
         )
     except Overloaded as exc:
         raise APIError(
@@ -278,12 +287,16 @@ def logprobs_of(
     return completion_logprobs(pieces, text_offset, req.params.sampling.top_logprobs)
 
 
+def closed_early() -> APIError:
+    return APIError(
+        500, "the engine closed the request without finishing it", code="internal_error"
+    )
+
+
 def failure_of(finish: FinishEvent | None) -> APIError | None:
     """The error a finished (or vanished) request must be reported as, if any."""
     if finish is None:
-        return APIError(
-            500, "the engine closed the request without finishing it", code="internal_error"
-        )
+        return closed_early()
     if finish.reason == "error":
         message = finish.error or finish.detail
         if finish.detail == "deadline_exceeded":
@@ -313,30 +326,47 @@ async def whole_response(
     state: AppState,
     echo: Echo | None,
 ) -> Response:
-    tokens: list[TokenEvent] = []
-    finish: FinishEvent | None = None
+    tokens: dict[int, list[TokenEvent]] = {i: [] for i in range(req.best_of)}
+    finishes: dict[int, FinishEvent] = {}
     try:
         async for event in channel:
-            if isinstance(event, FinishEvent):
-                finish = event
-            else:
-                tokens.append(event)
+            if isinstance(event, TokenEvent):
+                tokens[event.index].append(event)
+                continue
+            finishes[event.index] = event
+            if failure_of(event) is not None:
+                break  # the request has failed: the other sequences are aborted
     finally:
         # Runs on client disconnect too (trio.Cancelled): synchronous, so safe in a
         # cancelled scope; a no-op for a request that already finished.
         channel.close()
-        if finish is None:
+        if len(finishes) < req.best_of:
             state.engine.abort(header.request_id)
-    error = failure_of(finish)
+    error = next((e for e in map(failure_of, finishes.values()) if e is not None), None)
+    if error is None and len(finishes) < req.best_of:
+        error = closed_early()
     if error is not None:
         raise error
-    assert finish is not None
-    text = "".join(event.text for event in tokens)
-    if echo is not None:
-        text = echo.text + text
-    logprobs = logprobs_of(req, state, tokens, 0, echo)
-    body = full_response(header, text, finish.reason, usage(finish), logprobs)
+    ranked = best_sequences(tokens, req.n) if req.best_of > req.n else list(range(req.n))
+    choices = [
+        Choice(
+            text=(echo.text if echo else "") + "".join(event.text for event in tokens[i]),
+            finish_reason=finishes[i].reason,
+            logprobs=logprobs_of(req, state, tokens[i], 0, echo),
+        )
+        for i in ranked
+    ]
+    body = full_response(header, choices, usage([finishes[i] for i in range(req.best_of)]))
     return json_response(body, 200, {"X-Request-Id": header.request_id})
+
+
+def best_sequences(tokens: dict[int, list[TokenEvent]], n: int) -> list[int]:
+    """`best_of`: the n sequences of highest cumulative log-probability, best first."""
+
+    def cumulative(index: int) -> float:
+        return sum(sum(e.logprobs.logprobs) for e in tokens[index] if e.logprobs is not None)
+
+    return sorted(tokens, key=cumulative, reverse=True)[:n]
 
 
 def stream_response(
@@ -364,45 +394,63 @@ async def sse_stream(
     first: list[Event],
     echo: Echo | None,
 ) -> AsyncIterator[bytes]:
-    """`first`: events already read from the channel (a request with a deadline); `echo`:
-    the prompt, sent with the first tokens."""
-    finish: FinishEvent | None = None
-    text_offset = 0
+    """Each of the n sequences' chunks carries its `index` (best_of is never streamed).
+
+    `first`: events already read from the channel (a request with a deadline); `echo`: the
+    prompt, sent with each sequence's first tokens."""
+    finishes: dict[int, FinishEvent] = {}
+    failed = False
+    text_offsets = [0] * req.n
+    echoes = [echo] * req.n
     try:
         if req.kind == "chat":
-            yield sse_data(delta_chunk(header, "", None, role=True))
-        async for group in event_groups(channel, state.heartbeat_seconds, first):
+            for index in range(req.n):
+                yield sse_data(delta_chunk(header, "", None, role=True, index=index))
+        async for group in event_groups(channel, state.heartbeat_seconds, first, req.n):
             if not group:
                 yield HEARTBEAT
                 continue
-            tokens = [event for event in group if isinstance(event, TokenEvent)]
-            finish = _finish_in(group)
-            chunk = token_chunk(req, header, tokens, state, text_offset, echo)
-            if chunk is not None:
-                text_offset += sum(len(event.text) for event in tokens)
-                if echo is not None:
-                    text_offset, echo = text_offset + len(echo.text), None
-                yield sse_data(chunk)
-        error = failure_of(finish)
-        if error is not None:
-            yield sse_data(error.body())
-        else:
-            assert finish is not None
-            yield sse_data(delta_chunk(header, None, finish.reason))
-            if req.include_usage:
-                yield sse_data(usage_chunk(header, usage(finish)))
+            for index, events in by_index(group).items():
+                tokens = [event for event in events if isinstance(event, TokenEvent)]
+                chunk = token_chunk(
+                    req, header, tokens, state, text_offsets[index], echoes[index], index
+                )
+                if chunk is not None:
+                    text_offsets[index] += sum(len(event.text) for event in tokens)
+                    if echo is not None and echoes[index] is not None:
+                        text_offsets[index] += len(echo.text)
+                        echoes[index] = None
+                    yield sse_data(chunk)
+                finish = events[-1]
+                if not isinstance(finish, FinishEvent):
+                    continue
+                finishes[index] = finish
+                error = failure_of(finish)
+                if error is not None:  # the request has failed: the others are aborted
+                    failed = True
+                    yield sse_data(error.body())
+                    yield DONE
+                    return
+                yield sse_data(delta_chunk(header, None, finish.reason, index=index))
+        if len(finishes) < req.n:
+            yield sse_data(closed_early().body())
+        elif req.include_usage:
+            yield sse_data(usage_chunk(header, usage([finishes[i] for i in range(req.n)])))
         yield DONE
     finally:
         # Reached by trio.Cancelled (hypercorn reported the disconnect) or GeneratorExit
         # (a write failed): both in a cancelled context, so only synchronous cleanup here.
         channel.close()
-        if finish is None:
+        if failed or len(finishes) < req.n:
             state.engine.abort(header.request_id)
 
 
-def _finish_in(group: list[Event]) -> FinishEvent | None:
-    last = group[-1]
-    return last if isinstance(last, FinishEvent) else None
+def by_index(group: list[Event]) -> dict[int, list[Event]]:
+    """A group's events by sequence, in order (a sequence's FinishEvent ends its list)."""
+    split: dict[int, list[Event]] = {}
+    for event in group:
+        split.setdefault(event.index, []).append(event)
+    return split
 
 
 def token_chunk(
@@ -412,6 +460,7 @@ def token_chunk(
     state: AppState,
     text_offset: int,
     echo: Echo | None,
+    index: int,
 ) -> dict[str, Any] | None:
     text = "".join(event.text for event in tokens)
     if not tokens or (not text and not req.params.sampling.logprobs and echo is None):
@@ -419,4 +468,4 @@ def token_chunk(
     logprobs = logprobs_of(req, state, tokens, text_offset, echo)
     if echo is not None:
         text = echo.text + text
-    return delta_chunk(header, text, None, logprobs)
+    return delta_chunk(header, text, None, logprobs, index=index)

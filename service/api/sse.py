@@ -32,14 +32,17 @@ async def event_groups(
     channel: trio.MemoryReceiveChannel,
     heartbeat_seconds: float,
     first: Sequence[Event] = (),
+    sequences: int = 1,
 ) -> AsyncIterator[list[Event]]:
     """Yield the events that are ready, as one group; an empty group means "send a heartbeat".
 
     Grouping lets a slow client catch up in one write instead of one write per token.
     `first`: events already taken from the channel, which open the first group.
-    Ends after the FinishEvent or when the engine closes the channel.
+    A group ends at a FinishEvent; the whole ends after the FinishEvents of all `sequences`
+    (a request's n) or when the engine closes the channel.
     """
     group: list[Event] = list(first)
+    unfinished = sequences
     while True:
         if not group:
             with trio.move_on_after(heartbeat_seconds):
@@ -55,5 +58,7 @@ async def event_groups(
                 break
         yield group
         if group and isinstance(group[-1], FinishEvent):
-            return
+            unfinished -= 1
+            if unfinished == 0:
+                return
         group = []

@@ -123,6 +123,7 @@ class _Ticket:
     priority: int
     received: float
     deadline_s: float | None  # seconds it may wait to start, as the client asked
+    n: int  # sequences of the prompt to generate
     done: trio.Event = dataclasses.field(default_factory=trio.Event)
     channel: trio.MemoryReceiveChannel | None = None  # the verdict: a stream, or
     error: Exception | None = None  # why not
@@ -138,6 +139,10 @@ class Engine:
         self._policy = make_policy(config.policy, config.policy_params)  # until the scheduler
         self._scheduler: Scheduler | None = None
         self._requests: dict[str, Request] = {}  # open streams, by request id
+        # requests with n > 1 sequences: the first's id -> all of them, until all finish
+        self._groups: dict[str, list[Request]] = {}
+        # the first's id -> the others, until it has computed the prompt they share
+        self._held: dict[str, list[Request]] = {}
         self._observers: list[Observer] = []
         self._admit_send, self._admit_recv = trio.open_memory_channel[_Ticket](config.max_queue)
         self._wakeup = trio.Event()
@@ -207,8 +212,14 @@ class Engine:
         tenant: str = "default",
         priority: int = 0,
         deadline_s: float | None = None,
+        n: int = 1,
     ) -> trio.MemoryReceiveChannel:
         """Queue a request; its channel yields TokenEvent* then one FinishEvent, then closes.
+
+        `n` > 1: n sequences of the one prompt (`request_id`, then `request_id-1`, ...), whose
+        events share the channel, each with its sequence's `index`; it closes after the last
+        FinishEvent. A seeded request's sequence i samples with seed + i. `abort(request_id)`
+        ends them all.
 
         `deadline_s`: seconds it may wait to start (the server's --max-queue-time bounds it
         too); not started by then, it finishes with ("error", "deadline_exceeded").
@@ -225,6 +236,7 @@ class Engine:
             priority,
             trio.current_time(),
             deadline_s,
+            n,
         )
         try:
             self._admit_send.send_nowait(ticket)
@@ -244,12 +256,14 @@ class Engine:
         return ticket.channel
 
     def abort(self, request_id: str) -> None:
-        """End a request now (synchronous, idempotent); its blocks are free at once."""
-        request = self._requests.get(request_id)
-        if request is not None:
-            self._emit_committed(request)
-            self._finish(request, "abort", "aborted")
-            self._wakeup.set()  # freed blocks may let a stuck admission through
+        """End a request, all its n sequences, now (synchronous, idempotent); its blocks
+        are free at once."""
+        group = self._groups.get(request_id) or [self._requests.get(request_id)]
+        for request in group:
+            if request is not None and not request.is_finished:
+                self._emit_committed(request)
+                self._finish(request, "abort", "aborted")
+                self._wakeup.set()  # freed blocks may let a stuck admission through
 
     def set_policy(self, name: str, params: dict | None, *, by: str = "api") -> PolicySwap:
         """Swap the policy at the next iteration boundary; PolicyError changes nothing."""
@@ -360,19 +374,49 @@ class Engine:
         sched = self._scheduler
         if sched is None or not self._accepting:
             raise EngineUnavailable("the engine is shutting down")
-        if ticket.request_id in self._requests:
+        ids = [ticket.request_id] + [sibling_id(ticket.request_id, i) for i in range(1, ticket.n)]
+        if any(request_id in self._requests for request_id in ids):
             raise InvalidRequest(
                 f"request id {ticket.request_id!r} is already in use", code="duplicate_id"
             )
-        ids, params = ticket.prompt_token_ids, ticket.params
-        validate(ids, params, self._limits(), ticket.tenant, ticket.priority)
+        params = ticket.params
+        validate(ticket.prompt_token_ids, params, self._limits(), ticket.tenant, ticket.priority)
         deadline = self._deadline_of(ticket)
-        self._shed_if_overloaded(sched, len(ids), deadline)
+        self._shed_if_overloaded(sched, len(ticket.prompt_token_ids), deadline)
         assert params.max_tokens is not None
-        # never blocks: a token event per output token, the finish event, and a spare
-        send, receive = trio.open_memory_channel(params.max_tokens + 2)
+        # never blocks: a token event per output token, the finish event, and a spare, each
+        send, receive = trio.open_memory_channel(ticket.n * (params.max_tokens + 2))
+        with send:
+            leader = self._new_request(ticket, ids[0], 0, params, send.clone(), deadline)
+            # the others start once the first has computed the prompt: its blocks are then
+            # in the prefix cache, and theirs are shared, not computed again
+            siblings = [
+                self._new_request(ticket, ids[i], i, sibling_params(params, i), send.clone(), None)
+                for i in range(1, ticket.n)
+            ]
+        if siblings:
+            self._groups[leader.request_id] = [leader, *siblings]
+            if self.config.enable_prefix_caching:
+                self._held[leader.request_id] = siblings
+            else:
+                for sibling in siblings:
+                    sched.add(sibling)
+        sched.add(leader)
+        self._wakeup.set()
+        return receive
+
+    def _new_request(
+        self,
+        ticket: _Ticket,
+        request_id: str,
+        index: int,
+        params: SamplingParams,
+        stream: trio.MemorySendChannel,
+        deadline: float | None,
+    ) -> Request:
+        ids = list(ticket.prompt_token_ids)
         request = Request(
-            request_id=ticket.request_id,
+            request_id=request_id,
             seq_id=self._next_seq_id,
             prompt_len=len(ids),
             token_ids=ids,
@@ -380,18 +424,26 @@ class Engine:
             tenant=ticket.tenant,
             priority=ticket.priority,
             received=ticket.received,
-            stream=send,
+            stream=stream,
             detokenizer=Detokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens),
             deadline=deadline,
             prompt_logprobs=None if params.sampling.prompt_logprobs is None else TokenLogprobs(),
+            index=index,
         )
         self._next_seq_id += 1
         self._requests[request.request_id] = request
         self._all_done = trio.Event()
-        sched.add(request)
-        self._wakeup.set()
         self._report_received(request)
-        return receive
+        return request
+
+    def _release_siblings(self, leader: Request) -> None:
+        """The leader computed its prompt (or ended): its held siblings may start."""
+        siblings = self._held.pop(leader.request_id, [])
+        for sibling in siblings:
+            if not sibling.is_finished and self._scheduler is not None:
+                self._scheduler.add(sibling)
+        if siblings:
+            self._wakeup.set()
 
     def _deadline_of(self, ticket: _Ticket) -> float | None:
         waits = [w for w in (ticket.deadline_s, self.config.max_queue_time) if w is not None]
@@ -611,10 +663,11 @@ class Engine:
             self._finish(request, *finish, error=outcome.error)
             return
         request.token_times.append(now)
-        event = TokenEvent("", [outcome.token], outcome.logprobs)
+        event = TokenEvent("", [outcome.token], outcome.logprobs, index=request.index)
         if request.first_token is None:
             request.first_token = now
             event.prompt_logprobs = request.prompt_logprobs
+            self._release_siblings(request)
             _log_since_received("request.first_token", request, now, "ttft_ms")
         delta = request.detokenizer.add_token(outcome.token)
         text = delta.text
@@ -636,17 +689,26 @@ class Engine:
         request.finished = trio.current_time()
         request.finish_reason, request.finish_detail = reason, detail
         completion = request.num_generated
+        cached = request.num_cached_tokens
         _send(
             request,
             FinishEvent(
-                reason, detail, request.prompt_len, completion, error, request.num_cached_tokens
+                reason, detail, request.prompt_len, completion, error, cached, request.index
             ),
         )
         request.stream.close()
         self._requests.pop(request.request_id, None)
+        self._release_siblings(request)
+        self._forget_group_of(request)
         if not self._requests:
             self._all_done.set()
         self._report_finished(request)
+
+    def _forget_group_of(self, request: Request) -> None:
+        leader_id = leader_id_of(request.request_id, request.index)
+        group = self._groups.get(leader_id)
+        if group is not None and all(member.is_finished for member in group):
+            del self._groups[leader_id]
 
     def _finish_all(self, reason: str, detail: str) -> None:
         for request in list(self._requests.values()):
@@ -793,6 +855,23 @@ class Engine:
         log.info("request.finished", **stats.log_fields())
         for observer in self._observers:
             observer.on_request_finished(stats)
+
+
+def sibling_id(request_id: str, index: int) -> str:
+    return f"{request_id}-{index}"
+
+
+def leader_id_of(request_id: str, index: int) -> str:
+    return request_id.removesuffix(f"-{index}") if index else request_id
+
+
+def sibling_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sequence `index` of n: its own seed stream when the request is seeded."""
+    seed = params.sampling.seed
+    if seed is None:
+        return params
+    sampling = dataclasses.replace(params.sampling, seed=seed + index)
+    return dataclasses.replace(params, sampling=sampling)
 
 
 def _check_blocks_kept(sched: Scheduler, plan: BatchPlan) -> None:

@@ -44,6 +44,7 @@ class TokenEvent:
     logprobs: TokenLogprobs | None  # of token_ids, when the request asked for them
     # the first event of a request that asked for its prompt's: tokens 1.. of the prompt
     prompt_logprobs: TokenLogprobs | None = None
+    index: int = 0  # which of the request's n sequences (`n` > 1 share one stream)
 
 
 @dataclass(slots=True)
@@ -55,6 +56,7 @@ class FinishEvent:
     completion_tokens: int
     error: str | None = None
     cached_tokens: int = 0  # prompt tokens found in the prefix cache, not computed
+    index: int = 0  # which of the request's n sequences finished
 
 
 Event = TokenEvent | FinishEvent
@@ -79,6 +81,7 @@ class Request:
     stream: trio.MemorySendChannel
     detokenizer: Detokenizer
     status: Status = Status.WAITING
+    index: int = 0  # its place among the n sequences of one client request
     num_computed_tokens: int = 0  # tokens whose K/V is in the worker's cache
     num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, chained
