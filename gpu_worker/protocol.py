@@ -140,6 +140,13 @@ class BatchPlan:
     its attention covers positions 0 .. start_pos[i] + num_tokens[i] - 1 (the cached
     prefix plus the new tokens, causally). A sequence with sample[i] true gets one token
     sampled from the logits of its last position with sampling[i].
+
+    Structured output: `token_bitmasks` is empty when no sequence of the step is
+    constrained; otherwise it is aligned with seq_ids, and token_bitmasks[i] is, for a
+    constrained sequence that samples, the tokens its grammar allows, as base64 of
+    little-endian int32 words (bit j of word w allows token 32 * w + j; the words cover
+    the vocabulary, rounded up to 32), and None for every other sequence. Disallowed
+    tokens are never sampled; logprobs stay those of the unmasked logits.
     """
 
     step_id: int
@@ -151,6 +158,7 @@ class BatchPlan:
     sample: list[bool]
     sampling: list[SamplingSpec]
     prompt_targets: list[list[int] | None] = field(default_factory=list)
+    token_bitmasks: list[str | None] = field(default_factory=list)
 
     @property
     def is_decode_only(self) -> bool:

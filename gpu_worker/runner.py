@@ -25,7 +25,7 @@ from gpu_worker.protocol import (
     WorkerConfig,
     parse_kernel_pins,
 )
-from gpu_worker.sampler import Logits, Sampler, token_logprobs
+from gpu_worker.sampler import Logits, Sampler, decode_bitmask, token_logprobs
 
 PROMPT_ROWS = 64  # prompt positions whose log-probabilities are computed at once
 
@@ -129,6 +129,7 @@ class ModelRunner:
             logits,
             [plan.sampling[i] for i in sampled],
             [plan.start_pos[i] + plan.num_tokens[i] for i in sampled],
+            _bitmasks(plan, sampled),
         )
         return StepResult(
             step_id=plan.step_id,
@@ -225,6 +226,14 @@ class ModelRunner:
         return hidden, first_rows
 
 
+def _bitmasks(plan: BatchPlan, sampled: list[int]) -> list[torch.Tensor | None] | None:
+    """The sampled rows' grammar masks (structured output); None when no row has one."""
+    if not plan.token_bitmasks:
+        return None
+    masks = [plan.token_bitmasks[i] for i in sampled]
+    return [None if text is None else decode_bitmask(text) for text in masks]
+
+
 def _check_worker_config(config: WorkerConfig) -> None:
     if config.block_size < 1:
         raise ValueError(f"block_size must be at least 1, got {config.block_size}")
@@ -240,6 +249,8 @@ def check_plan(
     for name in ("num_tokens", "start_pos", "block_tables", "sample", "sampling"):
         if len(getattr(plan, name)) != count:
             raise ValueError(f"plan has {count} seq_ids but {len(getattr(plan, name))} {name}")
+    if plan.token_bitmasks and len(plan.token_bitmasks) != count:
+        raise ValueError(f"plan has {count} seq_ids but {len(plan.token_bitmasks)} token_bitmasks")
     if len(set(plan.seq_ids)) != count:
         raise ValueError("plan lists a sequence more than once")
     for seq_id, tokens, start, table in zip(

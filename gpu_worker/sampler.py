@@ -8,17 +8,25 @@ cheap next to the forward pass, and lets each row take it from its own generator
 seeded row's comes from a generator seeded with
 (seed, absolute position of the sampled token), so it draws the same token whatever else
 is in the batch and after being preempted and recomputed.
+
+Structured output: a row may come with a token bitmask (its grammar's allowed tokens).
+Its disallowed logits become -inf before anything else, greedy and its log-probabilities
+included (as vLLM's: those of the distribution it samples from); rows without one take the
+same path, at the same cost, as when no row has a mask.
 """
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from gpu_worker.protocol import SamplingSpec, TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
+MIN_LOGPROB = -9999.0  # what vLLM reports for a token its grammar rules out
 
 
 @dataclass(slots=True)
@@ -71,34 +79,48 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def sample(
-        self, logits: Logits | torch.Tensor, specs: list[SamplingSpec], positions: list[int]
+        self,
+        logits: Logits | torch.Tensor,
+        specs: list[SamplingSpec],
+        positions: list[int],
+        bitmasks: list[torch.Tensor | None] | None = None,
     ) -> SampleOutput:
-        """positions[i] is where row i's token will sit."""
+        """positions[i] is where row i's token will sit; bitmasks[i], if given and not
+        None, the int32 words of the tokens row i may take (see BatchPlan.token_bitmasks)."""
         if isinstance(logits, torch.Tensor):
             logits = Logits(logits)
         if logits.num_rows != len(specs) or len(specs) != len(positions):
             raise ValueError(
                 f"{logits.num_rows} logit rows, {len(specs)} specs, {len(positions)} positions"
             )
+        if bitmasks and len(bitmasks) != len(specs):
+            raise ValueError(f"{len(specs)} rows but {len(bitmasks)} bitmasks")
         if not specs:
             return SampleOutput(tokens=[], logprobs=None)
-        tokens = self._choose(logits, specs, positions)
+        masked = _Masked.of(logits, bitmasks or [])
+        tokens = self._choose(logits, specs, positions, masked)
         logprobs = None
         if any(spec.logprobs for spec in specs):
             tops = [spec.top_logprobs if spec.logprobs else 0 for spec in specs]
-            logprobs = token_logprobs(logits.dense(), tokens, tops)
+            logprobs = token_logprobs(_dense(logits, masked), tokens, tops)
         return SampleOutput(tokens=tokens.tolist(), logprobs=logprobs)
 
     def _choose(
-        self, logits: Logits, specs: list[SamplingSpec], positions: list[int]
+        self,
+        logits: Logits,
+        specs: list[SamplingSpec],
+        positions: list[int],
+        masked: _Masked | None,
     ) -> torch.Tensor:
         greedy = [spec.temperature <= 0 for spec in specs]
         best = logits.best()
+        device = logits.values.device
+        if masked is not None:
+            best[masked.rows] = masked.values.argmax(dim=-1)
         if all(greedy):
             return best
-        device = logits.values.device
         temperatures = [1.0 if g else s.temperature for g, s in zip(greedy, specs, strict=True)]
-        scaled = logits.dense() / torch.tensor(temperatures, device=device)[:, None]
+        scaled = _dense(logits, masked) / torch.tensor(temperatures, device=device)[:, None]
         scaled = apply_top_k(scaled, [spec.top_k for spec in specs])
         scaled = apply_top_p(scaled, [spec.top_p for spec in specs])
         cdf = torch.softmax(scaled, dim=-1).cumsum(dim=-1)
@@ -121,8 +143,9 @@ class Sampler:
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, tops: list[int]) -> TokenLogprobs:
     """float32 logits [S, vocab] -> each row's log-probability of its target token and of
-    its tops[row] most likely tokens."""
-    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    its tops[row] most likely tokens; at least MIN_LOGPROB (a masked token's), since JSON
+    has no -inf."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1).clamp(min=MIN_LOGPROB)
     chosen = log_probs.gather(1, targets[:, None])[:, 0].tolist()
     k = min(max(tops, default=0), log_probs.shape[1])
     if k == 0:
@@ -134,6 +157,47 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, tops: list[int])
         [row[:top] for row, top in zip(ids, tops, strict=True)],
         [row[:top] for row, top in zip(values, tops, strict=True)],
     )
+
+
+def decode_bitmask(text: str) -> torch.Tensor:
+    """A plan's base64 bitmask -> its int32 words."""
+    words = np.frombuffer(base64.b64decode(text), dtype="<i4").astype(np.int32)
+    return torch.from_numpy(words)
+
+
+def allowed_tokens(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """int32 bitmask words -> bool [vocab]: bit j of word w allows token 32 * w + j."""
+    if words.numel() * 32 < vocab:
+        raise ValueError(f"a bitmask of {words.numel()} words cannot cover {vocab} tokens")
+    # numpy's unpackbits: one call, no torch thread pool (which a tiny op only waits on)
+    data = np.asarray(words.cpu().numpy(), dtype="<i4").view(np.uint8)
+    return torch.from_numpy(np.unpackbits(data, bitorder="little")[:vocab].view(np.bool_))
+
+
+@dataclass(slots=True)
+class _Masked:
+    """The float32 logits of the rows with a bitmask, disallowed tokens at -inf."""
+
+    rows: torch.Tensor  # row indices
+    values: torch.Tensor  # [len(rows), vocab]
+
+    @classmethod
+    def of(cls, logits: Logits, bitmasks: list[torch.Tensor | None]) -> _Masked | None:
+        rows = [i for i, words in enumerate(bitmasks) if words is not None]
+        if not rows:
+            return None
+        device = logits.values.device
+        vocab = logits.values.shape[1]
+        allowed = torch.stack([allowed_tokens(bitmasks[i], vocab) for i in rows]).to(device)
+        # out of place: float32 values come back from dense() uncopied
+        values = logits.select(rows).dense().masked_fill(~allowed, float("-inf"))
+        return cls(torch.tensor(rows, device=device), values)
+
+
+def _dense(logits: Logits, masked: _Masked | None) -> torch.Tensor:
+    """float32 [S, vocab]: the masked rows' values in place of theirs."""
+    dense = logits.dense()
+    return dense if masked is None else dense.index_put((masked.rows,), masked.values)
 
 
 def row_seed(seed: int, position: int) -> int:

@@ -101,6 +101,11 @@ class Tokenizer:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
     @property
+    def backend(self) -> RustTokenizer:
+        """The `tokenizers` object itself (structured output builds its vocabulary from it)."""
+        return self._backend
+
+    @property
     def bos_token_id(self) -> int | None:
         return None if self._bos_token is None else self._backend.token_to_id(self._bos_token)
 

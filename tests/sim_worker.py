@@ -17,14 +17,20 @@ shared: a sequence may start past position 0 and read what others wrote. The sam
 is a function of the sequence's content read back from that cache, so outputs do not
 depend on batch composition, on preemption or on the prefix cache, exactly the property
 the real model must have under greedy sampling.
+
+A plan's token bitmask (structured output) is honoured: a constrained sequence takes the
+first allowed of EOS and the bytes that close JSON soonest, else the smallest allowed
+byte that is not whitespace, so that every grammar it follows ends.
 """
 
 from __future__ import annotations
 
+import base64
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import trio
 
 from gpu_worker.protocol import MAX_IDLE_GAP_S, BatchPlan, Handshake, StepResult
@@ -37,6 +43,9 @@ from service.engine.stats import IterationStats, RequestStats
 from service.engine.worker_link import WorkerDied, WorkerStartError
 
 EOS = 256
+# what a constrained sequence prefers: to end, then to close what is open
+CLOSING_FIRST = (EOS, *b'"}]:0')
+WHITESPACE = frozenset(b" \t\n\r")
 
 
 class SimTokenizer:
@@ -90,6 +99,7 @@ class SimWorker:
     blocks_after_restart: int | None = None  # a restarted worker's (different) KV size
     hung: bool = False  # pings and steps never answer, like a SIGSTOPped process
     on_plan: Callable[[BatchPlan], None] | None = None  # called as each plan arrives
+    honour_bitmasks: bool = True  # False: sample as if no token bitmask came
     kills: int = 0
     plans: list[BatchPlan] = field(default_factory=list)  # as they arrived
     # ("plan", step_id) when a plan arrives, ("result", step_id) when the engine takes its
@@ -215,8 +225,12 @@ class SimWorker:
                 self._write(table, seq_id, start + k, plan.input_ids[offset + k])
             offset += n
             if plan.sample[i]:
+                token = self._next_token(table, seq_id, start + n - 1)
+                mask = plan.token_bitmasks[i] if plan.token_bitmasks else None
+                if mask is not None and self.honour_bitmasks:
+                    token = constrained_choice(mask)
                 result.seq_ids.append(seq_id)
-                result.tokens.append(self._next_token(table, seq_id, start + n - 1))
+                result.tokens.append(token)
         return result
 
     def check_plan(self, plan: BatchPlan) -> None:
@@ -276,6 +290,24 @@ class SimWorker:
             if pos >= 0:
                 h = (h * 1000003 + self._read(table, seq_id, pos)) % 1_000_000_007
         return 97 + h % 26  # a..z
+
+
+def constrained_choice(bitmask: str) -> int:
+    """The token a constrained sequence takes (module docstring)."""
+    words = np.frombuffer(base64.b64decode(bitmask), dtype=np.uint8)
+    allowed = np.flatnonzero(np.unpackbits(words, bitorder="little")[: SimTokenizer.vocab_size])
+    assert allowed.size, "a bitmask that allows no token"
+    preferred = [t for t in CLOSING_FIRST if t in allowed]
+    solid = [t for t in allowed.tolist() if t not in WHITESPACE]
+    return (preferred or solid or allowed.tolist())[0]
+
+
+def sim_tokenizer_info() -> object:
+    """xgrammar's view of SimTokenizer: one token per byte, then EOS and empty ids."""
+    import xgrammar
+
+    vocab = [bytes([i]) for i in range(256)] + [b""] * (SimTokenizer.vocab_size - 256)
+    return xgrammar.TokenizerInfo(vocab, vocab_size=SimTokenizer.vocab_size, stop_token_ids=[EOS])
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:

@@ -21,6 +21,7 @@ from service.api.openai_schema import (
 from service.api.openapi import openapi_document
 from service.config import Config
 from service.engine.engine import Engine
+from service.engine.grammar import ResponseFormat
 from tests.sim_worker import SimTokenizer, SimWorker
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
@@ -300,3 +301,48 @@ def test_n_and_best_of_default_to_one_sequence_per_choice(body, n, best_of) -> N
     for parse, base in ((parse_completion_request, {"prompt": "x"}), (parse_chat_request, CHAT)):
         req = parse({**base, **body}, None)
         assert (req.n, req.best_of) == (n, best_of)
+
+
+def nested_items(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def test_response_formats_parse_into_what_the_grammar_compiler_takes() -> None:
+    schema = {"type": "object", "properties": {"b": {}, "a": {}}}  # key order kept
+    spec = {"name": "n", "schema": schema, "strict": True}
+    parsed = parse_chat_request(
+        {**CHAT, "response_format": {"type": "json_schema", "json_schema": spec}}, None
+    )
+    assert parsed.response_format == ResponseFormat(
+        "json_schema", '{"type":"object","properties":{"b":{},"a":{}}}'
+    )
+    as_object = parse_completion_request(
+        {"prompt": "x", "response_format": {"type": "json_object"}}, None
+    )
+    assert as_object.response_format == ResponseFormat("json_object")
+    assert (
+        parse_chat_request({**CHAT, "response_format": {"type": "text"}}, None).response_format
+        is None
+    )
+
+
+@pytest.mark.parametrize(
+    "response_format",
+    [
+        "json_object",
+        {"type": "yaml"},
+        {"type": "json_schema"},
+        {"type": "json_schema", "json_schema": {"schema": {}}},
+        {"type": "json_schema", "json_schema": {"name": "n", "schema": []}},
+        {"type": "json_schema", "json_schema": {"name": "n", "schema": {}, "strict": "yes"}},
+        {"type": "json_schema", "json_schema": {"name": "n", "schema": {"enum": ["x" * 70_000]}}},
+        {"type": "json_schema", "json_schema": {"name": "n", "schema": nested_items(300)}},
+    ],
+)
+def test_a_malformed_response_format_is_a_400_naming_it(response_format: object) -> None:
+    with pytest.raises(APIError) as info:
+        parse_chat_request({**CHAT, "response_format": response_format}, None)
+    assert (info.value.status, info.value.param) == (400, "response_format")

@@ -3,6 +3,8 @@ body limit."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import structlog
 from quart import Response, request
 from quart_trio import QuartTrio
@@ -16,6 +18,7 @@ from service.api.errors import APIError, error_body, error_response, json_respon
 from service.api.metrics import Metrics
 from service.config import Config
 from service.engine.engine import Engine
+from service.engine.grammar import GrammarCompiler, hf_tokenizer_info
 from service.tokenizer import Tokenizer
 
 log = structlog.get_logger("cadence.app")
@@ -34,7 +37,9 @@ def create_app(
     app.config["RESPONSE_TIMEOUT"] = None
     metrics = Metrics()
     engine.add_observer(metrics)
-    app.extensions[EXTENSION_KEY] = AppState(config, engine, tokenizer, served_model_name, metrics)
+    state = AppState(config, engine, tokenizer, served_model_name, metrics)
+    state.grammars = GrammarCompiler(lambda: _tokenizer_info(engine, tokenizer))
+    app.extensions[EXTENSION_KEY] = state
     app.register_blueprint(routes_openai.blueprint)
     app.register_blueprint(routes_tokenize.blueprint)
     app.register_blueprint(routes_admin.blueprint)
@@ -45,6 +50,13 @@ def create_app(
     _install_body_drain(app)
     _install_error_handlers(app)
     return app
+
+
+def _tokenizer_info(engine: Engine, tokenizer: Tokenizer) -> Any:
+    """For the first response_format, which comes once the worker has told the vocab size."""
+    assert engine.handshake is not None, "a grammar compiled before the worker started"
+    vocab_size = engine.handshake.vocab_size
+    return hf_tokenizer_info(tokenizer.backend, vocab_size, tokenizer.eos_token_ids)
 
 
 def _install_page(app: QuartTrio) -> None:

@@ -12,10 +12,11 @@ if TYPE_CHECKING:
     from service.api.metrics import Metrics
     from service.config import Config
     from service.engine.engine import Engine
+    from service.engine.grammar import GrammarCompiler
     from service.tokenizer import Tokenizer
 
 EXTENSION_KEY = "cadence"
-TOKENIZER_THREADS = 2  # prompts tokenized at once, off the event loop
+TOKENIZER_THREADS = 2  # prompts tokenized (and grammars compiled) at once, off the event loop
 
 
 @dataclass(slots=True)
@@ -29,6 +30,7 @@ class AppState:
     tokenizer_threads: trio.CapacityLimiter = field(
         default_factory=lambda: trio.CapacityLimiter(TOKENIZER_THREADS)
     )
+    grammars: GrammarCompiler | None = None  # None: no structured output (response_format)
 
 
 def app_state() -> AppState:

@@ -13,14 +13,19 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from gpu_worker.protocol import SamplingSpec
 from service.api.errors import APIError, bad_request
+from service.engine.grammar import ResponseFormat
 from service.engine.request import SamplingParams
 
 MAX_LOGPROBS = 20  # alternatives per token: chat's `top_logprobs` (vLLM's max_logprobs too)
 MAX_DEADLINE_MS = 86_400_000.0
 MAX_SEQUENCES = 32  # `n` and `best_of`: sequences generated for one request
 MAX_CACHE_SALT_CHARS = 256
+MAX_SCHEMA_BYTES = 64 * 1024  # response_format's JSON schema, serialized
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 # Fields OpenAI (or common benchmark clients) send that cadence accepts only with their
@@ -33,7 +38,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "echo": (False, None),  # completions read it; chat's (vLLM's) is another thing
     "suffix": (None, ""),
     "logit_bias": (None,),
-    "response_format": (None,),
     "tools": (None,),
     "tool_choice": (None, "none", "auto"),
     "parallel_tool_calls": (None, True, False),
@@ -138,6 +142,7 @@ class GenerationRequest:
     echo: bool = False  # completions: the prompt comes back before the completion
     n: int = 1  # choices returned
     best_of: int = 1  # sequences generated; the n of highest log-probability are returned
+    response_format: ResponseFormat | None = None  # None: free text
     ignored: tuple[str, ...] = ()  # fields this server does not know, ignored (and logged)
 
 
@@ -340,6 +345,7 @@ def _parse_common(
         deadline_ms=_parse_deadline(fields),
         n=n,
         best_of=best_of,
+        response_format=_parse_response_format(fields.raw("response_format")),
     )
 
 
@@ -365,6 +371,45 @@ def _parse_cache_salt(value: Any) -> str | None:
             "cache_salt",
         )
     return value
+
+
+def _parse_response_format(value: Any) -> ResponseFormat | None:
+    """OpenAI's response_format: {"type": "text"}, {"type": "json_object"}, or
+    {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}."""
+    param = "response_format"
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in RESPONSE_FORMAT_TYPES:
+        raise bad_request(
+            f"'response_format' must be an object whose 'type' is one of "
+            f"{list(RESPONSE_FORMAT_TYPES)}",
+            param,
+        )
+    if kind != "json_schema":
+        return None if kind == "text" else ResponseFormat("json_object")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise bad_request(
+            "'response_format.json_schema' must be an object with a 'name' and a 'schema'", param
+        )
+    schema, strict = spec.get("schema"), spec.get("strict")
+    if not isinstance(schema, dict):
+        raise bad_request("'response_format.json_schema.schema' must be a JSON schema", param)
+    if strict is not None and not isinstance(strict, bool):  # either way strict, as vLLM
+        raise bad_request("'response_format.json_schema.strict' must be a boolean", param)
+    try:
+        text = orjson.dumps(schema)
+    except orjson.JSONEncodeError:  # deeper than orjson writes (it reads deeper)
+        message = "'response_format.json_schema.schema' is nested too deeply"
+        raise bad_request(message, param) from None
+    if len(text) > MAX_SCHEMA_BYTES:
+        raise bad_request(
+            f"'response_format.json_schema.schema' is {len(text)} bytes serialized, "
+            f"more than the {MAX_SCHEMA_BYTES} allowed",
+            param,
+        )
+    return ResponseFormat("json_schema", text.decode())
 
 
 def _parse_deadline(fields: _Fields) -> float | None:

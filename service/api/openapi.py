@@ -22,6 +22,7 @@ from service.api.openai_schema import (
     MAX_CACHE_SALT_CHARS,
     MAX_DEADLINE_MS,
     MAX_LOGPROBS,
+    MAX_SCHEMA_BYTES,
     MAX_SEQUENCES,
     NEUTRAL_VALUES,
 )
@@ -255,6 +256,7 @@ def _request(own: Schema, required: list[str], max_model_len: int | None) -> Sch
         },
         "stream": {"type": ["boolean", "null"]},
         "stream_options": _stream_options(),
+        "response_format": _response_format(),
         "user": {"type": ["string", "null"], "maxLength": MAX_TENANT_CHARS},
         "priority": {
             **_integer(-MAX_PRIORITY, MAX_PRIORITY),
@@ -285,6 +287,33 @@ def _distinct(values: tuple) -> list:
         if not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in seen):
             seen.append(value)
     return seen
+
+
+def _response_format() -> Schema:
+    """OpenAI's structured output (needs xgrammar on the server, else a 400)."""
+    json_schema = _open(
+        {
+            "name": {"type": "string"},
+            "description": {"type": "string"},
+            "schema": {"type": "object"},
+            "strict": {"type": ["boolean", "null"]},
+        },
+        ["name", "schema"],
+    )
+    return {
+        "oneOf": [
+            {"type": "null"},
+            _open({"type": {"enum": ["text", "json_object"]}}, ["type"]),
+            _open(
+                {"type": {"const": "json_schema"}, "json_schema": json_schema},
+                ["type", "json_schema"],
+            ),
+        ],
+        "description": "text (the default), any JSON object, or JSON that fits "
+        f"json_schema.schema (at most {MAX_SCHEMA_BYTES // 1024} KiB serialized; a schema "
+        "the grammar compiler rejects, or a json_schema without name and schema, is a 400). "
+        "Properties come in the schema's order; only those it names, unless it allows more.",
+    }
 
 
 def _stream_options() -> Schema:

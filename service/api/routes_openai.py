@@ -37,6 +37,7 @@ from service.api.openai_schema import (
 )
 from service.api.sse import DONE, HEARTBEAT, SSE_HEADERS, event_groups, sse_data
 from service.engine.engine import EngineUnavailable, Overloaded
+from service.engine.grammar import GrammarUnavailable, InvalidGrammar, ResponseFormat
 from service.engine.request import Event, FinishEvent, TokenEvent
 from service.engine.validation import InvalidRequest
 from service.tokenizer import Tokenizer
@@ -131,6 +132,10 @@ async def serve_generation(req: GenerationRequest) -> Response:
     require_served_model(req.model, state)
     if not state.engine.ready:
         raise unavailable("the model worker is not ready yet; retry shortly")
+    if req.response_format is not None:
+        req.params.grammar = await trio.to_thread.run_sync(
+            compile_grammar, req.response_format, state, limiter=state.tokenizer_threads
+        )
     prompt_ids = await tokenize_prompt(req, state)
     prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
     request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -228,6 +233,21 @@ def prompt_ids_of(req: GenerationRequest, tokenizer: Tokenizer) -> list[int]:
     except Exception as exc:  # a template may reject a message order (e.g. two system turns)
         raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def compile_grammar(response_format: ResponseFormat, state: AppState) -> Any:
+    """response_format's grammar, from the cache or compiled (blocking: call it in a
+    worker thread); a schema it cannot serve is a 400."""
+    try:
+        if state.grammars is None:
+            raise GrammarUnavailable("structured output is not enabled on this server")
+        return state.grammars.compile(response_format)
+    except GrammarUnavailable as exc:
+        raise bad_request(str(exc), "response_format") from None
+    except InvalidGrammar as exc:
+        raise bad_request(
+            f"the JSON schema of response_format is not supported: {exc}", "response_format"
+        ) from None
 
 
 def token_pieces(state: AppState, events: list[TokenEvent]) -> TokenPieces:

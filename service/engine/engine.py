@@ -40,6 +40,7 @@ from policies.registry import make_policy
 from service.config import Config
 from service.engine.block_manager import BlockManager
 from service.engine.detokenizer import Decoder, Detokenizer
+from service.engine.grammar import Matcher
 from service.engine.request import FinishEvent, Request, SamplingParams, Status, TokenEvent
 from service.engine.scheduler import Outcome, ScheduleOutput, Scheduler, SchedulerStats
 from service.engine.stats import IterationStats, Observer, RequestStats
@@ -426,6 +427,7 @@ class Engine:
             received=ticket.received,
             stream=stream,
             detokenizer=Detokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens),
+            grammar=None if params.grammar is None else Matcher(params.grammar),
             deadline=deadline,
             prompt_logprobs=None if params.sampling.prompt_logprobs is None else TokenLogprobs(),
             index=index,

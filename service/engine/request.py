@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -17,6 +17,7 @@ from gpu_worker.protocol import SamplingSpec, TokenLogprobs
 
 if TYPE_CHECKING:
     from service.engine.detokenizer import Detokenizer
+    from service.engine.grammar import Matcher
 
 
 def _openai_default_sampling() -> SamplingSpec:
@@ -35,6 +36,8 @@ class SamplingParams:
     # vLLM's: only requests with the same salt share cached prefix blocks (tenant isolation)
     cache_salt: str | None = None
     sampling: SamplingSpec = field(default_factory=_openai_default_sampling)
+    # structured output: xgrammar's CompiledGrammar for response_format (service.engine.grammar)
+    grammar: Any = None
 
 
 @dataclass(slots=True)
@@ -50,7 +53,8 @@ class TokenEvent:
 @dataclass(slots=True)
 class FinishEvent:
     reason: str  # "stop" | "length" | "abort" | "error"
-    # "eos" | "stop_string" | "max_tokens" | "aborted" | "shutdown" | "worker_died" | ...
+    # "eos" | "stop_string" | "max_tokens" | "aborted" | "shutdown" | "worker_died" |
+    # "grammar_rejected" | ...
     detail: str
     prompt_tokens: int
     completion_tokens: int
@@ -80,6 +84,7 @@ class Request:
     received: float
     stream: trio.MemorySendChannel
     detokenizer: Detokenizer
+    grammar: Matcher | None = None  # structured output: where its output is in its grammar
     status: Status = Status.WAITING
     index: int = 0  # its place among the n sequences of one client request
     num_computed_tokens: int = 0  # tokens whose K/V is in the worker's cache

@@ -37,9 +37,11 @@ is registered in the cache by update(), once the step that filled it has returne
 hit never names a block a failed step left half-written.
 
 update(): the scheduled tokens are now cached; each sampled token is appended; EOS and
-max_tokens finish a sequence and free its blocks. Text (detokenization, stop strings) and
-streams are the engine's business, which is what keeps this module free of I/O: a whole
-iteration runs without trio or a worker.
+max_tokens finish a sequence and free its blocks. A request with a grammar (structured
+output) sends the tokens it allows with each plan that samples it, and its grammar takes
+each token appended; a grammar that has taken its end token finishes it too. Text
+(detokenization, stop strings) and streams are the engine's business, which is what keeps
+this module free of I/O: a whole iteration runs without trio or a worker.
 """
 
 from __future__ import annotations
@@ -419,10 +421,18 @@ class Scheduler:
         return Outcome(request, finish=("error", "worker_error"), error=error)
 
     def _append(self, request: Request, token: int, logprobs: TokenLogprobs | None) -> Outcome:
+        grammar = request.grammar
+        if grammar is not None and not grammar.accept(token):  # the worker ignored the mask
+            self.remove(request)
+            error = f"the worker sampled token {token}, which response_format does not allow"
+            return Outcome(request, finish=("error", "grammar_rejected"), error=error)
         request.token_ids.append(token)
         outcome = Outcome(request, token=token, logprobs=logprobs)
         assert request.params.max_tokens is not None  # validation fills it
         if token in self.eos_token_ids and not request.params.ignore_eos:
+            outcome.finish = ("stop", "eos")
+        elif grammar is not None and grammar.is_terminated:
+            # the grammar took its end token: nothing may follow, even with ignore_eos
             outcome.finish = ("stop", "eos")
         elif request.num_generated >= request.params.max_tokens:
             outcome.finish = ("length", "max_tokens")
@@ -653,7 +663,7 @@ class Scheduler:
 
     def _build_plan(self, scheduled: list[Scheduled], step_id: int) -> BatchPlan:
         seq_ids, num_tokens, start_pos, input_ids = [], [], [], []
-        tables, sample, sampling = [], [], []
+        tables, sample, sampling, bitmasks = [], [], [], []
         prompt_targets: list[list[int] | None] = []
         table_of = self.blocks.table
         for item in scheduled:
@@ -667,6 +677,8 @@ class Scheduler:
             sample.append(item.samples)
             sampling.append(request.params.sampling)
             prompt_targets.append(_prompt_targets(request, item.num_tokens))
+            grammar = request.grammar if item.samples else None
+            bitmasks.append(None if grammar is None else grammar.bitmask())
         return BatchPlan(
             step_id=step_id,
             seq_ids=seq_ids,
@@ -677,6 +689,7 @@ class Scheduler:
             sample=sample,
             sampling=sampling,
             prompt_targets=prompt_targets if any(prompt_targets) else [],
+            token_bitmasks=bitmasks if any(m is not None for m in bitmasks) else [],
         )
 
 

@@ -1,0 +1,159 @@
+"""Grammars for constrained decoding (`response_format`), through xgrammar.
+
+A request's JSON schema is compiled once (off the event loop, cached) into a grammar over
+the model's token vocabulary. Each constrained request then holds a Matcher: before a step
+samples its token, the matcher writes which tokens the grammar allows next as a bitmask,
+which travels in the plan to the worker's sampler; after the step, it accepts the token
+drawn. A grammar ends by accepting an end-of-sequence token, which finishes the request.
+
+xgrammar is optional (the `structured` extra) and imported only when a grammar is needed.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as RustTokenizer
+
+MAX_CACHED_GRAMMARS = 256
+# vLLM lets any whitespace run between JSON tokens; unbounded, a small model fills
+# max_tokens with blank lines (SmolLM2-135M does, after "age":). 8 still fits an indent.
+MAX_WHITESPACE = 8
+# vLLM's json_object: an object (a bare array or string is JSON too, but not what is asked).
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+# xgrammar prefixes its C++ errors with a time and a source location
+_ERROR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+
+
+class GrammarUnavailable(Exception):
+    """xgrammar is not installed: structured output cannot be served (HTTP 400)."""
+
+
+class InvalidGrammar(ValueError):
+    """The schema cannot be compiled into a grammar; the message says why (HTTP 400)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseFormat:
+    """What `response_format` asks of the output: any JSON object ("json_object"), or JSON
+    matching `schema` (the schema as JSON text, its keys in the request's order, which is
+    the order the output's properties follow)."""
+
+    type: str  # "json_object" | "json_schema"
+    schema: str | None = None
+
+
+def _xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError as exc:
+        raise GrammarUnavailable(
+            "structured output (response_format) needs xgrammar on the server: "
+            "pip install 'cadence[structured]'"
+        ) from exc
+    return xgrammar
+
+
+def hf_tokenizer_info(backend: RustTokenizer, vocab_size: int, stop_token_ids: list[int]) -> Any:
+    """xgrammar's view of a tokenizer.json vocabulary (without transformers' tokenizer).
+
+    `vocab_size` is the model's: its embedding may have more rows than the tokenizer has
+    tokens, and those ids must be masked too (as empty tokens, never allowed)."""
+    xgr = _xgrammar()
+    metadata = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
+    return xgr.TokenizerInfo(
+        [backend.id_to_token(i) or "" for i in range(vocab_size)],
+        metadata["vocab_type"],
+        vocab_size=vocab_size,
+        stop_token_ids=stop_token_ids,
+        add_prefix_space=metadata["add_prefix_space"],
+    )
+
+
+class GrammarCompiler:
+    """Compiles response formats, keeping the last MAX_CACHED_GRAMMARS compiled.
+
+    Blocking (run it in a thread) and thread-safe. xgrammar's own cache is off: it has no
+    bound on entries. `tokenizer_info` is called once, at the first compilation, so that
+    neither xgrammar's import nor the vocabulary's conversion costs anything until a
+    request asks for structured output.
+    """
+
+    def __init__(
+        self, tokenizer_info: Callable[[], Any], max_cached: int = MAX_CACHED_GRAMMARS
+    ) -> None:
+        self._tokenizer_info = tokenizer_info
+        self._max_cached = max_cached
+        self._compiler: Any = None
+        self._cache: collections.OrderedDict[ResponseFormat, Any] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, response_format: ResponseFormat) -> Any:
+        """The xgrammar CompiledGrammar; raises GrammarUnavailable or InvalidGrammar."""
+        with self._lock:
+            compiled = self._cache.get(response_format)
+            if compiled is not None:
+                self._cache.move_to_end(response_format)
+                return compiled
+            if self._compiler is None:
+                self._compiler = _xgrammar().GrammarCompiler(
+                    self._tokenizer_info(), max_threads=1, cache_enabled=False
+                )
+        compiled = self._compile(response_format)
+        with self._lock:
+            self._cache[response_format] = compiled
+            while len(self._cache) > self._max_cached:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, response_format: ResponseFormat) -> Any:
+        schema = response_format.schema or JSON_OBJECT_SCHEMA
+        try:
+            # vLLM's settings (but MAX_WHITESPACE): any whitespace between tokens, and
+            # xgrammar's strict mode (no properties or items beyond those the schema
+            # names, unless it allows them), whatever json_schema.strict says
+            compiled = self._compiler.compile_json_schema(
+                schema, any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE
+            )
+        except Exception as exc:  # xgrammar reports a bad schema as RuntimeError, mostly
+            raise InvalidGrammar(_ERROR_PREFIX.sub("", str(exc)).strip()) from None
+        if not Matcher(compiled).allows_anything():
+            raise InvalidGrammar("no JSON value satisfies the schema")
+        return compiled
+
+
+class Matcher:
+    """One request's position in its grammar: what may come next, and the tokens so far."""
+
+    def __init__(self, compiled: Any) -> None:
+        xgr = _xgrammar()
+        self._matcher = xgr.GrammarMatcher(compiled)
+        self._words = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+
+    def bitmask(self) -> str:
+        """The tokens allowed next, as the plan carries them (see BatchPlan.token_bitmasks)."""
+        self._matcher.fill_next_token_bitmask(self._words)
+        words = np.asarray(self._words.numpy(), dtype="<i4")
+        return base64.b64encode(words.tobytes()).decode("ascii")
+
+    def allows_anything(self) -> bool:
+        self._matcher.fill_next_token_bitmask(self._words)
+        return bool(self._words.any())
+
+    def accept(self, token: int) -> bool:
+        """Advance past `token`; False (and no change) if the grammar does not allow it."""
+        return bool(self._matcher.accept_token(token))
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete and has accepted its end-of-sequence token."""
+        return bool(self._matcher.is_terminated())

@@ -1,0 +1,95 @@
+"""Structured output through the engine on the simulated worker (which takes a token its
+plan's bitmask allows): plans carry masks for the constrained rows that sample only (none
+for a prefill chunk), the output is JSON that fits the schema, the grammar's end finishes
+the request, and a worker that ignores a mask fails only the request it constrains."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from service.engine.grammar import GrammarCompiler, ResponseFormat
+from tests.sim_worker import (
+    EOS,
+    SimTokenizer,
+    SimWorker,
+    collect,
+    expected_tokens,
+    greedy,
+    running_engine,
+    sim_config,
+    sim_tokenizer_info,
+)
+
+TOK = SimTokenizer()
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "color": {"enum": ["red", "green"]},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "place": {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]},
+    },
+    "required": ["name", "age", "color", "tags", "place"],
+}
+
+
+@pytest.fixture(scope="module")
+def compiler() -> GrammarCompiler:
+    return GrammarCompiler(sim_tokenizer_info)
+
+
+def constrained(compiler: GrammarCompiler, max_tokens: int = 200, **kw):
+    params = greedy(max_tokens, **kw)
+    params.grammar = compiler.compile(ResponseFormat("json_schema", json.dumps(SCHEMA)))
+    return params
+
+
+async def test_a_constrained_request_gets_json_beside_an_unchanged_free_one(
+    autojump_clock, compiler
+):
+    worker = SimWorker()
+    free_prompt = TOK.encode("free text")
+    json_prompt = TOK.encode("a prompt long enough to be prefilled in chunks: " * 3)
+    async with running_engine(sim_config(max_batched_tokens=48), worker) as engine:
+        free_channel = await engine.submit(free_prompt, greedy(40), request_id="free")
+        json_channel = await engine.submit(json_prompt, constrained(compiler), request_id="json")
+        free, structured = await collect(free_channel), await collect(json_channel)
+    assert free.token_ids == expected_tokens(free_prompt, 40)
+    jsonschema.validate(json.loads(structured.text), SCHEMA)
+    assert (structured.finish.reason, structured.finish.detail) == ("stop", "eos")
+    assert structured.token_ids[-1] == EOS
+    chunks = [plan for plan in worker.plans if 1 in plan.seq_ids]
+    assert not chunks[0].sample[chunks[0].seq_ids.index(1)]  # a chunk that does not sample
+    masked = [plan for plan in worker.plans if plan.token_bitmasks]
+    assert masked, "no plan carried a bitmask"
+    for plan in masked:
+        rows = [i for i, mask in enumerate(plan.token_bitmasks) if mask is not None]
+        assert [plan.seq_ids[i] for i in rows] == [1] and all(plan.sample[i] for i in rows)
+    assert len(masked) == len(structured.token_ids)  # one mask per token sampled
+
+
+async def test_the_grammar_end_finishes_a_request_that_ignores_eos(autojump_clock, compiler):
+    async with running_engine() as engine:
+        channel = await engine.submit(
+            TOK.encode("json"), constrained(compiler, ignore_eos=True), request_id="a"
+        )
+        events = await collect(channel)
+    assert (events.finish.reason, events.finish.detail) == ("stop", "eos")
+    assert events.token_ids[-1] == EOS and events.finish.completion_tokens < 200
+    jsonschema.validate(json.loads(events.text), SCHEMA)
+
+
+async def test_a_token_outside_the_grammar_fails_only_its_request(autojump_clock, compiler):
+    worker = SimWorker(honour_bitmasks=False)
+    prompt = TOK.encode("json")
+    async with running_engine(worker=worker) as engine:
+        free_channel = await engine.submit(prompt, greedy(10), request_id="free")
+        json_channel = await engine.submit(prompt, constrained(compiler), request_id="json")
+        free, structured = await collect(free_channel), await collect(json_channel)
+    assert (structured.finish.reason, structured.finish.detail) == ("error", "grammar_rejected")
+    assert structured.token_ids == [] and "does not allow" in structured.finish.error
+    assert free.token_ids == expected_tokens(prompt, 10)

@@ -1,0 +1,135 @@
+"""service.engine.grammar on the real SmolLM2 tokenizer: xgrammar's view of its vocabulary,
+the compile cache, bad schemas, and a matcher walked through a hand-written JSON."""
+
+from __future__ import annotations
+
+import base64
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from service.engine.grammar import (
+    GrammarCompiler,
+    GrammarUnavailable,
+    InvalidGrammar,
+    Matcher,
+    ResponseFormat,
+    hf_tokenizer_info,
+)
+from service.model_files.resolve import resolve_model
+from service.tokenizer import Tokenizer
+from tests.server_fixtures import cache_dir
+
+pytestmark = pytest.mark.real_model
+MODEL_VOCAB = 49152
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_dir(resolve_model(None, cache_dir()))
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer: Tokenizer) -> GrammarCompiler:
+    return GrammarCompiler(
+        lambda: hf_tokenizer_info(tokenizer.backend, MODEL_VOCAB, tokenizer.eos_token_ids)
+    )
+
+
+def schema_format(schema: dict) -> ResponseFormat:
+    return ResponseFormat("json_schema", json.dumps(schema))
+
+
+def allowed(matcher: Matcher) -> set[int]:
+    words = np.frombuffer(base64.b64decode(matcher.bitmask()), dtype=np.uint8)
+    return set(np.flatnonzero(np.unpackbits(words, bitorder="little")).tolist())
+
+
+def test_the_vocabulary_is_byte_level_and_as_wide_as_the_model(tokenizer: Tokenizer) -> None:
+    wider = MODEL_VOCAB + 64  # an embedding with more rows than the tokenizer has tokens
+    info = hf_tokenizer_info(tokenizer.backend, wider, tokenizer.eos_token_ids)
+    assert info.vocab_size == wider and info.vocab_type.name == "BYTE_LEVEL"
+    assert not info.add_prefix_space
+    assert sorted(info.stop_token_ids) == sorted(tokenizer.eos_token_ids)
+    space_hello = tokenizer.encode(" hello")
+    assert len(space_hello) == 1 and info.decoded_vocab[space_hello[0]] == b" hello"
+
+
+def test_the_cache_returns_the_compiled_grammar_and_keeps_a_bounded_number(
+    tokenizer: Tokenizer,
+) -> None:
+    compiler = GrammarCompiler(
+        lambda: hf_tokenizer_info(tokenizer.backend, MODEL_VOCAB, tokenizer.eos_token_ids),
+        max_cached=2,
+    )
+    person = compiler.compile(schema_format(PERSON))
+    assert compiler.compile(schema_format(PERSON)) is person
+    assert compiler.compile(ResponseFormat("json_object")) is not person
+    # keys in another order: another grammar (the output follows the schema's order)
+    reordered = {
+        "required": PERSON["required"],
+        "properties": PERSON["properties"],
+        "type": "object",
+    }
+    assert compiler.compile(schema_format(reordered)) is not person
+    assert compiler.compile(schema_format(PERSON)) is not person  # evicted: two kept
+
+
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        (
+            {"type": "object", "properties": {"a": {"type": "nonsense"}}},
+            'Unsupported type "nonsense"',
+        ),
+        ({"type": "array", "minItems": 5, "maxItems": 2}, "minItems is greater than maxItems"),
+        ({"enum": []}, "enum array must not be empty"),
+        ({"$ref": "#/$defs/missing"}, "missing"),
+    ],
+)
+def test_a_schema_xgrammar_rejects_raises_with_its_reason(
+    compiler: GrammarCompiler, schema: dict, message: str
+) -> None:
+    with pytest.raises(InvalidGrammar) as caught:
+        compiler.compile(schema_format(schema))
+    assert message in str(caught.value) and not str(caught.value).startswith("[")
+
+
+def test_a_matcher_follows_a_valid_json_to_its_end_token(
+    compiler: GrammarCompiler, tokenizer: Tokenizer
+) -> None:
+    matcher = Matcher(compiler.compile(schema_format(PERSON)))
+    eos = tokenizer.eos_token_ids
+    for token in tokenizer.encode('{"name": "Bob", "age": 31}'):
+        assert token in allowed(matcher)
+        assert matcher.accept(token) and not matcher.is_terminated
+    assert allowed(matcher) == set(eos)  # complete: only the end may follow
+    assert not matcher.accept(tokenizer.encode("}")[0])  # refused, and nothing changes
+    assert matcher.accept(eos[0]) and matcher.is_terminated
+
+
+def test_a_matcher_refuses_what_the_schema_forbids(
+    compiler: GrammarCompiler, tokenizer: Tokenizer
+) -> None:
+    matcher = Matcher(compiler.compile(schema_format(PERSON)))
+    for token in tokenizer.encode('{"name": "Bob", "age": '):
+        assert matcher.accept(token)
+    quote = tokenizer.encode('"')[0]
+    assert quote not in allowed(matcher) and not matcher.accept(quote)
+    assert matcher.accept(tokenizer.encode("7")[0])
+
+
+def test_without_xgrammar_a_compilation_says_it_is_needed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar -> ImportError
+    compiler = GrammarCompiler(lambda: None)
+    with pytest.raises(GrammarUnavailable, match=r"cadence\[structured\]"):
+        compiler.compile(ResponseFormat("json_object"))
