@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     subs.add_parser("capacity", help="the highest rate meeting latency targets", add_help=False)
     subs.add_parser("chat", help="multi-turn conversations sharing a system prompt", add_help=False)
     subs.add_parser("prefix", help="one long document, then questions: TTFT", add_help=False)
+    subs.add_parser(
+        "structured", help="free requests beside constrained ones: throughput", add_help=False
+    )
     subs.add_parser("engine", help="the engine alone on the real model, no HTTP", add_help=False)
     subs.add_parser("sampler", help="the sampler alone: cost per setting", add_help=False)
     return parser

@@ -30,6 +30,7 @@ class RequestSpec:
     role: str = "request"  # scenario-specific: "decoder", "injected", "heavy", "light", ...
     tenant: str | None = None
     priority: int | None = None
+    response_format: dict[str, Any] | None = None  # structured output, as OpenAI's field
 
 
 @dataclass(slots=True)
@@ -137,6 +138,8 @@ def request_body(config: ClientConfig, spec: RequestSpec) -> dict[str, Any]:
         body["user"] = spec.tenant
     if spec.priority is not None:
         body["priority"] = spec.priority
+    if spec.response_format is not None:
+        body["response_format"] = spec.response_format
     return body
 
 

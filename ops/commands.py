@@ -8,8 +8,8 @@ import sys
 
 
 def bench(argv: list[str] | None = None) -> int:
-    """`cadence bench SCENARIO | compare | capacity | chat | prefix | engine | sampler | roofline |
-    kv-accuracy`."""
+    """`cadence bench SCENARIO | compare | capacity | chat | prefix | structured | engine |
+    sampler | roofline | kv-accuracy`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command, rest = (argv[0], argv[1:]) if argv else ("", argv)
     if command == "compare":
@@ -28,6 +28,8 @@ def bench(argv: list[str] | None = None) -> int:
         from ops.prefix_probe import main
     elif command == "chat":
         from ops.chat import main
+    elif command == "structured":
+        from ops.structured_bench import main
     else:
         from ops.bench import main
 
