@@ -28,9 +28,9 @@ async def test_three_rounds_put_the_same_tokens_beside_the_free_requests(
             "--max-tokens", "4"]  # fmt: skip
     assert await run_main(argv) == 0
     bodies = server.bodies
-    assert len(bodies) == 2 + 5 + 5
+    assert len(bodies) == 1 + 2 + 5 + 5  # a constrained warm-up, then the rounds
     constrained = [b for b in bodies if "response_format" in b]
-    assert len(constrained) == 3
+    assert len(constrained) == 1 + 3
     assert all(b["response_format"]["type"] == "json_schema" for b in constrained)
     rounds = orjson.loads((tmp_path / "structured.json").read_bytes())["rounds"]
     assert list(rounds) == ["alone", "constrained beside", "unconstrained beside"]
