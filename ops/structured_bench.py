@@ -3,16 +3,17 @@
     cadence bench structured --url URL [--requests 16] [--beside 16] [--prompt-len 256]
         [--max-tokens 128] [--schema FILE] [--seed 0]
 
-Three rounds of the same free requests (unconstrained, `ignore_eos`, all sent at once):
-  alone        the free requests by themselves;
-  constrained  beside `--beside` requests with `response_format` json_schema;
-  unconstrained  beside as many unconstrained requests of the same prompts, each as long
-               as its constrained counterpart's answer was.
+Three rounds of free requests (unconstrained, `ignore_eos`, all sent at once; each round's
+prompts are its own, of the same lengths, so none finds another's in a prefix cache):
+  alone          the free requests by themselves;
+  constrained    beside `--beside` requests with a `response_format` json_schema;
+  unconstrained  beside as many unconstrained requests, each as long as its constrained
+                 counterpart's answer was.
 The last two put the same tokens through the server, so the free requests' throughput in
 the two differs only by what the grammars cost (bitmasks filled per step, masked
 sampling). One constrained request goes first, outside the rounds: a server's first
-grammar costs it seconds (xgrammar's import), once. Prints, per round, the free requests' output tok/s and ITL and the requests
-beside them; writes structured.json.
+grammar costs it seconds (xgrammar's import), once. Prints, per round, the free
+requests' output tok/s and ITL and the requests beside them; writes structured.json.
 """
 
 from __future__ import annotations
