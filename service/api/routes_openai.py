@@ -6,7 +6,6 @@ import dataclasses
 import math
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -14,16 +13,13 @@ import structlog
 import trio
 from quart import Blueprint, Response, request
 
-from gpu_worker.protocol import TokenLogprobs
 from service.api.app_state import AppState, app_state
 from service.api.body import read_body
 from service.api.errors import APIError, bad_request, json_response
+from service.api.openai_logprobs import Echo, logprobs_of
 from service.api.openai_responses import (
     Choice,
     ResponseHeader,
-    TokenPieces,
-    chat_logprobs,
-    completion_logprobs,
     delta_chunk,
     full_response,
     usage,
@@ -50,14 +46,6 @@ SERVER_STATE_FAILURES = (
     "worker_unavailable",
     "kv_capacity_exceeded",
 )
-
-
-@dataclass(slots=True)
-class Echo:
-    """The prompt a completion with `echo` returns before its own text."""
-
-    text: str
-    token_ids: list[int]
 
 
 @blueprint.get("/health")
@@ -250,63 +238,6 @@ def compile_grammar(response_format: ResponseFormat, state: AppState) -> Any:
         ) from None
 
 
-def token_pieces(state: AppState, events: list[TokenEvent]) -> TokenPieces:
-    pieces = TokenPieces()
-    for event in events:
-        pieces.pieces += [piece_of(state, token_id) for token_id in event.token_ids]
-        found = event.logprobs
-        if found is None:
-            pieces.logprobs += [None] * len(event.token_ids)
-            pieces.top += [None] * len(event.token_ids)
-        else:
-            pieces.logprobs += found.logprobs
-            pieces.top += alternatives(state, found)
-    return pieces
-
-
-def prompt_pieces(state: AppState, echo: Echo, found: TokenLogprobs | None) -> TokenPieces:
-    """The prompt's tokens: the first has no log-probability, the others what the worker
-    computed for them."""
-    found = found or TokenLogprobs()
-    return TokenPieces(
-        pieces=[piece_of(state, token_id) for token_id in echo.token_ids],
-        logprobs=[None, *found.logprobs],
-        top=[None, *alternatives(state, found)],
-    )
-
-
-def alternatives(state: AppState, found: TokenLogprobs) -> list[list[tuple[str, float]] | None]:
-    return [
-        [(piece_of(state, i), lp) for i, lp in zip(ids, values, strict=True)]
-        for ids, values in zip(found.top_ids, found.top_logprobs, strict=True)
-    ]
-
-
-def piece_of(state: AppState, token_id: int) -> str:
-    return state.tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-def logprobs_of(
-    req: GenerationRequest,
-    state: AppState,
-    tokens: list[TokenEvent],
-    text_offset: int,
-    echo: Echo | None,
-) -> dict[str, Any] | None:
-    """The `logprobs` object of a response or stream chunk holding `tokens` (after the
-    prompt, when `echo` is given: the first chunk of an echoing completion)."""
-    if not req.params.sampling.logprobs:
-        return None
-    pieces = token_pieces(state, tokens)
-    if req.kind == "chat":
-        return chat_logprobs(pieces)
-    if echo is not None:
-        prompt = prompt_pieces(state, echo, tokens[0].prompt_logprobs if tokens else None)
-        prompt.extend(pieces)
-        pieces = prompt
-    return completion_logprobs(pieces, text_offset, req.params.sampling.top_logprobs)
-
-
 def closed_early() -> APIError:
     return APIError(
         500, "the engine closed the request without finishing it", code="internal_error"
@@ -372,7 +303,7 @@ async def whole_response(
         Choice(
             text=(echo.text if echo else "") + "".join(event.text for event in tokens[i]),
             finish_reason=finishes[i].reason,
-            logprobs=logprobs_of(req, state, tokens[i], 0, echo),
+            logprobs=logprobs_of(req, state.tokenizer, tokens[i], 0, echo),
         )
         for i in ranked
     ]
@@ -485,7 +416,7 @@ def token_chunk(
     text = "".join(event.text for event in tokens)
     if not tokens or (not text and not req.params.sampling.logprobs and echo is None):
         return None  # nothing a client could see (e.g. half a UTF-8 character held back)
-    logprobs = logprobs_of(req, state, tokens, text_offset, echo)
+    logprobs = logprobs_of(req, state.tokenizer, tokens, text_offset, echo)
     if echo is not None:
         text = echo.text + text
     return delta_chunk(header, text, None, logprobs, index=index)
