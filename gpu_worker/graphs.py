@@ -1,16 +1,32 @@
-"""Decode-only steps, padded to batch-size buckets; captured as CUDA graphs on CUDA.
+"""Decode-only steps, padded to batch-size buckets; replayed from CUDA graphs on CUDA.
 
 A decode-only step (every sequence adds one token) is padded up to the next bucket of
 `batch_buckets`. Padded rows read and write only the worker's scratch block with context
 length 1, so they never touch a real sequence's KV.
 
-On CUDA (with use_cuda_graphs) each (batch bucket, block-table width bucket) is captured
-once into a graph whose inputs are static tensors; a step copies its inputs into them and
-replays. Elsewhere the same padding runs eagerly, at the exact table width (no capture
-needs a fixed one), which keeps the padding logic exercised by the CPU tests.
+On CUDA (with use_cuda_graphs) every (batch bucket, block-table width) shape is captured
+at start-up, before the worker answers its handshake: a capture costs a sync and an
+allocator flush, which during serving would show as latency spikes. A step copies its
+inputs into the graph's static tensors and replays. Capture goes largest batch first into
+one memory pool, so the smaller graphs reuse the memory of the largest. A shape that fails
+to capture is logged once and served eagerly from then on; it is never retried.
+
+Widths are bounded: powers of two up to GRAPH_CONTEXT_TOKENS of context (`graph_widths`).
+A graph removes the CPU cost of launching a step's kernels, which matters while a step is
+short; at longer contexts the step reads so much KV that the launches hide behind it, so
+wider tables run eagerly rather than multiplying the graphs (and start-up time) by up to
+14 widths for a 128k-token model.
+
+Elsewhere the same padding runs eagerly, at the exact table width (no capture needs a
+fixed one), which keeps the padding logic exercised by the CPU tests; the capture
+bookkeeping runs there too with a fake GraphCapturer.
 """
 
 from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Protocol
 
 import torch
 
@@ -19,7 +35,10 @@ from gpu_worker.kv_cache import KVCache
 from gpu_worker.model import Model
 from gpu_worker.sampler import Logits
 
+log = logging.getLogger(__name__)
+
 _SMALL_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+GRAPH_CONTEXT_TOKENS = 8192  # the longest context a captured graph covers
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -44,6 +63,13 @@ def width_buckets(max_width: int) -> list[int]:
     return [*widths, max_width]
 
 
+def graph_widths(
+    max_width: int, block_size: int, max_tokens: int = GRAPH_CONTEXT_TOKENS
+) -> list[int]:
+    """The block-table widths captured: width_buckets up to max_tokens of context."""
+    return width_buckets(min(max_width, -(-max_tokens // block_size)))
+
+
 def smallest_fitting(n: int, buckets: list[int]) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
@@ -66,6 +92,46 @@ def decode_forward(
     return model.logits(model.forward(input_ids, positions, cache.layers, meta))
 
 
+def padded_inputs(
+    cache: KVCache,
+    device: torch.device,
+    input_ids: list[int],
+    positions: list[int],
+    block_tables: list[list[int]],
+    batch: int,
+    width: int,
+) -> tuple[torch.Tensor, ...]:
+    """decode_forward's tensors for `batch` rows and tables `width` wide; the rows and table
+    entries beyond the step's own point at the scratch block."""
+    bs, scratch = cache.block_size, cache.scratch_block
+    pad = batch - len(input_ids)
+    tables = [t[:width] + [scratch] * (width - len(t[:width])) for t in block_tables]
+    slots = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions, strict=True)]
+    host = (
+        input_ids + [0] * pad,
+        positions + [0] * pad,
+        slots + [scratch * bs] * pad,
+        tables + [[scratch] * width] * pad,
+        [p + 1 for p in positions] + [1] * pad,
+    )
+    return tuple(torch.tensor(values, dtype=torch.long, device=device) for values in host)
+
+
+class DecodeGraph(Protocol):
+    def replay(self, *inputs: torch.Tensor) -> Logits:
+        """The logits of the padded `inputs` (decode_forward's tensors), valid until the
+        next replay of any graph of the same capturer."""
+        ...
+
+
+class GraphCapturer(Protocol):
+    """Captures decode steps of a fixed (batch, width): CudaGraphCapturer, or a fake in tests."""
+
+    def new_pool(self) -> Any: ...
+
+    def capture(self, batch: int, width: int, pool: Any) -> DecodeGraph: ...
+
+
 class DecodeRunner:
     def __init__(
         self,
@@ -74,91 +140,130 @@ class DecodeRunner:
         *,
         max_num_seqs: int,
         max_blocks_per_seq: int,
-        use_cuda_graphs: bool,
+        capturer: GraphCapturer | None = None,
+        graph_context_tokens: int = GRAPH_CONTEXT_TOKENS,
     ) -> None:
         self.model = model
         self.cache = cache
         self.buckets = batch_buckets(max_num_seqs)
-        self.widths = width_buckets(max_blocks_per_seq)
-        self.capture = use_cuda_graphs and model.device.type == "cuda"
-        self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
-        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.widths = graph_widths(max_blocks_per_seq, cache.block_size, graph_context_tokens)
+        self.capturer = capturer
+        self._graphs: dict[tuple[int, int], DecodeGraph] = {}
+        self.failed: list[tuple[int, int]] = []  # shapes that failed to capture: eager
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (batch, width) shape a graph is captured for, in capture order."""
+        return [(b, w) for b in reversed(self.buckets) for w in reversed(self.widths)]
+
+    def capture_all(self) -> dict[str, Any]:
+        """Captures every shape, largest first, into one pool; returns the handshake's report."""
+        started = time.perf_counter()
+        capturer = self.capturer
+        if capturer is not None:
+            pool = capturer.new_pool()
+            for batch, width in self.shapes():
+                self._capture(capturer, batch, width, pool)
+        return {
+            "captured": len(self._graphs),
+            "failed": [list(shape) for shape in self.failed],
+            "seconds": round(time.perf_counter() - started, 3),
+            "widths": self.widths if capturer is not None else [],
+        }
+
+    def _capture(self, capturer: GraphCapturer, batch: int, width: int, pool: Any) -> None:
+        try:
+            self._graphs[(batch, width)] = capturer.capture(batch, width, pool)
+        except Exception as exc:  # any failure leaves the shape to the eager path
+            self.failed.append((batch, width))
+            log.warning("decode graph (batch %d, width %d) runs eagerly: %s", batch, width, exc)
 
     def run(
         self, input_ids: list[int], positions: list[int], block_tables: list[list[int]]
     ) -> Logits:
         """Logits [len(input_ids), vocab] of one decode token per sequence."""
-        bs = self.cache.block_size
         rows = len(input_ids)
-        needed = max(p // bs + 1 for p in positions)
+        needed = max(p // self.cache.block_size + 1 for p in positions)
         batch = smallest_fitting(rows, self.buckets) or rows
-        width = (smallest_fitting(needed, self.widths) or needed) if self.capture else needed
-        inputs = self._padded_inputs(input_ids, positions, block_tables, batch, width)
-        if self.capture and batch in self.buckets:
-            logits = self._graph(batch, width).replay(*inputs)
-        else:
+        width = smallest_fitting(needed, self.widths) or needed
+        graph = self._graphs.get((batch, width))
+        if graph is None:
+            width = needed
+        inputs = padded_inputs(
+            self.cache, self.model.device, input_ids, positions, block_tables, batch, width
+        )
+        if graph is None:
             logits = decode_forward(self.model, self.cache, *inputs)
+        else:
+            logits = graph.replay(*inputs)
         return logits.select(slice(0, rows))
 
-    def _padded_inputs(
-        self,
-        input_ids: list[int],
-        positions: list[int],
-        block_tables: list[list[int]],
-        batch: int,
-        width: int,
-    ) -> tuple[torch.Tensor, ...]:
-        bs, scratch = self.cache.block_size, self.cache.scratch_block
-        pad = batch - len(input_ids)
-        tables = [t[:width] + [scratch] * (width - len(t[:width])) for t in block_tables]
-        slots = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions, strict=True)]
-        host = (
-            input_ids + [0] * pad,
-            positions + [0] * pad,
-            slots + [scratch * bs] * pad,
-            tables + [[scratch] * width] * pad,
-            [p + 1 for p in positions] + [1] * pad,
-        )
+
+def graph_capturer(model: Model, cache: KVCache, use_cuda_graphs: bool) -> GraphCapturer | None:
+    """The capturer for the model's device; None where graphs are off or not CUDA."""
+    if not use_cuda_graphs or model.device.type != "cuda":
+        return None
+    return CudaGraphCapturer(model, cache)
+
+
+class CudaGraphCapturer:
+    """Captures decode steps as CUDA graphs whose logits land in one shared set of buffers
+    (rows of the first, largest batch): a graph's own output would stay alive in the pool
+    and keep every later graph from reusing that memory."""
+
+    def __init__(self, model: Model, cache: KVCache) -> None:
+        self.model = model
+        self.cache = cache
+        self._outputs: Logits | None = None
+
+    def new_pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def capture(self, batch: int, width: int, pool: Any) -> DecodeGraph:
+        model, cache = self.model, self.cache
+        # Padding rows only, so the warm-up runs touch only the scratch block.
+        inputs = padded_inputs(cache, model.device, [], [], [], batch, width)
+        warm = self._warm_up(inputs)
+        outputs = self._outputs_for(warm, batch)
+        del warm
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits = decode_forward(model, cache, *inputs)
+            for out, value in zip(_fields(outputs), _fields(logits), strict=True):
+                out.copy_(value)
+        return _CudaDecodeGraph(graph, inputs, outputs)
+
+    def _warm_up(self, inputs: tuple[torch.Tensor, ...]) -> Logits:
+        """Runs the step twice on a side stream, as capture requires: lazy initialisation
+        (cuBLAS handles, kernel autotuning) must not happen inside the graph."""
         device = self.model.device
-        return tuple(torch.tensor(values, dtype=torch.long, device=device) for values in host)
-
-    def _graph(self, batch: int, width: int) -> _DecodeGraph:
-        key = (batch, width)
-        if key not in self._graphs:
-            self._graphs[key] = _DecodeGraph(self.model, self.cache, batch, width, self._pool)
-        return self._graphs[key]
-
-
-class _DecodeGraph:
-    """One captured decode step of a fixed (batch, width), replayed on static input tensors."""
-
-    def __init__(self, model: Model, cache: KVCache, batch: int, width: int, pool: tuple) -> None:
-        device = model.device
-        scratch = cache.scratch_block
-
-        def filled(shape: tuple[int, ...], value: int) -> torch.Tensor:
-            return torch.full(shape, value, dtype=torch.long, device=device)
-
-        # Filled as padding rows, so the warm-up runs touch only the scratch block.
-        self.inputs = (
-            filled((batch,), 0),
-            filled((batch,), 0),
-            filled((batch,), scratch * cache.block_size),
-            filled((batch, width), scratch),
-            filled((batch,), 1),
-        )
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                decode_forward(model, cache, *self.inputs)
+                logits = decode_forward(self.model, self.cache, *inputs)
         torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.logits = decode_forward(model, cache, *self.inputs)
+        return logits
+
+    def _outputs_for(self, like: Logits, batch: int) -> Logits:
+        if self._outputs is None or self._outputs.num_rows < batch:
+            self._outputs = Logits(*(torch.empty_like(t) for t in _fields(like)))
+        return self._outputs.select(slice(0, batch))
+
+
+def _fields(logits: Logits) -> list[torch.Tensor]:
+    return [t for t in (logits.values, logits.top, logits.top_values) if t is not None]
+
+
+class _CudaDecodeGraph:
+    """One captured decode step, replayed on static input tensors."""
+
+    def __init__(self, graph: Any, inputs: tuple[torch.Tensor, ...], outputs: Logits) -> None:
+        self.graph = graph
+        self.inputs = inputs
+        self.outputs = outputs
 
     def replay(self, *inputs: torch.Tensor) -> Logits:
         for static, value in zip(self.inputs, inputs, strict=True):
             static.copy_(value)
         self.graph.replay()
-        return self.logits
+        return self.outputs

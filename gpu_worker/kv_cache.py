@@ -93,21 +93,46 @@ def block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int
     return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * row
 
 
-def budget_bytes(kv_memory: float, free_bytes: int) -> int:
-    """kv_memory <= 1.0 is a fraction of the free memory; above that, a number of bytes."""
+def budget_bytes(kv_memory: float, free_bytes: int, reserved_bytes: int = 0) -> int:
+    """kv_memory <= 1.0 is a fraction of the free memory left once `reserved_bytes` (the
+    activations a profiling step measured) are set aside; above 1.0, a number of bytes.
+
+    vLLM's gpu_memory_utilization is instead a fraction of the device's TOTAL memory, from
+    which it subtracts what the weights, the profiled activations and everything else on
+    the device use. cadence keeps --kv-memory a fraction of what is free after the weights
+    (so its meaning on a CPU and on a GPU is the same), and takes the activations out
+    before applying it: with 0.9, a tenth of what is left stays free for fragmentation and
+    allocations no profile sees.
+    """
     if kv_memory <= 0:
         raise KVCacheError(f"kv_memory must be positive, got {kv_memory}")
-    if kv_memory <= 1.0:
-        return int(kv_memory * free_bytes)
-    return int(kv_memory)
+    if kv_memory > 1.0:
+        return int(kv_memory)
+    if reserved_bytes >= free_bytes:
+        raise KVCacheError(
+            f"the largest step needs {reserved_bytes} bytes of activations but only "
+            f"{free_bytes} are free after loading; lower max_num_batched_tokens or max_num_seqs"
+        )
+    return int(kv_memory * (free_bytes - reserved_bytes))
+
+
+def activation_reserve(mixed_peak: int, decode_peak: int, graphs: bool) -> int:
+    """Bytes to keep free beside the KV cache: the peak of the largest mixed step, and of
+    the largest decode step. Captured graphs keep the decode step's memory in their own
+    pool, which eager steps cannot use, so with graphs the two add up."""
+    return mixed_peak + decode_peak if graphs else max(mixed_peak, decode_peak)
 
 
 def count_blocks(
-    kv_memory: float, free_bytes: int, bytes_per_block: int, max_useful_blocks: int
+    kv_memory: float,
+    free_bytes: int,
+    bytes_per_block: int,
+    max_useful_blocks: int,
+    reserved_bytes: int = 0,
 ) -> int:
     """How many service blocks fit the budget (the scratch block included in it), capped by
     how many could ever be used at once."""
-    budget = budget_bytes(kv_memory, free_bytes)
+    budget = budget_bytes(kv_memory, free_bytes, reserved_bytes)
     fitting = budget // bytes_per_block - 1
     if fitting < 1:
         raise KVCacheError(

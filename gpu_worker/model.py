@@ -6,7 +6,8 @@ the LM head runs separately, only on the rows that sample a token.
 
 The layers are plain tensors rather than nn.Modules: a decode step is hundreds of small
 kernels, and module call overhead would be a visible share of it on a CPU. Weights come in
-with their Hugging Face names; q/k/v and gate/up are fused into single matmuls at load.
+with their Hugging Face names; q/k/v and gate/up are fused into single matmuls at load,
+each part leaving the checkpoint's dict as it is taken (see _WeightTaker).
 Which kernels run the attention, the small layer ops and the matmuls is the worker's
 choice (gpu_worker.kernels), made once before the model loads.
 """
@@ -252,7 +253,13 @@ def rope_tables(
 
 
 class _WeightTaker:
-    """Looks tensors up by Hugging Face name, checks their shape, places them."""
+    """Takes tensors out of the checkpoint's dict by Hugging Face name, checks their shape,
+    places them.
+
+    Taking removes each tensor from the dict, so once a layer's q/k/v (or gate/up) are
+    fused, nothing holds the separate parts: loading peaks at the model plus one fused
+    tensor rather than twice the fused weights.
+    """
 
     def __init__(self, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
         self.weights = weights
@@ -260,7 +267,7 @@ class _WeightTaker:
         self.device = device
 
     def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        tensor = self.weights.get(name)
+        tensor = self.weights.pop(name, None)
         if tensor is None:
             raise MissingWeights(f"checkpoint lacks the tensor {name}")
         if tuple(tensor.shape) != shape:

@@ -97,6 +97,9 @@ class Handshake:
     # gpu_worker.kernel_choice's report: the kernel chosen for each seam, every
     # candidate's measured time or failure, and whether the choice came from the cache.
     kernels: dict[str, Any] = field(default_factory=dict)
+    # gpu_worker.graphs' start-up capture: graphs captured, shapes that failed (served
+    # eagerly), seconds taken, and the block-table widths covered.
+    graphs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

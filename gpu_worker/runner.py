@@ -10,11 +10,18 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker import kernel_choice, kv_cache
+from gpu_worker import kernel_choice, kv_cache, memory
 from gpu_worker.attention import build_metadata
 from gpu_worker.checkpoint import load_weights
 from gpu_worker.device import free_memory_bytes, resolve_device, resolve_dtype
-from gpu_worker.graphs import DecodeRunner
+from gpu_worker.graphs import (
+    DecodeRunner,
+    decode_forward,
+    graph_capturer,
+    graph_widths,
+    padded_inputs,
+)
+from gpu_worker.kv_cache import KVCache
 from gpu_worker.model import Model
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.protocol import (
@@ -53,25 +60,8 @@ class ModelRunner:
             parse_kernel_pins(worker_config.kernels),
             Path(cache_file) if cache_file else None,
         )
-        weights = load_weights(model_dir, self.dtype, self.device)
-        # The rope tables cover the whole context limit of the model.
-        self.model = Model(
-            self.model_config,
-            weights,
-            max_positions=context_limit,
-            dtype=self.dtype,
-            device=self.device,
-            kernels=self.kernel_choice.kernels,
-        )
-        del weights
-        gc.collect()
-
-        num_blocks = kv_cache.count_blocks(
-            worker_config.kv_memory,
-            free_memory_bytes(self.device),
-            kv_cache.block_bytes(self.model_config, block_size, cache_dtype),
-            max_useful_blocks=max_blocks_per_seq * worker_config.max_num_seqs,
-        )
+        self.model = self._load_model(model_dir, context_limit)
+        num_blocks = self._count_blocks(cache_dtype, max_blocks_per_seq)
         self.cache = kv_cache.allocate(
             self.model_config, num_blocks, block_size, cache_dtype, self.device
         )
@@ -82,9 +72,12 @@ class ModelRunner:
             self.cache,
             max_num_seqs=worker_config.max_num_seqs,
             max_blocks_per_seq=max_blocks_per_seq,
-            use_cuda_graphs=worker_config.use_cuda_graphs,
+            capturer=graph_capturer(self.model, self.cache, worker_config.use_cuda_graphs),
         )
         self.sampler = Sampler(worker_config.seed, self.device)
+        # Before the handshake: a capture while serving would stall the steps around it.
+        graphs = self.decode_runner.capture_all()
+        memory.release_cached(self.device)
         self.handshake = Handshake(
             model_name=model_dir.resolve().name,
             architecture=self.model_config.architecture,
@@ -103,7 +96,78 @@ class ModelRunner:
             pid=os.getpid(),
             load_seconds=round(time.perf_counter() - started, 3),
             kernels=self.kernel_choice.report(),
+            graphs=graphs,
         )
+
+    def _load_model(self, model_dir: Path, context_limit: int) -> Model:
+        weights = load_weights(model_dir, self.dtype, self.device)
+        # The rope tables cover the whole context limit of the model.
+        model = Model(
+            self.model_config,
+            weights,
+            max_positions=context_limit,
+            dtype=self.dtype,
+            device=self.device,
+            kernels=self.kernel_choice.kernels,
+        )
+        del weights
+        gc.collect()
+        return model
+
+    def _count_blocks(self, cache_dtype: torch.dtype, max_blocks_per_seq: int) -> int:
+        config = self.worker_config
+        free, reserved = self._memory_for_cache(cache_dtype, max_blocks_per_seq)
+        return kv_cache.count_blocks(
+            config.kv_memory,
+            free,
+            kv_cache.block_bytes(self.model_config, config.block_size, cache_dtype),
+            max_useful_blocks=max_blocks_per_seq * config.max_num_seqs,
+            reserved_bytes=reserved,
+        )
+
+    def _memory_for_cache(
+        self, cache_dtype: torch.dtype, max_blocks_per_seq: int
+    ) -> tuple[int, int]:
+        """Free memory, and the activations to keep out of the cache: profiled on CUDA,
+        none on a CPU (see gpu_worker.memory)."""
+        if self.device.type != "cuda":
+            return free_memory_bytes(self.device), 0
+        mixed, decode = self._profile_peaks(cache_dtype, max_blocks_per_seq)
+        graphs = self.worker_config.use_cuda_graphs
+        reserved = kv_cache.activation_reserve(mixed, decode, graphs=graphs)
+        return memory.settled_free_bytes(self.device), reserved
+
+    def _profile_peaks(self, cache_dtype: torch.dtype, max_blocks_per_seq: int) -> tuple[int, int]:
+        """Peak activations of the largest mixed step and of the largest captured decode
+        step, run on a one-block cache that is gone when this returns."""
+        block_size = self.worker_config.block_size
+        cache = kv_cache.allocate(self.model_config, 1, block_size, cache_dtype, self.device)
+        width = graph_widths(max_blocks_per_seq, block_size)[-1]
+        mixed = memory.peak_bytes(self.device, lambda: self.profile_mixed(cache))
+        decode = memory.peak_bytes(self.device, lambda: self.profile_decode(cache, width))
+        return mixed, decode
+
+    def profile_mixed(self, cache: KVCache) -> None:
+        """The largest mixed step the worker accepts, sampled the costliest way, on `cache`
+        (any cache with a block 0)."""
+        config, limit = self.worker_config, self.model_config.context_limit
+        lengths = memory.profile_lengths(config.max_num_batched_tokens, config.max_num_seqs, limit)
+        plan = memory.profile_plan(lengths, cache.block_size, limit)
+        hidden, first_rows = self._forward_mixed(plan, cache)
+        sampled = list(range(len(lengths)))
+        logits = self._sampled_logits(plan, sampled, hidden, first_rows)
+        ends = [s + n for s, n in zip(plan.start_pos, lengths, strict=True)]
+        # Its own sampler: the worker's random stream must not depend on the profile.
+        Sampler(config.seed, self.device).sample(logits, plan.sampling, ends)
+
+    def profile_decode(self, cache: KVCache, width: int) -> None:
+        """The largest decode batch, every row reading a table `width` blocks wide, on `cache`."""
+        batch, bs = self.worker_config.max_num_seqs, cache.block_size
+        position = min(width * bs, self.model_config.context_limit) - 1
+        inputs = padded_inputs(
+            cache, self.device, [0] * batch, [position] * batch, [[0] * width] * batch, batch, width
+        )
+        decode_forward(self.model, cache, *inputs)
 
     def execute(self, plan: BatchPlan) -> StepResult:
         """Runs one step; any failure comes back as a result with `error` set."""
@@ -120,7 +184,7 @@ class ModelRunner:
         sampled = [i for i, wanted in enumerate(plan.sample) if wanted]
         prompt_logprobs: list[TokenLogprobs | None] = []
         if plan.prompt_targets:
-            hidden, first_rows = self._forward_mixed(plan)
+            hidden, first_rows = self._forward_mixed(plan, self.cache)
             logits = self._sampled_logits(plan, sampled, hidden, first_rows)
             prompt_logprobs = self._prompt_logprobs(plan, hidden, first_rows)
         else:
@@ -142,7 +206,9 @@ class ModelRunner:
     def step_logits(self, plan: BatchPlan) -> torch.Tensor:
         """Runs one step without sampling: float32 logits of the sampling sequences."""
         self._check(plan)
-        return self._logits(plan, [i for i, wanted in enumerate(plan.sample) if wanted]).dense()
+        logits = self._logits(plan, [i for i, wanted in enumerate(plan.sample) if wanted])
+        # A float32 graph's dense logits are its output buffer, which the next step rewrites.
+        return logits.dense().clone()
 
     def _check(self, plan: BatchPlan) -> None:
         check_plan(
@@ -159,7 +225,7 @@ class ModelRunner:
         if plan.is_decode_only:
             logits = self.decode_runner.run(plan.input_ids, plan.start_pos, plan.block_tables)
             return logits.select(sampled) if len(sampled) < len(plan.seq_ids) else logits
-        hidden, first_rows = self._forward_mixed(plan)
+        hidden, first_rows = self._forward_mixed(plan, self.cache)
         return self._sampled_logits(plan, sampled, hidden, first_rows)
 
     def _sampled_logits(
@@ -192,9 +258,9 @@ class ModelRunner:
             results.append(found)
         return results
 
-    def _forward_mixed(self, plan: BatchPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_mixed(self, plan: BatchPlan, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """The final hidden state of every token of the plan, and each sequence's first row."""
-        bs = self.cache.block_size
+        bs = cache.block_size
         counts = torch.tensor(plan.num_tokens)
         starts = torch.tensor(plan.start_pos)
         first_rows = torch.cumsum(counts, 0) - counts
@@ -202,7 +268,7 @@ class ModelRunner:
         offsets = torch.arange(plan.total_tokens) - first_rows[seq_of_token]
         positions = starts[seq_of_token] + offsets
         width = max(len(t) for t in plan.block_tables)
-        scratch = self.cache.scratch_block
+        scratch = cache.scratch_block
         tables = torch.tensor([t + [scratch] * (width - len(t)) for t in plan.block_tables])
         slots = tables[seq_of_token, positions // bs] * bs + positions % bs
 
@@ -213,14 +279,14 @@ class ModelRunner:
             plan.start_pos,
             tables,
             slots,
-            self.cache.like,
+            cache.like,
             self.model_config.group_size,
             self.model.kernels.attention,
         )
         hidden = self.model.forward(
             torch.tensor(plan.input_ids, device=device),
             positions.to(device, non_blocking=True),
-            self.cache.layers,
+            cache.layers,
             meta,
         )
         return hidden, first_rows

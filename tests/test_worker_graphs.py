@@ -1,8 +1,20 @@
-"""Decode-only steps padded to batch buckets: same results, no KV outside the scratch block."""
+"""Decode-only steps padded to batch buckets: same results, no KV outside the scratch block;
+graphs captured at start-up, largest first, in one pool, over a bounded set of widths."""
 
 from __future__ import annotations
 
-from gpu_worker.graphs import batch_buckets, smallest_fitting, width_buckets
+import pytest
+
+import gpu_worker.runner
+from gpu_worker.graphs import (
+    DecodeRunner,
+    batch_buckets,
+    decode_forward,
+    graph_capturer,
+    graph_widths,
+    smallest_fitting,
+    width_buckets,
+)
 from tests.worker_fixtures import (
     Chunk,
     blocks_for,
@@ -86,3 +98,138 @@ def test_decode_steps_where_only_some_rows_sample(tiny_llama_dir):  # noqa: F811
     assert result.error is None
     assert result.seq_ids == [2] and result.step_id == 7
     assert result.tokens == [int(expected.argmax())]
+
+
+class FakeCapturer:
+    """Records captures; its graphs replay by running the padded step eagerly."""
+
+    def __init__(self, model, cache, fail=()):
+        self.model, self.cache, self.fail = model, cache, set(fail)
+        self.pools: list[object] = []
+        self.captures: list[tuple[int, int, object]] = []
+        self.replays: list[tuple[int, int]] = []
+
+    def new_pool(self):
+        self.pools.append(object())
+        return self.pools[-1]
+
+    def capture(self, batch, width, pool):
+        self.captures.append((batch, width, pool))
+        if (batch, width) in self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return FakeGraph(self, batch, width)
+
+
+class FakeGraph:
+    def __init__(self, owner, batch, width):
+        self.owner, self.batch, self.width = owner, batch, width
+
+    def replay(self, input_ids, positions, slots, block_tables, context_lens):
+        assert input_ids.shape == (self.batch,)
+        assert block_tables.shape == (self.batch, self.width)
+        self.owner.replays.append((self.batch, self.width))
+        owner = self.owner
+        return decode_forward(
+            owner.model, owner.cache, input_ids, positions, slots, block_tables, context_lens
+        )
+
+
+def _decode_runner(runner, capturer, **overrides):
+    settings = dict(max_num_seqs=16, max_blocks_per_seq=64, capturer=capturer)
+    settings.update(overrides)
+    return DecodeRunner(runner.model, runner.cache, **settings)
+
+
+def test_graph_widths_stop_at_the_graph_context():
+    # A 128k-token model with 16-token blocks: 10 widths (to 8,192 tokens), not 14.
+    assert graph_widths(8192, 16) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    assert graph_widths(20, 4) == width_buckets(20)  # a short model: every width
+    assert graph_widths(100, 4, max_tokens=64) == [1, 2, 4, 8, 16]
+
+
+def test_capture_all_takes_every_shape_largest_batch_first_in_one_pool(tiny_llama_dir):  # noqa: F811
+    runner = make_runner(tiny_llama_dir)
+    fake = FakeCapturer(runner.model, runner.cache)
+    decode = _decode_runner(runner, fake)
+    report = decode.capture_all()
+
+    shapes = [(b, w) for b, w, _ in fake.captures]
+    assert shapes == sorted(shapes, reverse=True)  # largest batch, then widest, first
+    assert set(shapes) == {(b, w) for b in batch_buckets(16) for w in width_buckets(64)}
+    assert len(fake.pools) == 1 and all(pool is fake.pools[0] for _, _, pool in fake.captures)
+    assert report["captured"] == len(shapes) and report["failed"] == []
+    assert report["widths"] == width_buckets(64)
+
+
+def test_a_failed_capture_runs_eagerly_and_is_never_retried(tiny_llama_dir):  # noqa: F811
+    runner = make_runner(tiny_llama_dir)
+    fake = FakeCapturer(runner.model, runner.cache, fail={(8, 4)})
+    decode = _decode_runner(runner, fake)
+    report = decode.capture_all()
+    assert report["failed"] == [[8, 4]]
+    assert report["captured"] == len(decode.shapes()) - 1
+
+    tables = [blocks_for(4 * i, 16) for i in range(5)]
+    firsts = [_prefill(runner, i, random_prompt(10, seed=i), tables[i]) for i in range(5)]
+    for _ in range(3):  # 5 rows at contexts of 3 blocks: the failed shape (8, 4)
+        decode.run(firsts, [10] * 5, tables)
+    decode.run(firsts[:3], [10] * 3, tables[:3])  # (4, 4) was captured
+    assert fake.replays == [(4, 4)]
+    assert [(b, w) for b, w, _ in fake.captures].count((8, 4)) == 1
+
+
+def test_graph_replay_pads_to_the_width_bucket_and_matches_eager(tiny_llama_dir):  # noqa: F811
+    runner = make_runner(tiny_llama_dir)
+    fake = FakeCapturer(runner.model, runner.cache)
+    graphs = _decode_runner(runner, fake)
+    graphs.capture_all()
+    eager = _decode_runner(runner, None)
+
+    tables = [blocks_for(10 * i, 24) for i in range(3)]
+    firsts = [_prefill(runner, i, random_prompt(17, seed=i), tables[i]) for i in range(3)]
+    before = [(kv.k.clone(), kv.v.clone()) for kv in runner.cache.layers]
+    replayed = graphs.run(firsts, [17] * 3, tables).dense()  # 5 blocks: width bucket 8
+    assert fake.replays == [(4, 8)]
+    for layer, (k, v) in zip(runner.cache.layers, before, strict=True):
+        layer.k.copy_(k)
+        layer.v.copy_(v)
+    expected = eager.run(firsts, [17] * 3, tables).dense()
+    assert max_diff(replayed, expected) < 1e-4 * max(1.0, expected.abs().max().item())
+
+
+def test_tables_wider_than_the_graph_context_run_eagerly(tiny_llama_dir):  # noqa: F811
+    runner = make_runner(tiny_llama_dir)
+    fake = FakeCapturer(runner.model, runner.cache)
+    decode = _decode_runner(runner, fake, graph_context_tokens=8)  # widths 1 and 2
+    decode.capture_all()
+    assert decode.widths == [1, 2]
+    table = blocks_for(0, 16)
+    first = _prefill(runner, 0, random_prompt(9, seed=3), table)
+    decode.run([first], [9], [table])  # 3 blocks
+    decode.run([first], [5], [table])  # 2 blocks
+    assert fake.replays == [(1, 2)]
+
+
+def test_the_runner_captures_before_its_handshake(tiny_llama_dir, monkeypatch):  # noqa: F811
+    made = []
+
+    def fake_capturer(model, cache, use_cuda_graphs):
+        made.append(FakeCapturer(model, cache, fail={(16, 64)}))
+        return made[-1]
+
+    monkeypatch.setattr(gpu_worker.runner, "graph_capturer", fake_capturer)
+    runner = make_runner(tiny_llama_dir)
+    (fake,) = made
+    graphs = runner.handshake.graphs
+    assert len(fake.captures) == len(runner.decode_runner.shapes())
+    assert graphs["captured"] == len(fake.captures) - 1 and graphs["failed"] == [[16, 64]]
+    assert graphs["seconds"] >= 0
+
+
+@pytest.mark.parametrize("use_cuda_graphs", [True, False])
+def test_a_cpu_runner_captures_nothing(tiny_llama_dir, use_cuda_graphs):  # noqa: F811
+    runner = make_runner(tiny_llama_dir, use_cuda_graphs=use_cuda_graphs)
+    assert runner.decode_runner.capturer is None
+    assert graph_capturer(runner.model, runner.cache, use_cuda_graphs) is None
+    graphs = runner.handshake.graphs
+    assert (graphs["captured"], graphs["failed"], graphs["widths"]) == (0, [], [])

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from gpu_worker import kv_cache
+from gpu_worker import kv_cache, memory
 from gpu_worker.checkpoint import CheckpointError, load_weights
 from gpu_worker.model_config import ConfigError, ModelConfig, UnsupportedModel
 from tests.worker_fixtures import (
@@ -144,6 +144,67 @@ def test_block_count_from_bytes_and_fraction():
         kv_cache.count_blocks(float(per_block + 1), 0, per_block, 64)
     with pytest.raises(kv_cache.KVCacheError, match="positive"):
         kv_cache.count_blocks(-1.0, 10**9, per_block, 64)
+
+
+def test_kv_budget_sets_the_profiled_activations_aside_before_the_fraction():
+    gib = 1024**3
+    assert kv_cache.budget_bytes(0.9, 100 * gib, 10 * gib) == int(0.9 * 90 * gib)
+    assert kv_cache.budget_bytes(0.5, 40 * gib) == 20 * gib  # a CPU: nothing reserved
+    assert kv_cache.budget_bytes(float(3 * gib), 1, 10 * gib) == 3 * gib  # bytes: as given
+    with pytest.raises(kv_cache.KVCacheError, match="max_num_batched_tokens"):
+        kv_cache.budget_bytes(0.9, 10 * gib, 10 * gib)
+    # Captured graphs hold the decode peak in their own pool, beside the eager steps' peak.
+    assert kv_cache.activation_reserve(5 * gib, 2 * gib, graphs=True) == 7 * gib
+    assert kv_cache.activation_reserve(5 * gib, 2 * gib, graphs=False) == 5 * gib
+    per_block = 1024
+    assert kv_cache.count_blocks(0.5, 41 * per_block + 1000, per_block, 10_000, 1000) == 19
+
+
+def test_profile_plan_is_the_largest_step_on_one_block():
+    assert memory.profile_lengths(8192, 256, 2048) == [2048, 2048, 2048, 1793] + [1] * 255
+    assert memory.profile_lengths(100, 256, 2048) == [1] + [1] * 99
+    assert sum(memory.profile_lengths(8192, 1, 2048)) == 8192
+    plan = memory.profile_plan([7, 1, 1], block_size=4, context_limit=32)
+    assert plan.start_pos == [25, 0, 0]  # the chunk ends at the context limit
+    assert plan.block_tables == [[0] * 8, [0], [0]]
+    assert plan.total_tokens == 9 and all(plan.sample)
+
+
+def test_profiling_steps_run_on_a_one_block_cache(tiny_llama_dir):  # noqa: F811
+    import torch
+
+    runner = make_runner(tiny_llama_dir, max_num_batched_tokens=300, max_num_seqs=4)
+    cache = kv_cache.allocate(runner.model_config, 1, BLOCK_SIZE, torch.float32, runner.device)
+    runner.profile_mixed(cache)  # a 256-token chunk ending at the limit, 41 more, 3 decodes
+    runner.profile_decode(cache, width=64)
+    assert all(not layer.k[:, 1:].any() for layer in cache.layers)  # only block 0 is named
+
+
+def test_fused_weights_leave_no_unfused_copies(tiny_llama_dir):  # noqa: F811
+    import weakref
+
+    import torch
+
+    from gpu_worker.model import Model
+
+    runner = make_runner(tiny_llama_dir)
+    weights = load_weights(tiny_llama_dir, torch.float32)
+    fused_away = [
+        n
+        for n in weights
+        if any(p in n for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+    ]
+    parts = [weakref.ref(weights[n]) for n in fused_away]
+    Model(
+        runner.model_config,
+        weights,
+        max_positions=256,
+        dtype=torch.float32,
+        device=runner.device,
+        kernels=runner.kernel_choice.kernels,
+    )
+    assert fused_away and not set(fused_away) & set(weights)
+    assert all(part() is None for part in parts)
 
 
 def test_handshake_reports_the_cache_and_caps_the_context_by_it(tiny_llama_dir):  # noqa: F811

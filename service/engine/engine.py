@@ -753,6 +753,7 @@ class Engine:
             num_blocks=handshake.num_blocks,
             load_seconds=handshake.load_seconds,
             kernels=handshake.kernels,
+            graphs=handshake.graphs,
             overlap=self._overlap,
         )
 
