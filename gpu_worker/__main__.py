@@ -4,7 +4,8 @@ N is an inherited, connected stream socket. The loop is plain blocking I/O: the 
 does one thing at a time (receive a step, compute it, answer), so nothing is gained from
 an event loop. Each result says how long the worker waited for its plan (`idle_ms`): the
 time the device sat idle while the service prepared the step. It exits 0 on "shutdown" or
-when the socket closes, 1 when init fails.
+when the socket closes, 1 when init fails, 3 after a step left the device unusable
+(gpu_worker.faults): it reports "fatal" first, and the service starts a fresh process.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ import ctypes
 import socket
 import sys
 import time
+import traceback
 from typing import Any
 
+from gpu_worker.faults import DeviceFault
 from gpu_worker.protocol import (
+    DEVICE_ERROR,
     MAX_IDLE_GAP_S,
     FrameDecoder,
     StepResult,
@@ -30,6 +34,7 @@ from gpu_worker.protocol import (
 RECEIVE_BYTES = 1 << 20
 _M_TRIM_THRESHOLD = -1  # glibc mallopt parameters
 _M_MMAP_THRESHOLD = -3
+EXIT_DEVICE_FAULT = 3
 
 
 def log(message: str) -> None:
@@ -63,7 +68,10 @@ class WorkerLoop:
     def handle(self, msg: dict[str, Any]) -> int | None:
         kind = msg.get("type")
         if kind == "step":
-            result = self.step(msg)
+            try:
+                result = self.step(msg)
+            except DeviceFault as fault:
+                return self.give_up(msg.get("step_id", -1), fault)
             result.idle_ms = self.idle_ms()
             # Stamped before the send: waking the service may preempt this process inside
             # sendall, and the wait for the next plan starts when the result is ready.
@@ -81,6 +89,14 @@ class WorkerLoop:
             log(f"ignoring a message of unknown type {kind!r}")
         return None
 
+    def give_up(self, step_id: int, fault: DeviceFault) -> int:
+        """A sticky device error: every later step would fail too, so say why and exit."""
+        log(f"step {step_id} left the device unusable; exiting: {fault}")
+        traceback.print_exception(fault.__cause__ or fault, file=sys.stderr)
+        message = f"step {step_id}: {fault}"
+        self.send({"type": "fatal", "reason": DEVICE_ERROR, "message": message})
+        return EXIT_DEVICE_FAULT
+
     def idle_ms(self) -> float | None:
         """How long this plan kept the worker waiting after its previous result; None when
         the service was idle rather than busy preparing the step."""
@@ -91,16 +107,22 @@ class WorkerLoop:
 
     def init(self, msg: dict[str, Any]) -> int | None:
         # Imported here so a worker that is only spawned and closed never pays for torch.
+        from gpu_worker.device import unusable_gpu_warning
         from gpu_worker.runner import ModelRunner
 
+        config = record_from_message(WorkerConfig, msg)
+        device_warning = unusable_gpu_warning(config.device)
+        if device_warning is not None:
+            log(f"WARNING: {device_warning}")  # before loading, which may take minutes
         try:
-            self.runner = ModelRunner(record_from_message(WorkerConfig, msg))
+            self.runner = ModelRunner(config)
         except Exception as exc:
             message = f"{type(exc).__name__}: {exc}"
             log(f"init failed: {message}")
             self.send({"type": "fatal", "message": message})
             return 1
         handshake = self.runner.handshake
+        handshake.device_warning = device_warning
         log(
             f"ready: {handshake.model_name} on {handshake.device} ({handshake.dtype}), "
             f"{handshake.num_blocks} KV blocks, loaded in {handshake.load_seconds:.1f}s; "

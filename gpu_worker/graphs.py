@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import torch
 
 from gpu_worker.attention import AttentionMetadata
+from gpu_worker.faults import is_device_fault
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.model import Model
 from gpu_worker.sampler import Logits
@@ -173,8 +174,10 @@ class DecodeRunner:
     def _capture(self, capturer: GraphCapturer, batch: int, width: int, pool: Any) -> None:
         try:
             self._graphs[(batch, width)] = capturer.capture(batch, width, pool)
-        except Exception as exc:  # any failure leaves the shape to the eager path
-            self.failed.append((batch, width))
+        except Exception as exc:
+            if is_device_fault(exc):
+                raise  # the device is unusable now: eager steps would fail too
+            self.failed.append((batch, width))  # any other failure: the eager path
             log.warning("decode graph (batch %d, width %d) runs eagerly: %s", batch, width, exc)
 
     def run(

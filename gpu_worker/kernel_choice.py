@@ -466,18 +466,17 @@ def choose_matmul(candidates: Sequence[str], shapes: Shapes) -> tuple[str, list[
 
 def machine() -> dict[str, str]:
     """What a choice depends on besides the shapes: the processor and the software."""
-    model, flags = "", ""
+    model = ""
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
         for line in cpuinfo.read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "model name" and not model:
+            if key.strip() == "model name":
                 model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = value.strip()
+                break
     return {
         "cpu": model,
-        "cpu_flags": hashlib.sha256(flags.encode()).hexdigest()[:16],
+        "cpu_flags": hashlib.sha256(native.cpu_flags().encode()).hexdigest()[:16],
         "torch": torch.__version__,
         "kernel_sources": native.sources_digest(),
         "kernel_march": native.MARCH,

@@ -13,8 +13,11 @@
 
 torch.utils.cpp_extension compiles them once into a directory of their own under the torch
 extensions directory (~/.cache/torch_extensions unless TORCH_EXTENSIONS_DIR says
-otherwise), one per checkout, source text, flags and torch version, and later processes
-load the cached library. One shared directory would make two checkouts rebuild each
+otherwise), one per checkout, source text, flags, CPU instruction set and torch version,
+and later processes load the cached library. The instruction set is this CPU's list of
+extensions: `-march=native` reads the same everywhere, but a library built for one CPU may
+use instructions another lacks (a home directory shared by two hosts, a cache copied with
+an image). One shared directory would make two checkouts rebuild each
 other's library at every start, each waiting on the other's lock; and a build killed
 midway leaves its lock behind, on which every later start would wait for ever, so a lock
 older than any build is removed. The kernels are candidates only (gpu_worker.kernels):
@@ -30,6 +33,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import time
 from pathlib import Path
 from typing import Any
@@ -64,9 +68,27 @@ def sources_digest() -> str:
     return hashlib.sha256(text).hexdigest()[:16]
 
 
+@functools.cache
+def cpu_flags() -> str:
+    """This CPU's instruction-set extensions as the kernel lists them ("flags" on x86,
+    "Features" on Arm): what `-march=native` compiles for."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return value.strip()
+    return ""
+
+
 def build_directory() -> Path:
-    """This checkout's build of these sources with these flags and this torch."""
-    described = f"{SOURCES[0].parent.resolve()}|{sources_digest()}|{CFLAGS}|{torch.__version__}"
+    """This checkout's build of these sources with these flags, for this CPU and this torch."""
+    described = (
+        f"{SOURCES[0].parent.resolve()}|{sources_digest()}|{CFLAGS}|{torch.__version__}"
+        f"|{platform.machine()}|{cpu_flags()}"
+    )
     digest = hashlib.sha256(described.encode()).hexdigest()[:16]
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
     return Path(root) / f"cadence_native_{digest}"

@@ -9,12 +9,15 @@ Conversation:
     worker  -> service  {"type": "ready", **Handshake}        or {"type": "fatal", "message": ...}
     service -> worker   {"type": "step", **BatchPlan}         (repeated)
     worker  -> service  {"type": "result", **StepResult}      (one per step, in order)
+                     or {"type": "fatal", "reason": DEVICE_ERROR, "message": ...}, then exits
     service -> worker   {"type": "ping"}                      (only while no step is out)
     worker  -> service  {"type": "pong"}
     service -> worker   {"type": "shutdown"}                  worker exits 0
 
 An exception inside a step is reported as a StepResult with `error` set; the worker
-keeps serving. Only a failure that leaves the worker unusable is "fatal".
+keeps serving. Only a failure that leaves the worker unusable is "fatal": at init, or a
+step's device error (gpu_worker.faults), after which the worker exits and the service
+starts a new one.
 
 The service sends the next step as soon as it has the previous result (at most one step
 is out at a time), so the worker idles only for the gap between the two; each result
@@ -41,6 +44,7 @@ ARCHITECTURES = {
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 # A longer wait for a plan is the service having no work, not the cost of preparing a step.
 MAX_IDLE_GAP_S = 1.0
+DEVICE_ERROR = "device_error"  # a step's "fatal" reason: the device is unusable
 KERNEL_SEAMS = ("attention", "layer_ops", "matmul")  # see gpu_worker.kernels
 
 
@@ -100,6 +104,8 @@ class Handshake:
     # gpu_worker.graphs' start-up capture: graphs captured, shapes that failed (served
     # eagerly), seconds taken, and the block-table widths covered.
     graphs: dict[str, Any] = field(default_factory=dict)
+    # why the worker serves on the CPU although a GPU is visible (gpu_worker.device)
+    device_warning: str | None = None
 
 
 @dataclass(slots=True)

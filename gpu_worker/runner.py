@@ -14,6 +14,7 @@ from gpu_worker import kernel_choice, kv_cache, memory
 from gpu_worker.attention import build_metadata
 from gpu_worker.checkpoint import load_weights
 from gpu_worker.device import free_memory_bytes, resolve_device, resolve_dtype
+from gpu_worker.faults import DeviceFault, is_device_fault
 from gpu_worker.graphs import (
     DecodeRunner,
     decode_forward,
@@ -170,12 +171,16 @@ class ModelRunner:
         decode_forward(self.model, cache, *inputs)
 
     def execute(self, plan: BatchPlan) -> StepResult:
-        """Runs one step; any failure comes back as a result with `error` set."""
+        """Runs one step; a failure comes back as a result with `error` set, except one
+        that leaves the device unusable: that raises DeviceFault (gpu_worker.faults)."""
         started = time.perf_counter()
         try:
             result = self._execute(plan)
         except Exception as exc:
-            return StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}")
+            error = f"{type(exc).__name__}: {exc}"
+            if is_device_fault(exc):
+                raise DeviceFault(error) from exc
+            return StepResult(step_id=plan.step_id, error=error)
         result.step_ms = (time.perf_counter() - started) * 1000
         return result
 

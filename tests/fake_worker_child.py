@@ -2,7 +2,8 @@
 
 Run as `python tests/fake_worker_child.py --fd N`. FAKE_WORKER_MODE picks a behaviour:
 "ok" (answer steps: token = 1000 + step_id), "fatal" (fail init), "exit_at_init" (exit
-without a word), "die_on_step_2" (exit abruptly on the second step), "ignore_shutdown"
+without a word), "die_on_step_2" (exit abruptly on the second step), "device_error_on_step_2"
+(report a fatal device error at the second step, then exit), "ignore_shutdown"
 (never exits on its own; the link must kill it), "slow_pong" (answers pings after 0.5 s).
 """
 
@@ -16,7 +17,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gpu_worker.protocol import FrameDecoder, encode_frame
+from gpu_worker.protocol import DEVICE_ERROR, FrameDecoder, encode_frame
 
 
 def handshake() -> dict:
@@ -67,6 +68,10 @@ def main() -> int:
                 steps += msg["step_id"] >= 0
                 if mode == "die_on_step_2" and steps == 2:
                     os._exit(9)
+                if mode == "device_error_on_step_2" and steps == 2:
+                    fatal = {"type": "fatal", "reason": DEVICE_ERROR, "message": "CUDA error"}
+                    sock.sendall(encode_frame(fatal))
+                    return 3
                 sampled = [s for s, flag in zip(msg["seq_ids"], msg["sample"], strict=True) if flag]
                 result = {
                     "type": "result",

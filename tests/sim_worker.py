@@ -40,7 +40,7 @@ from service.engine.assembly import open_engine
 from service.engine.engine import Engine
 from service.engine.request import Event, FinishEvent, SamplingParams, SamplingSpec, TokenEvent
 from service.engine.stats import IterationStats, RequestStats
-from service.engine.worker_link import WorkerDied, WorkerStartError
+from service.engine.worker_link import WorkerDeviceFault, WorkerDied, WorkerStartError
 
 EOS = 256
 # what a constrained sequence prefers: to end, then to close what is open
@@ -90,9 +90,12 @@ class SimWorker:
     per_seq_ms: float = 0.2
     per_pair_ms: float = 0.0
     device: str = "cpu"  # as reported in the handshake
+    device_warning: str | None = None  # likewise
     # (seq_id, position of the token to sample) -> sample EOS there
     eos_at: Callable[[int, int], bool] | None = None
     die_at_step: int | None = None  # the worker dies computing the n-th plan (1-based)
+    # the n-th plan hits a device error: the worker reports "fatal" (device_error) and exits
+    fault_at_step: int | None = None
     hang_at_step: int | None = None  # the n-th plan's result never comes (a hung worker)
     failing_starts: int = 0  # this many start() calls after the first fail
     hang_at_start: int | None = None  # the n-th start() call never returns
@@ -141,6 +144,7 @@ class SimWorker:
             head_dim=1,
             dtype="float32",
             device=self.device,
+            device_warning=self.device_warning,
             block_size=self.block_size,
             num_blocks=self.num_blocks,
             kv_bytes=0,
@@ -190,7 +194,7 @@ class SimWorker:
             self.on_plan(plan)
         if self._calls == self.hang_at_step:
             self.hung = True
-        if self.hung or self._calls == self.die_at_step:
+        if self.hung or self._calls in (self.die_at_step, self.fault_at_step):
             self._in_flight = _InFlight(plan.step_id, now + 0.001, None)  # never answered
             return
         self.check_plan(plan)
@@ -204,6 +208,8 @@ class SimWorker:
         if self.hung:
             await trio.sleep_forever()
         await trio.sleep_until(flight.ready_at)
+        if flight.result is None and self._calls == self.fault_at_step:
+            raise WorkerDeviceFault("simulated: CUDA error: an illegal memory access")
         if flight.result is None:
             raise WorkerDied("simulated crash")
         self._in_flight = None

@@ -54,8 +54,11 @@ async def test_sigkill_of_the_worker_mid_stream(own_server: RunningServer) -> No
     down = await trio.to_thread.run_sync(wait_for_health, own_server, 503, 10)
     up = await trio.to_thread.run_sync(wait_for_health, own_server, 200, 300)
     print(f"/health 503 seen after {down:.2f} s, 200 again {up:.2f} s later")
-    new_pid = own_server.admin_state()["worker_pid"]
-    assert new_pid != old_pid and own_server.process.poll() is None
+    state = own_server.admin_state()
+    assert state["worker_pid"] != old_pid and own_server.process.poll() is None
+    assert state["last_worker_failure"]["reason"] == "worker_died"
+    health = httpx.get(f"{own_server.url}/health", timeout=10).json()
+    assert health["last_worker_failure"]["reason"] == "worker_died"
     response = httpx.post(
         f"{own_server.url}/v1/completions",
         timeout=60,

@@ -332,6 +332,16 @@ async def test_log_events_carry_the_agreed_fields(autojump_clock):
     assert finished["completion_tokens"] == 4 and finished["finish_reason"] == "length"
     assert finished["ttft_ms"] > 0 and finished["itl_p99_ms"] >= finished["itl_p50_ms"] > 0
     assert events["policy.swap"]["by"] == "test"
+    assert "worker.device_warning" not in events
+
+
+async def test_a_worker_serving_on_the_cpu_beside_a_gpu_is_logged_as_a_warning(autojump_clock):
+    warning = "a GPU is visible but torch is a build without CUDA: serving on the CPU"
+    with structlog.testing.capture_logs() as logs:
+        async with running_engine(worker=SimWorker(device_warning=warning)):
+            pass
+    [logged] = [entry for entry in logs if entry["event"] == "worker.device_warning"]
+    assert (logged["log_level"], logged["warning"]) == ("warning", warning)
 
 
 async def test_a_submitter_cancelled_while_queued_leaves_other_requests_alone(autojump_clock):

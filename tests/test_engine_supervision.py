@@ -9,8 +9,10 @@ import pytest
 import trio
 from structlog.testing import capture_logs
 
+from service.api.app import create_app
 from service.engine.engine import EngineFailed, EngineUnavailable
 from tests.sim_worker import (
+    SimTokenizer,
     SimWorker,
     collect,
     expected_tokens,
@@ -152,3 +154,29 @@ async def test_a_restart_that_hangs_is_abandoned_and_counts_as_a_failed_start(au
     worker = SimWorker(die_at_step=2, hang_at_start=2)
     assert await served_behind_a_crash(worker) == expected_tokens([3, 4], 5)
     assert worker._start_calls == 3 and worker.kills == 2  # the dead one, the hung start
+
+
+async def test_a_device_error_fails_the_step_restarts_and_health_names_it(autojump_clock):
+    worker = SimWorker(fault_at_step=3)
+    config = sim_config(max_num_seqs=1)
+    async with running_engine(config, worker) as engine:
+        client = create_app(config, engine, SimTokenizer(), "sim").test_client()
+        faulted = await engine.submit([1, 2, 3], greedy(20), request_id="faulted")
+        queued = await engine.submit([4, 5], greedy(4), request_id="queued")
+        with trio.fail_after(60):
+            failed = await collect(faulted)
+            restarting = await client.get("/health")  # the new worker takes 0.1 s to start
+            served = await collect(queued)
+        healthy = await client.get("/health")
+        state = engine.state()
+    assert (failed.finish.reason, failed.finish.detail) == ("error", "worker_died")
+    assert failed.finish.error == "the worker exited after a device error"
+    assert served.token_ids == expected_tokens([4, 5], 4)
+    assert worker.kills == 1 and worker.starts == 2 and state["worker_restarts"] == 1
+    assert state["last_worker_failure"]["reason"] == "device_error"
+    assert "illegal memory access" in state["last_worker_failure"]["error"]
+    assert (restarting.status_code, healthy.status_code) == (503, 200)
+    for response in (restarting, healthy):
+        body = await response.get_json()
+        assert set(body["last_worker_failure"]) == {"reason", "at"}  # no error text in public
+        assert body["last_worker_failure"]["reason"] == "device_error"

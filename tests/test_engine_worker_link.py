@@ -10,7 +10,12 @@ import pytest
 import trio
 
 from gpu_worker.protocol import BatchPlan, SamplingSpec, WorkerConfig
-from service.engine.worker_link import WorkerDied, WorkerLink, WorkerStartError
+from service.engine.worker_link import (
+    WorkerDeviceFault,
+    WorkerDied,
+    WorkerLink,
+    WorkerStartError,
+)
 from tests.server_fixtures import alive
 
 CHILD = str(Path(__file__).with_name("fake_worker_child.py"))
@@ -71,6 +76,16 @@ async def test_death_mid_run_raises_worker_died_and_restart_works():
     assert worker.pid != first_pid and not alive(first_pid)
     await worker.step(plan(1))
     await worker.stop()
+
+
+async def test_a_device_error_reported_in_a_step_raises_worker_device_fault():
+    worker = link("device_error_on_step_2")
+    await worker.start()
+    await worker.step(plan(1))
+    with pytest.raises(WorkerDeviceFault, match="CUDA error"):
+        await worker.step(plan(2))
+    await worker.stop()  # reaps it
+    assert worker.returncode == 3  # it exited on its own, having said why
 
 
 async def test_fatal_at_init_is_a_clear_start_error():

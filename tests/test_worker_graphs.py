@@ -103,8 +103,8 @@ def test_decode_steps_where_only_some_rows_sample(tiny_llama_dir):  # noqa: F811
 class FakeCapturer:
     """Records captures; its graphs replay by running the padded step eagerly."""
 
-    def __init__(self, model, cache, fail=()):
-        self.model, self.cache, self.fail = model, cache, set(fail)
+    def __init__(self, model, cache, fail=(), error="operation not permitted when capturing"):
+        self.model, self.cache, self.fail, self.error = model, cache, set(fail), error
         self.pools: list[object] = []
         self.captures: list[tuple[int, int, object]] = []
         self.replays: list[tuple[int, int]] = []
@@ -116,7 +116,7 @@ class FakeCapturer:
     def capture(self, batch, width, pool):
         self.captures.append((batch, width, pool))
         if (batch, width) in self.fail:
-            raise RuntimeError("operation not permitted when stream is capturing")
+            raise RuntimeError(self.error)
         return FakeGraph(self, batch, width)
 
 
@@ -176,6 +176,15 @@ def test_a_failed_capture_runs_eagerly_and_is_never_retried(tiny_llama_dir):  # 
     decode.run(firsts[:3], [10] * 3, tables[:3])  # (4, 4) was captured
     assert fake.replays == [(4, 4)]
     assert [(b, w) for b, w, _ in fake.captures].count((8, 4)) == 1
+
+
+def test_a_device_error_while_capturing_fails_the_start(tiny_llama_dir):  # noqa: F811
+    """Sticky: after it the eager path would fail too, so the worker must not serve."""
+    runner = make_runner(tiny_llama_dir)
+    error = "CUDA error: an illegal memory access was encountered"
+    fake = FakeCapturer(runner.model, runner.cache, fail={(8, 4)}, error=error)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        _decode_runner(runner, fake).capture_all()
 
 
 def test_graph_replay_pads_to_the_width_bucket_and_matches_eager(tiny_llama_dir):  # noqa: F811

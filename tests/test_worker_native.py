@@ -148,11 +148,17 @@ def test_prefill_kernel_rejects_a_block_outside_the_cache():
         kernel(q, k_cache, v_cache, table, 10, 0.125)
 
 
-def test_each_checkout_sources_and_flags_get_their_own_build(tmp_path, monkeypatch):
+def test_each_checkout_sources_flags_and_cpu_get_their_own_build(tmp_path, monkeypatch):
     here = native.build_directory()
     assert here == native.build_directory() and here.name.startswith("cadence_native_")
     assert (here / "cadence_native.so").exists()  # the one this process loaded
     monkeypatch.setattr(native, "CFLAGS", [*native.CFLAGS[:1], "-march=x86-64-v3"])
+    assert native.build_directory() != here
+    monkeypatch.undo()
+    # the same cache on a CPU that lacks one extension: `-march=native` means less there
+    flags = native.cpu_flags().split()
+    assert flags, "no instruction-set flags in /proc/cpuinfo"
+    monkeypatch.setattr(native, "cpu_flags", lambda: " ".join(flags[:-1]))
     assert native.build_directory() != here
     monkeypatch.undo()
     copy = tmp_path / "csrc"

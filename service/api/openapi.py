@@ -387,7 +387,17 @@ def _models_schema() -> Schema:
 def _health_schema() -> Schema:
     return {
         "type": "object",
-        "properties": {"status": {"enum": ["ok", "unavailable"]}, "policy": _policy_info()},
+        "properties": {
+            "status": {"enum": ["ok", "unavailable"]},
+            "policy": _policy_info(),
+            "last_worker_failure": _object(
+                {
+                    "reason": {"enum": ["worker_died", "worker_hung", "device_error"]},
+                    "at": {"type": "number", "description": "Unix time"},
+                },
+                ["reason", "at"],
+            ),
+        },
         "required": ["status", "policy"],
     }
 

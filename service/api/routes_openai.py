@@ -52,9 +52,13 @@ SERVER_STATE_FAILURES = (
 async def health() -> Response:
     engine = app_state().engine
     # The policy in force is public (the playground shows it); changing it needs the admin token.
+    body: dict[str, Any] = {"policy": engine.policy_info()}
+    failure = engine.last_worker_failure
+    if failure is not None:  # why and when; its error text is for /admin/state only
+        body["last_worker_failure"] = {"reason": failure["reason"], "at": failure["at"]}
     if engine.ready:
-        return json_response({"status": "ok", "policy": engine.policy_info()}, 200)
-    return json_response({"status": "unavailable", "policy": engine.policy_info()}, 503)
+        return json_response({"status": "ok", **body}, 200)
+    return json_response({"status": "unavailable", **body}, 503)
 
 
 @blueprint.get("/v1/models")

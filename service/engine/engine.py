@@ -30,7 +30,7 @@ import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import structlog
 import trio
@@ -45,7 +45,12 @@ from service.engine.request import FinishEvent, Request, SamplingParams, Status,
 from service.engine.scheduler import Outcome, ScheduleOutput, Scheduler, SchedulerStats
 from service.engine.stats import IterationStats, Observer, RequestStats
 from service.engine.validation import InvalidRequest, Limits, validate
-from service.engine.worker_link import WorkerDied, WorkerHung, WorkerStartError
+from service.engine.worker_link import (
+    WorkerDeviceFault,
+    WorkerDied,
+    WorkerHung,
+    WorkerStartError,
+)
 
 log = structlog.get_logger()
 
@@ -154,6 +159,8 @@ class Engine:
         self._next_seq_id = 0
         self._unemitted: _Step | None = None  # its tokens are committed, not yet sent out
         self._worker_restarts = 0
+        # why the worker was last replaced: {"reason", "error", "at" (Unix seconds)}
+        self.last_worker_failure: dict[str, Any] | None = None
         self._stopped = trio.Event()
         self.failure: EngineFailed | None = None  # why the engine stopped on its own
 
@@ -306,6 +313,7 @@ class Engine:
             "iteration": stats.iteration if stats else 0,
             "worker_ready": self._ready,
             "worker_restarts": self._worker_restarts,
+            "last_worker_failure": self.last_worker_failure,
             "max_model_len": self.max_model_len,
             "kv_cache": self._kv_cache_config(),
             "overlap": self._overlap,
@@ -756,6 +764,8 @@ class Engine:
             graphs=handshake.graphs,
             overlap=self._overlap,
         )
+        if handshake.device_warning is not None:
+            log.warning("worker.device_warning", warning=handshake.device_warning)
 
     def _fail_what_no_longer_fits(self) -> None:
         """A restarted worker may have a smaller KV cache (free device memory changed):
@@ -777,19 +787,13 @@ class Engine:
         self._ready = False
         sched = self._scheduler
         assert sched is not None
-        hung = isinstance(exc, WorkerHung)
-        log.error(
-            "worker.hung" if hung else "worker.died", error=str(exc), running=len(sched.running)
-        )
+        failure = _failure_of(exc)
+        self.last_worker_failure = {"reason": failure.reason, "error": str(exc), "at": time.time()}
+        log.error(failure.event, error=str(exc), running=len(sched.running))
         with trio.CancelScope(shield=True):
             await self._worker.kill()  # a hung or half-dead process must not linger
-        detail, error = (
-            ("worker_hung", "the worker stopped answering")
-            if hung
-            else ("worker_died", "the worker process died")
-        )
         for request in list(sched.running):
-            self._finish(request, "error", detail, error=error)
+            self._finish(request, "error", failure.detail, error=failure.error)
         for attempt in range(self.config.max_worker_restarts):
             if attempt:
                 await trio.sleep(_RESTART_BACKOFF_S[min(attempt, len(_RESTART_BACKOFF_S)) - 1])
@@ -858,6 +862,24 @@ class Engine:
         log.info("request.finished", **stats.log_fields())
         for observer in self._observers:
             observer.on_request_finished(stats)
+
+
+class _Failure(NamedTuple):
+    reason: str  # why the worker is replaced (Engine.last_worker_failure)
+    event: str  # the log line
+    detail: str  # the finish detail of its running requests
+    error: str  # and their error
+
+
+def _failure_of(exc: WorkerDied) -> _Failure:
+    # A device fault ends the running requests as a death does: the worker exits, and its KV
+    # cache with it; clients already know `worker_died`.
+    if isinstance(exc, WorkerHung):
+        return _Failure("worker_hung", "worker.hung", "worker_hung", "the worker stopped answering")
+    if isinstance(exc, WorkerDeviceFault):
+        error = "the worker exited after a device error"
+        return _Failure("device_error", "worker.device_error", "worker_died", error)
+    return _Failure("worker_died", "worker.died", "worker_died", "the worker process died")
 
 
 def sibling_id(request_id: str, index: int) -> str:

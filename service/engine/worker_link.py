@@ -22,6 +22,7 @@ from typing import Any
 import trio
 
 from gpu_worker.protocol import (
+    DEVICE_ERROR,
     BatchPlan,
     FrameDecoder,
     Handshake,
@@ -46,6 +47,11 @@ class WorkerDied(Exception):
 
 class WorkerHung(WorkerDied):
     """The worker did not answer a step or a ping in time; it is killed and replaced."""
+
+
+class WorkerDeviceFault(WorkerDied):
+    """A step left the worker's device unusable (a sticky CUDA error): the worker said so
+    and exits; it is replaced."""
 
 
 class WorkerStartError(RuntimeError):
@@ -176,7 +182,8 @@ class WorkerLink:
         reply = await self._receive_answer()
         kind = reply.get("type")
         if kind == "fatal":
-            raise WorkerDied(f"the worker reported a fatal error: {reply.get('message')}")
+            fault = WorkerDeviceFault if reply.get("reason") == DEVICE_ERROR else WorkerDied
+            raise fault(f"the worker reported a fatal error: {reply.get('message')}")
         if kind != "result":
             raise WorkerDied(f"unexpected message from the worker: {kind!r}")
         result = step_result_from_message(reply)
