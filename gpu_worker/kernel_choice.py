@@ -8,9 +8,11 @@ reference, and is timed; the fastest that passes is used.
 
 Attention has one more check. A candidate that claims row invariance is held to it, bit
 for bit: a decode row alone and among others, and a prefill row against the same token
-decoded. Candidates that keep it win over faster ones that do not, up to PREFERENCE_WORTH
-times slower, because recompute after a preemption must reproduce the tokens decoded
-before it (tests/test_worker_batch_invariance.py shows it on the real model).
+decoded. Candidates that keep it, or that read the cache in place (paged, as FlexAttention
+on CUDA), win over faster ones that do not, up to PREFERENCE_WORTH times slower, because
+recompute after a preemption must reproduce the tokens decoded before it
+(tests/test_worker_batch_invariance.py shows it on the real model), and a gathered copy of
+the context is memory the KV budget does not count.
 
 The choice is cached in a JSON file (the service passes <cache dir>/kernels.json), one
 entry per CPU model and ISA flags, torch version, kernel sources, device, dtype, model
@@ -357,7 +359,9 @@ def choose_attention(
         lambda backend: backend.name,
         lambda backend: check_attention(backend, case, expected),
         workload,
-        preferred=lambda backend: backend.row_invariant,
+        # Paged kernels read the cache in place; TorchAttention's decode gathers every key
+        # into a buffer that the KV budget does not count (gigabytes at long contexts).
+        preferred=lambda backend: backend.row_invariant or backend.paged,
     )
 
 

@@ -1,13 +1,14 @@
 """The kernel backend: which implementation of each hot operation a worker runs.
 
 Three seams, each with its candidates:
-- attention: NativeAttention, NativeRowsAttention, HybridAttention, TorchAttention
-  (gpu_worker.attention);
+- attention: NativeAttention, NativeRowsAttention, HybridAttention, FlexAttention,
+  TorchAttention (gpu_worker.attention);
 - layer ops: NativeLayerOps, TorchLayerOps (gpu_worker.layer_ops);
 - matmul: "onednn" (weights prepacked once, see model.Linear) or "aten" (F.linear).
 
 A candidate is offered where it can run: the native ones on CPUs where the C++ kernels
-build (and the chunk kernel where the CPU has AVX512-BF16), oneDNN where PyTorch has it;
+build (and the chunk kernel where the CPU has AVX512-BF16), oneDNN where PyTorch has it,
+FlexAttention on CUDA (compiled through Triton; on a CPU it only runs eagerly, densely);
 the PyTorch ones everywhere, as the reference. gpu_worker.kernel_choice measures them on
 the model's shapes and picks; the model and the runner ask the Kernels they are given and
 never look at the device themselves.
@@ -22,6 +23,7 @@ import torch
 from gpu_worker import native
 from gpu_worker.attention import (
     AttentionBackend,
+    FlexAttention,
     HybridAttention,
     NativeAttention,
     NativeRowsAttention,
@@ -57,6 +59,8 @@ def attention_candidates(
 ) -> list[AttentionBackend]:
     kernels = native.kernels() if device.type == "cpu" else None
     found: list[AttentionBackend] = [TorchAttention()]
+    if device.type == "cuda":
+        found.append(FlexAttention())
     if kernels is not None:
         found += [NativeRowsAttention(kernels), HybridAttention(kernels)]
         if NativeAttention.serves(device, dtype, head_dim):

@@ -31,8 +31,6 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
 HEADER = struct.Struct(">I")
 # The model families the worker runs: Hugging Face model_type -> architecture class. The
 # service checks model files against this before it starts a worker.
@@ -223,6 +221,10 @@ def step_result_from_message(msg: dict[str, Any]) -> StepResult:
 
 
 def encode_frame(msg: dict[str, Any]) -> bytes:
+    # Imported where frames are made, not with the module: the GPU smoke run
+    # (ops/gpu_smoke.py) uses the worker's records on hosts that have no orjson.
+    import orjson
+
     body = orjson.dumps(msg)
     return HEADER.pack(len(body)) + body
 
@@ -234,6 +236,8 @@ class FrameDecoder:
         self._buffer = bytearray()
 
     def feed(self, data: bytes) -> list[dict[str, Any]]:
+        import orjson  # see encode_frame
+
         self._buffer += data
         messages = []
         while len(self._buffer) >= HEADER.size:

@@ -1,0 +1,197 @@
+"""FlexAttention, the CUDA attention backend, run eagerly on the CPU: it must agree with the
+PyTorch reference on what a serving step gives it, read the cache in place, and hand the
+compiled kernel block lists that cover exactly what its mask lets each query see."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_mask
+
+from gpu_worker import attention, kernel_choice, kernels
+from gpu_worker.attention import FlexAttention, HybridAttention, TorchAttention, build_metadata
+from gpu_worker.kernel_choice import Shapes, attention_case, run_decode, run_prefill
+from tests.worker_fixtures import (  # noqa: F401 (fixture)
+    Chunk,
+    make_plan,
+    make_runner,
+    max_diff,
+    random_prompt,
+    tiny_llama_dir,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+CPU = torch.device("cpu")
+TOLERANCE = 1e-5
+
+
+def shapes(block_size: int = 4) -> Shapes:
+    """Grouped-query attention, 3 query heads per key/value head, of head_dim 64."""
+    return Shapes(6, 2, 64, 128, 256, block_size, torch.float32, CPU, torch.float32)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_decode_matches_the_reference_over_ragged_contexts_and_shuffled_tables(block_size):
+    # attention_case shuffles every block of the cache among the tables; contexts differ.
+    case = attention_case(shapes(block_size), batch=7, chunk=8, start=40)
+    # Contexts that fill their last block exactly, or hold one token, too.
+    case.lens[:3] = [block_size * 3, 1, block_size + 1]
+    got, want = run_decode(FlexAttention(), case), run_decode(TorchAttention(), case)
+    assert got.shape == want.shape == (7, 6, 64)
+    assert max_diff(got, want) < TOLERANCE
+
+
+@pytest.mark.parametrize(("start", "chunk"), [(0, 37), (21, 37), (130, 300), (256, 128)])
+def test_a_prefill_chunk_attends_over_its_cached_prefix_and_itself_causally(start, chunk):
+    case = attention_case(shapes(), batch=2, chunk=chunk, start=start)
+    got, want = run_prefill(FlexAttention(), case), run_prefill(TorchAttention(), case)
+    assert got.shape == want.shape == (chunk, 6, 64)
+    assert max_diff(got, want) < TOLERANCE
+
+
+def test_it_never_gathers_the_cache(monkeypatch):
+    case = attention_case(shapes(), batch=5, chunk=40, start=30)
+    expected = run_decode(TorchAttention(), case), run_prefill(TorchAttention(), case)
+
+    def gathers(*args, **kwargs):
+        raise AssertionError("FlexAttention gathered the cache")
+
+    for copier in ("_decode_gather", "_gather", "_rows_of", "_gathered_decode_attention"):
+        monkeypatch.setattr(attention, copier, gathers)
+    backend = FlexAttention()
+    assert max_diff(run_decode(backend, case), expected[0]) < TOLERANCE
+    assert max_diff(run_prefill(backend, case), expected[1]) < TOLERANCE
+
+
+def test_an_8_bit_cache_is_refused_so_the_chooser_passes_over_it():
+    case = attention_case(Shapes(6, 2, 64, 128, 256, 4, torch.float32, CPU, torch.int8))
+    with pytest.raises(RuntimeError, match="8-bit"):
+        run_decode(FlexAttention(), case)
+
+
+def test_it_is_offered_on_cuda_only_beside_the_reference():
+    cuda = kernels.attention_candidates(torch.device("cuda"), torch.bfloat16, 64)
+    assert [c.name for c in cuda] == ["torch", "flex"]
+    cpu = kernels.attention_candidates(CPU, torch.bfloat16, 64)
+    assert "flex" not in [c.name for c in cpu]
+
+
+def test_the_chooser_prefers_it_to_the_gathering_reference(monkeypatch):
+    chosen_with = {}
+
+    def pick(candidates, name, check, workload, preferred):
+        chosen_with["preferred"] = preferred
+        return candidates[0], []
+
+    monkeypatch.setattr(kernel_choice, "pick", pick)
+    kernel_choice.choose_attention([TorchAttention(), FlexAttention()], shapes())
+    preferred = chosen_with["preferred"]
+    assert preferred(FlexAttention())
+    assert not preferred(TorchAttention())
+    assert not preferred(HybridAttention(None))  # its prefill gathers
+
+
+def block_coverage(mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """(listed, whole) [B, tiles, cache blocks]: the blocks the compiled kernel visits for
+    each query tile, and those it visits without applying the mask_mod."""
+    batch, _, tiles, _ = mask.kv_indices.shape
+    blocks = mask.seq_lengths[1] // mask.BLOCK_SIZE[1]
+    listed = torch.zeros(batch, tiles, blocks, dtype=torch.int32)
+    whole = torch.zeros(batch, tiles, blocks, dtype=torch.int32)
+    for counts, indices, into in (
+        (mask.kv_num_blocks, mask.kv_indices, listed),
+        (mask.full_kv_num_blocks, mask.full_kv_indices, whole),
+    ):
+        for b in range(batch):
+            for m in range(tiles):
+                for block in indices[b, 0, m, : counts[b, 0, m]].tolist():
+                    into[b, m, block] += 1
+    return listed, whole
+
+
+def assert_blocks_match_the_mask(mask) -> None:
+    """What the compiled kernel computes (listed blocks masked, whole ones not) is what the
+    mask_mod allows, which is what the eager reference computes."""
+    batch = mask.kv_indices.shape[0]
+    q_len, kv_len = mask.seq_lengths
+    q_block, kv_block = mask.BLOCK_SIZE
+    dense = create_mask(mask.mask_mod, batch, 1, q_len, kv_len, device="cpu")[:, 0]
+    listed, whole = block_coverage(mask)
+    assert int((listed + whole).max()) <= 1, "a block is visited twice by one tile"
+    for b in range(batch):
+        for q in range(q_len):
+            visible_blocks = dense[b, q].view(-1, kv_block).any(dim=1)
+            visited = (listed + whole)[b, q // q_block].bool()
+            assert torch.equal(visible_blocks & ~visited, torch.zeros_like(visited)), (b, q)
+            whole_blocks = whole[b, q // q_block].bool()
+            assert bool(dense[b, q].view(-1, kv_block)[whole_blocks].all()), (b, q)
+
+
+def test_decode_block_lists_cover_exactly_what_each_row_sees():
+    case = attention_case(shapes(), batch=6, chunk=8, start=20)
+    case.lens[:2] = [12, 1]
+    seqs = list(range(6))
+    meta = build_metadata(
+        [1] * 6,
+        [case.lens[s] - 1 for s in seqs],
+        case.tables,
+        torch.zeros(6, dtype=torch.long),
+        case.kv.k,
+        case.group_size,
+        FlexAttention(),
+    )
+    mask = meta.decode.block_mask
+    assert_blocks_match_the_mask(mask)
+    # One row sees ceil(len / block_size) blocks, all but a partial last one whole.
+    assert mask.full_kv_num_blocks[:2, 0, 0].tolist() == [3, 0]
+    assert mask.kv_num_blocks[:2, 0, 0].tolist() == [0, 1]
+
+
+@pytest.mark.parametrize(("start", "chunk"), [(0, 130), (21, 300)])
+def test_prefill_block_lists_cover_exactly_what_each_query_tile_sees(start, chunk):
+    case = attention_case(shapes(), batch=1, chunk=chunk, start=start)
+    meta = build_metadata(
+        [chunk],
+        [start],
+        case.chunk_table[None],
+        torch.zeros(chunk, dtype=torch.long),
+        case.kv.k,
+        case.group_size,
+        FlexAttention(),
+    )
+    assert_blocks_match_the_mask(meta.prefills[0].block_mask)
+
+
+def test_a_mixed_step_of_the_model_matches_the_reference(tiny_llama_dir, monkeypatch):  # noqa: F811
+    """Through the runner: a prefill chunk at a cached offset beside decode rows, whose
+    tables are padded with the scratch block to the step's width."""
+    offered = kernels.attention_candidates
+
+    def with_flex(device, dtype, head_dim):
+        return [*offered(device, dtype, head_dim), FlexAttention()]
+
+    monkeypatch.setattr(kernels, "attention_candidates", with_flex)
+    logits = {}
+    decoding = [(0, 30, list(range(8))), (1, 10, [20, 21, 22]), (2, 1, [30])]
+    for name in ("torch", "flex"):
+        runner = make_runner(
+            tiny_llama_dir,
+            kernels=f"attention={name},layer_ops=torch,matmul=aten",
+            kernel_cache="",
+        )
+        prompt = random_prompt(30, seed=1)
+        runner.step_logits(make_plan([Chunk(0, prompt[:17], 0, list(range(8)))]))
+        runner.step_logits(make_plan([Chunk(1, random_prompt(9, 2), 0, [20, 21, 22])]))
+        plan = make_plan(
+            [
+                Chunk(1, [5], 9, [20, 21, 22]),
+                Chunk(0, prompt[17:], 17, list(range(8))),
+                Chunk(2, random_prompt(1, 3), 0, [30]),
+            ]
+        )
+        # Then a decode-only step of three rows, which the decode runner pads to four.
+        decodes = make_plan([Chunk(i, [6], start, table) for i, start, table in decoding])
+        logits[name] = torch.cat([runner.step_logits(plan), runner.step_logits(decodes)])
+    assert logits["flex"].isfinite().all()
+    assert max_diff(logits["flex"], logits["torch"]) < 1e-4
