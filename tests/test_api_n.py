@@ -145,3 +145,24 @@ def test_best_of_above_n_cannot_be_streamed(cadence_server: RunningServer) -> No
             model=cadence_server.model, prompt=PROMPT, best_of=2, stream=True
         )
     assert info.value.body["param"] == "best_of"
+
+
+def test_echoing_sequences_share_the_prompts_log_probabilities_and_blocks(
+    cadence_server: RunningServer,
+) -> None:
+    """The prompt's log-probabilities are computed once, by the first sequence: the others
+    take them and start from its cached blocks."""
+    prompt = " ".join(f"Verse {i}: waves fold over the stones." for i in range(30))
+    before = cadence_server.wait_idle()["prefix_cache"]["hits_tokens"]
+    reply = client(cadence_server).completions.create(
+        model=cadence_server.model, prompt=prompt, n=3, max_tokens=4, temperature=0,
+        echo=True, logprobs=1,
+    )  # fmt: skip
+    hits = cadence_server.wait_idle()["prefix_cache"]["hits_tokens"] - before
+    first, *others = [c.logprobs for c in reply.choices]
+    prompt_tokens = reply.usage.prompt_tokens
+    assert first.token_logprobs[0] is None and len(first.tokens) == prompt_tokens + 4
+    for other in others:
+        assert other.tokens == first.tokens
+        assert other.token_logprobs[:prompt_tokens] == first.token_logprobs[:prompt_tokens]
+    assert hits >= 2 * ((prompt_tokens - 1) // 16) * 16

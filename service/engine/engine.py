@@ -450,6 +450,9 @@ class Engine:
         """The leader computed its prompt (or ended): its held siblings may start."""
         siblings = self._held.pop(leader.request_id, [])
         for sibling in siblings:
+            if leader.prompt_logprobs is not None and not leader.needs_prompt_logprobs:
+                # the same prompt's (`echo`): taken as computed, so it may start from the cache
+                sibling.prompt_logprobs = leader.prompt_logprobs
             if not sibling.is_finished and self._scheduler is not None:
                 self._scheduler.add(sibling)
         if siblings:
