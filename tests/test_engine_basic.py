@@ -157,6 +157,18 @@ async def test_full_queue_is_overloaded(autojump_clock):
             await engine.submit([1, 2, 3], greedy(4), request_id="one-too-many")
 
 
+async def test_each_of_n_sequences_takes_a_place_in_the_queue(autojump_clock):
+    config = sim_config(max_queue=3, max_num_seqs=1)
+    async with running_engine(config) as engine:
+        await engine.submit([1, 2, 3], greedy(400), request_id="runs")
+        await engine.submit([1, 2, 3], greedy(400), request_id="waits")
+        with pytest.raises(Overloaded):  # 1 waiting + 3 > 3
+            await engine.submit([4, 5, 6], greedy(4), request_id="three", n=3)
+        await engine.submit([4, 5, 6], greedy(400), request_id="two", n=2)  # 1 + 2 fits
+        with pytest.raises(Overloaded):  # the held second sequence counts too
+            await engine.submit([7, 8, 9], greedy(4), request_id="one")
+
+
 async def test_submit_before_start_and_after_shutdown_is_unavailable(autojump_clock):
     from service.engine.engine import Engine
 

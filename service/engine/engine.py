@@ -391,7 +391,7 @@ class Engine:
         params = ticket.params
         validate(ticket.prompt_token_ids, params, self._limits(), ticket.tenant, ticket.priority)
         deadline = self._deadline_of(ticket)
-        self._shed_if_overloaded(sched, len(ticket.prompt_token_ids), deadline)
+        self._shed_if_overloaded(sched, len(ticket.prompt_token_ids), deadline, ticket.n)
         assert params.max_tokens is not None
         # never blocks: a token event per output token, the finish event, and a spare, each
         send, receive = trio.open_memory_channel(ticket.n * (params.max_tokens + 2))
@@ -463,15 +463,16 @@ class Engine:
         return ticket.received + min(waits) if waits else None
 
     def _shed_if_overloaded(
-        self, sched: Scheduler, prompt_len: int, deadline: float | None
+        self, sched: Scheduler, prompt_len: int, deadline: float | None, sequences: int
     ) -> None:
         """Refuse at arrival, in milliseconds, what the queue cannot take or cannot serve in
-        time: too many requests or prompt tokens waiting, a predicted TTFT over
-        --max-predicted-ttft, or a predicted start after the request's deadline."""
-        if len(sched.waiting) >= self.config.max_queue:
-            raise Overloaded(
-                f"{len(sched.waiting)} requests are waiting; try again later", "queue_full"
-            )
+        time: too many sequences or prompt tokens waiting, a predicted TTFT over
+        --max-predicted-ttft, or a predicted start after the request's deadline. A request's
+        n sequences all take a place in the queue (the held ones too); its prompt counts
+        once, since the later ones find it in the prefix cache."""
+        waiting = len(sched.waiting) + sum(len(held) for held in self._held.values())
+        if waiting + sequences > self.config.max_queue:
+            raise Overloaded(f"{waiting} sequences are waiting; try again later", "queue_full")
         assert self.max_model_len is not None
         queued = sched.queued_prompt_tokens()
         if queued + prompt_len > max(self.config.max_queued_tokens, self.max_model_len):
