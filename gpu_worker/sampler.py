@@ -145,13 +145,13 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, tops: list[int])
     """float32 logits [S, vocab] -> each row's log-probability of its target token and of
     its tops[row] most likely tokens; at least MIN_LOGPROB (a masked token's), since JSON
     has no -inf."""
-    log_probs = torch.log_softmax(logits.float(), dim=-1).clamp(min=MIN_LOGPROB)
-    chosen = log_probs.gather(1, targets[:, None])[:, 0].tolist()
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = log_probs.gather(1, targets[:, None])[:, 0].clamp(min=MIN_LOGPROB).tolist()
     k = min(max(tops, default=0), log_probs.shape[1])
     if k == 0:
         return TokenLogprobs(chosen, [[] for _ in tops], [[] for _ in tops])
     best = log_probs.topk(k, dim=-1)
-    ids, values = best.indices.tolist(), best.values.tolist()
+    ids, values = best.indices.tolist(), best.values.clamp(min=MIN_LOGPROB).tolist()
     return TokenLogprobs(
         chosen,
         [row[:top] for row, top in zip(ids, tops, strict=True)],
