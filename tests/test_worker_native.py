@@ -64,9 +64,13 @@ def test_kernel_matches_pytorch_decode(dtype, tolerance, head_dim, group_size, b
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
 
 
-def test_kernel_rejects_a_block_outside_the_cache():
-    q, k_cache, v_cache, tables, lens = random_decode_case(torch.float32, 64, 3, 16, seed=0)
-    tables[0, 0] = k_cache.shape[1]
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seq", [0, 1, 4])  # a thread's first task, and later ones: the
+# bfloat16 kernel reads the next task's table to prefetch its rows while it runs this one
+def test_kernel_rejects_a_block_outside_the_cache(dtype, seq):
+    q, k_cache, v_cache, tables, lens = random_decode_case(dtype, 64, 3, 16, seed=0)
+    last_block = (int(lens[seq]) - 1) // 16
+    tables[seq, last_block] = k_cache.shape[1]
     kernel = native.kernels().paged_decode_attention
     with pytest.raises(RuntimeError, match="outside the cache"):
         kernel(q, k_cache, v_cache, tables, lens, 0.125)

@@ -147,13 +147,32 @@ struct CacheRows {
 
   bool quantized() const { return kind != Codes::kNone; }
 
+  // The bytes of a row of d values, and how many.
+  const char* bytes(int64_t row, int64_t d) const {
+    return quantized() ? reinterpret_cast<const char*>(codes + row * d)
+                       : reinterpret_cast<const char*>(values + row * d);
+  }
+  int64_t row_bytes(int64_t d) const {
+    return d * (quantized() ? 1 : static_cast<int64_t>(sizeof(T)));
+  }
+
   // Asks for the cache lines of a row (and of its scale).
   void prefetch(int64_t row, int64_t d) const {
-    const char* bytes = quantized() ? reinterpret_cast<const char*>(codes + row * d)
-                                    : reinterpret_cast<const char*>(values + row * d);
-    const int64_t size = d * (quantized() ? 1 : static_cast<int64_t>(sizeof(T)));
-    for (int64_t byte = 0; byte < size; byte += 64) __builtin_prefetch(bytes + byte);
+    const char* first = bytes(row, d);
+    for (int64_t byte = 0; byte < row_bytes(d); byte += 64) __builtin_prefetch(first + byte);
     if (quantized()) __builtin_prefetch(scales + row);
+  }
+
+  // Appends the addresses of the cache lines of rows [first, first + n) (and of their
+  // scales), which lie one after another.
+  void lines(int64_t first, int64_t n, int64_t d, std::vector<const char*>& out) const {
+    const char* start = bytes(first, d);
+    for (int64_t byte = 0; byte < n * row_bytes(d); byte += 64) out.push_back(start + byte);
+    if (!quantized()) return;
+    const char* scale_bytes = reinterpret_cast<const char*>(scales + first);
+    for (int64_t byte = 0; byte < n * static_cast<int64_t>(sizeof(float)); byte += 64) {
+      out.push_back(scale_bytes + byte);
+    }
   }
 
   // An 8-bit cache's row -> out: T, or floats holding T's values.

@@ -303,18 +303,24 @@ void attend(const Problem<T>& p, int64_t seq, int64_t head, std::vector<float>& 
 }
 
 #if defined(__AVX512BF16__)
+// Sequence `seq`'s keys and values, for the bfloat16 arithmetic.
+PagedKV paged_kv(const Problem<bf16>& p, int64_t seq) {
+  return PagedKV{p.k, p.v, p.block_tables + seq * p.width, p.cache_blocks, p.block_size,
+                 p.head_dim};
+}
+
 // As attend, for bfloat16 on CPUs with AVX512-BF16: the prefill kernel's arithmetic
 // (bf16_attention.h), so that a token decoded here and the same token recomputed in a
 // prefill chunk after a preemption get the same bits. With one query token per task there
 // is nothing to reuse a layout for: keys are transposed block by block as they are used.
-void attend_bf16(const Problem<bf16>& p, int64_t seq, int64_t head, Workspace& w) {
+// `ahead` holds the next task's cache lines, asked for while this one computes.
+void attend_bf16(const Problem<bf16>& p, int64_t seq, int64_t head, Workspace& w,
+                 Ahead& ahead) {
   const int64_t len = p.context_lens[seq];
-  check_sequence(p, seq, len);
-  const PagedKV kv{p.k, p.v, p.block_tables + seq * p.width, p.cache_blocks, p.block_size,
-                   p.head_dim};
+  const PagedKV kv = paged_kv(p, seq);
   w.start(kv, head, len, std::min(p.group, kUnit));
   w.keys.resize(2 * p.head_dim / 2 * kKeys);
-  const Direct keys_and_values{w, p.head_dim, len, w.keys.data()};
+  const Direct keys_and_values{w, p.head_dim, len, w.keys.data(), ahead};
   for (int64_t first = 0; first < p.group; first += kUnit) {
     const int64_t n = std::min(kUnit, p.group - first);
     Unit u;
@@ -326,6 +332,23 @@ void attend_bf16(const Problem<bf16>& p, int64_t seq, int64_t head, Workspace& w
     }
     u.max_len = len;
     attend_unit(u, n, p.head_dim, p.scale, w, keys_and_values);
+  }
+}
+
+// The tasks [begin, end) in order, each asking for the next one's cache lines.
+void attend_bf16_tasks(const Problem<bf16>& p, int64_t begin, int64_t end) {
+  Workspace w;
+  Ahead ahead;
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t seq = task / p.kv_heads;
+    if (task == begin) check_sequence(p, seq, p.context_lens[seq]);
+    ahead.reset();
+    if (task + 1 < end) {
+      const int64_t next = (task + 1) / p.kv_heads;
+      check_sequence(p, next, p.context_lens[next]);  // before its table is read
+      paged_kv(p, next).lines((task + 1) % p.kv_heads, p.context_lens[next], ahead.lines);
+    }
+    attend_bf16(p, seq, task % p.kv_heads, w, ahead);
   }
 }
 
@@ -343,10 +366,7 @@ void run(const Problem<T>& p, int64_t batch) {
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, bf16>) {
       if (bf16_kernel_serves(p.head_dim)) {
-        Workspace w;
-        for (int64_t task = begin; task < end; ++task) {
-          attend_bf16(p, task / p.kv_heads, task % p.kv_heads, w);
-        }
+        attend_bf16_tasks(p, begin, end);
         return;
       }
     }
