@@ -151,13 +151,32 @@ async def test_kill_ends_a_stopped_worker_at_once():
 
 
 async def test_the_worker_does_not_inherit_the_admin_token():
-    env = dict(os.environ, FAKE_WORKER_MODE="ok", CADENCE_ADMIN_TOKEN="secret")
+    child_env = await child_env_of(CADENCE_ADMIN_TOKEN="secret")
+    assert "CADENCE_ADMIN_TOKEN" not in child_env and child_env["FAKE_WORKER_MODE"] == "ok"
+
+
+async def child_env_of(**variables: str) -> dict[str, str]:
+    env = dict(os.environ, FAKE_WORKER_MODE="ok", **variables)
     worker = WorkerLink(WorkerConfig(model_dir="/none"), command=[sys.executable, CHILD], env=env)
     await worker.start()
     await worker._send({"type": "env"})
     child_env = (await worker._receive())["env"]
     await worker.stop()
-    assert "CADENCE_ADMIN_TOKEN" not in child_env and child_env["FAKE_WORKER_MODE"] == "ok"
+    return child_env
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        (None, "glibc.malloc.hugetlb=1"),
+        ("glibc.malloc.arena_max=2", "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"),
+        ("glibc.malloc.hugetlb=0", "glibc.malloc.hugetlb=0"),  # the operator's choice stands
+    ],
+)
+async def test_the_worker_asks_glibc_for_huge_pages(given, expected, monkeypatch):
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    variables = {} if given is None else {"GLIBC_TUNABLES": given}
+    assert (await child_env_of(**variables))["GLIBC_TUNABLES"] == expected
 
 
 async def test_start_warms_the_worker_up_with_a_prefill_and_a_decode_step():
