@@ -54,38 +54,6 @@ struct PagedKV {
     }
     std::fill(out.begin() + len, out.end(), out[len - 1]);
   }
-
-  // The cache lines of the keys, then the values, of tokens [0, len) of `head`.
-  void lines(int64_t head, int64_t len, std::vector<const char*>& out) const {
-    for (const CacheRows<bf16>* cache : {&k, &v}) {
-      for (int64_t t = 0, i = 0; t < len; t += block_size, ++i) {
-        const int64_t first = (head * cache_blocks + table[i]) * block_size;
-        cache->lines(first, std::min(block_size, len - t), d, out);
-      }
-    }
-  }
-};
-
-// The cache lines of the task after this one, asked for a few at a time while this one
-// computes. Decode attention streams the KV cache, and a task's few hundred rows are too
-// short a stream for the CPU's own prefetcher: without this a task's reads and its
-// arithmetic take turns (a decode step's attention at batch 64, context 320 from 28-36 ms
-// to 22-24 ms on a Zen 4, whose caches the 30 layers' KV cache far exceeds). All at once,
-// the requests fill the core's queue of misses and stall the task's own loads; into L1
-// (prefetcht0), the next task's rows evict the current one's.
-struct Ahead {
-  std::vector<const char*> lines;
-  size_t asked = 0;
-
-  void reset() {
-    lines.clear();
-    asked = 0;
-  }
-
-  void ask(size_t n) {
-    const size_t end = std::min(lines.size(), asked + n);
-    for (; asked < end; ++asked) __builtin_prefetch(lines[asked], 0, 2);
-  }
 };
 
 // One kv head's keys and values [0, len) of a task, and the scores of a pass.
@@ -224,9 +192,8 @@ struct LaidOut {
   }
 };
 
-//   Each key block and value pair also asks for a share of the next task's cache lines:
-//   with 16 keys per block and a pair per 32 dims, the keys' pass asks for the next
-//   task's keys and the values' pass for its values, both for 64-dim heads.
+//   Each key block and value pair also asks for as many of the next task's cache lines
+//   as it reads of this one's (Ahead).
 struct Direct {
   const Workspace& w;
   int64_t d, len;
@@ -234,14 +201,14 @@ struct Direct {
   Ahead& ahead;
 
   const uint32_t* key_block(int64_t b) const {
-    ahead.ask(2 * kKeys);
+    ahead.ask(kKeys * lines_of_row(d * static_cast<int64_t>(sizeof(bf16))));
     uint32_t* dst = blocks + (b % 2) * d / 2 * kKeys;
     transpose_key_block(w, b, len, d, dst);
     return dst;
   }
 
   void pair(int64_t m, int64_t c, __m512bh& low, __m512bh& high) const {
-    ahead.ask(2);
+    ahead.ask(2);  // 32 dims of two rows: two lines
     __m512i lo, hi;
     value_pair(w, m, c, len, lo, hi);
     low = (__m512bh)lo;

@@ -65,6 +65,17 @@ struct Problem {
   int64_t heads, kv_heads, group, head_dim, cache_blocks, block_size, width;
   float scale;
 
+  // The cache lines of the keys, then the values, of tokens [0, len) of sequence `seq`
+  // under kv head `head`.
+  void task_lines(int64_t seq, int64_t head, int64_t len, std::vector<const char*>& out) const {
+    for (const CacheRows<T>* cache : {&k, &v}) {
+      for (int64_t t = 0, i = 0; t < len; t += block_size, ++i) {
+        const int64_t first = (head * cache_blocks + block_tables[seq * width + i]) * block_size;
+        cache->lines(first, std::min(block_size, len - t), head_dim, out);
+      }
+    }
+  }
+
   // The rows in a cache of tokens [0, len) of sequence `seq` under kv head `head` (the same
   // for K and V), walking the block table once rather than dividing per token.
   void row_ids(int64_t seq, int64_t head, int64_t len, int64_t* ids) const {
@@ -230,23 +241,18 @@ Buffers carve(std::vector<float>& scratch, int64_t group, int64_t d, int64_t len
   return b;
 }
 
-// Scores of the group's queries, scaled -> b.scores, for the tokens of rows `ids`
-// (followed by kPrefetchTokens more to prefetch).
+// Scores of the group's queries, scaled -> b.scores, for the tokens of rows `ids`.
 template <typename T>
 void key_scores(const Problem<T>& p, int64_t seq, int64_t first_head, const int64_t* ids,
-                int64_t len, const Buffers& b) {
-  const int64_t d = p.head_dim;
+                int64_t len, const Buffers& b, Ahead& ahead) {
+  const int64_t d = p.head_dim, lines = kRows * lines_of_row(p.k.row_bytes(d));
   for (int64_t g = 0; g < p.group; ++g) {
     const T* src = query(p, seq, first_head + g);
     for (int64_t i = 0; i < d; ++i) b.q[g * d + i] = to_float(src[i]);
   }
   for (int64_t t = 0; t < len; t += kRows) {
     const int64_t n = std::min(kRows, len - t);
-    for (int64_t r = 0; r < n; ++r) {
-      // The values too: the value pass then finds them in the CPU's cache.
-      p.k.prefetch(ids[t + r + kPrefetchTokens], d);
-      p.v.prefetch(ids[t + r + kPrefetchTokens], d);
-    }
+    ahead.ask(lines);
     stage(p.k, ids + t, n, d, b.rows);
     for (int64_t g = 0; g < p.group; ++g) {
       dot_rows(b.q + g * d, b.rows, d, b.four);
@@ -267,11 +273,13 @@ void softmax_rows(const Problem<T>& p, int64_t len, const Buffers& b) {
 
 // b.acc[g] = sum over tokens of probability g * value row.
 template <typename T>
-void weighted_values(const Problem<T>& p, const int64_t* ids, int64_t len, const Buffers& b) {
-  const int64_t d = p.head_dim;
+void weighted_values(const Problem<T>& p, const int64_t* ids, int64_t len, const Buffers& b,
+                     Ahead& ahead) {
+  const int64_t d = p.head_dim, lines = kRows * lines_of_row(p.v.row_bytes(d));
   std::fill(b.acc, b.acc + p.group * d, 0.f);
   for (int64_t t = 0; t < len; t += kRows) {
     const int64_t n = std::min(kRows, len - t);
+    ahead.ask(lines);
     stage(p.v, ids + t, n, d, b.rows);
     for (int64_t g = 0; g < p.group; ++g) {
       std::fill(b.four, b.four + kRows, 0.f);  // the zero rows past the end get no weight
@@ -282,33 +290,25 @@ void weighted_values(const Problem<T>& p, const int64_t* ids, int64_t len, const
 }
 
 // One sequence and kv head: the `group` query heads that share it, start to finish.
-// `scratch` and `ids` (the tokens' rows in the caches) are reused across tasks.
+// `scratch` and `ids` (the tokens' rows in the caches) are reused across tasks; `ahead`
+// holds the next task's cache lines, asked for while this one computes.
 template <typename T>
 void attend(const Problem<T>& p, int64_t seq, int64_t head, std::vector<float>& scratch,
-            std::vector<int64_t>& ids) {
+            std::vector<int64_t>& ids, Ahead& ahead) {
   const int64_t len = p.context_lens[seq];
-  check_sequence(p, seq, len);
   const Buffers b = carve(scratch, p.group, p.head_dim, len);
-  ids.resize(len + kPrefetchTokens);
+  ids.resize(len);
   p.row_ids(seq, head, len, ids.data());
-  // Past the end, prefetch the last row again rather than test every time.
-  std::fill(ids.begin() + len, ids.end(), ids[len - 1]);
 
   const int64_t first_head = head * p.group;
-  key_scores(p, seq, first_head, ids.data(), len, b);
+  key_scores(p, seq, first_head, ids.data(), len, b, ahead);
   softmax_rows(p, len, b);
-  weighted_values(p, ids.data(), len, b);
+  weighted_values(p, ids.data(), len, b, ahead);
   T* out = p.out + (seq * p.heads + first_head) * p.head_dim;
   for (int64_t i = 0; i < p.group * p.head_dim; ++i) out[i] = static_cast<T>(b.acc[i]);
 }
 
 #if defined(__AVX512BF16__)
-// Sequence `seq`'s keys and values, for the bfloat16 arithmetic.
-PagedKV paged_kv(const Problem<bf16>& p, int64_t seq) {
-  return PagedKV{p.k, p.v, p.block_tables + seq * p.width, p.cache_blocks, p.block_size,
-                 p.head_dim};
-}
-
 // As attend, for bfloat16 on CPUs with AVX512-BF16: the prefill kernel's arithmetic
 // (bf16_attention.h), so that a token decoded here and the same token recomputed in a
 // prefill chunk after a preemption get the same bits. With one query token per task there
@@ -317,7 +317,8 @@ PagedKV paged_kv(const Problem<bf16>& p, int64_t seq) {
 void attend_bf16(const Problem<bf16>& p, int64_t seq, int64_t head, Workspace& w,
                  Ahead& ahead) {
   const int64_t len = p.context_lens[seq];
-  const PagedKV kv = paged_kv(p, seq);
+  const PagedKV kv{p.k, p.v, p.block_tables + seq * p.width, p.cache_blocks, p.block_size,
+                   p.head_dim};
   w.start(kv, head, len, std::min(p.group, kUnit));
   w.keys.resize(2 * p.head_dim / 2 * kKeys);
   const Direct keys_and_values{w, p.head_dim, len, w.keys.data(), ahead};
@@ -335,28 +336,28 @@ void attend_bf16(const Problem<bf16>& p, int64_t seq, int64_t head, Workspace& w
   }
 }
 
-// The tasks [begin, end) in order, each asking for the next one's cache lines.
-void attend_bf16_tasks(const Problem<bf16>& p, int64_t begin, int64_t end) {
-  Workspace w;
-  Ahead ahead;
-  for (int64_t task = begin; task < end; ++task) {
-    const int64_t seq = task / p.kv_heads;
-    if (task == begin) check_sequence(p, seq, p.context_lens[seq]);
-    ahead.reset();
-    if (task + 1 < end) {
-      const int64_t next = (task + 1) / p.kv_heads;
-      check_sequence(p, next, p.context_lens[next]);  // before its table is read
-      paged_kv(p, next).lines((task + 1) % p.kv_heads, p.context_lens[next], ahead.lines);
-    }
-    attend_bf16(p, seq, task % p.kv_heads, w, ahead);
-  }
-}
-
 // Whether attend_bf16 serves these shapes: head_dim a multiple of 32 up to 256.
 bool bf16_kernel_serves(int64_t head_dim) {
   return head_dim % kChunk == 0 && head_dim <= 8 * kChunk;
 }
 #endif
+
+// Tasks [begin, end) in order: attend(seq, head, ahead) each, with `ahead` holding the
+// next task's cache lines. Every sequence is checked before its table is read.
+template <typename T, typename Attend>
+void attend_in_order(const Problem<T>& p, int64_t begin, int64_t end, const Attend& attend) {
+  Ahead ahead;
+  check_sequence(p, begin / p.kv_heads, p.context_lens[begin / p.kv_heads]);
+  for (int64_t task = begin; task < end; ++task) {
+    ahead.reset();
+    if (task + 1 < end) {
+      const int64_t next = (task + 1) / p.kv_heads;
+      check_sequence(p, next, p.context_lens[next]);
+      p.task_lines(next, (task + 1) % p.kv_heads, p.context_lens[next], ahead.lines);
+    }
+    attend(task / p.kv_heads, task % p.kv_heads, ahead);
+  }
+}
 
 template <typename T>
 void run(const Problem<T>& p, int64_t batch) {
@@ -366,16 +367,19 @@ void run(const Problem<T>& p, int64_t batch) {
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, bf16>) {
       if (bf16_kernel_serves(p.head_dim)) {
-        attend_bf16_tasks(p, begin, end);
+        Workspace w;
+        attend_in_order(p, begin, end, [&](int64_t seq, int64_t head, Ahead& ahead) {
+          attend_bf16(p, seq, head, w, ahead);
+        });
         return;
       }
     }
 #endif
     std::vector<float> scratch;
     std::vector<int64_t> ids;
-    for (int64_t task = begin; task < end; ++task) {
-      attend(p, task / p.kv_heads, task % p.kv_heads, scratch, ids);
-    }
+    attend_in_order(p, begin, end, [&](int64_t seq, int64_t head, Ahead& ahead) {
+      attend(p, seq, head, scratch, ids, ahead);
+    });
   });
 }
 
