@@ -161,7 +161,7 @@ def plan_of(seqs: list[Seq], step_id: int = 0) -> BatchPlan:
         num_tokens=[len(s.tokens) for s in seqs],
         start_pos=[s.start for s in seqs],
         input_ids=[t for s in seqs for t in s.tokens],
-        block_tables=[s.table for s in seqs],
+        block_tables=[list(s.table) for s in seqs],
         sample=[s.sample for s in seqs],
         sampling=[s.spec for s in seqs],
     )

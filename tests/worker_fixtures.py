@@ -1,15 +1,17 @@
-"""Tiny random Hugging Face models and plan helpers for the worker tests (import explicitly)."""
+"""Tiny random Hugging Face models and plan helpers for the worker tests (import explicitly);
+steps are planned with the GPU smoke run's own records (ops.gpu_smoke.Seq, plan_of)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
 
-from gpu_worker.protocol import BatchPlan, SamplingSpec, WorkerConfig
+from gpu_worker.protocol import SamplingSpec, WorkerConfig
 from gpu_worker.runner import ModelRunner
+from ops.gpu_smoke import Seq as Chunk
+from ops.gpu_smoke import plan_of as make_plan
 from service.config import default_cache_dir
 
 VOCAB = 256
@@ -88,29 +90,6 @@ def make_runner(model_dir: Path, **overrides) -> ModelRunner:
     )
     settings.update(overrides)
     return ModelRunner(WorkerConfig(**settings))
-
-
-@dataclass(slots=True)
-class Chunk:
-    seq_id: int
-    tokens: list[int]
-    start: int
-    table: list[int]
-    sample: bool = True
-    spec: SamplingSpec = field(default_factory=SamplingSpec)
-
-
-def make_plan(chunks: list[Chunk], step_id: int = 0) -> BatchPlan:
-    return BatchPlan(
-        step_id=step_id,
-        seq_ids=[c.seq_id for c in chunks],
-        num_tokens=[len(c.tokens) for c in chunks],
-        start_pos=[c.start for c in chunks],
-        input_ids=[t for c in chunks for t in c.tokens],
-        block_tables=[list(c.table) for c in chunks],
-        sample=[c.sample for c in chunks],
-        sampling=[c.spec for c in chunks],
-    )
 
 
 def blocks_for(first_block: int, num_tokens: int) -> list[int]:
