@@ -158,7 +158,8 @@ inline void value_pair(const Workspace& w, int64_t m, int64_t c, int64_t len, __
 //   then read by every query of the task;
 // - Direct (decode, one query token, nothing to reuse a layout for): each key block
 //   transposed into a small buffer just before it is scored, and value pairs interleaved
-//   straight from the cache rows.
+//   straight from the cache rows; each also asks for as many of the next task's cache
+//   lines as it reads of this one's (Ahead).
 struct LaidOut {
   const Workspace& w;
   int64_t d;
@@ -192,8 +193,6 @@ struct LaidOut {
   }
 };
 
-//   Each key block and value pair also asks for as many of the next task's cache lines
-//   as it reads of this one's (Ahead).
 struct Direct {
   const Workspace& w;
   int64_t d, len;

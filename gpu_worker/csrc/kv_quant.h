@@ -135,6 +135,12 @@ void dequantize_row(Codes kind, const uint8_t* codes, float scale, int64_t d, Ou
   }
 }
 
+// Bytes one after another in memory.
+struct Span {
+  const char* start;
+  int64_t size;
+};
+
 // One paged cache [kv_heads, blocks, block_size, d] as the attention kernels read it: rows
 // of the model dtype T, or 8-bit codes with one scale per row. A row is addressed by its
 // index in [kv_heads * blocks * block_size].
@@ -163,15 +169,13 @@ struct CacheRows {
     if (quantized()) __builtin_prefetch(scales + row);
   }
 
-  // Appends the addresses of the cache lines of rows [first, first + n) (and of their
-  // scales), which lie one after another.
-  void lines(int64_t first, int64_t n, int64_t d, std::vector<const char*>& out) const {
-    const char* start = bytes(first, d);
-    for (int64_t byte = 0; byte < n * row_bytes(d); byte += 64) out.push_back(start + byte);
-    if (!quantized()) return;
-    const char* scale_bytes = reinterpret_cast<const char*>(scales + first);
-    for (int64_t byte = 0; byte < n * static_cast<int64_t>(sizeof(float)); byte += 64) {
-      out.push_back(scale_bytes + byte);
+  // Appends the memory of rows [first, first + n), which lie one after another (and of
+  // their scales).
+  void spans(int64_t first, int64_t n, int64_t d, std::vector<Span>& out) const {
+    out.push_back({bytes(first, d), n * row_bytes(d)});
+    if (quantized()) {
+      out.push_back({reinterpret_cast<const char*>(scales + first),
+                     n * static_cast<int64_t>(sizeof(float))});
     }
   }
 
@@ -194,17 +198,25 @@ constexpr int64_t lines_of_row(int64_t bytes) { return (bytes + 63) / 64; }
 // misses and stall the task's own loads; into L1 (prefetcht0), the next task's rows evict
 // the current one's.
 struct Ahead {
-  std::vector<const char*> lines;
-  size_t asked = 0;
+  std::vector<Span> spans;  // of the next task, in the order it reads them
+  size_t span = 0;  // the first span not asked for in full
+  int64_t offset = 0;  // the bytes of it asked for
 
   void reset() {
-    lines.clear();
-    asked = 0;
+    spans.clear();
+    span = 0;
+    offset = 0;
   }
 
+  // Asks for the next n cache lines.
   void ask(int64_t n) {
-    const size_t end = std::min(lines.size(), asked + static_cast<size_t>(n));
-    for (; asked < end; ++asked) __builtin_prefetch(lines[asked], 0, 2);
+    for (; n > 0 && span < spans.size(); ++span, offset = 0) {
+      const Span& s = spans[span];
+      for (; n > 0 && offset < s.size; offset += 64, --n) {
+        __builtin_prefetch(s.start + offset, 0, 2);
+      }
+      if (offset < s.size) return;
+    }
   }
 };
 

@@ -65,13 +65,13 @@ struct Problem {
   int64_t heads, kv_heads, group, head_dim, cache_blocks, block_size, width;
   float scale;
 
-  // The cache lines of the keys, then the values, of tokens [0, len) of sequence `seq`
-  // under kv head `head`.
-  void task_lines(int64_t seq, int64_t head, int64_t len, std::vector<const char*>& out) const {
+  // The memory of the keys, then the values, of tokens [0, len) of sequence `seq` under
+  // kv head `head`.
+  void task_spans(int64_t seq, int64_t head, int64_t len, std::vector<Span>& out) const {
     for (const CacheRows<T>* cache : {&k, &v}) {
       for (int64_t t = 0, i = 0; t < len; t += block_size, ++i) {
         const int64_t first = (head * cache_blocks + block_tables[seq * width + i]) * block_size;
-        cache->lines(first, std::min(block_size, len - t), head_dim, out);
+        cache->spans(first, std::min(block_size, len - t), head_dim, out);
       }
     }
   }
@@ -353,7 +353,7 @@ void attend_in_order(const Problem<T>& p, int64_t begin, int64_t end, const Atte
     if (task + 1 < end) {
       const int64_t next = (task + 1) / p.kv_heads;
       check_sequence(p, next, p.context_lens[next]);
-      p.task_lines(next, (task + 1) % p.kv_heads, p.context_lens[next], ahead.lines);
+      p.task_spans(next, (task + 1) % p.kv_heads, p.context_lens[next], ahead.spans);
     }
     attend(task / p.kv_heads, task % p.kv_heads, ahead);
   }
