@@ -293,10 +293,10 @@ class NativeRowsAttention(NativeAttention):
 
 class HybridAttention(NativeAttention):
     """The C++ decode kernel, PyTorch's prefill (oneDNN and flash attention, which use AMX
-    tiles where a CPU has them). Not row invariant, so the chooser takes it only where the
-    invariant candidates fail or are far slower (kernel_choice.PREFERENCE_WORTH); it is
-    measured and reported, and `--kernels attention=hybrid` pins it where long prompts'
-    TTFT matters more than exact recompute."""
+    tiles where a CPU has them). Not row invariant, so the chooser takes it only where no
+    invariant candidate passes its check; it is measured and reported, and
+    `--kernels attention=hybrid` pins it where long prompts' TTFT matters more than exact
+    recompute."""
 
     name = "hybrid"
     row_invariant = False

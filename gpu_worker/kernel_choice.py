@@ -8,11 +8,12 @@ reference, and is timed; the fastest that passes is used.
 
 Attention has one more check. A candidate that claims row invariance is held to it, bit
 for bit: a decode row alone and among others, and a prefill row against the same token
-decoded. Candidates that keep it, or that read the cache in place (paged, as FlexAttention
-on CUDA), win over faster ones that do not, up to PREFERENCE_WORTH times slower, because
-recompute after a preemption must reproduce the tokens decoded before it
-(tests/test_worker_batch_invariance.py shows it on the real model), and a gathered copy of
-the context is memory the KV budget does not count.
+decoded. Where such a candidate passes, only those serve, however much faster another is:
+recompute after a preemption must reproduce the tokens decoded before it, and a row's
+tokens must not depend on its batch (tests/test_worker_batch_invariance.py shows it on the
+real model). Where none is offered (CUDA), candidates that read the cache in place (paged,
+as FlexAttention) win over the gathering reference, whose copy of the context is memory
+the KV budget does not count.
 
 The choice is cached in a JSON file (the service passes <cache dir>/kernels.json), one
 entry per CPU model and ISA flags, torch version, kernel sources, device, dtype, model
@@ -42,16 +43,11 @@ from gpu_worker.kernels import Kernels
 from gpu_worker.kv_cache import LayerKV
 from gpu_worker.kv_quant import quantize_rows
 from gpu_worker.layer_ops import LayerOps, write_kv
-from gpu_worker.model import Linear
+from gpu_worker.linear import Linear
 from gpu_worker.model_config import ModelConfig
 
 C = TypeVar("C")
 REPEATS = 5  # timed rounds, after one warm-up; each candidate's fastest round counts
-# How much slower a row-invariant attention kernel may be and still win: invariance makes
-# recompute after a preemption exact and a row independent of its batch, worth a lot, but
-# not everything: on a CPU without AVX-512 the C++ kernels run scalar loops, and there a
-# PyTorch kernel several times faster should serve. (Here, float32: 1.9x.)
-PREFERENCE_WORTH = 3.0
 # Agreement with the reference: the PyTorch and C++ paths sum in other orders.
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
 
@@ -135,8 +131,8 @@ def pick(
     preferred: Callable[[C], bool] = lambda candidate: True,
     clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[C, list[Trial]]:
-    """The fastest candidate whose check passes (returns None); but a preferred one when it
-    is at most PREFERENCE_WORTH times slower than the fastest.
+    """The fastest preferred candidate whose check passes (returns None); the fastest
+    passing one only when no preferred one passes.
 
     Candidates are timed in turns, one run each per round, so that a change in the
     machine's load (a neighbour on a shared host) weighs on all of them alike; each gets
@@ -163,11 +159,8 @@ def pick(
         raise NoCorrectKernel("; ".join(f"{t.name}: {t.failed}" for t in trials))
     # Ties go to the earlier candidate: min keeps the first of equals.
     best_time = {id(c): min(times[id(c)]) for c in passing}
-    fastest = min(passing, key=lambda c: best_time[id(c)])
-    favoured = [c for c in passing if preferred(c)]
-    best = min(favoured, key=lambda c: best_time[id(c)]) if favoured else fastest
-    if best_time[id(best)] > PREFERENCE_WORTH * best_time[id(fastest)]:
-        best = fastest
+    favoured = [c for c in passing if preferred(c)] or passing
+    best = min(favoured, key=lambda c: best_time[id(c)])
     return best, trials
 
 
@@ -359,10 +352,19 @@ def choose_attention(
         lambda backend: backend.name,
         lambda backend: check_attention(backend, case, expected),
         workload,
-        # Paged kernels read the cache in place; TorchAttention's decode gathers every key
-        # into a buffer that the KV budget does not count (gigabytes at long contexts).
-        preferred=lambda backend: backend.row_invariant or backend.paged,
+        preferred=attention_preference(candidates),
     )
+
+
+def attention_preference(
+    candidates: Sequence[AttentionBackend],
+) -> Callable[[AttentionBackend], bool]:
+    """Row invariance where any candidate offers it; else reading the cache in place:
+    TorchAttention's decode gathers every key into a buffer that the KV budget does not
+    count (gigabytes at long contexts)."""
+    if any(backend.row_invariant for backend in candidates):
+        return lambda backend: backend.row_invariant
+    return lambda backend: backend.paged
 
 
 # ---- layer ops --------------------------------------------------------------------------

@@ -23,84 +23,15 @@ import torch.nn.functional as F
 from gpu_worker.attention import AttentionMetadata, paged_attention
 from gpu_worker.kernels import Kernels
 from gpu_worker.kv_cache import LayerKV
+from gpu_worker.linear import LM_HEAD_ROW_SIZES, Linear
 from gpu_worker.model_config import ModelConfig, RopeScaling
 from gpu_worker.sampler import Logits
 
 REFINED_LOGITS = 8  # top logits per row recomputed in float32 when the model runs in bfloat16
-PROBE_ROWS = 64  # rows that decide whether oneDNN reduces a lone row alike (see Linear)
 
 
 class MissingWeights(ValueError):
     """The checkpoint lacks tensors the architecture needs, or has the wrong shapes."""
-
-
-class Linear:
-    """y = x @ weight.T + bias.
-
-    With `prepack` (the "onednn" matmul kernels) the weight is reordered once into oneDNN's
-    blocked layout: the same results, bit for bit, and faster than F.linear, which reorders
-    the weight on every call (most of all for the skinny matmuls of decode steps). Without
-    it, or when oneDNN cannot take the weight, it is plain F.linear.
-
-    A row's result must not depend on how many rows share the call (a token decoded alone
-    or beside others, or recomputed in a prefill chunk). For some shapes oneDNN reduces a
-    lone row in another order than two or more (here: every float32 shape, and bfloat16
-    with 1536 inputs); for those, a lone row goes in as two copies of itself.
-    """
-
-    __slots__ = ("bias", "packed", "pads_lone_rows", "weight")
-
-    def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, prepack: bool = True
-    ) -> None:
-        self.bias = bias
-        self.packed = _onednn_packed(weight, bias) if prepack else None
-        self.weight = weight if self.packed is None else None
-        self.pads_lone_rows = self.packed is not None and not _lone_rows_reduce_alike(self)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
-        if self.pads_lone_rows and x.shape[0] == 1:
-            return self._onednn(torch.cat((x, x)))[:1]
-        return self._onednn(x)
-
-    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-
-_LONE_ROWS_REDUCE_ALIKE: dict[tuple, bool] = {}  # by weight shape, dtype and bias
-
-
-def _lone_rows_reduce_alike(linear: Linear) -> bool:
-    """Whether oneDNN gives a row the same bits alone as among other rows.
-
-    It picks its kernel, and with it the order of summation, by the shapes alone, so one
-    probe per shape decides: PROBE_ROWS fixed random rows, each alone and all together.
-    Where the single-row kernel sums otherwise, about one row in ten shows it.
-    """
-    key = (tuple(linear.packed.shape), linear.packed.dtype, linear.bias is not None)
-    if key not in _LONE_ROWS_REDUCE_ALIKE:
-        generator = torch.Generator().manual_seed(0)
-        rows = torch.randn(PROBE_ROWS, key[0][1], generator=generator).to(key[1])
-        together = linear._onednn(rows)
-        _LONE_ROWS_REDUCE_ALIKE[key] = all(
-            torch.equal(linear._onednn(rows[i : i + 1]), together[i : i + 1])
-            for i in range(PROBE_ROWS)
-        )
-    return _LONE_ROWS_REDUCE_ALIKE[key]
-
-
-def _onednn_packed(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-        probe = torch.ones(1, weight.shape[1], dtype=weight.dtype)
-        torch.ops.mkldnn._linear_pointwise(probe, packed, bias, "none", [], "")
-    except (RuntimeError, AttributeError):  # an old torch or a CPU oneDNN cannot serve
-        return None
-    return packed
 
 
 @dataclass(slots=True)
@@ -140,7 +71,7 @@ class Model:
             lm_head = self.embed
         else:
             lm_head = take("lm_head.weight", (config.vocab_size, config.hidden_size))
-        self.lm_head = Linear(lm_head, prepack=prepack)
+        self.lm_head = Linear(lm_head, prepack=prepack, sizes=LM_HEAD_ROW_SIZES)
         self.lm_head_rows = lm_head  # dense, for recomputing single logits
         self.cos, self.signed_sin = rope_tables(config, max_positions, dtype, device)
 
@@ -200,14 +131,12 @@ class Model:
     def _exact_logits(self, h: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
         """The logits of the `top` ids [S, k] of each row, in float32.
 
-        As in Linear, a lone row goes in as two: bmm reduces a batch of one matrix in
-        another order than a batch of several, and a row's logits must not depend on its
-        company.
+        Summed in float64, where the order of summation is lost in the rounding to float32:
+        a library's matmul may sum a row otherwise by how many rows share the call, and a
+        row's logits must not depend on its company.
         """
-        if h.shape[0] == 1:
-            return self._exact_logits(h.expand(2, -1), top.expand(2, -1))[:1]
-        rows = self.lm_head_rows[top].float()  # [S, k, hidden]
-        return torch.bmm(rows, h.float().unsqueeze(2)).squeeze(2)
+        rows = self.lm_head_rows[top].double()  # [S, k, hidden]
+        return (rows * h.double().unsqueeze(1)).sum(-1).float()
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:

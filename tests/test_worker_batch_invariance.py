@@ -38,15 +38,13 @@ TOKENS = random_tokens(LENGTH, seed=1)
 @pytest.fixture(scope="module", params=["bfloat16", "float32"])
 def runner(request) -> ModelRunner:
     model_dir = resolve_model(None, default_cache_dir())
-    # The row-invariant kernels, pinned: a loaded machine's measurement may otherwise pick a
-    # faster kernel that does not claim invariance (kernel_choice.PREFERENCE_WORTH).
-    attention = {"bfloat16": "native", "float32": "native-rows"}[request.param]
+    # The kernels the chooser picks, as a server would: only row-invariant attention
+    # serves where one passes its check, and every matmul runs in checked call sizes.
     config = WorkerConfig(
         model_dir=str(model_dir),
         dtype=request.param,
         device="cpu",
         kv_memory=float(1 << 28),
-        kernels=f"attention={attention}",
     )
     return ModelRunner(config)
 

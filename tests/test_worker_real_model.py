@@ -60,18 +60,48 @@ def greedy(runner: ModelRunner, prompt: list[int], max_tokens: int, eos: set[int
     return tokens
 
 
+# "What is the capital of France?" is a near-tie for this model: its first answer token
+# leads "L" (of "L'Étoile...") by 0.08 logits in float32 and 0.15 in bfloat16, less than
+# any two correct kernels may differ by, so which one wins is rounding. This prompt's
+# answer leads at every token by far more (1.5 logits or more here, in every dtype and
+# cache), so the test holds on any correct kernel and fails on a wrong one.
+QUESTION = "Complete the sentence: The capital of France is"
+MARGIN = 1.0  # logits by which every token of the answer, up to "Paris", must lead
+
+
+def greedy_with_margins(
+    runner: ModelRunner, prompt: list[int], count: int
+) -> tuple[list[int], list[float]]:
+    """Greedy tokens from logits (the prompt in chunks of 16, then one token per step), and
+    how far each chosen token led the runner-up."""
+    table = list(range(-(-(len(prompt) + count) // runner.cache.block_size)))
+    for start in range(0, len(prompt), 16):
+        logits = runner.step_logits(make_plan([Chunk(0, prompt[start : start + 16], start, table)]))
+    tokens, margins = [], []
+    while len(tokens) < count:
+        best = torch.topk(logits[0].float(), 2)
+        tokens.append(int(best.indices[0]))
+        margins.append(float(best.values[0] - best.values[1]))
+        position = len(prompt) + len(tokens) - 1
+        logits = runner.step_logits(make_plan([Chunk(0, tokens[-1:], position, table)]))
+    return tokens, margins
+
+
 @pytest.mark.parametrize(
     ("dtype", "kv_cache_dtype"),
     [("bfloat16", "auto"), ("float32", "auto"), ("bfloat16", "int8"), ("bfloat16", "fp8")],
 )
 def test_the_default_model_knows_the_capital_of_france(default_model_dir, dtype, kv_cache_dtype):
+    """With every cache: the 8-bit caches' accuracy over varied prompts is measured in
+    tests/test_kv_cache_dtype.py (agreement and logit error against bfloat16)."""
     runner = runner_for(default_model_dir, dtype, kv_cache_dtype)
-    prompt = chat_prompt(default_model_dir, "What is the capital of France?")
-    answer = Tokenizer.from_dir(default_model_dir).decode(
-        greedy(runner, prompt, 32, set(Tokenizer.from_dir(default_model_dir).eos_token_ids))
-    )
-    print(f"\n{dtype}, {kv_cache_dtype} cache: {answer!r}")
+    tokenizer = Tokenizer.from_dir(default_model_dir)
+    tokens, margins = greedy_with_margins(runner, chat_prompt(default_model_dir, QUESTION), 8)
+    answer = tokenizer.decode(tokens)
+    print(f"\n{dtype}, {kv_cache_dtype} cache: {answer!r}, margins {margins}")
     assert "Paris" in answer
+    paris = next(i for i in range(len(tokens)) if "Paris" in tokenizer.decode(tokens[: i + 1]))
+    assert min(margins[: paris + 1]) >= MARGIN
 
 
 def test_real_weights_match_transformers(default_model_dir):

@@ -1,0 +1,184 @@
+"""The model's matmuls, y = x @ weight.T + bias, with each row's bits independent of its call.
+
+A library GEMM picks its kernel, and with it the order in which each output sums its
+products, from the shape, the ISA and the cache sizes. oneDNN on a Zen 4 sums a lone
+float32 row otherwise than two; on a Xeon with AMX, float32 calls of 2 to 45 rows otherwise
+than wider ones. A token's logits would then depend on how many rows shared its step (its
+batch, its prefill chunk), and recompute after a preemption would not reproduce the tokens
+decoded before it. No probe of one shape can tell what the library does with the others.
+
+So a Linear never hands its kernel an arbitrary number of rows. Rows go in calls of a few
+fixed sizes (ROW_SIZES): the rows beyond the largest in calls of the largest, the rest in
+one call of the smallest size that holds them, padded with zero rows. Which sizes a weight
+may use is settled when it loads, on that weight and kernel: each size's calls give probe
+rows at different positions beside different rows, and the sizes whose probe rows come out
+bit for bit alike (and alike at every position) form the set used. Every shape a served
+step can give the kernel is thus a shape that was checked.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# The row counts a kernel is called with: fine steps where a decode batch's padding costs
+# most (its weights stream from memory either way), coarser ones for prefill chunks.
+ROW_SIZES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 96, 128, 160, 192, 224, 256)
+# The LM head's weight is the vocabulary: checking its widest sizes would cost a second of
+# start-up, and its rows (the sampled ones) are few.
+LM_HEAD_ROW_SIZES = tuple(size for size in ROW_SIZES if size <= 64)
+# The rows every size is checked on: enough that they hold PROBE_OUTPUTS outputs (in
+# bfloat16 an order of summation changed shows in about one output in a few thousand).
+PROBE_OUTPUTS = 65536
+MAX_PROBE_ROWS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class RowSizes:
+    """The call sizes whose rows agree bit for bit, ascending."""
+
+    sizes: tuple[int, ...]
+
+    def calls(self, rows: int) -> list[tuple[int, int, int]]:
+        """How `rows` rows go to the kernel: (first row, rows, call size) per call."""
+        largest = self.sizes[-1]
+        full, rest = divmod(rows, largest)
+        calls = [(i * largest, largest, largest) for i in range(full)]
+        if rest:
+            calls.append((full * largest, rest, self.sizes[bisect.bisect_left(self.sizes, rest)]))
+        return calls
+
+
+class Linear:
+    """y = x @ weight.T + bias, in calls of the checked sizes.
+
+    With `prepack` (the "onednn" matmul kernels) the weight is reordered once into oneDNN's
+    blocked layout: the same results, bit for bit, and faster than F.linear, which reorders
+    the weight on every call (most of all for the skinny matmuls of decode steps). Without
+    it, or when oneDNN cannot take the weight, the kernel is plain F.linear.
+    """
+
+    __slots__ = ("bias", "packed", "row_sizes", "weight")
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        prepack: bool = True,
+        sizes: tuple[int, ...] = ROW_SIZES,
+    ) -> None:
+        self.bias = bias
+        self.packed = _onednn_packed(weight, bias) if prepack else None
+        self.weight = weight if self.packed is None else None
+        self.row_sizes = _checked_sizes(self, weight, sizes)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        calls = self.row_sizes.calls(x.shape[0])
+        if not calls or (len(calls) == 1 and calls[0][1] == calls[0][2]):
+            return self.kernel(x)
+        return torch.cat([self._padded_call(x, *call) for call in calls])
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """The library's matmul on exactly these rows."""
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def _padded_call(self, x: torch.Tensor, first: int, rows: int, size: int) -> torch.Tensor:
+        part = x[first : first + rows]
+        if rows < size:
+            part = F.pad(part, (0, 0, 0, size - rows))
+        return self.kernel(part)[:rows]
+
+
+# By kernel, weight shape, dtype, device, bias, threads and the sizes offered: a library
+# chooses its kernel by these, never by the weight's values.
+_CHECKED: dict[tuple, RowSizes] = {}
+
+
+def _checked_sizes(linear: Linear, weight: torch.Tensor, sizes: tuple[int, ...]) -> RowSizes:
+    key = (
+        type(linear),
+        tuple(weight.shape),
+        weight.dtype,
+        str(weight.device),
+        None if linear.bias is None else tuple(linear.bias.shape),
+        linear.packed is not None,
+        torch.get_num_threads(),
+        sizes,
+    )
+    if key not in _CHECKED:
+        _CHECKED[key] = agreeing_sizes(linear.kernel, weight.shape[1], sizes, weight)
+    return _CHECKED[key]
+
+
+def agreeing_sizes(
+    kernel: Callable[[torch.Tensor], torch.Tensor],
+    in_features: int,
+    sizes: tuple[int, ...],
+    like: torch.Tensor,
+) -> RowSizes:
+    """The largest set of `sizes` whose calls give every probe row the same bits.
+
+    Each size computes the probe rows twice: from the first position of its calls, and
+    at their ends behind other rows (where a kernel's row tail is). A size whose two passes
+    differ depends on its company and is out. The rest fall into classes by their bits; the
+    class with the most sizes is used (ties: the one reaching the largest size). One row
+    alone depends on nothing else, so the set is never empty.
+    """
+    out_features = kernel(torch.zeros(1, in_features, dtype=like.dtype, device=like.device))
+    probes = min(MAX_PROBE_ROWS, max(4, -(-PROBE_OUTPUTS // out_features.shape[1])))
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(probes + max(sizes), in_features, generator=generator)
+    rows = rows.to(like.device, like.dtype)
+    classes: list[tuple[torch.Tensor, list[int]]] = []
+    for size in sizes:
+        first, second = (_probe_pass(kernel, rows, probes, size, at_end) for at_end in (0, 1))
+        if not torch.equal(first, second):
+            continue
+        for bits, members in classes:
+            if torch.equal(bits, first):
+                members.append(size)
+                break
+        else:
+            classes.append((first, [size]))
+    chosen = max(classes, key=lambda c: (len(c[1]), c[1][-1]))[1]
+    return RowSizes(tuple(chosen))
+
+
+def _probe_pass(
+    kernel: Callable[[torch.Tensor], torch.Tensor],
+    rows: torch.Tensor,
+    probes: int,
+    size: int,
+    at_end: int,
+) -> torch.Tensor:
+    """The first `probes` rows' outputs from calls of `size` rows: from each call's first
+    position on, or (at_end) in its last positions, behind at least one other row."""
+    probe_rows, filler = rows[:probes], rows[probes:]
+    per_call = size if not at_end or size == 1 else min(size - 1, probes)
+    outputs = []
+    for start in range(0, probes, per_call):
+        part = probe_rows[start : start + per_call]
+        lead = size - part.shape[0] if at_end else 0
+        after = size - lead - part.shape[0]
+        call = torch.cat((filler[:lead], part, filler[lead : lead + after]))
+        outputs.append(kernel(call)[lead : lead + part.shape[0]])
+    return torch.cat(outputs)
+
+
+def _onednn_packed(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        probe = torch.ones(1, weight.shape[1], dtype=weight.dtype)
+        torch.ops.mkldnn._linear_pointwise(probe, packed, bias, "none", [], "")
+    except (RuntimeError, AttributeError):  # an old torch or a CPU oneDNN cannot serve
+        return None
+    return packed

@@ -1,0 +1,135 @@
+"""The model's matmuls give a row the same bits however many rows share its call.
+
+gpu_worker.linear calls the library only with row counts it checked at load. Here: the
+calls cover every row once in checked sizes; a kernel that sums some call sizes otherwise,
+or a row by its position, has those sizes left out; and with such a kernel, as with this
+machine's oneDNN and F.linear, every row's bits are the same at any row count.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpu_worker.linear import ROW_SIZES, Linear, RowSizes, agreeing_sizes
+
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+@given(
+    st.lists(st.integers(1, 300), min_size=1, max_size=12, unique=True).map(sorted),
+    st.integers(0, 2000),
+)
+def test_the_calls_cover_each_row_once_in_checked_sizes(sizes, rows):
+    calls = RowSizes(tuple(sizes)).calls(rows)
+    assert [first for first, _, _ in calls] == list(range(0, rows, sizes[-1]))[: len(calls)]
+    assert sum(count for _, count, _ in calls) == rows
+    for _first, count, size in calls:
+        assert size in sizes and count <= size
+        smaller = [s for s in sizes if s < size]
+        assert not smaller or count > max(smaller)  # the smallest size that holds them
+
+
+def exact(x, weight):
+    """A kernel whose rows never depend on their call: summed in float64, where the order
+    of summation is lost in the rounding to float32."""
+    return F.linear(x.double(), weight.double()).float()
+
+
+def summed_otherwise(x, weight):
+    return F.linear(x.flip(-1), weight.flip(-1))
+
+
+def reordered_for(small: set[int]):
+    """Calls of the `small` sizes sum each row's products in another order, as a library's
+    kernel for narrow (or wide) calls may."""
+
+    def kernel(x, weight):
+        return (summed_otherwise if x.shape[0] in small else exact)(x, weight)
+
+    return kernel
+
+
+def last_row_nudged(x, weight):
+    """A call's last row is summed otherwise (a kernel's row tail)."""
+    y = exact(x, weight)
+    if x.shape[0] > 1:
+        y[-1] = summed_otherwise(x[-1:], weight)[0]
+    return y
+
+
+class FakeLibrary(Linear):
+    """A Linear whose library kernel is `how` (weight passed in)."""
+
+    __slots__ = ()
+    how = staticmethod(F.linear)
+
+    def kernel(self, x):
+        return self.how(x, self.weight)
+
+
+def fake_linear(how, weight, sizes=ROW_SIZES) -> Linear:
+    kind = type("Fake", (FakeLibrary,), {"__slots__": (), "how": staticmethod(how)})
+    return kind(weight, prepack=False, sizes=sizes)
+
+
+def weight_of(out_features: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(5)
+    return (torch.randn(out_features, in_features, generator=generator) * 0.05).to(dtype)
+
+
+def test_sizes_whose_kernel_sums_otherwise_are_left_out():
+    weight = weight_of(96, 576, torch.float32)
+    found = agreeing_sizes(
+        lambda x: reordered_for({1, 2, 3, 4, 5, 6, 7, 8})(x, weight), 576, ROW_SIZES, weight
+    )
+    assert found.sizes == tuple(s for s in ROW_SIZES if s > 8)
+    # The other way round: the narrow class is the larger one.
+    found = agreeing_sizes(
+        lambda x: reordered_for({128, 160, 192, 224, 256})(x, weight), 576, ROW_SIZES, weight
+    )
+    assert found.sizes == tuple(s for s in ROW_SIZES if s < 128)
+
+
+def test_sizes_whose_rows_depend_on_their_position_are_left_out():
+    weight = weight_of(96, 576, torch.float32)
+    found = agreeing_sizes(lambda x: last_row_nudged(x, weight), 576, ROW_SIZES, weight)
+    assert found.sizes == (1,)
+
+
+def row_bits_at_every_count(linear: Linear, in_features: int, dtype: torch.dtype) -> list[int]:
+    """The row counts at which row 0 and the last row differ from themselves computed alone."""
+    generator = torch.Generator().manual_seed(9)
+    rows = torch.randn(600, in_features, generator=generator).to(dtype)
+    alone = torch.cat([linear(rows[i : i + 1]) for i in range(600)])
+    counts = [*range(1, 70), 95, 96, 97, 255, 256, 257, 300, 513, 600]
+    return [n for n in counts if not torch.equal(linear(rows[:n]), alone[:n])]
+
+
+@pytest.mark.parametrize(
+    "how", [reordered_for({2, 3, 4, 5, 6, 7, 8, 16, 17}), reordered_for({1}), last_row_nudged]
+)
+def test_a_row_has_its_bits_at_any_row_count_whatever_the_library_does(how):
+    weight = weight_of(96, 64, torch.float32)
+    assert row_bits_at_every_count(fake_linear(how, weight), 64, torch.float32) == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("prepack", [True, False])
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536)])
+def test_a_row_has_its_bits_at_any_row_count_on_this_machine(dtype, prepack, shape):
+    linear = Linear(weight_of(*shape, dtype), prepack=prepack)
+    assert row_bits_at_every_count(linear, shape[1], dtype) == []
+
+
+def test_without_the_checked_sizes_the_fake_library_would_differ():
+    """The fake kernels do change bits (else the tests above prove nothing)."""
+    weight = weight_of(96, 64, torch.float32)
+    rows = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    kernel = reordered_for({8})
+    assert not torch.equal(kernel(rows, weight)[:1], kernel(rows[:1], weight))
+    assert torch.equal(exact(rows, weight)[:1], exact(rows[:1], weight))
+    assert not torch.equal(last_row_nudged(rows, weight)[-1:], last_row_nudged(rows[-1:], weight))

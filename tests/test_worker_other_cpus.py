@@ -1,0 +1,54 @@
+"""The worker's exactness claims, checked as other kinds of CPU would run them.
+
+oneDNN picks its kernels (and so each output's order of summation) by ISA, shape, thread
+count and cache sizes, and the C++ kernels are built for the CPU they run on: what holds on
+the machine that runs the suite may not hold on the next. This machine can be made to
+look like others: ONEDNN_MAX_CPU_ISA caps the instructions oneDNN may use,
+ATEN_CPU_CAPABILITY PyTorch's own kernels', CADENCE_NATIVE_MARCH the C++ kernels', and
+OMP_NUM_THREADS the threads. Under each cap the row-invariance, matmul, kernel-choice and
+real-model tests run again, unchanged, in a fresh interpreter (the caps are read at
+start-up).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from service.config import default_cache_dir
+
+pytestmark = pytest.mark.real_model
+
+ROOT = Path(__file__).resolve().parent.parent
+CLAIMS = [
+    "tests/test_worker_linear.py",
+    "tests/test_worker_batch_invariance.py",
+    "tests/test_worker_kernel_choice.py",
+    "tests/test_worker_real_model.py",
+]
+KINDS = {
+    # One thread, and oneDNN without AVX512-BF16 (bfloat16 matmuls through other kernels).
+    "one-thread-avx512-core": {"OMP_NUM_THREADS": "1", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
+    # A CPU without AVX-512: oneDNN, PyTorch and the C++ kernels all on AVX2.
+    "no-avx512": {
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "CADENCE_NATIVE_MARCH": "x86-64-v3",
+    },
+}
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_the_exactness_claims_hold_on_another_kind_of_cpu(kind):
+    # The model converted once, in the cache the rest of the suite uses.
+    cache = os.environ.get("CADENCE_CACHE") or str(default_cache_dir())
+    env = {**os.environ, **KINDS[kind], "PYTHONPATH": str(ROOT), "CADENCE_CACHE": cache}
+    command = [sys.executable, "-m", "pytest", *CLAIMS, "-q", "-x", "-p", "no:cacheprovider"]
+    done = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False
+    )
+    assert done.returncode == 0, f"under {KINDS[kind]}:\n{done.stdout[-6000:]}{done.stderr[-2000:]}"
