@@ -303,10 +303,13 @@ def decode_chunk_rows(
 
 
 def check_attention(
-    backend: AttentionBackend, case: AttentionCase, expected: tuple[torch.Tensor, torch.Tensor]
+    backend: AttentionBackend,
+    case: AttentionCase,
+    expected: tuple[torch.Tensor, torch.Tensor],
+    other_shapes: Sequence[AttentionCase] = (),
 ) -> str | None:
     """None when the backend agrees with the reference (and keeps its rows invariant, if
-    it claims to); else what is wrong."""
+    it claims to, on `case` and on each of `other_shapes`); else what is wrong."""
     tolerance = TOLERANCE[case.q_decode.dtype]
     try:
         decoded, prefilled = run_decode(backend, case), run_prefill(backend, case)
@@ -318,7 +321,11 @@ def check_attention(
                 error = (got.float() - want.float()).abs().max().item()
                 return f"{what} differs from the reference by up to {error:.3g}"
         if backend.row_invariant:
-            return _row_invariance_failure(backend, case, decoded, prefilled)
+            failure = _row_invariance_failure(backend, case, decoded, prefilled)
+            for other in other_shapes:
+                decoded, prefilled = run_decode(backend, other), run_prefill(backend, other)
+                failure = failure or _row_invariance_failure(backend, other, decoded, prefilled)
+            return failure
     except RuntimeError as exc:
         return f"raised {exc}"
     return None
@@ -340,6 +347,9 @@ def choose_attention(
     candidates: Sequence[AttentionBackend], shapes: Shapes
 ) -> tuple[AttentionBackend, list[Trial]]:
     case = attention_case(shapes)
+    # Row invariance is also held on another batch and a short chunk near the start: a
+    # kernel that splits its work by the batch or the chunk would show it there.
+    other_shapes = [attention_case(shapes, batch=5, chunk=37, start=40)]
     reference = kernel_set.reference().attention
     expected = (run_decode(reference, case), run_prefill(reference, case))
 
@@ -350,7 +360,7 @@ def choose_attention(
     return pick(
         candidates,
         lambda backend: backend.name,
-        lambda backend: check_attention(backend, case, expected),
+        lambda backend: check_attention(backend, case, expected, other_shapes),
         workload,
         preferred=attention_preference(candidates),
     )

@@ -103,6 +103,26 @@ def test_a_candidate_whose_rows_depend_on_their_company_fails_the_invariance_che
     )
 
 
+class ShortChunkDependentAttention(NativeRowsAttention):
+    """Row invariant on long chunks, but a short chunk's rows are computed otherwise."""
+
+    name = "short-chunks"
+
+    def prefill(self, q, k, v, kv, chunk):
+        return super().prefill(q, k, v, kv, chunk) + 1e-3 * (q.shape[0] < 64)
+
+
+def test_row_invariance_is_held_on_other_shapes_too():
+    shapes = smollm_shapes(torch.bfloat16)
+    case, expected = case_and_expected(shapes)
+    short = kernel_choice.attention_case(shapes, batch=5, chunk=37, start=40)
+    backend = ShortChunkDependentAttention(kernels.native.kernels())
+    assert kernel_choice.check_attention(backend, case, expected) is None
+    assert kernel_choice.check_attention(backend, case, expected, [short]) == (
+        "prefill rows differ from the same tokens decoded"
+    )
+
+
 def test_the_chooser_skips_the_fastest_candidate_when_it_fails_its_check(monkeypatch):
     native = kernels.native.kernels()
     offered = [TorchAttention(), NativeRowsAttention(native), ZeroAttention(native)]
