@@ -127,28 +127,52 @@ def agreeing_sizes(
 
     Each size computes the probe rows twice: from the first position of its calls, and
     at their ends behind other rows (where a kernel's row tail is). A size whose two passes
-    differ depends on its company and is out. The rest fall into classes by their bits; the
-    class with the most sizes is used (ties: the one reaching the largest size). One row
-    alone depends on nothing else, so the set is never empty.
+    differ depends on its company and is out. On a CPU, so is a size whose bits change on
+    one thread (a kernel that splits a row's sum between threads), unless every size does.
+    The rest fall into classes by their bits; the class with the most sizes is used (ties:
+    the one reaching the largest size). One row alone has no company, so the set is never
+    empty.
     """
     out_features = kernel(torch.zeros(1, in_features, dtype=like.dtype, device=like.device))
     probes = min(MAX_PROBE_ROWS, max(4, -(-PROBE_OUTPUTS // out_features.shape[1])))
     generator = torch.Generator().manual_seed(0)
     rows = torch.randn(probes + max(sizes), in_features, generator=generator)
     rows = rows.to(like.device, like.dtype)
-    classes: list[tuple[torch.Tensor, list[int]]] = []
+    alike: dict[int, torch.Tensor] = {}
     for size in sizes:
         first, second = (_probe_pass(kernel, rows, probes, size, at_end) for at_end in (0, 1))
-        if not torch.equal(first, second):
-            continue
-        for bits, members in classes:
-            if torch.equal(bits, first):
-                members.append(size)
-                break
+        if torch.equal(first, second):
+            alike[size] = first
+    if like.device.type == "cpu" and torch.get_num_threads() > 1:
+        alike = _on_one_thread_too(kernel, rows, probes, alike) or alike
+    classes: list[tuple[torch.Tensor, list[int]]] = []
+    for size, bits in alike.items():
+        members = next((m for b, m in classes if torch.equal(b, bits)), None)
+        if members is None:
+            classes.append((bits, [size]))
         else:
-            classes.append((first, [size]))
+            members.append(size)
     chosen = max(classes, key=lambda c: (len(c[1]), c[1][-1]))[1]
     return RowSizes(tuple(chosen))
+
+
+def _on_one_thread_too(
+    kernel: Callable[[torch.Tensor], torch.Tensor],
+    rows: torch.Tensor,
+    probes: int,
+    alike: dict[int, torch.Tensor],
+) -> dict[int, torch.Tensor]:
+    """The sizes of `alike` whose bits are the same on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {
+            size: bits
+            for size, bits in alike.items()
+            if torch.equal(_probe_pass(kernel, rows, probes, size, 0), bits)
+        }
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _probe_pass(

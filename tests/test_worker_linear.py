@@ -100,6 +100,40 @@ def test_sizes_whose_rows_depend_on_their_position_are_left_out():
     assert found.sizes == (1,)
 
 
+def split_between_threads(x, weight):
+    """Wide calls on more than one thread sum each row in two halves, as a kernel that
+    splits the reduction between threads does."""
+    if x.shape[0] < 128 or torch.get_num_threads() == 1:
+        return exact(x, weight)
+    half = x.shape[1] // 2
+    return exact(x[:, :half], weight[:, :half]) + exact(x[:, half:], weight[:, half:])
+
+
+def test_sizes_whose_bits_change_with_the_thread_count_are_left_out():
+    weight = weight_of(96, 576, torch.float32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        found = agreeing_sizes(lambda x: split_between_threads(x, weight), 576, ROW_SIZES, weight)
+    finally:
+        torch.set_num_threads(threads)
+    assert found.sizes == tuple(s for s in ROW_SIZES if s < 128)
+    assert torch.get_num_threads() == threads
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_has_the_same_bits_on_one_thread(dtype):
+    linear = Linear(weight_of(960, 576, dtype))
+    rows = torch.randn(300, 576, generator=torch.Generator().manual_seed(3)).to(dtype)
+    threads = torch.get_num_threads()
+    many = linear(rows)
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(linear(rows), many)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def row_bits_at_every_count(linear: Linear, in_features: int, dtype: torch.dtype) -> list[int]:
     """The row counts at which row 0 and the last row differ from themselves computed alone."""
     generator = torch.Generator().manual_seed(9)
