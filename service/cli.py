@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -15,7 +16,7 @@ from typing import Any
 import trio
 
 from gpu_worker.protocol import parse_kernel_pins
-from service.config import Config, default_cache_dir
+from service.config import ApiKey, Config, default_cache_dir
 
 TOOL_COMMANDS = "cadence.commands"  # entry-point group: commands other packages provide
 
@@ -147,6 +148,40 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="the token itself; visible in `ps`, prefer --admin-token-file",
     )
     p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="a key every inference request must send as 'Authorization: Bearer KEY' "
+        "(repeatable; visible in `ps`, prefer --api-key-file or $CADENCE_API_KEY)",
+    )
+    p.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        help="one key a line: KEY [TENANT [priority]]; '#' starts a comment",
+    )
+    p.add_argument(
+        "--allowed-hosts",
+        type=parse_hosts,
+        default=None,
+        help="Host header names served, with or without a port: JSON list or comma-separated, "
+        '"*" for any (default: localhost, 127.0.0.1, [::1] when bound to loopback, else any)',
+    )
+    p.add_argument(
+        "--cache-isolation",
+        choices=["none", "tenant"],
+        default=None,
+        help="tenant: cached prefixes are shared only within a tenant (default with API keys); "
+        "none: by every request (default without)",
+    )
+    p.add_argument(
+        "--enable-prompt-tokens-details",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="report usage.prompt_tokens_details.cached_tokens (vLLM's flag; default: on "
+        "without API keys, off with them)",
+    )
+    p.add_argument(
         "--allowed-origins",
         type=parse_origins,
         default=[],
@@ -266,6 +301,11 @@ def parse_origins(text: str) -> list[str]:
     return value
 
 
+def parse_hosts(text: str) -> list[str]:
+    """Host names as --allowed-origins takes origins; lower-cased, as DNS compares them."""
+    return [host.lower() for host in parse_origins(text)]
+
+
 def positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -281,6 +321,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     config.use_cuda_graphs = not args.no_cuda_graphs
     config.policy_params = dict(args.policy_param)
     config.admin_token = admin_token_of(args)
+    config.api_keys = api_keys_of(args)
     return config
 
 
@@ -293,6 +334,53 @@ def admin_token_of(args: argparse.Namespace) -> str | None:
             raise SystemExit(f"cadence: --admin-token-file: {exc}") from None
         return token or None
     return args.admin_token or os.environ.get("CADENCE_ADMIN_TOKEN") or None
+
+
+def api_keys_of(args: argparse.Namespace) -> list[ApiKey]:
+    """--api-key, --api-key-file and $CADENCE_API_KEY together; none: the API is open."""
+    keys = [*args.api_key, *filter(None, [os.environ.get("CADENCE_API_KEY")])]
+    found = [ApiKey(key, default_tenant(key)) for key in keys if key.strip()]
+    if args.api_key_file is not None:
+        try:
+            text = args.api_key_file.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise SystemExit(f"cadence: --api-key-file: {exc}") from None
+        try:
+            found += parse_api_key_file(text)
+        except ValueError as exc:
+            raise SystemExit(f"cadence: --api-key-file: {exc}") from None
+    return found
+
+
+MAX_KEY_TENANT_CHARS = 64  # the key's tenant; a client's sub-tenant goes after a "/"
+
+
+def parse_api_key_file(text: str) -> list[ApiKey]:
+    """Lines of `KEY [TENANT [PERMISSIONS]]`; PERMISSIONS is `priority` (the key's clients
+    may set `priority`) or `-`. A key without a tenant gets one of its own."""
+    keys = []
+    for number, line in enumerate(text.splitlines(), 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        if len(words) > 3:
+            raise ValueError(f"line {number}: expected KEY [TENANT [PERMISSIONS]]")
+        key, tenant, permissions = (*words, None, None)[:3]
+        tenant = tenant or default_tenant(key)
+        if "/" in tenant or len(tenant) > MAX_KEY_TENANT_CHARS:
+            raise ValueError(
+                f"line {number}: a tenant name has at most {MAX_KEY_TENANT_CHARS} characters "
+                "and no '/'"
+            )
+        if permissions not in (None, "-", "priority"):
+            raise ValueError(f"line {number}: unknown permission {permissions!r} (priority)")
+        keys.append(ApiKey(key, tenant, may_set_priority=permissions == "priority"))
+    return keys
+
+
+def default_tenant(key: str) -> str:
+    """A name for a key's tenant that does not reveal the key."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:8]
 
 
 def run_fetch_model(args: argparse.Namespace) -> int:

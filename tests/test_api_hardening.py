@@ -190,13 +190,13 @@ def test_an_answer_needing_no_body_still_leaves_the_connection_usable(
     follows the headers, or the next request on the connection is never answered."""
     address = urlsplit(cadence_server.url)
     body = b'{"name": "fcfs"}'
-    head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
     with socket.create_connection((address.hostname, address.port), timeout=10) as conn:
         conn.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode())
         time.sleep(0.3)  # the old server answered meanwhile
         conn.sendall(body)
         first = read_response(conn)
-        conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        conn.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         second = read_response(conn)
     assert not first.startswith(b"HTTP/1.1 5")
     assert second.startswith(b"HTTP/1.1 200")

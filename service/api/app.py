@@ -11,6 +11,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from service.api import openapi, routes_admin, routes_openai, routes_tokenize
+from service.api.access import install_api_keys, install_host_check
 from service.api.app_state import EXTENSION_KEY, AppState
 from service.api.body import drain_unread_body
 from service.api.cors import CorsPolicy
@@ -45,7 +46,9 @@ def create_app(
     app.register_blueprint(routes_admin.blueprint)
     app.register_blueprint(openapi.blueprint)
     _install_page(app)
+    install_host_check(app, config)
     _install_cors(app, CorsPolicy(frozenset(config.allowed_origins)))
+    install_api_keys(app, config)
     _install_json_only(app)
     _install_body_drain(app)
     _install_error_handlers(app)

@@ -136,7 +136,7 @@ class GenerationRequest:
     params: SamplingParams  # max_tokens None: the rest of the context window (chat)
     stream: bool
     include_usage: bool
-    tenant: str
+    tenant: str | None  # the client's name for it (`user`, X-Tenant); None: none given
     priority: int
     deadline_ms: float | None = None  # cadence's extension: how long it may wait to start
     echo: bool = False  # completions: the prompt comes back before the completion
@@ -512,7 +512,7 @@ def _parse_stream_options(value: Any, stream: bool) -> bool:
     return include
 
 
-def _parse_tenant(header: str | None, user: Any) -> str:
+def _parse_tenant(header: str | None, user: Any) -> str | None:
     if user is not None and not isinstance(user, str):
         raise bad_request("'user' must be a string", "user")
-    return header or user or "default"
+    return header or user or None

@@ -13,6 +13,7 @@ import structlog
 import trio
 from quart import Blueprint, Response, request
 
+from service.api.access import request_key
 from service.api.app_state import AppState, app_state
 from service.api.body import read_body
 from service.api.errors import APIError, bad_request, json_response
@@ -32,9 +33,18 @@ from service.api.openai_schema import (
     parse_completion_request,
 )
 from service.api.sse import DONE, HEARTBEAT, SSE_HEADERS, event_groups, sse_data
+from service.config import ApiKey
 from service.engine.engine import EngineUnavailable, Overloaded
 from service.engine.grammar import GrammarUnavailable, InvalidGrammar, ResponseFormat
-from service.engine.request import Event, FinishEvent, TokenEvent
+from service.engine.request import (
+    DEFAULT_TENANT,
+    SUB_TENANT_SEPARATOR,
+    Event,
+    FinishEvent,
+    SamplingParams,
+    TokenEvent,
+    account_of,
+)
 from service.engine.validation import InvalidRequest
 from service.tokenizer import Tokenizer
 
@@ -135,7 +145,8 @@ async def serve_generation(req: GenerationRequest) -> Response:
         # as vLLM: a field it does not know is no reason to refuse (routers add their own)
         log.warning("request.fields_ignored", request_id=request_id, fields=list(req.ignored))
     deadline_s = None if req.deadline_ms is None else req.deadline_ms / 1000
-    params = req.params
+    tenant = tenant_of(req.tenant, request_key())
+    params = isolated(req.params, tenant, state)
     if req.best_of > req.n and not params.sampling.logprobs:
         # the sequences are ranked by log-probability, which the worker then reports
         params = dataclasses.replace(
@@ -146,8 +157,8 @@ async def serve_generation(req: GenerationRequest) -> Response:
             prompt_ids,
             params,
             request_id=request_id,
-            tenant=req.tenant,
-            priority=req.priority,
+            tenant=tenant,
+            priority=priority_of(req.priority, request_key()),
             deadline_s=deadline_s,
             n=req.best_of,
         )
@@ -172,6 +183,35 @@ async def serve_generation(req: GenerationRequest) -> Response:
         # token (200, streamed) or its refusal (an HTTP error a client can retry on).
         first = await first_event(channel, header.request_id, state)
     return stream_response(req, header, channel, state, first, echo)
+
+
+def tenant_of(claimed: str | None, key: ApiKey | None) -> str:
+    """With API keys the key's tenant, a client's name only a sub-tenant inside it."""
+    if key is None:
+        return claimed or DEFAULT_TENANT
+    return key.tenant if claimed is None else f"{key.tenant}{SUB_TENANT_SEPARATOR}{claimed}"
+
+
+def priority_of(priority: int, key: ApiKey | None) -> int:
+    """A client's `priority` is refused (403) from a key not allowed to set one: it would
+    jump every other tenant's requests."""
+    if key is not None and priority != 0 and not key.may_set_priority:
+        raise APIError(
+            403,
+            "this API key may not set 'priority' (the operator grants it in --api-key-file)",
+            param="priority",
+            code="priority_not_allowed",
+        )
+    return priority
+
+
+def isolated(params: SamplingParams, tenant: str, state: AppState) -> SamplingParams:
+    """With --cache-isolation tenant, the tenant salts the prefix cache on the server's
+    side; a client's own cache_salt narrows it further, never across tenants."""
+    if not state.config.isolates_tenants():
+        return params
+    salt = "\0".join(["tenant", account_of(tenant), params.cache_salt or ""])
+    return dataclasses.replace(params, cache_salt=salt)
 
 
 def echo_of(req: GenerationRequest, prompt_ids: list[int], state: AppState) -> Echo:
@@ -311,7 +351,8 @@ async def whole_response(
         )
         for i in ranked
     ]
-    body = full_response(header, choices, usage([finishes[i] for i in range(req.best_of)]))
+    usage_ = usage([finishes[i] for i in range(req.best_of)], state.config.reports_cached_tokens())
+    body = full_response(header, choices, usage_)
     return json_response(body, 200, {"X-Request-Id": header.request_id})
 
 
@@ -390,7 +431,9 @@ async def sse_stream(
         if len(finishes) < req.n:
             yield sse_data(closed_early().body())
         elif req.include_usage:
-            yield sse_data(usage_chunk(header, usage([finishes[i] for i in range(req.n)])))
+            report_cached = state.config.reports_cached_tokens()
+            usage_ = usage([finishes[i] for i in range(req.n)], report_cached)
+            yield sse_data(usage_chunk(header, usage_))
         yield DONE
     finally:
         # Reached by trio.Cancelled (hypercorn reported the disconnect) or GeneratorExit
