@@ -137,6 +137,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-body-bytes", type=positive_int, default=defaults.max_body_bytes)
     p.add_argument(
+        "--max-logprob-entries",
+        type=positive_int,
+        default=defaults.max_logprob_entries,
+        help="refuse (400) a request whose n x (logprobs + 1) x (echoed prompt + max_tokens) "
+        "exceeds this: every entry is work on the event loop every stream shares",
+    )
+    p.add_argument(
         "--admin-token-file",
         type=Path,
         default=None,

@@ -21,6 +21,7 @@ from service.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from service.api.openai_schema import (
     CHAT_ROLES,
     MAX_CACHE_SALT_CHARS,
+    MAX_CHAT_MESSAGES,
     MAX_DEADLINE_MS,
     MAX_LOGPROBS,
     MAX_SCHEMA_BYTES,
@@ -165,7 +166,7 @@ def _post(summary: str, request: Schema, response: Schema) -> Schema:
     return {
         "summary": summary,
         "requestBody": {"required": True, "content": {JSON: {"schema": request}}},
-        "responses": {"200": _json_content(summary, response), **_errors(400, 404, 413, 415)},
+        "responses": {"200": _json_content(summary, response), **_errors(400, 404, 413, 415, 503)},
     }
 
 
@@ -231,7 +232,12 @@ def _chat_request(max_model_len: int | None) -> Schema:
     }
     return _request(
         {
-            "messages": {"type": "array", "items": message, "minItems": 1},
+            "messages": {
+                "type": "array",
+                "items": message,
+                "minItems": 1,
+                "maxItems": MAX_CHAT_MESSAGES,
+            },
             "max_completion_tokens": _max_tokens(max_model_len),
             "logprobs": {"type": ["boolean", "null"]},
             "top_logprobs": {

@@ -139,6 +139,7 @@ async def serve_generation(req: GenerationRequest) -> Response:
             compile_grammar, req.response_format, state, limiter=state.tokenizer_threads
         )
     prompt_ids = await tokenize_prompt(req, state)
+    check_logprob_volume(req, len(prompt_ids), state)
     prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     if req.ignored:
@@ -183,6 +184,26 @@ async def serve_generation(req: GenerationRequest) -> Response:
         # token (200, streamed) or its refusal (an HTTP error a client can retry on).
         first = await first_event(channel, header.request_id, state)
     return stream_response(req, header, channel, state, first, echo)
+
+
+def check_logprob_volume(req: GenerationRequest, prompt_len: int, state: AppState) -> None:
+    """A 400 for a response whose log-probability entries exceed --max-logprob-entries."""
+    sampling, limit = req.params.sampling, state.config.max_logprob_entries
+    if not sampling.logprobs:
+        return
+    window = state.engine.max_model_len or prompt_len + 1
+    max_tokens = req.params.max_tokens or max(1, window - prompt_len)
+    tokens = max_tokens + (prompt_len if req.echo else 0)
+    entries = req.n * (sampling.top_logprobs + 1) * tokens
+    if entries > limit:
+        param = "top_logprobs" if req.kind == "chat" and sampling.top_logprobs else "logprobs"
+        raise bad_request(
+            f"n ({req.n}) x (logprobs ({sampling.top_logprobs}) + 1) x tokens ({tokens}: "
+            f"max_tokens{' + the echoed prompt' if req.echo else ''}) is {entries} "
+            f"log-probability entries, more than this server's {limit}; ask for fewer",
+            param,
+            "logprobs_too_large",
+        )
 
 
 def tenant_of(claimed: str | None, key: ApiKey | None) -> str:
@@ -347,7 +368,7 @@ async def whole_response(
         Choice(
             text=(echo.text if echo else "") + "".join(event.text for event in tokens[i]),
             finish_reason=finishes[i].reason,
-            logprobs=logprobs_of(req, state.tokenizer, tokens[i], 0, echo),
+            logprobs=logprobs_of(req, state.tokenizer.pieces, tokens[i], 0, echo),
         )
         for i in ranked
     ]
@@ -463,7 +484,7 @@ def token_chunk(
     text = "".join(event.text for event in tokens)
     if not tokens or (not text and not req.params.sampling.logprobs and echo is None):
         return None  # nothing a client could see (e.g. half a UTF-8 character held back)
-    logprobs = logprobs_of(req, state.tokenizer, tokens, text_offset, echo)
+    logprobs = logprobs_of(req, state.tokenizer.pieces, tokens, text_offset, echo)
     if echo is not None:
         text = echo.text + text
     return delta_chunk(header, text, None, logprobs, index=index)
