@@ -96,6 +96,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "full-window prompt)",
     )
     p.add_argument(
+        "--tenant-quota",
+        type=share,
+        default=None,
+        help="the share of --max-queue, --max-queued-tokens and the KV blocks one tenant may "
+        "take (its requests' n x (prompt + max_tokens)); more gets 429 (default: 0.5 with API "
+        "keys, else 1, no quota)",
+    )
+    p.add_argument(
         "--max-queue-time",
         type=positive_float,
         default=None,
@@ -287,6 +295,13 @@ def non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def share(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be > 0 and <= 1, got {value}")
     return value
 
 

@@ -50,6 +50,9 @@ class Config:
     max_queue: int = 1024  # waiting requests beyond this get "overloaded" (HTTP 429)
     # prompt tokens waiting to start beyond this get "overloaded" (at least one full prompt)
     max_queued_tokens: int = 262144
+    # the share of the queue (sequences, prompt tokens) and of the KV blocks one tenant may
+    # take (n x (prompt + max_tokens) counted); None: 0.5 with API keys, else no quota
+    tenant_quota: float | None = None
     max_queue_time: float | None = None  # seconds a request may wait to start, else 429
     # refuse at arrival (429) a request whose predicted TTFT exceeds this many seconds
     max_predicted_ttft: float | None = None
@@ -102,3 +105,8 @@ class Config:
         if self.enable_prompt_tokens_details is not None:
             return self.enable_prompt_tokens_details
         return not self.api_keys
+
+    def tenant_share(self) -> float:
+        if self.tenant_quota is not None:
+            return self.tenant_quota
+        return 0.5 if self.api_keys else 1.0

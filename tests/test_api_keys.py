@@ -10,12 +10,14 @@ and never across; `cached_tokens` is not reported; `priority` only from team-a.
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import trio
 
 from ops.corpus import full_text
 from service.api.access import HostCheck, KeyRing
@@ -242,3 +244,64 @@ def test_the_prefix_cache_is_shared_within_a_tenant_never_across(
     assert shared >= 300
     generate(keyed_server, KEY_A, {"prompt": prompt, "cache_salt": "private"}).raise_for_status()
     assert hits(keyed_server) - before == shared
+
+
+def metric(server: RunningServer, name: str, tenant: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", headers=bearer(KEY_A), timeout=10).text
+    match = re.search(rf'^cadence:{name}{{tenant="{tenant}"}} (\S+)$', text, re.M)
+    assert match, f"cadence:{name} of {tenant} missing"
+    return float(match.group(1))
+
+
+@pytest.mark.real_model
+async def test_a_tenants_flood_gets_429_while_another_tenant_is_admitted(
+    keyed_server: RunningServer,
+) -> None:
+    state = keyed_server.admin_state()
+    total, block = state["kv_cache"]["num_blocks"], state["kv_cache"]["block_size"]
+    n = 32
+    # one request of team-a reserves ~40 % of the blocks: a second passes its half
+    max_tokens = int(0.4 * total / n) * block - 8
+    flood = {
+        "model": keyed_server.model,
+        "prompt": "flood",
+        "max_tokens": max_tokens,
+        "n": n,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    url = keyed_server.url
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=120) as client,
+        trio.open_nursery() as nursery,
+    ):
+        streaming = trio.Event()
+
+        async def hold_the_flood() -> None:
+            async with client.stream(
+                "POST", "/v1/completions", json=flood, headers=bearer(KEY_A)
+            ) as r:
+                assert r.status_code == 200
+                async for _ in r.aiter_lines():
+                    streaming.set()
+
+        nursery.start_soon(hold_the_flood)
+        await streaming.wait()
+        reserved = metric(keyed_server, "tenant_kv_blocks_reserved", "team-a")
+        assert reserved >= 0.4 * total - n
+        second = await client.post(
+            "/v1/completions", json={**flood, "stream": False}, headers=bearer(KEY_A)
+        )
+        other = await client.post(
+            "/v1/completions",
+            json={"model": keyed_server.model, "prompt": "calm", "max_tokens": 2},
+            headers=bearer(KEY_B),
+        )
+        nursery.cancel_scope.cancel()
+    assert second.status_code == 429, second.text
+    assert second.json()["error"]["code"] == "overloaded"
+    assert "team-a" in second.json()["error"]["message"]
+    assert int(second.headers["Retry-After"]) >= 1
+    assert other.status_code == 200, other.text
+    assert metric(keyed_server, "tenant_kv_blocks_reserved", "team-b") == 0
+    assert keyed_server.wait_idle()["kv_blocks_used"] == 0

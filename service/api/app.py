@@ -36,7 +36,7 @@ def create_app(
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
     # Non-streaming generations can take long too; SSE responses also set their own None.
     app.config["RESPONSE_TIMEOUT"] = None
-    metrics = Metrics()
+    metrics = Metrics(frozenset(key.tenant for key in config.api_keys))
     engine.add_observer(metrics)
     state = AppState(config, engine, tokenizer, served_model_name, metrics)
     state.grammars = GrammarCompiler(lambda: _tokenizer_info(engine, tokenizer))
