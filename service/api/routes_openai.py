@@ -50,6 +50,7 @@ from service.tokenizer import Tokenizer
 
 log = structlog.get_logger("cadence.api")
 blueprint = Blueprint("openai", __name__)
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 SERVER_STATE_FAILURES = (
     "worker_died",
     "worker_hung",
@@ -135,9 +136,7 @@ async def serve_generation(req: GenerationRequest) -> Response:
     if not state.engine.ready:
         raise unavailable("the model worker is not ready yet; retry shortly")
     if req.response_format is not None:
-        req.params.grammar = await trio.to_thread.run_sync(
-            compile_grammar, req.response_format, state, limiter=state.tokenizer_threads
-        )
+        req.params.grammar = await grammar_of(req.response_format, state)
     prompt_ids = await tokenize_prompt(req, state)
     check_logprob_volume(req, len(prompt_ids), state)
     prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
@@ -286,6 +285,28 @@ def prompt_ids_of(req: GenerationRequest, tokenizer: Tokenizer) -> list[int]:
     except Exception as exc:  # a template may reject a message order (e.g. two system turns)
         raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+async def grammar_of(response_format: ResponseFormat, state: AppState) -> Any:
+    """The compiled grammar, on the grammar threads, within GRAMMAR_COMPILE_TIMEOUT_S.
+
+    xgrammar cannot be stopped mid-compilation: a request that hangs up or times out stops
+    waiting at once (abandon_on_cancel) and its thread finishes on its own, holding its
+    place on the limiter until then, and caches what it compiled for the next asker."""
+    with trio.move_on_after(GRAMMAR_COMPILE_TIMEOUT_S):
+        return await trio.to_thread.run_sync(
+            compile_grammar,
+            response_format,
+            state,
+            limiter=state.grammar_threads,
+            abandon_on_cancel=True,
+        )
+    raise bad_request(
+        f"compiling the schema of response_format took more than {GRAMMAR_COMPILE_TIMEOUT_S} s "
+        "(waiting included); simplify it or retry later",
+        "response_format",
+        "grammar_timeout",
+    )
 
 
 def compile_grammar(response_format: ResponseFormat, state: AppState) -> Any:
