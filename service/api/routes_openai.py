@@ -51,6 +51,8 @@ from service.tokenizer import Tokenizer
 log = structlog.get_logger("cadence.api")
 blueprint = Blueprint("openai", __name__)
 GRAMMAR_COMPILE_TIMEOUT_S = 10.0
+MAX_LOGGED_NAMES = 16  # unknown fields named in the log line (all are counted)
+MAX_LOGGED_NAME_CHARS = 64
 SERVER_STATE_FAILURES = (
     "worker_died",
     "worker_hung",
@@ -143,7 +145,12 @@ async def serve_generation(req: GenerationRequest) -> Response:
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     if req.ignored:
         # as vLLM: a field it does not know is no reason to refuse (routers add their own)
-        log.warning("request.fields_ignored", request_id=request_id, fields=list(req.ignored))
+        log.warning(
+            "request.fields_ignored",
+            request_id=request_id,
+            fields=loggable_names(req.ignored),
+            count=len(req.ignored),
+        )
     deadline_s = None if req.deadline_ms is None else req.deadline_ms / 1000
     tenant = tenant_of(req.tenant, request_key())
     params = isolated(req.params, tenant, state)
@@ -183,6 +190,15 @@ async def serve_generation(req: GenerationRequest) -> Response:
         # token (200, streamed) or its refusal (an HTTP error a client can retry on).
         first = await first_event(channel, header.request_id, state)
     return stream_response(req, header, channel, state, first, echo)
+
+
+def loggable_names(names: tuple[str, ...]) -> list[str]:
+    """A client's field names as a log line may hold them: a few, each cut short (a body
+    of 4 MiB can be one 4 MiB name, or 100,000 short ones)."""
+    return [
+        name if len(name) <= MAX_LOGGED_NAME_CHARS else name[:MAX_LOGGED_NAME_CHARS] + "..."
+        for name in names[:MAX_LOGGED_NAMES]
+    ]
 
 
 def check_logprob_volume(req: GenerationRequest, prompt_len: int, state: AppState) -> None:
