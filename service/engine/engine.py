@@ -685,6 +685,11 @@ class Engine:
             result = await self._worker.receive_result(step.out.plan.step_id)
         if result is None:
             raise WorkerHung(f"a step took longer than {self.config.step_timeout} s")
+        plan = step.out.plan
+        if result.seq_ids != [
+            s for s, samples in zip(plan.seq_ids, plan.sample, strict=True) if samples
+        ]:
+            raise WorkerDied("the worker's result does not answer its plan's sampling sequences")
         started = time.perf_counter()
         if self.config.debug_invariants:
             _check_blocks_kept(sched, step.out.plan)
