@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import resource
 import signal
 import socket
 import stat
@@ -184,8 +185,18 @@ def _has_peer(sock: socket.socket) -> bool:
     return True
 
 
+def raise_descriptor_limit() -> None:
+    """Take the hard limit of open files: each connection holds one, and a worker restart
+    needs a socketpair, which must not fail because clients took the last descriptors."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def build_server(config: Config) -> Server:
     """Everything up to serving; raises ModelFileError for a model that cannot be served."""
+    raise_descriptor_limit()
     configure_logging(
         config.log_file,
         config.log_level,

@@ -8,9 +8,11 @@ concurrent stream stopped for seconds), text/plain bodies were served, and every
 
 from __future__ import annotations
 
+import resource
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
@@ -212,6 +214,28 @@ def preflight(url: str, origin: str) -> httpx.Response:
         },
         timeout=30,
     )
+
+
+def test_the_playground_page_cannot_be_framed(cadence_server: RunningServer) -> None:
+    response = httpx.get(f"{cadence_server.url}/", timeout=10)
+    assert response.status_code == 200 and "text/html" in response.headers["Content-Type"]
+    assert response.headers["X-Frame-Options"] == "DENY"
+    assert response.headers["Content-Security-Policy"] == "frame-ancestors 'none'"
+
+
+def test_the_server_takes_the_hard_limit_of_open_files(tmp_path: Path) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))  # the child inherits
+    try:
+        server = start_server(tmp_path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        limits = Path(f"/proc/{server.process.pid}/limits").read_text().splitlines()
+    finally:
+        stop_server(server)
+    line = next(line for line in limits if line.startswith("Max open files"))
+    assert line.split()[3:5] == [str(hard), str(hard)]
 
 
 def test_cors_is_off_by_default(cadence_server: RunningServer) -> None:

@@ -25,6 +25,10 @@ from service.tokenizer import Tokenizer
 log = structlog.get_logger("cadence.app")
 JSON_MIMETYPE = "application/json"
 METHODS_WITH_BODY = ("POST", "PUT")
+PAGE_FRAMING_HEADERS = {
+    "Content-Security-Policy": "frame-ancestors 'none'",
+    "X-Frame-Options": "DENY",
+}
 
 
 def create_app(
@@ -66,7 +70,11 @@ def _install_page(app: QuartTrio) -> None:
     @app.get("/")
     async def page() -> Response:
         """The browser page (service/api/static/index.html), same origin as the API."""
-        return await app.send_static_file("index.html")
+        response = await app.send_static_file("index.html")
+        # Never inside another site's frame: its buttons (a long prompt, a policy swap)
+        # must not be clicked through a page laid over it (clickjacking).
+        response.headers.update(PAGE_FRAMING_HEADERS)
+        return response
 
 
 def _install_cors(app: QuartTrio, policy: CorsPolicy) -> None:
