@@ -145,6 +145,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-body-bytes", type=positive_int, default=defaults.max_body_bytes)
     p.add_argument(
+        "--max-connections",
+        type=positive_int,
+        default=defaults.max_connections,
+        help="client connections open at once; one more gets 503 and is closed",
+    )
+    p.add_argument(
         "--max-logprob-entries",
         type=positive_int,
         default=defaults.max_logprob_entries,

@@ -83,6 +83,7 @@ class Config:
     allowed_hosts: list[str] | None = None
     allowed_origins: list[str] = field(default_factory=list)  # CORS; empty: same origin only
     max_body_bytes: int = 4 * 1024 * 1024
+    max_connections: int = 2048  # client connections open at once; the next one gets 503
     # n x (top logprobs + 1) x (echoed prompt + max_tokens) entries one response may hold:
     # each is Python work on the event loop, so a larger product is refused (400)
     max_logprob_entries: int = 131072

@@ -300,3 +300,32 @@ def test_a_foreign_origin_gets_no_cors_beside_an_allowed_one(cors_server: Runnin
     assert "access-control-allow-origin" not in answer.headers
     simple = httpx.get(f"{cors_server.url}/health", headers={"Origin": FOREIGN_ORIGIN}, timeout=30)
     assert "access-control-allow-origin" not in simple.headers
+
+
+def test_a_connection_past_the_cap_gets_503_and_the_others_are_served(tmp_path: Path) -> None:
+    server = start_server(tmp_path, "--max-connections", "3")
+    url = urlsplit(server.url)
+    health = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+
+    def answer(sock: socket.socket, until_closed: bool) -> bytes:
+        sock.sendall(health)
+        data = b""
+        while (chunk := sock.recv(4096)) and (until_closed or b'"status"' not in data + chunk):
+            data += chunk
+        return data + chunk
+
+    time.sleep(1.0)  # the start-up's own health checks have closed their connections
+    held = [socket.create_connection((url.hostname, url.port), timeout=10) for _ in range(3)]
+    try:
+        for sock in held:  # served, and kept open (keep-alive)
+            assert answer(sock, until_closed=False).startswith(b"HTTP/1.1 200")
+        with socket.create_connection((url.hostname, url.port), timeout=10) as extra:
+            refused = answer(extra, until_closed=True)
+        assert refused.startswith(b"HTTP/1.1 503") and b"too_many_connections" in refused
+        held.pop().close()
+        time.sleep(0.5)
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    finally:
+        for sock in held:
+            sock.close()
+        stop_server(server)
