@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -15,7 +16,7 @@ from typing import Any
 import trio
 
 from gpu_worker.protocol import parse_kernel_pins
-from service.config import Config, default_cache_dir
+from service.config import ApiKey, Config, default_cache_dir
 
 TOOL_COMMANDS = "cadence.commands"  # entry-point group: commands other packages provide
 
@@ -95,6 +96,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "full-window prompt)",
     )
     p.add_argument(
+        "--tenant-quota",
+        type=share,
+        default=None,
+        help="the share of --max-queue, --max-queued-tokens and the KV blocks one tenant may "
+        "take (its requests' n x (prompt + max_tokens)); more gets 429 (default: 0.5 with API "
+        "keys, else 1, no quota)",
+    )
+    p.add_argument(
         "--max-queue-time",
         type=positive_float,
         default=None,
@@ -136,6 +145,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-body-bytes", type=positive_int, default=defaults.max_body_bytes)
     p.add_argument(
+        "--max-connections",
+        type=positive_int,
+        default=defaults.max_connections,
+        help="client connections open at once; one more gets 503 and is closed",
+    )
+    p.add_argument(
+        "--max-logprob-entries",
+        type=positive_int,
+        default=defaults.max_logprob_entries,
+        help="refuse (400) a request whose n x (logprobs + 1) x (echoed prompt + max_tokens) "
+        "exceeds this: every entry is work on the event loop every stream shares",
+    )
+    p.add_argument(
         "--admin-token-file",
         type=Path,
         default=None,
@@ -145,6 +167,40 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--admin-token",
         default=None,
         help="the token itself; visible in `ps`, prefer --admin-token-file",
+    )
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="a key every inference request must send as 'Authorization: Bearer KEY' "
+        "(repeatable; visible in `ps`, prefer --api-key-file or $CADENCE_API_KEY)",
+    )
+    p.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        help="one key a line: KEY [TENANT [priority]]; '#' starts a comment",
+    )
+    p.add_argument(
+        "--allowed-hosts",
+        type=parse_hosts,
+        default=None,
+        help="Host header names served, with or without a port: JSON list or comma-separated, "
+        '"*" for any (default: localhost, 127.0.0.1, [::1] when bound to loopback, else any)',
+    )
+    p.add_argument(
+        "--cache-isolation",
+        choices=["none", "tenant"],
+        default=None,
+        help="tenant: cached prefixes are shared only within a tenant (default with API keys); "
+        "none: by every request (default without)",
+    )
+    p.add_argument(
+        "--enable-prompt-tokens-details",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="report usage.prompt_tokens_details.cached_tokens (vLLM's flag; default: on "
+        "without API keys, off with them)",
     )
     p.add_argument(
         "--allowed-origins",
@@ -248,6 +304,13 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def share(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be > 0 and <= 1, got {value}")
+    return value
+
+
 def fraction(text: str) -> float:
     value = float(text)
     if not 0 <= value < 1:
@@ -266,6 +329,11 @@ def parse_origins(text: str) -> list[str]:
     return value
 
 
+def parse_hosts(text: str) -> list[str]:
+    """Host names as --allowed-origins takes origins; lower-cased, as DNS compares them."""
+    return [host.lower() for host in parse_origins(text)]
+
+
 def positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -281,6 +349,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     config.use_cuda_graphs = not args.no_cuda_graphs
     config.policy_params = dict(args.policy_param)
     config.admin_token = admin_token_of(args)
+    config.api_keys = api_keys_of(args)
     return config
 
 
@@ -293,6 +362,53 @@ def admin_token_of(args: argparse.Namespace) -> str | None:
             raise SystemExit(f"cadence: --admin-token-file: {exc}") from None
         return token or None
     return args.admin_token or os.environ.get("CADENCE_ADMIN_TOKEN") or None
+
+
+def api_keys_of(args: argparse.Namespace) -> list[ApiKey]:
+    """--api-key, --api-key-file and $CADENCE_API_KEY together; none: the API is open."""
+    keys = [*args.api_key, *filter(None, [os.environ.get("CADENCE_API_KEY")])]
+    found = [ApiKey(key, default_tenant(key)) for key in keys if key.strip()]
+    if args.api_key_file is not None:
+        try:
+            text = args.api_key_file.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise SystemExit(f"cadence: --api-key-file: {exc}") from None
+        try:
+            found += parse_api_key_file(text)
+        except ValueError as exc:
+            raise SystemExit(f"cadence: --api-key-file: {exc}") from None
+    return found
+
+
+MAX_KEY_TENANT_CHARS = 64  # the key's tenant; a client's sub-tenant goes after a "/"
+
+
+def parse_api_key_file(text: str) -> list[ApiKey]:
+    """Lines of `KEY [TENANT [PERMISSIONS]]`; PERMISSIONS is `priority` (the key's clients
+    may set `priority`) or `-`. A key without a tenant gets one of its own."""
+    keys = []
+    for number, line in enumerate(text.splitlines(), 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        if len(words) > 3:
+            raise ValueError(f"line {number}: expected KEY [TENANT [PERMISSIONS]]")
+        key, tenant, permissions = (*words, None, None)[:3]
+        tenant = tenant or default_tenant(key)
+        if "/" in tenant or len(tenant) > MAX_KEY_TENANT_CHARS:
+            raise ValueError(
+                f"line {number}: a tenant name has at most {MAX_KEY_TENANT_CHARS} characters "
+                "and no '/'"
+            )
+        if permissions not in (None, "-", "priority"):
+            raise ValueError(f"line {number}: unknown permission {permissions!r} (priority)")
+        keys.append(ApiKey(key, tenant, may_set_priority=permissions == "priority"))
+    return keys
+
+
+def default_tenant(key: str) -> str:
+    """A name for a key's tenant that does not reveal the key."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:8]
 
 
 def run_fetch_model(args: argparse.Namespace) -> int:

@@ -17,6 +17,15 @@ def default_cache_dir() -> Path:
     return Path(base) / "cadence"
 
 
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    """One client credential of the inference API and who its holder is."""
+
+    key: str = field(repr=False)  # never in a log line or a traceback
+    tenant: str  # the tenant every request made with this key belongs to
+    may_set_priority: bool = False  # a client `priority` is honoured only from such keys
+
+
 @dataclass(slots=True)
 class Config:
     # model and worker
@@ -41,6 +50,9 @@ class Config:
     max_queue: int = 1024  # waiting requests beyond this get "overloaded" (HTTP 429)
     # prompt tokens waiting to start beyond this get "overloaded" (at least one full prompt)
     max_queued_tokens: int = 262144
+    # the share of the queue (sequences, prompt tokens) and of the KV blocks one tenant may
+    # take (n x (prompt + max_tokens) counted); None: 0.5 with API keys, else no quota
+    tenant_quota: float | None = None
     max_queue_time: float | None = None  # seconds a request may wait to start, else 429
     # refuse at arrival (429) a request whose predicted TTFT exceeds this many seconds
     max_predicted_ttft: float | None = None
@@ -51,6 +63,12 @@ class Config:
     max_preemptions: int = 3  # a request preempted this many times is never a victim again
     # requests sharing a prefix share its KV blocks (hash-chained full blocks, LRU-evicted)
     enable_prefix_caching: bool = True
+    # "tenant": cached prefixes are shared only within a tenant; "none": by everyone;
+    # None: "tenant" when API keys are set (their tenants are known), else "none"
+    cache_isolation: str | None = None
+    # usage.prompt_tokens_details (cached_tokens) in responses; None: on without API keys,
+    # off with them (vLLM's --enable-prompt-tokens-details is off by default)
+    enable_prompt_tokens_details: bool | None = None
     # schedule and send step k+1 before step k's text and events, so the worker never waits
     # on them: "on", "off", or "auto" (on unless the worker computes on the CPU, whose cores
     # the service would take from it)
@@ -59,8 +77,16 @@ class Config:
     host: str = "127.0.0.1"
     port: int = 8000
     admin_token: str | None = None  # from --admin-token-file or $CADENCE_ADMIN_TOKEN
+    # --api-key, --api-key-file, $CADENCE_API_KEY; empty: the inference API is open
+    api_keys: list[ApiKey] = field(default_factory=list)
+    # Host header names served (DNS rebinding); None: the bound address's names if loopback
+    allowed_hosts: list[str] | None = None
     allowed_origins: list[str] = field(default_factory=list)  # CORS; empty: same origin only
     max_body_bytes: int = 4 * 1024 * 1024
+    max_connections: int = 2048  # client connections open at once; the next one gets 503
+    # n x (top logprobs + 1) x (echoed prompt + max_tokens) entries one response may hold:
+    # each is Python work on the event loop, so a larger product is refused (400)
+    max_logprob_entries: int = 131072
     shutdown_timeout: float = 5.0  # on SIGTERM: drain this long, then close every connection
     served_model_name: str | None = None  # None: derived from the model path
     # logging
@@ -70,3 +96,18 @@ class Config:
     log_max_bytes: int = 64 * 1024 * 1024  # rotate --log-file at this size
     log_backups: int = 3  # rotated files kept (server.jsonl.1 ... .N)
     debug_invariants: bool = False  # check block accounting every iteration
+
+    def isolates_tenants(self) -> bool:
+        """Whether the prefix cache is salted by each request's tenant."""
+        setting = self.cache_isolation or ("tenant" if self.api_keys else "none")
+        return setting == "tenant"
+
+    def reports_cached_tokens(self) -> bool:
+        if self.enable_prompt_tokens_details is not None:
+            return self.enable_prompt_tokens_details
+        return not self.api_keys
+
+    def tenant_share(self) -> float:
+        if self.tenant_quota is not None:
+            return self.tenant_quota
+        return 0.5 if self.api_keys else 1.0

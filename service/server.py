@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import resource
 import signal
 import socket
 import stat
@@ -12,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import orjson
 import structlog
 import trio
 from hypercorn.config import Config as HypercornConfig
@@ -20,6 +22,7 @@ from hypercorn.trio.tcp_server import TCPServer
 from quart_trio import QuartTrio
 
 from service.api.app import create_app
+from service.api.errors import error_body
 from service.config import Config
 from service.engine.assembly import open_engine
 from service.engine.engine import Engine
@@ -31,7 +34,25 @@ CLOSE_GRACE_SECONDS = 2.0  # after the drain: for the last events to reach the c
 log = structlog.get_logger("cadence.server")
 
 
-def contain_connection_failures() -> None:
+class ConnectionCap:
+    """How many client connections are open, and how many may be: the next one past the cap
+    gets a 503 and is closed at once, so that a client holding thousands of idle sockets
+    cannot take every descriptor (the worker's restart needs two)."""
+
+    limit: int | None = None
+    open = 0
+
+
+OVER_CAP_BODY = orjson.dumps(
+    error_body("too many connections are open; retry later", 503, code="too_many_connections")
+)
+OVER_CAP_RESPONSE = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+    b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(OVER_CAP_BODY), OVER_CAP_BODY)
+)
+
+
+def contain_connection_failures(max_connections: int | None = None) -> None:
     """One HTTP connection's failure ends that connection, never the server.
 
     Hypercorn 0.18 runs each connection as a task of the server's own nursery, so an error
@@ -40,7 +61,9 @@ def contain_connection_failures() -> None:
     while the connection is closing (trio.BusyResourceError: `TCPServer._close` sends its
     EOF without the lock the sends hold) and a KeyError for an HTTP/2 stream the closing
     connection had dropped. The connection's own cleanup (its `finally`) has run by then;
-    the failure is logged and the server goes on. Cancellation still propagates."""
+    the failure is logged and the server goes on. Cancellation still propagates.
+    The same wrapper keeps the ConnectionCap."""
+    ConnectionCap.limit = max_connections
     run = TCPServer.run
     if hasattr(run, "__wrapped__"):
         return  # done already
@@ -52,12 +75,35 @@ def contained(
 ) -> Callable[[TCPServer], Awaitable[None]]:
     @functools.wraps(run)
     async def run_one_connection(self: TCPServer) -> None:
+        limit = ConnectionCap.limit
+        if limit is not None and ConnectionCap.open >= limit:
+            await _refuse_connection(self.stream)
+            return
+        ConnectionCap.open += 1
         try:
             await run(self)
         except Exception as failure:  # one connection's: see contain_connection_failures
             log.warning("http.connection_failed", error=repr(failure))
+        finally:
+            ConnectionCap.open -= 1
 
     return run_one_connection
+
+
+async def _refuse_connection(stream: trio.SocketStream) -> None:
+    log.warning("http.connection_refused", open=ConnectionCap.open, limit=ConnectionCap.limit)
+    with (
+        contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError),
+        trio.move_on_after(1),
+    ):
+        await stream.send_all(OVER_CAP_RESPONSE)
+        # Read what the client sent (for up to that second): closing on unread bytes would
+        # reset the connection and lose the answer before the client reads it.
+        await stream.send_eof()
+        while await stream.receive_some(4096):
+            pass
+    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        await stream.aclose()
 
 
 @dataclass(slots=True)
@@ -88,7 +134,7 @@ class Server:
         return 1 if failed else 0
 
     async def _serve_http(self, app: QuartTrio, engine: Engine) -> None:
-        contain_connection_failures()
+        contain_connection_failures(self.config.max_connections)
         async with trio.open_nursery() as nursery:
 
             async def serve_until_shut_down(task_status: trio.TaskStatus[list[str]]) -> None:
@@ -184,8 +230,18 @@ def _has_peer(sock: socket.socket) -> bool:
     return True
 
 
+def raise_descriptor_limit() -> None:
+    """Take the hard limit of open files: each connection holds one, and a worker restart
+    needs a socketpair, which must not fail because clients took the last descriptors."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def build_server(config: Config) -> Server:
     """Everything up to serving; raises ModelFileError for a model that cannot be served."""
+    raise_descriptor_limit()
     configure_logging(
         config.log_file,
         config.log_level,

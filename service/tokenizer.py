@@ -32,7 +32,15 @@ class Tokenizer:
         self._eos_token = eos_token
         self._eos_token_ids = eos_token_ids
         self._template = _compile_template(chat_template) if chat_template else None
-        self._max_token_chars = _longest_token_chars(backend)
+        # Every id's text, decoded once here: the API looks pieces up (logprobs, echo,
+        # token_strs) instead of calling the tokenizer per token on the event loop.
+        self._pieces = tuple(
+            backend.decode_batch(
+                [[i] for i in range(backend.get_vocab_size(with_added_tokens=True))],
+                skip_special_tokens=False,
+            )
+        )
+        self._max_token_chars = _longest_token_chars(backend, self._pieces)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -93,6 +101,11 @@ class Tokenizer:
         return self._max_token_chars
 
     @property
+    def pieces(self) -> tuple[str, ...]:
+        """Each token id's own text (special tokens included), by id."""
+        return self._pieces
+
+    @property
     def eos_token_ids(self) -> list[int]:
         return list(self._eos_token_ids)
 
@@ -110,9 +123,8 @@ class Tokenizer:
         return None if self._bos_token is None else self._backend.token_to_id(self._bos_token)
 
 
-def _longest_token_chars(backend: RustTokenizer) -> int:
-    ids = range(backend.get_vocab_size(with_added_tokens=True))
-    decoded = backend.decode_batch([[i] for i in ids], skip_special_tokens=False)
+def _longest_token_chars(backend: RustTokenizer, decoded: tuple[str, ...]) -> int:
+    ids = range(len(decoded))
     # A byte-level token holding part of a UTF-8 character decodes to one replacement
     # character but can add up to its byte count to a text: its raw form has one
     # character per byte, so the larger of the two lengths is a safe bound.

@@ -4,7 +4,10 @@ Run as `python tests/fake_worker_child.py --fd N`. FAKE_WORKER_MODE picks a beha
 "ok" (answer steps: token = 1000 + step_id), "fatal" (fail init), "exit_at_init" (exit
 without a word), "die_on_step_2" (exit abruptly on the second step), "device_error_on_step_2"
 (report a fatal device error at the second step, then exit), "ignore_shutdown"
-(never exits on its own; the link must kill it), "slow_pong" (answers pings after 0.5 s).
+(never exits on its own; the link must kill it), "slow_pong" (answers pings after 0.5 s);
+"garbled_on_step_2", "list_on_step_2", "unknown_field_on_step_2", "short_tokens_on_step_2"
+(a frame that is not JSON, a JSON list, a result with a field the contract lacks, a
+result with fewer tokens than sequences, at the second step).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gpu_worker.protocol import DEVICE_ERROR, FrameDecoder, encode_frame
+from gpu_worker.protocol import DEVICE_ERROR, HEADER, FrameDecoder, encode_frame
 
 
 def handshake() -> dict:
@@ -40,6 +43,14 @@ def handshake() -> dict:
         "pid": os.getpid(),
         "load_seconds": 0.0,
     }
+
+
+GARBLES = {
+    "garbled_on_step_2": lambda result: HEADER.pack(5) + b"{nope",
+    "list_on_step_2": lambda result: encode_frame([1, 2, 3]),  # type: ignore[arg-type]
+    "unknown_field_on_step_2": lambda result: encode_frame({**result, "surprise": 1}),
+    "short_tokens_on_step_2": lambda result: encode_frame({**result, "tokens": []}),
+}
 
 
 def main() -> int:
@@ -82,6 +93,9 @@ def main() -> int:
                     "step_ms": 1.0,
                     "error": None,
                 }
+                if steps == 2 and mode in GARBLES:
+                    sock.sendall(GARBLES[mode](result))
+                    continue
                 sock.sendall(encode_frame(result))
             elif kind == "ping":
                 if mode == "slow_pong":

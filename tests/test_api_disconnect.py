@@ -104,3 +104,27 @@ async def _more(stream: trio.SocketStream, buffer: bytearray) -> bool:
     data = await stream.receive_some(65536)
     buffer += data
     return bool(data)
+
+
+async def test_a_client_that_hangs_up_on_a_whole_response_has_its_request_aborted(
+    cadence_server: RunningServer,
+) -> None:
+    """Not streamed: the server is only waiting for the whole answer when the client goes,
+    and the hang-up must still abort the request and free its blocks, not run it to the
+    end of its 2,000 tokens."""
+    url = urlsplit(cadence_server.url)
+    assert url.hostname is not None and url.port is not None
+    finished_before = len(cadence_server.log_events("request.finished"))
+    body = {"prompt": "Tell me a very long story.", "max_tokens": 2000, "ignore_eos": True}
+    stream = await trio.open_tcp_stream(url.hostname, url.port)
+    await stream.send_all(raw_request(url.netloc, body))
+    with trio.fail_after(60):
+        while cadence_server.admin_state()["kv_blocks_used"] == 0:
+            await trio.sleep(0.05)  # admitted and decoding
+    await trio.sleep(0.5)
+    await stream.aclose()
+    state = cadence_server.wait_idle(timeout=10)
+    assert (state["running"], state["waiting"], state["kv_blocks_used"]) == (0, 0, 0)
+    finished = cadence_server.log_events("request.finished")[finished_before:]
+    assert [(e["finish_reason"], e["finish_detail"]) for e in finished] == [("abort", "aborted")]
+    assert finished[0]["completion_tokens"] < 2000

@@ -6,7 +6,8 @@ and content type, a body that fits the documented schema; a request unanswered w
 REQUEST_TIMEOUT_S counts as a hang. The run must send at least MIN_REQUESTS requests, counted
 from its HAR report.
 
-The server is its own (the fuzzer swaps policies at random) with a small context window, and
+The server is its own (the fuzzer swaps policies at random) with a small context window and
+API keys on (the admin token is also its one key, since schemathesis sends one bearer), and
 this module is also schemathesis' hooks module (SCHEMATHESIS_HOOKS): `before_call` keeps
 generations a few tokens long, so the run explores requests rather than waiting on output.
 """
@@ -23,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import schemathesis
 
@@ -66,13 +68,23 @@ def shorten_generation(body: dict[str, Any]) -> None:
 
 @pytest.fixture(scope="module")
 def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    log_dir = tmp_path_factory.mktemp("fuzz-server")
+    (log_dir / "api-keys").write_text(f"{ADMIN_TOKEN} fuzz priority\n")
     server = start_server(
-        tmp_path_factory.mktemp("fuzz-server"),
+        log_dir,
+        "--api-key-file",
+        str(log_dir / "api-keys"),
         "--max-model-len",
         str(MAX_MODEL_LEN),
         "--max-batched-tokens",
         str(MAX_MODEL_LEN),
+        wait=False,
     )
+    try:
+        server.wait_healthy()
+    except BaseException:
+        stop_server(server)
+        raise
     yield server
     stop_server(server)
 
@@ -122,6 +134,7 @@ def run_schemathesis(server: RunningServer, workdir: Path) -> subprocess.Complet
 def test_fuzzing_every_route_finds_no_server_error_and_no_hang(
     fuzz_server: RunningServer, tmp_path: Path
 ) -> None:
+    assert httpx.get(f"{fuzz_server.url}/v1/models", timeout=10).status_code == 401  # keys on
     start = time.monotonic()
     result = run_schemathesis(fuzz_server, tmp_path)
     seconds = time.monotonic() - start

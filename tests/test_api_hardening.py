@@ -8,9 +8,11 @@ concurrent stream stopped for seconds), text/plain bodies were served, and every
 
 from __future__ import annotations
 
+import resource
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
@@ -190,13 +192,13 @@ def test_an_answer_needing_no_body_still_leaves_the_connection_usable(
     follows the headers, or the next request on the connection is never answered."""
     address = urlsplit(cadence_server.url)
     body = b'{"name": "fcfs"}'
-    head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
     with socket.create_connection((address.hostname, address.port), timeout=10) as conn:
         conn.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode())
         time.sleep(0.3)  # the old server answered meanwhile
         conn.sendall(body)
         first = read_response(conn)
-        conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        conn.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         second = read_response(conn)
     assert not first.startswith(b"HTTP/1.1 5")
     assert second.startswith(b"HTTP/1.1 200")
@@ -212,6 +214,28 @@ def preflight(url: str, origin: str) -> httpx.Response:
         },
         timeout=30,
     )
+
+
+def test_the_playground_page_cannot_be_framed(cadence_server: RunningServer) -> None:
+    response = httpx.get(f"{cadence_server.url}/", timeout=10)
+    assert response.status_code == 200 and "text/html" in response.headers["Content-Type"]
+    assert response.headers["X-Frame-Options"] == "DENY"
+    assert response.headers["Content-Security-Policy"] == "frame-ancestors 'none'"
+
+
+def test_the_server_takes_the_hard_limit_of_open_files(tmp_path: Path) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))  # the child inherits
+    try:
+        server = start_server(tmp_path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        limits = Path(f"/proc/{server.process.pid}/limits").read_text().splitlines()
+    finally:
+        stop_server(server)
+    line = next(line for line in limits if line.startswith("Max open files"))
+    assert line.split()[3:5] == [str(hard), str(hard)]
 
 
 def test_cors_is_off_by_default(cadence_server: RunningServer) -> None:
@@ -276,3 +300,32 @@ def test_a_foreign_origin_gets_no_cors_beside_an_allowed_one(cors_server: Runnin
     assert "access-control-allow-origin" not in answer.headers
     simple = httpx.get(f"{cors_server.url}/health", headers={"Origin": FOREIGN_ORIGIN}, timeout=30)
     assert "access-control-allow-origin" not in simple.headers
+
+
+def test_a_connection_past_the_cap_gets_503_and_the_others_are_served(tmp_path: Path) -> None:
+    server = start_server(tmp_path, "--max-connections", "3")
+    url = urlsplit(server.url)
+    health = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+
+    def answer(sock: socket.socket, until_closed: bool) -> bytes:
+        sock.sendall(health)
+        data = b""
+        while (chunk := sock.recv(4096)) and (until_closed or b'"status"' not in data + chunk):
+            data += chunk
+        return data + chunk
+
+    time.sleep(1.0)  # the start-up's own health checks have closed their connections
+    held = [socket.create_connection((url.hostname, url.port), timeout=10) for _ in range(3)]
+    try:
+        for sock in held:  # served, and kept open (keep-alive)
+            assert answer(sock, until_closed=False).startswith(b"HTTP/1.1 200")
+        with socket.create_connection((url.hostname, url.port), timeout=10) as extra:
+            refused = answer(extra, until_closed=True)
+        assert refused.startswith(b"HTTP/1.1 503") and b"too_many_connections" in refused
+        held.pop().close()
+        time.sleep(0.5)
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    finally:
+        for sock in held:
+            sock.close()
+        stop_server(server)

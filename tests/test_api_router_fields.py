@@ -9,6 +9,7 @@ import time
 
 import httpx
 import openai
+import orjson
 import pytest
 
 from tests import server_fixtures
@@ -109,3 +110,21 @@ def test_skip_special_tokens_false_keeps_the_end_of_turn_token_in_the_text(
         answers[skip] = reply.choices[0]
     assert answers[True].finish_reason == answers[False].finish_reason == "stop"
     assert answers[False].message.content == answers[True].message.content + "<|im_end|>"
+
+
+def test_unknown_field_names_are_logged_cut_short(cadence_server: RunningServer) -> None:
+    """A 1 MB field name, and 10,000 short ones, make a short log line, not a 1 MB one."""
+    body = {"prompt": "Hello", "max_tokens": 1, "k" * 1_000_000: 1}
+    body |= {f"extra_{i}": i for i in range(10_000)}
+    response = httpx.post(f"{cadence_server.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    request_id = response.json()["id"]
+    line = next(
+        raw
+        for raw in cadence_server.log_file.read_bytes().splitlines()
+        if b"request.fields_ignored" in raw and request_id.encode() in raw
+    )
+    assert len(line) < 4096
+    logged = orjson.loads(line)
+    assert logged["count"] == 10_001 and len(logged["fields"]) == 16
+    assert max(map(len, logged["fields"])) <= 64 + 3

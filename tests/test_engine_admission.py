@@ -171,3 +171,29 @@ async def test_a_request_that_cannot_start_before_its_deadline_is_refused_at_arr
             patient = await engine.submit([1] * 10, greedy(2), request_id="ok", deadline_s=5.0)
             out = await collect(patient)
     assert out.finish is not None and out.finish.reason == "length"
+
+
+async def test_a_tenant_gets_its_share_of_the_queue_and_another_is_still_admitted(
+    autojump_clock,
+):
+    """--tenant-quota 0.5 of an 8-sequence queue: tenant a may have 4 sequences waiting
+    (sub-tenants count as a), its fifth is refused, tenant b's requests are admitted."""
+    config = sim_config(max_num_seqs=1, max_queue=8, tenant_quota=0.5)
+    observer = RecordingObserver()
+    async with running_engine(config) as engine:
+        engine.add_observer(observer)
+        async with trio.open_nursery() as nursery:
+            await occupy(engine, nursery, 100)
+            for i, tenant in enumerate(["a", "a/x", "a/y", "a"]):
+                channel = await engine.submit([7] * 8, greedy(2), request_id=f"a{i}", tenant=tenant)
+                nursery.start_soon(collect, channel)
+            with pytest.raises(Overloaded, match="tenant 'a' would have 5 sequences waiting"):
+                await engine.submit([7] * 8, greedy(2), request_id="a-over", tenant="a/z")
+            with pytest.raises(Overloaded, match="tenant 'a'"):  # n counts each sequence
+                await engine.submit([7] * 8, greedy(2), request_id="b-n", tenant="a", n=2)
+            for i in range(3):
+                channel = await engine.submit([7] * 8, greedy(2), request_id=f"b{i}", tenant="b")
+                nursery.start_soon(collect, channel)
+            assert engine.state()["waiting"] == 7
+            assert engine.tenant_load()["a"].waiting == 4
+            assert observer.refused == ["tenant_queue_full", "tenant_queue_full"]

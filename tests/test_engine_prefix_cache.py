@@ -229,3 +229,24 @@ async def test_aborts_and_policy_swaps_amid_shared_prefixes_free_every_reference
     assert len(outputs) + sum(1 for s in observer.finished if s.finish_reason == "abort") == 36
     assert observer.swaps and state["prefix_cache"]["hits_tokens"] > 0
 
+
+async def test_fair_bills_a_tenant_for_what_it_computes_not_for_its_cache_hits(autojump_clock):
+    """Under `fair`, a prompt found in the prefix cache costs its tenant only the tokens
+    computed: a tenant whose 96-token hit were billed would fall behind a cold one."""
+    prompt, cold = system_prompt(100, seed=1), system_prompt(100, seed=2)
+    snapshots: list[dict[str, float]] = []
+    async with running_engine(sim_config(policy="fair")) as engine:
+
+        class Counters(RecordingObserver):
+            def on_iteration(self, stats) -> None:
+                snapshots.append(dict(engine.scheduler.policy.counters))
+
+        engine.add_observer(Counters())
+        await collect(await engine.submit(prompt, greedy(2), request_id="warm", tenant="a"))
+        snapshots.clear()
+        async with trio.open_nursery() as nursery:
+            for request_id, ids, tenant in [("hit", prompt, "a"), ("cold", cold, "b")]:
+                channel = await engine.submit(ids, greedy(3), request_id=request_id, tenant=tenant)
+                nursery.start_soon(collect, channel)
+    both = next(s for s in snapshots if {"a", "b"} <= set(s))
+    assert both["b"] - both["a"] >= 100 - 4 - 3  # b computed 100, a 4 (and a decode or two)

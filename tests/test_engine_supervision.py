@@ -5,6 +5,8 @@ test_server_supervision.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import trio
 from structlog.testing import capture_logs
@@ -180,3 +182,26 @@ async def test_a_device_error_fails_the_step_restarts_and_health_names_it(autoju
         body = await response.get_json()
         assert set(body["last_worker_failure"]) == {"reason", "at"}  # no error text in public
         assert body["last_worker_failure"]["reason"] == "device_error"
+
+
+async def test_a_result_that_does_not_answer_its_plan_restarts_the_worker(autojump_clock):
+    """A garbled result (here: its sampled sequences are not the plan's) is a worker gone
+    wrong: the running request fails, the worker is replaced, the server goes on."""
+
+    class GarblingWorker(SimWorker):
+        async def receive_result(self, step_id: int):
+            result = await super().receive_result(step_id)
+            if self._calls == 3:
+                result = dataclasses.replace(result, seq_ids=[], tokens=[])
+            return result
+
+    worker = GarblingWorker()
+    async with running_engine(sim_config(max_num_seqs=1), worker) as engine:
+        running = await engine.submit([1, 2, 3], greedy(20), request_id="running")
+        queued = await engine.submit([4, 5], greedy(4), request_id="queued")
+        with trio.fail_after(60):
+            failed = await collect(running)
+            served = await collect(queued)
+    assert (failed.finish.reason, failed.finish.detail) == ("error", "worker_died")
+    assert served.token_ids == expected_tokens([4, 5], 4)
+    assert worker.starts == 2

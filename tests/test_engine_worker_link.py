@@ -78,6 +78,21 @@ async def test_death_mid_run_raises_worker_died_and_restart_works():
     await worker.stop()
 
 
+@pytest.mark.parametrize(
+    "mode",
+    ["garbled_on_step_2", "list_on_step_2", "unknown_field_on_step_2", "short_tokens_on_step_2"],
+)
+async def test_a_garbled_result_is_a_dead_worker_to_restart_not_an_error_of_the_server(mode):
+    worker = link(mode)
+    await worker.start()
+    await worker.step(plan(1))
+    with pytest.raises(WorkerDied, match="garbled"):
+        await worker.step(plan(2))
+    await worker.start()  # the engine's recovery: a new worker
+    assert (await worker.step(plan(1))).tokens == [1001]
+    await worker.stop()
+
+
 async def test_a_device_error_reported_in_a_step_raises_worker_device_fault():
     worker = link("device_error_on_step_2")
     await worker.start()

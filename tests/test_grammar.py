@@ -82,6 +82,24 @@ def test_the_cache_returns_the_compiled_grammar_and_keeps_a_bounded_number(
     assert compiler.compile(schema_format(PERSON)) is not person  # evicted: two kept
 
 
+def test_the_cache_is_bounded_in_bytes(tokenizer: Tokenizer, compiler: GrammarCompiler) -> None:
+    def info() -> object:
+        return hf_tokenizer_info(tokenizer.backend, MODEL_VOCAB, tokenizer.eos_token_ids)
+
+    person_bytes = compiler.compile(schema_format(PERSON)).memory_size_bytes
+    object_bytes = compiler.compile(ResponseFormat("json_object")).memory_size_bytes
+    bounded = GrammarCompiler(info, max_bytes=max(person_bytes, object_bytes))
+    person = bounded.compile(schema_format(PERSON))
+    assert bounded.compile(schema_format(PERSON)) is person
+    assert bounded.cached_bytes == person_bytes
+    bounded.compile(ResponseFormat("json_object"))  # both would exceed the bytes: evicts
+    assert bounded.cached_bytes == object_bytes
+    assert bounded.compile(schema_format(PERSON)) is not person
+    tiny = GrammarCompiler(info, max_bytes=min(person_bytes, object_bytes) - 1)
+    once = tiny.compile(schema_format(PERSON))
+    assert tiny.compile(schema_format(PERSON)) is not once and tiny.cached_bytes == 0
+
+
 @pytest.mark.parametrize(
     ("schema", "message"),
     [

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from policies.base import PolicyError, StepCost
@@ -169,7 +171,8 @@ def test_fair_bills_a_tenant_for_tokens_computed_not_for_tokens_cached():
     """A waiting prompt whose first 192 tokens are in the prefix cache shows them as
     computed: the policy schedules and bills only the 8 that must be computed."""
     policy = make_policy("fair", {"token_budget": 256, "chunk_size": 256})
-    cached = seq(1, 200, computed=192, tenant="a")
+    # as the scheduler's view shows a waiting hit: computed and cached alike
+    cached = dataclasses.replace(seq(1, 200, computed=192, tenant="a"), num_cached_tokens=192)
     cold = seq(2, 200, tenant="b")
     d = policy.decide(view([], [cached, cold]))
     assert d.schedule == [(1, 8), (2, 200)]

@@ -171,7 +171,7 @@ def test_a_client_that_never_reads_cannot_hold_the_server_at_shutdown(tmp_path: 
         }
     )
     head = (
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"
     )
     client.sendall(head.encode() + body)

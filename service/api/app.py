@@ -11,6 +11,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from service.api import openapi, routes_admin, routes_openai, routes_tokenize
+from service.api.access import install_api_keys, install_host_check
 from service.api.app_state import EXTENSION_KEY, AppState
 from service.api.body import drain_unread_body
 from service.api.cors import CorsPolicy
@@ -24,6 +25,10 @@ from service.tokenizer import Tokenizer
 log = structlog.get_logger("cadence.app")
 JSON_MIMETYPE = "application/json"
 METHODS_WITH_BODY = ("POST", "PUT")
+PAGE_FRAMING_HEADERS = {
+    "Content-Security-Policy": "frame-ancestors 'none'",
+    "X-Frame-Options": "DENY",
+}
 
 
 def create_app(
@@ -35,7 +40,7 @@ def create_app(
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
     # Non-streaming generations can take long too; SSE responses also set their own None.
     app.config["RESPONSE_TIMEOUT"] = None
-    metrics = Metrics()
+    metrics = Metrics(frozenset(key.tenant for key in config.api_keys))
     engine.add_observer(metrics)
     state = AppState(config, engine, tokenizer, served_model_name, metrics)
     state.grammars = GrammarCompiler(lambda: _tokenizer_info(engine, tokenizer))
@@ -45,7 +50,9 @@ def create_app(
     app.register_blueprint(routes_admin.blueprint)
     app.register_blueprint(openapi.blueprint)
     _install_page(app)
+    install_host_check(app, config)
     _install_cors(app, CorsPolicy(frozenset(config.allowed_origins)))
+    install_api_keys(app, config)
     _install_json_only(app)
     _install_body_drain(app)
     _install_error_handlers(app)
@@ -63,7 +70,11 @@ def _install_page(app: QuartTrio) -> None:
     @app.get("/")
     async def page() -> Response:
         """The browser page (service/api/static/index.html), same origin as the API."""
-        return await app.send_static_file("index.html")
+        response = await app.send_static_file("index.html")
+        # Never inside another site's frame: its buttons (a long prompt, a policy swap)
+        # must not be clicked through a page laid over it (clickjacking).
+        response.headers.update(PAGE_FRAMING_HEADERS)
+        return response
 
 
 def _install_cors(app: QuartTrio, policy: CorsPolicy) -> None:

@@ -16,7 +16,10 @@ if TYPE_CHECKING:
     from service.tokenizer import Tokenizer
 
 EXTENSION_KEY = "cadence"
-TOKENIZER_THREADS = 2  # prompts tokenized (and grammars compiled) at once, off the event loop
+TOKENIZER_THREADS = 2  # prompts tokenized at once, off the event loop
+# grammars compiled at once: their own threads, so a slow schema never holds up the
+# tokenizing of requests without one
+GRAMMAR_THREADS = 1
 
 
 @dataclass(slots=True)
@@ -29,6 +32,9 @@ class AppState:
     heartbeat_seconds: float = 1.0
     tokenizer_threads: trio.CapacityLimiter = field(
         default_factory=lambda: trio.CapacityLimiter(TOKENIZER_THREADS)
+    )
+    grammar_threads: trio.CapacityLimiter = field(
+        default_factory=lambda: trio.CapacityLimiter(GRAMMAR_THREADS)
     )
     grammars: GrammarCompiler | None = None  # None: no structured output (response_format)
 

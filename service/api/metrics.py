@@ -99,6 +99,10 @@ _DEFINITIONS = [
      "or not started by its deadline."),
     ("finished", "counter", "request_success_total",
      "Finished requests by finish reason."),
+    ("tenant_waiting", "gauge", "tenant_requests_waiting",
+     "Sequences waiting, by API key tenant."),
+    ("tenant_kv_blocks", "gauge", "tenant_kv_blocks_reserved",
+     "KV blocks a tenant's live sequences may come to hold (prompt + max_tokens), by key tenant."),
     ("policy", "gauge", "policy_info",
      "The scheduling policy in force (value 1)."),
     ("cache_config", "gauge", "cache_config_info",
@@ -108,6 +112,8 @@ _DEFINITIONS = [
 _LABELS = {
     "finished": ("finished_reason",),
     "refused": ("reason",),
+    "tenant_waiting": ("tenant",),
+    "tenant_kv_blocks": ("tenant",),
     "policy": ("policy",),
     "cache_config": ("block_size", "num_gpu_blocks", "cache_dtype"),
 }
@@ -161,7 +167,9 @@ class _CountersReadAtScrape(Collector):
 class Metrics:
     """One registry per app (never the process-global one), updated by the engine's events."""
 
-    def __init__(self) -> None:
+    def __init__(self, tenants: frozenset[str] = frozenset()) -> None:
+        """`tenants`: the API keys' tenants, the only tenant labels (clients name others)."""
+        self.tenants = tenants
         self.registry = CollectorRegistry()
         for attribute, kind, name, doc in _DEFINITIONS:
             labels = _LABELS.get(attribute, ())
@@ -234,4 +242,11 @@ class Metrics:
         self._read_at_scrape.values["prefix_cache_queries"] = prefix.get("queries_tokens", 0)
         self._read_at_scrape.values["prefix_cache_hits"] = prefix.get("hits_tokens", 0)
         self._read_at_scrape.values["log_lines_dropped"] = log_lines_dropped()
+        self._render_tenants(engine_state.get("tenants") or {})
         return generate_latest(self.registry)
+
+    def _render_tenants(self, loads: dict[str, Any]) -> None:
+        for tenant in self.tenants:
+            load = loads.get(tenant)
+            self.tenant_waiting.labels(tenant=tenant).set(load.waiting if load else 0)
+            self.tenant_kv_blocks.labels(tenant=tenant).set(load.kv_blocks if load else 0)

@@ -44,17 +44,19 @@ class TokenPieces:
         self.top += other.top
 
 
-def usage(finishes: list[FinishEvent]) -> dict[str, Any]:
+def usage(finishes: list[FinishEvent], cached_tokens: bool) -> dict[str, Any]:
     """OpenAI's usage object for a request's sequences (`finishes`, by index): the prompt
-    once, every sequence's tokens, and the prompt tokens the prefix cache served the first
+    once, every sequence's tokens, and (`cached_tokens`: where the operator allows it, since
+    it tells what others sent before) the prompt tokens the prefix cache served the first
     (the others share what it computed)."""
     prompt = finishes[0].prompt_tokens
     completion = sum(finish.completion_tokens for finish in finishes)
+    details = {"cached_tokens": finishes[0].cached_tokens} if cached_tokens else None
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": finishes[0].cached_tokens},
+        "prompt_tokens_details": details,
     }
 
 

@@ -24,7 +24,10 @@ MAX_LOGPROBS = 20  # alternatives per token: chat's `top_logprobs` (vLLM's max_l
 MAX_DEADLINE_MS = 86_400_000.0
 MAX_SEQUENCES = 32  # `n` and `best_of`: sequences generated for one request
 MAX_CACHE_SALT_CHARS = 256
-MAX_SCHEMA_BYTES = 64 * 1024  # response_format's JSON schema, serialized
+MAX_SCHEMA_BYTES = 64 * 1024
+# Each message is template and dict work: a chat of more messages than this (or than the
+# window has tokens, since each costs at least one) is refused before any is read.
+MAX_CHAT_MESSAGES = 4096  # response_format's JSON schema, serialized
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
@@ -136,7 +139,7 @@ class GenerationRequest:
     params: SamplingParams  # max_tokens None: the rest of the context window (chat)
     stream: bool
     include_usage: bool
-    tenant: str
+    tenant: str | None  # the client's name for it (`user`, X-Tenant); None: none given
     priority: int
     deadline_ms: float | None = None  # cadence's extension: how long it may wait to start
     echo: bool = False  # completions: the prompt comes back before the completion
@@ -283,13 +286,18 @@ def parse_tokenize_request(body: Any, bound: PromptBound | None = None) -> Token
     )
 
 
-def parse_detokenize_request(body: Any, vocab_size: int) -> tuple[str | None, list[int]]:
-    """vLLM's POST /detokenize: (model, token ids)."""
+def parse_detokenize_request(
+    body: Any, vocab_size: int, bound: PromptBound
+) -> tuple[str | None, list[int]]:
+    """vLLM's POST /detokenize: (model, token ids), at most a context window of them (its
+    length is checked before any id is looked at)."""
     fields = _Fields(body)
     model = fields.raw("model")
     if model is not None and not isinstance(model, str):
         raise bad_request(f"'model' must be a string, got {model!r}", "model")
     tokens = fields.raw("tokens")
+    if isinstance(tokens, list):
+        bound.check_tokens(len(tokens), "tokens")
     if not isinstance(tokens, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in tokens
     ):
@@ -455,6 +463,11 @@ def _parse_prompt(value: Any, bound: PromptBound | None) -> str | list[int]:
 def _parse_messages(value: Any, bound: PromptBound | None) -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
         raise bad_request("'messages' must be a non-empty list", "messages")
+    limit = min(MAX_CHAT_MESSAGES, bound.max_tokens if bound is not None else MAX_CHAT_MESSAGES)
+    if len(value) > limit:
+        raise bad_request(
+            f"a chat may have at most {limit} messages, this one has {len(value)}", "messages"
+        )
     messages = [_parse_message(i, message) for i, message in enumerate(value)]
     if bound is not None:
         # The template adds to the contents, so they alone bound the rendered prompt.
@@ -512,7 +525,7 @@ def _parse_stream_options(value: Any, stream: bool) -> bool:
     return include
 
 
-def _parse_tenant(header: str | None, user: Any) -> str:
+def _parse_tenant(header: str | None, user: Any) -> str | None:
     if user is not None and not isinstance(user, str):
         raise bad_request("'user' must be a string", "user")
-    return header or user or "default"
+    return header or user or None

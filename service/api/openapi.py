@@ -14,12 +14,14 @@ from typing import Any
 from quart import Blueprint, Response
 
 from policies.registry import POLICIES
+from service.api.access import needs_key
 from service.api.app_state import app_state
 from service.api.errors import json_response
 from service.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from service.api.openai_schema import (
     CHAT_ROLES,
     MAX_CACHE_SALT_CHARS,
+    MAX_CHAT_MESSAGES,
     MAX_DEADLINE_MS,
     MAX_LOGPROBS,
     MAX_SCHEMA_BYTES,
@@ -38,25 +40,49 @@ blueprint = Blueprint("openapi", __name__)
 Schema = dict[str, Any]
 JSON = "application/json"
 SSE = "text/event-stream"
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 @blueprint.get("/openapi.json")
 async def openapi_json() -> Response:
     state = app_state()
-    return json_response(openapi_document(state.engine.max_model_len, state.served_model_name))
+    document = openapi_document(
+        state.engine.max_model_len, state.served_model_name, bool(state.config.api_keys)
+    )
+    return json_response(document)
 
 
-def openapi_document(max_model_len: int | None, model_name: str) -> Schema:
-    """The description of every route; `max_model_len` None: the worker is not ready yet."""
+def openapi_document(max_model_len: int | None, model_name: str, api_keys: bool = False) -> Schema:
+    """The description of every route; `max_model_len` None: the worker is not ready yet;
+    `api_keys`: the routes that want a key say so (as the server then enforces)."""
+    public = _public_paths(max_model_len)
+    if api_keys:
+        public = {path: _keyed(path, operations) for path, operations in public.items()}
     return {
         "openapi": "3.1.0",
         "info": {"title": "cadence", "version": "1", "description": f"Serving {model_name}."},
-        "paths": {**_public_paths(max_model_len), **_admin_paths()},
+        "paths": {**public, **_admin_paths()},
         "components": {
             "schemas": {"Error": _error_schema()},
-            "securitySchemes": {"admin": {"type": "http", "scheme": "bearer"}},
+            "securitySchemes": {
+                "admin": {"type": "http", "scheme": "bearer"},
+                "apiKey": {"type": "http", "scheme": "bearer"},
+            },
         },
     }
+
+
+def _keyed(path: str, operations: Schema) -> Schema:
+    """An operation behind the API key: its scheme, its 401, and for a generation the 403
+    of a `priority` the key may not set."""
+    if not needs_key(path):
+        return operations
+    for operation in operations.values():
+        operation["security"] = [{"apiKey": []}]
+        operation["responses"].update(_errors(401))
+        if path in GENERATION_PATHS:
+            operation["responses"].update(_errors(403))
+    return operations
 
 
 # ---- /v1 and the public routes ------------------------------------------------------------
@@ -140,7 +166,7 @@ def _post(summary: str, request: Schema, response: Schema) -> Schema:
     return {
         "summary": summary,
         "requestBody": {"required": True, "content": {JSON: {"schema": request}}},
-        "responses": {"200": _json_content(summary, response), **_errors(400, 404, 413, 415)},
+        "responses": {"200": _json_content(summary, response), **_errors(400, 404, 413, 415, 503)},
     }
 
 
@@ -206,7 +232,12 @@ def _chat_request(max_model_len: int | None) -> Schema:
     }
     return _request(
         {
-            "messages": {"type": "array", "items": message, "minItems": 1},
+            "messages": {
+                "type": "array",
+                "items": message,
+                "minItems": 1,
+                "maxItems": MAX_CHAT_MESSAGES,
+            },
             "max_completion_tokens": _max_tokens(max_model_len),
             "logprobs": {"type": ["boolean", "null"]},
             "top_logprobs": {
@@ -347,7 +378,9 @@ def _completion_response() -> Schema:
     }
     counts: Schema = {name: {"type": "integer", "minimum": 0} for name in _USAGE_FIELDS}
     cached = {"cached_tokens": {"type": "integer", "minimum": 0}}
-    details = {"prompt_tokens_details": _object(cached, ["cached_tokens"])}
+    # null where the operator does not report cached tokens (--enable-prompt-tokens-details)
+    reported = _object(cached, ["cached_tokens"])
+    details = {"prompt_tokens_details": {"anyOf": [reported, {"type": "null"}]}}
     usage = _object({**counts, **details}, [*_USAGE_FIELDS, "prompt_tokens_details"])
     return {
         "type": "object",
@@ -529,8 +562,8 @@ def _errors(*statuses: int) -> Schema:
 
 _ERROR_TEXT = {
     400: "Invalid request",
-    401: "Missing admin token",
-    403: "Wrong admin token, or admin disabled",
+    401: "Missing or wrong bearer token (the admin token, or an API key)",
+    403: "Wrong admin token, admin disabled, or a field the API key may not set",
     404: "Unknown model",
     413: "Body too large",
     415: "Body not declared application/json",

@@ -25,7 +25,8 @@ log = structlog.get_logger("cadence.admin")
 @blueprint.get("/metrics")
 async def metrics() -> Response:
     state = app_state()
-    return Response(state.metrics.render(state.engine.state()), 200, {"Content-Type": CONTENT_TYPE})
+    engine_state = {**state.engine.state(), "tenants": state.engine.tenant_load()}
+    return Response(state.metrics.render(engine_state), 200, {"Content-Type": CONTENT_TYPE})
 
 
 @blueprint.get("/admin/policy")

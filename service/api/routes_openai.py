@@ -13,6 +13,7 @@ import structlog
 import trio
 from quart import Blueprint, Response, request
 
+from service.api.access import request_key
 from service.api.app_state import AppState, app_state
 from service.api.body import read_body
 from service.api.errors import APIError, bad_request, json_response
@@ -32,14 +33,26 @@ from service.api.openai_schema import (
     parse_completion_request,
 )
 from service.api.sse import DONE, HEARTBEAT, SSE_HEADERS, event_groups, sse_data
+from service.config import ApiKey
 from service.engine.engine import EngineUnavailable, Overloaded
 from service.engine.grammar import GrammarUnavailable, InvalidGrammar, ResponseFormat
-from service.engine.request import Event, FinishEvent, TokenEvent
+from service.engine.request import (
+    DEFAULT_TENANT,
+    SUB_TENANT_SEPARATOR,
+    Event,
+    FinishEvent,
+    SamplingParams,
+    TokenEvent,
+    account_of,
+)
 from service.engine.validation import InvalidRequest
 from service.tokenizer import Tokenizer
 
 log = structlog.get_logger("cadence.api")
 blueprint = Blueprint("openai", __name__)
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
+MAX_LOGGED_NAMES = 16  # unknown fields named in the log line (all are counted)
+MAX_LOGGED_NAME_CHARS = 64
 SERVER_STATE_FAILURES = (
     "worker_died",
     "worker_hung",
@@ -125,17 +138,22 @@ async def serve_generation(req: GenerationRequest) -> Response:
     if not state.engine.ready:
         raise unavailable("the model worker is not ready yet; retry shortly")
     if req.response_format is not None:
-        req.params.grammar = await trio.to_thread.run_sync(
-            compile_grammar, req.response_format, state, limiter=state.tokenizer_threads
-        )
+        req.params.grammar = await grammar_of(req.response_format, state)
     prompt_ids = await tokenize_prompt(req, state)
+    check_logprob_volume(req, len(prompt_ids), state)
     prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     if req.ignored:
         # as vLLM: a field it does not know is no reason to refuse (routers add their own)
-        log.warning("request.fields_ignored", request_id=request_id, fields=list(req.ignored))
+        log.warning(
+            "request.fields_ignored",
+            request_id=request_id,
+            fields=loggable_names(req.ignored),
+            count=len(req.ignored),
+        )
     deadline_s = None if req.deadline_ms is None else req.deadline_ms / 1000
-    params = req.params
+    tenant = tenant_of(req.tenant, request_key())
+    params = isolated(req.params, tenant, state)
     if req.best_of > req.n and not params.sampling.logprobs:
         # the sequences are ranked by log-probability, which the worker then reports
         params = dataclasses.replace(
@@ -146,8 +164,8 @@ async def serve_generation(req: GenerationRequest) -> Response:
             prompt_ids,
             params,
             request_id=request_id,
-            tenant=req.tenant,
-            priority=req.priority,
+            tenant=tenant,
+            priority=priority_of(req.priority, request_key()),
             deadline_s=deadline_s,
             n=req.best_of,
         )
@@ -172,6 +190,64 @@ async def serve_generation(req: GenerationRequest) -> Response:
         # token (200, streamed) or its refusal (an HTTP error a client can retry on).
         first = await first_event(channel, header.request_id, state)
     return stream_response(req, header, channel, state, first, echo)
+
+
+def loggable_names(names: tuple[str, ...]) -> list[str]:
+    """A client's field names as a log line may hold them: a few, each cut short (a body
+    of 4 MiB can be one 4 MiB name, or 100,000 short ones)."""
+    return [
+        name if len(name) <= MAX_LOGGED_NAME_CHARS else name[:MAX_LOGGED_NAME_CHARS] + "..."
+        for name in names[:MAX_LOGGED_NAMES]
+    ]
+
+
+def check_logprob_volume(req: GenerationRequest, prompt_len: int, state: AppState) -> None:
+    """A 400 for a response whose log-probability entries exceed --max-logprob-entries."""
+    sampling, limit = req.params.sampling, state.config.max_logprob_entries
+    if not sampling.logprobs:
+        return
+    window = state.engine.max_model_len or prompt_len + 1
+    max_tokens = req.params.max_tokens or max(1, window - prompt_len)
+    tokens = max_tokens + (prompt_len if req.echo else 0)
+    entries = req.n * (sampling.top_logprobs + 1) * tokens
+    if entries > limit:
+        param = "top_logprobs" if req.kind == "chat" and sampling.top_logprobs else "logprobs"
+        raise bad_request(
+            f"n ({req.n}) x (logprobs ({sampling.top_logprobs}) + 1) x tokens ({tokens}: "
+            f"max_tokens{' + the echoed prompt' if req.echo else ''}) is {entries} "
+            f"log-probability entries, more than this server's {limit}; ask for fewer",
+            param,
+            "logprobs_too_large",
+        )
+
+
+def tenant_of(claimed: str | None, key: ApiKey | None) -> str:
+    """With API keys the key's tenant, a client's name only a sub-tenant inside it."""
+    if key is None:
+        return claimed or DEFAULT_TENANT
+    return key.tenant if claimed is None else f"{key.tenant}{SUB_TENANT_SEPARATOR}{claimed}"
+
+
+def priority_of(priority: int, key: ApiKey | None) -> int:
+    """A client's `priority` is refused (403) from a key not allowed to set one: it would
+    jump every other tenant's requests."""
+    if key is not None and priority != 0 and not key.may_set_priority:
+        raise APIError(
+            403,
+            "this API key may not set 'priority' (the operator grants it in --api-key-file)",
+            param="priority",
+            code="priority_not_allowed",
+        )
+    return priority
+
+
+def isolated(params: SamplingParams, tenant: str, state: AppState) -> SamplingParams:
+    """With --cache-isolation tenant, the tenant salts the prefix cache on the server's
+    side; a client's own cache_salt narrows it further, never across tenants."""
+    if not state.config.isolates_tenants():
+        return params
+    salt = "\0".join(["tenant", account_of(tenant), params.cache_salt or ""])
+    return dataclasses.replace(params, cache_salt=salt)
 
 
 def echo_of(req: GenerationRequest, prompt_ids: list[int], state: AppState) -> Echo:
@@ -225,6 +301,28 @@ def prompt_ids_of(req: GenerationRequest, tokenizer: Tokenizer) -> list[int]:
     except Exception as exc:  # a template may reject a message order (e.g. two system turns)
         raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+async def grammar_of(response_format: ResponseFormat, state: AppState) -> Any:
+    """The compiled grammar, on the grammar threads, within GRAMMAR_COMPILE_TIMEOUT_S.
+
+    xgrammar cannot be stopped mid-compilation: a request that hangs up or times out stops
+    waiting at once (abandon_on_cancel) and its thread finishes on its own, holding its
+    place on the limiter until then, and caches what it compiled for the next asker."""
+    with trio.move_on_after(GRAMMAR_COMPILE_TIMEOUT_S):
+        return await trio.to_thread.run_sync(
+            compile_grammar,
+            response_format,
+            state,
+            limiter=state.grammar_threads,
+            abandon_on_cancel=True,
+        )
+    raise bad_request(
+        f"compiling the schema of response_format took more than {GRAMMAR_COMPILE_TIMEOUT_S} s "
+        "(waiting included); simplify it or retry later",
+        "response_format",
+        "grammar_timeout",
+    )
 
 
 def compile_grammar(response_format: ResponseFormat, state: AppState) -> Any:
@@ -307,11 +405,12 @@ async def whole_response(
         Choice(
             text=(echo.text if echo else "") + "".join(event.text for event in tokens[i]),
             finish_reason=finishes[i].reason,
-            logprobs=logprobs_of(req, state.tokenizer, tokens[i], 0, echo),
+            logprobs=logprobs_of(req, state.tokenizer.pieces, tokens[i], 0, echo),
         )
         for i in ranked
     ]
-    body = full_response(header, choices, usage([finishes[i] for i in range(req.best_of)]))
+    usage_ = usage([finishes[i] for i in range(req.best_of)], state.config.reports_cached_tokens())
+    body = full_response(header, choices, usage_)
     return json_response(body, 200, {"X-Request-Id": header.request_id})
 
 
@@ -390,7 +489,9 @@ async def sse_stream(
         if len(finishes) < req.n:
             yield sse_data(closed_early().body())
         elif req.include_usage:
-            yield sse_data(usage_chunk(header, usage([finishes[i] for i in range(req.n)])))
+            report_cached = state.config.reports_cached_tokens()
+            usage_ = usage([finishes[i] for i in range(req.n)], report_cached)
+            yield sse_data(usage_chunk(header, usage_))
         yield DONE
     finally:
         # Reached by trio.Cancelled (hypercorn reported the disconnect) or GeneratorExit
@@ -420,7 +521,7 @@ def token_chunk(
     text = "".join(event.text for event in tokens)
     if not tokens or (not text and not req.params.sampling.logprobs and echo is None):
         return None  # nothing a client could see (e.g. half a UTF-8 character held back)
-    logprobs = logprobs_of(req, state.tokenizer, tokens, text_offset, echo)
+    logprobs = logprobs_of(req, state.tokenizer.pieces, tokens, text_offset, echo)
     if echo is not None:
         text = echo.text + text
     return delta_chunk(header, text, None, logprobs, index=index)

@@ -8,12 +8,18 @@ from quart import Blueprint, Response
 
 from service.api.app_state import app_state
 from service.api.errors import bad_request, json_response
+from service.api.openai_logprobs import piece
 from service.api.openai_schema import (
     TokenizeRequest,
     parse_detokenize_request,
     parse_tokenize_request,
 )
-from service.api.routes_openai import prompt_bound, read_json_body, require_served_model
+from service.api.routes_openai import (
+    prompt_bound,
+    read_json_body,
+    require_served_model,
+    unavailable,
+)
 from service.tokenizer import ChatTemplateError, Tokenizer
 
 blueprint = Blueprint("tokenize", __name__)
@@ -28,9 +34,12 @@ async def tokenize() -> Response:
     ids = await trio.to_thread.run_sync(
         token_ids_of, req, state.tokenizer, limiter=state.tokenizer_threads
     )
+    bound = prompt_bound()
+    if bound is not None:  # byte-level text can be 4 tokens a character: count them
+        bound.check_tokens(len(ids), "prompt" if req.prompt is not None else "messages")
     pieces = None
     if req.return_token_strs:
-        pieces = [state.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+        pieces = [piece(state.tokenizer.pieces, i) for i in ids]
     body = {
         "count": len(ids),
         "max_model_len": state.engine.max_model_len,
@@ -43,7 +52,12 @@ async def tokenize() -> Response:
 @blueprint.post("/detokenize")
 async def detokenize() -> Response:
     state = app_state()
-    model, tokens = parse_detokenize_request(await read_json_body(), state.tokenizer.vocab_size)
+    bound = prompt_bound()
+    if bound is None:
+        raise unavailable("the model worker is not ready yet; retry shortly")
+    model, tokens = parse_detokenize_request(
+        await read_json_body(), state.tokenizer.vocab_size, bound
+    )
     require_served_model(model, state)
     return json_response({"prompt": state.tokenizer.decode(tokens, skip_special_tokens=False)})
 

@@ -41,7 +41,14 @@ from service.config import Config
 from service.engine.block_manager import BlockManager
 from service.engine.detokenizer import Decoder, Detokenizer
 from service.engine.grammar import Matcher
-from service.engine.request import FinishEvent, Request, SamplingParams, Status, TokenEvent
+from service.engine.request import (
+    FinishEvent,
+    Request,
+    SamplingParams,
+    Status,
+    TokenEvent,
+    account_of,
+)
 from service.engine.scheduler import Outcome, ScheduleOutput, Scheduler, SchedulerStats
 from service.engine.stats import IterationStats, Observer, RequestStats
 from service.engine.validation import InvalidRequest, Limits, validate
@@ -116,6 +123,15 @@ class _Step:
     service_s: float  # service time spent on it: scheduling, then its results
     result: StepResult | None = None
     outcomes: list[Outcome] = dataclasses.field(default_factory=list)
+
+
+@dataclass(slots=True)
+class TenantLoad:
+    """A tenant's part of the engine: the quotas' measure, and /metrics'."""
+
+    waiting: int = 0  # sequences not running
+    queued_tokens: int = 0  # prompt tokens waiting to start (a prompt once per request)
+    kv_blocks: int = 0  # blocks its live sequences may come to hold: prompt + max_tokens
 
 
 @dataclass(slots=True)
@@ -393,6 +409,7 @@ class Engine:
         deadline = self._deadline_of(ticket)
         self._shed_if_overloaded(sched, len(ticket.prompt_token_ids), deadline, ticket.n)
         assert params.max_tokens is not None
+        self._enforce_tenant_quota(ticket, params.max_tokens)
         # never blocks: a token event per output token, the finish event, and a spare, each
         send, receive = trio.open_memory_channel(ticket.n * (params.max_tokens + 2))
         with send:
@@ -502,6 +519,55 @@ class Engine:
                 "deadline",
                 retry_after=now + ahead_ms / 1000 - deadline,
             )
+
+    def tenant_load(self) -> dict[str, TenantLoad]:
+        """What each tenant has in the engine now (a scan: its requests are few thousand at
+        most, bounded by --max-queue and --max-num-seqs)."""
+        loads: dict[str, TenantLoad] = {}
+        block_size = self.handshake.block_size if self.handshake else 1
+        for request in self._requests.values():
+            load = loads.setdefault(account_of(request.tenant), TenantLoad())
+            assert request.params.max_tokens is not None
+            load.kv_blocks += -(-(request.prompt_len + request.params.max_tokens) // block_size)
+            if request.status is Status.WAITING:
+                load.waiting += 1
+                load.queued_tokens += request.prompt_len if request.index == 0 else 0
+        return loads
+
+    def _enforce_tenant_quota(self, ticket: _Ticket, max_tokens: int) -> None:
+        """One tenant may take its share of the queue and of the KV blocks, so that its
+        flood leaves the rest to others; each of its n sequences counts in full."""
+        share = self.config.tenant_share()
+        if share >= 1 or self.handshake is None:
+            return
+        account, handshake = account_of(ticket.tenant), self.handshake
+        blocks = ticket.n * -(-(len(ticket.prompt_token_ids) + max_tokens) // handshake.block_size)
+        kv_quota = int(share * handshake.num_blocks)
+        if blocks > kv_quota:
+            raise InvalidRequest(
+                f"n x (prompt + max_tokens) needs {blocks} KV blocks, more than a tenant's "
+                f"{kv_quota}; ask for fewer sequences or tokens",
+                "n",
+                "tenant_quota_exceeded",
+            )
+        load = self.tenant_load().get(account, TenantLoad())
+        checks = (
+            (load.waiting + ticket.n, self.config.max_queue, "sequences waiting", "queue_full"),
+            (
+                load.queued_tokens + len(ticket.prompt_token_ids),
+                max(self.config.max_queued_tokens, self.max_model_len or 0),
+                "prompt tokens waiting",
+                "queued_tokens",
+            ),
+            (load.kv_blocks + blocks, handshake.num_blocks, "KV blocks", "kv_blocks"),
+        )
+        for wanted, limit, what, reason in checks:
+            if wanted > share * limit:
+                raise Overloaded(
+                    f"tenant {account!r} would have {wanted} {what}, more than its share "
+                    f"({int(share * limit)}); try again later",
+                    f"tenant_{reason}",
+                )
 
     def _expire_deadlines(self, now: float) -> None:
         """Requests whose deadline passed before they started end now, exactly once."""
@@ -619,6 +685,11 @@ class Engine:
             result = await self._worker.receive_result(step.out.plan.step_id)
         if result is None:
             raise WorkerHung(f"a step took longer than {self.config.step_timeout} s")
+        plan = step.out.plan
+        if result.seq_ids != [
+            s for s, samples in zip(plan.seq_ids, plan.sample, strict=True) if samples
+        ]:
+            raise WorkerDied("the worker's result does not answer its plan's sampling sequences")
         started = time.perf_counter()
         if self.config.debug_invariants:
             _check_blocks_kept(sched, step.out.plan)

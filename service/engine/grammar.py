@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer as RustTokenizer
 
 MAX_CACHED_GRAMMARS = 256
+# xgrammar's compiled grammars of 64 KiB schemas reach megabytes: bound the cache in bytes
+MAX_CACHED_GRAMMAR_BYTES = 256 * 1024 * 1024
 # vLLM lets any whitespace run between JSON tokens; unbounded, a small model fills
 # max_tokens with blank lines (SmolLM2-135M does, after "age":). 8 still fits an indent.
 MAX_WHITESPACE = 8
@@ -80,7 +82,8 @@ def hf_tokenizer_info(backend: RustTokenizer, vocab_size: int, stop_token_ids: l
 
 
 class GrammarCompiler:
-    """Compiles response formats, keeping the last MAX_CACHED_GRAMMARS compiled.
+    """Compiles response formats, keeping the last MAX_CACHED_GRAMMARS compiled, at most
+    `max_bytes` of them together (xgrammar's own measure of each).
 
     Blocking (run it in a thread) and thread-safe. xgrammar's own cache is off: it has no
     bound on entries. `tokenizer_info` is called once, at the first compilation, so that
@@ -89,10 +92,15 @@ class GrammarCompiler:
     """
 
     def __init__(
-        self, tokenizer_info: Callable[[], Any], max_cached: int = MAX_CACHED_GRAMMARS
+        self,
+        tokenizer_info: Callable[[], Any],
+        max_cached: int = MAX_CACHED_GRAMMARS,
+        max_bytes: int = MAX_CACHED_GRAMMAR_BYTES,
     ) -> None:
         self._tokenizer_info = tokenizer_info
         self._max_cached = max_cached
+        self._max_bytes = max_bytes
+        self._bytes = 0
         self._compiler: Any = None
         self._cache: collections.OrderedDict[ResponseFormat, Any] = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -110,10 +118,22 @@ class GrammarCompiler:
                 )
         compiled = self._compile(response_format)
         with self._lock:
-            self._cache[response_format] = compiled
-            while len(self._cache) > self._max_cached:
-                self._cache.popitem(last=False)
+            self._keep(response_format, compiled)
         return compiled
+
+    @property
+    def cached_bytes(self) -> int:
+        return self._bytes
+
+    def _keep(self, response_format: ResponseFormat, compiled: Any) -> None:
+        size = compiled.memory_size_bytes
+        if size > self._max_bytes or response_format in self._cache:
+            return  # too large to keep; or a concurrent compilation kept it first
+        self._cache[response_format] = compiled
+        self._bytes += size
+        while len(self._cache) > self._max_cached or self._bytes > self._max_bytes:
+            _, evicted = self._cache.popitem(last=False)
+            self._bytes -= evicted.memory_size_bytes
 
     def _compile(self, response_format: ResponseFormat) -> Any:
         schema = response_format.schema or JSON_OBJECT_SCHEMA

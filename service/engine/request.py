@@ -20,6 +20,17 @@ if TYPE_CHECKING:
     from service.engine.grammar import Matcher
 
 
+DEFAULT_TENANT = "default"
+# "team/alice": the sub-tenant alice of the tenant team (an API key's, or one a client
+# named): fairness, quotas and the prefix cache's isolation count the tenant, logs show both
+SUB_TENANT_SEPARATOR = "/"
+
+
+def account_of(tenant: str) -> str:
+    """The tenant a request is accounted to: its name up to any sub-tenant."""
+    return tenant.partition(SUB_TENANT_SEPARATOR)[0] or tenant
+
+
 def _openai_default_sampling() -> SamplingSpec:
     return SamplingSpec(temperature=1.0)  # OpenAI's and vLLM's default temperature
 

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from gpu_worker.protocol import BatchPlan, StepResult, TokenLogprobs
 from policies.base import Decision, Policy, SeqView, View
 from service.engine.block_manager import BlockManager, chain_hashes
-from service.engine.request import Request, Status
+from service.engine.request import Request, Status, account_of
 from service.engine.step_cost import StepCostModel
 
 
@@ -381,7 +381,7 @@ class Scheduler:
     def _seq_view(self, r: Request) -> SeqView:
         return SeqView(
             seq_id=r.seq_id,
-            tenant=r.tenant,
+            tenant=account_of(r.tenant),  # sub-tenants share their tenant's fair share
             priority=r.priority,
             arrival=r.received,
             prompt_len=r.prompt_len,

@@ -45,7 +45,7 @@ def validate(
 ) -> None:
     """Raise InvalidRequest for the first problem found; fills a missing max_tokens with
     the rest of the context window."""
-    _check_prompt(prompt_ids, limits.vocab_size)
+    _check_prompt(prompt_ids, limits)
     _check_sampling(params)
     _check_routing(tenant, priority)
     if params.max_tokens is None:
@@ -53,9 +53,18 @@ def validate(
     _check_length(len(prompt_ids), params.max_tokens, limits)
 
 
-def _check_prompt(ids: list[int], vocab_size: int) -> None:
+def _check_prompt(ids: list[int], limits: Limits) -> None:
     if not ids:
         raise InvalidRequest("the prompt is empty after tokenization", "prompt")
+    if len(ids) > limits.max_model_len:  # before the walk over every id below
+        raise InvalidRequest(
+            f"This model's maximum context length is {limits.max_model_len} tokens. However, "
+            f"you requested {len(ids)} tokens in the prompt. Please reduce the length of the "
+            "prompt.",
+            "prompt",
+            "context_length_exceeded",
+        )
+    vocab_size = limits.vocab_size
     if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in ids):
         raise InvalidRequest(
             f"prompt token ids must be integers in [0, {vocab_size}) (the vocabulary)", "prompt"

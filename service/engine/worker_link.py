@@ -191,8 +191,8 @@ class WorkerLink:
             fault = WorkerDeviceFault if reply.get("reason") == DEVICE_ERROR else WorkerDied
             raise fault(f"the worker reported a fatal error: {reply.get('message')}")
         if kind != "result":
-            raise WorkerDied(f"unexpected message from the worker: {kind!r}")
-        result = step_result_from_message(reply)
+            raise WorkerDied(f"unexpected message from the worker: {kind!r:.200}")
+        result = _result_of(reply)
         if result.step_id != step_id:
             raise WorkerDied(f"result for step {result.step_id}, expected {step_id}")
         return result
@@ -280,7 +280,10 @@ class WorkerLink:
                 self._inbox.extend(self._decoder.feed(data))
             except ValueError as exc:
                 raise WorkerDied(f"garbled frame from the worker: {exc}") from exc
-        return self._inbox.popleft()
+        message = self._inbox.popleft()
+        if not isinstance(message, dict):
+            raise WorkerDied(f"garbled message from the worker: {message!r:.200}")
+        return message
 
     async def _discard_process(self) -> None:
         """Close the channel and make sure the process is gone and reaped."""
@@ -309,3 +312,18 @@ def _with_huge_pages(tunables: str) -> str:
     if HUGE_PAGES_TUNABLE + "=" in tunables:
         return tunables
     return ":".join(filter(None, (tunables, HUGE_PAGES_TUNABLE + "=1")))
+
+
+def _result_of(reply: dict[str, Any]) -> StepResult:
+    """A result message as a StepResult; one that does not fit the contract means a worker
+    gone wrong, to be restarted (WorkerDied), never an error that ends the server."""
+    try:
+        result = step_result_from_message(reply)
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        raise WorkerDied(f"garbled result from the worker: {exc!r:.200}") from exc
+    tokens, seq_ids = result.tokens, result.seq_ids
+    if not isinstance(tokens, list) or not isinstance(seq_ids, list) or len(tokens) != len(seq_ids):
+        raise WorkerDied("garbled result from the worker: tokens and seq_ids do not pair up")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise WorkerDied("garbled result from the worker: a token that is not an integer")
+    return result

@@ -1,0 +1,307 @@
+"""API keys, the Host check and tenants that are who they say, on a real server.
+
+One server with two keys from --api-key-file (team-a may set `priority`, team-b may not):
+no key or a wrong one gets 401 in OpenAI's shape on every route but /health and the page;
+the official `openai` client works with a key; a rebound Host gets 421; a request's tenant is
+its key's (a client's `user` only a sub-tenant); the prefix cache is shared within a tenant
+and never across; `cached_tokens` is not reported; `priority` only from team-a.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import trio
+
+from ops.corpus import full_text
+from service.api.access import HostCheck, KeyRing
+from service.cli import add_serve_args, config_from_args, parse_api_key_file
+from service.config import ApiKey, Config
+from tests.server_fixtures import RunningServer, start_server, stop_server
+
+KEY_A, KEY_B = "sk-team-a-0123456789", "sk-team-b-9876543210"
+KEY_FILE = f"""# key tenant permissions
+{KEY_A} team-a priority
+{KEY_B} team-b
+"""
+KEYED_ROUTES = [
+    ("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1}),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ("GET", "/v1/models", None),
+    ("POST", "/tokenize", {"prompt": "Hi"}),
+    ("POST", "/detokenize", {"tokens": [1, 2]}),
+    ("GET", "/metrics", None),
+    ("GET", "/openapi.json", None),
+]
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+# ---- without a server ---------------------------------------------------------------------
+
+
+def serve_config(*argv: str) -> Config:
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    return config_from_args(parser.parse_args(list(argv)))
+
+
+def test_the_key_file_names_tenants_and_permissions() -> None:
+    keys = parse_api_key_file(KEY_FILE + "sk-lonely\n\n  # nothing\n")
+    assert [(k.key, k.tenant, k.may_set_priority) for k in keys[:2]] == [
+        (KEY_A, "team-a", True),
+        (KEY_B, "team-b", False),
+    ]
+    assert keys[2].tenant.startswith("key-") and "lonely" not in keys[2].tenant
+    assert "sk-team" not in repr(keys)  # a key never shows in a log line or a traceback
+    for bad in ("k a/b", "k t admin", "k t priority extra", f"k {'t' * 65}"):
+        with pytest.raises(ValueError, match="line 1"):
+            parse_api_key_file(bad)
+
+
+def test_keys_come_from_the_flag_the_file_and_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key_file = tmp_path / "keys"
+    key_file.write_text(KEY_FILE)
+    monkeypatch.setenv("CADENCE_API_KEY", "sk-env")
+    config = serve_config(
+        "--api-key", "sk-flag", "--api-key", "sk-two", "--api-key-file", str(key_file)
+    )
+    assert [k.key for k in config.api_keys] == ["sk-flag", "sk-two", "sk-env", KEY_A, KEY_B]
+    assert config.isolates_tenants() and not config.reports_cached_tokens()
+    monkeypatch.delenv("CADENCE_API_KEY")
+    open_config = serve_config()
+    assert open_config.api_keys == []
+    assert not open_config.isolates_tenants() and open_config.reports_cached_tokens()
+    chosen = serve_config("--cache-isolation", "tenant", "--enable-prompt-tokens-details")
+    assert chosen.isolates_tenants() and chosen.reports_cached_tokens()
+
+
+def test_a_key_is_found_only_by_its_exact_value() -> None:
+    ring = KeyRing((ApiKey("abc", "t1"), ApiKey("abcd", "t2")))
+    assert ring.find("abc").tenant == "t1"
+    assert ring.find("abcd").tenant == "t2"
+    assert ring.find("ab") is None and ring.find("abcde") is None and ring.find("") is None
+
+
+def test_loopback_servers_answer_only_to_loopback_names() -> None:
+    loopback = HostCheck.of(Config(host="127.0.0.1"))
+    for host in ("localhost", "LOCALHOST:8000", "127.0.0.1:1", "[::1]", "[::1]:8000", None):
+        assert loopback.allows(host), host
+    for host in ("evil.example", "evil.example:8000", "127.0.0.1.evil.example", "::1"):
+        assert not loopback.allows(host), host
+    assert HostCheck.of(Config(host="0.0.0.0")).allows("any.example")
+    named = HostCheck.of(Config(allowed_hosts=["api.example", "other.example:443"]))
+    assert named.allows("api.example:8000") and named.allows("other.example:443")
+    assert not named.allows("other.example:80") and not named.allows("localhost")
+    assert HostCheck.of(Config(allowed_hosts=["*"])).allows("anything")
+
+
+# ---- a real server ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    log_dir = tmp_path_factory.mktemp("keyed-server")
+    (log_dir / "keys").write_text(KEY_FILE)
+    server = start_server(log_dir, "--api-key-file", str(log_dir / "keys"), wait=False)
+    try:
+        server.wait_healthy()
+        models = httpx.get(f"{server.url}/v1/models", headers=bearer(KEY_A), timeout=10)
+        server.model = models.json()["data"][0]["id"]
+    except BaseException:
+        stop_server(server)
+        raise
+    yield server
+    stop_server(server)
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("key", [None, "sk-wrong", KEY_A + "x", KEY_A[:-1]])
+def test_every_route_but_health_and_the_page_wants_a_key(
+    keyed_server: RunningServer, key: str | None
+) -> None:
+    headers = {} if key is None else bearer(key)
+    with httpx.Client(base_url=keyed_server.url, timeout=30) as client:
+        for method, path, body in KEYED_ROUTES:
+            response = client.request(method, path, json=body, headers=headers)
+            assert response.status_code == 401, (path, response.text)
+            error = response.json()["error"]
+            assert error["type"] == "authentication_error" and error["code"] == "invalid_api_key"
+            assert "Authorization: Bearer" in error["message"]
+            assert response.headers["WWW-Authenticate"] == "Bearer"
+        assert client.get("/health", headers=headers).status_code == 200
+        assert client.get("/", headers=headers).status_code == 200
+
+
+@pytest.mark.real_model
+def test_the_openai_client_needs_the_key(keyed_server: RunningServer) -> None:
+    def client(key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{keyed_server.url}/v1", api_key=key, max_retries=0)
+
+    with pytest.raises(openai.AuthenticationError):
+        client("sk-wrong").models.list()
+    answer = client(KEY_B).chat.completions.create(
+        model=keyed_server.model,
+        messages=[{"role": "user", "content": "Say hi."}],
+        max_tokens=4,
+        temperature=0,
+    )
+    assert answer.choices[0].message.content
+    assert answer.usage.prompt_tokens_details is None  # cached_tokens not reported
+
+
+@pytest.mark.real_model
+def test_the_admin_routes_keep_their_own_token(keyed_server: RunningServer) -> None:
+    assert keyed_server.admin_state()["worker_ready"]  # the admin token, no API key
+    response = httpx.get(f"{keyed_server.url}/admin/state", headers=bearer(KEY_A), timeout=10)
+    assert response.status_code == 403  # an API key is no admin token
+
+
+@pytest.mark.real_model
+def test_the_openapi_document_declares_the_key(keyed_server: RunningServer) -> None:
+    doc = httpx.get(f"{keyed_server.url}/openapi.json", headers=bearer(KEY_A), timeout=10).json()
+    assert doc["components"]["securitySchemes"]["apiKey"] == {"type": "http", "scheme": "bearer"}
+    assert doc["paths"]["/v1/completions"]["post"]["security"] == [{"apiKey": []}]
+    assert "401" in doc["paths"]["/tokenize"]["post"]["responses"]
+    assert "security" not in doc["paths"]["/health"]["get"]
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:80", "localhost.evil.example"])
+def test_a_rebound_host_gets_421_on_every_route(keyed_server: RunningServer, host: str) -> None:
+    with httpx.Client(base_url=keyed_server.url, timeout=30) as client:
+        for method, path, body in [*KEYED_ROUTES, ("GET", "/health", None), ("GET", "/", None)]:
+            headers = {**bearer(KEY_A), "Host": host}
+            response = client.request(method, path, json=body, headers=headers)
+            assert response.status_code == 421, (path, response.text)
+            assert response.json()["error"]["code"] == "misdirected_request"
+        port = keyed_server.url.rsplit(":", 1)[1]
+        for name in ("localhost", f"localhost:{port}", "[::1]"):
+            response = client.get("/v1/models", headers={**bearer(KEY_A), "Host": name})
+            assert response.status_code == 200, name
+
+
+def generate(server: RunningServer, key: str, body: dict, **headers: str) -> httpx.Response:
+    body = {"model": server.model, "max_tokens": 1, "temperature": 0, **body}
+    return httpx.post(
+        f"{server.url}/v1/completions", json=body, headers={**bearer(key), **headers}, timeout=120
+    )
+
+
+@pytest.mark.real_model
+def test_a_requests_tenant_is_its_keys(keyed_server: RunningServer) -> None:
+    generate(keyed_server, KEY_A, {"prompt": "tenant probe one"}).raise_for_status()
+    generate(keyed_server, KEY_A, {"prompt": "tenant probe two", "user": "alice"})
+    generate(keyed_server, KEY_B, {"prompt": "tenant probe three"}, **{"X-Tenant": "team-a"})
+    received = {e["request_id"]: e for e in keyed_server.log_events("request.received")}
+    finished = keyed_server.log_events("request.finished")[-3:]
+    assert [received[e["request_id"]]["tenant"] for e in finished] == [
+        "team-a",
+        "team-a/alice",
+        "team-b/team-a",  # naming another tenant only names a sub-tenant of one's own
+    ]
+
+
+@pytest.mark.real_model
+def test_priority_only_from_keys_allowed_to_set_it(keyed_server: RunningServer) -> None:
+    refused = generate(keyed_server, KEY_B, {"prompt": "urgent", "priority": -1000000})
+    assert refused.status_code == 403
+    assert refused.json()["error"]["param"] == "priority"
+    assert refused.json()["error"]["code"] == "priority_not_allowed"
+    assert generate(keyed_server, KEY_B, {"prompt": "calm", "priority": 0}).status_code == 200
+    allowed = generate(keyed_server, KEY_A, {"prompt": "urgent", "priority": -1000000})
+    assert allowed.status_code == 200
+
+
+def hits(server: RunningServer) -> int:
+    return server.admin_state()["prefix_cache"]["hits_tokens"]
+
+
+@pytest.mark.real_model
+def test_the_prefix_cache_is_shared_within_a_tenant_never_across(
+    keyed_server: RunningServer,
+) -> None:
+    prompt = "[isolation]\n" + full_text()[:1500]
+    generate(keyed_server, KEY_A, {"prompt": prompt}).raise_for_status()
+    before = hits(keyed_server)
+    # another tenant, even with a cache_salt of its choosing, finds nothing of team-a's
+    generate(keyed_server, KEY_B, {"prompt": prompt}).raise_for_status()
+    generate(keyed_server, KEY_B, {"prompt": prompt, "cache_salt": "team-a"}).raise_for_status()
+    assert hits(keyed_server) == before
+    # a sub-tenant of team-a shares team-a's prefix; a salt of team-a's own narrows it
+    generate(keyed_server, KEY_A, {"prompt": prompt, "user": "bob"}).raise_for_status()
+    shared = hits(keyed_server) - before
+    assert shared >= 300
+    generate(keyed_server, KEY_A, {"prompt": prompt, "cache_salt": "private"}).raise_for_status()
+    assert hits(keyed_server) - before == shared
+
+
+def metric(server: RunningServer, name: str, tenant: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", headers=bearer(KEY_A), timeout=10).text
+    match = re.search(rf'^cadence:{name}{{tenant="{tenant}"}} (\S+)$', text, re.M)
+    assert match, f"cadence:{name} of {tenant} missing"
+    return float(match.group(1))
+
+
+@pytest.mark.real_model
+async def test_a_tenants_flood_gets_429_while_another_tenant_is_admitted(
+    keyed_server: RunningServer,
+) -> None:
+    state = keyed_server.admin_state()
+    total, block = state["kv_cache"]["num_blocks"], state["kv_cache"]["block_size"]
+    n = 32
+    # one request of team-a reserves ~40 % of the blocks: a second passes its half
+    max_tokens = int(0.4 * total / n) * block - 8
+    flood = {
+        "model": keyed_server.model,
+        "prompt": "flood",
+        "max_tokens": max_tokens,
+        "n": n,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    url = keyed_server.url
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=120) as client,
+        trio.open_nursery() as nursery,
+    ):
+        streaming = trio.Event()
+
+        async def hold_the_flood() -> None:
+            async with client.stream(
+                "POST", "/v1/completions", json=flood, headers=bearer(KEY_A)
+            ) as r:
+                assert r.status_code == 200
+                async for _ in r.aiter_lines():
+                    streaming.set()
+
+        nursery.start_soon(hold_the_flood)
+        await streaming.wait()
+        reserved = metric(keyed_server, "tenant_kv_blocks_reserved", "team-a")
+        assert reserved >= 0.4 * total - n
+        second = await client.post(
+            "/v1/completions", json={**flood, "stream": False}, headers=bearer(KEY_A)
+        )
+        other = await client.post(
+            "/v1/completions",
+            json={"model": keyed_server.model, "prompt": "calm", "max_tokens": 2},
+            headers=bearer(KEY_B),
+        )
+        nursery.cancel_scope.cancel()
+    assert second.status_code == 429, second.text
+    assert second.json()["error"]["code"] == "overloaded"
+    assert "team-a" in second.json()["error"]["message"]
+    assert int(second.headers["Retry-After"]) >= 1
+    assert other.status_code == 200, other.text
+    assert metric(keyed_server, "tenant_kv_blocks_reserved", "team-b") == 0
+    assert keyed_server.wait_idle()["kv_blocks_used"] == 0
