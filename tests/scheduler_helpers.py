@@ -71,6 +71,7 @@ def make_scheduler(
     admission_watermark: float = 0.0,
     max_preemptions: int = 3,
     prefix_caching: bool = False,
+    tenant_share: float = 1.0,
 ) -> tuple[Scheduler, Scripted]:
     policy = Scripted()
     sched = Scheduler(
@@ -81,6 +82,7 @@ def make_scheduler(
         eos_token_ids=[EOS],
         max_preemptions=max_preemptions,
         admission_watermark=admission_watermark,
+        tenant_share=tenant_share,
     )
     return sched, policy
 

@@ -197,3 +197,30 @@ async def test_a_tenant_gets_its_share_of_the_queue_and_another_is_still_admitte
             assert engine.state()["waiting"] == 7
             assert engine.tenant_load()["a"].waiting == 4
             assert observer.refused == ["tenant_queue_full", "tenant_queue_full"]
+
+
+async def test_a_tenants_flood_of_n_sequences_leaves_another_tenant_a_running_slot(
+    autojump_clock,
+):
+    """--tenant-quota 0.5 of 4 slots: tenant a's two n=4 requests fill every slot (no one
+    else waits) and keep 4 sequences waiting; tenant b's request runs and finishes within a
+    few steps, while a's 100-token sequences are still generating."""
+    config = sim_config(max_num_seqs=4, tenant_quota=0.5)
+    async with running_engine(config) as engine, trio.open_nursery() as nursery:
+        for i in range(2):
+            channel = await engine.submit([7] * 8, greedy(100), request_id=f"a{i}", tenant="a", n=4)
+            nursery.start_soon(collect_all, channel)
+        while engine.state()["running"] < 4:
+            await trio.sleep(0.001)
+        assert engine.state()["waiting"] == 4
+        submitted = engine.state()["iteration"]
+        out = await collect(await engine.submit([7] * 8, greedy(2), request_id="b", tenant="b"))
+        state = engine.state()
+    assert out.finish is not None and out.finish.reason == "length"
+    assert state["iteration"] - submitted <= 6
+    assert state["running"] == 4 and state["corrections"]["tenant_slots_preempted"] == 1
+
+
+async def collect_all(channel: trio.MemoryReceiveChannel) -> None:
+    async for _ in channel:
+        pass

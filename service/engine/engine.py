@@ -824,6 +824,7 @@ class Engine:
                 eos_token_ids=self.tokenizer.eos_token_ids,
                 max_preemptions=self.config.max_preemptions,
                 admission_watermark=self.config.admission_watermark,
+                tenant_share=self.config.tenant_share(),
             )
         else:
             self._scheduler.replace_blocks(blocks)

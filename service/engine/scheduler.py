@@ -29,6 +29,16 @@ ones only. Every fix is counted in `corrections` so tests can see it. The rules 
   cap) hold enough blocks to make room, so some sequence always runs and every request
   finishes, each preempted at most `max_preemptions` times.
 
+Tenants' slots. With a `tenant_share` below 1 (--tenant-quota), a tenant past its share of
+the running slots (`max_num_seqs` x share, at least 1) takes only slots that no other tenant
+below its share waits for: when a step begins, the core preempts sequences of tenants past
+their share (least progress lost, never one at the cap) until a slot is free for each
+sequence such a tenant still wants; admission keeps those slots; and after the policy's
+decision the core admits the wanted sequences the policy did not name (its view shows only
+the first `waiting_view`). With no other tenant waiting, a tenant may use every slot. Each
+tenant's running count and waiting list are kept as they change, so this costs a step work
+in the tenants and the running, not in the queue.
+
 Prefix caching. A waiting sequence starts with its longest cached prefix of full blocks
 (never the whole of its tokens: the step must compute at least the last one to sample):
 admission shares those blocks and counts only what they do not cover, a hit block that
@@ -149,6 +159,7 @@ class Scheduler:
         max_preemptions: int,
         admission_watermark: float,
         waiting_view: int = 256,
+        tenant_share: float = 1.0,
     ) -> None:
         self.blocks = blocks
         self.policy = policy
@@ -161,6 +172,9 @@ class Scheduler:
         self.waiting_view = waiting_view  # policies see this many of the waiting, in order
         self.running: list[Request] = []  # admission order
         self.waiting: list[Request] = []  # arrival order (seq_id)
+        self.tenant_share = tenant_share  # of the running slots, while other tenants wait
+        self._running_of: collections.Counter[str] = collections.Counter()  # by account
+        self._waiting_of: dict[str, list[Request]] = {}  # by account, arrival order
         self.corrections: collections.Counter[str] = collections.Counter()
         self.iteration = 0  # the last one scheduled
         self._pending_policy: Policy | None = None
@@ -176,7 +190,7 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self._by_seq[request.seq_id] = request
-        bisect.insort(self.waiting, request, key=_seq_key)
+        self._join_waiting(request)
 
     def remove(self, request: Request) -> None:
         """Take a request out (finished, aborted, failed); frees its blocks. Idempotent."""
@@ -184,10 +198,33 @@ class Scheduler:
             return
         self.blocks.free(request.seq_id)
         if request.status is Status.RUNNING:
-            self.running.remove(request)
+            self._leave_running(request)
         else:
-            self.waiting.remove(request)
+            self._leave_waiting(request)
         self._resume_admission_if_room()
+
+    def _join_waiting(self, request: Request) -> None:
+        bisect.insort(self.waiting, request, key=_seq_key)
+        queue = self._waiting_of.setdefault(account_of(request.tenant), [])
+        bisect.insort(queue, request, key=_seq_key)
+
+    def _leave_waiting(self, request: Request) -> None:
+        self.waiting.remove(request)
+        tenant = account_of(request.tenant)
+        self._waiting_of[tenant].remove(request)
+        if not self._waiting_of[tenant]:
+            del self._waiting_of[tenant]
+
+    def _join_running(self, request: Request) -> None:
+        self.running.append(request)
+        self._running_of[account_of(request.tenant)] += 1
+
+    def _leave_running(self, request: Request) -> None:
+        self.running.remove(request)
+        tenant = account_of(request.tenant)
+        self._running_of[tenant] -= 1
+        if not self._running_of[tenant]:
+            del self._running_of[tenant]
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
@@ -282,6 +319,8 @@ class Scheduler:
         assert self.blocks.num_promised == running_promises, "a promise outlived its sequence"
         assert self.running or not self.admission_paused, "paused with nothing left to resume it"
         assert all(r.preemptions <= self.max_preemptions for r in self._by_seq.values())
+        assert self._running_of == collections.Counter(account_of(r.tenant) for r in self.running)
+        assert sum(map(len, self._waiting_of.values())) == len(self.waiting), "a lost waiter"
 
     def replace_blocks(self, blocks: BlockManager) -> None:
         """A restarted worker's fresh cache; only while nothing runs."""
@@ -297,18 +336,20 @@ class Scheduler:
             self.policy, self._pending_policy = self._pending_policy, None
         self.iteration += 1
         self._resume_admission_if_room()
+        out = ScheduleOutput(iteration=self.iteration, policy=self.policy.name, plan=None)
+        self._yield_slots(out)
         view = self.build_view(now)
         try:
             decision = self.policy.decide(view)
         except Exception:  # a broken policy must not stop the engine
             self.corrections["policy_raised"] += 1
             decision = Decision()
-        out = ScheduleOutput(iteration=self.iteration, policy=self.policy.name, plan=None)
         self._apply(decision, out)
         if not out.scheduled and self.has_work():
             # A policy that schedules nothing while work is pending would stall everyone.
             self.corrections["empty_decision"] += 1
             self._apply(self._fallback_decision(), out)
+        self._admit_wanted(out)
         if out.scheduled:
             out.plan = self._build_plan(out.scheduled, out.iteration)
         return out
@@ -582,6 +623,9 @@ class Scheduler:
         if self.admission_paused:
             self.corrections["admission_paused"] += 1
             return False
+        if not self._leaves_wanted_slots(request):
+            self.corrections["tenant_slots"] += 1
+            return False
         hit = self._prefix_hit(request)
         victims = self._admission_victims(request, hit, draft)
         if victims is None:
@@ -589,11 +633,11 @@ class Scheduler:
             return False
         for victim in victims:
             self._preempt(victim, draft.out)
-        self.waiting.remove(request)
+        self._leave_waiting(request)
         request.status = Status.RUNNING
         request.admitted_order = self._admissions
         self._admissions += 1
-        self.running.append(request)
+        self._join_running(request)
         self._start_from_cache(request, hit)
         self.blocks.promise(request.seq_id, request.num_tokens)
         return True
@@ -640,13 +684,79 @@ class Scheduler:
         assert request.params.max_tokens is not None  # validation fills it
         return self.blocks.blocks_to_hold(request.prompt_len + request.params.max_tokens)
 
-    def _preempt(self, victim: Request, out: ScheduleOutput) -> None:
+    def _preempt(self, victim: Request, out: ScheduleOutput, *, pause: bool = True) -> None:
         self.blocks.free(victim.seq_id)
-        self.running.remove(victim)
+        self._leave_running(victim)
         victim.reset_for_recompute()
-        bisect.insort(self.waiting, victim, key=_seq_key)
+        self._join_waiting(victim)
         out.preempted.append(victim)
-        self.admission_paused = True
+        self.admission_paused = self.admission_paused or pause
+
+    # ---- tenants' slots (module docstring) ---------------------------------------------
+
+    @property
+    def tenant_slots(self) -> int:
+        """The running slots a tenant may hold while another tenant below them waits."""
+        return max(1, int(self.max_num_seqs * self.tenant_share))
+
+    def _wanted_slots(self, but: str | None = None) -> dict[str, int]:
+        """Slots each tenant (other than `but`) below its share wants for its waiting
+        sequences, the tenant waiting longest first; empty without tenant quotas."""
+        if self.tenant_share >= 1:
+            return {}
+        cap, wanted = self.tenant_slots, {}
+        for tenant, queue in self._waiting_of.items():
+            if tenant != but and self._running_of[tenant] < cap:
+                wanted[tenant] = min(len(queue), cap - self._running_of[tenant])
+        return dict(sorted(wanted.items(), key=lambda item: self._waiting_of[item[0]][0].seq_id))
+
+    def _free_slots(self) -> int:
+        return self.max_num_seqs - len(self.running)
+
+    def _yield_slots(self, out: ScheduleOutput) -> None:
+        """Preempt sequences of tenants past their share until the free slots cover what
+        the tenants below theirs want. Not a block shortage: admission is not paused."""
+        if self.admission_paused:
+            return  # nobody could take the slot
+        short = sum(self._wanted_slots().values()) - self._free_slots()
+        for _ in range(short):
+            victim = self._slot_victim()
+            if victim is None:
+                return
+            self._preempt(victim, out, pause=False)
+            self.corrections["tenant_slots_preempted"] += 1
+
+    def _slot_victim(self) -> Request | None:
+        """The running sequence of a tenant past its share whose preemption loses least."""
+        cap = self.tenant_slots
+        over = [
+            r
+            for r in self.running
+            if self._running_of[account_of(r.tenant)] > cap and not self._at_cap(r)
+        ]
+        return min(over, key=_progress_lost, default=None)
+
+    def _leaves_wanted_slots(self, request: Request) -> bool:
+        """Whether admitting `request` leaves the slots other tenants below their share
+        want: at its share, a tenant takes only slots nobody else waits for."""
+        tenant = account_of(request.tenant)
+        if self.tenant_share >= 1 or self._running_of[tenant] < self.tenant_slots:
+            return True
+        return self._free_slots() > sum(self._wanted_slots(but=tenant).values())
+
+    def _admit_wanted(self, out: ScheduleOutput) -> None:
+        """Admit the sequences tenants below their share want that the policy left
+        waiting, in each tenant's arrival order, as many as the free slots hold."""
+        schedule: list[tuple[int, int]] = []
+        free = self._free_slots()
+        for tenant, count in self._wanted_slots().items():
+            taken = self._waiting_of[tenant][: max(0, min(count, free - len(schedule)))]
+            schedule += [(r.seq_id, r.remaining) for r in taken]
+        if not schedule:
+            return
+        before = len(out.scheduled)
+        self._apply(Decision(schedule=schedule), out)
+        self.corrections["tenant_slots_given"] += len(out.scheduled) - before
 
     def _resume_admission_if_room(self) -> None:
         """The end of the pause a preemption began: enough blocks are back (hysteresis)."""
