@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -534,8 +535,15 @@ def _write_cache(path: Path, key: str, choice: Choice) -> None:
     }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps(recorded, indent=1, sort_keys=True))
-        partial.replace(path)
+        # A name nobody can guess or plant beforehand (mkstemp opens it O_EXCL), in the
+        # same directory so that the rename is atomic.
+        fd, partial = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as file:
+                file.write(json.dumps(recorded, indent=1, sort_keys=True))
+            os.replace(partial, path)
+        except OSError:
+            os.unlink(partial)
+            raise
     except OSError:
         pass

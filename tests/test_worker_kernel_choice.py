@@ -4,6 +4,7 @@ chooser's rules, its cache, and pins."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -256,3 +257,19 @@ def test_the_handshake_reports_the_choice(tiny_llama_dir, tmp_path):  # noqa: F8
     pinned = make_runner(tiny_llama_dir, kernels="attention=torch,layer_ops=torch")
     assert isinstance(pinned.model.kernels.attention, TorchAttention)
     assert pinned.model.ops.name == "torch"
+
+
+def test_the_cache_is_written_through_a_name_nobody_can_plant(tmp_path):
+    """The old temporary name (kernels.<pid>.tmp) was predictable: a symlink planted there
+    would have had the worker write over the file it points to."""
+    victim = tmp_path / "victim"
+    victim.write_text("untouched")
+    cache = tmp_path / "kernels.json"
+    (tmp_path / f"kernels.{os.getpid()}.tmp").symlink_to(victim)
+    choice = kernel_choice.Choice(kernels.reference(), {"matmul": [Trial("aten", 1.0)]})
+    kernel_choice._write_cache(cache, "key", choice)
+    assert victim.read_text() == "untouched"
+    assert json.loads(cache.read_text())["key"]["names"]["matmul"] == "aten"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["victim", "kernels.json", f"kernels.{os.getpid()}.tmp"]
+    )
