@@ -107,15 +107,15 @@ class WorkerLoop:
 
     def init(self, msg: dict[str, Any]) -> int | None:
         # Imported here so a worker that is only spawned and closed never pays for torch.
+        from gpu_worker import runtime
         from gpu_worker.device import unusable_gpu_warning
-        from gpu_worker.runner import ModelRunner
 
         config = record_from_message(WorkerConfig, msg)
         device_warning = unusable_gpu_warning(config.device)
         if device_warning is not None:
             log(f"WARNING: {device_warning}")  # before loading, which may take minutes
         try:
-            self.runner = ModelRunner(config)
+            self.runner = runtime.start(config)
         except Exception as exc:
             message = f"{type(exc).__name__}: {exc}"
             log(f"init failed: {message}")
@@ -125,7 +125,8 @@ class WorkerLoop:
         handshake.device_warning = device_warning
         log(
             f"ready: {handshake.model_name} on {handshake.device} ({handshake.dtype}), "
-            f"{handshake.num_blocks} KV blocks, loaded in {handshake.load_seconds:.1f}s; "
+            f"{handshake.num_blocks} KV blocks, loaded in {handshake.load_seconds:.1f}s "
+            f"({_steps(handshake.startup)}); "
             f"kernels {_chosen(handshake.kernels)}"
         )
         self.send(to_message("ready", handshake))
@@ -155,6 +156,11 @@ def keep_freed_memory() -> None:
         return  # not glibc: nothing to tune
     libc.mallopt(_M_MMAP_THRESHOLD, 32 * 1024 * 1024)  # glibc's largest accepted value
     libc.mallopt(_M_TRIM_THRESHOLD, 1024 * 1024 * 1024)
+
+
+def _steps(startup: dict[str, float]) -> str:
+    """ "config 0.1s, kernels 0.0s, weights 1.2s, cache 0.4s, graphs 0.0s" """
+    return ", ".join(f"{name} {seconds:.1f}s" for name, seconds in startup.items())
 
 
 def _chosen(report: dict) -> str:

@@ -37,8 +37,9 @@ def planned(sched: Scheduler, decision: Decision) -> ScheduleOutput:
 
 
 def result(out: ScheduleOutput, tokens: list[int], **kw) -> StepResult:
+    """One sampled token per sequence of the step."""
     seq_ids = [item.request.seq_id for item in out.scheduled if item.samples]
-    return StepResult(out.iteration, seq_ids, tokens, **kw)
+    return StepResult(out.iteration, seq_ids, [[token] for token in tokens], **kw)
 
 
 def test_a_worker_error_fails_every_request_of_the_step_and_frees_it():
@@ -61,7 +62,7 @@ def test_tokens_for_other_sequences_are_a_worker_error():
     a = make_request(0, 4)
     sched.add(a)
     out = planned(sched, Decision(schedule=[(0, 4)]))
-    (outcome,) = sched.update(out, StepResult(out.iteration, seq_ids=[7], tokens=[3]))
+    (outcome,) = sched.update(out, StepResult(out.iteration, seq_ids=[7], tokens=[[3]]))
     assert outcome.finish == ("error", "worker_error")
     assert "other sequences" in (outcome.error or "")
     assert a.num_generated == 0 and not sched.has_work()

@@ -7,9 +7,10 @@ import shutil
 
 import pytest
 
-from gpu_worker import kv_cache, memory
+from gpu_worker import kv_cache, memory, runtime
 from gpu_worker.checkpoint import CheckpointError, load_weights
 from gpu_worker.model_config import ConfigError, ModelConfig, UnsupportedModel
+from gpu_worker.protocol import WorkerConfig
 from tests.worker_fixtures import (
     BLOCK_SIZE,
     Chunk,
@@ -174,9 +175,12 @@ def test_profiling_steps_run_on_a_one_block_cache(tiny_llama_dir):  # noqa: F811
     import torch
 
     runner = make_runner(tiny_llama_dir, max_num_batched_tokens=300, max_num_seqs=4)
-    cache = kv_cache.allocate(runner.model_config, 1, BLOCK_SIZE, torch.float32, runner.device)
-    runner.profile_mixed(cache)  # a 256-token chunk ending at the limit, 41 more, 3 decodes
-    runner.profile_decode(cache, width=64)
+    model = runner.model
+    cache = kv_cache.allocate(model.config, 1, BLOCK_SIZE, torch.float32, model.device)
+    config = WorkerConfig(str(tiny_llama_dir), max_num_batched_tokens=300, max_num_seqs=4)
+    probe = runtime.runner_on(model, cache, config)
+    runtime.profile_mixed(probe, config)  # a 256-token chunk at the limit, 41 more, 3 decodes
+    runtime.profile_decode(probe, config, width=64)
     assert all(not layer.k[:, 1:].any() for layer in cache.layers)  # only block 0 is named
 
 
@@ -196,12 +200,12 @@ def test_fused_weights_leave_no_unfused_copies(tiny_llama_dir):  # noqa: F811
     ]
     parts = [weakref.ref(weights[n]) for n in fused_away]
     Model(
-        runner.model_config,
+        runner.model.config,
         weights,
         max_positions=256,
         dtype=torch.float32,
-        device=runner.device,
-        kernels=runner.kernel_choice.kernels,
+        device=runner.model.device,
+        kernels=runner.model.kernels,
     )
     assert fused_away and not set(fused_away) & set(weights)
     assert all(part() is None for part in parts)
@@ -216,6 +220,9 @@ def test_handshake_reports_the_cache_and_caps_the_context_by_it(tiny_llama_dir):
     assert handshake.max_model_len == 20 * BLOCK_SIZE  # smaller than the model's 256
     assert (handshake.num_layers, handshake.num_kv_heads, handshake.head_dim) == (2, 2, 16)
     assert handshake.device == "cpu" and handshake.load_seconds > 0
+    steps = ["config", "kernels", "weights", "cache", "graphs"]  # no profile on a CPU
+    assert list(handshake.startup) == steps
+    assert sum(handshake.startup.values()) <= handshake.load_seconds + 0.01
 
 
 BAD_PLANS = {
