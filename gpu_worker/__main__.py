@@ -16,7 +16,7 @@ import socket
 import sys
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpu_worker.faults import DeviceFault
 from gpu_worker.protocol import (
@@ -31,6 +31,9 @@ from gpu_worker.protocol import (
     to_message,
 )
 
+if TYPE_CHECKING:
+    from gpu_worker.runner import ModelRunner
+
 RECEIVE_BYTES = 1 << 20
 _M_TRIM_THRESHOLD = -1  # glibc mallopt parameters
 _M_MMAP_THRESHOLD = -3
@@ -44,7 +47,7 @@ def log(message: str) -> None:
 class WorkerLoop:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.runner = None  # a ModelRunner once "init" succeeded
+        self.runner: ModelRunner | None = None  # once "init" succeeded
         self.answered_at: float | None = None  # when the last step's result went out
         self.received_at = 0.0  # when the bytes of the messages being handled arrived
 
@@ -115,13 +118,14 @@ class WorkerLoop:
         if device_warning is not None:
             log(f"WARNING: {device_warning}")  # before loading, which may take minutes
         try:
-            self.runner = runtime.start(config)
+            runner = runtime.start(config)
         except Exception as exc:
             message = f"{type(exc).__name__}: {exc}"
             log(f"init failed: {message}")
             self.send({"type": "fatal", "message": message})
             return 1
-        handshake = self.runner.handshake
+        self.runner, handshake = runner, runner.handshake
+        assert handshake is not None  # runtime.start gives its runner one
         handshake.device_warning = device_warning
         log(
             f"ready: {handshake.model_name} on {handshake.device} ({handshake.dtype}), "
