@@ -20,7 +20,6 @@ from tests.worker_fixtures import (
     max_diff,
     random_prompt,
     save_tiny_model,
-    tiny_llama_dir,  # noqa: F401 (fixture)
 )
 
 EIGHT_BIT = ["int8", "fp8"]
@@ -51,7 +50,7 @@ def test_an_8bit_block_takes_68_of_the_128_bytes_a_bfloat16_row_takes():
 
 
 @pytest.mark.parametrize("cache", EIGHT_BIT)
-def test_a_runner_holds_1_9x_the_blocks_in_the_same_memory(tiny_llama_dir, cache):  # noqa: F811
+def test_a_runner_holds_1_9x_the_blocks_in_the_same_memory(tiny_llama_dir, cache):
     budget = dict(kv_memory=float(1 << 20), max_num_seqs=10_000, dtype="bfloat16")
     plain = make_runner(tiny_llama_dir, **budget)
     quantized = make_runner(tiny_llama_dir, kv_cache_dtype=cache, **budget)

@@ -13,7 +13,6 @@ import gpu_worker.__main__ as worker_main
 from gpu_worker import device as device_module
 from gpu_worker.device import resolve_device, unusable_gpu_warning
 from tests.test_worker_process import ServiceSide, init_message
-from tests.worker_fixtures import tiny_llama_dir  # noqa: F401 (fixture)
 
 
 class FakeCuda:
@@ -95,7 +94,7 @@ def test_a_gpu_is_seen_by_nvidia_smi(monkeypatch, tmp_path):
 def test_the_worker_logs_the_warning_and_hands_it_to_the_service(
     monkeypatch,
     capfd,
-    tiny_llama_dir,  # noqa: F811
+    tiny_llama_dir,
 ):
     monkeypatch.setattr(device_module, "unusable_gpu_warning", lambda name: f"no GPU for {name}")
     service_end, worker_end = socket.socketpair()

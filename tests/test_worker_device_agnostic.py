@@ -9,12 +9,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpu_worker.attention import torch_backend
-from tests.worker_fixtures import (  # noqa: F401 (fixture)
+from tests.worker_fixtures import (
     Chunk,
     make_plan,
     make_runner,
     random_prompt,
-    tiny_llama_dir,
 )
 
 # Operators with no kernel but the CPU's: PyTorch's CPU-only variants, oneDNN's, and the
@@ -70,7 +69,7 @@ def as_on_cuda(original):
 
 @pytest.mark.parametrize("flash_min_context", [torch_backend.FLASH_MIN_CONTEXT, 0])
 def test_one_mixed_step_of_the_reference_calls_no_cpu_only_operator(
-    tiny_llama_dir,  # noqa: F811
+    tiny_llama_dir,
     monkeypatch,
     flash_min_context,
 ):
@@ -85,7 +84,7 @@ def test_one_mixed_step_of_the_reference_calls_no_cpu_only_operator(
     assert cpu_only(names) == [], f"CPU-only operators in a device-agnostic step: {cpu_only(names)}"
 
 
-def test_the_trace_names_a_cpu_only_operator_when_one_runs(tiny_llama_dir, monkeypatch):  # noqa: F811
+def test_the_trace_names_a_cpu_only_operator_when_one_runs(tiny_llama_dir, monkeypatch):
     """The check bites: the CPU's own branch of the reference takes the flash kernel."""
     monkeypatch.setattr(torch_backend, "FLASH_MIN_CONTEXT", 0)
     names = traced_mixed_step(tiny_llama_dir)

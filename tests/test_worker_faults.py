@@ -18,10 +18,10 @@ from tests.worker_fixtures import (
     blocks_for,
     make_plan,
     make_runner,
-    one_torch_thread,  # noqa: F401 (autouse fixture)
     random_prompt,
-    tiny_llama_dir,  # noqa: F401 (fixture)
 )
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 ILLEGAL_ACCESS = "CUDA error: an illegal memory access was encountered"
 
@@ -76,7 +76,7 @@ class LoopThread:
 
 
 @pytest.fixture
-def served(tiny_llama_dir):  # noqa: F811
+def served(tiny_llama_dir):
     loop = LoopThread(make_runner(tiny_llama_dir))
     yield loop
     loop.close()

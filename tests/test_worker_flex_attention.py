@@ -17,13 +17,12 @@ from gpu_worker.attention import (
     torch_backend,
 )
 from gpu_worker.kernel_choice import Shapes, attention_case, run_decode, run_prefill
-from tests.worker_fixtures import (  # noqa: F401 (fixture)
+from tests.worker_fixtures import (
     Chunk,
     make_plan,
     make_runner,
     max_diff,
     random_prompt,
-    tiny_llama_dir,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -169,7 +168,7 @@ def test_prefill_block_lists_cover_exactly_what_each_query_tile_sees(start, chun
     assert_blocks_match_the_mask(meta.prefills[0].prepared)
 
 
-def test_a_mixed_step_of_the_model_matches_the_reference(tiny_llama_dir, monkeypatch):  # noqa: F811
+def test_a_mixed_step_of_the_model_matches_the_reference(tiny_llama_dir, monkeypatch):
     """Through the runner: a prefill chunk at a cached offset beside decode rows, whose
     tables are padded with the scratch block to the step's width."""
     offered = kernels.attention_candidates

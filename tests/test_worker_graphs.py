@@ -21,11 +21,11 @@ from tests.worker_fixtures import (
     make_plan,
     make_runner,
     max_diff,
-    one_torch_thread,  # noqa: F401 (autouse fixture)
     random_prompt,
     sampled,
-    tiny_llama_dir,  # noqa: F401 (fixture)
 )
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_batch_buckets_follow_the_documented_ladder():
@@ -42,7 +42,7 @@ def _prefill(runner, seq_id: int, prompt: list[int], table: list[int]) -> int:
     return sampled(result)[0]
 
 
-def test_padded_decode_batch_matches_unpadded_and_touches_no_other_kv(tiny_llama_dir):  # noqa: F811
+def test_padded_decode_batch_matches_unpadded_and_touches_no_other_kv(tiny_llama_dir):
     runner = make_runner(tiny_llama_dir)
     assert 8 in runner.handshake.decode_buckets and 5 not in runner.handshake.decode_buckets
     prompts = [random_prompt(6 + 3 * i, seed=40 + i) for i in range(5)]
@@ -77,7 +77,7 @@ def test_padded_decode_batch_matches_unpadded_and_touches_no_other_kv(tiny_llama
         assert max_diff(padded_logits[i], alone) < 1e-4 * max(1.0, alone.abs().max().item())
 
 
-def test_decode_batch_beyond_the_largest_bucket_runs_unpadded(tiny_llama_dir):  # noqa: F811
+def test_decode_batch_beyond_the_largest_bucket_runs_unpadded(tiny_llama_dir):
     runner = make_runner(tiny_llama_dir, max_num_seqs=2)
     tables = [blocks_for(10 * i, 12) for i in range(3)]
     firsts = [_prefill(runner, i, random_prompt(5, seed=i), tables[i]) for i in range(3)]
@@ -86,7 +86,7 @@ def test_decode_batch_beyond_the_largest_bucket_runs_unpadded(tiny_llama_dir):  
     assert len(sampled(result)) == 3
 
 
-def test_decode_steps_where_only_some_rows_sample(tiny_llama_dir):  # noqa: F811
+def test_decode_steps_where_only_some_rows_sample(tiny_llama_dir):
     runner = make_runner(tiny_llama_dir)
     tables = [blocks_for(10 * i, 12) for i in range(3)]
     firsts = [_prefill(runner, i, random_prompt(5, seed=i), tables[i]) for i in range(3)]
@@ -154,7 +154,7 @@ def test_graph_widths_stop_at_the_graph_context():
     assert graph_widths(100, 4, max_tokens=64) == [1, 2, 4, 8, 16]
 
 
-def test_capture_all_takes_every_shape_largest_batch_first_in_one_pool(tiny_llama_dir):  # noqa: F811
+def test_capture_all_takes_every_shape_largest_batch_first_in_one_pool(tiny_llama_dir):
     runner = make_runner(tiny_llama_dir)
     fake = FakeCapturer(runner.model, runner.cache)
     decode = _decode_runner(runner, fake)
@@ -168,7 +168,7 @@ def test_capture_all_takes_every_shape_largest_batch_first_in_one_pool(tiny_llam
     assert report["widths"] == width_buckets(64)
 
 
-def test_a_failed_capture_runs_eagerly_and_is_never_retried(tiny_llama_dir):  # noqa: F811
+def test_a_failed_capture_runs_eagerly_and_is_never_retried(tiny_llama_dir):
     runner = make_runner(tiny_llama_dir)
     fake = FakeCapturer(runner.model, runner.cache, fail={(8, 4)})
     decode = _decode_runner(runner, fake)
@@ -185,7 +185,7 @@ def test_a_failed_capture_runs_eagerly_and_is_never_retried(tiny_llama_dir):  # 
     assert [(b, w) for b, w, _ in fake.captures].count((8, 4)) == 1
 
 
-def test_a_device_error_while_capturing_fails_the_start(tiny_llama_dir):  # noqa: F811
+def test_a_device_error_while_capturing_fails_the_start(tiny_llama_dir):
     """Sticky: after it the eager path would fail too, so the worker must not serve."""
     runner = make_runner(tiny_llama_dir)
     error = "CUDA error: an illegal memory access was encountered"
@@ -194,7 +194,7 @@ def test_a_device_error_while_capturing_fails_the_start(tiny_llama_dir):  # noqa
         _decode_runner(runner, fake).capture_all()
 
 
-def test_graph_replay_pads_to_the_width_bucket_and_matches_eager(tiny_llama_dir):  # noqa: F811
+def test_graph_replay_pads_to_the_width_bucket_and_matches_eager(tiny_llama_dir):
     runner = make_runner(tiny_llama_dir)
     fake = FakeCapturer(runner.model, runner.cache)
     graphs = _decode_runner(runner, fake)
@@ -214,7 +214,7 @@ def test_graph_replay_pads_to_the_width_bucket_and_matches_eager(tiny_llama_dir)
     assert max_diff(replayed, expected) < 1e-4 * max(1.0, expected.abs().max().item())
 
 
-def test_tables_wider_than_the_graph_context_run_eagerly(tiny_llama_dir):  # noqa: F811
+def test_tables_wider_than_the_graph_context_run_eagerly(tiny_llama_dir):
     runner = make_runner(tiny_llama_dir)
     fake = FakeCapturer(runner.model, runner.cache)
     decode = _decode_runner(runner, fake, graph_context_tokens=8)  # widths 1 and 2
@@ -227,7 +227,7 @@ def test_tables_wider_than_the_graph_context_run_eagerly(tiny_llama_dir):  # noq
     assert fake.replays == [(1, 2)]
 
 
-def test_the_runner_captures_before_its_handshake(tiny_llama_dir, monkeypatch):  # noqa: F811
+def test_the_runner_captures_before_its_handshake(tiny_llama_dir, monkeypatch):
     made = []
 
     def fake_capturer(model, cache, use_cuda_graphs):
@@ -244,7 +244,7 @@ def test_the_runner_captures_before_its_handshake(tiny_llama_dir, monkeypatch): 
 
 
 @pytest.mark.parametrize("use_cuda_graphs", [True, False])
-def test_a_cpu_runner_captures_nothing(tiny_llama_dir, use_cuda_graphs):  # noqa: F811
+def test_a_cpu_runner_captures_nothing(tiny_llama_dir, use_cuda_graphs):
     runner = make_runner(tiny_llama_dir, use_cuda_graphs=use_cuda_graphs)
     assert runner.decode_runner.capturer is None
     assert graph_capturer(runner.model, runner.cache, use_cuda_graphs) is None

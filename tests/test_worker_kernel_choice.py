@@ -14,7 +14,7 @@ from gpu_worker.attention import NativeAttention, NativeRowsAttention, TorchAtte
 from gpu_worker.kernel_choice import NoCorrectKernel, Shapes, Trial, pick
 from gpu_worker.protocol import parse_kernel_pins
 from service.cli import build_parser
-from tests.worker_fixtures import make_runner, tiny_llama_dir  # noqa: F401 (fixture)
+from tests.worker_fixtures import make_runner
 
 CPU = torch.device("cpu")
 DTYPES = [torch.bfloat16, torch.float32]
@@ -238,7 +238,7 @@ def test_the_cli_refuses_bad_pins(capsys):
     assert "SEAM=NAME" in capsys.readouterr().err
 
 
-def test_the_handshake_reports_the_choice(tiny_llama_dir, tmp_path):  # noqa: F811
+def test_the_handshake_reports_the_choice(tiny_llama_dir, tmp_path):
     runner = make_runner(tiny_llama_dir, kernel_cache=str(tmp_path / "k.json"))
     report = runner.handshake.kernels
     # Which candidate wins depends on timing; the report must name what the model runs,

@@ -15,12 +15,12 @@ from tests.worker_fixtures import (
     make_plan,
     make_runner,
     max_diff,
-    one_torch_thread,  # noqa: F401 (autouse fixture)
     random_prompt,
     sampled,
     save_tiny_model,
-    tiny_llama_dir,  # noqa: F401 (fixture)
 )
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -92,7 +92,7 @@ def test_token_by_token_logits_match_transformers_at_every_position(variant_dir,
     assert max_diff(torch.stack(rows), reference) < tolerance(reference)
 
 
-def test_chunked_prefill_equals_unchunked(tiny_llama_dir, prefill_path):  # noqa: F811
+def test_chunked_prefill_equals_unchunked(tiny_llama_dir, prefill_path):
     runner = make_runner(tiny_llama_dir, kernels=prefill_path)
     prompt = random_prompt(100, seed=5)
     whole_table = blocks_for(0, len(prompt) + 20)
@@ -121,7 +121,7 @@ def test_chunked_prefill_equals_unchunked(tiny_llama_dir, prefill_path):  # noqa
     assert tokens == whole_tokens
 
 
-def test_a_sequence_is_the_same_alone_and_in_a_mixed_batch(tiny_llama_dir, prefill_path):  # noqa: F811
+def test_a_sequence_is_the_same_alone_and_in_a_mixed_batch(tiny_llama_dir, prefill_path):
     runner = make_runner(tiny_llama_dir, kernels=prefill_path)
     target = random_prompt(30, seed=11)
     # Alone: the first 20 tokens, then a chunk of 10 at position 20.
@@ -154,7 +154,7 @@ def test_a_sequence_is_the_same_alone_and_in_a_mixed_batch(tiny_llama_dir, prefi
     assert max_diff(logits[2], alone) < tolerance(alone)
 
 
-def test_decodes_in_a_mixed_batch_match_decoding_alone(tiny_llama_dir):  # noqa: F811
+def test_decodes_in_a_mixed_batch_match_decoding_alone(tiny_llama_dir):
     runner = make_runner(tiny_llama_dir)
     prompts = [random_prompt(n, seed=20 + n) for n in (9, 14, 23)]
     alone = []
@@ -191,7 +191,7 @@ def test_greedy_decoding_equals_transformers_generate(variant_dir):
     assert generate_greedy(runner, prompt, steps=32) == generated
 
 
-def test_bfloat16_logits_stay_close_to_float32(tiny_llama_dir):  # noqa: F811
+def test_bfloat16_logits_stay_close_to_float32(tiny_llama_dir):
     float32 = make_runner(tiny_llama_dir)
     bfloat16 = make_runner(tiny_llama_dir, dtype="bfloat16")
     assert bfloat16.handshake.dtype == "bfloat16"
@@ -208,7 +208,7 @@ def test_bfloat16_logits_stay_close_to_float32(tiny_llama_dir):  # noqa: F811
     assert result.logprobs is not None and result.logprobs.logprobs[0] <= 0
 
 
-def test_prompt_logprobs_over_chunks_equal_transformers_log_softmax(tiny_llama_dir):  # noqa: F811
+def test_prompt_logprobs_over_chunks_equal_transformers_log_softmax(tiny_llama_dir):
     """`echo`: each prompt token's log-probability and top alternatives, chunk by chunk
     (PROMPT_ROWS positions at a time), beside a sequence that wants none."""
     hf = hf_model(tiny_llama_dir)

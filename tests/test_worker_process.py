@@ -30,7 +30,6 @@ from tests.worker_fixtures import (
     make_plan,
     random_prompt,
     sampled,
-    tiny_llama_dir,  # noqa: F401 (fixture)
 )
 
 TIMEOUT = 120.0
@@ -106,7 +105,7 @@ def init_message(model_dir, **overrides) -> dict[str, Any]:
     return to_message("init", config)
 
 
-def test_handshake_steps_errors_and_clean_shutdown(worker, tiny_llama_dir):  # noqa: F811
+def test_handshake_steps_errors_and_clean_shutdown(worker, tiny_llama_dir):
     worker.send(init_message(tiny_llama_dir))
     ready = worker.receive()
     assert ready["type"] == "ready", ready
@@ -157,7 +156,7 @@ def test_failed_init_reports_fatal_and_exits_1(worker, tmp_path):
     assert worker.process.wait(timeout=TIMEOUT) == 1
 
 
-def test_a_closed_channel_ends_the_worker(worker, tiny_llama_dir):  # noqa: F811
+def test_a_closed_channel_ends_the_worker(worker, tiny_llama_dir):
     worker.send(init_message(tiny_llama_dir))
     assert worker.receive()["type"] == "ready"
     worker.sock.close()

@@ -17,10 +17,10 @@ from tests.worker_fixtures import (
     blocks_for,
     make_plan,
     make_runner,
-    one_torch_thread,  # noqa: F401 (autouse fixture)
     random_prompt,
-    tiny_llama_dir,  # noqa: F401 (fixture)
 )
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 BASE_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -74,7 +74,7 @@ def test_missing_key_is_named():
         ModelConfig.from_dict(raw)
 
 
-def test_missing_and_corrupt_files_get_clear_errors(tiny_llama_dir, tmp_path):  # noqa: F811
+def test_missing_and_corrupt_files_get_clear_errors(tiny_llama_dir, tmp_path):
     import torch
 
     with pytest.raises(CheckpointError, match="does not exist"):
@@ -101,7 +101,7 @@ def test_missing_and_corrupt_files_get_clear_errors(tiny_llama_dir, tmp_path):  
         make_runner(garbage)
 
 
-def test_sharded_checkpoints_load(tiny_llama_dir, tmp_path):  # noqa: F811
+def test_sharded_checkpoints_load(tiny_llama_dir, tmp_path):
     import torch
     from safetensors.torch import save_file
 
@@ -122,7 +122,7 @@ def test_sharded_checkpoints_load(tiny_llama_dir, tmp_path):  # noqa: F811
         load_weights(tmp_path, torch.float32)
 
 
-def test_missing_tensor_is_named(tiny_llama_dir, tmp_path):  # noqa: F811
+def test_missing_tensor_is_named(tiny_llama_dir, tmp_path):
     import torch
     from safetensors.torch import save_file
 
@@ -171,7 +171,7 @@ def test_profile_plan_is_the_largest_step_on_one_block():
     assert plan.total_tokens == 9 and all(plan.sample)
 
 
-def test_profiling_steps_run_on_a_one_block_cache(tiny_llama_dir):  # noqa: F811
+def test_profiling_steps_run_on_a_one_block_cache(tiny_llama_dir):
     import torch
 
     runner = make_runner(tiny_llama_dir, max_num_batched_tokens=300, max_num_seqs=4)
@@ -184,7 +184,7 @@ def test_profiling_steps_run_on_a_one_block_cache(tiny_llama_dir):  # noqa: F811
     assert all(not layer.k[:, 1:].any() for layer in cache.layers)  # only block 0 is named
 
 
-def test_fused_weights_leave_no_unfused_copies(tiny_llama_dir):  # noqa: F811
+def test_fused_weights_leave_no_unfused_copies(tiny_llama_dir):
     import weakref
 
     import torch
@@ -211,7 +211,7 @@ def test_fused_weights_leave_no_unfused_copies(tiny_llama_dir):  # noqa: F811
     assert all(part() is None for part in parts)
 
 
-def test_handshake_reports_the_cache_and_caps_the_context_by_it(tiny_llama_dir):  # noqa: F811
+def test_handshake_reports_the_cache_and_caps_the_context_by_it(tiny_llama_dir):
     per_block = 2 * 2 * BLOCK_SIZE * 2 * 16 * 4
     runner = make_runner(tiny_llama_dir, kv_memory=float(per_block * 21))
     handshake = runner.handshake
@@ -240,7 +240,7 @@ BAD_PLANS = {
 
 @pytest.mark.parametrize("case", list(BAD_PLANS))
 def test_bad_plans_give_error_results_and_the_runner_keeps_working(
-    tiny_llama_dir,  # noqa: F811
+    tiny_llama_dir,
     case,
 ):
     runner = make_runner(tiny_llama_dir)
@@ -261,12 +261,12 @@ def test_bad_plans_give_error_results_and_the_runner_keeps_working(
     assert again.error is None and again.tokens == expected.tokens
 
 
-def test_an_empty_plan_is_a_valid_step(tiny_llama_dir):  # noqa: F811
+def test_an_empty_plan_is_a_valid_step(tiny_llama_dir):
     result = make_runner(tiny_llama_dir).execute(make_plan([], step_id=5))
     assert result.error is None and result.step_id == 5 and result.tokens == []
 
 
-def test_bad_worker_settings_fail_at_start(tiny_llama_dir):  # noqa: F811
+def test_bad_worker_settings_fail_at_start(tiny_llama_dir):
     with pytest.raises(ValueError, match="dtype"):
         make_runner(tiny_llama_dir, dtype="float8")
     with pytest.raises(ValueError, match="device"):
@@ -275,7 +275,7 @@ def test_bad_worker_settings_fail_at_start(tiny_llama_dir):  # noqa: F811
         make_runner(tiny_llama_dir, kv_memory=100.0)
 
 
-def test_a_cpu_cache_starts_zeroed_and_its_tensors_are_apart(tiny_llama_dir):  # noqa: F811
+def test_a_cpu_cache_starts_zeroed_and_its_tensors_are_apart(tiny_llama_dir):
     """The pages come from the kernel on first touch (kv_cache._lazy_zeros): zeros, and
     writing one layer's K leaves every other tensor as it was."""
     import torch

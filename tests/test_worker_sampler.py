@@ -7,7 +7,8 @@ import torch
 
 from gpu_worker.protocol import SamplingSpec
 from gpu_worker.sampler import Logits, Sampler, apply_top_k, apply_top_p, row_seed
-from tests.worker_fixtures import one_torch_thread  # noqa: F401 (autouse fixture)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 VOCAB = 50
 

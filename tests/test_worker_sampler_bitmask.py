@@ -22,11 +22,11 @@ from tests.worker_fixtures import (
     blocks_for,
     make_plan,
     make_runner,
-    one_torch_thread,  # noqa: F401 (autouse fixture)
     random_prompt,
     sampled,
-    tiny_llama_dir,  # noqa: F401 (fixture)
 )
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 VOCAB = 50  # not a multiple of 32: the last word's high bits lie past the vocabulary
 CPU = torch.device("cpu")
@@ -123,7 +123,7 @@ def test_logprobs_of_masked_rows_are_those_of_the_distribution_sampled_from():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_plan_carries_masks_to_the_runner_through_the_wire(tiny_llama_dir, dtype):  # noqa: F811
+def test_a_plan_carries_masks_to_the_runner_through_the_wire(tiny_llama_dir, dtype):
     runner = make_runner(tiny_llama_dir, dtype=dtype)
     prompts = [random_prompt(9, seed=1), random_prompt(6, seed=2)]
     chunks = [Chunk(0, prompts[0], 0, blocks_for(0, 10)), Chunk(1, prompts[1], 0, [10, 11])]

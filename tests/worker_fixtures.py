@@ -1,4 +1,6 @@
-"""Tiny random Hugging Face models and plan helpers for the worker tests (import explicitly);
+"""Tiny random Hugging Face models and plan helpers for the worker tests (the fixtures are
+registered in tests/conftest.py; a module that wants one torch thread says
+`pytestmark = pytest.mark.usefixtures("one_torch_thread")`);
 steps are planned with the GPU smoke run's own records (ops.gpu_smoke.Seq, plan_of)."""
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def hf_model(path: Path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def one_torch_thread():
     """Tiny models gain nothing from a second thread, and on a busy machine every parallel
     region waits for both threads to be scheduled (50 ms steps instead of 0.3 ms)."""
