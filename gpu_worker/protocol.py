@@ -48,13 +48,16 @@ KERNEL_SEAMS = ("attention", "layer_ops", "matmul")  # see gpu_worker.kernels
 
 @dataclass(slots=True)
 class WorkerConfig:
+    """What a worker is started with. Its defaults are the server's (service.config.Config
+    takes its worker fields' defaults from here)."""
+
     model_dir: str  # a Hugging Face style directory (GGUF files are converted to one first)
     dtype: str = "bfloat16"  # "float32" | "bfloat16"
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     block_size: int = 16
     kv_memory: float = 0.25  # <= 1.0: fraction of free device memory; > 1.0: bytes
-    max_num_seqs: int = 256  # largest decode batch; bounds the graph buckets
-    max_num_batched_tokens: int = 8192  # largest flattened step the worker must accept
+    max_num_seqs: int = 128  # largest decode batch; bounds the graph buckets
+    max_num_batched_tokens: int = 512  # largest flattened step the worker must accept
     seed: int = 0
     use_cuda_graphs: bool = True
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "int8" | "fp8"

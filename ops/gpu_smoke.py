@@ -259,6 +259,7 @@ class Smoke:
                 block_size=BLOCK_SIZE,
                 kv_memory=0.3,
                 max_num_seqs=16,
+                max_num_batched_tokens=8192,  # the smoke run's chunks go up to 2048 tokens
                 seed=0,
                 kernels=self.kernels,
                 kernel_cache=str(self.out / "kernels.json"),

@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpu_worker.protocol import WorkerConfig
+
+_WORKER = WorkerConfig(model_dir="")  # the worker's defaults, the server's too
+
 
 def default_cache_dir() -> Path:
     """Where converted models live: $CADENCE_CACHE, $XDG_CACHE_HOME/cadence or ~/.cache/cadence."""
@@ -30,23 +34,24 @@ class ApiKey:
 class Config:
     # model and worker
     model: str | None = None  # HF directory or .gguf file; None: the default SmolLM2-135M-Instruct
-    dtype: str = "bfloat16"
-    device: str = "auto"
-    kv_memory: float = 0.25  # <= 1.0: fraction of free device memory; > 1.0: bytes
-    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "int8" or "fp8"
-    block_size: int = 16
+    dtype: str = _WORKER.dtype
+    device: str = _WORKER.device
+    kv_memory: float = _WORKER.kv_memory  # <= 1.0: fraction of free device memory; > 1.0: bytes
+    kv_cache_dtype: str = _WORKER.kv_cache_dtype  # "auto" (the model's dtype), "int8" or "fp8"
+    block_size: int = _WORKER.block_size
     cache_dir: Path = field(default_factory=default_cache_dir)
-    use_cuda_graphs: bool = True
-    kernels: str = "auto"  # measure each seam's candidates, or pin some: "attention=torch"
-    seed: int = 0
+    use_cuda_graphs: bool = _WORKER.use_cuda_graphs
+    kernels: str = _WORKER.kernels  # measure each seam's candidates, or pin: "attention=torch"
+    seed: int = _WORKER.seed
     # supervision of the worker
     step_timeout: float = 30.0  # a step (or an idle ping) slower than this means a hung worker
     max_worker_restarts: int = 5  # failed starts in a row before the server gives up (exit 1)
     # scheduling
     policy: str = "stall_free"
     policy_params: dict[str, Any] = field(default_factory=dict)
-    max_batched_tokens: int = 512  # hard cap of tokens in one step, whatever the policy says
-    max_num_seqs: int = 128
+    # hard cap of tokens in one step, whatever the policy says
+    max_batched_tokens: int = _WORKER.max_num_batched_tokens
+    max_num_seqs: int = _WORKER.max_num_seqs
     max_queue: int = 1024  # waiting requests beyond this get "overloaded" (HTTP 429)
     # prompt tokens waiting to start beyond this get "overloaded" (at least one full prompt)
     max_queued_tokens: int = 262144
