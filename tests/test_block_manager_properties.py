@@ -98,10 +98,18 @@ def test_random_allocations_and_frees_match_the_model(
     bm.check_invariants()
 
 
-@pytest.mark.parametrize(("num_blocks", "block_size"), [(0, 16), (-1, 16), (8, 0), (8, -4)])
-def test_a_manager_needs_at_least_one_block_of_at_least_one_token(num_blocks: int, block_size: int):
-    with pytest.raises(ValueError, match=r"^num_blocks and block_size must be positive$"):
+@pytest.mark.parametrize(("num_blocks", "block_size"), [(-1, 16), (8, 0), (8, -4)])
+def test_a_manager_needs_blocks_of_at_least_one_token(num_blocks: int, block_size: int):
+    message = r"^num_blocks must be at least 0 and block_size positive$"
+    with pytest.raises(ValueError, match=message):
         BlockManager(num_blocks, block_size)
+
+
+def test_a_manager_without_blocks_admits_nothing():
+    """A scheduler's before its first worker answers."""
+    bm = BlockManager(0, 16, watermark=0.01)
+    assert bm.num_free == bm.num_used == 0 and bm.admission_shortfall(1) > 0
+    bm.check_invariants()
 
 
 def test_without_a_watermark_admission_may_use_every_free_block():

@@ -62,8 +62,9 @@ class BlockManager:
         watermark: float = 0.0,
         enable_caching: bool = True,
     ) -> None:
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError("num_blocks and block_size must be positive")
+        # no blocks: a scheduler's before its first worker answers (nothing is admitted then)
+        if num_blocks < 0 or block_size < 1:
+            raise ValueError("num_blocks must be at least 0 and block_size positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.watermark_blocks = int(watermark * num_blocks)

@@ -158,8 +158,17 @@ class Engine:
         self.tokenizer = tokenizer
         self.handshake: Handshake | None = None
         self._worker = worker
-        self._policy = make_policy(config.policy, config.policy_params)  # until the scheduler
-        self._scheduler: Scheduler | None = None
+        # built now, given its blocks at each worker start (none before the first)
+        self._scheduler = Scheduler(
+            self._blocks_for(0),
+            make_policy(config.policy, config.policy_params),
+            max_batched_tokens=config.max_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            eos_token_ids=tokenizer.eos_token_ids,
+            max_preemptions=config.max_preemptions,
+            admission_watermark=config.admission_watermark,
+            tenant_share=config.tenant_share(),
+        )
         self._requests: dict[str, Request] = {}  # open streams, by request id
         # requests with n > 1 sequences: the first's id -> all of them, until all finish
         self._groups: dict[str, list[Request]] = {}
@@ -195,7 +204,7 @@ class Engine:
         return window if cap is None else min(cap, window)
 
     @property
-    def scheduler(self) -> Scheduler | None:
+    def scheduler(self) -> Scheduler:
         return self._scheduler
 
     def add_observer(self, observer: Observer) -> None:
@@ -293,10 +302,7 @@ class Engine:
         """Swap the policy at the next iteration boundary; PolicyError changes nothing."""
         new = make_policy(name, params)
         old = self.policy_info()
-        if self._scheduler is None:
-            self._policy, iteration = new, 1
-        else:
-            iteration = self._scheduler.set_policy(new)
+        iteration = self._scheduler.set_policy(new)
         swap = PolicySwap(old=old, new=new.describe(), iteration=iteration)
         log.info(
             "policy.swap",
@@ -312,21 +318,20 @@ class Engine:
 
     def policy_info(self) -> dict:
         """The policy that decides the next iteration: {"name", "params"}."""
-        policy = self._policy if self._scheduler is None else self._scheduler.next_policy
-        return policy.describe()
+        return self._scheduler.next_policy.describe()
 
     def state(self) -> dict:
-        stats = self._scheduler.stats() if self._scheduler else None
+        stats = self._scheduler.stats()
         return {
-            "waiting": stats.waiting if stats else 0,
-            "running": stats.running if stats else 0,
-            "kv_blocks_used": stats.kv_blocks_used if stats else 0,
-            "kv_blocks_total": stats.kv_blocks_total if stats else 0,
-            "kv_blocks_promised": stats.kv_blocks_promised if stats else 0,
-            "admission_paused": stats.admission_paused if stats else False,
-            "corrections": dict(self._scheduler.corrections) if self._scheduler else {},
+            "waiting": stats.waiting,
+            "running": stats.running,
+            "kv_blocks_used": stats.kv_blocks_used,
+            "kv_blocks_total": stats.kv_blocks_total,
+            "kv_blocks_promised": stats.kv_blocks_promised,
+            "admission_paused": stats.admission_paused,
+            "corrections": dict(self._scheduler.corrections),
             "policy": self.policy_info(),
-            "iteration": stats.iteration if stats else 0,
+            "iteration": stats.iteration,
             "worker_ready": self._ready,
             "worker_restarts": self._worker_restarts,
             "last_worker_failure": self.last_worker_failure,
@@ -352,11 +357,11 @@ class Engine:
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix now; returns how many blocks were cached."""
-        return self._scheduler.reset_prefix_cache() if self._scheduler else 0
+        return self._scheduler.reset_prefix_cache()
 
     def _step_cost(self) -> dict | None:
         """The fitted model of a step's time that policies and admission use, if fitted yet."""
-        cost = self._scheduler.step_cost.estimate() if self._scheduler else None
+        cost = self._scheduler.step_cost.estimate()
         return None if cost is None else dataclasses.asdict(cost)
 
     def _kv_cache_config(self) -> dict | None:
@@ -397,7 +402,7 @@ class Engine:
     def _admit(self, ticket: _Ticket) -> trio.MemoryReceiveChannel:
         """Validate, bound the queue, hand over to the scheduler; raises and queues nothing."""
         sched = self._scheduler
-        if sched is None or not self._accepting:
+        if not self._accepting:
             raise EngineUnavailable("the engine is shutting down")
         ids = [ticket.request_id] + [sibling_id(ticket.request_id, i) for i in range(1, ticket.n)]
         if any(request_id in self._requests for request_id in ids):
@@ -470,7 +475,7 @@ class Engine:
             if leader.prompt_logprobs is not None and not leader.needs_prompt_logprobs:
                 # the same prompt's (`echo`): taken as computed, so it may start from the cache
                 sibling.prompt_logprobs = leader.prompt_logprobs
-            if not sibling.is_finished and self._scheduler is not None:
+            if not sibling.is_finished:
                 self._scheduler.add(sibling)
         if siblings:
             self._wakeup.set()
@@ -571,7 +576,6 @@ class Engine:
 
     def _expire_deadlines(self, now: float) -> None:
         """Requests whose deadline passed before they started end now, exactly once."""
-        assert self._scheduler is not None
         expired = [
             r
             for r in self._scheduler.waiting
@@ -584,8 +588,7 @@ class Engine:
             self._finish(request, "error", "deadline_exceeded", error=message)
 
     def _limits(self) -> Limits:
-        assert self.handshake is not None and self._scheduler is not None
-        assert self.max_model_len is not None
+        assert self.handshake is not None and self.max_model_len is not None
         return Limits(
             vocab_size=self.handshake.vocab_size,
             max_model_len=self.max_model_len,
@@ -605,7 +608,6 @@ class Engine:
 
     async def _scheduling_task(self) -> None:
         sched = self._scheduler
-        assert sched is not None
         while True:
             self._expire_deadlines(trio.current_time())
             try:
@@ -768,8 +770,7 @@ class Engine:
     def _finish(self, request: Request, reason: str, detail: str, error: str | None = None) -> None:
         if request.is_finished:
             return
-        if self._scheduler is not None:
-            self._scheduler.remove(request)
+        self._scheduler.remove(request)
         request.status = Status.FINISHED
         request.finished = trio.current_time()
         request.finish_reason, request.finish_detail = reason, detail
@@ -809,26 +810,8 @@ class Engine:
             await self._worker.kill()
             raise WorkerStartError(f"the worker did not start within {_WORKER_START_TIMEOUT_S} s")
         self.handshake = handshake
-        blocks = BlockManager(
-            handshake.num_blocks,
-            handshake.block_size,
-            self.config.watermark,
-            enable_caching=self.config.enable_prefix_caching,
-        )
-        if self._scheduler is None:
-            self._scheduler = Scheduler(
-                blocks,
-                self._policy,
-                max_batched_tokens=self.config.max_batched_tokens,
-                max_num_seqs=self.config.max_num_seqs,
-                eos_token_ids=self.tokenizer.eos_token_ids,
-                max_preemptions=self.config.max_preemptions,
-                admission_watermark=self.config.admission_watermark,
-                tenant_share=self.config.tenant_share(),
-            )
-        else:
-            self._scheduler.replace_blocks(blocks)
-            self._fail_what_no_longer_fits()
+        self._scheduler.replace_blocks(self._blocks_for(handshake.num_blocks))
+        self._fail_what_no_longer_fits()
         self._overlap = overlaps(self.config.overlap, handshake.device)
         self._ready = True
         log.info(
@@ -844,10 +827,20 @@ class Engine:
         if handshake.device_warning is not None:
             log.warning("worker.device_warning", warning=handshake.device_warning)
 
+    def _blocks_for(self, num_blocks: int) -> BlockManager:
+        """The KV cache's block ids, in the block size of the worker's cache."""
+        block_size = self.handshake.block_size if self.handshake else self.config.block_size
+        return BlockManager(
+            num_blocks,
+            block_size,
+            self.config.watermark,
+            enable_caching=self.config.enable_prefix_caching,
+        )
+
     def _fail_what_no_longer_fits(self) -> None:
         """A restarted worker may have a smaller KV cache (free device memory changed):
         a waiting request admitted under the old size that cannot fit now would wait forever."""
-        assert self._scheduler is not None and self.max_model_len is not None
+        assert self.max_model_len is not None
         capacity = min(self._scheduler.capacity_tokens, self.max_model_len)
         for request in list(self._scheduler.waiting):
             needed = request.prompt_len + (request.params.max_tokens or 0)
@@ -863,7 +856,6 @@ class Engine:
         `max_worker_restarts` failed starts in a row fail the waiting too and raise EngineFailed."""
         self._ready = False
         sched = self._scheduler
-        assert sched is not None
         failure = _failure_of(exc)
         self.last_worker_failure = {"reason": failure.reason, "error": str(exc), "at": time.time()}
         log.error(failure.event, error=str(exc), running=len(sched.running))
@@ -934,8 +926,7 @@ class Engine:
 
     def _report_finished(self, request: Request) -> None:
         sched = self._scheduler
-        policy = sched.policy.name if sched else self._policy.name
-        stats = RequestStats.of(request, policy, sched.iteration if sched else 0)
+        stats = RequestStats.of(request, sched.policy.name, sched.iteration)
         log.info("request.finished", **stats.log_fields())
         for observer in self._observers:
             observer.on_request_finished(stats)
