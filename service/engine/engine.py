@@ -172,8 +172,6 @@ class Engine:
         self._requests: dict[str, Request] = {}  # open streams, by request id
         # requests with n > 1 sequences: the first's id -> all of them, until all finish
         self._groups: dict[str, list[Request]] = {}
-        # the first's id -> the others, until it has computed the prompt they share
-        self._held: dict[str, list[Request]] = {}
         self._observers: list[Observer] = []
         self._admit_send, self._admit_recv = trio.open_memory_channel[_Ticket](config.max_queue)
         self._wakeup = trio.Event()
@@ -428,7 +426,7 @@ class Engine:
         if siblings:
             self._groups[leader.request_id] = [leader, *siblings]
             if self.config.enable_prefix_caching:
-                self._held[leader.request_id] = siblings
+                sched.hold(leader, siblings)
             else:
                 for sibling in siblings:
                     sched.add(sibling)
@@ -470,14 +468,7 @@ class Engine:
 
     def _release_siblings(self, leader: Request) -> None:
         """The leader computed its prompt (or ended): its held siblings may start."""
-        siblings = self._held.pop(leader.request_id, [])
-        for sibling in siblings:
-            if leader.prompt_logprobs is not None and not leader.needs_prompt_logprobs:
-                # the same prompt's (`echo`): taken as computed, so it may start from the cache
-                sibling.prompt_logprobs = leader.prompt_logprobs
-            if not sibling.is_finished:
-                self._scheduler.add(sibling)
-        if siblings:
+        if self._scheduler.release_held(leader):
             self._wakeup.set()
 
     def _deadline_of(self, ticket: _Ticket) -> float | None:
@@ -492,7 +483,7 @@ class Engine:
         --max-predicted-ttft, or a predicted start after the request's deadline. A request's
         n sequences all take a place in the queue (the held ones too); its prompt counts
         once, since the later ones find it in the prefix cache."""
-        waiting = len(sched.waiting) + sum(len(held) for held in self._held.values())
+        waiting = sched.queued_sequences()
         if waiting + sequences > self.config.max_queue:
             raise Overloaded(f"{waiting} sequences are waiting; try again later", "queue_full")
         assert self.max_model_len is not None
@@ -576,12 +567,7 @@ class Engine:
 
     def _expire_deadlines(self, now: float) -> None:
         """Requests whose deadline passed before they started end now, exactly once."""
-        expired = [
-            r
-            for r in self._scheduler.waiting
-            if r.deadline is not None and r.deadline <= now and r.first_scheduled is None
-        ]
-        for request in expired:
+        for request in self._scheduler.expired(now):
             waited = request.deadline - request.received
             message = f"the request did not start within its {waited:g} s deadline"
             self._report_refused(request.request_id, "deadline_exceeded")
@@ -717,11 +703,8 @@ class Engine:
 
     def _note_scheduled(self, out: ScheduleOutput) -> None:
         now = trio.current_time()
-        for item in out.scheduled:
-            request = item.request
-            if request.first_scheduled is None:
-                request.first_scheduled = now
-                _log_since_received("request.admitted", request, now, "queue_ms")
+        for request in out.started:
+            _log_since_received("request.admitted", request, now, "queue_ms")
         for request in out.preempted:
             log.info(
                 "request.preempted",

@@ -83,6 +83,7 @@ class ScheduleOutput:
     plan: BatchPlan | None
     scheduled: list[Scheduled] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    started: list[Request] = field(default_factory=list)  # scheduled for the first time
     prefill_tokens: int = 0
     decode_seqs: int = 0
 
@@ -179,6 +180,9 @@ class Scheduler:
         self.iteration = 0  # the last one scheduled
         self._pending_policy: Policy | None = None
         self._by_seq: dict[int, Request] = {}
+        # a request's later sequences (n > 1), by its first's id, until the first has
+        # computed the prompt they share: they then find it in the prefix cache
+        self._held: dict[str, list[Request]] = {}
         self._admissions = 0
         self._last_step_ms: float | None = None
         self._last_step_tokens = 0
@@ -191,6 +195,33 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self._by_seq[request.seq_id] = request
         self._join_waiting(request)
+
+    def hold(self, leader: Request, siblings: list[Request]) -> None:
+        """Queue `siblings` behind `leader`: they join the waiting once release_held(leader)."""
+        self._held[leader.request_id] = siblings
+
+    def release_held(self, leader: Request) -> bool:
+        """The leader computed its prompt (or ended): its held siblings join the waiting,
+        with its prompt's log-probabilities (`echo`) when it has them all; False if none."""
+        siblings = self._held.pop(leader.request_id, [])
+        for sibling in siblings:
+            if leader.prompt_logprobs is not None and not leader.needs_prompt_logprobs:
+                sibling.prompt_logprobs = leader.prompt_logprobs  # then it may start cached
+            if not sibling.is_finished:
+                self.add(sibling)
+        return bool(siblings)
+
+    def queued_sequences(self) -> int:
+        """Sequences waiting to start, the held ones too."""
+        return len(self.waiting) + sum(len(held) for held in self._held.values())
+
+    def expired(self, now: float) -> list[Request]:
+        """Waiting requests whose deadline to start has passed (the engine ends them)."""
+        return [
+            r
+            for r in self.waiting
+            if r.deadline is not None and r.deadline <= now and r.first_scheduled is None
+        ]
 
     def remove(self, request: Request) -> None:
         """Take a request out (finished, aborted, failed); frees its blocks. Idempotent."""
@@ -350,6 +381,10 @@ class Scheduler:
             self.corrections["empty_decision"] += 1
             self._apply(self._fallback_decision(), out)
         self._admit_wanted(out)
+        for item in out.scheduled:
+            if item.request.first_scheduled is None:
+                item.request.first_scheduled = now
+                out.started.append(item.request)
         if out.scheduled:
             out.plan = self._build_plan(out.scheduled, out.iteration)
         return out
