@@ -682,6 +682,7 @@ class Engine:
 
     async def _send_next_step(self, sched: Scheduler) -> _Step | None:
         """Schedule a step and hand its plan to the worker; None if nothing can run."""
+        self._masks.worker_waits()  # no plan is in flight here
         if not sched.has_work():
             return None
         await self._masks.settle(sched.waits_for_masks)
@@ -692,6 +693,7 @@ class Engine:
             return None
         deadline = trio.current_time() + self.config.step_timeout
         step = _Step(out, deadline, service_s=time.perf_counter() - started)
+        self._masks.worker_computes()
         with trio.move_on_at(deadline):
             await self._worker.send_step(out.plan)
             return step
@@ -703,6 +705,7 @@ class Engine:
         result = None
         with trio.move_on_at(step.deadline):
             result = await self._worker.receive_result(step.out.plan.step_id)
+            self._masks.worker_waits()
         if result is None:
             raise WorkerHung(f"a step took longer than {self.config.step_timeout} s")
         plan = step.out.plan
@@ -861,6 +864,8 @@ class Engine:
             self._scheduler.replace_blocks(blocks)
             self._fail_what_no_longer_fits()
         self._overlap = overlaps(self.config.overlap, handshake.device)
+        # on the CPU, fills would take the cores the step needs: only between steps there
+        self._masks.beside_step = not handshake.device.startswith("cpu")
         self._ready = True
         log.info(
             "worker.started",

@@ -37,9 +37,8 @@ MAX_WHITESPACE = 8
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 # xgrammar prefixes its C++ errors with a time and a source location
 _ERROR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
-# xgrammar's batch fill spreads rows over this many threads: some parallelism for many
-# constrained rows, while most cores stay with a worker that computes on the CPU
-MASK_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
+# the cores this process may run on: xgrammar's batch fill spreads rows over threads
+CORES = len(os.sched_getaffinity(0))
 
 
 class GrammarUnavailable(Exception):
@@ -194,16 +193,24 @@ class Matcher:
         return bool(self._matcher.is_terminated())
 
 
-def fill_masks(matchers: Sequence[Matcher]) -> list[str]:
-    """The masks of `matchers`' current states, as the plan carries them, in their order.
+def fill_masks(
+    matchers: Sequence[Matcher], threads: int = 1, stop: threading.Event | None = None
+) -> list[str]:
+    """The masks of `matchers`' current states, as the plan carries them, in their order;
+    with `stop`, only those of the first rows filled before it was set (checked between
+    chunks of `threads` rows, so it takes effect within one row's fill).
 
-    Blocking: run it in a thread. xgrammar's batch fill releases the GIL and spreads the
-    rows over MASK_THREADS threads; the matchers must not accept a token meanwhile."""
+    Blocking: run it in a thread. xgrammar's batch fill releases the GIL and spreads each
+    chunk over `threads` threads; the matchers must not accept a token meanwhile."""
     xgr = _xgrammar()
     # one server, one vocabulary: every matcher's rows are as wide
     words = xgr.allocate_token_bitmask(len(matchers), matchers[0].vocab_size)
-    xgr.BatchGrammarMatcher(MASK_THREADS).batch_fill_next_token_bitmask(
-        [m._matcher for m in matchers], words
-    )
-    rows = np.asarray(words.numpy(), dtype="<i4")
-    return [base64.b64encode(row.tobytes()).decode("ascii") for row in rows]
+    batch = xgr.BatchGrammarMatcher(threads)
+    chunk = len(matchers) if stop is None else threads
+    filled = 0
+    while filled < len(matchers) and not (stop is not None and stop.is_set()):
+        rows = range(filled, min(filled + chunk, len(matchers)))
+        batch.batch_fill_next_token_bitmask([matchers[i]._matcher for i in rows], words, list(rows))
+        filled = rows.stop
+    packed = np.asarray(words[:filled].numpy(), dtype="<i4")
+    return [base64.b64encode(row.tobytes()).decode("ascii") for row in packed]
