@@ -12,6 +12,7 @@ import time
 
 import jsonschema
 import pytest
+import trio
 
 from service.engine import masks
 from service.engine.grammar import GrammarCompiler, ResponseFormat
@@ -74,6 +75,15 @@ async def test_a_constrained_request_gets_json_beside_an_unchanged_free_one(
         rows = [i for i, mask in enumerate(plan.token_bitmasks) if mask is not None]
         assert [plan.seq_ids[i] for i in rows] == [1] and all(plan.sample[i] for i in rows)
     assert len(masked) == len(structured.token_ids)  # one mask per token sampled
+
+
+async def test_a_one_token_prompt_gets_its_first_mask_before_any_step(autojump_clock, compiler):
+    async with running_engine() as engine:
+        channel = await engine.submit(TOK.encode("{"), constrained(compiler, 5), request_id="a")
+        with trio.fail_after(60):  # a mask nobody fills would leave it waiting for ever
+            events = await collect(channel)
+    assert (events.finish.reason, events.finish.detail) == ("length", "max_tokens")
+    assert len(events.token_ids) == 5
 
 
 async def test_the_grammar_end_finishes_a_request_that_ignores_eos(autojump_clock, compiler):

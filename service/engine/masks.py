@@ -124,10 +124,11 @@ class MaskFiller:
     async def settle(self, pending: Callable[[], bool]) -> None:
         """Kick, then wait until `pending()` is false (no decoding constrained row lacks its
         mask), until `wait_s` after the running batch began (or from now, if none runs);
-        then the step goes without the late rows."""
+        then the step goes without the late rows. The kick comes first whatever `pending`
+        says: a new request's first mask is wanted before any step of it has run."""
+        self.kick()
         if not pending():
             return
-        self.kick()
         began = trio.current_time() if self._batch_began is None else self._batch_began
         with trio.move_on_at(began + self.wait_s):
             while pending():
