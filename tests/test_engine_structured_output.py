@@ -77,10 +77,11 @@ async def test_a_constrained_request_gets_json_beside_an_unchanged_free_one(
     assert len(masked) == len(structured.token_ids)  # one mask per token sampled
 
 
-async def test_a_one_token_prompt_gets_its_first_mask_before_any_step(autojump_clock, compiler):
+async def test_a_one_token_prompt_gets_its_first_mask_before_any_step(compiler):
+    # the real clock: a mocked one jumps its idle pings ahead while the mask's thread runs
     async with running_engine() as engine:
         channel = await engine.submit(TOK.encode("{"), constrained(compiler, 5), request_id="a")
-        with trio.fail_after(60):  # a mask nobody fills would leave it waiting for ever
+        with trio.fail_after(5):  # a mask nobody fills would leave it waiting for ever
             events = await collect(channel)
     assert (events.finish.reason, events.finish.detail) == ("length", "max_tokens")
     assert len(events.token_ids) == 5
