@@ -30,11 +30,12 @@ from typing import Any, Protocol
 
 import torch
 
-from gpu_worker.attention import AttentionMetadata
+from gpu_worker.attention import AttentionMetadata, DecodeGroup
 from gpu_worker.faults import is_device_fault
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.model import Model
 from gpu_worker.sampler import Logits
+from gpu_worker.step_inputs import StepInputs, padding_tensors
 
 log = logging.getLogger(__name__)
 
@@ -86,36 +87,10 @@ def decode_forward(
 ) -> Logits:
     """One decode token per row -> logits [rows, vocab]; tensor ops only."""
     backend = model.kernels.attention
-    group = backend.decode_group(
-        slice(None), block_tables, context_lens, cache.like, model.config.group_size
-    )
+    rows = DecodeGroup(slice(None), block_tables, context_lens)
+    group = backend.decode_group(rows, cache.like, model.config.group_size)
     meta = AttentionMetadata(slots, group, [], input_ids.shape[0], backend)
     return model.logits(model.forward(input_ids, positions, cache.layers, meta))
-
-
-def padded_inputs(
-    cache: KVCache,
-    device: torch.device,
-    input_ids: list[int],
-    positions: list[int],
-    block_tables: list[list[int]],
-    batch: int,
-    width: int,
-) -> tuple[torch.Tensor, ...]:
-    """decode_forward's tensors for `batch` rows and tables `width` wide; the rows and table
-    entries beyond the step's own point at the scratch block."""
-    bs, scratch = cache.block_size, cache.scratch_block
-    pad = batch - len(input_ids)
-    tables = [t[:width] + [scratch] * (width - len(t[:width])) for t in block_tables]
-    slots = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions, strict=True)]
-    host = (
-        input_ids + [0] * pad,
-        positions + [0] * pad,
-        slots + [scratch * bs] * pad,
-        tables + [[scratch] * width] * pad,
-        [p + 1 for p in positions] + [1] * pad,
-    )
-    return tuple(torch.tensor(values, dtype=torch.long, device=device) for values in host)
 
 
 class DecodeGraph(Protocol):
@@ -180,24 +155,20 @@ class DecodeRunner:
             self.failed.append((batch, width))  # any other failure: the eager path
             log.warning("decode graph (batch %d, width %d) runs eagerly: %s", batch, width, exc)
 
-    def run(
-        self, input_ids: list[int], positions: list[int], block_tables: list[list[int]]
-    ) -> Logits:
-        """Logits [len(input_ids), vocab] of one decode token per sequence."""
-        rows = len(input_ids)
-        needed = max(p // self.cache.block_size + 1 for p in positions)
+    def run(self, inputs: StepInputs) -> Logits:
+        """Logits [rows, vocab] of a decode-only step (one token per sequence)."""
+        rows = inputs.num_seqs
+        needed = -(-max(inputs.ends(list(range(rows)))) // self.cache.block_size)
         batch = smallest_fitting(rows, self.buckets) or rows
         width = smallest_fitting(needed, self.widths) or needed
         graph = self._graphs.get((batch, width))
         if graph is None:
             width = needed
-        inputs = padded_inputs(
-            self.cache, self.model.device, input_ids, positions, block_tables, batch, width
-        )
+        tensors = inputs.decode_tensors(batch, width, self.model.device)
         if graph is None:
-            logits = decode_forward(self.model, self.cache, *inputs)
+            logits = decode_forward(self.model, self.cache, *tensors)
         else:
-            logits = graph.replay(*inputs)
+            logits = graph.replay(*tensors)
         return logits.select(slice(0, rows))
 
 
@@ -224,7 +195,7 @@ class CudaGraphCapturer:
     def capture(self, batch: int, width: int, pool: Any) -> DecodeGraph:
         model, cache = self.model, self.cache
         # Padding rows only, so the warm-up runs touch only the scratch block.
-        inputs = padded_inputs(cache, model.device, [], [], [], batch, width)
+        inputs = padding_tensors(cache.block_size, cache.scratch_block, batch, width, model.device)
         warm = self._warm_up(inputs)
         outputs = self._outputs_for(warm, batch)
         del warm

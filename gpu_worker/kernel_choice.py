@@ -124,6 +124,13 @@ class NoCorrectKernel(RuntimeError):
     """Every candidate of a seam failed its check."""
 
 
+def _trial(name: str, failed: str | None, times: list[float]) -> Trial:
+    """A candidate's failure, or its fastest round in ms."""
+    if failed is not None:
+        return Trial(name, None, failed)
+    return Trial(name, round(min(times) * 1000, 3))
+
+
 def pick(
     candidates: Sequence[C],
     name: Callable[[C], str],
@@ -150,12 +157,7 @@ def pick(
             started = clock()
             workload(candidate)
             times[id(candidate)].append(clock() - started)
-    trials = [
-        Trial(name(c), None, failures[id(c)])
-        if failures[id(c)] is not None
-        else Trial(name(c), round(min(times[id(c)]) * 1000, 3))
-        for c in candidates
-    ]
+    trials = [_trial(name(c), failures[id(c)], times.get(id(c), [])) for c in candidates]
     if not passing:
         raise NoCorrectKernel("; ".join(f"{t.name}: {t.failed}" for t in trials))
     # Ties go to the earlier candidate: min keeps the first of equals.
@@ -268,6 +270,7 @@ def run_decode(
         case.group_size,
         backend,
     )
+    assert meta.decode is not None  # every row decodes
     return backend.decode(case.q_decode[list(seqs)], case.kv, meta.decode)
 
 
@@ -300,6 +303,7 @@ def decode_chunk_rows(
         case.group_size,
         backend,
     )
+    assert meta.decode is not None  # every row decodes
     return backend.decode(case.q_chunk[rows], case.kv, meta.decode)
 
 

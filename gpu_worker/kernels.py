@@ -99,5 +99,5 @@ def by_names(
     return Kernels(**chosen)
 
 
-def name_of(candidate: object) -> str:
+def name_of(candidate: AttentionBackend | LayerOps | str) -> str:
     return candidate if isinstance(candidate, str) else candidate.name

@@ -85,7 +85,7 @@ class Linear:
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         """The library's matmul on exactly these rows."""
-        if self.packed is None:
+        if self.weight is not None:  # not packed
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 

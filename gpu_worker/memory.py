@@ -56,6 +56,21 @@ def profile_plan(lengths: list[int], block_size: int, context_limit: int) -> Bat
     )
 
 
+def decode_profile_plan(batch: int, position: int, width: int) -> BatchPlan:
+    """`batch` decode rows at `position`, each reading a table of `width` blocks, all
+    block 0."""
+    return BatchPlan(
+        step_id=-1,
+        seq_ids=list(range(batch)),
+        num_tokens=[1] * batch,
+        start_pos=[position] * batch,
+        input_ids=[0] * batch,
+        block_tables=[[0] * width] * batch,
+        sample=[True] * batch,
+        sampling=[SamplingSpec()] * batch,
+    )
+
+
 def peak_bytes(device: torch.device, step: Callable[[], object]) -> int:
     """The bytes `step` allocates at its peak beyond what was allocated before it (CUDA)."""
     torch.cuda.synchronize(device)

@@ -104,6 +104,8 @@ class Handshake:
     graphs: dict[str, Any] = field(default_factory=dict)
     # why the worker serves on the CPU although a GPU is visible (gpu_worker.device)
     device_warning: str | None = None
+    # seconds per start-up step, in order (gpu_worker.runtime); load_seconds is their sum
+    startup: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -180,8 +182,11 @@ class BatchPlan:
 class StepResult:
     step_id: int
     seq_ids: list[int] = field(default_factory=list)  # the sampled sequences, in plan order
-    tokens: list[int] = field(default_factory=list)
-    # of the sampled tokens, when any sequence asked for them; rows in seq_ids' order
+    # per sampled sequence, the tokens it takes this step, in order: one for now (a step
+    # that verifies drafted tokens may accept several)
+    tokens: list[list[int]] = field(default_factory=list)
+    # of the sampled tokens, when any sequence asked for them; a row per token, in the
+    # order of `tokens` flattened
     logprobs: TokenLogprobs | None = None
     # one per sequence of the plan when it had prompt_targets (None for those without)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)

@@ -46,18 +46,18 @@ class Logits:
     def dense(self) -> torch.Tensor:
         """float32 [S, vocab], with the refined values in place."""
         dense = self.values.float()
-        if self.top is None:
+        if self.top is None or self.top_values is None:
             return dense
         return dense.scatter_(1, self.top, self.top_values)
 
     def best(self) -> torch.Tensor:
         """The argmax token of each row."""
-        if self.top is None:
+        if self.top is None or self.top_values is None:
             return self.values.argmax(dim=-1)
         return self.top.gather(1, self.top_values.argmax(dim=-1, keepdim=True))[:, 0]
 
     def select(self, rows: list[int] | slice) -> Logits:
-        if self.top is None:
+        if self.top is None or self.top_values is None:
             return Logits(self.values[rows])
         return Logits(self.values[rows], self.top[rows], self.top_values[rows])
 
@@ -183,12 +183,13 @@ class _Masked:
 
     @classmethod
     def of(cls, logits: Logits, bitmasks: list[torch.Tensor | None]) -> _Masked | None:
-        rows = [i for i, words in enumerate(bitmasks) if words is not None]
-        if not rows:
+        masked = [(i, words) for i, words in enumerate(bitmasks) if words is not None]
+        if not masked:
             return None
+        rows = [i for i, _ in masked]
         device = logits.values.device
         vocab = logits.values.shape[1]
-        allowed = torch.stack([allowed_tokens(bitmasks[i], vocab) for i in rows]).to(device)
+        allowed = torch.stack([allowed_tokens(words, vocab) for _, words in masked]).to(device)
         # out of place: float32 values come back from dense() uncopied
         values = logits.select(rows).dense().masked_fill(~allowed, float("-inf"))
         return cls(torch.tensor(rows, device=device), values)

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from gpu_worker import runtime
 from gpu_worker.protocol import BatchPlan, SamplingSpec, WorkerConfig
 from gpu_worker.runner import ModelRunner
 from ops.roofline import BF16_BYTES, ModelCost
@@ -188,7 +189,7 @@ def execute(runner: ModelRunner, seqs: list[Seq]) -> list[int]:
     result = runner.execute(plan_of(seqs))
     if result.error is not None:
         raise RuntimeError(result.error)
-    return result.tokens
+    return [row[0] for row in result.tokens]  # one token per sampled sequence
 
 
 def prefill(runner: ModelRunner, seq: Seq, chunk: int) -> torch.Tensor:
@@ -262,7 +263,7 @@ class Smoke:
                 kernels=self.kernels,
                 kernel_cache=str(self.out / "kernels.json"),
             )
-            self.runners[key] = ModelRunner(WorkerConfig(**{**settings, **overrides}))
+            self.runners[key] = runtime.start(WorkerConfig(**{**settings, **overrides}))
         return self.runners[key]
 
     def release(self) -> None:
@@ -428,7 +429,7 @@ class Smoke:
         runner = self.runner(
             "llama", self.serving_dtype, timing=True, kv_memory=0.9, max_num_seqs=128
         )
-        config = runner.model_config
+        config = runner.model.config
         profile = self.profile
         rows = [self._time_decode(runner, b, profile.context) for b in profile.decode_batches]
         rows.append(self._time_mixed(runner))
@@ -480,8 +481,8 @@ class Smoke:
                 raise RuntimeError(result.error)
             if i >= 2:
                 times.append((time.perf_counter() - started) * 1000)
-        cost = ModelCost.of(runner.model_config)
-        scale = runner.dtype.itemsize / BF16_BYTES
+        cost = ModelCost.of(runner.model.config)
+        scale = runner.model.dtype.itemsize / BF16_BYTES
         moved = (cost.weight_bytes + kv_tokens * cost.kv_bytes_per_token) * scale
         floor_ms = moved / self.bandwidth * 1000
         measured = statistics.median(times)
@@ -499,8 +500,8 @@ class Smoke:
             "num_blocks": runner.handshake.num_blocks,
             "kv_gib": round(runner.handshake.kv_bytes / 2**30, 2),
         }
-        if runner.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(runner.device)
+        if runner.model.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(runner.model.device)
             found |= {
                 "device_gib": round(total / 2**30, 2),
                 "kv_share_of_device": round(runner.handshake.kv_bytes / total, 3),

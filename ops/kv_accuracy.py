@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from gpu_worker import runtime
 from gpu_worker.protocol import BatchPlan, SamplingSpec, WorkerConfig
 from gpu_worker.runner import ModelRunner
 from ops.corpus import full_text
@@ -78,7 +79,7 @@ def runner_for(model_dir: Path, dtype: str, kv_cache_dtype: str) -> ModelRunner:
         kv_cache_dtype=kv_cache_dtype,
         kernel_cache=str(default_cache_dir() / "kernels.json"),
     )
-    return ModelRunner(config)
+    return runtime.start(config)
 
 
 def row_logits(runner: ModelRunner, tokens: list[int], prompt_len: int) -> torch.Tensor:

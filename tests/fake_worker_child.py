@@ -88,7 +88,7 @@ def main() -> int:
                     "type": "result",
                     "step_id": msg["step_id"],
                     "seq_ids": sampled,
-                    "tokens": [1000 + msg["step_id"]] * len(sampled),
+                    "tokens": [[1000 + msg["step_id"]]] * len(sampled),
                     "logprobs": None,
                     "step_ms": 1.0,
                     "error": None,

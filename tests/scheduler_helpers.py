@@ -90,4 +90,4 @@ def make_scheduler(
 def sampled_result(out: ScheduleOutput, step_ms: float = 0.0) -> StepResult:
     """What the worker answers: SAMPLED for every sequence of the step that samples."""
     seq_ids = [item.request.seq_id for item in out.scheduled if item.samples]
-    return StepResult(out.iteration, seq_ids, [SAMPLED] * len(seq_ids), step_ms=step_ms)
+    return StepResult(out.iteration, seq_ids, [[SAMPLED]] * len(seq_ids), step_ms=step_ms)

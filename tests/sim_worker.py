@@ -236,7 +236,7 @@ class SimWorker:
                 if mask is not None and self.honour_bitmasks:
                     token = constrained_choice(mask)
                 result.seq_ids.append(seq_id)
-                result.tokens.append(token)
+                result.tokens.append([token])
         return result
 
     def check_plan(self, plan: BatchPlan) -> None:

@@ -47,7 +47,7 @@ async def test_handshake_steps_and_clean_stop():
     assert handshake.num_blocks == 64 and handshake.pid == worker.pid
     for step_id in (1, 2, 3):
         result = await worker.step(plan(step_id))
-        assert (result.step_id, result.seq_ids, result.tokens) == (step_id, [1], [1000 + step_id])
+        assert (result.step_id, result.seq_ids, result.tokens) == (step_id, [1], [[1000 + step_id]])
     pid = worker.pid
     await worker.stop()
     assert worker.returncode == 0 and not alive(pid)  # exited and reaped
@@ -58,7 +58,7 @@ async def test_a_step_in_two_calls_and_a_result_for_another_step_is_an_error():
     await worker.start()
     await worker.send_step(plan(1))
     result = await worker.receive_result(1)
-    assert (result.step_id, result.tokens, result.idle_ms) == (1, [1001], None)
+    assert (result.step_id, result.tokens, result.idle_ms) == (1, [[1001]], None)
     await worker.send_step(plan(2))
     with pytest.raises(WorkerDied, match="result for step 2, expected 3"):
         await worker.receive_result(3)
@@ -89,7 +89,7 @@ async def test_a_garbled_result_is_a_dead_worker_to_restart_not_an_error_of_the_
     with pytest.raises(WorkerDied, match="garbled"):
         await worker.step(plan(2))
     await worker.start()  # the engine's recovery: a new worker
-    assert (await worker.step(plan(1))).tokens == [1001]
+    assert (await worker.step(plan(1))).tokens == [[1001]]
     await worker.stop()
 
 

@@ -37,8 +37,9 @@ def planned(sched: Scheduler, decision: Decision) -> ScheduleOutput:
 
 
 def result(out: ScheduleOutput, tokens: list[int], **kw) -> StepResult:
+    """One sampled token per sequence of the step."""
     seq_ids = [item.request.seq_id for item in out.scheduled if item.samples]
-    return StepResult(out.iteration, seq_ids, tokens, **kw)
+    return StepResult(out.iteration, seq_ids, [[token] for token in tokens], **kw)
 
 
 def test_a_worker_error_fails_every_request_of_the_step_and_frees_it():
@@ -61,7 +62,7 @@ def test_tokens_for_other_sequences_are_a_worker_error():
     a = make_request(0, 4)
     sched.add(a)
     out = planned(sched, Decision(schedule=[(0, 4)]))
-    (outcome,) = sched.update(out, StepResult(out.iteration, seq_ids=[7], tokens=[3]))
+    (outcome,) = sched.update(out, StepResult(out.iteration, seq_ids=[7], tokens=[[3]]))
     assert outcome.finish == ("error", "worker_error")
     assert "other sequences" in (outcome.error or "")
     assert a.num_generated == 0 and not sched.has_work()
@@ -84,6 +85,31 @@ def test_logprobs_reach_only_the_requests_that_asked():
     out = planned(sched, Decision(schedule=[(0, 1)]))
     (outcome,) = sched.update(out, result(out, [9]))  # the worker sent none this time
     assert (outcome.token, outcome.logprobs) == (9, None)
+
+
+def test_several_tokens_of_one_step_append_in_order_until_the_sequence_finishes():
+    """A result row may hold several tokens (a step that verified drafted ones): each is
+    appended with its own logprobs row, and those past a finish are dropped."""
+    sched = scheduler()
+    short = make_request(0, 4)
+    short.params = SamplingParams(max_tokens=2, sampling=SamplingSpec(logprobs=True))
+    longer = make_request(1, 4)
+    longer.params = SamplingParams(max_tokens=8, sampling=SamplingSpec(logprobs=True))
+    sched.add(short)
+    sched.add(longer)
+    out = planned(sched, Decision(schedule=[(0, 4), (1, 4)]))
+    rows = TokenLogprobs([-0.1, -0.2, -0.3, -0.4, -0.5], [[]] * 5, [[]] * 5)
+    seq_ids = [0, 1]
+    outcomes = sched.update(out, StepResult(out.iteration, seq_ids, [[5, 6, 7], [8, 9]], rows))
+    found = [(o.request.seq_id, o.token, o.logprobs.logprobs, o.finish) for o in outcomes]
+    assert found == [
+        (0, 5, [-0.1], None),
+        (0, 6, [-0.2], ("length", "max_tokens")),  # 7 lies past the finish
+        (1, 8, [-0.4], None),
+        (1, 9, [-0.5], None),
+    ]
+    assert short.token_ids[-2:] == [5, 6] and longer.token_ids[-2:] == [8, 9]
+    assert sched.blocks.num_held(0) == 0
 
 
 def echo_request(seq_id: int, prompt_len: int) -> Request:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpu_worker import runtime
 from gpu_worker.protocol import WorkerConfig
 from gpu_worker.runner import ModelRunner
 from service.config import default_cache_dir
@@ -46,7 +47,7 @@ def runner(request) -> ModelRunner:
         device="cpu",
         kv_memory=float(1 << 28),
     )
-    return ModelRunner(config)
+    return runtime.start(config)
 
 
 class Blocks:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gpu_worker import attention
+from gpu_worker.attention import torch_backend
 from tests.worker_fixtures import (  # noqa: F401 (fixture)
     Chunk,
     make_plan,
@@ -68,7 +68,7 @@ def as_on_cuda(original):
     return choose
 
 
-@pytest.mark.parametrize("flash_min_context", [attention.FLASH_MIN_CONTEXT, 0])
+@pytest.mark.parametrize("flash_min_context", [torch_backend.FLASH_MIN_CONTEXT, 0])
 def test_one_mixed_step_of_the_reference_calls_no_cpu_only_operator(
     tiny_llama_dir,  # noqa: F811
     monkeypatch,
@@ -76,8 +76,10 @@ def test_one_mixed_step_of_the_reference_calls_no_cpu_only_operator(
 ):
     # With no threshold, every chunk would take the CPU flash kernel, were this a CPU; the
     # trace follows the branch a CUDA device takes instead.
-    monkeypatch.setattr(attention, "FLASH_MIN_CONTEXT", flash_min_context)
-    monkeypatch.setattr(attention, "cpu_flash_serves", as_on_cuda(attention.cpu_flash_serves))
+    monkeypatch.setattr(torch_backend, "FLASH_MIN_CONTEXT", flash_min_context)
+    monkeypatch.setattr(
+        torch_backend, "cpu_flash_serves", as_on_cuda(torch_backend.cpu_flash_serves)
+    )
     names = traced_mixed_step(tiny_llama_dir)
     assert "aten::bmm" in names  # the trace saw the attention
     assert cpu_only(names) == [], f"CPU-only operators in a device-agnostic step: {cpu_only(names)}"
@@ -85,6 +87,6 @@ def test_one_mixed_step_of_the_reference_calls_no_cpu_only_operator(
 
 def test_the_trace_names_a_cpu_only_operator_when_one_runs(tiny_llama_dir, monkeypatch):  # noqa: F811
     """The check bites: the CPU's own branch of the reference takes the flash kernel."""
-    monkeypatch.setattr(attention, "FLASH_MIN_CONTEXT", 0)
+    monkeypatch.setattr(torch_backend, "FLASH_MIN_CONTEXT", 0)
     names = traced_mixed_step(tiny_llama_dir)
     assert cpu_only(names) == ["aten::_scaled_dot_product_flash_attention_for_cpu"]

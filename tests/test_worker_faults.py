@@ -101,5 +101,5 @@ def test_another_error_in_a_step_fails_that_step_only(served, monkeypatch):
     assert failed.step_id == 1 and failed.error == "ValueError: a bad plan"
     monkeypatch.setattr(model, "forward", forward)
     again = served.service.step(prefill(2))
-    assert again.error is None and len(again.tokens) == 1
+    assert again.error is None and [len(row) for row in again.tokens] == [1]
     assert served.thread.is_alive()

@@ -8,8 +8,14 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask
 
-from gpu_worker import attention, kernel_choice, kernels
-from gpu_worker.attention import FlexAttention, HybridAttention, TorchAttention, build_metadata
+from gpu_worker import kernel_choice, kernels
+from gpu_worker.attention import (
+    FlexAttention,
+    HybridAttention,
+    TorchAttention,
+    build_metadata,
+    torch_backend,
+)
 from gpu_worker.kernel_choice import Shapes, attention_case, run_decode, run_prefill
 from tests.worker_fixtures import (  # noqa: F401 (fixture)
     Chunk,
@@ -58,7 +64,7 @@ def test_it_never_gathers_the_cache(monkeypatch):
         raise AssertionError("FlexAttention gathered the cache")
 
     for copier in ("_decode_gather", "_gather", "_rows_of", "_gathered_decode_attention"):
-        monkeypatch.setattr(attention, copier, gathers)
+        monkeypatch.setattr(torch_backend, copier, gathers)
     backend = FlexAttention()
     assert max_diff(run_decode(backend, case), expected[0]) < TOLERANCE
     assert max_diff(run_prefill(backend, case), expected[1]) < TOLERANCE
@@ -141,7 +147,7 @@ def test_decode_block_lists_cover_exactly_what_each_row_sees():
         case.group_size,
         FlexAttention(),
     )
-    mask = meta.decode.block_mask
+    mask = meta.decode.prepared
     assert_blocks_match_the_mask(mask)
     # One row sees ceil(len / block_size) blocks, all but a partial last one whole.
     assert mask.full_kv_num_blocks[:2, 0, 0].tolist() == [3, 0]
@@ -160,7 +166,7 @@ def test_prefill_block_lists_cover_exactly_what_each_query_tile_sees(start, chun
         case.group_size,
         FlexAttention(),
     )
-    assert_blocks_match_the_mask(meta.prefills[0].block_mask)
+    assert_blocks_match_the_mask(meta.prefills[0].prepared)
 
 
 def test_a_mixed_step_of_the_model_matches_the_reference(tiny_llama_dir, monkeypatch):  # noqa: F811

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-import gpu_worker.runner
+import gpu_worker.runtime
 from gpu_worker.graphs import (
     DecodeRunner,
     batch_buckets,
@@ -23,6 +23,7 @@ from tests.worker_fixtures import (
     max_diff,
     one_torch_thread,  # noqa: F401 (autouse fixture)
     random_prompt,
+    sampled,
     tiny_llama_dir,  # noqa: F401 (fixture)
 )
 
@@ -38,8 +39,7 @@ def test_batch_buckets_follow_the_documented_ladder():
 
 def _prefill(runner, seq_id: int, prompt: list[int], table: list[int]) -> int:
     result = runner.execute(make_plan([Chunk(seq_id, prompt, 0, table)]))
-    assert result.error is None, result.error
-    return result.tokens[0]
+    return sampled(result)[0]
 
 
 def test_padded_decode_batch_matches_unpadded_and_touches_no_other_kv(tiny_llama_dir):  # noqa: F811
@@ -83,7 +83,7 @@ def test_decode_batch_beyond_the_largest_bucket_runs_unpadded(tiny_llama_dir):  
     firsts = [_prefill(runner, i, random_prompt(5, seed=i), tables[i]) for i in range(3)]
     plan = make_plan([Chunk(i, [firsts[i]], 5, tables[i]) for i in range(3)])
     result = runner.execute(plan)
-    assert result.error is None and len(result.tokens) == 3
+    assert len(sampled(result)) == 3
 
 
 def test_decode_steps_where_only_some_rows_sample(tiny_llama_dir):  # noqa: F811
@@ -97,7 +97,7 @@ def test_decode_steps_where_only_some_rows_sample(tiny_llama_dir):  # noqa: F811
     result = runner.execute(plan)
     assert result.error is None
     assert result.seq_ids == [2] and result.step_id == 7
-    assert result.tokens == [int(expected.argmax())]
+    assert result.tokens == [[int(expected.argmax())]]
 
 
 class FakeCapturer:
@@ -132,6 +132,13 @@ class FakeGraph:
         return decode_forward(
             owner.model, owner.cache, input_ids, positions, slots, block_tables, context_lens
         )
+
+
+def decode_inputs(runner, tokens, positions, tables):
+    """A decode-only step's inputs: sequence i adds tokens[i] at positions[i]."""
+    rows = zip(tokens, positions, tables, strict=True)
+    seqs = [Chunk(i, [t], p, table) for i, (t, p, table) in enumerate(rows)]
+    return runner.inputs(make_plan(seqs))
 
 
 def _decode_runner(runner, capturer, **overrides):
@@ -172,8 +179,8 @@ def test_a_failed_capture_runs_eagerly_and_is_never_retried(tiny_llama_dir):  # 
     tables = [blocks_for(4 * i, 16) for i in range(5)]
     firsts = [_prefill(runner, i, random_prompt(10, seed=i), tables[i]) for i in range(5)]
     for _ in range(3):  # 5 rows at contexts of 3 blocks: the failed shape (8, 4)
-        decode.run(firsts, [10] * 5, tables)
-    decode.run(firsts[:3], [10] * 3, tables[:3])  # (4, 4) was captured
+        decode.run(decode_inputs(runner, firsts, [10] * 5, tables))
+    decode.run(decode_inputs(runner, firsts[:3], [10] * 3, tables[:3]))  # (4, 4) was captured
     assert fake.replays == [(4, 4)]
     assert [(b, w) for b, w, _ in fake.captures].count((8, 4)) == 1
 
@@ -197,12 +204,13 @@ def test_graph_replay_pads_to_the_width_bucket_and_matches_eager(tiny_llama_dir)
     tables = [blocks_for(10 * i, 24) for i in range(3)]
     firsts = [_prefill(runner, i, random_prompt(17, seed=i), tables[i]) for i in range(3)]
     before = [(kv.k.clone(), kv.v.clone()) for kv in runner.cache.layers]
-    replayed = graphs.run(firsts, [17] * 3, tables).dense()  # 5 blocks: width bucket 8
+    step = decode_inputs(runner, firsts, [17] * 3, tables)
+    replayed = graphs.run(step).dense()  # 5 blocks: width bucket 8
     assert fake.replays == [(4, 8)]
     for layer, (k, v) in zip(runner.cache.layers, before, strict=True):
         layer.k.copy_(k)
         layer.v.copy_(v)
-    expected = eager.run(firsts, [17] * 3, tables).dense()
+    expected = eager.run(step).dense()
     assert max_diff(replayed, expected) < 1e-4 * max(1.0, expected.abs().max().item())
 
 
@@ -214,8 +222,8 @@ def test_tables_wider_than_the_graph_context_run_eagerly(tiny_llama_dir):  # noq
     assert decode.widths == [1, 2]
     table = blocks_for(0, 16)
     first = _prefill(runner, 0, random_prompt(9, seed=3), table)
-    decode.run([first], [9], [table])  # 3 blocks
-    decode.run([first], [5], [table])  # 2 blocks
+    decode.run(decode_inputs(runner, [first], [9], [table]))  # 3 blocks
+    decode.run(decode_inputs(runner, [first], [5], [table]))  # 2 blocks
     assert fake.replays == [(1, 2)]
 
 
@@ -226,7 +234,7 @@ def test_the_runner_captures_before_its_handshake(tiny_llama_dir, monkeypatch): 
         made.append(FakeCapturer(model, cache, fail={(16, 64)}))
         return made[-1]
 
-    monkeypatch.setattr(gpu_worker.runner, "graph_capturer", fake_capturer)
+    monkeypatch.setattr(gpu_worker.runtime, "graph_capturer", fake_capturer)
     runner = make_runner(tiny_llama_dir)
     (fake,) = made
     graphs = runner.handshake.graphs

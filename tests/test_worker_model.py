@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker import attention
+from gpu_worker.attention import torch_backend
 from gpu_worker.protocol import SamplingSpec
 from tests.worker_fixtures import (
     Chunk,
@@ -17,6 +17,7 @@ from tests.worker_fixtures import (
     max_diff,
     one_torch_thread,  # noqa: F401 (autouse fixture)
     random_prompt,
+    sampled,
     save_tiny_model,
     tiny_llama_dir,  # noqa: F401 (fixture)
 )
@@ -54,7 +55,7 @@ def prefill_path(request, monkeypatch) -> str:
 
     Tiny test contexts stay under FLASH_MIN_CONTEXT; the flash path runs them too."""
     if request.param == "torch-flash":
-        monkeypatch.setattr(attention, "FLASH_MIN_CONTEXT", 0)
+        monkeypatch.setattr(torch_backend, "FLASH_MIN_CONTEXT", 0)
     return "attention=" + request.param.removesuffix("-blocked").removesuffix("-flash")
 
 
@@ -113,10 +114,10 @@ def test_chunked_prefill_equals_unchunked(tiny_llama_dir, prefill_path):  # noqa
     for start in range(0, len(prompt), 7):
         piece = prompt[start : start + 7]
         result = runner.execute(make_plan([Chunk(2, piece, start, table)]))
-    tokens += result.tokens
+    tokens += sampled(result)
     while len(tokens) < len(whole_tokens):
         position = len(prompt) + len(tokens) - 1
-        tokens += runner.execute(make_plan([Chunk(2, [tokens[-1]], position, table)])).tokens
+        tokens += sampled(runner.execute(make_plan([Chunk(2, [tokens[-1]], position, table)])))
     assert tokens == whole_tokens
 
 
@@ -203,7 +204,7 @@ def test_bfloat16_logits_stay_close_to_float32(tiny_llama_dir):  # noqa: F811
     assert max_diff(logits, reference) < 0.05 * reference.abs().max().item()
     decode = make_plan([Chunk(0, [4], 50, blocks_for(0, 60), spec=SamplingSpec(logprobs=True))])
     result = bfloat16.execute(decode)
-    assert result.error is None and len(result.tokens) == 1
+    assert len(sampled(result)) == 1
     assert result.logprobs is not None and result.logprobs.logprobs[0] <= 0
 
 
@@ -235,7 +236,7 @@ def test_prompt_logprobs_over_chunks_equal_transformers_log_softmax(tiny_llama_d
         assert chunk is not None and len(chunk) == len(plan.prompt_targets[0])
         found += chunk.logprobs
         top_ids += chunk.top_ids
-        assert result.tokens[-1] == int(alone.argmax())  # the neighbour samples as alone
+        assert sampled(result)[-1] == int(alone.argmax())  # the neighbour samples as alone
     expected = reference[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
     assert max_diff(torch.tensor(found), expected) < 1e-4
     assert top_ids == reference[:-1].topk(3, dim=-1).indices.tolist()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from gpu_worker import attention, native
+from gpu_worker.attention import torch_backend
 from gpu_worker.kv_cache import LayerKV
 
 
@@ -47,7 +48,8 @@ def decode_both_ways(q, k_cache, v_cache, tables, lens) -> tuple[torch.Tensor, t
     kv = LayerKV(k_cache, v_cache)
 
     def run(backend: attention.AttentionBackend) -> torch.Tensor:
-        group = backend.decode_group(slice(None), tables, lens, k_cache, group_size)
+        rows = attention.DecodeGroup(slice(None), tables, lens)
+        group = backend.decode_group(rows, k_cache, group_size)
         return backend.decode(q, kv, group)
 
     return run(attention.NativeAttention(native.kernels())), run(attention.TorchAttention())
@@ -101,11 +103,12 @@ def random_prefill_case(
         cache_rows = (torch.arange(kv_heads)[:, None] * num_blocks + table).reshape(-1)
     chunk = attention.PrefillChunk(
         rows=slice(0, num_queries),
-        cache_rows=cache_rows,
         start=start,
         context_len=context,
-        causal_tile=attention.causal_tile(torch.bfloat16, torch.device("cpu")),
         block_table=table,
+        prepared=torch_backend.TorchChunk(
+            cache_rows, torch_backend.causal_tile(torch.bfloat16, torch.device("cpu"))
+        ),
     )
     return q, k, v, k_cache, v_cache, chunk
 
@@ -138,7 +141,7 @@ def test_prefill_kernel_matches_the_pytorch_path(
     )
     kernel = native.kernels().paged_prefill_attention
     got = kernel(q, k_cache, v_cache, chunk.block_table, start, head_dim**-0.5)
-    expected = attention._blocked_prefill_attention(q, k, v, LayerKV(k_cache, v_cache), chunk)
+    expected = torch_backend._blocked_prefill_attention(q, k, v, LayerKV(k_cache, v_cache), chunk)
     assert got.dtype == torch.bfloat16 and got.shape == q.shape
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
 

@@ -29,6 +29,7 @@ from tests.worker_fixtures import (
     blocks_for,
     make_plan,
     random_prompt,
+    sampled,
     tiny_llama_dir,  # noqa: F401 (fixture)
 )
 
@@ -115,9 +116,9 @@ def test_handshake_steps_errors_and_clean_shutdown(worker, tiny_llama_dir):  # n
     prompt = random_prompt(20, seed=1)
     table = blocks_for(0, 40)
     first = worker.step(make_plan([Chunk(0, prompt, 0, table)], step_id=1))
-    assert first.error is None and first.seq_ids == [0] and len(first.tokens) == 1
+    assert first.seq_ids == [0] and len(sampled(first)) == 1
 
-    bad = make_plan([Chunk(0, [first.tokens[0]], 20, [10_000])], step_id=2)
+    bad = make_plan([Chunk(0, sampled(first), 20, [10_000])], step_id=2)
     error = worker.step(bad)
     assert error.step_id == 2 and "block" in error.error
     malformed = {"type": "step", "step_id": 3, "seq_ids": [0]}
@@ -126,7 +127,7 @@ def test_handshake_steps_errors_and_clean_shutdown(worker, tiny_llama_dir):  # n
     assert reply.step_id == 3 and "malformed" in reply.error
     assert worker.process.poll() is None
 
-    tokens = [first.tokens[0]]
+    tokens = sampled(first)
     decode_times, empty_times = [], []
     for step_id in range(4, 24):
         plan = make_plan([Chunk(0, [tokens[-1]], 19 + len(tokens), table)], step_id=step_id)
@@ -135,7 +136,7 @@ def test_handshake_steps_errors_and_clean_shutdown(worker, tiny_llama_dir):  # n
         decode_times.append(time.perf_counter() - started)
         assert result.error is None and result.step_id == step_id
         assert result.idle_ms is not None  # sent right after the previous result
-        tokens += result.tokens
+        tokens += sampled(result)
         started = time.perf_counter()
         assert worker.step(make_plan([], step_id=1000 + step_id)).error is None
         empty_times.append(time.perf_counter() - started)

@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from gpu_worker import runtime
 from gpu_worker.protocol import WorkerConfig
 from gpu_worker.runner import ModelRunner
 from service.model_files.resolve import resolve_model
 from service.tokenizer import Tokenizer
-from tests.worker_fixtures import Chunk, make_plan, max_diff
+from tests.worker_fixtures import Chunk, make_plan, max_diff, sampled
 
 pytestmark = pytest.mark.real_model
 
@@ -36,7 +37,7 @@ def runner_for(model_dir: Path, dtype: str, kv_cache_dtype: str = "auto") -> Mod
         kv_memory=float(1 << 28),
         kv_cache_dtype=kv_cache_dtype,
     )
-    return ModelRunner(config)
+    return runtime.start(config)
 
 
 def chat_prompt(model_dir: Path, question: str) -> list[int]:
@@ -51,12 +52,11 @@ def greedy(runner: ModelRunner, prompt: list[int], max_tokens: int, eos: set[int
     for start in range(0, len(prompt), 16):
         piece = prompt[start : start + 16]
         result = runner.execute(make_plan([Chunk(0, piece, start, table)]))
-    tokens = list(result.tokens)
+    tokens = sampled(result)
     while len(tokens) < max_tokens and tokens[-1] not in eos:
         position = len(prompt) + len(tokens) - 1
         result = runner.execute(make_plan([Chunk(0, [tokens[-1]], position, table)]))
-        assert result.error is None, result.error
-        tokens += result.tokens
+        tokens += sampled(result)
     return tokens
 
 

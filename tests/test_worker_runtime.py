@@ -7,9 +7,10 @@ import shutil
 
 import pytest
 
-from gpu_worker import kv_cache, memory
+from gpu_worker import kv_cache, memory, runtime
 from gpu_worker.checkpoint import CheckpointError, load_weights
 from gpu_worker.model_config import ConfigError, ModelConfig, UnsupportedModel
+from gpu_worker.protocol import WorkerConfig
 from tests.worker_fixtures import (
     BLOCK_SIZE,
     Chunk,
@@ -174,9 +175,12 @@ def test_profiling_steps_run_on_a_one_block_cache(tiny_llama_dir):  # noqa: F811
     import torch
 
     runner = make_runner(tiny_llama_dir, max_num_batched_tokens=300, max_num_seqs=4)
-    cache = kv_cache.allocate(runner.model_config, 1, BLOCK_SIZE, torch.float32, runner.device)
-    runner.profile_mixed(cache)  # a 256-token chunk ending at the limit, 41 more, 3 decodes
-    runner.profile_decode(cache, width=64)
+    model = runner.model
+    cache = kv_cache.allocate(model.config, 1, BLOCK_SIZE, torch.float32, model.device)
+    config = WorkerConfig(str(tiny_llama_dir), max_num_batched_tokens=300, max_num_seqs=4)
+    probe = runtime.runner_on(model, cache, config)
+    runtime.profile_mixed(probe, config)  # a 256-token chunk at the limit, 41 more, 3 decodes
+    runtime.profile_decode(probe, config, width=64)
     assert all(not layer.k[:, 1:].any() for layer in cache.layers)  # only block 0 is named
 
 
@@ -196,12 +200,12 @@ def test_fused_weights_leave_no_unfused_copies(tiny_llama_dir):  # noqa: F811
     ]
     parts = [weakref.ref(weights[n]) for n in fused_away]
     Model(
-        runner.model_config,
+        runner.model.config,
         weights,
         max_positions=256,
         dtype=torch.float32,
-        device=runner.device,
-        kernels=runner.kernel_choice.kernels,
+        device=runner.model.device,
+        kernels=runner.model.kernels,
     )
     assert fused_away and not set(fused_away) & set(weights)
     assert all(part() is None for part in parts)
@@ -216,6 +220,9 @@ def test_handshake_reports_the_cache_and_caps_the_context_by_it(tiny_llama_dir):
     assert handshake.max_model_len == 20 * BLOCK_SIZE  # smaller than the model's 256
     assert (handshake.num_layers, handshake.num_kv_heads, handshake.head_dim) == (2, 2, 16)
     assert handshake.device == "cpu" and handshake.load_seconds > 0
+    steps = ["config", "kernels", "weights", "cache", "graphs"]  # no profile on a CPU
+    assert list(handshake.startup) == steps
+    assert sum(handshake.startup.values()) <= handshake.load_seconds + 0.01
 
 
 BAD_PLANS = {
@@ -266,3 +273,17 @@ def test_bad_worker_settings_fail_at_start(tiny_llama_dir):  # noqa: F811
         make_runner(tiny_llama_dir, device="tpu")
     with pytest.raises(kv_cache.KVCacheError):
         make_runner(tiny_llama_dir, kv_memory=100.0)
+
+
+def test_a_cpu_cache_starts_zeroed_and_its_tensors_are_apart(tiny_llama_dir):  # noqa: F811
+    """The pages come from the kernel on first touch (kv_cache._lazy_zeros): zeros, and
+    writing one layer's K leaves every other tensor as it was."""
+    import torch
+
+    config = ModelConfig.from_dir(tiny_llama_dir)
+    cache = kv_cache.allocate(config, 8, BLOCK_SIZE, torch.bfloat16, torch.device("cpu"))
+    tensors = [t for layer in cache.layers for t in (layer.k, layer.v)]
+    assert all(t.dtype == torch.bfloat16 and not t.any() for t in tensors)
+    assert tensors[0].shape == (2, 9, BLOCK_SIZE, 16)  # the scratch block included
+    tensors[0].fill_(1.5)
+    assert bool((tensors[0] == 1.5).all()) and not any(t.any() for t in tensors[1:])

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_worker.protocol import SamplingSpec, WorkerConfig
+from gpu_worker import runtime
+from gpu_worker.protocol import SamplingSpec, StepResult, WorkerConfig
 from gpu_worker.runner import ModelRunner
 from ops.gpu_smoke import Seq as Chunk
 from ops.gpu_smoke import plan_of as make_plan
@@ -89,7 +90,14 @@ def make_runner(model_dir: Path, **overrides) -> ModelRunner:
         kernel_cache=str(default_cache_dir() / "kernels.json"),
     )
     settings.update(overrides)
-    return ModelRunner(WorkerConfig(**settings))
+    return runtime.start(WorkerConfig(**settings))
+
+
+def sampled(result: StepResult) -> list[int]:
+    """The token each sampled sequence took, from a step that samples one each."""
+    assert result.error is None, result.error
+    assert all(len(row) == 1 for row in result.tokens), result.tokens
+    return [row[0] for row in result.tokens]
 
 
 def blocks_for(first_block: int, num_tokens: int) -> list[int]:
@@ -109,13 +117,11 @@ def generate_greedy(
     table = blocks_for(0, len(prompt) + steps)
     tokens: list[int] = []
     result = runner.execute(make_plan([Chunk(seq_id, prompt, 0, table)]))
-    assert result.error is None, result.error
-    tokens += result.tokens
+    tokens += sampled(result)
     for _ in range(steps - 1):
         position = len(prompt) + len(tokens) - 1
         result = runner.execute(make_plan([Chunk(seq_id, [tokens[-1]], position, table)]))
-        assert result.error is None, result.error
-        tokens += result.tokens
+        tokens += sampled(result)
     return tokens
 
 

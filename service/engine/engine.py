@@ -872,6 +872,7 @@ class Engine:
             pid=handshake.pid,
             num_blocks=handshake.num_blocks,
             load_seconds=handshake.load_seconds,
+            startup=handshake.startup,
             kernels=handshake.kernels,
             graphs=handshake.graphs,
             overlap=self._overlap,

@@ -395,13 +395,19 @@ class Scheduler:
                 self._register_blocks(item.request)
         sampled = [item.request for item in out.scheduled if item.samples]
         outcomes = []
-        for i, request in enumerate(sampled):
+        row = 0  # result.logprobs has a row per token, in the order of result.tokens
+        for request, tokens in zip(sampled, result.tokens, strict=True):
+            first, row = row, row + len(tokens)
             if request.is_finished:
                 continue
-            logprobs = None
-            if result.logprobs is not None and request.params.sampling.logprobs:
-                logprobs = _row(result.logprobs, i)
-            outcomes.append(self._append(request, result.tokens[i], logprobs))
+            for offset, token in enumerate(tokens):
+                logprobs = None
+                if result.logprobs is not None and request.params.sampling.logprobs:
+                    logprobs = _row(result.logprobs, first + offset)
+                outcome = self._append(request, token, logprobs)
+                outcomes.append(outcome)
+                if outcome.finish is not None:
+                    break
         return outcomes
 
     def _register_blocks(self, request: Request) -> None:

@@ -324,6 +324,8 @@ def _result_of(reply: dict[str, Any]) -> StepResult:
     tokens, seq_ids = result.tokens, result.seq_ids
     if not isinstance(tokens, list) or not isinstance(seq_ids, list) or len(tokens) != len(seq_ids):
         raise WorkerDied("garbled result from the worker: tokens and seq_ids do not pair up")
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+    if not all(isinstance(row, list) and row for row in tokens):
+        raise WorkerDied("garbled result from the worker: a sequence without a token list")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for row in tokens for t in row):
         raise WorkerDied("garbled result from the worker: a token that is not an integer")
     return result

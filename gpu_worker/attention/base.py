@@ -1,0 +1,160 @@
+"""What every attention backend shares: a step's index records, the backend interface,
+and the one function the model calls per layer.
+
+A step holds prefill chunks (sequences with several new tokens), attended one at a time,
+and decode tokens (sequences with one new token), attended all together. `build_metadata`
+makes one record per chunk and one for the decode rows, once per step; each backend adds
+what it alone needs to them (`prepared`: its own record, which no other backend reads).
+The index tensors are built once per step and shared by every layer, so the per-layer work
+is a handful of kernels with no host synchronisation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpu_worker.kv_cache import LayerKV
+
+QUERY_BLOCK = 128  # prefill queries per attention block
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    rows: slice  # the chunk's rows in the flattened batch
+    start: int  # absolute position of the chunk's first token
+    context_len: int  # start position + number of new tokens
+    block_table: torch.Tensor  # [W] the sequence's blocks
+    prepared: Any = None  # the backend's own record (AttentionBackend.prefill_chunk)
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    rows: slice | torch.Tensor  # rows of the flattened batch that are single-token sequences
+    block_tables: torch.Tensor  # [B, W]
+    context_lens: torch.Tensor  # [B]
+    prepared: Any = None  # the backend's own record (AttentionBackend.decode_group)
+
+
+class AttentionBackend:
+    """One way to compute paged attention; gpu_worker.attention lists them.
+
+    The defaults fit kernels that walk the block tables themselves and need no more."""
+
+    name: str
+    row_invariant: bool  # a row's bits depend on nothing but its query and context
+    paged: bool = True  # reads K/V in place through the block tables, copying no context
+
+    def decode_group(
+        self, group: DecodeGroup, cache_like: torch.Tensor, group_size: int
+    ) -> DecodeGroup:
+        """Adds what this backend needs to the decode rows' record; tensor ops only, so
+        that a CUDA graph can capture it with static inputs."""
+        return group
+
+    def prefill_chunk(
+        self, chunk: PrefillChunk, table: torch.Tensor, cache_like: torch.Tensor
+    ) -> PrefillChunk:
+        """Adds what this backend needs to a chunk; `table` covers exactly its context."""
+        return chunk
+
+    def decode(self, q: torch.Tensor, kv: LayerKV, group: DecodeGroup) -> torch.Tensor:
+        """q [B, heads, d] -> [B, heads, d]."""
+        raise NotImplementedError
+
+    def prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, chunk: PrefillChunk
+    ) -> torch.Tensor:
+        """One sequence's chunk: q [n, heads, d], its own k/v [n, kv_heads, d] -> [n, heads, d]."""
+        raise NotImplementedError
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slots: torch.Tensor  # [T] flat cache slot of each new token
+    decode: DecodeGroup | None
+    prefills: list[PrefillChunk]
+    num_tokens: int
+    backend: AttentionBackend
+
+    @property
+    def decode_only(self) -> bool:
+        return not self.prefills
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, meta: AttentionMetadata
+) -> torch.Tensor:
+    """New tokens' q [T, heads, d] and k/v [T, kv_heads, d] -> attention output [T, heads * d].
+
+    The new tokens' K/V must already be in their cache slots (layer_ops.rope_and_cache_).
+    """
+    num_tokens, backend, group = q.shape[0], meta.backend, meta.decode
+    if group is not None and meta.decode_only:
+        return backend.decode(q, kv, group).reshape(num_tokens, -1)
+    out = q.new_empty(q.shape)
+    for chunk in meta.prefills:
+        rows = chunk.rows
+        out[rows] = backend.prefill(q[rows], k[rows], v[rows], kv, chunk)
+    if group is not None:
+        out[group.rows] = backend.decode(q[group.rows], kv, group)
+    return out.view(num_tokens, -1)
+
+
+def build_metadata(
+    num_tokens: list[int],
+    start_pos: list[int],
+    block_tables: torch.Tensor,
+    slots: torch.Tensor,
+    cache_like: torch.Tensor,
+    group_size: int,
+    backend: AttentionBackend,
+) -> AttentionMetadata:
+    """Index tensors of one mixed step, shared by every layer.
+
+    `block_tables` is the plan's tables padded to a common width ([S, W], on the host);
+    `slots` the flat cache slot of each new token, already on the device; `cache_like`
+    any layer's K cache; `group_size` the query heads per key/value head.
+    """
+    prefills: list[PrefillChunk] = []
+    decode_seqs: list[int] = []
+    decode_rows: list[int] = []
+    block_size = cache_like.shape[2]
+    row = 0
+    for seq, (count, start) in enumerate(zip(num_tokens, start_pos, strict=True)):
+        if count == 1:
+            decode_seqs.append(seq)
+            decode_rows.append(row)
+        else:
+            table = block_tables[seq, : -(-(start + count) // block_size)]
+            chunk = PrefillChunk(slice(row, row + count), start, start + count, block_tables[seq])
+            prefills.append(backend.prefill_chunk(chunk, table, cache_like))
+        row += count
+    decode = None
+    if decode_seqs:
+        decode = _decode_group_for(
+            decode_seqs, decode_rows, start_pos, block_tables, cache_like, group_size, backend
+        )
+    return AttentionMetadata(slots, decode, prefills, row, backend)
+
+
+def _decode_group_for(
+    seqs: list[int],
+    rows: list[int],
+    start_pos: list[int],
+    block_tables: torch.Tensor,
+    cache_like: torch.Tensor,
+    group_size: int,
+    backend: AttentionBackend,
+) -> DecodeGroup:
+    device = cache_like.device
+    block_size = cache_like.shape[2]
+    context_lens = [start_pos[s] + 1 for s in seqs]
+    width = -(-max(context_lens) // block_size)
+    tables = block_tables[seqs, :width].to(device, non_blocking=True)
+    lens = torch.tensor(context_lens, device=device)
+    contiguous = rows[-1] - rows[0] == len(rows) - 1
+    row_index = slice(rows[0], rows[-1] + 1) if contiguous else torch.tensor(rows, device=device)
+    return backend.decode_group(DecodeGroup(row_index, tables, lens), cache_like, group_size)

@@ -1,0 +1,93 @@
+"""The C++ kernels (gpu_worker.native) as attention backends, row invariant by construction.
+
+NativeAttention: decode rows and prefill chunks each walk their block tables and read
+each K/V byte once; the chunk kernel needs bfloat16 on a CPU with AVX512-BF16.
+NativeRowsAttention, where the chunk kernel does not serve: the decode kernel takes a
+chunk's rows too, one query each.
+
+A query row gets the same bits whatever else is in the step and whether it is a decode
+row or a row of a prefill chunk, so recompute after a preemption reproduces the tokens
+decoded before it, in bfloat16 too. An 8-bit cache's rows are dequantized once per task
+inside the kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpu_worker import native
+from gpu_worker.attention.base import AttentionBackend, DecodeGroup, PrefillChunk
+from gpu_worker.kv_cache import LayerKV
+
+
+class NativeAttention(AttentionBackend):
+    name = "native"
+    row_invariant = True
+
+    def __init__(self, kernels: Any) -> None:
+        self.kernels = kernels
+
+    @staticmethod
+    def serves(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+        """bfloat16, on a CPU where the chunk kernel is registered (AVX512-BF16)."""
+        kernels = native.kernels() if device.type == "cpu" else None
+        return (
+            dtype == torch.bfloat16
+            and head_dim % 32 == 0
+            and head_dim <= 256
+            and hasattr(kernels, "paged_prefill_attention")
+        )
+
+    def decode(self, q: torch.Tensor, kv: LayerKV, group: DecodeGroup) -> torch.Tensor:
+        return self._decode_rows(q, kv, group.block_tables, group.context_lens)
+
+    def _decode_rows(
+        self, q: torch.Tensor, kv: LayerKV, tables: torch.Tensor, lens: torch.Tensor
+    ) -> torch.Tensor:
+        """Query row i over the first lens[i] tokens of block table tables[i]."""
+        scale = q.shape[-1] ** -0.5
+        return self.kernels.paged_decode_attention(
+            q, kv.k, kv.v, tables, lens, scale, kv.k_scales, kv.v_scales
+        )
+
+    def prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, chunk: PrefillChunk
+    ) -> torch.Tensor:
+        scale = q.shape[-1] ** -0.5
+        return self.kernels.paged_prefill_attention(
+            q, kv.k, kv.v, chunk.block_table, chunk.start, scale, kv.k_scales, kv.v_scales
+        )
+
+
+@dataclass(slots=True)
+class RowsChunk:
+    """A chunk's rows as decode rows: each one's block table [n, blocks], context length [n]."""
+
+    tables: torch.Tensor
+    lens: torch.Tensor
+
+
+class NativeRowsAttention(NativeAttention):
+    name = "native-rows"
+
+    @staticmethod
+    def serves(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+        """Any dtype, on a CPU where the kernels build."""
+        return device.type == "cpu" and native.kernels() is not None
+
+    def prefill_chunk(
+        self, chunk: PrefillChunk, table: torch.Tensor, cache_like: torch.Tensor
+    ) -> PrefillChunk:
+        count = chunk.context_len - chunk.start
+        lens = torch.arange(chunk.start + 1, chunk.context_len + 1)
+        chunk.prepared = RowsChunk(table.expand(count, -1).contiguous(), lens)
+        return chunk
+
+    def prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, chunk: PrefillChunk
+    ) -> torch.Tensor:
+        rows = chunk.prepared
+        return self._decode_rows(q, kv, rows.tables, rows.lens)

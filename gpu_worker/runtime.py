@@ -1,0 +1,218 @@
+"""Starting a worker: named steps, each timed, ending in a ModelRunner and its handshake.
+
+    config    the device, the dtype and the model's config file
+    kernels   the kernel choice (measured, or read from the kernel cache)
+    weights   the checkpoint read and the model built (matmul call sizes checked on each weight)
+    profile   CUDA only: the largest steps run on a one-block cache, for their peak activations
+    cache     the KV cache sized and allocated (zeroed: its pages are touched here)
+    graphs    CUDA only: every decode graph captured
+
+The handshake's `startup` gives each step's seconds, so a slow start says where it went.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from gpu_worker import kernel_choice, kv_cache, memory
+from gpu_worker.checkpoint import load_weights
+from gpu_worker.device import free_memory_bytes, resolve_device, resolve_dtype
+from gpu_worker.graphs import DecodeRunner, graph_capturer, graph_widths
+from gpu_worker.kernels import Kernels
+from gpu_worker.kv_cache import KVCache
+from gpu_worker.model import Model
+from gpu_worker.model_config import ModelConfig
+from gpu_worker.protocol import Handshake, WorkerConfig, parse_kernel_pins
+from gpu_worker.runner import ModelRunner
+from gpu_worker.sampler import Sampler
+from gpu_worker.step_inputs import PlanLimits
+
+
+class Stopwatch:
+    """Seconds per named start-up step, in the order they ran."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.steps: dict[str, float] = {}
+
+    @contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.steps[name] = round(time.perf_counter() - began, 3)
+
+    def total(self) -> float:
+        return round(time.perf_counter() - self.started, 3)
+
+
+def start(config: WorkerConfig) -> ModelRunner:
+    """The worker's runner, its handshake attached; raises when the worker cannot serve."""
+    clock = Stopwatch()
+    with clock.step("config"):
+        _check_worker_config(config)
+        device, dtype = resolve_device(config.device), resolve_dtype(config.dtype)
+        model_dir = Path(config.model_dir)
+        model_config = ModelConfig.from_dir(model_dir)
+        cache_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, dtype)
+    with clock.step("kernels"):
+        choice = _choose_kernels(config, model_config, dtype, device, cache_dtype)
+    with clock.step("weights"):
+        model = _load_model(model_dir, model_config, dtype, device, choice.kernels)
+    max_blocks_per_seq = -(-model_config.context_limit // config.block_size)
+    reserved = 0
+    if device.type == "cuda":
+        with clock.step("profile"):
+            reserved = _activation_reserve(model, config, cache_dtype, max_blocks_per_seq)
+    with clock.step("cache"):
+        num_blocks = _count_blocks(config, model_config, device, cache_dtype, reserved)
+        cache = kv_cache.allocate(model_config, num_blocks, config.block_size, cache_dtype, device)
+    decode_runner = DecodeRunner(
+        model,
+        cache,
+        max_num_seqs=config.max_num_seqs,
+        max_blocks_per_seq=max_blocks_per_seq,
+        capturer=graph_capturer(model, cache, config.use_cuda_graphs),
+    )
+    # Before the handshake: a capture while serving would stall the steps around it.
+    with clock.step("graphs"):
+        graphs = decode_runner.capture_all()
+        memory.release_cached(device)
+    # A sequence can never outgrow the whole cache.
+    max_model_len = min(model_config.context_limit, num_blocks * config.block_size)
+    limits = PlanLimits(config.block_size, num_blocks, model_config.vocab_size, max_model_len)
+    handshake = Handshake(
+        model_name=model_dir.resolve().name,
+        architecture=model_config.architecture,
+        vocab_size=model_config.vocab_size,
+        max_model_len=max_model_len,
+        num_layers=model_config.num_hidden_layers,
+        num_kv_heads=model_config.num_key_value_heads,
+        head_dim=model_config.head_dim,
+        dtype=config.dtype,
+        device=str(device),
+        block_size=config.block_size,
+        num_blocks=num_blocks,
+        kv_bytes=cache.bytes,
+        kv_cache_dtype=str(cache_dtype).removeprefix("torch."),
+        decode_buckets=decode_runner.buckets,
+        pid=os.getpid(),
+        load_seconds=clock.total(),
+        kernels=choice.report(),
+        graphs=graphs,
+        startup=clock.steps,
+    )
+    return ModelRunner(model, cache, decode_runner, Sampler(config.seed, device), limits, handshake)
+
+
+def _check_worker_config(config: WorkerConfig) -> None:
+    if config.block_size < 1:
+        raise ValueError(f"block_size must be at least 1, got {config.block_size}")
+    if config.max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be at least 1, got {config.max_num_seqs}")
+
+
+def _choose_kernels(
+    config: WorkerConfig,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    cache_dtype: torch.dtype,
+) -> kernel_choice.Choice:
+    shapes = kernel_choice.Shapes.of(model_config, config.block_size, dtype, device, cache_dtype)
+    cache_file = config.kernel_cache
+    return kernel_choice.choose(
+        shapes, parse_kernel_pins(config.kernels), Path(cache_file) if cache_file else None
+    )
+
+
+def _load_model(
+    model_dir: Path,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    kernels: Kernels,
+) -> Model:
+    weights = load_weights(model_dir, dtype, device)
+    # The rope tables cover the whole context limit of the model.
+    model = Model(
+        model_config,
+        weights,
+        max_positions=model_config.context_limit,
+        dtype=dtype,
+        device=device,
+        kernels=kernels,
+    )
+    del weights
+    gc.collect()
+    return model
+
+
+def _count_blocks(
+    config: WorkerConfig,
+    model_config: ModelConfig,
+    device: torch.device,
+    cache_dtype: torch.dtype,
+    reserved: int,
+) -> int:
+    """On CUDA after the profile (gpu_worker.memory); on a CPU a share of MemAvailable."""
+    free = memory.settled_free_bytes(device) if device.type == "cuda" else free_memory_bytes(device)
+    max_blocks_per_seq = -(-model_config.context_limit // config.block_size)
+    return kv_cache.count_blocks(
+        config.kv_memory,
+        free,
+        kv_cache.block_bytes(model_config, config.block_size, cache_dtype),
+        max_useful_blocks=max_blocks_per_seq * config.max_num_seqs,
+        reserved_bytes=reserved,
+    )
+
+
+def _activation_reserve(
+    model: Model, config: WorkerConfig, cache_dtype: torch.dtype, max_blocks_per_seq: int
+) -> int:
+    """The activations to keep out of the cache on CUDA (see gpu_worker.memory): the peaks
+    of the largest mixed step and of the largest captured decode step, run on a one-block
+    cache that is gone when this returns."""
+    cache = kv_cache.allocate(model.config, 1, config.block_size, cache_dtype, model.device)
+    probe = runner_on(model, cache, config)
+    width = graph_widths(max_blocks_per_seq, config.block_size)[-1]
+    mixed = memory.peak_bytes(model.device, lambda: profile_mixed(probe, config))
+    decode = memory.peak_bytes(model.device, lambda: profile_decode(probe, config, width))
+    return kv_cache.activation_reserve(mixed, decode, graphs=config.use_cuda_graphs)
+
+
+def runner_on(model: Model, cache: KVCache, config: WorkerConfig) -> ModelRunner:
+    """A runner over `cache`, with its own sampler: the worker's random stream must not
+    depend on the profile."""
+    limit = model.config.context_limit
+    limits = PlanLimits(cache.block_size, cache.num_blocks, model.config.vocab_size, limit)
+    decodes = DecodeRunner(
+        model,
+        cache,
+        max_num_seqs=config.max_num_seqs,
+        max_blocks_per_seq=-(-limit // cache.block_size),
+    )
+    return ModelRunner(model, cache, decodes, Sampler(config.seed, model.device), limits)
+
+
+def profile_mixed(runner: ModelRunner, config: WorkerConfig) -> None:
+    """The largest mixed step the worker accepts, sampled the costliest way, on the runner's
+    cache (any cache with a block 0)."""
+    limit = runner.model.config.context_limit
+    lengths = memory.profile_lengths(config.max_num_batched_tokens, config.max_num_seqs, limit)
+    runner.run(memory.profile_plan(lengths, runner.cache.block_size, limit))
+
+
+def profile_decode(runner: ModelRunner, config: WorkerConfig, width: int) -> None:
+    """The largest decode batch, every row reading a table `width` blocks wide."""
+    batch, bs = config.max_num_seqs, runner.cache.block_size
+    position = min(width * bs, runner.model.config.context_limit) - 1
+    runner.logits(runner.inputs(memory.decode_profile_plan(batch, position, width)))
