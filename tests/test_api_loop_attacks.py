@@ -246,5 +246,6 @@ async def test_constrained_rows_with_slow_masks_leave_a_free_stream_its_pace(
         assert answer.status_code == 200, answer.text[:500]
         choices = answer.json()["choices"]
         assert len(choices) == 32 and all(c["text"].lstrip().startswith('"') for c in choices)
-    assert pace.largest < GAP_GOAL_S
+    assert pace.largest < GAP_GOAL_S + pace.before  # as above: a loaded machine's noise
+    # the discriminating bound: filled in each step, the 64 masks made one gap ~30 medians
     assert pace.largest < 10 * pace.median
