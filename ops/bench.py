@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import random
 import sys
 import time
@@ -102,7 +103,11 @@ def add_client_args(
     if single_url:
         parser.add_argument("--url", default=DEFAULT_URL, help="server base URL")
     parser.add_argument("--model", help="model name to request (default: the server's first)")
-    parser.add_argument("--api-key", help="sent as Authorization: Bearer")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("CADENCE_API_KEY"),
+        help="sent as Authorization: Bearer (default: $CADENCE_API_KEY)",
+    )
     parser.add_argument(
         "--tokenizer",
         help="tokenizer.json, HF model dir or .gguf (default: cadence's default model)",
@@ -246,8 +251,17 @@ def report_text(run: BenchRun, scenario: str) -> str:
     return "\n\n".join(parts)
 
 
+# credentials a run's report must not record
+SECRET_ARGS = frozenset({"api_key", "admin_token"})
+
+
 def jsonable_args(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    """The flags as a report records them: paths as text, credentials left out."""
+    return {
+        k: (str(v) if isinstance(v, Path) else v)
+        for k, v in vars(args).items()
+        if k not in SECRET_ARGS
+    }
 
 
 def write_run(run: BenchRun, scenario: str, args: argparse.Namespace, out_dir: Path) -> str:

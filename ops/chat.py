@@ -40,6 +40,7 @@ from ops.client import (
     ClientConfig,
     RequestRecord,
     api_root,
+    auth_headers,
     discover_model,
     open_client,
     send_chat,
@@ -331,11 +332,11 @@ def server_counters(url: str, text: str | None) -> ServerCounters:
     return ServerCounters(url, prefix_counters(text), requests)
 
 
-async def scrape_counters(url: str) -> ServerCounters:
-    """The server's counters now."""
+async def scrape_counters(url: str, api_key: str | None = None) -> ServerCounters:
+    """The server's counters now (unknown where the key may not read /metrics)."""
     try:
         async with httpx.AsyncClient(timeout=METRICS_TIMEOUT_S) as client:
-            response = await client.get(f"{api_root(url)}/metrics")
+            response = await client.get(f"{api_root(url)}/metrics", headers=auth_headers(api_key))
     except httpx.HTTPError:
         return server_counters(url, None)
     return server_counters(url, response.text if response.status_code == 200 else None)
@@ -508,9 +509,9 @@ async def measure(
     """Runs the conversations; returns chat.json's document and the run."""
     model = args.model or await discover_model(args.url, args.api_key)
     metrics_urls = args.metrics_url or [args.url]
-    before = [await scrape_counters(url) for url in metrics_urls]
+    before = [await scrape_counters(url, args.api_key) for url in metrics_urls]
     run = await run_chat(client_config(args.url, model, args), trace)
-    after = [await scrape_counters(url) for url in metrics_urls]
+    after = [await scrape_counters(url, args.api_key) for url in metrics_urls]
     document = {
         "scenario": "chat",
         "url": args.url,

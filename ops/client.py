@@ -87,7 +87,7 @@ def api_root(url: str) -> str:
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
-def _auth_headers(api_key: str | None) -> dict[str, str]:
+def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
@@ -95,7 +95,7 @@ async def discover_model(base_url: str, api_key: str | None = None, timeout_s: f
     """The first model the server lists under /v1/models."""
     async with httpx.AsyncClient(timeout=timeout_s) as client:
         response = await client.get(
-            f"{api_root(base_url)}/v1/models", headers=_auth_headers(api_key)
+            f"{api_root(base_url)}/v1/models", headers=auth_headers(api_key)
         )
         response.raise_for_status()
         models = response.json().get("data") or []
@@ -112,7 +112,7 @@ async def set_policy(
         response = await client.put(
             f"{api_root(base_url)}/admin/policy",
             json={"name": name, "params": params or {}},
-            headers=_auth_headers(admin_token),
+            headers=auth_headers(admin_token),
         )
     if response.status_code >= 400:
         raise ValueError(
@@ -150,7 +150,7 @@ def chat_request_body(
 
 
 def request_headers(config: ClientConfig, spec: RequestSpec) -> dict[str, str]:
-    headers = _auth_headers(config.api_key)
+    headers = auth_headers(config.api_key)
     if spec.tenant is not None:
         headers["X-Tenant"] = spec.tenant
     return headers
@@ -263,7 +263,7 @@ async def send_chat(
     """One streaming /v1/chat/completions request, timed into `record`; returns the
     assistant's text as it arrived (check `record.ok` before building on it)."""
     body = chat_request_body(config, messages, max_tokens)
-    headers = _auth_headers(config.api_key)
+    headers = auth_headers(config.api_key)
     return await send_timed(client, config, "/v1/chat/completions", body, headers, record, t0)
 
 

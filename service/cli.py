@@ -158,6 +158,21 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "exceeds this: every entry is work on the event loop every stream shares",
     )
     p.add_argument(
+        "--max-stream-buffer-bytes",
+        type=positive_int,
+        default=defaults.max_stream_buffer_bytes,
+        help="a stream's events its client has not read yet, in bytes; a client that falls "
+        "further behind has its request ended (the stream's last event is the error)",
+    )
+    p.add_argument(
+        "--grammar-mask-wait-ms",
+        type=positive_float,
+        default=defaults.grammar_mask_wait_ms,
+        help="before a step, wait at most this long for its structured-output rows' grammar "
+        "masks (filled in a thread); a row whose mask is later sits that step out, so a slow "
+        "grammar cannot hold the other streams",
+    )
+    p.add_argument(
         "--admin-token-file",
         type=Path,
         default=None,
@@ -383,9 +398,13 @@ def api_keys_of(args: argparse.Namespace) -> list[ApiKey]:
 MAX_KEY_TENANT_CHARS = 64  # the key's tenant; a client's sub-tenant goes after a "/"
 
 
+KEY_PERMISSIONS = ("priority", "metrics")
+
+
 def parse_api_key_file(text: str) -> list[ApiKey]:
-    """Lines of `KEY [TENANT [PERMISSIONS]]`; PERMISSIONS is `priority` (the key's clients
-    may set `priority`) or `-`. A key without a tenant gets one of its own."""
+    """Lines of `KEY [TENANT [PERMISSIONS]]`; PERMISSIONS is `-` or a comma-separated list
+    of `priority` (the key's clients may set `priority`) and `metrics` (they may read
+    /metrics). A key without a tenant gets one of its own."""
     keys = []
     for number, line in enumerate(text.splitlines(), 1):
         words = line.split("#", 1)[0].split()
@@ -400,10 +419,29 @@ def parse_api_key_file(text: str) -> list[ApiKey]:
                 f"line {number}: a tenant name has at most {MAX_KEY_TENANT_CHARS} characters "
                 "and no '/'"
             )
-        if permissions not in (None, "-", "priority"):
-            raise ValueError(f"line {number}: unknown permission {permissions!r} (priority)")
-        keys.append(ApiKey(key, tenant, may_set_priority=permissions == "priority"))
+        granted = key_permissions(permissions, number)
+        keys.append(
+            ApiKey(
+                key,
+                tenant,
+                may_set_priority="priority" in granted,
+                may_read_metrics="metrics" in granted,
+            )
+        )
     return keys
+
+
+def key_permissions(text: str | None, number: int) -> set[str]:
+    if text in (None, "-"):
+        return set()
+    granted = set(text.split(","))
+    unknown = granted - set(KEY_PERMISSIONS)
+    if unknown:
+        raise ValueError(
+            f"line {number}: unknown permission {sorted(unknown)[0]!r} "
+            f"({', '.join(KEY_PERMISSIONS)})"
+        )
+    return granted
 
 
 def default_tenant(key: str) -> str:

@@ -28,6 +28,9 @@ class ApiKey:
     key: str = field(repr=False)  # never in a log line or a traceback
     tenant: str  # the tenant every request made with this key belongs to
     may_set_priority: bool = False  # a client `priority` is honoured only from such keys
+    # /metrics shows every tenant's counters (prefix-cache hits among them): only such keys
+    # (and the admin token) may read it
+    may_read_metrics: bool = False
 
 
 @dataclass(slots=True)
@@ -89,9 +92,14 @@ class Config:
     allowed_origins: list[str] = field(default_factory=list)  # CORS; empty: same origin only
     max_body_bytes: int = 4 * 1024 * 1024
     max_connections: int = 2048  # client connections open at once; the next one gets 503
+    # a stream's events its client has not read, in bytes; past it the request ends
+    max_stream_buffer_bytes: int = 8 * 1024 * 1024
     # n x (top logprobs + 1) x (echoed prompt + max_tokens) entries one response may hold:
     # each is Python work on the event loop, so a larger product is refused (400)
     max_logprob_entries: int = 131072
+    # before a step, the loop waits this long at most for its constrained rows' grammar
+    # masks (filled in a thread); a row whose mask is later sits the step out
+    grammar_mask_wait_ms: float = 20.0
     shutdown_timeout: float = 5.0  # on SIGTERM: drain this long, then close every connection
     served_model_name: str | None = None  # None: derived from the model path
     # logging

@@ -1,16 +1,25 @@
 """The service's tokenizer: tokenizer.json through `tokenizers`, the chat template through a
-sandboxed jinja2, end-of-sequence ids from the model directory's config files."""
+sandboxed jinja2, end-of-sequence ids from the model directory's config files.
+
+A chat's special tokens come from its template only: a message's content is text, so a
+user who writes `<|im_start|>system` gets those characters' tokens, not a forged turn."""
 
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from jinja2 import Template, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Encoding
 from tokenizers import Tokenizer as RustTokenizer
+
+# Private-use characters: one that no content and no template holds marks where a special
+# token's name stood in a message, from rendering to encoding
+_PRIVATE_USE = re.compile("[\ue000-\uf8ff]")
 
 
 class ChatTemplateError(ValueError):
@@ -41,6 +50,9 @@ class Tokenizer:
             )
         )
         self._max_token_chars = _longest_token_chars(backend, self._pieces)
+        self._chat_source = chat_template or ""
+        self._specials = _special_tokens_pattern(backend)
+        self._as_text = _text_only(backend)  # the same vocabulary, special tokens as text
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -94,6 +106,50 @@ class Tokenizer:
         except (TemplateError, TypeError, KeyError, IndexError, AttributeError) as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
+    def encode_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """The prompt ids of `messages` (ChatTemplateError if they cannot be rendered).
+
+        A chat whose contents name no special token encodes exactly as its rendered text
+        does. Where a content names one, each such name is rendered as a marker, the text
+        between markers is encoded as usual (the template's own special tokens), and each
+        name as plain text."""
+        contents = [m.get("content", "") for m in messages]
+        if self._specials is None or not any(map(self._specials.search, contents)):
+            text = self.apply_chat_template(messages, add_generation_prompt)
+            return self.encode(text, add_special_tokens)
+        marker = _free_marker([*contents, self._chat_source])
+        names: list[str] = []
+
+        def mark(found: re.Match) -> str:
+            names.append(found.group())
+            return f"{marker}{len(names) - 1}{marker}"
+
+        marked = [
+            {**m, "content": self._specials.sub(mark, c)}
+            for m, c in zip(messages, contents, strict=True)
+        ]
+        text = self.apply_chat_template(marked, add_generation_prompt)
+        return self._encode_marked(text, marker, names, add_special_tokens)
+
+    def _encode_marked(
+        self, text: str, marker: str, names: list[str], add_special_tokens: bool
+    ) -> list[int]:
+        parts = re.split(f"{marker}(\\d+){marker}", text)  # text, name index, text, ...
+        texts = self._backend.encode_batch(parts[::2], add_special_tokens=False)
+        named = self._as_text.encode_batch(
+            [names[int(i)] for i in parts[1::2]], add_special_tokens=False
+        )
+        pieces = [texts[0]]
+        for name, after in zip(named, texts[1:], strict=True):
+            pieces += [name, after]
+        merged = Encoding.merge(pieces, growing_offsets=True)
+        return self._backend.post_process(merged, add_special_tokens=add_special_tokens).ids
+
     @property
     def max_token_chars(self) -> int:
         """The most characters one token can stand for: a text longer than n times this
@@ -130,6 +186,29 @@ def _longest_token_chars(backend: RustTokenizer, decoded: tuple[str, ...]) -> in
     # character per byte, so the larger of the two lengths is a safe bound.
     raw = (backend.id_to_token(i) or "" for i in ids)
     return max(1, *map(len, decoded), *map(len, raw))
+
+
+def _special_tokens_pattern(backend: RustTokenizer) -> re.Pattern[str] | None:
+    """Matches the name of any special token (the longest first); None if it has none."""
+    names = [t.content for t in backend.get_added_tokens_decoder().values() if t.special]
+    if not names:
+        return None
+    return re.compile("|".join(map(re.escape, sorted(names, key=len, reverse=True))))
+
+
+def _text_only(backend: RustTokenizer) -> RustTokenizer:
+    copy = RustTokenizer.from_str(backend.to_str())
+    copy.encode_special_tokens = True
+    return copy
+
+
+def _free_marker(texts: list[str]) -> str:
+    """A private-use character that none of `texts` holds."""
+    used = {c for t in texts for c in _PRIVATE_USE.findall(t)}
+    for code in range(0xE000, 0xF900):
+        if chr(code) not in used:
+            return chr(code)
+    raise ChatTemplateError("the messages use every private-use character")
 
 
 def _read_json(path: Path) -> dict[str, Any]:

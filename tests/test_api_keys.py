@@ -27,7 +27,7 @@ from tests.server_fixtures import RunningServer, start_server, stop_server
 
 KEY_A, KEY_B = "sk-team-a-0123456789", "sk-team-b-9876543210"
 KEY_FILE = f"""# key tenant permissions
-{KEY_A} team-a priority
+{KEY_A} team-a priority,metrics
 {KEY_B} team-b
 """
 KEYED_ROUTES = [
@@ -55,14 +55,17 @@ def serve_config(*argv: str) -> Config:
 
 
 def test_the_key_file_names_tenants_and_permissions() -> None:
-    keys = parse_api_key_file(KEY_FILE + "sk-lonely\n\n  # nothing\n")
-    assert [(k.key, k.tenant, k.may_set_priority) for k in keys[:2]] == [
-        (KEY_A, "team-a", True),
-        (KEY_B, "team-b", False),
+    keys = parse_api_key_file(KEY_FILE + "sk-lonely\n\n  # nothing\nsk-m t metrics\n")
+    assert [(k.key, k.tenant, k.may_set_priority, k.may_read_metrics) for k in keys] == [
+        (KEY_A, "team-a", True, True),
+        (KEY_B, "team-b", False, False),
+        ("sk-lonely", keys[2].tenant, False, False),
+        ("sk-m", "t", False, True),
     ]
     assert keys[2].tenant.startswith("key-") and "lonely" not in keys[2].tenant
     assert "sk-team" not in repr(keys)  # a key never shows in a log line or a traceback
-    for bad in ("k a/b", "k t admin", "k t priority extra", f"k {'t' * 65}"):
+    bad_lines = ("k a/b", "k t admin", "k t priority,admin", "k t priority extra", f"k {'t' * 65}")
+    for bad in bad_lines:
         with pytest.raises(ValueError, match="line 1"):
             parse_api_key_file(bad)
 
@@ -165,6 +168,21 @@ def test_the_admin_routes_keep_their_own_token(keyed_server: RunningServer) -> N
     assert keyed_server.admin_state()["worker_ready"]  # the admin token, no API key
     response = httpx.get(f"{keyed_server.url}/admin/state", headers=bearer(KEY_A), timeout=10)
     assert response.status_code == 403  # an API key is no admin token
+
+
+@pytest.mark.real_model
+def test_metrics_answer_only_the_admin_token_and_keys_granted_them(
+    keyed_server: RunningServer,
+) -> None:
+    def metrics(headers: dict[str, str]) -> httpx.Response:
+        return httpx.get(f"{keyed_server.url}/metrics", headers=headers, timeout=10)
+
+    refused = metrics(bearer(KEY_B))  # the prefix cache's hits are every tenant's
+    assert refused.status_code == 403, refused.text
+    assert refused.json()["error"]["code"] == "metrics_not_allowed"
+    for allowed in (bearer(KEY_A), keyed_server.admin_headers()):
+        answer = metrics(allowed)
+        assert answer.status_code == 200 and "cadence:prefix_cache_hits_total" in answer.text
 
 
 @pytest.mark.real_model

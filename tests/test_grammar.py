@@ -16,6 +16,7 @@ from service.engine.grammar import (
     InvalidGrammar,
     Matcher,
     ResponseFormat,
+    fill_masks,
     hf_tokenizer_info,
 )
 from service.model_files.resolve import resolve_model
@@ -48,7 +49,7 @@ def schema_format(schema: dict) -> ResponseFormat:
 
 
 def allowed(matcher: Matcher) -> set[int]:
-    words = np.frombuffer(base64.b64decode(matcher.bitmask()), dtype=np.uint8)
+    words = np.frombuffer(base64.b64decode(fill_masks([matcher])[0]), dtype=np.uint8)
     return set(np.flatnonzero(np.unpackbits(words, bitorder="little")).tolist())
 
 

@@ -46,18 +46,23 @@ async def run_main(argv):
 
 
 async def test_interference_run_writes_json_table_and_plots(
-    nursery, tmp_path, tokenizer_json, capsys
+    nursery, tmp_path, tokenizer_json, capsys, monkeypatch
 ):
     server = FakeServer()
     await nursery.start(server.serve)
     out = tmp_path / "run"
+    monkeypatch.setenv("CADENCE_API_KEY", "sk-bench-key")  # as --api-key's default
     assert (
         await run_main(["interference", *interference_args(server.url, tokenizer_json, out)]) == 0
     )
+    assert {h.get("authorization") for h in server.headers} == {"Bearer sk-bench-key"}
 
     doc = orjson.loads((out / "bench.json").read_bytes())
     assert doc["scenario"] == "interference" and doc["model"] == "fake-model"
     assert doc["config"]["seed"] == 7 and doc["config"]["inject"] == "20@0.05,300@0.1"
+    assert (
+        "api_key" not in doc["config"] and b"sk-bench-key" not in (out / "bench.json").read_bytes()
+    )
     requests = doc["requests"]
     assert [r["role"] for r in requests] == ["decoder", "decoder", "injected", "injected"]
     decoders = requests[:2]

@@ -1,4 +1,5 @@
-"""The playground page in real headless Chromium against a real cadence server."""
+"""The playground page in real headless Chromium against a real cadence server, one that
+wants an API key: the page says so until its key field holds one, then sends it."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.real_model]
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+PAGE_KEY = "sk-playground-0123456789"
 
 # Records every change to a stream's output text, with its time, before the page's own script runs.
 RECORD_MUTATIONS = """
@@ -34,7 +36,28 @@ new MutationObserver((records) => {
 
 @pytest.fixture(scope="module")
 def page_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    server = start_server(tmp_path_factory.mktemp("page-server"), "--policy", "stall_free")
+    log_dir = tmp_path_factory.mktemp("page-server")
+    (log_dir / "keys").write_text(f"{PAGE_KEY} playground\n")
+    server = start_server(
+        log_dir,
+        "--policy",
+        "stall_free",
+        "--api-key-file",
+        str(log_dir / "keys"),
+        "--enable-prompt-tokens-details",  # the page shows cached tokens
+        "--tenant-quota",
+        "1",  # the page's streams are one tenant's
+        wait=False,
+    )
+    try:
+        server.wait_healthy()
+        models = httpx.get(
+            f"{server.url}/v1/models", headers={"Authorization": f"Bearer {PAGE_KEY}"}, timeout=10
+        )
+        server.model = models.json()["data"][0]["id"]
+    except BaseException:
+        stop_server(server)
+        raise
     yield server
     stop_server(server)
 
@@ -56,8 +79,18 @@ def page(browser: Browser, page_server: RunningServer) -> Iterator[Page]:
     page.add_init_script(RECORD_MUTATIONS)
     page.goto(page_server.url + "/")
     page.wait_for_function("document.getElementById('model-name').textContent !== '?'")
+    assert page.inner_text("#model-name") == "needs an API key"  # /v1/models answered 401
+    page.fill("#api-key", PAGE_KEY)
+    page.press("#api-key", "Tab")  # a change event, as when a person leaves the field
+    wait_for_the_model(page, page_server)
     yield page
     context.close()
+
+
+def wait_for_the_model(page: Page, server: RunningServer) -> None:
+    """Until the page shows the model's name: its /v1/models request had the key."""
+    name = orjson.dumps(server.model).decode()
+    page.wait_for_function(f"document.getElementById('model-name').textContent === {name}")
 
 
 def panels(page: Page, state: str | None = None) -> int:
@@ -160,6 +193,14 @@ def test_stopping_a_stream_frees_its_kv_blocks(page: Page, page_server: RunningS
         e for e in page_server.log_events("request.finished") if e["finish_reason"] == "abort"
     ]
     assert aborted, "the server never saw the browser's stop as an abort"
+
+
+def test_the_api_key_stays_in_this_tab_only(page: Page, page_server: RunningServer) -> None:
+    assert page.evaluate("sessionStorage.getItem('cadence-api-key')") == PAGE_KEY
+    assert page.evaluate("document.cookie") == "" and page.evaluate("localStorage.length") == 0
+    page.reload()  # the same tab keeps it, and the page needs nothing else to work
+    wait_for_the_model(page, page_server)
+    assert page.input_value("#api-key") == PAGE_KEY
 
 
 def test_model_output_is_rendered_as_text_not_html(page: Page) -> None:

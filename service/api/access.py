@@ -10,6 +10,10 @@ and the playground page wants `Authorization: Bearer KEY` (401 in OpenAI's shape
 one that matches). The admin routes keep their own token, which is the stronger one. The
 key names the request's tenant: a client's `user` or `X-Tenant` only names a sub-tenant
 inside it, so one key's clients cannot pose as another's.
+
+/metrics with keys: its counters are the whole server's, every tenant's (the prefix cache's
+hits would tell one tenant what others sent), so it answers only the admin token (what a
+Prometheus scrape sends) and keys granted `metrics` in --api-key-file; other keys get 403.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from quart import g, request
 from quart_trio import QuartTrio
 
 from service.api.errors import APIError
-from service.api.routes_admin import bearer_token
+from service.api.routes_admin import bearer_token, is_admin_token
 from service.config import ApiKey, Config
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
@@ -32,6 +36,7 @@ ANY_HOST = "*"
 OPEN_PATHS = frozenset({"/health", "/"})
 # Behind the admin token instead (routes_admin.require_admin).
 ADMIN_PATHS = ("/admin/", "/reset_prefix_cache")
+METRICS_PATH = "/metrics"
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +107,8 @@ def install_api_keys(app: QuartTrio, config: Config) -> None:
         if not ring.keys or not needs_key(request.path):
             return
         given = bearer_token()
+        if request.path == METRICS_PATH and is_admin_token(given, config.admin_token):
+            return
         key = None if given is None else ring.find(given)
         if key is None:
             raise APIError(
@@ -109,6 +116,13 @@ def install_api_keys(app: QuartTrio, config: Config) -> None:
                 "a valid API key is required: send 'Authorization: Bearer <key>'",
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
+            )
+        if request.path == METRICS_PATH and not key.may_read_metrics:
+            raise APIError(
+                403,
+                "this API key may not read /metrics, which shows every tenant's counters: "
+                "scrape with the admin token, or grant the key `metrics` in --api-key-file",
+                code="metrics_not_allowed",
             )
         g.api_key = key
 

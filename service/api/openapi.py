@@ -14,7 +14,7 @@ from typing import Any
 from quart import Blueprint, Response
 
 from policies.registry import POLICIES
-from service.api.access import needs_key
+from service.api.access import METRICS_PATH, needs_key
 from service.api.app_state import app_state
 from service.api.errors import json_response
 from service.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -73,14 +73,14 @@ def openapi_document(max_model_len: int | None, model_name: str, api_keys: bool 
 
 
 def _keyed(path: str, operations: Schema) -> Schema:
-    """An operation behind the API key: its scheme, its 401, and for a generation the 403
-    of a `priority` the key may not set."""
+    """An operation behind the API key: its scheme, its 401, and the 403 of a generation's
+    `priority` the key may not set, or of /metrics to a key not granted it."""
     if not needs_key(path):
         return operations
     for operation in operations.values():
         operation["security"] = [{"apiKey": []}]
         operation["responses"].update(_errors(401))
-        if path in GENERATION_PATHS:
+        if path in GENERATION_PATHS or path == METRICS_PATH:
             operation["responses"].update(_errors(403))
     return operations
 
@@ -563,7 +563,7 @@ def _errors(*statuses: int) -> Schema:
 _ERROR_TEXT = {
     400: "Invalid request",
     401: "Missing or wrong bearer token (the admin token, or an API key)",
-    403: "Wrong admin token, admin disabled, or a field the API key may not set",
+    403: "Wrong admin token, admin disabled, or a field or route the API key may not use",
     404: "Unknown model",
     413: "Body too large",
     415: "Body not declared application/json",

@@ -297,10 +297,9 @@ def prompt_ids_of(req: GenerationRequest, tokenizer: Tokenizer) -> list[int]:
         return tokenizer.encode(req.prompt, add_special_tokens=True)
     assert req.messages is not None
     try:
-        text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
+        return tokenizer.encode_chat(req.messages, add_generation_prompt=True)
     except Exception as exc:  # a template may reject a message order (e.g. two system turns)
         raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 async def grammar_of(response_format: ResponseFormat, state: AppState) -> Any:
@@ -360,6 +359,8 @@ def failure_of(finish: FinishEvent | None) -> APIError | None:
                 code="deadline_exceeded",
                 headers={"Retry-After": "1"},
             )
+        if finish.detail == "slow_reader":
+            return APIError(400, f"{message}; read the stream as it comes", code="slow_reader")
         if finish.detail in SERVER_STATE_FAILURES:
             # Not the request's fault and not a bug: the worker died, hung, cannot be
             # restarted, or came back too small for it. Retrying later may succeed.

@@ -68,9 +68,8 @@ def token_ids_of(req: TokenizeRequest, tokenizer: Tokenizer) -> list[int]:
         return tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     assert req.messages is not None
     try:
-        text = tokenizer.apply_chat_template(
-            req.messages, add_generation_prompt=req.add_generation_prompt
+        return tokenizer.encode_chat(
+            req.messages, req.add_generation_prompt, add_special_tokens=req.add_special_tokens
         )
     except ChatTemplateError as exc:
         raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
-    return tokenizer.encode(text, add_special_tokens=req.add_special_tokens)

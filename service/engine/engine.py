@@ -41,13 +41,16 @@ from service.config import Config
 from service.engine.block_manager import BlockManager
 from service.engine.detokenizer import Decoder, Detokenizer
 from service.engine.grammar import Matcher
+from service.engine.masks import MaskFiller
 from service.engine.request import (
     FinishEvent,
     Request,
     SamplingParams,
     Status,
     TokenEvent,
+    UnreadBytes,
     account_of,
+    event_bytes,
 )
 from service.engine.scheduler import Outcome, ScheduleOutput, Scheduler, SchedulerStats
 from service.engine.stats import IterationStats, Observer, RequestStats
@@ -175,6 +178,7 @@ class Engine:
         self._observers: list[Observer] = []
         self._admit_send, self._admit_recv = trio.open_memory_channel[_Ticket](config.max_queue)
         self._wakeup = trio.Event()
+        self._masks = MaskFiller(config.grammar_mask_wait_ms / 1000)
         self._all_done = trio.Event()
         self._ready = False
         self._overlap = False  # decided when a worker starts (Config.overlap, its device)
@@ -217,6 +221,7 @@ class Engine:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._admission_task)
                 nursery.start_soon(self._scheduling_task)
+                nursery.start_soon(self._mask_task)
                 task_status.started()
         except* EngineFailed as failed:
             self.failure = failed.exceptions[0]
@@ -415,12 +420,15 @@ class Engine:
         self._enforce_tenant_quota(ticket, params.max_tokens)
         # never blocks: a token event per output token, the finish event, and a spare, each
         send, receive = trio.open_memory_channel(ticket.n * (params.max_tokens + 2))
+        unread = UnreadBytes(self.config.max_stream_buffer_bytes)
         with send:
-            leader = self._new_request(ticket, ids[0], 0, params, send.clone(), deadline)
+            leader = self._new_request(ticket, ids[0], 0, params, send.clone(), unread, deadline)
             # the others start once the first has computed the prompt: its blocks are then
             # in the prefix cache, and theirs are shared, not computed again
             siblings = [
-                self._new_request(ticket, ids[i], i, sibling_params(params, i), send.clone(), None)
+                self._new_request(
+                    ticket, ids[i], i, sibling_params(params, i), send.clone(), unread, None
+                )
                 for i in range(1, ticket.n)
             ]
         if siblings:
@@ -441,6 +449,7 @@ class Engine:
         index: int,
         params: SamplingParams,
         stream: trio.MemorySendChannel,
+        unread: UnreadBytes,
         deadline: float | None,
     ) -> Request:
         ids = list(ticket.prompt_token_ids)
@@ -454,6 +463,7 @@ class Engine:
             priority=ticket.priority,
             received=ticket.received,
             stream=stream,
+            unread=unread,
             detokenizer=Detokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens),
             grammar=None if params.grammar is None else Matcher(params.grammar),
             deadline=deadline,
@@ -603,6 +613,14 @@ class Engine:
             except WorkerDied as exc:
                 await self._recover(exc)
 
+    async def _mask_task(self) -> None:
+        sched = self._scheduler
+        await self._masks.run(sched.unmasked, lambda: self._wakeup.set(), self._fail_masks)
+
+    def _fail_masks(self, requests: list[Request], error: str) -> None:
+        for request in requests:
+            self._finish(request, "error", "grammar_error", error)
+
     async def _wait_for_work(self) -> None:
         """Sleep until woken (a request, an abort); meanwhile the idle worker is watched, so
         one that dies or hangs while nothing runs is replaced at once, not at the next request."""
@@ -651,8 +669,10 @@ class Engine:
 
     async def _send_next_step(self, sched: Scheduler) -> _Step | None:
         """Schedule a step and hand its plan to the worker; None if nothing can run."""
+        self._masks.worker_waits()  # no plan is in flight here
         if not sched.has_work():
             return None
+        await self._masks.settle(sched.waits_for_masks)
         started = time.perf_counter()
         out = sched.schedule(trio.current_time())
         self._note_scheduled(out)
@@ -660,6 +680,7 @@ class Engine:
             return None
         deadline = trio.current_time() + self.config.step_timeout
         step = _Step(out, deadline, service_s=time.perf_counter() - started)
+        self._masks.worker_computes()
         with trio.move_on_at(deadline):
             await self._worker.send_step(out.plan)
             return step
@@ -671,6 +692,7 @@ class Engine:
         result = None
         with trio.move_on_at(step.deadline):
             result = await self._worker.receive_result(step.out.plan.step_id)
+            self._masks.worker_waits()
         if result is None:
             raise WorkerHung(f"a step took longer than {self.config.step_timeout} s")
         plan = step.out.plan
@@ -683,6 +705,7 @@ class Engine:
             _check_blocks_kept(sched, step.out.plan)
         step.result = result
         step.outcomes = sched.update(step.out, result)
+        self._masks.kick()  # the next masks fill while this step's text goes out
         step.service_s += time.perf_counter() - started
         self._unemitted = step
 
@@ -746,9 +769,19 @@ class Engine:
         elif finish is not None:
             text += request.detokenizer.flush()
         event.text = text
-        _send(request, event)
-        if finish is not None:
+        if not _send(request, event):
+            self._end_slow_reader(request)
+        elif finish is not None:
             self._finish(request, *finish)
+
+    def _end_slow_reader(self, request: Request) -> None:
+        """Its reader left --max-stream-buffer-bytes unread: end every sequence of the
+        stream, so that the server holds no more for it (the reader gets the error last)."""
+        limit = self.config.max_stream_buffer_bytes
+        error = f"the client left more than {limit} bytes of this stream unread"
+        leader_id = leader_id_of(request.request_id, request.index)
+        for member in self._groups.get(leader_id) or [request]:
+            self._finish(member, "error", "slow_reader", error)
 
     def _finish(self, request: Request, reason: str, detail: str, error: str | None = None) -> None:
         if request.is_finished:
@@ -796,6 +829,8 @@ class Engine:
         self._scheduler.replace_blocks(self._blocks_for(handshake.num_blocks))
         self._fail_what_no_longer_fits()
         self._overlap = overlaps(self.config.overlap, handshake.device)
+        # on the CPU, fills would take the cores the step needs: only between steps there
+        self._masks.beside_step = not handshake.device.startswith("cpu")
         self._ready = True
         log.info(
             "worker.started",
@@ -969,10 +1004,17 @@ def _log_since_received(event: str, request: Request, now: float, key: str) -> N
     log.info(event, request_id=request.request_id, **{key: (now - request.received) * 1000})
 
 
-def _send(request: Request, event: TokenEvent | FinishEvent) -> None:
-    """Never blocks (the channel holds max_tokens + 2 events); a gone reader is ignored."""
+def _send(request: Request, event: TokenEvent | FinishEvent) -> bool:
+    """Never blocks (the channel holds max_tokens + 2 events); a gone reader is ignored.
+    False, sending nothing, if the token event would pass the stream's unread bytes."""
+    unread, finish = request.unread, isinstance(event, FinishEvent)
+    if unread is not None:
+        queued = request.stream.statistics().current_buffer_used
+        if not unread.take(event_bytes(event), queued, always=finish):
+            return False
     with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
         request.stream.send_nowait(event)
+    return True
 
 
 def overlaps(setting: str, device: str) -> bool:

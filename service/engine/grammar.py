@@ -2,9 +2,11 @@
 
 A request's JSON schema is compiled once (off the event loop, cached) into a grammar over
 the model's token vocabulary. Each constrained request then holds a Matcher: before a step
-samples its token, the matcher writes which tokens the grammar allows next as a bitmask,
+samples its token, its `mask` must hold which tokens the grammar allows next as a bitmask,
 which travels in the plan to the worker's sampler; after the step, it accepts the token
-drawn. A grammar ends by accepting an end-of-sequence token, which finishes the request.
+drawn, which empties the mask. Masks are filled by `fill_masks`, many at once and off the
+event loop (service.engine.masks). A grammar ends by accepting an end-of-sequence token,
+which finishes the request.
 
 xgrammar is optional (the `structured` extra) and imported only when a grammar is needed.
 """
@@ -13,9 +15,10 @@ from __future__ import annotations
 
 import base64
 import collections
+import os
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +37,8 @@ MAX_WHITESPACE = 8
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 # xgrammar prefixes its C++ errors with a time and a source location
 _ERROR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+# the cores this process may run on: xgrammar's batch fill spreads rows over threads
+CORES = len(os.sched_getaffinity(0))
 
 
 class GrammarUnavailable(Exception):
@@ -152,28 +157,60 @@ class GrammarCompiler:
 
 
 class Matcher:
-    """One request's position in its grammar: what may come next, and the tokens so far."""
+    """One request's position in its grammar: what may come next, and the tokens so far.
+
+    `mask` is the tokens its state allows next (see BatchPlan.token_bitmasks), once a
+    fill_masks has filled it; None until then, and again after each accepted token.
+    `filling` is set while a fill_masks in a thread works on it."""
+
+    __slots__ = ("_matcher", "filling", "mask", "vocab_size")
 
     def __init__(self, compiled: Any) -> None:
-        xgr = _xgrammar()
-        self._matcher = xgr.GrammarMatcher(compiled)
-        self._words = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+        self._matcher = _xgrammar().GrammarMatcher(compiled)
+        self.vocab_size: int = compiled.tokenizer_info.vocab_size
+        self.mask: str | None = None
+        self.filling = False
 
-    def bitmask(self) -> str:
-        """The tokens allowed next, as the plan carries them (see BatchPlan.token_bitmasks)."""
-        self._matcher.fill_next_token_bitmask(self._words)
-        words = np.asarray(self._words.numpy(), dtype="<i4")
-        return base64.b64encode(words.tobytes()).decode("ascii")
+    @property
+    def needs_mask(self) -> bool:
+        return self.mask is None and not self.filling
 
     def allows_anything(self) -> bool:
-        self._matcher.fill_next_token_bitmask(self._words)
-        return bool(self._words.any())
+        words = _xgrammar().allocate_token_bitmask(1, self.vocab_size)
+        self._matcher.fill_next_token_bitmask(words)
+        return bool(words.any())
 
     def accept(self, token: int) -> bool:
         """Advance past `token`; False (and no change) if the grammar does not allow it."""
-        return bool(self._matcher.accept_token(token))
+        accepted = bool(self._matcher.accept_token(token))
+        if accepted:
+            self.mask = None  # the state moved on: its next mask is another
+        return accepted
 
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete and has accepted its end-of-sequence token."""
         return bool(self._matcher.is_terminated())
+
+
+def fill_masks(
+    matchers: Sequence[Matcher], threads: int = 1, stop: threading.Event | None = None
+) -> list[str]:
+    """The masks of `matchers`' current states, as the plan carries them, in their order;
+    with `stop`, only those of the first rows filled before it was set (checked between
+    chunks of `threads` rows, so it takes effect within one row's fill).
+
+    Blocking: run it in a thread. xgrammar's batch fill releases the GIL and spreads each
+    chunk over `threads` threads; the matchers must not accept a token meanwhile."""
+    xgr = _xgrammar()
+    # one server, one vocabulary: every matcher's rows are as wide
+    words = xgr.allocate_token_bitmask(len(matchers), matchers[0].vocab_size)
+    batch = xgr.BatchGrammarMatcher(threads)
+    chunk = len(matchers) if stop is None else threads
+    filled = 0
+    while filled < len(matchers) and not (stop is not None and stop.is_set()):
+        rows = range(filled, min(filled + chunk, len(matchers)))
+        batch.batch_fill_next_token_bitmask([matchers[i]._matcher for i in rows], words, list(rows))
+        filled = rows.stop
+    packed = np.asarray(words[:filled].numpy(), dtype="<i4")
+    return [base64.b64encode(row.tobytes()).decode("ascii") for row in packed]

@@ -7,6 +7,7 @@ on the engine clock (trio.current_time()), so tests can drive them with a MockCl
 
 from __future__ import annotations
 
+import collections
 import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -76,6 +77,50 @@ class FinishEvent:
 
 Event = TokenEvent | FinishEvent
 
+# What an event holds in memory, roughly: the event, its list and id, then its text's
+# characters and each log-probability entry (an id and a float in lists)
+EVENT_BYTES = 256
+LOGPROB_ENTRY_BYTES = 64
+
+
+def event_bytes(event: Event) -> int:
+    if isinstance(event, FinishEvent):
+        return EVENT_BYTES
+    entries = _entries(event.logprobs) + _entries(event.prompt_logprobs)
+    return EVENT_BYTES + len(event.text) + entries * LOGPROB_ENTRY_BYTES
+
+
+def _entries(logprobs: TokenLogprobs | None) -> int:
+    if logprobs is None:
+        return 0
+    return len(logprobs.logprobs) + sum(map(len, logprobs.top_ids))
+
+
+@dataclass(slots=True)
+class UnreadBytes:
+    """The bytes of a stream's events that its reader has not taken yet (shared by the n
+    sequences of one stream), bounded by `limit`: a reader that falls that far behind
+    ends its request, so a client that never reads holds at most this much of the server.
+
+    The stream's channel says how many events it still holds; they are the newest of
+    those sent, so the sizes kept here, oldest first, are dropped down to that count."""
+
+    limit: int
+    total: int = 0
+    sizes: collections.deque[int] = field(default_factory=collections.deque)
+
+    def take(self, size: int, queued: int, *, always: bool = False) -> bool:
+        """Count an event of `size` bytes into a stream holding `queued` unread events;
+        False, counting nothing, if it would pass the limit (unless `always`). An event
+        into an empty stream always fits, so a large one never ends a reader that keeps up."""
+        while len(self.sizes) > queued:
+            self.total -= self.sizes.popleft()
+        if not always and self.total and self.total + size > self.limit:
+            return False
+        self.sizes.append(size)
+        self.total += size
+        return True
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -95,6 +140,7 @@ class Request:
     received: float
     stream: trio.MemorySendChannel
     detokenizer: Detokenizer
+    unread: UnreadBytes | None = None  # of its stream; None: unbounded in bytes
     grammar: Matcher | None = None  # structured output: where its output is in its grammar
     status: Status = Status.WAITING
     index: int = 0  # its place among the n sequences of one client request

@@ -49,7 +49,10 @@ hit never names a block a failed step left half-written.
 update(): the scheduled tokens are now cached; each sampled token is appended; EOS and
 max_tokens finish a sequence and free its blocks. A request with a grammar (structured
 output) sends the tokens it allows with each plan that samples it, and its grammar takes
-each token appended; a grammar that has taken its end token finishes it too. Text
+each token appended; a grammar that has taken its end token finishes it too. The engine
+fills those masks off the loop (service.engine.masks): a constrained row whose mask is not
+filled yet does not sample (a decode sits the step out, a prefill chunk stops a token
+short; counted as `grammar_mask_pending`). Text
 (detokenization, stop strings) and streams are the engine's business, which is what keeps
 this module free of I/O: a whole iteration runs without trio or a worker.
 """
@@ -183,6 +186,7 @@ class Scheduler:
         # a request's later sequences (n > 1), by its first's id, until the first has
         # computed the prompt they share: they then find it in the prefix cache
         self._held: dict[str, list[Request]] = {}
+        self._constrained: dict[int, Request] = {}  # those with a grammar, by seq_id
         self._admissions = 0
         self._last_step_ms: float | None = None
         self._last_step_tokens = 0
@@ -194,6 +198,8 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self._by_seq[request.seq_id] = request
+        if request.grammar is not None:
+            self._constrained[request.seq_id] = request
         self._join_waiting(request)
 
     def hold(self, leader: Request, siblings: list[Request]) -> None:
@@ -227,6 +233,7 @@ class Scheduler:
         """Take a request out (finished, aborted, failed); frees its blocks. Idempotent."""
         if self._by_seq.pop(request.seq_id, None) is None:
             return
+        self._constrained.pop(request.seq_id, None)
         self.blocks.free(request.seq_id)
         if request.status is Status.RUNNING:
             self._leave_running(request)
@@ -259,6 +266,23 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
+
+    # ---- grammar masks (filled by the engine, off the loop) ------------------------------
+
+    def unmasked(self) -> list[Request]:
+        """Constrained sequences whose next mask is neither filled nor being filled, the
+        running first, at most a step's worth."""
+        lacking = [r for r in self._constrained.values() if r.grammar and r.grammar.needs_mask]
+        lacking.sort(key=lambda r: r.status is not Status.RUNNING)
+        return lacking[: self.max_num_seqs]
+
+    def waits_for_masks(self) -> bool:
+        """A running constrained sequence would sample next and has no mask yet."""
+        return any(
+            r.status is Status.RUNNING and r.remaining == 1 and r.grammar.mask is None
+            for r in self._constrained.values()
+            if r.grammar is not None
+        )
 
     # ---- policy -----------------------------------------------------------------------
 
@@ -543,9 +567,11 @@ class Scheduler:
                     continue
                 if not self._admit(request, draft):
                     continue
-                tokens = self._legal_tokens(request, tokens, draft.budget)
+                tokens = self._masked_tokens(request, self._legal_tokens(request, tokens, draft))
+                if tokens < 1:
+                    continue
             else:
-                tokens = self._legal_tokens(request, tokens, draft.budget)
+                tokens = self._masked_tokens(request, self._legal_tokens(request, tokens, draft))
                 if tokens < 1 or not self._make_room(request, tokens, draft):
                     continue
             self._add_to_step(request, tokens, draft)
@@ -574,8 +600,8 @@ class Scheduler:
             return None
         return request, tokens
 
-    def _legal_tokens(self, request: Request, tokens: int, budget: int) -> int:
-        remaining = request.remaining
+    def _legal_tokens(self, request: Request, tokens: int, draft: _Draft) -> int:
+        remaining, budget = request.remaining, draft.budget
         if tokens < 1:
             self.corrections["nonpositive_tokens"] += 1
             return 0
@@ -588,6 +614,17 @@ class Scheduler:
             # a decode token cannot be split; a prefill chunk can be shortened
             tokens = budget if remaining > 1 and budget > 0 else 0
         return tokens
+
+    def _masked_tokens(self, request: Request, tokens: int) -> int:
+        """`tokens`, one fewer if they would sample a constrained row whose mask is not
+        filled yet (a decode's one token: none)."""
+        grammar = request.grammar
+        if grammar is None or grammar.mask is not None or tokens < 1:
+            return tokens
+        if request.num_computed_tokens + tokens < request.num_tokens:
+            return tokens  # a chunk that does not sample
+        self.corrections["grammar_mask_pending"] += 1
+        return tokens - 1
 
     def _make_room(self, request: Request, tokens: int, draft: _Draft) -> bool:
         if self._grow(request, tokens, draft):
@@ -829,7 +866,7 @@ class Scheduler:
             sampling.append(request.params.sampling)
             prompt_targets.append(_prompt_targets(request, item.num_tokens))
             grammar = request.grammar if item.samples else None
-            bitmasks.append(None if grammar is None else grammar.bitmask())
+            bitmasks.append(None if grammar is None else grammar.mask)
         return BatchPlan(
             step_id=step_id,
             seq_ids=seq_ids,
