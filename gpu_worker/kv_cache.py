@@ -12,9 +12,6 @@ step to read.
 
 from __future__ import annotations
 
-import functools
-import math
-import mmap
 from dataclasses import dataclass
 
 import torch
@@ -155,28 +152,18 @@ def allocate(
     # Zeros, not empty: attention masks stale slots out, but a masked NaN would still
     # poison the output (NaN * 0 = NaN).
     rows = (config.num_key_value_heads, num_blocks + 1, block_size)
-    zeros = _lazy_zeros if device.type == "cpu" else functools.partial(torch.zeros, device=device)
+
+    def zeros(shape: tuple[int, ...], of: torch.dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=of, device=device)
+
     quantized = dtype in KV_CACHE_DTYPES.values()
     layers = [
         LayerKV(
-            zeros((*rows, config.head_dim), dtype=dtype),
-            zeros((*rows, config.head_dim), dtype=dtype),
-            zeros(rows, dtype=torch.float32) if quantized else None,
-            zeros(rows, dtype=torch.float32) if quantized else None,
+            zeros((*rows, config.head_dim), dtype),
+            zeros((*rows, config.head_dim), dtype),
+            zeros(rows, torch.float32) if quantized else None,
+            zeros(rows, torch.float32) if quantized else None,
         )
         for _ in range(config.num_hidden_layers)
     ]
     return KVCache(layers=layers, num_blocks=num_blocks, block_size=block_size)
-
-
-def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Zeros in private anonymous memory, which the kernel zero-fills page by page on first
-    touch: torch.zeros writes every page at once, and for a CPU's cache of gigabytes that
-    was most of the worker's start-up (5.5 GB: 6.6 s here). A step then pays the faults of
-    the blocks it is the first to write, a few microseconds a 4 KiB page (no huge pages:
-    one 2 MiB fault per head and layer at once would be a spike in a decode step)."""
-    size = math.prod(shape) * dtype.itemsize
-    memory = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    # frombuffer holds a reference to the mapping for as long as the tensor lives
-    flat = torch.frombuffer(memory, dtype=torch.uint8)[:size]
-    return flat.view(dtype).view(shape)

@@ -274,16 +274,3 @@ def test_bad_worker_settings_fail_at_start(tiny_llama_dir):
     with pytest.raises(kv_cache.KVCacheError):
         make_runner(tiny_llama_dir, kv_memory=100.0)
 
-
-def test_a_cpu_cache_starts_zeroed_and_its_tensors_are_apart(tiny_llama_dir):
-    """The pages come from the kernel on first touch (kv_cache._lazy_zeros): zeros, and
-    writing one layer's K leaves every other tensor as it was."""
-    import torch
-
-    config = ModelConfig.from_dir(tiny_llama_dir)
-    cache = kv_cache.allocate(config, 8, BLOCK_SIZE, torch.bfloat16, torch.device("cpu"))
-    tensors = [t for layer in cache.layers for t in (layer.k, layer.v)]
-    assert all(t.dtype == torch.bfloat16 and not t.any() for t in tensors)
-    assert tensors[0].shape == (2, 9, BLOCK_SIZE, 16)  # the scratch block included
-    tensors[0].fill_(1.5)
-    assert bool((tensors[0] == 1.5).all()) and not any(t.any() for t in tensors[1:])
