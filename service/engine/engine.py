@@ -42,6 +42,7 @@ from service.engine.block_manager import BlockManager
 from service.engine.detokenizer import Decoder, Detokenizer
 from service.engine.grammar import Matcher
 from service.engine.masks import MaskFiller
+from service.engine.reporting import Reporter, since_received
 from service.engine.request import (
     FinishEvent,
     Request,
@@ -53,7 +54,7 @@ from service.engine.request import (
     event_bytes,
 )
 from service.engine.scheduler import Outcome, ScheduleOutput, Scheduler, SchedulerStats
-from service.engine.stats import IterationStats, Observer, RequestStats
+from service.engine.stats import Observer
 from service.engine.validation import InvalidRequest, Limits, validate
 from service.engine.worker_link import (
     WorkerDeviceFault,
@@ -175,7 +176,7 @@ class Engine:
         self._requests: dict[str, Request] = {}  # open streams, by request id
         # requests with n > 1 sequences: the first's id -> all of them, until all finish
         self._groups: dict[str, list[Request]] = {}
-        self._observers: list[Observer] = []
+        self._report = Reporter(config.log_iterations)
         self._admit_send, self._admit_recv = trio.open_memory_channel[_Ticket](config.max_queue)
         self._wakeup = trio.Event()
         self._masks = MaskFiller(config.grammar_mask_wait_ms / 1000)
@@ -210,7 +211,7 @@ class Engine:
         return self._scheduler
 
     def add_observer(self, observer: Observer) -> None:
-        self._observers.append(observer)
+        self._report.observers.append(observer)
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Start the worker (its failure raises), then serve until cancelled, or until the
@@ -277,7 +278,7 @@ class Engine:
         try:
             self._admit_send.send_nowait(ticket)
         except trio.WouldBlock:
-            self._report_refused(request_id, "queue_full")
+            self._report.refused(request_id, "queue_full")
             raise Overloaded("the admission queue is full; try again later", "queue_full") from None
         try:
             await ticket.done.wait()
@@ -307,16 +308,7 @@ class Engine:
         old = self.policy_info()
         iteration = self._scheduler.set_policy(new)
         swap = PolicySwap(old=old, new=new.describe(), iteration=iteration)
-        log.info(
-            "policy.swap",
-            old=old["name"],
-            new=new.name,
-            params=swap.new["params"],
-            iteration=iteration,
-            by=by,
-        )
-        for observer in self._observers:
-            observer.on_policy_swap(old["name"], new.name, iteration)
+        self._report.policy_swap(old, swap.new, iteration, by)
         return swap
 
     def policy_info(self) -> dict:
@@ -396,7 +388,7 @@ class Engine:
                 try:
                     ticket.channel = self._admit(ticket)
                 except Overloaded as exc:
-                    self._report_refused(ticket.request_id, exc.reason)
+                    self._report.refused(ticket.request_id, exc.reason)
                     ticket.error = exc
                 except (InvalidRequest, EngineUnavailable) as exc:
                     ticket.error = exc
@@ -473,7 +465,7 @@ class Engine:
         self._next_seq_id += 1
         self._requests[request.request_id] = request
         self._all_done = trio.Event()
-        self._report_received(request)
+        self._report.received(request)
         return request
 
     def _release_siblings(self, leader: Request) -> None:
@@ -580,7 +572,7 @@ class Engine:
         for request in self._scheduler.expired(now):
             waited = request.deadline - request.received
             message = f"the request did not start within its {waited:g} s deadline"
-            self._report_refused(request.request_id, "deadline_exceeded")
+            self._report.refused(request.request_id, "deadline_exceeded")
             self._finish(request, "error", "deadline_exceeded", error=message)
 
     def _limits(self) -> Limits:
@@ -675,7 +667,7 @@ class Engine:
         await self._masks.settle(sched.waits_for_masks)
         started = time.perf_counter()
         out = sched.schedule(trio.current_time())
-        self._note_scheduled(out)
+        self._report.scheduled(out, trio.current_time())
         if out.plan is None:
             return None
         deadline = trio.current_time() + self.config.step_timeout
@@ -721,21 +713,9 @@ class Engine:
         if self.config.debug_invariants:
             sched.check_invariants()
         step.service_s += time.perf_counter() - started
-        self._report_iteration(sched, step)
+        assert step.result is not None
+        self._report.iteration(step.out, step.result, sched.stats(), step.service_s)
         return True
-
-    def _note_scheduled(self, out: ScheduleOutput) -> None:
-        now = trio.current_time()
-        for request in out.started:
-            _log_since_received("request.admitted", request, now, "queue_ms")
-        for request in out.preempted:
-            log.info(
-                "request.preempted",
-                request_id=request.request_id,
-                num_generated=request.num_generated,
-            )
-            for observer in self._observers:
-                observer.on_preemption(request.request_id)
 
     def _emit_committed(self, request: Request) -> None:
         """Before ending a request from outside the loop (abort, shutdown): the tokens that
@@ -761,7 +741,7 @@ class Engine:
             request.first_token = now
             event.prompt_logprobs = request.prompt_logprobs
             self._release_siblings(request)
-            _log_since_received("request.first_token", request, now, "ttft_ms")
+            since_received("request.first_token", request, now, "ttft_ms")
         delta = request.detokenizer.add_token(outcome.token)
         text = delta.text
         if delta.stopped:
@@ -804,7 +784,7 @@ class Engine:
         self._forget_group_of(request)
         if not self._requests:
             self._all_done.set()
-        self._report_finished(request)
+        self._report.finished(request, self._scheduler.policy.name, self._scheduler.iteration)
 
     def _forget_group_of(self, request: Request) -> None:
         leader_id = leader_id_of(request.request_id, request.index)
@@ -832,18 +812,7 @@ class Engine:
         # on the CPU, fills would take the cores the step needs: only between steps there
         self._masks.beside_step = not handshake.device.startswith("cpu")
         self._ready = True
-        log.info(
-            "worker.started",
-            pid=handshake.pid,
-            num_blocks=handshake.num_blocks,
-            load_seconds=handshake.load_seconds,
-            startup=handshake.startup,
-            kernels=handshake.kernels,
-            graphs=handshake.graphs,
-            overlap=self._overlap,
-        )
-        if handshake.device_warning is not None:
-            log.warning("worker.device_warning", warning=handshake.device_warning)
+        self._report.worker_started(handshake, self._overlap)
 
     def _blocks_for(self, num_blocks: int) -> BlockManager:
         """The KV cache's block ids, in the block size of the worker's cache."""
@@ -896,59 +865,6 @@ class Engine:
             )
         raise EngineFailed(f"the worker failed to start {self.config.max_worker_restarts} times")
 
-    # ---- reporting --------------------------------------------------------------------
-
-    def _report_received(self, request: Request) -> None:
-        log.info(
-            "request.received",
-            request_id=request.request_id,
-            tenant=request.tenant,
-            priority=request.priority,
-            prompt_tokens=request.prompt_len,
-            max_tokens=request.params.max_tokens,
-        )
-        for observer in self._observers:
-            observer.on_request_received(request.request_id, request.tenant, request.prompt_len)
-
-    def _report_refused(self, request_id: str, reason: str) -> None:
-        """Load shed: refused at arrival, or its deadline passed before it started."""
-        log.info("request.refused", request_id=request_id, reason=reason)
-        for observer in self._observers:
-            observer.on_request_refused(reason)
-
-    def _report_iteration(self, sched: Scheduler, step: _Step) -> None:
-        out, result = step.out, step.result
-        assert out.plan is not None and result is not None
-        stats = sched.stats()
-        record = IterationStats(
-            iteration=out.iteration,
-            policy=out.policy,
-            prefill_tokens=out.prefill_tokens,
-            decode_seqs=out.decode_seqs,
-            batch_tokens=out.plan.total_tokens,
-            num_seqs=len(out.plan.seq_ids),
-            running=stats.running,
-            waiting=stats.waiting,
-            kv_blocks_used=stats.kv_blocks_used,
-            kv_blocks_total=stats.kv_blocks_total,
-            step_ms=result.step_ms,
-            schedule_ms=step.service_s * 1000,
-            preempted=len(out.preempted),
-            worker_idle_ms=result.idle_ms,
-        )
-        every = self.config.log_iterations
-        if every and out.iteration % every == 0:
-            log.info("iteration", **dataclasses.asdict(record))
-        for observer in self._observers:
-            observer.on_iteration(record)
-
-    def _report_finished(self, request: Request) -> None:
-        sched = self._scheduler
-        stats = RequestStats.of(request, sched.policy.name, sched.iteration)
-        log.info("request.finished", **stats.log_fields())
-        for observer in self._observers:
-            observer.on_request_finished(stats)
-
 
 class _Failure(NamedTuple):
     reason: str  # why the worker is replaced (Engine.last_worker_failure)
@@ -998,10 +914,6 @@ def _check_blocks_kept(sched: Scheduler, plan: BatchPlan) -> None:
         written = table[start // size :]
         taken = [block for block in written if holders.get(block, {seq_id}) != {seq_id}]
         assert not taken, f"step {plan.step_id}: blocks {taken} of seq {seq_id} reallocated"
-
-
-def _log_since_received(event: str, request: Request, now: float, key: str) -> None:
-    log.info(event, request_id=request.request_id, **{key: (now - request.received) * 1000})
 
 
 def _send(request: Request, event: TokenEvent | FinishEvent) -> bool:

@@ -1,0 +1,119 @@
+"""What the engine tells the world: its structured log lines and its observers (metrics).
+
+One Reporter per engine; each event is one call, which writes its log line and hands the
+same facts to every observer (service.api.metrics is one), so a log and a metric never
+disagree about what happened.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import structlog
+
+from gpu_worker.protocol import Handshake, StepResult
+from service.engine.request import Request
+from service.engine.scheduler import ScheduleOutput, SchedulerStats
+from service.engine.stats import IterationStats, Observer, RequestStats
+
+log = structlog.get_logger()
+
+
+class Reporter:
+    def __init__(self, log_iterations: int) -> None:
+        self.log_iterations = log_iterations  # every Nth iteration is logged; 0: none
+        self.observers: list[Observer] = []
+
+    def worker_started(self, handshake: Handshake, overlap: bool) -> None:
+        log.info(
+            "worker.started",
+            pid=handshake.pid,
+            num_blocks=handshake.num_blocks,
+            load_seconds=handshake.load_seconds,
+            startup=handshake.startup,
+            kernels=handshake.kernels,
+            graphs=handshake.graphs,
+            overlap=overlap,
+        )
+        if handshake.device_warning is not None:
+            log.warning("worker.device_warning", warning=handshake.device_warning)
+
+    def received(self, request: Request) -> None:
+        log.info(
+            "request.received",
+            request_id=request.request_id,
+            tenant=request.tenant,
+            priority=request.priority,
+            prompt_tokens=request.prompt_len,
+            max_tokens=request.params.max_tokens,
+        )
+        for observer in self.observers:
+            observer.on_request_received(request.request_id, request.tenant, request.prompt_len)
+
+    def refused(self, request_id: str, reason: str) -> None:
+        """Load shed: refused at arrival, or its deadline passed before it started."""
+        log.info("request.refused", request_id=request_id, reason=reason)
+        for observer in self.observers:
+            observer.on_request_refused(reason)
+
+    def scheduled(self, out: ScheduleOutput, now: float) -> None:
+        """The requests a step starts for the first time, and those it preempted."""
+        for request in out.started:
+            since_received("request.admitted", request, now, "queue_ms")
+        for request in out.preempted:
+            log.info(
+                "request.preempted",
+                request_id=request.request_id,
+                num_generated=request.num_generated,
+            )
+            for observer in self.observers:
+                observer.on_preemption(request.request_id)
+
+    def iteration(
+        self, out: ScheduleOutput, result: StepResult, stats: SchedulerStats, service_s: float
+    ) -> None:
+        assert out.plan is not None
+        record = IterationStats(
+            iteration=out.iteration,
+            policy=out.policy,
+            prefill_tokens=out.prefill_tokens,
+            decode_seqs=out.decode_seqs,
+            batch_tokens=out.plan.total_tokens,
+            num_seqs=len(out.plan.seq_ids),
+            running=stats.running,
+            waiting=stats.waiting,
+            kv_blocks_used=stats.kv_blocks_used,
+            kv_blocks_total=stats.kv_blocks_total,
+            step_ms=result.step_ms,
+            schedule_ms=service_s * 1000,
+            preempted=len(out.preempted),
+            worker_idle_ms=result.idle_ms,
+        )
+        every = self.log_iterations
+        if every and out.iteration % every == 0:
+            log.info("iteration", **dataclasses.asdict(record))
+        for observer in self.observers:
+            observer.on_iteration(record)
+
+    def finished(self, request: Request, policy: str, iteration: int) -> None:
+        stats = RequestStats.of(request, policy, iteration)
+        log.info("request.finished", **stats.log_fields())
+        for observer in self.observers:
+            observer.on_request_finished(stats)
+
+    def policy_swap(self, old: dict, new: dict, iteration: int, by: str) -> None:
+        log.info(
+            "policy.swap",
+            old=old["name"],
+            new=new["name"],
+            params=new["params"],
+            iteration=iteration,
+            by=by,
+        )
+        for observer in self.observers:
+            observer.on_policy_swap(old["name"], new["name"], iteration)
+
+
+def since_received(event: str, request: Request, now: float, key: str) -> None:
+    """A request's milestone, logged with the milliseconds since it arrived."""
+    log.info(event, request_id=request.request_id, **{key: (now - request.received) * 1000})
