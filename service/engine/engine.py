@@ -38,6 +38,13 @@ import trio
 from gpu_worker.protocol import BatchPlan, Handshake, StepResult, TokenLogprobs
 from policies.registry import make_policy
 from service.config import Config
+from service.engine.admission import (
+    AdmissionControl,
+    CacheShape,
+    Overloaded,
+    TenantLoad,
+    Ticket,
+)
 from service.engine.block_manager import BlockManager
 from service.engine.detokenizer import Decoder, Detokenizer
 from service.engine.grammar import Matcher
@@ -50,12 +57,11 @@ from service.engine.request import (
     Status,
     TokenEvent,
     UnreadBytes,
-    account_of,
     event_bytes,
 )
 from service.engine.scheduler import Outcome, ScheduleOutput, Scheduler, SchedulerStats
 from service.engine.stats import Observer
-from service.engine.validation import InvalidRequest, Limits, validate
+from service.engine.validation import InvalidRequest, Limits
 from service.engine.worker_link import (
     WorkerDeviceFault,
     WorkerDied,
@@ -91,16 +97,6 @@ class TokenizerLike(Decoder, Protocol):
     def eos_token_ids(self) -> list[int]: ...
 
 
-class Overloaded(Exception):
-    """The queue is full, or the request could not start or answer in time: nothing was
-    queued; the caller should retry after `retry_after` seconds (HTTP 429)."""
-
-    def __init__(self, message: str, reason: str, retry_after: float = 1.0) -> None:
-        super().__init__(message)
-        self.reason = reason  # queue_full | queued_tokens | predicted_ttft | deadline
-        self.retry_after = retry_after
-
-
 class EngineUnavailable(Exception):
     """The worker is not ready, restarting, or the engine is shutting down (HTTP 503)."""
 
@@ -129,33 +125,6 @@ class _Step:
     outcomes: list[Outcome] = dataclasses.field(default_factory=list)
 
 
-@dataclass(slots=True)
-class TenantLoad:
-    """A tenant's part of the engine: the quotas' measure, and /metrics'."""
-
-    waiting: int = 0  # sequences not running
-    queued_tokens: int = 0  # prompt tokens waiting to start (a prompt once per request)
-    kv_blocks: int = 0  # blocks its live sequences may come to hold: prompt + max_tokens
-
-
-@dataclass(slots=True)
-class _Ticket:
-    """A request on its way through admission, and the verdict its submitter waits for."""
-
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    request_id: str
-    tenant: str
-    priority: int
-    received: float
-    deadline_s: float | None  # seconds it may wait to start, as the client asked
-    n: int  # sequences of the prompt to generate
-    done: trio.Event = dataclasses.field(default_factory=trio.Event)
-    channel: trio.MemoryReceiveChannel | None = None  # the verdict: a stream, or
-    error: Exception | None = None  # why not
-    withdrawn: bool = False  # the submitter stopped waiting (cancelled)
-
-
 class Engine:
     def __init__(self, config: Config, worker: Worker, tokenizer: TokenizerLike) -> None:
         self.config = config
@@ -174,10 +143,11 @@ class Engine:
             tenant_share=config.tenant_share(),
         )
         self._requests: dict[str, Request] = {}  # open streams, by request id
+        self._admission = AdmissionControl(config, self._scheduler, self._requests)
         # requests with n > 1 sequences: the first's id -> all of them, until all finish
         self._groups: dict[str, list[Request]] = {}
         self._report = Reporter(config.log_iterations)
-        self._admit_send, self._admit_recv = trio.open_memory_channel[_Ticket](config.max_queue)
+        self._admit_send, self._admit_recv = trio.open_memory_channel[Ticket](config.max_queue)
         self._wakeup = trio.Event()
         self._masks = MaskFiller(config.grammar_mask_wait_ms / 1000)
         self._all_done = trio.Event()
@@ -265,7 +235,7 @@ class Engine:
         if not self._accepting or not self._ready:
             raise EngineUnavailable("the engine is not ready (starting, restarting or stopping)")
         params = dataclasses.replace(params)  # validation fills a missing max_tokens
-        ticket = _Ticket(
+        ticket = Ticket(
             list(prompt_token_ids),
             params,
             request_id,
@@ -394,7 +364,7 @@ class Engine:
                     ticket.error = exc
             ticket.done.set()
 
-    def _admit(self, ticket: _Ticket) -> trio.MemoryReceiveChannel:
+    def _admit(self, ticket: Ticket) -> trio.MemoryReceiveChannel:
         """Validate, bound the queue, hand over to the scheduler; raises and queues nothing."""
         sched = self._scheduler
         if not self._accepting:
@@ -405,11 +375,8 @@ class Engine:
                 f"request id {ticket.request_id!r} is already in use", code="duplicate_id"
             )
         params = ticket.params
-        validate(ticket.prompt_token_ids, params, self._limits(), ticket.tenant, ticket.priority)
-        deadline = self._deadline_of(ticket)
-        self._shed_if_overloaded(sched, len(ticket.prompt_token_ids), deadline, ticket.n)
+        deadline = self._admission.check(ticket, self._cache_shape())
         assert params.max_tokens is not None
-        self._enforce_tenant_quota(ticket, params.max_tokens)
         # never blocks: a token event per output token, the finish event, and a spare, each
         send, receive = trio.open_memory_channel(ticket.n * (params.max_tokens + 2))
         unread = UnreadBytes(self.config.max_stream_buffer_bytes)
@@ -436,7 +403,7 @@ class Engine:
 
     def _new_request(
         self,
-        ticket: _Ticket,
+        ticket: Ticket,
         request_id: str,
         index: int,
         params: SamplingParams,
@@ -473,100 +440,6 @@ class Engine:
         if self._scheduler.release_held(leader):
             self._wakeup.set()
 
-    def _deadline_of(self, ticket: _Ticket) -> float | None:
-        waits = [w for w in (ticket.deadline_s, self.config.max_queue_time) if w is not None]
-        return ticket.received + min(waits) if waits else None
-
-    def _shed_if_overloaded(
-        self, sched: Scheduler, prompt_len: int, deadline: float | None, sequences: int
-    ) -> None:
-        """Refuse at arrival, in milliseconds, what the queue cannot take or cannot serve in
-        time: too many sequences or prompt tokens waiting, a predicted TTFT over
-        --max-predicted-ttft, or a predicted start after the request's deadline. A request's
-        n sequences all take a place in the queue (the held ones too); its prompt counts
-        once, since the later ones find it in the prefix cache."""
-        waiting = sched.queued_sequences()
-        if waiting + sequences > self.config.max_queue:
-            raise Overloaded(f"{waiting} sequences are waiting; try again later", "queue_full")
-        assert self.max_model_len is not None
-        queued = sched.queued_prompt_tokens()
-        if queued + prompt_len > max(self.config.max_queued_tokens, self.max_model_len):
-            raise Overloaded(
-                f"{queued} prompt tokens are waiting; try again later", "queued_tokens"
-            )
-        target = self.config.max_predicted_ttft
-        if target is None and deadline is None:
-            return
-        ahead_ms = sched.predicted_prefill_ms()
-        if ahead_ms is None:
-            return  # no step measured yet: nothing to predict from
-        if target is not None:
-            ttft_ms = sched.predicted_prefill_ms(prompt_len) or 0.0
-            if ttft_ms > target * 1000:
-                raise Overloaded(
-                    f"its predicted time to first token, {ttft_ms / 1000:.1f} s, exceeds "
-                    f"the server's {target:g} s",
-                    "predicted_ttft",
-                    retry_after=ttft_ms / 1000 - target,
-                )
-        now = trio.current_time()
-        if deadline is not None and now + ahead_ms / 1000 > deadline:
-            raise Overloaded(
-                f"it could start in {ahead_ms / 1000:.1f} s at the earliest, after its "
-                f"deadline ({deadline - now:.1f} s)",
-                "deadline",
-                retry_after=now + ahead_ms / 1000 - deadline,
-            )
-
-    def tenant_load(self) -> dict[str, TenantLoad]:
-        """What each tenant has in the engine now (a scan: its requests are few thousand at
-        most, bounded by --max-queue and --max-num-seqs)."""
-        loads: dict[str, TenantLoad] = {}
-        block_size = self.handshake.block_size if self.handshake else 1
-        for request in self._requests.values():
-            load = loads.setdefault(account_of(request.tenant), TenantLoad())
-            assert request.params.max_tokens is not None
-            load.kv_blocks += -(-(request.prompt_len + request.params.max_tokens) // block_size)
-            if request.status is Status.WAITING:
-                load.waiting += 1
-                load.queued_tokens += request.prompt_len if request.index == 0 else 0
-        return loads
-
-    def _enforce_tenant_quota(self, ticket: _Ticket, max_tokens: int) -> None:
-        """One tenant may take its share of the queue and of the KV blocks, so that its
-        flood leaves the rest to others; each of its n sequences counts in full."""
-        share = self.config.tenant_share()
-        if share >= 1 or self.handshake is None:
-            return
-        account, handshake = account_of(ticket.tenant), self.handshake
-        blocks = ticket.n * -(-(len(ticket.prompt_token_ids) + max_tokens) // handshake.block_size)
-        kv_quota = int(share * handshake.num_blocks)
-        if blocks > kv_quota:
-            raise InvalidRequest(
-                f"n x (prompt + max_tokens) needs {blocks} KV blocks, more than a tenant's "
-                f"{kv_quota}; ask for fewer sequences or tokens",
-                "n",
-                "tenant_quota_exceeded",
-            )
-        load = self.tenant_load().get(account, TenantLoad())
-        checks = (
-            (load.waiting + ticket.n, self.config.max_queue, "sequences waiting", "queue_full"),
-            (
-                load.queued_tokens + len(ticket.prompt_token_ids),
-                max(self.config.max_queued_tokens, self.max_model_len or 0),
-                "prompt tokens waiting",
-                "queued_tokens",
-            ),
-            (load.kv_blocks + blocks, handshake.num_blocks, "KV blocks", "kv_blocks"),
-        )
-        for wanted, limit, what, reason in checks:
-            if wanted > share * limit:
-                raise Overloaded(
-                    f"tenant {account!r} would have {wanted} {what}, more than its share "
-                    f"({int(share * limit)}); try again later",
-                    f"tenant_{reason}",
-                )
-
     def _expire_deadlines(self, now: float) -> None:
         """Requests whose deadline passed before they started end now, exactly once."""
         for request in self._scheduler.expired(now):
@@ -575,13 +448,19 @@ class Engine:
             self._report.refused(request.request_id, "deadline_exceeded")
             self._finish(request, "error", "deadline_exceeded", error=message)
 
-    def _limits(self) -> Limits:
+    def tenant_load(self) -> dict[str, TenantLoad]:
+        """What each tenant has in the engine now: its quotas' measure (/metrics shows it)."""
+        block_size = self.handshake.block_size if self.handshake else 1
+        return self._admission.tenant_load(block_size)
+
+    def _cache_shape(self) -> CacheShape:
         assert self.handshake is not None and self.max_model_len is not None
-        return Limits(
+        limits = Limits(
             vocab_size=self.handshake.vocab_size,
             max_model_len=self.max_model_len,
             kv_capacity_tokens=self._scheduler.capacity_tokens,
         )
+        return CacheShape(limits, self.handshake.num_blocks, self.handshake.block_size)
 
     def _refuse_queued(self) -> None:
         while True:
