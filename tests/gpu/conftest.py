@@ -12,5 +12,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     no_device = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "cuda" in item.keywords:
+        if item.get_closest_marker("cuda") is not None:  # not a parameter id "cuda"
             item.add_marker(no_device)
