@@ -285,6 +285,53 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="schedule step k+1 before step k's text and events; auto: unless the worker "
         "computes on the CPU, whose cores the service would take from it",
     )
+    add_chat_args(p)
+
+
+def add_chat_args(p: argparse.ArgumentParser) -> None:
+    """How chats are rendered and their answers read: templates, tool calls, reasoning."""
+    from service import reasoning
+    from service.tool_calls import PARSERS
+
+    p.add_argument(
+        "--chat-template",
+        type=chat_template_source,
+        default=None,
+        help="the chat template: a file, or the Jinja text itself (default: the model's)",
+    )
+    p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a request's own 'chat_template' (else a 400), as vLLM's flag",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=sorted(PARSERS),
+        default=None,
+        help="how the model writes tool calls, read for tool_choice auto (without it, auto "
+        "is a 400; required and a named function need none: a grammar writes those)",
+    )
+    p.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help="with tool_choice none, do not show the tools to the chat template",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=reasoning.PARSERS,
+        default=None,
+        help="return the model's <think>...</think> apart, as reasoning_content",
+    )
+
+
+def chat_template_source(text: str) -> str:
+    """--chat-template: a file's text, or the template itself when it holds Jinja."""
+    path = Path(text)
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in text or "{%" in text:
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is neither a file nor a Jinja template")
 
 
 def parse_key_value(text: str) -> tuple[str, Any]:

@@ -100,6 +100,13 @@ class Config:
     # before a step, the loop waits this long at most for its constrained rows' grammar
     # masks (filled in a thread); a row whose mask is later sits the step out
     grammar_mask_wait_ms: float = 20.0
+    # chats: the template (its text; None: the model's), whether a request may bring its
+    # own, how tool calls and reasoning are read from the answers (None: not read)
+    chat_template: str | None = None
+    trust_request_chat_template: bool = False
+    tool_call_parser: str | None = None
+    exclude_tools_when_tool_choice_none: bool = False
+    reasoning_parser: str | None = None
     shutdown_timeout: float = 5.0  # on SIGTERM: drain this long, then close every connection
     served_model_name: str | None = None  # None: derived from the model path
     # logging

@@ -250,4 +250,4 @@ def build_server(config: Config) -> Server:
     )
     model_dir = resolve_model(config.model, config.cache_dir, progress=print_progress)
     name = config.served_model_name or served_model_name(config.model)
-    return Server(config, model_dir, Tokenizer.from_dir(model_dir), name)
+    return Server(config, model_dir, Tokenizer.from_dir(model_dir, config.chat_template), name)

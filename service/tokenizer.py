@@ -6,6 +6,7 @@ user who writes `<|im_start|>system` gets those characters' tokens, not a forged
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from datetime import datetime
@@ -17,6 +18,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Encoding
 from tokenizers import Tokenizer as RustTokenizer
 
+MAX_REQUEST_TEMPLATES = 16  # requests' own chat templates kept compiled
 # Private-use characters: one that no content and no template holds marks where a special
 # token's name stood in a message, from rendering to encoding
 _PRIVATE_USE = re.compile("[\ue000-\uf8ff]")
@@ -55,8 +57,9 @@ class Tokenizer:
         self._as_text = _text_only(backend)  # the same vocabulary, special tokens as text
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> Tokenizer:
-        """Load from a Hugging Face style model directory (tokenizer.json required)."""
+    def from_dir(cls, path: str | Path, chat_template: str | None = None) -> Tokenizer:
+        """Load from a Hugging Face style model directory (tokenizer.json required);
+        `chat_template` (--chat-template) replaces the directory's own."""
         path = Path(path)
         tokenizer_file = path / "tokenizer.json"
         if not tokenizer_file.is_file():
@@ -72,7 +75,7 @@ class Tokenizer:
         eos_ids = _eos_token_ids(backend, eos_token, gen_config, model_config)
         return cls(
             backend,
-            chat_template=_chat_template(path, tok_config),
+            chat_template=chat_template or _chat_template(path, tok_config),
             bos_token=bos_token,
             eos_token=eos_token,
             eos_token_ids=eos_ids,
@@ -88,18 +91,28 @@ class Tokenizer:
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict] | None = None,
+        template: str | None = None,
+        **extra: Any,
     ) -> str:
-        """The prompt text for `messages`; ChatTemplateError if it cannot be rendered."""
-        if self._template is None:
+        """The prompt text for `messages` (and `tools`, as transformers passes them), by
+        `template` if given, else the model's; ChatTemplateError if it cannot be rendered.
+        `extra`: more variables for the template (chat_template_kwargs)."""
+        compiled = self._template if template is None else _request_template(template)
+        if compiled is None:
             raise ChatTemplateError("this model has no chat template; use the completions API")
         try:
-            return self._template.render(
+            return compiled.render(
+                **extra,
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._bos_token or "",
                 eos_token=self._eos_token or "",
-                **extra,
             )
         except ChatTemplateError:
             raise
@@ -111,18 +124,21 @@ class Tokenizer:
         messages: list[dict],
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
+        **template_args: Any,
     ) -> list[int]:
-        """The prompt ids of `messages` (ChatTemplateError if they cannot be rendered).
+        """The prompt ids of `messages` (ChatTemplateError if they cannot be rendered);
+        `template_args` go to apply_chat_template (tools, template, the template's kwargs).
 
         A chat whose contents name no special token encodes exactly as its rendered text
         does. Where a content names one, each such name is rendered as a marker, the text
         between markers is encoded as usual (the template's own special tokens), and each
         name as plain text."""
-        contents = [m.get("content", "") for m in messages]
+        contents = [m.get("content") or "" for m in messages]
         if self._specials is None or not any(map(self._specials.search, contents)):
-            text = self.apply_chat_template(messages, add_generation_prompt)
+            text = self.apply_chat_template(messages, add_generation_prompt, **template_args)
             return self.encode(text, add_special_tokens)
-        marker = _free_marker([*contents, self._chat_source])
+        sources = [self._chat_source, template_args.get("template") or ""]
+        marker = _free_marker([*contents, *sources])
         names: list[str] = []
 
         def mark(found: re.Match) -> str:
@@ -130,10 +146,10 @@ class Tokenizer:
             return f"{marker}{len(names) - 1}{marker}"
 
         marked = [
-            {**m, "content": self._specials.sub(mark, c)}
+            {**m, "content": self._specials.sub(mark, c)} if m.get("content") else m
             for m, c in zip(messages, contents, strict=True)
         ]
-        text = self.apply_chat_template(marked, add_generation_prompt)
+        text = self.apply_chat_template(marked, add_generation_prompt, **template_args)
         return self._encode_marked(text, marker, names, add_special_tokens)
 
     def _encode_marked(
@@ -270,6 +286,12 @@ def _tojson(value: Any, indent: int | None = None) -> str:
 
 def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=MAX_REQUEST_TEMPLATES)
+def _request_template(source: str) -> Template:
+    """A request's own template, compiled once while it is among the recent ones."""
+    return _compile_template(source)
 
 
 def _compile_template(source: str) -> Template:

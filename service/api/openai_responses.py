@@ -104,6 +104,21 @@ class Choice:
     text: str
     finish_reason: str
     logprobs: dict[str, Any] | None
+    message: dict[str, Any] | None = None  # a chat's, when its answer was read for more
+
+
+def finish_reason_of(reason: str, called: bool) -> str:
+    """A sequence that stopped after calling tools finished for that reason."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def running_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """vLLM's continuous_usage_stats: the counts so far, on every chunk."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def full_response(
@@ -119,7 +134,7 @@ def _full_choice(header: ResponseHeader, index: int, choice: Choice) -> dict[str
     if header.kind == "chat":
         return {
             "index": index,
-            "message": {"role": "assistant", "content": choice.text},
+            "message": choice.message or {"role": "assistant", "content": choice.text},
             "logprobs": choice.logprobs,
             "finish_reason": choice.finish_reason,
         }
@@ -163,6 +178,16 @@ def delta_chunk(
             "finish_reason": finish_reason,
         }
         body = header.base("text_completion")
+    body["choices"] = [choice]
+    return body
+
+
+def message_chunk(
+    header: ResponseHeader, delta: dict[str, Any], logprobs: dict[str, Any] | None, index: int
+) -> dict[str, Any]:
+    """A chat stream chunk whose delta was read from the answer (reasoning, calls)."""
+    body = header.base("chat.completion.chunk")
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
     body["choices"] = [choice]
     return body
 

@@ -16,7 +16,9 @@ from typing import Any
 import orjson
 
 from gpu_worker.protocol import SamplingSpec
+from service.api.chat_output import OutputReader
 from service.api.errors import APIError, bad_request
+from service.api.openai_chat import ChatOptions, parse_chat_options, parse_message
 from service.engine.grammar import ResponseFormat
 from service.engine.request import SamplingParams
 
@@ -29,7 +31,6 @@ MAX_SCHEMA_BYTES = 64 * 1024
 # window has tokens, since each costs at least one) is refused before any is read.
 MAX_CHAT_MESSAGES = 4096  # response_format's JSON schema, serialized
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
-CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 # Fields OpenAI (or common benchmark clients) send that cadence accepts only with their
 # neutral value: anything else would silently change the meaning of the request.
@@ -41,9 +42,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "echo": (False, None),  # completions read it; chat's (vLLM's) is another thing
     "suffix": (None, ""),
     "logit_bias": (None,),
-    "tools": (None,),
-    "tool_choice": (None, "none", "auto"),
-    "parallel_tool_calls": (None, True, False),
     "store": (None, False),
     "metadata": (None,),
     "service_tier": (None, "auto", "default"),
@@ -53,8 +51,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     # clients add to every body: accepted at the values that ask for nothing more
     "add_generation_prompt": (True, None),
     "continue_final_message": (False, None),
-    "chat_template": (None,),
-    "chat_template_kwargs": (None,),
     "documents": (None,),
     "mm_processor_kwargs": (None,),
     "include_stop_str_in_output": (False, None),
@@ -85,9 +81,8 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "lora_path": (None,),
     "lora_request": (None,),
     "kv_transfer_params": (None,),
-    "reasoning_effort": (None,),
-    # nothing to ask for: this server runs no reasoning parser, keeps no sessions and is
-    # never one half of a prefill/decode pair, so any value means what it means with none
+    # nothing to ask for: reasoning is always returned apart (--reasoning-parser), and
+    # this server keeps no sessions and is never one half of a prefill/decode pair
     "separate_reasoning": (),
     "add_special_tokens": (),  # the tokenizer's own choice either way: no BOS is configured
     "stream_reasoning": (),
@@ -135,7 +130,7 @@ class GenerationRequest:
     kind: str  # "completion" | "chat"
     model: str | None
     prompt: str | list[int] | None  # completions
-    messages: list[dict[str, str]] | None  # chat, content flattened to text
+    messages: list[dict[str, Any]] | None  # chat, content flattened to text
     params: SamplingParams  # max_tokens None: the rest of the context window (chat)
     stream: bool
     include_usage: bool
@@ -146,6 +141,11 @@ class GenerationRequest:
     n: int = 1  # choices returned
     best_of: int = 1  # sequences generated; the n of highest log-probability are returned
     response_format: ResponseFormat | None = None  # None: free text
+    chat: ChatOptions | None = None  # a chat's tools and template options
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
+    # set by the route once the prompt is tokenized
+    prompt_tokens: int = 0
+    reader: OutputReader | None = None  # a chat's answer read for reasoning and tool calls
     ignored: tuple[str, ...] = ()  # fields this server does not know, ignored (and logged)
 
 
@@ -243,6 +243,7 @@ def parse_chat_request(
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     request = _parse_common(fields, "chat", header_tenant, top_logprobs if logprobs else None)
     request.messages = messages
+    request.chat = parse_chat_options(fields.raw)
     fields.check_leftovers()
     request.ignored = tuple(fields.ignored)
     return request
@@ -254,7 +255,7 @@ class TokenizeRequest:
 
     model: str | None
     prompt: str | None
-    messages: list[dict[str, str]] | None
+    messages: list[dict[str, Any]] | None
     add_special_tokens: bool
     add_generation_prompt: bool
     return_token_strs: bool
@@ -348,6 +349,7 @@ def _parse_common(
         params=params,
         stream=stream,
         include_usage=_parse_stream_options(fields.raw("stream_options"), stream),
+        continuous_usage=_continuous_usage(fields.raw("stream_options")),
         tenant=_parse_tenant(header_tenant, fields.raw("user")),
         priority=fields.integer("priority", 0) or 0,
         deadline_ms=_parse_deadline(fields),
@@ -460,7 +462,7 @@ def _parse_prompt(value: Any, bound: PromptBound | None) -> str | list[int]:
     raise bad_request("'prompt' must be a string or a list of token ids", "prompt")
 
 
-def _parse_messages(value: Any, bound: PromptBound | None) -> list[dict[str, str]]:
+def _parse_messages(value: Any, bound: PromptBound | None) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise bad_request("'messages' must be a non-empty list", "messages")
     limit = min(MAX_CHAT_MESSAGES, bound.max_tokens if bound is not None else MAX_CHAT_MESSAGES)
@@ -468,36 +470,11 @@ def _parse_messages(value: Any, bound: PromptBound | None) -> list[dict[str, str
         raise bad_request(
             f"a chat may have at most {limit} messages, this one has {len(value)}", "messages"
         )
-    messages = [_parse_message(i, message) for i, message in enumerate(value)]
+    messages = [parse_message(i, message) for i, message in enumerate(value)]
     if bound is not None:
         # The template adds to the contents, so they alone bound the rendered prompt.
-        bound.check_chars(sum(len(m["content"]) for m in messages), "messages")
+        bound.check_chars(sum(len(m["content"] or "") for m in messages), "messages")
     return messages
-
-
-def _parse_message(index: int, message: Any) -> dict[str, str]:
-    param = f"messages[{index}]"
-    if not isinstance(message, dict):
-        raise bad_request(f"{param} must be an object", param)
-    role = message.get("role")
-    if role not in CHAT_ROLES:
-        raise bad_request(f"{param}.role must be one of {list(CHAT_ROLES)}, got {role!r}", param)
-    content = message.get("content")
-    if isinstance(content, list):
-        content = "".join(_text_of_part(param, part) for part in content)
-    if not isinstance(content, str):
-        raise bad_request(f"{param}.content must be a string or a list of text parts", param)
-    # The template decides how a developer message is shown; most know only "system".
-    return {"role": "system" if role == "developer" else role, "content": content}
-
-
-def _text_of_part(param: str, part: Any) -> str:
-    if not isinstance(part, dict) or part.get("type") != "text":
-        raise bad_request(f"{param}.content: only text parts are supported", param)
-    text = part.get("text")
-    if not isinstance(text, str):
-        raise bad_request(f"{param}.content: a text part needs a string 'text'", param)
-    return text
 
 
 def _parse_stop(value: Any) -> list[str]:
@@ -519,10 +496,15 @@ def _parse_stream_options(value: Any, stream: bool) -> bool:
     unknown = set(value) - {"include_usage", "continuous_usage_stats"}
     if unknown:
         raise bad_request(f"unknown stream_options {sorted(unknown)}", "stream_options")
-    include = value.get("include_usage", False)
-    if not isinstance(include, bool):
-        raise bad_request("'stream_options.include_usage' must be a boolean", "stream_options")
-    return include
+    for name in ("include_usage", "continuous_usage_stats"):
+        if not isinstance(value.get(name, False), bool):
+            raise bad_request(f"'stream_options.{name}' must be a boolean", "stream_options")
+    return value.get("include_usage", False)
+
+
+def _continuous_usage(value: Any) -> bool:
+    """vLLM's continuous_usage_stats (read once _parse_stream_options has checked it)."""
+    return isinstance(value, dict) and value.get("continuous_usage_stats", False)
 
 
 def _parse_tenant(header: str | None, user: Any) -> str | None:

@@ -18,8 +18,8 @@ from service.api.access import METRICS_PATH, needs_key
 from service.api.app_state import app_state
 from service.api.errors import json_response
 from service.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from service.api.openai_chat import CHAT_ROLES, REASONING_EFFORTS, TOOL_CHOICES
 from service.api.openai_schema import (
-    CHAT_ROLES,
     MAX_CACHE_SALT_CHARS,
     MAX_CHAT_MESSAGES,
     MAX_DEADLINE_MS,
@@ -97,6 +97,9 @@ def _public_paths(max_model_len: int | None) -> Schema:
             "post": _generation("Create a chat completion", _chat_request(max_model_len))
         },
         "/v1/models": {"get": _get("The model served", _models_schema())},
+        "/version": {
+            "get": _get("The server's version", _open({"version": {"type": "string"}}, ["version"]))
+        },
         "/tokenize": {"post": _tokenize()},
         "/detokenize": {"post": _detokenize()},
         "/health": {
@@ -225,10 +228,26 @@ def _completion_request(max_model_len: int | None) -> Schema:
 def _chat_request(max_model_len: int | None) -> Schema:
     part = _object({"type": {"const": "text"}, "text": {"type": "string"}}, ["type", "text"])
     content = {"oneOf": [{"type": "string"}, {"type": "array", "items": part}]}
+    content = {"oneOf": [*content["oneOf"], {"type": "null"}]}  # null: a turn of tool calls
+    call = _open(
+        {
+            "id": {"type": "string"},
+            "type": {"const": "function"},
+            "function": _open(
+                {"name": {"type": "string"}, "arguments": {"type": "string"}}, ["name"]
+            ),
+        },
+        ["function"],
+    )
     message = {
         "type": "object",
-        "properties": {"role": {"enum": list(CHAT_ROLES)}, "content": content},
-        "required": ["role", "content"],
+        "properties": {
+            "role": {"enum": list(CHAT_ROLES)},
+            "content": content,
+            "tool_calls": {"type": "array", "items": call},
+            "tool_call_id": {"type": "string", "description": "a tool message's call"},
+        },
+        "required": ["role"],
     }
     return _request(
         {
@@ -244,10 +263,47 @@ def _chat_request(max_model_len: int | None) -> Schema:
                 **_integer(0, MAX_LOGPROBS),
                 "description": "the k most likely alternatives of each token; needs logprobs",
             },
+            **_tool_fields(),
         },
         ["messages"],
         max_model_len,
     )
+
+
+def _tool_fields() -> Schema:
+    """A chat's tools and what its template gets."""
+    function = _open(
+        {
+            "name": {"type": "string", "minLength": 1},
+            "description": {"type": "string"},
+            "parameters": {"type": "object"},
+        },
+        ["name"],
+    )
+    tool = _open({"type": {"const": "function"}, "function": function}, ["type", "function"])
+    named = _open(
+        {"type": {"const": "function"}, "function": _open({"name": {"type": "string"}}, ["name"])},
+        ["type", "function"],
+    )
+    return {
+        "tools": {"type": ["array", "null"], "items": tool},
+        "tool_choice": {
+            "oneOf": [{"type": "null"}, {"enum": list(TOOL_CHOICES)}, named],
+            "description": "auto needs --tool-call-parser; required and a named function are "
+            "enforced by the grammar engine (the arguments fit the tool's parameters)",
+        },
+        "parallel_tool_calls": {"type": ["boolean", "null"]},
+        "chat_template": {
+            "type": ["string", "null"],
+            "description": "a Jinja chat template for this request (needs "
+            "--trust-request-chat-template)",
+        },
+        "chat_template_kwargs": {"type": ["object", "null"]},
+        "reasoning_effort": {
+            "oneOf": [{"type": "null"}, {"enum": list(REASONING_EFFORTS)}],
+            "description": "passed to the chat template as `reasoning_effort`",
+        },
+    }
 
 
 def _request(own: Schema, required: list[str], max_model_len: int | None) -> Schema:

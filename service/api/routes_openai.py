@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import math
 import uuid
 from collections.abc import AsyncIterator
@@ -16,13 +17,24 @@ from quart import Blueprint, Response, request
 from service.api.access import request_key
 from service.api.app_state import AppState, app_state
 from service.api.body import read_body
+from service.api.chat_output import MessageStream
+from service.api.chat_setup import (
+    check_tool_choice,
+    forced_calls_format,
+    keeps_special_tokens,
+    output_reader,
+    template_args,
+)
 from service.api.errors import APIError, bad_request, json_response
 from service.api.openai_logprobs import Echo, logprobs_of
 from service.api.openai_responses import (
     Choice,
     ResponseHeader,
     delta_chunk,
+    finish_reason_of,
     full_response,
+    message_chunk,
+    running_usage,
     usage,
     usage_chunk,
 )
@@ -72,6 +84,19 @@ async def health() -> Response:
     if engine.ready:
         return json_response({"status": "ok", **body}, 200)
     return json_response({"status": "unavailable", **body}, 503)
+
+
+@blueprint.get("/version")
+async def version() -> Response:
+    """vLLM's: the server's version (this package's)."""
+    return json_response({"version": server_version()}, 200)
+
+
+def server_version() -> str:
+    try:
+        return importlib.metadata.version("cadence")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
+        return "unknown"
 
 
 @blueprint.get("/v1/models")
@@ -137,9 +162,20 @@ async def serve_generation(req: GenerationRequest) -> Response:
     require_served_model(req.model, state)
     if not state.engine.ready:
         raise unavailable("the model worker is not ready yet; retry shortly")
+    grammar_param = "response_format"
+    if req.chat is not None:
+        check_tool_choice(req.chat, state.config)
+        forced = forced_calls_format(req.chat)
+        if forced is not None:  # as vLLM: the calls' grammar, whatever response_format says
+            req.response_format, grammar_param = forced, "tools"
     if req.response_format is not None:
-        req.params.grammar = await grammar_of(req.response_format, state)
+        req.params.grammar = await grammar_of(req.response_format, state, grammar_param)
     prompt_ids = await tokenize_prompt(req, state)
+    req.prompt_tokens = len(prompt_ids)
+    if req.chat is not None:
+        req.reader = output_reader(req.chat, state.config, state.tokenizer, prompt_ids)
+        if keeps_special_tokens(req.reader):
+            req.params.skip_special_tokens = False
     check_logprob_volume(req, len(prompt_ids), state)
     prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
     request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -285,24 +321,28 @@ async def tokenize_prompt(req: GenerationRequest, state: AppState) -> list[int]:
         return list(req.prompt)
     # Up to max_model_len x the longest token's characters (hundreds of KB): seconds of
     # tokenizer work that must not stop every other stream, so it runs in a thread.
+    chat_args = {} if req.chat is None else template_args(req.chat, state.config)
     return await trio.to_thread.run_sync(
-        prompt_ids_of, req, state.tokenizer, limiter=state.tokenizer_threads
+        prompt_ids_of, req, state.tokenizer, chat_args, limiter=state.tokenizer_threads
     )
 
 
-def prompt_ids_of(req: GenerationRequest, tokenizer: Tokenizer) -> list[int]:
-    """Render and tokenize a text prompt or a chat (blocking: call it in a worker thread)."""
+def prompt_ids_of(
+    req: GenerationRequest, tokenizer: Tokenizer, chat_args: dict[str, Any]
+) -> list[int]:
+    """Render and tokenize a text prompt or a chat (blocking: call it in a worker thread);
+    `chat_args`: the chat template's arguments beyond the messages."""
     if req.kind == "completion":
         assert isinstance(req.prompt, str)
         return tokenizer.encode(req.prompt, add_special_tokens=True)
     assert req.messages is not None
     try:
-        return tokenizer.encode_chat(req.messages, add_generation_prompt=True)
+        return tokenizer.encode_chat(req.messages, True, **chat_args)
     except Exception as exc:  # a template may reject a message order (e.g. two system turns)
         raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
 
 
-async def grammar_of(response_format: ResponseFormat, state: AppState) -> Any:
+async def grammar_of(response_format: ResponseFormat, state: AppState, param: str) -> Any:
     """The compiled grammar, on the grammar threads, within GRAMMAR_COMPILE_TIMEOUT_S.
 
     xgrammar cannot be stopped mid-compilation: a request that hangs up or times out stops
@@ -313,30 +353,30 @@ async def grammar_of(response_format: ResponseFormat, state: AppState) -> Any:
             compile_grammar,
             response_format,
             state,
+            param,
             limiter=state.grammar_threads,
             abandon_on_cancel=True,
         )
     raise bad_request(
-        f"compiling the schema of response_format took more than {GRAMMAR_COMPILE_TIMEOUT_S} s "
+        f"compiling the schema of {param} took more than {GRAMMAR_COMPILE_TIMEOUT_S} s "
         "(waiting included); simplify it or retry later",
-        "response_format",
+        param,
         "grammar_timeout",
     )
 
 
-def compile_grammar(response_format: ResponseFormat, state: AppState) -> Any:
-    """response_format's grammar, from the cache or compiled (blocking: call it in a
-    worker thread); a schema it cannot serve is a 400."""
+def compile_grammar(response_format: ResponseFormat, state: AppState, param: str) -> Any:
+    """The grammar of response_format (or of the forced tool calls: `param` "tools"), from
+    the cache or compiled (blocking: call it in a worker thread); a schema it cannot serve
+    is a 400."""
     try:
         if state.grammars is None:
             raise GrammarUnavailable("structured output is not enabled on this server")
         return state.grammars.compile(response_format)
     except GrammarUnavailable as exc:
-        raise bad_request(str(exc), "response_format") from None
+        raise bad_request(str(exc), param) from None
     except InvalidGrammar as exc:
-        raise bad_request(
-            f"the JSON schema of response_format is not supported: {exc}", "response_format"
-        ) from None
+        raise bad_request(f"the JSON schema of {param} is not supported: {exc}", param) from None
 
 
 def closed_early() -> APIError:
@@ -403,16 +443,25 @@ async def whole_response(
         raise error
     ranked = best_sequences(tokens, req.n) if req.best_of > req.n else list(range(req.n))
     choices = [
-        Choice(
-            text=(echo.text if echo else "") + "".join(event.text for event in tokens[i]),
-            finish_reason=finishes[i].reason,
-            logprobs=logprobs_of(req, state.tokenizer.pieces, tokens[i], 0, echo),
+        answer(
+            req,
+            (echo.text if echo else "") + "".join(event.text for event in tokens[i]),
+            finishes[i].reason,
+            logprobs_of(req, state.tokenizer.pieces, tokens[i], 0, echo),
         )
         for i in ranked
     ]
     usage_ = usage([finishes[i] for i in range(req.best_of)], state.config.reports_cached_tokens())
     body = full_response(header, choices, usage_)
     return json_response(body, 200, {"X-Request-Id": header.request_id})
+
+
+def answer(req: GenerationRequest, text: str, reason: str, logprobs: Any) -> Choice:
+    """One returned sequence, its message read by the request's reader if it has one."""
+    if req.reader is None:
+        return Choice(text, reason, logprobs)
+    message = req.reader.message(text)
+    return Choice(text, finish_reason_of(reason, "tool_calls" in message), logprobs, message)
 
 
 def best_sequences(tokens: dict[int, list[TokenEvent]], n: int) -> list[int]:
@@ -457,25 +506,37 @@ async def sse_stream(
     failed = False
     text_offsets = [0] * req.n
     echoes = [echo] * req.n
+    counted = [0] * req.n  # tokens sent, per choice (continuous_usage_stats)
+    streams = [MessageStream(req.reader) for _ in range(req.n)] if req.reader else None
+
+    def data(chunk: dict[str, Any], index: int) -> bytes:
+        if req.continuous_usage:
+            chunk["usage"] = running_usage(req.prompt_tokens, counted[index])
+        return sse_data(chunk)
+
     try:
         if req.kind == "chat":
             for index in range(req.n):
-                yield sse_data(delta_chunk(header, "", None, role=True, index=index))
+                yield data(delta_chunk(header, "", None, role=True, index=index), index)
         async for group in event_groups(channel, state.heartbeat_seconds, first, req.n):
             if not group:
                 yield HEARTBEAT
                 continue
             for index, events in by_index(group).items():
                 tokens = [event for event in events if isinstance(event, TokenEvent)]
-                chunk = token_chunk(
-                    req, header, tokens, state, text_offsets[index], echoes[index], index
-                )
+                counted[index] += sum(len(event.token_ids) for event in tokens)
+                if streams is not None:
+                    chunk = read_chunk(req, header, tokens, state, streams[index], index)
+                else:
+                    chunk = token_chunk(
+                        req, header, tokens, state, text_offsets[index], echoes[index], index
+                    )
                 if chunk is not None:
                     text_offsets[index] += sum(len(event.text) for event in tokens)
                     if echo is not None and echoes[index] is not None:
                         text_offsets[index] += len(echo.text)
                         echoes[index] = None
-                    yield sse_data(chunk)
+                    yield data(chunk, index)
                 finish = events[-1]
                 if not isinstance(finish, FinishEvent):
                     continue
@@ -486,7 +547,13 @@ async def sse_stream(
                     yield sse_data(error.body())
                     yield DONE
                     return
-                yield sse_data(delta_chunk(header, None, finish.reason, index=index))
+                reason = finish.reason
+                if streams is not None:
+                    last = streams[index].delta("", final=True)
+                    if last:
+                        yield data(message_chunk(header, last, None, index), index)
+                    reason = finish_reason_of(reason, streams[index].called)
+                yield data(delta_chunk(header, None, reason, index=index), index)
         if len(finishes) < req.n:
             yield sse_data(closed_early().body())
         elif req.include_usage:
@@ -508,6 +575,26 @@ def by_index(group: list[Event]) -> dict[int, list[Event]]:
     for event in group:
         split.setdefault(event.index, []).append(event)
     return split
+
+
+def read_chunk(
+    req: GenerationRequest,
+    header: ResponseHeader,
+    tokens: list[TokenEvent],
+    state: AppState,
+    stream: MessageStream,
+    index: int,
+) -> dict[str, Any] | None:
+    """A chat chunk of what the new tokens add to the read answer (None: nothing yet)."""
+    if not tokens:
+        return None
+    delta = stream.delta("".join(event.text for event in tokens))
+    logprobs = None
+    if req.params.sampling.logprobs:
+        logprobs = logprobs_of(req, state.tokenizer.pieces, tokens, 0, None)
+    if not delta and logprobs is None:
+        return None
+    return message_chunk(header, delta, logprobs, index)
 
 
 def token_chunk(

@@ -1,0 +1,249 @@
+"""Tool calls and reasoning on a real server (the default model) with the official openai
+client: tool_choice `required` and a named function give arguments that fit the tool's
+schema, greedy and sampled, whole and streamed (the deltas reassembled equal the whole);
+an agent's two turns (a call, its result, the answer) through the client's own types;
+`auto` read by the hermes parser; reasoning opened by chat_template_kwargs and returned as
+reasoning_content; continuous usage stats; /version; and the 400s of bad tool requests.
+
+The server runs with --chat-template (SmolLM2's own template shows no tools), so the flag
+is tested too."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.chat_stream_helpers import comparable, reassemble
+from tests.server_fixtures import RunningServer, start_server, stop_server
+
+pytestmark = pytest.mark.real_model
+TEMPLATE = Path(__file__).with_name("hermes_template.jinja")
+MAX_TOKENS = 80
+CITY = {"type": "string", "minLength": 1, "maxLength": 20}
+
+
+def tool(name: str, description: str, properties: dict, required: list[str]) -> dict:
+    parameters = {"type": "object", "properties": properties, "required": required}
+    return {
+        "type": "function",
+        "function": {"name": name, "description": description, "parameters": parameters},
+    }
+
+
+WEATHER = tool(
+    "get_weather",
+    "The current weather in a city",
+    {"city": CITY, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    ["city", "unit"],
+)
+ADD = tool(
+    "add",
+    "Add two integers",
+    {"a": {"type": "integer", "minimum": -999, "maximum": 999}, "b": {"type": "integer",
+     "minimum": -999, "maximum": 999}},
+    ["a", "b"],
+)
+FLIGHT = tool(
+    "book_flight",
+    "Book a flight between two airports",
+    {
+        "origin": {"type": "string", "pattern": "^[A-Z]{3}$"},
+        "destination": {"type": "string", "pattern": "^[A-Z]{3}$"},
+        "passengers": {"type": "integer", "minimum": 1, "maximum": 9},
+        "flexible": {"type": "boolean"},
+    },
+    ["origin", "destination", "passengers", "flexible"],
+)
+TAGS = tool(
+    "tag_note",
+    "Tag a note",
+    {"tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 1,
+              "maxItems": 3}},
+    ["tags"],
+)
+ALL_TOOLS = [WEATHER, ADD, FLIGHT, TAGS]
+# (question, tools offered, tool_choice, temperature)
+FORCED_CASES = [
+    ("What is the weather like in Paris?", ALL_TOOLS, "required", 0.0),
+    ("What is 12 plus 30?", ALL_TOOLS, "required", 0.8),
+    ("Tag this note about groceries and cooking.", ALL_TOOLS, "tag_note", 0.0),
+    ("I need a flight to Rome next week.", ALL_TOOLS, "book_flight", 0.9),
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    running = start_server(
+        tmp_path_factory.mktemp("tools-server"),
+        "--chat-template", str(TEMPLATE),
+        "--tool-call-parser", "hermes",
+        "--reasoning-parser", "deepseek_r1",
+    )
+    yield running
+    stop_server(running)
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def choice_of(name: str) -> Any:
+    if name == "required":
+        return name
+    return {"type": "function", "function": {"name": name}}
+
+
+def ask(client: openai.OpenAI, question: str, stream: bool, **fields: Any) -> Any:
+    fields.setdefault("max_tokens", MAX_TOKENS)
+    return client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": question}],
+        seed=7,
+        stream=stream,
+        **fields,
+    )
+
+
+def streamed(chunks: Any) -> tuple[dict, str | None]:
+    """(the message the deltas add up to, the finish reason)."""
+    deltas, finish = [], None
+    for chunk in chunks:
+        if chunk.choices:
+            deltas.append(chunk.choices[0].delta.model_dump(exclude_none=True))
+            finish = chunk.choices[0].finish_reason or finish
+    return reassemble(deltas), finish
+
+
+def check_fits(message: Any, tools: list[dict], choice: str) -> None:
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    assert message.tool_calls, message
+    for call in message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert choice in ("required", call.function.name)
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+@pytest.mark.parametrize(("question", "tools", "choice", "temperature"), FORCED_CASES)
+def test_forced_calls_fit_their_tools_schema_whole_and_streamed(
+    client: openai.OpenAI, question: str, tools: list[dict], choice: str, temperature: float
+) -> None:
+    fields = {"tools": tools, "tool_choice": choice_of(choice), "temperature": temperature}
+    whole = ask(client, question, False, **fields).choices[0]
+    assert whole.finish_reason == "tool_calls"
+    check_fits(whole.message, tools, choice)
+    message, finish = streamed(ask(client, question, True, **fields))
+    assert finish == "tool_calls"
+    assert message == comparable(whole.message.model_dump())  # seeded: the same tokens
+
+
+def test_parallel_tool_calls_false_makes_one_call(client: openai.OpenAI) -> None:
+    fields = {"tools": ALL_TOOLS, "tool_choice": "required", "parallel_tool_calls": False}
+    message = ask(client, "Weather in Lima and Kyiv?", False, **fields)
+    assert len(message.choices[0].message.tool_calls) == 1
+
+
+def test_an_agent_loop_of_two_turns(client: openai.OpenAI) -> None:
+    messages: list[Any] = [{"role": "user", "content": "What is the weather in Madrid?"}]
+    first = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=messages, tools=[WEATHER],
+        tool_choice="required", max_tokens=MAX_TOKENS, temperature=0,
+    )
+    call = first.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    messages.append(first.choices[0].message)  # the client's own type, content None
+    result = {"temperature": 31, "unit": "celsius", "sky": "clear"}
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)})
+    second = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=messages, tools=[WEATHER],
+        tool_choice="none", max_tokens=24, temperature=0,
+    )
+    answer = second.choices[0]
+    assert answer.message.tool_calls is None and answer.message.content
+    assert answer.finish_reason in ("stop", "length")
+    # the call and its result were rendered into the second prompt
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + 20
+
+
+def test_auto_is_read_by_the_hermes_parser_whole_and_streamed(client: openai.OpenAI) -> None:
+    fields = {"tools": ALL_TOOLS, "temperature": 0, "max_tokens": 32}
+    question = "Please call the weather tool for Berlin."
+    whole = ask(client, question, False, **fields).choices[0]
+    message, finish = streamed(ask(client, question, True, **fields))
+    assert message == comparable(whole.message.model_dump())
+    assert finish == whole.finish_reason
+    assert (whole.finish_reason == "tool_calls") == bool(whole.message.tool_calls)
+    assert "<tool_call>" not in (whole.message.content or "")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_reasoning_opened_by_the_template_is_reasoning_content(
+    client: openai.OpenAI, temperature: float
+) -> None:
+    fields = {
+        "temperature": temperature,
+        "max_tokens": 24,
+        "extra_body": {"chat_template_kwargs": {"enable_thinking": True}},
+    }
+    whole = ask(client, "Why is the sky blue?", False, **fields).choices[0].message
+    # the prompt ends inside <think>: what the model writes before </think> is reasoning
+    assert whole.model_dump()["reasoning_content"] and whole.content is None
+    message, _ = streamed(ask(client, "Why is the sky blue?", True, **fields))
+    assert message == comparable(whole.model_dump())
+    plain = ask(client, "Why is the sky blue?", False, max_tokens=24).choices[0].message
+    assert plain.model_dump()["reasoning_content"] is None and plain.content
+
+
+def test_continuous_usage_stats_count_every_chunk(client: openai.OpenAI) -> None:
+    chunks = list(ask(client, "Count to five.", True, max_tokens=12, temperature=0,
+                      stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [chunk.usage.completion_tokens for chunk in chunks]
+    assert all(chunk.usage is not None for chunk in chunks)
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 12
+    assert {chunk.usage.prompt_tokens for chunk in chunks} == {chunks[-1].usage.prompt_tokens}
+
+
+def test_version(server: RunningServer) -> None:
+    body = httpx.get(f"{server.url}/version", timeout=10).json()
+    assert isinstance(body["version"], str) and body["version"]
+
+
+USER = {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tools": {"type": "function"}}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools"),
+        ({"tools": [WEATHER], "tool_choice": choice_of("nowhere")}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"messages": [USER, {"role": "tool", "content": "18 C"}]}, "messages[1]"),
+        (
+            {"messages": [USER, {"role": "assistant", "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{x"}}]}]},
+            "messages[1].tool_calls[0]",
+        ),
+        ({"messages": [USER, {"role": "assistant"}]}, "messages[1]"),
+        ({"chat_template": "{{ messages }}"}, "chat_template"),
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+        ({"reasoning_effort": "maximal"}, "reasoning_effort"),
+        ({"tools": [tool("f", "", {"x": {"type": "nonsense"}}, [])], "tool_choice": "required"},
+         "tools"),
+    ],
+)
+def test_bad_tool_requests_are_400s_naming_the_field(
+    server: RunningServer, fields: dict, param: str
+) -> None:
+    body = {"model": server.model, "messages": [USER], "max_tokens": 4, **fields}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
