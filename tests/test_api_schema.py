@@ -97,6 +97,13 @@ def test_single_element_prompt_lists_are_one_prompt() -> None:
     assert parse_completion_request({"prompt": [5, 6]}, None).prompt == [5, 6]
 
 
+def test_prompt_lists_are_a_batch() -> None:
+    request = parse_completion_request({"prompt": ["hi", "there"], "best_of": 3}, None)
+    assert (request.prompt, request.batch, request.sequences) == ("hi", ["hi", "there"], 6)
+    assert parse_completion_request({"prompt": [[1, 2], [3]]}, None).batch == [[1, 2], [3]]
+    assert parse_completion_request({"prompt": ["hi"]}, None).batch is None
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -104,7 +111,9 @@ def test_single_element_prompt_lists_are_one_prompt() -> None:
         ({}, "prompt"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": []}, "prompt"),
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ["a"] * 33}, "prompt"),
+        ({"prompt": ["a", ""]}, "prompt"),
+        ({"prompt": [[1], [-1]]}, "prompt"),
         ({"prompt": [1, -2]}, "prompt"),
         ({"prompt": [1, True]}, "prompt"),
         ({"prompt": 12}, "prompt"),

@@ -154,7 +154,7 @@ def test_an_agent_loop_of_two_turns(client: openai.OpenAI) -> None:
     messages: list[Any] = [{"role": "user", "content": "What is the weather in Madrid?"}]
     first = client.chat.completions.create(
         model="SmolLM2-135M-Instruct", messages=messages, tools=[WEATHER],
-        tool_choice="required", max_tokens=MAX_TOKENS, temperature=0,
+        tool_choice="required", parallel_tool_calls=False, max_tokens=MAX_TOKENS, temperature=0,
     )
     call = first.choices[0].message.tool_calls[0]
     assert call.function.name == "get_weather"

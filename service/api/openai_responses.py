@@ -17,6 +17,8 @@ class ResponseHeader:
     request_id: str
     model: str
     created: int = field(default_factory=lambda: int(time.time()))
+    # the engine's requests behind it (a list prompt has one a prompt); empty: request_id
+    engine_ids: tuple[str, ...] = ()
 
     def base(self, object_name: str) -> dict[str, Any]:
         return {
@@ -44,14 +46,15 @@ class TokenPieces:
         self.top += other.top
 
 
-def usage(finishes: list[FinishEvent], cached_tokens: bool) -> dict[str, Any]:
-    """OpenAI's usage object for a request's sequences (`finishes`, by index): the prompt
-    once, every sequence's tokens, and (`cached_tokens`: where the operator allows it, since
-    it tells what others sent before) the prompt tokens the prefix cache served the first
-    (the others share what it computed)."""
-    prompt = finishes[0].prompt_tokens
+def usage(finishes: list[FinishEvent], cached_tokens: bool, per_prompt: int) -> dict[str, Any]:
+    """OpenAI's usage object for a request's sequences (`finishes`, by index, `per_prompt`
+    of each prompt): each prompt once, every sequence's tokens, and (`cached_tokens`: where
+    the operator allows it, since it tells what others sent before) the prompt tokens the
+    prefix cache served the first of each prompt (the others share what it computed)."""
+    firsts = finishes[::per_prompt]
+    prompt = sum(finish.prompt_tokens for finish in firsts)
     completion = sum(finish.completion_tokens for finish in finishes)
-    details = {"cached_tokens": finishes[0].cached_tokens} if cached_tokens else None
+    details = {"cached_tokens": sum(f.cached_tokens for f in firsts)} if cached_tokens else None
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,

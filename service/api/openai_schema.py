@@ -25,6 +25,7 @@ from service.engine.request import SamplingParams
 MAX_LOGPROBS = 20  # alternatives per token: chat's `top_logprobs` (vLLM's max_logprobs too)
 MAX_DEADLINE_MS = 86_400_000.0
 MAX_SEQUENCES = 32  # `n` and `best_of`: sequences generated for one request
+MAX_BATCH_PROMPTS = 32  # prompts of one list `prompt` (completions)
 MAX_CACHE_SALT_CHARS = 256
 MAX_SCHEMA_BYTES = 64 * 1024
 # Each message is template and dict work: a chat of more messages than this (or than the
@@ -129,7 +130,7 @@ class GenerationRequest:
 
     kind: str  # "completion" | "chat"
     model: str | None
-    prompt: str | list[int] | None  # completions
+    prompt: str | list[int] | None  # completions (a list prompt's first)
     messages: list[dict[str, Any]] | None  # chat, content flattened to text
     params: SamplingParams  # max_tokens None: the rest of the context window (chat)
     stream: bool
@@ -147,6 +148,13 @@ class GenerationRequest:
     prompt_tokens: int = 0
     reader: OutputReader | None = None  # a chat's answer read for reasoning and tool calls
     ignored: tuple[str, ...] = ()  # fields this server does not know, ignored (and logged)
+    batch: list[str | list[int]] | None = None  # a list prompt of several (vLLM's batch)
+
+
+    @property
+    def sequences(self) -> int:
+        """Sequences generated across every prompt."""
+        return self.best_of * (len(self.batch) if self.batch else 1)
 
 
 class _Fields:
@@ -213,7 +221,7 @@ def parse_completion_request(
 ) -> GenerationRequest:
     """`bound` None: the context window is not known yet (the worker is still starting)."""
     fields = _Fields(body)
-    prompt = _parse_prompt(fields.raw("prompt"), bound)
+    prompts = _parse_prompts(fields.raw("prompt"), bound)
     logprobs = fields.integer("logprobs", None)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"'logprobs' must be between 0 and {MAX_LOGPROBS}", "logprobs")
@@ -221,7 +229,8 @@ def parse_completion_request(
     request = _parse_common(fields, "completion", header_tenant, logprobs)
     if request.params.max_tokens is None:
         request.params.max_tokens = 16  # OpenAI's default for completions
-    request.prompt = prompt
+    request.prompt = prompts[0]
+    request.batch = prompts if len(prompts) > 1 else None
     request.echo = echo
     if echo and logprobs is not None:
         request.params.sampling.prompt_logprobs = logprobs
@@ -434,15 +443,18 @@ def _parse_deadline(fields: _Fields) -> float | None:
     return value
 
 
-def _parse_prompt(value: Any, bound: PromptBound | None) -> str | list[int]:
+def _parse_prompts(value: Any, bound: PromptBound | None) -> list[str | list[int]]:
+    """A prompt, or a list of them: strings or token-id lists."""
     if value is None:
         raise bad_request("'prompt' is required", "prompt")
-    if isinstance(value, list) and value and isinstance(value[0], str | list):
-        if len(value) != 1:
-            raise bad_request(
-                "batched prompts are not supported: send one prompt per request", "prompt"
-            )
-        value = value[0]
+    if not (isinstance(value, list) and value and isinstance(value[0], str | list)):
+        return [_parse_prompt(value, bound)]
+    if len(value) > MAX_BATCH_PROMPTS:
+        raise bad_request(f"'prompt' may list at most {MAX_BATCH_PROMPTS} prompts", "prompt")
+    return [_parse_prompt(one, bound) for one in value]
+
+
+def _parse_prompt(value: Any, bound: PromptBound | None) -> str | list[int]:
     if isinstance(value, str):
         if not value:
             raise bad_request("'prompt' must not be empty", "prompt")

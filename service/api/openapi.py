@@ -20,6 +20,7 @@ from service.api.errors import json_response
 from service.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from service.api.openai_chat import CHAT_ROLES, REASONING_EFFORTS, TOOL_CHOICES
 from service.api.openai_schema import (
+    MAX_BATCH_PROMPTS,
     MAX_CACHE_SALT_CHARS,
     MAX_CHAT_MESSAGES,
     MAX_DEADLINE_MS,
@@ -202,9 +203,11 @@ def _completion_request(max_model_len: int | None) -> Schema:
         "oneOf": [
             text,
             ids,
-            {"type": "array", "items": text, "minItems": 1, "maxItems": 1},
-            {"type": "array", "items": ids, "minItems": 1, "maxItems": 1},
-        ]
+            {"type": "array", "items": text, "minItems": 1, "maxItems": MAX_BATCH_PROMPTS},
+            {"type": "array", "items": ids, "minItems": 1, "maxItems": MAX_BATCH_PROMPTS},
+        ],
+        "description": "a prompt, or a list of them (vLLM's batch: prompt i's choice j is "
+        "choice i x n + j)",
     }
     return _request(
         {

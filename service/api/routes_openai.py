@@ -12,10 +12,11 @@ from typing import Any
 import orjson
 import structlog
 import trio
-from quart import Blueprint, Response, request
+from quart import Blueprint, Response, current_app, request
 
 from service.api.access import request_key
 from service.api.app_state import AppState, app_state
+from service.api.batch import merge_channels
 from service.api.body import read_body
 from service.api.chat_output import MessageStream
 from service.api.chat_setup import (
@@ -118,7 +119,8 @@ async def list_models() -> Response:
 async def completions() -> Response:
     body = await read_json_body()
     tenant = request.headers.get("X-Tenant")
-    return await serve_generation(parse_completion_request(body, tenant, prompt_bound()))
+    req = parse_completion_request(body, tenant, prompt_bound())
+    return await (serve_batch(req) if req.batch else serve_generation(req))
 
 
 @blueprint.post("/v1/chat/completions")
@@ -159,6 +161,56 @@ def require_served_model(model: str | None, state: AppState) -> None:
 
 async def serve_generation(req: GenerationRequest) -> Response:
     state = app_state()
+    await prepare(req, state)
+    request_id = new_request_id(req)
+    prompt_ids, channel = await submit_prompt(req, state, request_id)
+    header = ResponseHeader(req.kind, request_id, state.served_model_name)
+    echoes = [echo_of(req, prompt_ids, state)] if req.echo else None
+    return await respond(req, header, channel, state, echoes)
+
+
+async def serve_batch(req: GenerationRequest) -> Response:
+    """A list prompt, as vLLM serves it: one engine request per prompt, their sequences
+    indexed across the prompts (prompt i's choice j is choice i x n + j)."""
+    assert req.batch is not None
+    state = app_state()
+    await prepare(req, state)
+    request_id = new_request_id(req)
+    channels: list[trio.MemoryReceiveChannel] = []
+    echoes: list[Echo | None] = []
+    header = ResponseHeader(req.kind, request_id, state.served_model_name)
+    try:
+        for i, prompt in enumerate(req.batch):
+            one = dataclasses.replace(req, prompt=prompt, params=dataclasses.replace(req.params))
+            engine_id = f"{request_id}-{i}"
+            prompt_ids, channel = await submit_prompt(one, state, engine_id)
+            header.engine_ids += (engine_id,)
+            channels.append(channel)
+            echoes.append(echo_of(one, prompt_ids, state) if req.echo else None)
+            req.prompt_tokens += one.prompt_tokens
+    except BaseException:  # a prompt refused (or the client gone): the others end too
+        abort_all(channels, header, state)
+        raise
+    merged = merge_channels(channels, req.best_of, current_app.nursery)
+    return await respond(req, header, merged, state, echoes if req.echo else None)
+
+
+def abort_all(
+    channels: list[trio.MemoryReceiveChannel], header: ResponseHeader, state: AppState
+) -> None:
+    for channel in channels:
+        channel.close()
+    abort(header, state)
+
+
+def abort(header: ResponseHeader, state: AppState) -> None:
+    """End the engine requests of a response (synchronous: safe in a cancelled scope)."""
+    for engine_id in header.engine_ids or (header.request_id,):
+        state.engine.abort(engine_id)
+
+
+async def prepare(req: GenerationRequest, state: AppState) -> None:
+    """What every prompt of a request shares: the checks, the grammar."""
     require_served_model(req.model, state)
     if not state.engine.ready:
         raise unavailable("the model worker is not ready yet; retry shortly")
@@ -170,13 +222,9 @@ async def serve_generation(req: GenerationRequest) -> Response:
             req.response_format, grammar_param = forced, "tools"
     if req.response_format is not None:
         req.params.grammar = await grammar_of(req.response_format, state, grammar_param)
-    prompt_ids = await tokenize_prompt(req, state)
-    req.prompt_tokens = len(prompt_ids)
-    if req.chat is not None:
-        req.reader = output_reader(req.chat, state.config, state.tokenizer, prompt_ids)
-        if keeps_special_tokens(req.reader):
-            req.params.skip_special_tokens = False
-    check_logprob_volume(req, len(prompt_ids), state)
+
+
+def new_request_id(req: GenerationRequest) -> str:
     prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     if req.ignored:
@@ -187,7 +235,20 @@ async def serve_generation(req: GenerationRequest) -> Response:
             fields=loggable_names(req.ignored),
             count=len(req.ignored),
         )
-    deadline_s = None if req.deadline_ms is None else req.deadline_ms / 1000
+    return request_id
+
+
+async def submit_prompt(
+    req: GenerationRequest, state: AppState, request_id: str
+) -> tuple[list[int], trio.MemoryReceiveChannel]:
+    """Tokenize the request's prompt and submit it: (its ids, its events)."""
+    prompt_ids = await tokenize_prompt(req, state)
+    req.prompt_tokens = len(prompt_ids)
+    if req.chat is not None:
+        req.reader = output_reader(req.chat, state.config, state.tokenizer, prompt_ids)
+        if keeps_special_tokens(req.reader):
+            req.params.skip_special_tokens = False
+    check_logprob_volume(req, len(prompt_ids), state)
     tenant = tenant_of(req.tenant, request_key())
     params = isolated(req.params, tenant, state)
     if req.best_of > req.n and not params.sampling.logprobs:
@@ -202,7 +263,7 @@ async def serve_generation(req: GenerationRequest) -> Response:
             request_id=request_id,
             tenant=tenant,
             priority=priority_of(req.priority, request_key()),
-            deadline_s=deadline_s,
+            deadline_s=deadline_of(req),
             n=req.best_of,
         )
     except Overloaded as exc:
@@ -216,16 +277,29 @@ async def serve_generation(req: GenerationRequest) -> Response:
         raise unavailable(str(exc) or "the engine is not available") from None
     except InvalidRequest as exc:
         raise bad_request(str(exc), exc.param, exc.code) from None
-    header = ResponseHeader(req.kind, request_id, state.served_model_name)
-    echo = echo_of(req, prompt_ids, state) if req.echo else None
+    return prompt_ids, channel
+
+
+def deadline_of(req: GenerationRequest) -> float | None:
+    return None if req.deadline_ms is None else req.deadline_ms / 1000
+
+
+async def respond(
+    req: GenerationRequest,
+    header: ResponseHeader,
+    channel: trio.MemoryReceiveChannel,
+    state: AppState,
+    echoes: list[Echo | None] | None,
+) -> Response:
+    """`echoes`: each prompt's, when the request asked for it."""
     if not req.stream:
-        return await whole_response(req, header, channel, state, echo)
+        return await whole_response(req, header, channel, state, echoes)
     first: list[Event] = []
-    if deadline_s is not None or state.config.max_queue_time is not None:
+    if req.deadline_ms is not None or state.config.max_queue_time is not None:
         # A request that may miss its deadline is answered once it is decided: its first
         # token (200, streamed) or its refusal (an HTTP error a client can retry on).
-        first = await first_event(channel, header.request_id, state)
-    return stream_response(req, header, channel, state, first, echo)
+        first = await first_event(channel, header, state)
+    return stream_response(req, header, channel, state, first, echoes)
 
 
 def loggable_names(names: tuple[str, ...]) -> list[str]:
@@ -293,7 +367,7 @@ def echo_of(req: GenerationRequest, prompt_ids: list[int], state: AppState) -> E
 
 
 async def first_event(
-    channel: trio.MemoryReceiveChannel, request_id: str, state: AppState
+    channel: trio.MemoryReceiveChannel, header: ResponseHeader, state: AppState
 ) -> list[Event]:
     """The request's first event; a failure before any token becomes the HTTP error."""
     try:
@@ -302,7 +376,7 @@ async def first_event(
         event = None
     except BaseException:  # the client went away (cancelled): free what it held
         channel.close()
-        state.engine.abort(request_id)
+        abort(header, state)
         raise
     if isinstance(event, TokenEvent):
         return [event]
@@ -418,9 +492,9 @@ async def whole_response(
     header: ResponseHeader,
     channel: trio.MemoryReceiveChannel,
     state: AppState,
-    echo: Echo | None,
+    echoes: list[Echo | None] | None,
 ) -> Response:
-    tokens: dict[int, list[TokenEvent]] = {i: [] for i in range(req.best_of)}
+    tokens: dict[int, list[TokenEvent]] = {i: [] for i in range(req.sequences)}
     finishes: dict[int, FinishEvent] = {}
     try:
         async for event in channel:
@@ -434,24 +508,21 @@ async def whole_response(
         # Runs on client disconnect too (trio.Cancelled): synchronous, so safe in a
         # cancelled scope; a no-op for a request that already finished.
         channel.close()
-        if len(finishes) < req.best_of:
-            state.engine.abort(header.request_id)
+        if len(finishes) < req.sequences:
+            abort(header, state)
     error = next((e for e in map(failure_of, finishes.values()) if e is not None), None)
-    if error is None and len(finishes) < req.best_of:
+    if error is None and len(finishes) < req.sequences:
         error = closed_early()
     if error is not None:
         raise error
-    ranked = best_sequences(tokens, req.n) if req.best_of > req.n else list(range(req.n))
-    choices = [
-        answer(
-            req,
-            (echo.text if echo else "") + "".join(event.text for event in tokens[i]),
-            finishes[i].reason,
-            logprobs_of(req, state.tokenizer.pieces, tokens[i], 0, echo),
-        )
-        for i in ranked
-    ]
-    usage_ = usage([finishes[i] for i in range(req.best_of)], state.config.reports_cached_tokens())
+    choices = []
+    for i in ranked_sequences(tokens, req.n, req.best_of):
+        echo = echoes[i // req.best_of] if echoes else None
+        text = (echo.text if echo else "") + "".join(event.text for event in tokens[i])
+        logprobs = logprobs_of(req, state.tokenizer.pieces, tokens[i], 0, echo)
+        choices.append(answer(req, text, finishes[i].reason, logprobs))
+    ordered = [finishes[i] for i in range(req.sequences)]
+    usage_ = usage(ordered, state.config.reports_cached_tokens(), req.best_of)
     body = full_response(header, choices, usage_)
     return json_response(body, 200, {"X-Request-Id": header.request_id})
 
@@ -464,13 +535,20 @@ def answer(req: GenerationRequest, text: str, reason: str, logprobs: Any) -> Cho
     return Choice(text, finish_reason_of(reason, "tool_calls" in message), logprobs, message)
 
 
-def best_sequences(tokens: dict[int, list[TokenEvent]], n: int) -> list[int]:
-    """`best_of`: the n sequences of highest cumulative log-probability, best first."""
+def ranked_sequences(tokens: dict[int, list[TokenEvent]], n: int, best_of: int) -> list[int]:
+    """The sequences returned, prompt by prompt (each has `best_of`): all of them, or with
+    `best_of` the n of highest cumulative log-probability, best first."""
+    if best_of == n:
+        return sorted(tokens)
 
     def cumulative(index: int) -> float:
         return sum(sum(e.logprobs.logprobs) for e in tokens[index] if e.logprobs is not None)
 
-    return sorted(tokens, key=cumulative, reverse=True)[:n]
+    ranked: list[int] = []
+    for start in range(0, len(tokens), best_of):
+        prompts = range(start, start + best_of)
+        ranked += sorted(prompts, key=cumulative, reverse=True)[:n]
+    return ranked
 
 
 def stream_response(
@@ -479,10 +557,10 @@ def stream_response(
     channel: trio.MemoryReceiveChannel,
     state: AppState,
     first: list[Event],
-    echo: Echo | None,
+    echoes: list[Echo | None] | None,
 ) -> Response:
     response = Response(
-        sse_stream(req, header, channel, state, first, echo),
+        sse_stream(req, header, channel, state, first, echoes),
         200,
         {**SSE_HEADERS, "X-Request-Id": header.request_id},
     )
@@ -496,7 +574,7 @@ async def sse_stream(
     channel: trio.MemoryReceiveChannel,
     state: AppState,
     first: list[Event],
-    echo: Echo | None,
+    echoes: list[Echo | None] | None,
 ) -> AsyncIterator[bytes]:
     """Each of the n sequences' chunks carries its `index` (best_of is never streamed).
 
@@ -504,10 +582,11 @@ async def sse_stream(
     prompt, sent with each sequence's first tokens."""
     finishes: dict[int, FinishEvent] = {}
     failed = False
-    text_offsets = [0] * req.n
-    echoes = [echo] * req.n
-    counted = [0] * req.n  # tokens sent, per choice (continuous_usage_stats)
-    streams = [MessageStream(req.reader) for _ in range(req.n)] if req.reader else None
+    choices = req.sequences  # best_of is never streamed: one sequence a choice
+    text_offsets = [0] * choices
+    unsent = [echoes[i // req.n] if echoes else None for i in range(choices)]  # echoes to send
+    counted = [0] * choices  # tokens sent, per choice (continuous_usage_stats)
+    streams = [MessageStream(req.reader) for _ in range(choices)] if req.reader else None
 
     def data(chunk: dict[str, Any], index: int) -> bytes:
         if req.continuous_usage:
@@ -516,9 +595,9 @@ async def sse_stream(
 
     try:
         if req.kind == "chat":
-            for index in range(req.n):
+            for index in range(choices):
                 yield data(delta_chunk(header, "", None, role=True, index=index), index)
-        async for group in event_groups(channel, state.heartbeat_seconds, first, req.n):
+        async for group in event_groups(channel, state.heartbeat_seconds, first, choices):
             if not group:
                 yield HEARTBEAT
                 continue
@@ -529,13 +608,14 @@ async def sse_stream(
                     chunk = read_chunk(req, header, tokens, state, streams[index], index)
                 else:
                     chunk = token_chunk(
-                        req, header, tokens, state, text_offsets[index], echoes[index], index
+                        req, header, tokens, state, text_offsets[index], unsent[index], index
                     )
                 if chunk is not None:
                     text_offsets[index] += sum(len(event.text) for event in tokens)
-                    if echo is not None and echoes[index] is not None:
+                    echo = unsent[index]
+                    if echo is not None:
                         text_offsets[index] += len(echo.text)
-                        echoes[index] = None
+                        unsent[index] = None
                     yield data(chunk, index)
                 finish = events[-1]
                 if not isinstance(finish, FinishEvent):
@@ -554,19 +634,19 @@ async def sse_stream(
                         yield data(message_chunk(header, last, None, index), index)
                     reason = finish_reason_of(reason, streams[index].called)
                 yield data(delta_chunk(header, None, reason, index=index), index)
-        if len(finishes) < req.n:
+        if len(finishes) < choices:
             yield sse_data(closed_early().body())
         elif req.include_usage:
             report_cached = state.config.reports_cached_tokens()
-            usage_ = usage([finishes[i] for i in range(req.n)], report_cached)
+            usage_ = usage([finishes[i] for i in range(choices)], report_cached, req.n)
             yield sse_data(usage_chunk(header, usage_))
         yield DONE
     finally:
         # Reached by trio.Cancelled (hypercorn reported the disconnect) or GeneratorExit
         # (a write failed): both in a cancelled context, so only synchronous cleanup here.
         channel.close()
-        if failed or len(finishes) < req.n:
-            state.engine.abort(header.request_id)
+        if failed or len(finishes) < choices:
+            abort(header, state)
 
 
 def by_index(group: list[Event]) -> dict[int, list[Event]]:
