@@ -247,3 +247,18 @@ def test_bad_tool_requests_are_400s_naming_the_field(
     response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_tokenize_renders_a_chat_as_generation_does(
+    client: openai.OpenAI, server: RunningServer
+) -> None:
+    fields = {"tools": [WEATHER], "chat_template_kwargs": {"enable_thinking": True}}
+    body = {"model": server.model, "messages": [USER], **fields}
+    counted = httpx.post(f"{server.url}/tokenize", json=body, timeout=30).json()["count"]
+    answer = client.chat.completions.create(
+        model=server.model, messages=[USER], max_tokens=1, tool_choice="none",
+        tools=fields["tools"], extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+    )
+    assert counted == answer.usage.prompt_tokens
+    plain = httpx.post(f"{server.url}/tokenize", json={"messages": [USER]}, timeout=30).json()
+    assert plain["count"] < counted - 50  # without the tools' system turn

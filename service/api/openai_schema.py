@@ -268,6 +268,7 @@ class TokenizeRequest:
     add_special_tokens: bool
     add_generation_prompt: bool
     return_token_strs: bool
+    chat: ChatOptions | None = None  # a chat's tools and template options, as generation's
 
 
 def parse_tokenize_request(body: Any, bound: PromptBound | None = None) -> TokenizeRequest:
@@ -283,8 +284,10 @@ def parse_tokenize_request(body: Any, bound: PromptBound | None = None) -> Token
             raise bad_request("'prompt' must be a string", "prompt")
         if bound is not None:
             bound.check_chars(len(prompt), "prompt")
-    else:
+    chat = None
+    if messages is not None:
         messages = _parse_messages(messages, bound)
+        chat = parse_chat_options(fields.raw)
     return TokenizeRequest(
         model=model,
         prompt=prompt,
@@ -293,6 +296,7 @@ def parse_tokenize_request(body: Any, bound: PromptBound | None = None) -> Token
         add_special_tokens=fields.boolean("add_special_tokens", prompt is not None),
         add_generation_prompt=fields.boolean("add_generation_prompt", True),
         return_token_strs=fields.boolean("return_token_strs", False),
+        chat=chat,
     )
 
 

@@ -140,6 +140,7 @@ def _tokenize() -> Schema:
         **flags,
         "messages": _chat_request(None)["properties"]["messages"],
         "add_generation_prompt": {"type": ["boolean", "null"]},
+        **_tool_fields(),
     }
     request = {"oneOf": [_open(prompt, ["prompt"]), _open(chat, ["messages"])]}
     ids = {"type": "array", "items": {"type": "integer", "minimum": 0}}

@@ -3,10 +3,13 @@ template, tokenized as the generation endpoints would) and POST /detokenize."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import trio
 from quart import Blueprint, Response
 
 from service.api.app_state import app_state
+from service.api.chat_setup import template_args
 from service.api.errors import bad_request, json_response
 from service.api.openai_logprobs import piece
 from service.api.openai_schema import (
@@ -31,8 +34,9 @@ async def tokenize() -> Response:
     req = parse_tokenize_request(await read_json_body(), prompt_bound())
     require_served_model(req.model, state)
     # a long prompt is seconds of tokenizer work: off the event loop, as for generation
+    chat_args = {} if req.chat is None else template_args(req.chat, state.config)
     ids = await trio.to_thread.run_sync(
-        token_ids_of, req, state.tokenizer, limiter=state.tokenizer_threads
+        token_ids_of, req, state.tokenizer, chat_args, limiter=state.tokenizer_threads
     )
     bound = prompt_bound()
     if bound is not None:  # byte-level text can be 4 tokens a character: count them
@@ -62,14 +66,20 @@ async def detokenize() -> Response:
     return json_response({"prompt": state.tokenizer.decode(tokens, skip_special_tokens=False)})
 
 
-def token_ids_of(req: TokenizeRequest, tokenizer: Tokenizer) -> list[int]:
-    """Blocking: call it in a worker thread."""
+def token_ids_of(
+    req: TokenizeRequest, tokenizer: Tokenizer, chat_args: dict[str, Any]
+) -> list[int]:
+    """Blocking: call it in a worker thread. `chat_args`: the chat template's arguments
+    beyond the messages (tools, kwargs), as generation passes them."""
     if req.prompt is not None:
         return tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     assert req.messages is not None
     try:
         return tokenizer.encode_chat(
-            req.messages, req.add_generation_prompt, add_special_tokens=req.add_special_tokens
+            req.messages,
+            req.add_generation_prompt,
+            add_special_tokens=req.add_special_tokens,
+            **chat_args,
         )
     except ChatTemplateError as exc:
         raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
