@@ -262,3 +262,51 @@ def test_tokenize_renders_a_chat_as_generation_does(
     assert counted == answer.usage.prompt_tokens
     plain = httpx.post(f"{server.url}/tokenize", json={"messages": [USER]}, timeout=30).json()
     assert plain["count"] < counted - 50  # without the tools' system turn
+
+
+def responses_tool(chat_tool: dict) -> dict:
+    return {"type": "function", **chat_tool["function"]}
+
+
+def test_the_responses_api_whole_and_streamed(client: openai.OpenAI) -> None:
+    fields = {"model": "SmolLM2-135M-Instruct", "max_output_tokens": 16, "temperature": 0,
+              "instructions": "Answer briefly.", "input": "What is the capital of France?"}
+    whole = client.responses.create(**fields)
+    assert whole.object == "response" and whole.output_text
+    assert whole.status in ("completed", "incomplete") and whole.usage.output_tokens <= 16
+    events = list(client.responses.create(**fields, stream=True))
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == events[-1].response.output_text == whole.output_text
+
+
+def test_the_responses_api_calls_tools_and_takes_their_output(client: openai.OpenAI) -> None:
+    tools = [responses_tool(WEATHER), responses_tool(ADD)]
+    items: list[Any] = [{"role": "user", "content": "What is the weather in Lisbon?"}]
+    first = client.responses.create(
+        model="SmolLM2-135M-Instruct", input=items, tools=tools, tool_choice="required",
+        parallel_tool_calls=False, max_output_tokens=MAX_TOKENS, temperature=0,
+    )
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments),
+                        {t["name"]: t["parameters"] for t in tools}[call.name])
+    items += [call, {"type": "function_call_output", "call_id": call.call_id,
+                     "output": '{"temperature": 24}'}]
+    events = list(client.responses.create(
+        model="SmolLM2-135M-Instruct", input=items, tools=tools, tool_choice="none",
+        max_output_tokens=16, temperature=0, stream=True,
+    ))
+    final = events[-1].response
+    assert final.output_text and final.usage.input_tokens > first.usage.input_tokens
+    streamed = list(client.responses.create(
+        model="SmolLM2-135M-Instruct", input=items[:1], tools=tools, tool_choice="required",
+        parallel_tool_calls=False, max_output_tokens=MAX_TOKENS, temperature=0, stream=True,
+    ))
+    arguments = "".join(
+        e.delta for e in streamed if e.type == "response.function_call_arguments.delta"
+    )
+    assert arguments == call.arguments
+    assert streamed[-1].response.output[0].arguments == call.arguments

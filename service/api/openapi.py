@@ -102,6 +102,7 @@ def _public_paths(max_model_len: int | None) -> Schema:
             "get": _get("The server's version", _open({"version": {"type": "string"}}, ["version"]))
         },
         "/tokenize": {"post": _tokenize()},
+        "/v1/responses": {"post": _responses()},
         "/detokenize": {"post": _detokenize()},
         "/health": {
             "get": {
@@ -195,6 +196,18 @@ def _generation(summary: str, request_schema: Schema) -> Schema:
             **_errors(400, 404, 413, 415, 429, 503),
         },
     }
+
+
+def _responses() -> Schema:
+    """OpenAI's Responses API, stateless (served as the chat it amounts to)."""
+    request = _open({"input": {}, "instructions": {"type": ["string", "null"]}}, ["input"])
+    operation = _generation(
+        "A response: input text or items (messages, function_call, function_call_output), "
+        "instructions and function tools; stream=true: its typed events",
+        request,
+    )
+    operation["responses"]["200"]["content"][JSON]["schema"] = {"type": "object"}
+    return operation
 
 
 def _completion_request(max_model_len: int | None) -> Schema:

@@ -494,6 +494,18 @@ async def whole_response(
     state: AppState,
     echoes: list[Echo | None] | None,
 ) -> Response:
+    body = await whole_body(req, header, channel, state, echoes)
+    return json_response(body, 200, {"X-Request-Id": header.request_id})
+
+
+async def whole_body(
+    req: GenerationRequest,
+    header: ResponseHeader,
+    channel: trio.MemoryReceiveChannel,
+    state: AppState,
+    echoes: list[Echo | None] | None,
+) -> dict[str, Any]:
+    """The whole response's body, once every sequence has finished."""
     tokens: dict[int, list[TokenEvent]] = {i: [] for i in range(req.sequences)}
     finishes: dict[int, FinishEvent] = {}
     try:
@@ -523,8 +535,7 @@ async def whole_response(
         choices.append(answer(req, text, finishes[i].reason, logprobs))
     ordered = [finishes[i] for i in range(req.sequences)]
     usage_ = usage(ordered, state.config.reports_cached_tokens(), req.best_of)
-    body = full_response(header, choices, usage_)
-    return json_response(body, 200, {"X-Request-Id": header.request_id})
+    return full_response(header, choices, usage_)
 
 
 def answer(req: GenerationRequest, text: str, reason: str, logprobs: Any) -> Choice:
