@@ -21,7 +21,7 @@ CASES = [
     ("body not an object", "POST", COMPLETIONS, [1, 2], 400, None),
     ("missing prompt", "POST", COMPLETIONS, {"max_tokens": 3}, 400, None),
     ("empty prompt", "POST", COMPLETIONS, {"prompt": ""}, 400, None),
-    ("batched prompts", "POST", COMPLETIONS, {"prompt": ["a", "b"]}, 400, None),
+    ("a batch with an empty prompt", "POST", COMPLETIONS, {"prompt": ["a", ""]}, 400, None),
     ("prompt wrong type", "POST", COMPLETIONS, {"prompt": {"a": 1}}, 400, None),
     ("token id beyond vocabulary", "POST", COMPLETIONS, {"prompt": [1, 10**7]}, 400, None),
     ("max_tokens zero", "POST", COMPLETIONS, {"prompt": "x", "max_tokens": 0}, 400, None),
