@@ -25,7 +25,7 @@ from tests.server_fixtures import RunningServer, start_server, stop_server
 
 pytestmark = pytest.mark.real_model
 TEMPLATE = Path(__file__).with_name("hermes_template.jinja")
-MAX_TOKENS = 80
+MAX_TOKENS = 96  # a call of these tools takes up to ~75 tokens
 CITY = {"type": "string", "minLength": 1, "maxLength": 20}
 
 
@@ -73,7 +73,6 @@ ALL_TOOLS = [WEATHER, ADD, FLIGHT, TAGS]
 FORCED_CASES = [
     ("What is the weather like in Paris?", ALL_TOOLS, "required", 0.0),
     ("What is 12 plus 30?", ALL_TOOLS, "required", 0.8),
-    ("Tag this note about groceries and cooking.", ALL_TOOLS, "tag_note", 0.0),
     ("I need a flight to Rome next week.", ALL_TOOLS, "book_flight", 0.9),
 ]
 
@@ -173,7 +172,7 @@ def test_an_agent_loop_of_two_turns(client: openai.OpenAI) -> None:
 
 
 def test_auto_is_read_by_the_hermes_parser_whole_and_streamed(client: openai.OpenAI) -> None:
-    fields = {"tools": ALL_TOOLS, "temperature": 0, "max_tokens": 32}
+    fields = {"tools": ALL_TOOLS, "temperature": 0, "max_tokens": 16}
     question = "Please call the weather tool for Berlin."
     whole = ask(client, question, False, **fields).choices[0]
     message, finish = streamed(ask(client, question, True, **fields))
@@ -183,13 +182,10 @@ def test_auto_is_read_by_the_hermes_parser_whole_and_streamed(client: openai.Ope
     assert "<tool_call>" not in (whole.message.content or "")
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_reasoning_opened_by_the_template_is_reasoning_content(
-    client: openai.OpenAI, temperature: float
-) -> None:
+def test_reasoning_opened_by_the_template_is_reasoning_content(client: openai.OpenAI) -> None:
     fields = {
-        "temperature": temperature,
-        "max_tokens": 24,
+        "temperature": 0.9,  # seeded: the stream samples the same tokens
+        "max_tokens": 16,
         "extra_body": {"chat_template_kwargs": {"enable_thinking": True}},
     }
     whole = ask(client, "Why is the sky blue?", False, **fields).choices[0].message
@@ -197,7 +193,7 @@ def test_reasoning_opened_by_the_template_is_reasoning_content(
     assert whole.model_dump()["reasoning_content"] and whole.content is None
     message, _ = streamed(ask(client, "Why is the sky blue?", True, **fields))
     assert message == comparable(whole.model_dump())
-    plain = ask(client, "Why is the sky blue?", False, max_tokens=24).choices[0].message
+    plain = ask(client, "Why is the sky blue?", False, max_tokens=8).choices[0].message
     assert plain.model_dump()["reasoning_content"] is None and plain.content
 
 
