@@ -97,24 +97,39 @@ class Linear:
 
 
 # By kernel, weight shape, dtype, device, bias, threads and the sizes offered: a library
-# chooses its kernel by these, never by the weight's values.
-_CHECKED: dict[tuple, RowSizes] = {}
+# chooses its kernel by these, never by the weight's values. The keys are text, so that a
+# worker can record them per machine (gpu_worker.runtime) and the next start skip the probes.
+_CHECKED: dict[str, RowSizes] = {}
 
 
 def _checked_sizes(linear: Linear, weight: torch.Tensor, sizes: tuple[int, ...]) -> RowSizes:
-    key = (
-        type(linear),
-        tuple(weight.shape),
-        weight.dtype,
-        str(weight.device),
-        None if linear.bias is None else tuple(linear.bias.shape),
-        linear.packed is not None,
-        torch.get_num_threads(),
-        sizes,
+    key = repr(
+        (
+            type(linear).__name__,
+            tuple(weight.shape),
+            str(weight.dtype),
+            str(weight.device),
+            None if linear.bias is None else tuple(linear.bias.shape),
+            linear.packed is not None,
+            torch.get_num_threads(),
+            sizes,
+        )
     )
     if key not in _CHECKED:
         _CHECKED[key] = agreeing_sizes(linear.kernel, weight.shape[1], sizes, weight)
     return _CHECKED[key]
+
+
+def checked_sizes() -> dict[str, list[int]]:
+    """Every check made (or recalled) in this process, by what its result depends on."""
+    return {key: list(found.sizes) for key, found in _CHECKED.items()}
+
+
+def recall_checked_sizes(recorded: dict[str, list[int]]) -> None:
+    """Checks made before on this machine (the caller keys them by it): weights of these
+    shapes use the recorded sizes without probing."""
+    for key, sizes in recorded.items():
+        _CHECKED.setdefault(key, RowSizes(tuple(sizes)))
 
 
 def agreeing_sizes(
