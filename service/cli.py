@@ -164,8 +164,9 @@ def parse_api_key_file(text: str) -> list[ApiKey]:
             continue
         if len(words) > 3:
             raise ValueError(f"line {number}: expected KEY [TENANT [PERMISSIONS]]")
-        key, tenant, permissions = (*words, None, None)[:3]
-        tenant = tenant or default_tenant(key)
+        key, *rest = words
+        tenant = rest[0] if rest else default_tenant(key)
+        permissions = rest[1] if len(rest) > 1 else None
         if "/" in tenant or len(tenant) > MAX_KEY_TENANT_CHARS:
             raise ValueError(
                 f"line {number}: a tenant name has at most {MAX_KEY_TENANT_CHARS} characters "

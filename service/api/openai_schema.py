@@ -313,7 +313,7 @@ def _parse_common(
             raise bad_request("'max_completion_tokens' must be at least 1", "max_completion_tokens")
         max_tokens = alternative if alternative is not None else max_tokens
     n, best_of = _parse_sequences(fields)
-    top_k = fields.integer("top_k", 0)
+    top_k = fields.integer("top_k", 0) or 0
     sampling = SamplingSpec(
         temperature=fields.number("temperature", 1.0),
         top_p=fields.number("top_p", 1.0),

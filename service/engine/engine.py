@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -182,7 +183,8 @@ class Engine:
                 nursery.start_soon(self._mask_task)
                 task_status.started()
         except* EngineFailed as failed:
-            self.failure = failed.exceptions[0]
+            first = failed.exceptions[0]
+            self.failure = first if isinstance(first, EngineFailed) else EngineFailed(str(first))
             log.error("engine.failed", error=str(self.failure))
         finally:
             self._ready = False
@@ -251,7 +253,9 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """End a request, all its n sequences, now (synchronous, idempotent); its blocks
         are free at once."""
-        group = self._groups.get(request_id) or [self._requests.get(request_id)]
+        group: Sequence[Request | None] = self._groups.get(request_id) or [
+            self._requests.get(request_id)
+        ]
         for request in group:
             if request is not None and not request.is_finished:
                 self._emit_committed(request)
@@ -429,6 +433,7 @@ class Engine:
     def _expire_deadlines(self, now: float) -> None:
         """Requests whose deadline passed before they started end now, exactly once."""
         for request in self._scheduler.expired(now):
+            assert request.deadline is not None  # only requests with one expire
             waited = request.deadline - request.received
             message = f"the request did not start within its {waited:g} s deadline"
             self._report.refused(request.request_id, "deadline_exceeded")
