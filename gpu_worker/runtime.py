@@ -82,7 +82,9 @@ def start(config: WorkerConfig) -> ModelRunner:
         with clock.step("profile"):
             reserved = _activation_reserve(model, config, cache_dtype, max_blocks_per_seq)
     with clock.step("cache"):
-        num_blocks = _count_blocks(config, model_config, device, cache_dtype, reserved)
+        num_blocks = _count_blocks(
+            config, model_config, device, cache_dtype, reserved, max_blocks_per_seq
+        )
         cache = kv_cache.allocate(model_config, num_blocks, config.block_size, cache_dtype, device)
     decode_runner = DecodeRunner(
         model,
@@ -171,10 +173,10 @@ def _count_blocks(
     device: torch.device,
     cache_dtype: torch.dtype,
     reserved: int,
+    max_blocks_per_seq: int,
 ) -> int:
     """On CUDA after the profile (gpu_worker.memory); on a CPU a share of MemAvailable."""
     free = memory.settled_free_bytes(device) if device.type == "cuda" else free_memory_bytes(device)
-    max_blocks_per_seq = -(-model_config.context_limit // config.block_size)
     return kv_cache.count_blocks(
         config.kv_memory,
         free,
