@@ -72,10 +72,7 @@ def start(config: WorkerConfig) -> ModelRunner:
     with clock.step("kernels"):
         choice = _choose_kernels(config, model_config, dtype, device, cache_dtype)
     with clock.step("weights"):
-        cache_file = Path(config.kernel_cache) if config.kernel_cache else None
-        linear.recall_checked_sizes(kernel_choice.recall(cache_file, ROW_SIZES_SECTION))
-        model = _load_model(model_dir, model_config, dtype, device, choice.kernels)
-        kernel_choice.record(cache_file, ROW_SIZES_SECTION, linear.checked_sizes())
+        model = _load_model(config, model_dir, model_config, dtype, device, choice.kernels)
     max_blocks_per_seq = -(-model_config.context_limit // config.block_size)
     reserved = 0
     if device.type == "cuda":
@@ -146,12 +143,17 @@ def _choose_kernels(
 
 
 def _load_model(
+    config: WorkerConfig,
     model_dir: Path,
     model_config: ModelConfig,
     dtype: torch.dtype,
     device: torch.device,
     kernels: Kernels,
 ) -> Model:
+    """The model on its device; the matmul call sizes this machine checked before are
+    recalled from the kernel cache, and the new ones recorded there."""
+    cache_file = Path(config.kernel_cache) if config.kernel_cache else None
+    linear.recall_checked_sizes(kernel_choice.recall(cache_file, ROW_SIZES_SECTION))
     weights = load_weights(model_dir, dtype, device)
     # The rope tables cover the whole context limit of the model.
     model = Model(
@@ -164,6 +166,7 @@ def _load_model(
     )
     del weights
     gc.collect()
+    kernel_choice.record(cache_file, ROW_SIZES_SECTION, linear.checked_sizes())
     return model
 
 
