@@ -18,8 +18,10 @@ the KV budget does not count.
 The choice is cached in a JSON file (the service passes <cache dir>/kernels.json), one
 entry per CPU model and ISA flags, torch version, kernel sources, device, dtype, model
 shapes, block size and pins, so that only a worker's first start on a machine pays for the
-measuring (about a second for the default model). An operator may pin a seam to one
-candidate (`--kernels attention=torch`); a pinned candidate is still checked.
+measuring (about a second for the default model). The same file keeps, per machine, the
+matmul call sizes gpu_worker.linear checked on each weight shape (`recall`, `record`):
+checking them is most of a first start. An operator may pin a seam to one candidate
+(`--kernels attention=torch`); a pinned candidate is still checked.
 """
 
 from __future__ import annotations
@@ -498,6 +500,10 @@ def machine() -> dict[str, str]:
     return {
         "cpu": model,
         "cpu_flags": hashlib.sha256(native.cpu_flags().encode()).hexdigest()[:16],
+        # the instruction sets oneDNN and PyTorch may use, when capped (as the other-CPU
+        # test runs do): what the machine's flags offer is not then what runs
+        "onednn_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "")),
+        "aten_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
         "kernel_sources": native.sources_digest(),
         "kernel_march": native.MARCH,
@@ -521,6 +527,31 @@ def _cache_key(shapes: Shapes, pins: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:24]
 
 
+def recall(path: Path | None, section: str) -> dict[str, Any]:
+    """What was recorded under `section` on this machine (its processor and software)."""
+    if path is None:
+        return {}
+    by_machine = _read_cache(path).get(section)
+    found = by_machine.get(_machine_key()) if isinstance(by_machine, dict) else None
+    return found if isinstance(found, dict) else {}
+
+
+def record(path: Path | None, section: str, facts: dict[str, Any]) -> None:
+    """Best effort, as the choice: `facts` become this machine's entry of `section`."""
+    if path is None or facts == recall(path, section):
+        return
+    recorded = _read_cache(path)
+    by_machine = recorded.get(section)
+    by_machine = by_machine if isinstance(by_machine, dict) else {}
+    by_machine[_machine_key()] = facts
+    recorded[section] = by_machine
+    _write_json(path, recorded)
+
+
+def _machine_key() -> str:
+    return hashlib.sha256(json.dumps(machine(), sort_keys=True).encode()).hexdigest()[:24]
+
+
 def _read_cache(path: Path) -> dict[str, Any]:
     try:
         recorded = json.loads(path.read_text())
@@ -537,6 +568,10 @@ def _write_cache(path: Path, key: str, choice: Choice) -> None:
         "trials": {seam: [asdict(t) for t in trials] for seam, trials in choice.trials.items()},
         "machine": machine()["cpu"],
     }
+    _write_json(path, recorded)
+
+
+def _write_json(path: Path, recorded: dict[str, Any]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         # A name nobody can guess or plant beforehand (mkstemp opens it O_EXCL), in the

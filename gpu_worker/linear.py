@@ -97,24 +97,41 @@ class Linear:
 
 
 # By kernel, weight shape, dtype, device, bias, threads and the sizes offered: a library
-# chooses its kernel by these, never by the weight's values.
-_CHECKED: dict[tuple, RowSizes] = {}
+# chooses its kernel by these, never by the weight's values. Those of the library's kernels
+# (Linear's own) are recorded per machine by their text (gpu_worker.runtime), so that the
+# next start skips the probes.
+_CHECKED: dict[tuple[type, str], RowSizes] = {}
 
 
 def _checked_sizes(linear: Linear, weight: torch.Tensor, sizes: tuple[int, ...]) -> RowSizes:
-    key = (
-        type(linear),
-        tuple(weight.shape),
-        weight.dtype,
-        str(weight.device),
-        None if linear.bias is None else tuple(linear.bias.shape),
-        linear.packed is not None,
-        torch.get_num_threads(),
-        sizes,
+    described = repr(
+        (
+            tuple(weight.shape),
+            str(weight.dtype),
+            str(weight.device),
+            None if linear.bias is None else tuple(linear.bias.shape),
+            linear.packed is not None,
+            torch.get_num_threads(),
+            sizes,
+        )
     )
+    key = (type(linear), described)
     if key not in _CHECKED:
         _CHECKED[key] = agreeing_sizes(linear.kernel, weight.shape[1], sizes, weight)
     return _CHECKED[key]
+
+
+def checked_sizes() -> dict[str, list[int]]:
+    """The checks of the library's kernels made (or recalled) in this process, by what
+    their result depends on."""
+    return {text: list(found.sizes) for (kind, text), found in _CHECKED.items() if kind is Linear}
+
+
+def recall_checked_sizes(recorded: dict[str, list[int]]) -> None:
+    """Checks made before on this machine (the caller keys them by it): weights of these
+    shapes use the recorded sizes without probing."""
+    for text, sizes in recorded.items():
+        _CHECKED.setdefault((Linear, text), RowSizes(tuple(sizes)))
 
 
 def agreeing_sizes(

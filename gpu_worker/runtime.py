@@ -2,7 +2,8 @@
 
     config    the device, the dtype and the model's config file
     kernels   the kernel choice (measured, or read from the kernel cache)
-    weights   the checkpoint read and the model built (matmul call sizes checked on each weight)
+    weights   the checkpoint read and the model built (each weight shape's matmul call sizes
+              checked, or recalled from the kernel cache where this machine checked them)
     profile   CUDA only: the largest steps run on a one-block cache, for their peak activations
     cache     the KV cache sized and allocated (zeroed: its pages are touched here)
     graphs    CUDA only: every decode graph captured
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker import kernel_choice, kv_cache, memory
+from gpu_worker import kernel_choice, kv_cache, linear, memory
 from gpu_worker.checkpoint import load_weights
 from gpu_worker.device import free_memory_bytes, resolve_device, resolve_dtype
 from gpu_worker.graphs import DecodeRunner, graph_capturer, graph_widths
@@ -54,6 +55,11 @@ class Stopwatch:
         return round(time.perf_counter() - self.started, 3)
 
 
+# The call sizes each weight shape was checked on (gpu_worker.linear), kept per machine in
+# the kernel cache: only a first start on a machine pays for the probes.
+ROW_SIZES_SECTION = "row_sizes"
+
+
 def start(config: WorkerConfig) -> ModelRunner:
     """The worker's runner, its handshake attached; raises when the worker cannot serve."""
     clock = Stopwatch()
@@ -66,14 +72,16 @@ def start(config: WorkerConfig) -> ModelRunner:
     with clock.step("kernels"):
         choice = _choose_kernels(config, model_config, dtype, device, cache_dtype)
     with clock.step("weights"):
-        model = _load_model(model_dir, model_config, dtype, device, choice.kernels)
+        model = _load_model(config, model_dir, model_config, dtype, device, choice.kernels)
     max_blocks_per_seq = -(-model_config.context_limit // config.block_size)
     reserved = 0
     if device.type == "cuda":
         with clock.step("profile"):
             reserved = _activation_reserve(model, config, cache_dtype, max_blocks_per_seq)
     with clock.step("cache"):
-        num_blocks = _count_blocks(config, model_config, device, cache_dtype, reserved)
+        num_blocks = _count_blocks(
+            config, model_config, device, cache_dtype, reserved, max_blocks_per_seq
+        )
         cache = kv_cache.allocate(model_config, num_blocks, config.block_size, cache_dtype, device)
     decode_runner = DecodeRunner(
         model,
@@ -135,12 +143,17 @@ def _choose_kernels(
 
 
 def _load_model(
+    config: WorkerConfig,
     model_dir: Path,
     model_config: ModelConfig,
     dtype: torch.dtype,
     device: torch.device,
     kernels: Kernels,
 ) -> Model:
+    """The model on its device; the matmul call sizes this machine checked before are
+    recalled from the kernel cache, and the new ones recorded there."""
+    cache_file = Path(config.kernel_cache) if config.kernel_cache else None
+    linear.recall_checked_sizes(kernel_choice.recall(cache_file, ROW_SIZES_SECTION))
     weights = load_weights(model_dir, dtype, device)
     # The rope tables cover the whole context limit of the model.
     model = Model(
@@ -153,6 +166,7 @@ def _load_model(
     )
     del weights
     gc.collect()
+    kernel_choice.record(cache_file, ROW_SIZES_SECTION, linear.checked_sizes())
     return model
 
 
@@ -162,10 +176,10 @@ def _count_blocks(
     device: torch.device,
     cache_dtype: torch.dtype,
     reserved: int,
+    max_blocks_per_seq: int,
 ) -> int:
     """On CUDA after the profile (gpu_worker.memory); on a CPU a share of MemAvailable."""
     free = memory.settled_free_bytes(device) if device.type == "cuda" else free_memory_bytes(device)
-    max_blocks_per_seq = -(-model_config.context_limit // config.block_size)
     return kv_cache.count_blocks(
         config.kv_memory,
         free,

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import orjson
 import trio
 
@@ -34,6 +33,7 @@ from ops.summary import (
     summarize_groups,
     summary_table,
 )
+from ops.tool_main import run_tool
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -298,19 +298,15 @@ def prepare_specs(scenario: str, args: argparse.Namespace) -> list[RequestSpec]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exc:  # --help or a usage error already printed by argparse
-        return int(exc.code or 0)
-    try:
-        specs = prepare_specs(args.scenario, args)
-        run = trio.run(execute, args.url, args.url, specs, args)
-    except ValueError as exc:  # bad knobs, PromptError, ModelFileError
-        print(f"cadence bench: {exc}", file=sys.stderr)
-        return 2
-    except (httpx.HTTPError, OSError) as exc:
-        print(f"cadence bench: cannot reach {args.url}: {exc}", file=sys.stderr)
-        return 1
+    return run_tool("cadence bench", build_parser(), argv, measured_scenario, write_scenario)
+
+
+def measured_scenario(args: argparse.Namespace) -> BenchRun:
+    specs = prepare_specs(args.scenario, args)
+    return trio.run(execute, args.url, args.url, specs, args)
+
+
+def write_scenario(args: argparse.Namespace, run: BenchRun) -> int:
     out_dir = args.out or default_out_dir(args.scenario)
     print(write_run(run, args.scenario, args, out_dir))
     print(f"\nwrote {out_dir}/bench.json")

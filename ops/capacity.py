@@ -20,12 +20,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import random
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import orjson
 import trio
 
@@ -49,6 +47,7 @@ from ops.client import (
 from ops.compare import parse_policy
 from ops.plots import plot_attainment
 from ops.prompts import PromptMaker, load_codec
+from ops.tool_main import run_tool
 
 PROG = "cadence bench capacity"
 
@@ -345,23 +344,19 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exc:  # --help or a usage error already printed by argparse
-        return int(exc.code or 0)
-    try:
-        if args.rescore and not args.merge:
-            raise ValueError("--rescore needs --merge")
-        if args.merge:
-            document = {"sweeps": load_sweeps(args.merge, rescored_slo(args))}
-        else:
-            document = measure(args)
-    except ValueError as exc:  # bad flags, PromptError, ModelFileError, a refused policy
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 2
-    except (httpx.HTTPError, OSError) as exc:
-        print(f"{PROG}: cannot reach {args.url}: {exc}", file=sys.stderr)
-        return 1
+    return run_tool(PROG, build_parser(), argv, sweeps_document, write_capacity)
+
+
+def sweeps_document(args: argparse.Namespace) -> dict[str, Any]:
+    """capacity.json's document: measured now, or merged from earlier runs."""
+    if args.rescore and not args.merge:
+        raise ValueError("--rescore needs --merge")
+    if args.merge:
+        return {"sweeps": load_sweeps(args.merge, rescored_slo(args))}
+    return measure(args)
+
+
+def write_capacity(args: argparse.Namespace, document: dict[str, Any]) -> int:
     out_dir: Path = args.out or default_out_dir("capacity-merge" if args.merge else "capacity")
     out_dir.mkdir(parents=True, exist_ok=True)
     if not args.merge:

@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import dataclasses
 import random
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,6 +47,7 @@ from ops.client import (
 from ops.plots import write_bench_plots
 from ops.prompts import PromptMaker, load_codec
 from ops.summary import SLO, distribution, format_table, summarize, to_ms, ttft
+from ops.tool_main import run_tool
 
 PROG = "cadence bench chat"
 METRICS_TIMEOUT_S = 10.0
@@ -549,20 +549,17 @@ def write_outputs(document: dict[str, Any], run: ChatRun, out_dir: Path, plots: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exc:  # --help or a usage error already printed by argparse
-        return int(exc.code or 0)
-    try:
-        shape = shape_from_args(args)
-        trace = build_trace(PromptMaker(load_codec(args.tokenizer)), shape, args.seed)
-        document, run = trio.run(measure, args, shape, trace)
-    except ValueError as exc:  # bad flags, PromptError, ModelFileError
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 2
-    except (httpx.HTTPError, OSError) as exc:
-        print(f"{PROG}: cannot reach {args.url}: {exc}", file=sys.stderr)
-        return 1
+    return run_tool(PROG, build_parser(), argv, measured_chat, write_chat)
+
+
+def measured_chat(args: argparse.Namespace) -> tuple[dict[str, Any], ChatRun]:
+    shape = shape_from_args(args)
+    trace = build_trace(PromptMaker(load_codec(args.tokenizer)), shape, args.seed)
+    return trio.run(measure, args, shape, trace)
+
+
+def write_chat(args: argparse.Namespace, measured: tuple[dict[str, Any], ChatRun]) -> int:
+    document, run = measured
     out_dir: Path = args.out or default_out_dir("chat")
     print(write_outputs(document, run, out_dir, plots=not args.no_plots))
     print(f"\nwrote {out_dir}/chat.json")

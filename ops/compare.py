@@ -11,11 +11,9 @@ each entry's numbers and their ratio to the first entry.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
-import httpx
 import orjson
 import trio
 
@@ -32,6 +30,7 @@ from ops.bench import (
 from ops.client import RequestSpec, set_policy
 from ops.plots import plot_itl_cdf
 from ops.summary import format_table
+from ops.tool_main import run_tool
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,20 +152,16 @@ def safe_dir_name(label: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    try:
-        plan = entries(args)
-        specs = prepare_specs(args.scenario, args)
-        runs = trio.run(run_all, plan, specs, args)
-    except ValueError as exc:
-        print(f"cadence bench compare: {exc}", file=sys.stderr)
-        return 2
-    except (httpx.HTTPError, OSError) as exc:
-        print(f"cadence bench compare: a server could not be reached: {exc}", file=sys.stderr)
-        return 1
+    return run_tool("cadence bench compare", build_parser(), argv, measured_runs, write_compare)
+
+
+def measured_runs(args: argparse.Namespace) -> list[BenchRun]:
+    plan = entries(args)
+    specs = prepare_specs(args.scenario, args)
+    return trio.run(run_all, plan, specs, args)
+
+
+def write_compare(args: argparse.Namespace, runs: list[BenchRun]) -> int:
     out_dir: Path = args.out or default_out_dir(f"compare-{args.scenario}")
     for run in runs:
         write_run(run, args.scenario, args, out_dir / safe_dir_name(run.label))

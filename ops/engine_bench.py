@@ -25,6 +25,7 @@ import trio
 
 from ops.prompts import PromptMaker, codec_from_tokenizer_json
 from ops.summary import distribution, format_table
+from service.cli import add_config_flags
 from service.config import Config
 from service.engine.assembly import open_engine
 from service.engine.engine import Engine
@@ -35,6 +36,8 @@ from service.model_files.resolve import resolve_model
 from service.tokenizer import Tokenizer
 
 GREEDY = SamplingSpec(temperature=0.0)
+
+CONFIG_FLAGS = ("model", "dtype", "kv_memory", "kv_cache_dtype", "kernels")
 
 
 @dataclass(slots=True)
@@ -194,23 +197,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cadence bench engine", description=__doc__.split("\n")[0]
     )
-    parser.add_argument(
-        "--model", default=None, help="HF dir or .gguf (default: SmolLM2-135M-Instruct)"
-    )
+    add_config_flags(parser, CONFIG_FLAGS)  # as `cadence serve` takes them
+    parser.set_defaults(kv_memory=2 * 1024**3)
     parser.add_argument("--policy", action="append", help="repeatable; default fcfs and stall_free")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument(
         "--max-batched-tokens",
         type=int,
         default=None,
         help="engine cap per step (default: the whole burst fits for fcfs)",
     )
-    parser.add_argument("--kv-memory", type=float, default=2 * 1024**3)
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"])
-    parser.add_argument("--kernels", default="auto", help="as `cadence serve --kernels`")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--overlap",
@@ -225,14 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_file, "info" if args.log_file else "warning")
-    config = Config(
-        model=args.model,
-        dtype=args.dtype,
-        kv_memory=args.kv_memory,
-        kv_cache_dtype=args.kv_cache_dtype,
-        kernels=args.kernels,
-    )
-    model_dir = resolve_model(args.model, config.cache_dir)
+    config = Config(**{name: getattr(args, name) for name in CONFIG_FLAGS if name in args})
+    model_dir = resolve_model(config.model, config.cache_dir)
     tokenizer = Tokenizer.from_dir(model_dir)
     maker = PromptMaker(codec_from_tokenizer_json(model_dir / "tokenizer.json"))
     rng = random.Random(args.seed)
@@ -256,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(
         f"{args.num_requests} requests, prompt {args.prompt_len}, output {args.output_len}, "
-        f"{args.dtype}, {args.kv_cache_dtype} KV cache, max_batched_tokens {cap}"
+        f"{config.dtype}, {config.kv_cache_dtype} KV cache, max_batched_tokens {cap}"
     )
     print_report([summarize(r) for r in runs], runs)
     return 0

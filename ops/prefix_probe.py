@@ -15,10 +15,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import random
-import sys
 from pathlib import Path
 
-import httpx
 import orjson
 import trio
 
@@ -34,6 +32,7 @@ from ops.client import (
 )
 from ops.prompts import PromptMaker, load_codec
 from ops.summary import format_table
+from ops.tool_main import run_tool
 
 PROG = "cadence bench prefix"
 
@@ -100,19 +99,15 @@ def report(records: list[RequestRecord]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    try:
-        specs = build_prompts(PromptMaker(load_codec(args.tokenizer)), args)
-        records = trio.run(measure, args, specs)
-    except ValueError as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 2
-    except (httpx.HTTPError, OSError) as exc:
-        print(f"{PROG}: cannot reach {args.url}: {exc}", file=sys.stderr)
-        return 1
+    return run_tool(PROG, build_parser(), argv, measured_prompts, write_prefix_report)
+
+
+def measured_prompts(args: argparse.Namespace) -> list[RequestRecord]:
+    specs = build_prompts(PromptMaker(load_codec(args.tokenizer)), args)
+    return trio.run(measure, args, specs)
+
+
+def write_prefix_report(args: argparse.Namespace, records: list[RequestRecord]) -> int:
     out_dir: Path = args.out or default_out_dir("prefix")
     out_dir.mkdir(parents=True, exist_ok=True)
     document = {

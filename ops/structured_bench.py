@@ -21,11 +21,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
-import httpx
 import orjson
 import trio
 
@@ -33,6 +31,7 @@ from ops.bench import add_client_args, client_config, default_out_dir, jsonable_
 from ops.client import RequestRecord, RequestSpec, discover_model, run_workload
 from ops.prompts import PromptMaker, load_codec
 from ops.summary import format_table
+from ops.tool_main import run_tool
 
 PROG = "cadence bench structured"
 ROUND_GAP_S = 2.0  # idle between rounds: the server's logs show where each begins
@@ -180,21 +179,18 @@ def report(rounds: list[Round]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    try:
-        schema = orjson.loads(args.schema.read_bytes()) if args.schema else SCHEMA
-        maker = PromptMaker(load_codec(args.tokenizer))
-        free_specs(maker, args, 0)  # bad knobs fail here, before any request
-        rounds = trio.run(measure, args, maker, schema)
-    except (ValueError, orjson.JSONDecodeError) as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 2
-    except (httpx.HTTPError, OSError) as exc:
-        print(f"{PROG}: cannot reach {args.url}: {exc}", file=sys.stderr)
-        return 1
+    bad_input = (ValueError, orjson.JSONDecodeError)
+    return run_tool(PROG, build_parser(), argv, measured_rounds, write_rounds, bad_input)
+
+
+def measured_rounds(args: argparse.Namespace) -> list[Round]:
+    schema = orjson.loads(args.schema.read_bytes()) if args.schema else SCHEMA
+    maker = PromptMaker(load_codec(args.tokenizer))
+    free_specs(maker, args, 0)  # bad knobs fail here, before any request
+    return trio.run(measure, args, maker, schema)
+
+
+def write_rounds(args: argparse.Namespace, rounds: list[Round]) -> int:
     out_dir: Path = args.out or default_out_dir("structured")
     out_dir.mkdir(parents=True, exist_ok=True)
     document = {

@@ -1,13 +1,31 @@
-"""The one configuration object of a cadence server (CLI flags map onto it 1:1)."""
+"""The one configuration object of a cadence server.
+
+Each field that a `cadence serve` flag sets says so in its metadata (`flag(...)`: default,
+help and parsing together); service/cli.py builds the flags from them.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gpu_worker.protocol import WorkerConfig
+from service.flag_types import (
+    chat_template_source,
+    fraction,
+    hosts,
+    kernel_pins,
+    non_negative_int,
+    origins,
+    positive_float,
+    positive_int,
+    share,
+)
+from service.reasoning import PARSERS as REASONING_PARSERS
+from service.tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 _WORKER = WorkerConfig(model_dir="")  # the worker's defaults, the server's too
 
@@ -33,89 +51,252 @@ class ApiKey:
     may_read_metrics: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """How a Config field is set from the command line (service/cli.py builds the flag)."""
+
+    help: str
+    type: Callable[[str], Any] | None = None  # text to value, or an argparse error
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    name: str | None = None  # the flag, when it is not --the-field-name
+    show_default: bool = True  # False where the help says what the default means
+
+
+def flag(
+    default: Any = None, help: str = "", *, factory: Callable[[], Any] | None = None, **spec: Any
+) -> Any:
+    """A Config field that is also a `cadence serve` flag: default, help and parsing in one
+    place."""
+    metadata = {"flag": Flag(help, **spec)}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass(slots=True)
 class Config:
     # model and worker
-    model: str | None = None  # HF directory or .gguf file; None: the default SmolLM2-135M-Instruct
-    dtype: str = _WORKER.dtype
-    device: str = _WORKER.device
-    kv_memory: float = _WORKER.kv_memory  # <= 1.0: fraction of free device memory; > 1.0: bytes
-    kv_cache_dtype: str = _WORKER.kv_cache_dtype  # "auto" (the model's dtype), "int8" or "fp8"
-    block_size: int = _WORKER.block_size
-    cache_dir: Path = field(default_factory=default_cache_dir)
-    use_cuda_graphs: bool = _WORKER.use_cuda_graphs
-    kernels: str = _WORKER.kernels  # measure each seam's candidates, or pin: "attention=torch"
-    seed: int = _WORKER.seed
+    model: str | None = flag(
+        None, "HF directory or .gguf file (default: SmolLM2-135M-Instruct, fetched once)"
+    )
+    served_model_name: str | None = flag(
+        None, "the model's name in the API (default: from --model)"
+    )
+    dtype: str = flag(
+        _WORKER.dtype, "the weights' and activations' dtype", choices=("float32", "bfloat16")
+    )
+    device: str = flag(_WORKER.device, "auto, cpu, cuda or cuda:N")
+    kv_memory: float = flag(
+        _WORKER.kv_memory, "<= 1: fraction of free device memory; > 1: bytes", type=positive_float
+    )
+    kv_cache_dtype: str = flag(
+        _WORKER.kv_cache_dtype,
+        "auto: the model's dtype; int8 or fp8 (e4m3): 8-bit K/V with a scale per token and "
+        "head, 1.9x the blocks in the same memory (README: when to use it)",
+        choices=("auto", "bfloat16", "float32", "int8", "fp8"),
+    )
+    block_size: int = flag(_WORKER.block_size, "tokens per KV block", type=positive_int)
+    cache_dir: Path = flag(
+        help="converted models and measured kernel choices (default: $CADENCE_CACHE, "
+        "$XDG_CACHE_HOME/cadence or ~/.cache/cadence)",
+        factory=default_cache_dir,
+        type=Path,
+        show_default=False,
+    )
+    use_cuda_graphs: bool = flag(
+        _WORKER.use_cuda_graphs,
+        "capture decode steps as CUDA graphs (on a GPU)",
+        name="--cuda-graphs",
+    )
+    kernels: str = flag(
+        _WORKER.kernels,
+        "'auto' (measure the candidates on this machine, cached per machine) or pins such as "
+        "'attention=native-rows,matmul=aten' (seams: attention, layer_ops, matmul)",
+        type=kernel_pins,
+    )
+    seed: int = flag(_WORKER.seed, "the sampler's seed for requests without their own", type=int)
     # supervision of the worker
-    step_timeout: float = 30.0  # a step (or an idle ping) slower than this means a hung worker
-    max_worker_restarts: int = 5  # failed starts in a row before the server gives up (exit 1)
+    step_timeout: float = flag(
+        30.0,
+        "seconds a worker step (or an idle ping) may take before the worker is restarted",
+        type=positive_float,
+    )
+    max_worker_restarts: int = flag(
+        5,
+        "failed worker starts in a row before the server fails its queue and exits 1",
+        type=positive_int,
+    )
     # scheduling
-    policy: str = "stall_free"
-    policy_params: dict[str, Any] = field(default_factory=dict)
-    # hard cap of tokens in one step, whatever the policy says
-    max_batched_tokens: int = _WORKER.max_num_batched_tokens
-    max_num_seqs: int = _WORKER.max_num_seqs
-    max_queue: int = 1024  # waiting requests beyond this get "overloaded" (HTTP 429)
-    # prompt tokens waiting to start beyond this get "overloaded" (at least one full prompt)
-    max_queued_tokens: int = 262144
-    # the share of the queue (sequences, prompt tokens) and of the KV blocks one tenant may
-    # take (n x (prompt + max_tokens) counted); None: 0.5 with API keys, else no quota
-    tenant_quota: float | None = None
-    max_queue_time: float | None = None  # seconds a request may wait to start, else 429
-    # refuse at arrival (429) a request whose predicted TTFT exceeds this many seconds
-    max_predicted_ttft: float | None = None
-    max_model_len: int | None = None  # None: the model's own context window
+    policy: str = flag("stall_free", "the scheduling policy (README: Policies)")
+    policy_params: dict[str, Any] = field(default_factory=dict)  # --policy-param KEY=VALUE
+    max_batched_tokens: int = flag(
+        _WORKER.max_num_batched_tokens,
+        "hard cap of tokens in one step, whatever the policy says",
+        type=positive_int,
+    )
+    max_num_seqs: int = flag(
+        _WORKER.max_num_seqs, "sequences in one step at most", type=positive_int
+    )
+    max_queue: int = flag(
+        1024, "waiting requests beyond this get 429 overloaded", type=positive_int
+    )
+    max_queued_tokens: int = flag(
+        262144,
+        "prompt tokens waiting to start beyond this get 429 (never less than one full-window "
+        "prompt)",
+        type=positive_int,
+    )
+    tenant_quota: float | None = flag(
+        None,
+        "the share of --max-queue, --max-queued-tokens and the KV blocks one tenant may take "
+        "(its requests' n x (prompt + max_tokens)); more gets 429 (default: 0.5 with API keys, "
+        "else 1, no quota)",
+        type=share,
+    )
+    max_queue_time: float | None = flag(
+        None,
+        "seconds a request may wait to start; later it ends with 429 deadline_exceeded, and "
+        "one predicted not to start in time gets 429 at arrival (default: no limit)",
+        type=positive_float,
+    )
+    max_predicted_ttft: float | None = flag(
+        None,
+        "refuse at arrival (429 + Retry-After) a request whose TTFT, predicted from the queue "
+        "ahead and the measured step costs, exceeds this many seconds (default: off)",
+        type=positive_float,
+    )
+    max_model_len: int | None = flag(
+        None,
+        "cap on prompt + completion tokens (default: the model's context window)",
+        type=positive_int,
+    )
     watermark: float = 0.01  # fraction of KV blocks kept free when admitting
-    # after a preemption, admission waits until this fraction of the blocks is free again
-    admission_watermark: float = 0.05
-    max_preemptions: int = 3  # a request preempted this many times is never a victim again
-    # requests sharing a prefix share its KV blocks (hash-chained full blocks, LRU-evicted)
-    enable_prefix_caching: bool = True
-    # "tenant": cached prefixes are shared only within a tenant; "none": by everyone;
-    # None: "tenant" when API keys are set (their tenants are known), else "none"
-    cache_isolation: str | None = None
-    # usage.prompt_tokens_details (cached_tokens) in responses; None: on without API keys,
-    # off with them (vLLM's --enable-prompt-tokens-details is off by default)
-    enable_prompt_tokens_details: bool | None = None
-    # schedule and send step k+1 before step k's text and events, so the worker never waits
-    # on them: "on", "off", or "auto" (on unless the worker computes on the CPU, whose cores
-    # the service would take from it)
-    overlap: str = "auto"
+    admission_watermark: float = flag(
+        0.05,
+        "after a preemption, admit nobody until this fraction of the KV blocks is free and "
+        "unpromised again (hysteresis; keep it above the 0.01 admission watermark)",
+        type=fraction,
+    )
+    max_preemptions: int = flag(
+        3,
+        "a request preempted this many times is never preempted again (0: never preempt)",
+        type=non_negative_int,
+    )
+    enable_prefix_caching: bool = flag(
+        True,
+        "share the KV blocks of prompt prefixes computed before (hash-chained full blocks, "
+        "LRU-evicted; vLLM's flag, --no-enable-prefix-caching turns it off)",
+    )
+    cache_isolation: str | None = flag(
+        None,
+        "tenant: cached prefixes are shared only within a tenant (default with API keys); "
+        "none: by every request (default without)",
+        choices=("none", "tenant"),
+    )
+    enable_prompt_tokens_details: bool | None = flag(
+        None,
+        "report usage.prompt_tokens_details.cached_tokens (vLLM's flag; default: on without "
+        "API keys, off with them)",
+    )
+    overlap: str = flag(
+        "auto",
+        "schedule step k+1 before step k's text and events; auto: unless the worker computes "
+        "on the CPU, whose cores the service would take from it",
+        choices=("auto", "on", "off"),
+    )
     # HTTP
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: str = flag("127.0.0.1", "the address to listen on")
+    port: int = flag(8000, "0 picks a free port", type=int)
     admin_token: str | None = None  # from --admin-token-file or $CADENCE_ADMIN_TOKEN
     # --api-key, --api-key-file, $CADENCE_API_KEY; empty: the inference API is open
     api_keys: list[ApiKey] = field(default_factory=list)
-    # Host header names served (DNS rebinding); None: the bound address's names if loopback
-    allowed_hosts: list[str] | None = None
-    allowed_origins: list[str] = field(default_factory=list)  # CORS; empty: same origin only
-    max_body_bytes: int = 4 * 1024 * 1024
-    max_connections: int = 2048  # client connections open at once; the next one gets 503
-    # a stream's events its client has not read, in bytes; past it the request ends
-    max_stream_buffer_bytes: int = 8 * 1024 * 1024
-    # n x (top logprobs + 1) x (echoed prompt + max_tokens) entries one response may hold:
-    # each is Python work on the event loop, so a larger product is refused (400)
-    max_logprob_entries: int = 131072
-    # before a step, the loop waits this long at most for its constrained rows' grammar
-    # masks (filled in a thread); a row whose mask is later sits the step out
-    grammar_mask_wait_ms: float = 20.0
-    # chats: the template (its text; None: the model's), whether a request may bring its
-    # own, how tool calls and reasoning are read from the answers (None: not read)
-    chat_template: str | None = None
-    trust_request_chat_template: bool = False
-    tool_call_parser: str | None = None
-    exclude_tools_when_tool_choice_none: bool = False
-    reasoning_parser: str | None = None
-    shutdown_timeout: float = 5.0  # on SIGTERM: drain this long, then close every connection
-    served_model_name: str | None = None  # None: derived from the model path
+    allowed_hosts: list[str] | None = flag(
+        None,
+        "Host header names served (DNS rebinding), with or without a port: JSON list or "
+        'comma-separated, "*" for any (default: localhost, 127.0.0.1, [::1] when bound to '
+        "loopback, else any)",
+        type=hosts,
+    )
+    allowed_origins: list[str] = flag(
+        help="origins allowed to call /v1 from a browser (CORS): JSON list or comma-separated, "
+        '"*" for any (default: none; /admin never)',
+        factory=list,
+        type=origins,
+        show_default=False,
+    )
+    max_body_bytes: int = flag(4 * 1024 * 1024, "largest request body", type=positive_int)
+    max_connections: int = flag(
+        2048,
+        "client connections open at once; one more gets 503 and is closed",
+        type=positive_int,
+    )
+    max_stream_buffer_bytes: int = flag(
+        8 * 1024 * 1024,
+        "a stream's events its client has not read yet, in bytes; a client that falls further "
+        "behind has its request ended (the stream's last event is the error)",
+        type=positive_int,
+    )
+    max_logprob_entries: int = flag(
+        131072,
+        "refuse (400) a request whose n x (logprobs + 1) x (echoed prompt + max_tokens) "
+        "exceeds this: every entry is work on the event loop every stream shares",
+        type=positive_int,
+    )
+    grammar_mask_wait_ms: float = flag(
+        20.0,
+        "before a step, wait at most this long for its structured-output rows' grammar masks "
+        "(filled in a thread); a row whose mask is later sits that step out, so a slow grammar "
+        "cannot hold the other streams",
+        type=positive_float,
+    )
+    # chats: how they are rendered, and how their answers are read
+    chat_template: str | None = flag(
+        None,
+        "the chat template: a file, or the Jinja text itself (default: the model's)",
+        type=chat_template_source,
+        metavar="FILE_OR_TEMPLATE",
+    )
+    trust_request_chat_template: bool = flag(
+        False, "accept a request's own 'chat_template' (else a 400), as vLLM's flag"
+    )
+    tool_call_parser: str | None = flag(
+        None,
+        "how the model writes tool calls, read for tool_choice auto (without it, auto is a "
+        "400; required and a named function need none: a grammar writes those)",
+        choices=tuple(sorted(TOOL_CALL_PARSERS)),
+    )
+    exclude_tools_when_tool_choice_none: bool = flag(
+        False, "with tool_choice none, do not show the tools to the chat template"
+    )
+    reasoning_parser: str | None = flag(
+        None,
+        "return the model's <think>...</think> apart, as reasoning_content",
+        choices=REASONING_PARSERS,
+    )
+    shutdown_timeout: float = flag(
+        5.0,
+        "seconds to let requests finish after SIGTERM before connections are closed",
+        type=positive_float,
+    )
     # logging
-    log_file: Path | None = None  # None: JSON lines on stderr
-    log_level: str = "info"
-    log_iterations: int = 1  # log every Nth iteration line (0: none); requests always logged
-    log_max_bytes: int = 64 * 1024 * 1024  # rotate --log-file at this size
-    log_backups: int = 3  # rotated files kept (server.jsonl.1 ... .N)
-    debug_invariants: bool = False  # check block accounting every iteration
+    log_file: Path | None = flag(None, "JSON lines (default: stderr)", type=Path)
+    log_level: str = flag(
+        "info", "the least severe level logged", choices=("debug", "info", "warning", "error")
+    )
+    log_iterations: int = flag(
+        1,
+        "log every Nth iteration (0: none; request events are always logged)",
+        type=non_negative_int,
+        metavar="N",
+    )
+    log_max_bytes: int = flag(
+        64 * 1024 * 1024, "rotate --log-file when it reaches this size", type=positive_int
+    )
+    log_backups: int = flag(
+        3, "rotated log files kept (server.jsonl.1 ... .N)", type=non_negative_int
+    )
+    debug_invariants: bool = flag(False, "check KV block accounting every iteration")
 
     def isolates_tenants(self) -> bool:
         """Whether the prefix cache is salted by each request's tenant."""

@@ -21,10 +21,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 import orjson
 import structlog
+from structlog.typing import EventDict
 
 from service.config import Config
 
@@ -36,12 +37,12 @@ _lines_dropped = 0  # since the process started, whatever sink dropped them
 _sink: LineSink | None = None
 
 
-def _add_unix_timestamp(_logger: Any, _method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+def _add_unix_timestamp(_logger: Any, _method: str, event_dict: EventDict) -> EventDict:
     event_dict["ts"] = time.time()
     return event_dict
 
 
-def _leading_keys_first(_logger: Any, _method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+def _leading_keys_first(_logger: Any, _method: str, event_dict: EventDict) -> EventDict:
     # Readers (people and ops/logs_report) scan the first keys; keep them in a fixed order.
     ordered = {key: event_dict.pop(key) for key in _LEADING_KEYS if key in event_dict}
     ordered.update(event_dict)
@@ -88,7 +89,8 @@ def configure_logging(
             structlog.processors.JSONRenderer(serializer=_orjson_dumps),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level_number),
-        logger_factory=structlog.BytesLoggerFactory(file=_sink),  # it uses write and flush
+        # it uses only write and flush, which the sink has
+        logger_factory=structlog.BytesLoggerFactory(file=cast(BinaryIO, _sink)),
         cache_logger_on_first_use=False,
     )
 

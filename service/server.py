@@ -67,7 +67,7 @@ def contain_connection_failures(max_connections: int | None = None) -> None:
     run = TCPServer.run
     if hasattr(run, "__wrapped__"):
         return  # done already
-    TCPServer.run = contained(run)  # type: ignore[method-assign]
+    TCPServer.run = contained(run)  # type: ignore[method-assign,assignment]
 
 
 def contained(
@@ -90,7 +90,7 @@ def contained(
     return run_one_connection
 
 
-async def _refuse_connection(stream: trio.SocketStream) -> None:
+async def _refuse_connection(stream: trio.abc.Stream) -> None:
     log.warning("http.connection_refused", open=ConnectionCap.open, limit=ConnectionCap.limit)
     with (
         contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError),
@@ -99,7 +99,8 @@ async def _refuse_connection(stream: trio.SocketStream) -> None:
         await stream.send_all(OVER_CAP_RESPONSE)
         # Read what the client sent (for up to that second): closing on unread bytes would
         # reset the connection and lose the answer before the client reads it.
-        await stream.send_eof()
+        if isinstance(stream, trio.abc.HalfCloseableStream):
+            await stream.send_eof()
         while await stream.receive_some(4096):
             pass
     with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):

@@ -113,6 +113,31 @@ def test_bad_input_gets_its_status_in_openai_shape(
         assert error["code"] == code
 
 
+# Values out of the engine's ranges: its validation names its own argument, the API the
+# client's field.
+OUT_OF_RANGE = [
+    (COMPLETIONS, {"prompt": "x", "n": 0}, "n"),
+    (COMPLETIONS, {"prompt": "x", "n": 33}, "n"),
+    (COMPLETIONS, {"prompt": "x", "best_of": 33}, "best_of"),
+    (COMPLETIONS, {"prompt": "x", "logprobs": 21}, "logprobs"),
+    (COMPLETIONS, {"prompt": "x", "logprobs": -1}, "logprobs"),
+    (COMPLETIONS, {"prompt": "x", "logprobs": 21, "echo": True}, "logprobs"),
+    (COMPLETIONS, {"prompt": "x", "deadline_ms": 0}, "deadline_ms"),
+    (COMPLETIONS, {"prompt": "x", "deadline_ms": 86_400_001}, "deadline_ms"),
+    (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (CHAT, {"messages": USER, "n": 33}, "n"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), OUT_OF_RANGE)
+def test_a_value_out_of_range_is_a_400_naming_the_clients_field(
+    cadence_server: RunningServer, path: str, body: dict, param: str
+) -> None:
+    response = httpx.post(f"{cadence_server.url}{path}", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
 def test_server_is_healthy_and_serving_after_bad_input(cadence_server: RunningServer) -> None:
     for _, method, path, body, _, _ in CASES:
         httpx.request(method, f"{cadence_server.url}{path}", timeout=60, **body_of(body))

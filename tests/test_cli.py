@@ -15,8 +15,9 @@ import pytest
 import structlog
 import trio
 
-from service.cli import build_parser, config_from_args, parse_key_value
+from service.cli import add_serve_args, build_parser, config_from_args
 from service.config import Config
+from service.flag_types import key_value
 from service.logging import configure_logging
 from tests.server_fixtures import REPO_ROOT, start_server, stop_server, stream_completion
 
@@ -57,11 +58,11 @@ def test_missing_model_path_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_policy_params_parse_as_json_when_they_can() -> None:
-    assert parse_key_value("token_budget=256") == ("token_budget", 256)
-    assert parse_key_value('weights={"a": 2}') == ("weights", {"a": 2})
-    assert parse_key_value("name=plain") == ("name", "plain")
+    assert key_value("token_budget=256") == ("token_budget", 256)
+    assert key_value('weights={"a": 2}') == ("weights", {"a": 2})
+    assert key_value("name=plain") == ("name", "plain")
     with pytest.raises(argparse.ArgumentTypeError):
-        parse_key_value("=3")
+        key_value("=3")
 
 
 def test_preemption_flags_map_onto_the_config(capsys) -> None:
@@ -160,3 +161,28 @@ async def test_serve_from_loading_to_overload_to_graceful_shutdown(tmp_path: Pat
 def test_bench_and_logs_are_dispatched_to_ops() -> None:
     result = run_cli("bench", "--help")
     assert result.returncode == 0 and "usage" in result.stdout.lower()
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    return parser
+
+
+def test_every_serve_flag_is_documented_in_the_readme() -> None:
+    """The flags are built from Config's fields; the README's table must not fall behind."""
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    undocumented = [
+        action.option_strings[0]
+        for action in serve_parser()._actions
+        if action.option_strings != ["-h", "--help"]
+        and not any(f"`{name}" in readme for name in action.option_strings)
+    ]
+    assert not undocumented
+
+
+def test_a_flag_not_given_leaves_configs_own_default() -> None:
+    assert config_from_args(serve_parser().parse_args([])) == Config()
+    given = serve_parser().parse_args(["--no-cuda-graphs", "--no-enable-prefix-caching"])
+    config = config_from_args(given)
+    assert (config.use_cuda_graphs, config.enable_prefix_caching) == (False, False)

@@ -13,8 +13,11 @@ import pytest
 from gpu_worker.protocol import SamplingSpec
 from service.engine.request import SamplingParams
 from service.engine.validation import (
+    MAX_DEADLINE_S,
+    MAX_LOGPROBS,
     MAX_PRIORITY,
     MAX_SEED,
+    MAX_SEQUENCES,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_TENANT_CHARS,
@@ -30,8 +33,12 @@ def params(max_tokens: int | None = 4, stop: list | None = None, **sampling) -> 
     return SamplingParams(max_tokens=max_tokens, stop=stop or [], sampling=SamplingSpec(**sampling))
 
 
-def check(prompt=(1, 2), p: SamplingParams | None = None, tenant="t", priority=0) -> None:
-    validate(list(prompt), p or params(), LIMITS, tenant, priority)
+def check(
+    prompt=(1, 2), p: SamplingParams | None = None, tenant="t", priority=0, n=1, deadline=None
+) -> None:
+    validate(
+        list(prompt), p or params(), LIMITS, tenant, priority, sequences=n, deadline_s=deadline
+    )
 
 
 def refusal(**kw) -> InvalidRequest:
@@ -71,6 +78,16 @@ def refusal(**kw) -> InvalidRequest:
         ({"priority": MAX_PRIORITY + 1}, "priority", None),
         ({"priority": -MAX_PRIORITY - 1}, "priority", None),
         ({"priority": 1.0}, "priority", None),
+        ({"n": 0}, "n", None),
+        ({"n": MAX_SEQUENCES + 1}, "n", None),
+        ({"n": 2.0}, "n", None),
+        ({"deadline": 0.0}, "deadline_s", None),
+        ({"deadline": -1}, "deadline_s", None),
+        ({"deadline": MAX_DEADLINE_S * 1.001}, "deadline_s", None),
+        ({"deadline": math.nan}, "deadline_s", None),
+        ({"p": params(logprobs=True, top_logprobs=MAX_LOGPROBS + 1)}, "top_logprobs", None),
+        ({"p": params(top_logprobs=-1)}, "top_logprobs", None),
+        ({"p": params(prompt_logprobs=MAX_LOGPROBS + 1)}, "prompt_logprobs", None),
         ({"prompt": [1] * 60, "p": params(max_tokens=5)}, "max_tokens", "context_length_exceeded"),
         ({"prompt": [1] * 40, "p": params(max_tokens=9)}, "max_tokens", "kv_capacity_exceeded"),
     ],
@@ -91,6 +108,10 @@ def test_each_rule_names_its_field(kw, param, code):
         {"prompt": [99, 0]},  # the vocabulary's ends
         {"tenant": "t" * MAX_TENANT_CHARS, "priority": MAX_PRIORITY},
         {"priority": -MAX_PRIORITY},
+        {"n": MAX_SEQUENCES, "deadline": MAX_DEADLINE_S},
+        {"n": 1, "deadline": 1e-3},
+        {"p": params(logprobs=True, top_logprobs=MAX_LOGPROBS, prompt_logprobs=MAX_LOGPROBS)},
+        {"p": params(logprobs=True, top_logprobs=0, prompt_logprobs=0)},
         {"prompt": [1] * 40, "p": params(max_tokens=8)},  # exactly the KV capacity
     ],
 )

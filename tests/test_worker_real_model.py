@@ -93,7 +93,7 @@ def greedy_with_margins(
 )
 def test_the_default_model_knows_the_capital_of_france(default_model_dir, dtype, kv_cache_dtype):
     """With every cache: the 8-bit caches' accuracy over varied prompts is measured in
-    tests/test_kv_cache_dtype.py (agreement and logit error against bfloat16)."""
+    tests/test_worker_kv_cache_dtype.py (agreement and logit error against bfloat16)."""
     runner = runner_for(default_model_dir, dtype, kv_cache_dtype)
     tokenizer = Tokenizer.from_dir(default_model_dir)
     tokens, margins = greedy_with_margins(runner, chat_prompt(default_model_dir, QUESTION), 8)

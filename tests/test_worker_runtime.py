@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from gpu_worker import kv_cache, memory, runtime
+from gpu_worker import kernel_choice, kv_cache, linear, memory, runtime
 from gpu_worker.checkpoint import CheckpointError, load_weights
 from gpu_worker.model_config import ConfigError, ModelConfig, UnsupportedModel
 from gpu_worker.protocol import WorkerConfig
@@ -274,3 +274,30 @@ def test_bad_worker_settings_fail_at_start(tiny_llama_dir):
     with pytest.raises(kv_cache.KVCacheError):
         make_runner(tiny_llama_dir, kv_memory=100.0)
 
+
+
+def test_the_checked_call_sizes_are_recorded_per_machine_and_recalled(
+    tiny_llama_dir, tmp_path, monkeypatch
+):
+    """A first start on a machine probes each weight shape's call sizes and records them in
+    the kernel cache; a later start there uses them without probing; another machine (here:
+    oneDNN capped to other instructions) probes for itself."""
+    cache = tmp_path / "kernels.json"
+    monkeypatch.setattr(linear, "_CHECKED", {})
+    make_runner(tiny_llama_dir, kernel_cache=str(cache))
+    probed = linear.checked_sizes()
+    assert kernel_choice.recall(cache, runtime.ROW_SIZES_SECTION) == probed
+
+    def no_probing(*args, **kwargs):
+        raise AssertionError("probed although this machine's sizes were recorded")
+
+    monkeypatch.setattr(linear, "_CHECKED", {})
+    monkeypatch.setattr(linear, "agreeing_sizes", no_probing)
+    make_runner(tiny_llama_dir, kernel_cache=str(cache))
+    assert linear.checked_sizes() == probed
+
+    monkeypatch.setattr(linear, "_CHECKED", {})
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert kernel_choice.recall(cache, runtime.ROW_SIZES_SECTION) == {}
+    with pytest.raises(AssertionError, match="probed although"):
+        make_runner(tiny_llama_dir, kernel_cache=str(cache))

@@ -14,8 +14,9 @@ from werkzeug.exceptions import RequestEntityTooLarge
 
 async def read_body() -> bytes:
     """The whole request body (413 beyond the app's MAX_CONTENT_LENGTH)."""
-    data = await request.get_data(cache=False)
+    data = await request.get_data(cache=False, as_text=False)
     g.body_read = True
+    assert isinstance(data, bytes)
     return data
 
 

@@ -177,6 +177,10 @@ class Metrics:
         self._read_at_scrape = _CountersReadAtScrape()
         self.registry.register(self._read_at_scrape)
 
+    def __getattr__(self, attribute: str) -> Any:
+        """The table's metrics, set as attributes in __init__ (this tells a type checker)."""
+        raise AttributeError(attribute)
+
     # --- service.engine.stats.Observer -------------------------------------------------------
     def on_request_received(self, request_id: str, tenant: str, prompt_tokens: int) -> None:
         self.received.inc()

@@ -22,9 +22,6 @@ from service.api.openai_chat import ChatOptions, parse_chat_options, parse_messa
 from service.engine.grammar import ResponseFormat
 from service.engine.request import SamplingParams
 
-MAX_LOGPROBS = 20  # alternatives per token: chat's `top_logprobs` (vLLM's max_logprobs too)
-MAX_DEADLINE_MS = 86_400_000.0
-MAX_SEQUENCES = 32  # `n` and `best_of`: sequences generated for one request
 MAX_BATCH_PROMPTS = 32  # prompts of one list `prompt` (completions)
 MAX_CACHE_SALT_CHARS = 256
 MAX_SCHEMA_BYTES = 64 * 1024
@@ -223,8 +220,6 @@ def parse_completion_request(
     fields = _Fields(body)
     prompts = _parse_prompts(fields.raw("prompt"), bound)
     logprobs = fields.integer("logprobs", None)
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"'logprobs' must be between 0 and {MAX_LOGPROBS}", "logprobs")
     echo = fields.boolean("echo", False)
     request = _parse_common(fields, "completion", header_tenant, logprobs)
     if request.params.max_tokens is None:
@@ -246,8 +241,6 @@ def parse_chat_request(
     messages = _parse_messages(fields.raw("messages"), bound)
     logprobs = fields.boolean("logprobs", False)
     top_logprobs = fields.integer("top_logprobs", 0) or 0
-    if not 0 <= top_logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"'top_logprobs' must be between 0 and {MAX_LOGPROBS}", "top_logprobs")
     if top_logprobs and not logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     request = _parse_common(fields, "chat", header_tenant, top_logprobs if logprobs else None)
@@ -334,7 +327,7 @@ def _parse_common(
             raise bad_request("'max_completion_tokens' must be at least 1", "max_completion_tokens")
         max_tokens = alternative if alternative is not None else max_tokens
     n, best_of = _parse_sequences(fields)
-    top_k = fields.integer("top_k", 0)
+    top_k = fields.integer("top_k", 0) or 0
     sampling = SamplingSpec(
         temperature=fields.number("temperature", 1.0),
         top_p=fields.number("top_p", 1.0),
@@ -373,15 +366,13 @@ def _parse_common(
 
 
 def _parse_sequences(fields: _Fields) -> tuple[int, int]:
-    """(n, best_of): best_of defaults to n and may not be less."""
+    """(n, best_of): best_of defaults to n and may not be less (the engine bounds both)."""
     n = fields.integer("n", 1)
     assert n is not None
-    if not 1 <= n <= MAX_SEQUENCES:
-        raise bad_request(f"'n' must be between 1 and {MAX_SEQUENCES}", "n")
     best_of = fields.integer("best_of", n)
     assert best_of is not None
-    if not n <= best_of <= MAX_SEQUENCES:
-        raise bad_request(f"'best_of' must be between 'n' ({n}) and {MAX_SEQUENCES}", "best_of")
+    if best_of < n:
+        raise bad_request(f"'best_of' must be at least 'n' ({n})", "best_of")
     return n, best_of
 
 
@@ -436,15 +427,10 @@ def _parse_response_format(value: Any) -> ResponseFormat | None:
 
 
 def _parse_deadline(fields: _Fields) -> float | None:
+    """In milliseconds, as given (the engine bounds it)."""
     if fields.raw("deadline_ms") is None:
         return None
-    value = fields.number("deadline_ms", 0.0)
-    if not 0 < value <= MAX_DEADLINE_MS:
-        raise bad_request(
-            f"'deadline_ms' must be more than 0 and at most {MAX_DEADLINE_MS:g} (a day)",
-            "deadline_ms",
-        )
-    return value
+    return fields.number("deadline_ms", 0.0)
 
 
 def _parse_prompts(value: Any, bound: PromptBound | None) -> list[str | list[int]]:

@@ -23,15 +23,15 @@ from service.api.openai_schema import (
     MAX_BATCH_PROMPTS,
     MAX_CACHE_SALT_CHARS,
     MAX_CHAT_MESSAGES,
-    MAX_DEADLINE_MS,
-    MAX_LOGPROBS,
     MAX_SCHEMA_BYTES,
-    MAX_SEQUENCES,
     NEUTRAL_VALUES,
 )
 from service.engine.validation import (
+    MAX_DEADLINE_S,
+    MAX_LOGPROBS,
     MAX_PRIORITY,
     MAX_SEED,
+    MAX_SEQUENCES,
     MAX_STOP_STRINGS,
     MAX_TEMPERATURE,
     MAX_TENANT_CHARS,
@@ -369,7 +369,7 @@ def _request(own: Schema, required: list[str], max_model_len: int | None) -> Sch
         "deadline_ms": {
             "type": ["number", "null"],
             "exclusiveMinimum": 0,
-            "maximum": MAX_DEADLINE_MS,
+            "maximum": MAX_DEADLINE_S * 1000,
             "description": "cadence: milliseconds the request may wait to start; if it "
             "cannot, 429 (overloaded at arrival, deadline_exceeded later; with Retry-After)",
         },

@@ -276,7 +276,7 @@ async def submit_prompt(
     except EngineUnavailable as exc:
         raise unavailable(str(exc) or "the engine is not available") from None
     except InvalidRequest as exc:
-        raise bad_request(str(exc), exc.param, exc.code) from None
+        raise bad_request(str(exc), field_of(exc.param, req), exc.code) from None
     return prompt_ids, channel
 
 
@@ -300,6 +300,17 @@ async def respond(
         # token (200, streamed) or its refusal (an HTTP error a client can retry on).
         first = await first_event(channel, header, state)
     return stream_response(req, header, channel, state, first, echoes)
+
+
+def field_of(param: str | None, req: GenerationRequest) -> str | None:
+    """The request's field behind an engine argument the validation names."""
+    if param == "n" and req.best_of > req.n:
+        return "best_of"
+    if param == "deadline_s":
+        return "deadline_ms"
+    if param in ("top_logprobs", "prompt_logprobs") and req.kind == "completion":
+        return "logprobs"
+    return param
 
 
 def loggable_names(names: tuple[str, ...]) -> list[str]:

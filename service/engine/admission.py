@@ -75,7 +75,15 @@ class AdmissionControl:
         """Raises InvalidRequest or Overloaded, or returns the engine-clock deadline by which
         the request must have started (None: no deadline)."""
         params = ticket.params
-        validate(ticket.prompt_token_ids, params, kv.limits, ticket.tenant, ticket.priority)
+        validate(
+            ticket.prompt_token_ids,
+            params,
+            kv.limits,
+            ticket.tenant,
+            ticket.priority,
+            sequences=ticket.n,
+            deadline_s=ticket.deadline_s,
+        )
         deadline = self._deadline_of(ticket)
         prompt_len = len(ticket.prompt_token_ids)
         self._shed_if_overloaded(prompt_len, deadline, ticket.n, kv.limits.max_model_len)

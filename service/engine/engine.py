@@ -3,8 +3,9 @@
 Admission validates each request, bounds the queue and hands the request to the scheduler.
 The scheduling task runs iterations: `Scheduler.schedule()` -> worker step ->
 `Scheduler.update()`, then the engine's own part: text (detokenizer, stop strings), stream
-events, observers, and supervision of the worker. The front end talks to it only through
-submit() (a stream of events) and abort().
+events, observers. The worker's life (start, idle watch, restarts) is its Supervisor's
+(supervision.py). The front end talks to it only through submit() (a stream of events)
+and abort().
 
 Overlap (Config.overlap: "on", "off", or "auto": on unless the worker computes on the CPU,
 whose cores the service's part would take from it, measured 1-2 % slower on 2 vCPUs): as
@@ -29,8 +30,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import structlog
 import trio
@@ -61,33 +63,11 @@ from service.engine.request import (
 )
 from service.engine.scheduler import Outcome, ScheduleOutput, Scheduler, SchedulerStats
 from service.engine.stats import Observer
+from service.engine.supervision import Supervisor, Worker
 from service.engine.validation import InvalidRequest, Limits
-from service.engine.worker_link import (
-    WorkerDeviceFault,
-    WorkerDied,
-    WorkerHung,
-    WorkerStartError,
-)
+from service.engine.worker_link import WorkerDied, WorkerHung
 
 log = structlog.get_logger()
-
-_RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
-_WORKER_STOP_TIMEOUT_S = 10.0
-_WORKER_START_TIMEOUT_S = 900.0  # loading, converting, building kernels: slow, not endless
-_IDLE_PING_S = 1.0  # how often an idle worker must prove it still answers
-
-
-class Worker(Protocol):
-    """What the engine needs of a worker (WorkerLink; tests use a simulated one). One plan
-    is in flight at most: the next is sent after the previous one's result is received."""
-
-    async def start(self) -> Handshake: ...
-    async def send_step(self, plan: BatchPlan) -> None: ...
-    async def receive_result(self, step_id: int) -> StepResult: ...
-    async def ping(self) -> None: ...  # only while no plan is in flight
-    async def wait_closed(self) -> None: ...  # returns when the worker is gone (between steps)
-    async def kill(self) -> None: ...
-    async def stop(self) -> None: ...
 
 
 class TokenizerLike(Decoder, Protocol):
@@ -131,6 +111,12 @@ class Engine:
         self.tokenizer = tokenizer
         self.handshake: Handshake | None = None
         self._worker = worker
+        self._supervisor = Supervisor(
+            worker,
+            step_timeout=config.step_timeout,
+            max_restarts=config.max_worker_restarts,
+            on_started=self._worker_started,
+        )
         # built now, given its blocks at each worker start (none before the first)
         self._scheduler = Scheduler(
             self._blocks_for(0),
@@ -156,9 +142,6 @@ class Engine:
         self._accepting = True
         self._next_seq_id = 0
         self._unemitted: _Step | None = None  # its tokens are committed, not yet sent out
-        self._worker_restarts = 0
-        # why the worker was last replaced: {"reason", "error", "at" (Unix seconds)}
-        self.last_worker_failure: dict[str, Any] | None = None
         self._stopped = trio.Event()
         self.failure: EngineFailed | None = None  # why the engine stopped on its own
 
@@ -177,6 +160,11 @@ class Engine:
         return window if cap is None else min(cap, window)
 
     @property
+    def last_worker_failure(self) -> dict[str, Any] | None:
+        """Why the worker was last replaced: {"reason", "error", "at" (Unix seconds)}."""
+        return self._supervisor.last_failure
+
+    @property
     def scheduler(self) -> Scheduler:
         return self._scheduler
 
@@ -188,22 +176,22 @@ class Engine:
         worker cannot be restarted: then `failure` is set and run returns, so that a server
         can end its connections gracefully before it exits."""
         try:
-            await self._start_worker()
+            await self._supervisor.start()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._admission_task)
                 nursery.start_soon(self._scheduling_task)
                 nursery.start_soon(self._mask_task)
                 task_status.started()
         except* EngineFailed as failed:
-            self.failure = failed.exceptions[0]
+            first = failed.exceptions[0]
+            self.failure = first if isinstance(first, EngineFailed) else EngineFailed(str(first))
             log.error("engine.failed", error=str(self.failure))
         finally:
             self._ready = False
             self._accepting = False
             self._refuse_queued()
             self._finish_all("abort", "shutdown")
-            with trio.CancelScope(shield=True), trio.move_on_after(_WORKER_STOP_TIMEOUT_S):
-                await self._worker.stop()
+            await self._supervisor.stop()
             self._stopped.set()
 
     async def wait_stopped(self) -> None:
@@ -265,7 +253,9 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """End a request, all its n sequences, now (synchronous, idempotent); its blocks
         are free at once."""
-        group = self._groups.get(request_id) or [self._requests.get(request_id)]
+        group: Sequence[Request | None] = self._groups.get(request_id) or [
+            self._requests.get(request_id)
+        ]
         for request in group:
             if request is not None and not request.is_finished:
                 self._emit_committed(request)
@@ -298,7 +288,7 @@ class Engine:
             "policy": self.policy_info(),
             "iteration": stats.iteration,
             "worker_ready": self._ready,
-            "worker_restarts": self._worker_restarts,
+            "worker_restarts": self._supervisor.restarts,
             "last_worker_failure": self.last_worker_failure,
             "max_model_len": self.max_model_len,
             "kv_cache": self._kv_cache_config(),
@@ -443,6 +433,7 @@ class Engine:
     def _expire_deadlines(self, now: float) -> None:
         """Requests whose deadline passed before they started end now, exactly once."""
         for request in self._scheduler.expired(now):
+            assert request.deadline is not None  # only requests with one expire
             waited = request.deadline - request.received
             message = f"the request did not start within its {waited:g} s deadline"
             self._report.refused(request.request_id, "deadline_exceeded")
@@ -493,36 +484,9 @@ class Engine:
             self._finish(request, "error", "grammar_error", error)
 
     async def _wait_for_work(self) -> None:
-        """Sleep until woken (a request, an abort); meanwhile the idle worker is watched, so
-        one that dies or hangs while nothing runs is replaced at once, not at the next request."""
+        """Sleep until woken (a request, an abort), the idle worker watched meanwhile."""
         self._wakeup = trio.Event()
-        failure: list[WorkerDied] = []
-
-        async def watch(cancel_scope: trio.CancelScope) -> None:
-            try:
-                await self._watch_idle_worker()
-            except WorkerDied as exc:
-                failure.append(exc)
-            cancel_scope.cancel()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(watch, nursery.cancel_scope)
-            await self._wakeup.wait()
-            nursery.cancel_scope.cancel()
-        if failure:
-            raise failure[0]
-
-    async def _watch_idle_worker(self) -> None:
-        while True:
-            with trio.move_on_after(_IDLE_PING_S):
-                await self._worker.wait_closed()
-                raise WorkerDied("the worker process exited while idle")
-            with trio.move_on_after(self.config.step_timeout):
-                await self._worker.ping()
-                continue
-            raise WorkerHung(
-                f"the idle worker did not answer a ping in {self.config.step_timeout} s"
-            )
+        await self._supervisor.sleep_until(self._wakeup)
 
     async def _iterate(self, sched: Scheduler) -> bool:
         """Send the next step; run the previous step's part (text, events, report), after
@@ -678,12 +642,8 @@ class Engine:
 
     # ---- worker supervision -----------------------------------------------------------
 
-    async def _start_worker(self) -> None:
-        with trio.move_on_after(_WORKER_START_TIMEOUT_S) as start:
-            handshake = await self._worker.start()
-        if start.cancelled_caught:
-            await self._worker.kill()
-            raise WorkerStartError(f"the worker did not start within {_WORKER_START_TIMEOUT_S} s")
+    def _worker_started(self, handshake: Handshake) -> None:
+        """A new worker's cache sizes the blocks; its device decides overlap and masks."""
         self.handshake = handshake
         self._scheduler.replace_blocks(self._blocks_for(handshake.num_blocks))
         self._fail_what_no_longer_fits()
@@ -722,45 +682,16 @@ class Engine:
         `max_worker_restarts` failed starts in a row fail the waiting too and raise EngineFailed."""
         self._ready = False
         sched = self._scheduler
-        failure = _failure_of(exc)
-        self.last_worker_failure = {"reason": failure.reason, "error": str(exc), "at": time.time()}
-        log.error(failure.event, error=str(exc), running=len(sched.running))
-        with trio.CancelScope(shield=True):
-            await self._worker.kill()  # a hung or half-dead process must not linger
+        failure = await self._supervisor.put_down(exc, running=len(sched.running))
         for request in list(sched.running):
             self._finish(request, "error", failure.detail, error=failure.error)
-        for attempt in range(self.config.max_worker_restarts):
-            if attempt:
-                await trio.sleep(_RESTART_BACKOFF_S[min(attempt, len(_RESTART_BACKOFF_S)) - 1])
-            try:
-                await self._start_worker()
-                self._worker_restarts += 1
-                return
-            except Exception as start_error:  # waiting requests stay queued while we retry
-                log.error("worker.restart_failed", attempt=attempt + 1, error=str(start_error))
+        if await self._supervisor.restart():
+            return
         for request in list(sched.waiting):
             self._finish(
                 request, "error", "worker_unavailable", error="the model worker cannot be restarted"
             )
         raise EngineFailed(f"the worker failed to start {self.config.max_worker_restarts} times")
-
-
-class _Failure(NamedTuple):
-    reason: str  # why the worker is replaced (Engine.last_worker_failure)
-    event: str  # the log line
-    detail: str  # the finish detail of its running requests
-    error: str  # and their error
-
-
-def _failure_of(exc: WorkerDied) -> _Failure:
-    # A device fault ends the running requests as a death does: the worker exits, and its KV
-    # cache with it; clients already know `worker_died`.
-    if isinstance(exc, WorkerHung):
-        return _Failure("worker_hung", "worker.hung", "worker_hung", "the worker stopped answering")
-    if isinstance(exc, WorkerDeviceFault):
-        error = "the worker exited after a device error"
-        return _Failure("device_error", "worker.device_error", "worker_died", error)
-    return _Failure("worker_died", "worker.died", "worker_died", "the worker process died")
 
 
 def sibling_id(request_id: str, index: int) -> str:

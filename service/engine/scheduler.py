@@ -64,6 +64,7 @@ import collections
 import dataclasses
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 from gpu_worker.protocol import BatchPlan, StepResult, TokenLogprobs
 from policies.base import Decision, Policy, SeqView, View
@@ -579,8 +580,8 @@ class Scheduler:
     def _pick(self, entry: object, draft: _Draft) -> tuple[Request, int] | None:
         """The request and token count of one decision entry, if the entry is acceptable."""
         try:
-            seq_id, tokens = entry  # type: ignore[misc]
-            seq_id, tokens = int(seq_id), int(tokens)
+            given_seq, given_tokens = cast(tuple[Any, Any], entry)
+            seq_id, tokens = int(given_seq), int(given_tokens)
         except (TypeError, ValueError):
             self.corrections["malformed_entry"] += 1
             return None

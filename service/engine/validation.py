@@ -22,6 +22,9 @@ MAX_TENANT_CHARS = 128
 MAX_PRIORITY = 1_000_000
 MAX_SEED = 2**63 - 1
 MAX_TEMPERATURE = 2.0  # OpenAI's range
+MAX_LOGPROBS = 20  # alternatives per token (chat's `top_logprobs`; vLLM's max_logprobs too)
+MAX_SEQUENCES = 32  # sequences generated for one request (`n`, `best_of`)
+MAX_DEADLINE_S = 86_400.0  # a day
 
 
 class InvalidRequest(ValueError):
@@ -41,13 +44,24 @@ class Limits:
 
 
 def validate(
-    prompt_ids: list[int], params: SamplingParams, limits: Limits, tenant: str, priority: int
+    prompt_ids: list[int],
+    params: SamplingParams,
+    limits: Limits,
+    tenant: str,
+    priority: int,
+    *,
+    sequences: int = 1,
+    deadline_s: float | None = None,
 ) -> None:
     """Raise InvalidRequest for the first problem found; fills a missing max_tokens with
-    the rest of the context window."""
+    the rest of the context window. `param` names the engine's argument (Engine.submit's,
+    SamplingSpec's field): an API names its own field where it differs."""
     _check_prompt(prompt_ids, limits)
     _check_sampling(params)
+    _check_logprobs(params.sampling.top_logprobs, params.sampling.prompt_logprobs)
     _check_routing(tenant, priority)
+    _check_sequences(sequences)
+    _check_deadline(deadline_s)
     if params.max_tokens is None:
         params.max_tokens = max(1, limits.max_model_len - len(prompt_ids))
     _check_length(len(prompt_ids), params.max_tokens, limits)
@@ -98,6 +112,34 @@ def _check_stop(stop: list[str]) -> None:
     if any(len(s) > MAX_STOP_CHARS for s in stop):
         raise InvalidRequest(
             f"each stop string may have at most {MAX_STOP_CHARS} characters", "stop"
+        )
+
+
+def _check_logprobs(top: int, prompt: int | None) -> None:
+    for name, value in (("top_logprobs", top), ("prompt_logprobs", prompt)):
+        if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+            raise InvalidRequest(
+                f"at most {MAX_LOGPROBS} log-probabilities per token can be returned "
+                f"({name}: {value!r})",
+                name,
+            )
+
+
+def _check_sequences(sequences: int) -> None:
+    if not _is_int(sequences) or not 1 <= sequences <= MAX_SEQUENCES:
+        raise InvalidRequest(
+            f"a request generates 1 to {MAX_SEQUENCES} sequences, not {sequences!r}", "n"
+        )
+
+
+def _check_deadline(deadline_s: float | None) -> None:
+    if deadline_s is not None and (
+        not _is_number(deadline_s) or not 0 < deadline_s <= MAX_DEADLINE_S
+    ):
+        raise InvalidRequest(
+            f"a deadline is more than 0 and at most a day ({MAX_DEADLINE_S:g} s), "
+            f"not {deadline_s!r} s",
+            "deadline_s",
         )
 
 

@@ -16,6 +16,7 @@ import socket
 import sys
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -65,19 +66,14 @@ class WorkerStartError(RuntimeError):
 
 
 def worker_config_for(config: Config, model_dir: Path | str) -> WorkerConfig:
+    """The worker's knobs are Config's fields of the same name (one default for both)."""
+    named = {f.name for f in fields(Config)}
+    shared = {f.name: getattr(config, f.name) for f in fields(WorkerConfig) if f.name in named}
     return WorkerConfig(
         model_dir=str(model_dir),
-        dtype=config.dtype,
-        device=config.device,
-        block_size=config.block_size,
-        kv_memory=config.kv_memory,
-        kv_cache_dtype=config.kv_cache_dtype,
-        max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_batched_tokens,
-        seed=config.seed,
-        use_cuda_graphs=config.use_cuda_graphs,
-        kernels=config.kernels,
         kernel_cache=str(config.cache_dir / "kernels.json"),
+        **shared,
     )
 
 

@@ -1,6 +1,6 @@
 """Admin authentication without a model: the bearer-token check, unit by unit and over HTTP.
 
-tests/test_admin_api.py covers the same endpoints on a real server (slow, `real_model`).
+tests/test_api_admin.py covers the same endpoints on a real server (slow, `real_model`).
 Here `require_admin`, `bearer_token` and `admin_identity` run inside a tiny Quart-Trio
 request context, and the admin routes run in the real app on an engine whose worker is
 never started, so every token shape can be tried in milliseconds: a token that is a

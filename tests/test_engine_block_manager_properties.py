@@ -1,6 +1,6 @@
 """Paged KV accounting under random allocate/free sequences, checked against a plain model.
 
-tests/test_block_manager.py walks through the rules once each. Here hypothesis drives the
+tests/test_engine_block_manager.py walks through the rules once each. Here hypothesis drives the
 BlockManager with arbitrary interleavings of growth, over-asks and frees over several
 sequences, and promises of blocks to come, and compares it after every operation with the
 obvious model (a sequence of n tokens holds ceil(n / block_size) blocks; free = total -
