@@ -7,12 +7,13 @@ import importlib.metadata
 import math
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import structlog
 import trio
 from quart import Blueprint, Response, current_app, request
+from quart_trio import QuartTrio
 
 from service.api.access import request_key
 from service.api.app_state import AppState, app_state
@@ -165,7 +166,7 @@ async def serve_generation(req: GenerationRequest) -> Response:
     request_id = new_request_id(req)
     prompt_ids, channel = await submit_prompt(req, state, request_id)
     header = ResponseHeader(req.kind, request_id, state.served_model_name)
-    echoes = [echo_of(req, prompt_ids, state)] if req.echo else None
+    echoes: list[Echo | None] | None = [echo_of(req, prompt_ids, state)] if req.echo else None
     return await respond(req, header, channel, state, echoes)
 
 
@@ -191,7 +192,9 @@ async def serve_batch(req: GenerationRequest) -> Response:
     except BaseException:  # a prompt refused (or the client gone): the others end too
         abort_all(channels, header, state)
         raise
-    merged = merge_channels(channels, req.best_of, current_app.nursery)
+    # the app's lifespan nursery (quart-trio's): the forwarding outlives this handler's call
+    nursery = cast(QuartTrio, current_app).nursery
+    merged = merge_channels(channels, req.best_of, nursery)
     return await respond(req, header, merged, state, echoes if req.echo else None)
 
 

@@ -16,7 +16,7 @@ class HermesParser:
 
     def parse(self, text: str, final: bool) -> Parsed:
         parsed = Parsed()
-        pos = 0
+        pos: int | None = 0
         while pos is not None:
             content, after = content_before(text[pos:], START, final)
             parsed.add_content(content)

@@ -84,9 +84,10 @@ def scan_object(text: str, pos: int, final: bool) -> ObjectScan:
         if text[pos] == ",":
             pos += 1
             continue
-        pos = _scan_member(text, pos, final, scan)
-        if pos is None or scan.broken:
+        after = _scan_member(text, pos, final, scan)
+        if after is None or scan.broken:
             return scan
+        pos = after
 
 
 def _scan_member(text: str, pos: int, final: bool, scan: ObjectScan) -> int | None:

@@ -55,10 +55,10 @@ def calls_of(source: str) -> list[CallText] | None:
         tree = ast.parse(source, mode="eval").body
     except SyntaxError:
         return None
-    if not isinstance(tree, ast.List) or not all(isinstance(e, ast.Call) for e in tree.elts):
+    if not isinstance(tree, ast.List):
         return None
-    calls = [_call_of(call) for call in tree.elts]
-    return None if None in calls else calls  # type: ignore[return-value]
+    calls = [_call_of(e) if isinstance(e, ast.Call) else None for e in tree.elts]
+    return [call for call in calls if call is not None] if None not in calls else None
 
 
 def _call_of(call: ast.Call) -> CallText | None:
