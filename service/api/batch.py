@@ -4,8 +4,6 @@ sequence j becomes i x per_prompt + j), so one response streams them all as vLLM
 
 from __future__ import annotations
 
-import math
-
 import trio
 
 from service.engine.request import Event
@@ -16,7 +14,9 @@ def merge_channels(
 ) -> trio.MemoryReceiveChannel[Event]:
     """One channel of all `channels`' events (forwarded by tasks in `nursery`), which ends
     when they all have. Closing it stops the forwarding and closes them."""
-    send, receive = trio.open_memory_channel[Event](math.inf)
+    # No buffer of its own: a client that stops reading leaves the events in the engine's
+    # channels, whose bound on what a client has not read then ends its requests.
+    send, receive = trio.open_memory_channel[Event](0)
     with send:
         for i, channel in enumerate(channels):
             nursery.start_soon(_forward, channel, send.clone(), i * per_prompt)
@@ -26,11 +26,10 @@ def merge_channels(
 async def _forward(
     source: trio.MemoryReceiveChannel, sink: trio.MemorySendChannel, offset: int
 ) -> None:
-    # unbounded: the engine's own channel keeps its bound on what a client has not read
     with source, sink:
         try:
             async for event in source:
                 event.index += offset
-                sink.send_nowait(event)
+                await sink.send(event)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the response is gone; its cleanup aborts the requests
