@@ -317,9 +317,9 @@ async def grammar_of(response_format: ResponseFormat, state: AppState) -> Any:
             abandon_on_cancel=True,
         )
     raise bad_request(
-        f"compiling the schema of response_format took more than {GRAMMAR_COMPILE_TIMEOUT_S} s "
-        "(waiting included); simplify it or retry later",
-        "response_format",
+        f"compiling the {response_format.kind} of {response_format.param} took more than "
+        f"{GRAMMAR_COMPILE_TIMEOUT_S} s (waiting included); simplify it or retry later",
+        response_format.param,
         "grammar_timeout",
     )
 
@@ -332,10 +332,11 @@ def compile_grammar(response_format: ResponseFormat, state: AppState) -> Any:
             raise GrammarUnavailable("structured output is not enabled on this server")
         return state.grammars.compile(response_format)
     except GrammarUnavailable as exc:
-        raise bad_request(str(exc), "response_format") from None
+        raise bad_request(str(exc), response_format.param) from None
     except InvalidGrammar as exc:
         raise bad_request(
-            f"the JSON schema of response_format is not supported: {exc}", "response_format"
+            f"the {response_format.kind} of {response_format.param} is not supported: {exc}",
+            response_format.param,
         ) from None
 
 
