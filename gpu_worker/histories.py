@@ -10,7 +10,8 @@ token is sampled after.
 
 The counts are two tables with a row per tracked sequence, on the model's device:
 occurrences among the generated tokens (int32; presence and frequency penalties) and
-presence in the prompt (bool; with the first, the repetition penalty). They are allocated
+presence in the prompt or the generated tokens (bool; the repetition penalty, and which
+tokens any penalty may touch: a few hundred of a row's vocabulary). They are allocated
 when a first sequence asks, so a worker whose requests read no history holds none.
 """
 
@@ -27,11 +28,13 @@ MIN_ROWS = 8  # the tables' first size; they double as sequences arrive
 
 @dataclass(slots=True)
 class RowTokens:
-    """What a step's sampled rows that read their history have seen (Histories.rows)."""
+    """What a step's sampled rows that read their history have seen (Histories.rows): row
+    i of the batch `rows[i]` has its counts in row `slots[i]` of the tables."""
 
     rows: list[int]  # rows of the sampled batch
-    output_counts: torch.Tensor  # int32 [len(rows), vocab]
-    prompt_seen: torch.Tensor  # bool [len(rows), vocab]
+    slots: torch.Tensor  # long [len(rows)]
+    output_counts: torch.Tensor  # int32 [tracked, vocab]: occurrences among generated tokens
+    seen: torch.Tensor  # bool [tracked, vocab]: in the prompt or generated
     generated: list[list[int]]  # each row's generated tokens, in order (bad words read the tail)
 
 
@@ -49,7 +52,7 @@ class Histories:
         self._tracked: dict[int, _Tracked] = {}  # by seq_id
         self._free: list[int] = []
         self.output_counts = torch.zeros((0, vocab_size), dtype=torch.int32, device=device)
-        self.prompt_seen = torch.zeros((0, vocab_size), dtype=torch.bool, device=device)
+        self.seen = torch.zeros((0, vocab_size), dtype=torch.bool, device=device)
 
     def __len__(self) -> int:
         return len(self._tracked)
@@ -75,11 +78,11 @@ class Histories:
         tracked = [(row, t) for row, t in found if t is not None]
         if not tracked:
             return None
-        slots = torch.tensor([t.slot for _, t in tracked], device=self.device)
         return RowTokens(
             rows=[row for row, _ in tracked],
-            output_counts=self.output_counts[slots],
-            prompt_seen=self.prompt_seen[slots],
+            slots=torch.tensor([t.slot for _, t in tracked], device=self.device),
+            output_counts=self.output_counts,
+            seen=self.seen,
             generated=[t.generated for _, t in tracked],
         )
 
@@ -96,14 +99,14 @@ class Histories:
         if tracked is None:
             return
         self.output_counts[tracked.slot] = 0
-        self.prompt_seen[tracked.slot] = False
+        self.seen[tracked.slot] = False
         self._free.append(tracked.slot)
 
     def _grow(self) -> None:
         size = self.output_counts.shape[0]
         added = max(MIN_ROWS, size)
         self.output_counts = torch.cat([self.output_counts, self._zeros(added, torch.int32)])
-        self.prompt_seen = torch.cat([self.prompt_seen, self._zeros(added, torch.bool)])
+        self.seen = torch.cat([self.seen, self._zeros(added, torch.bool)])
         self._free.extend(reversed(range(size, size + added)))
 
     def _zeros(self, rows: int, dtype: torch.dtype) -> torch.Tensor:
@@ -123,18 +126,18 @@ class Histories:
 
     def _count(self, tracked: list[_Tracked], tokens: list[list[int]], starts: list[int]) -> None:
         """Adds tokens[i], which sit from position starts[i] of tracked[i]'s sequence, to its
-        counts: those before its prompt_len as prompt, the rest as generated."""
-        prompt_slots, prompt_ids, output_slots, output_ids = [], [], [], []
-        for entry, ids, start in zip(tracked, tokens, starts, strict=True):
-            split = max(0, min(len(ids), entry.prompt_len - start))
-            prompt_slots += [entry.slot] * split
-            prompt_ids += ids[:split]
-            output_slots += [entry.slot] * (len(ids) - split)
-            output_ids += ids[split:]
-            entry.generated += ids[split:]
-        if prompt_ids:
-            index = self._index(prompt_slots, prompt_ids)
-            self.prompt_seen.index_put_(index, torch.ones((), dtype=torch.bool, device=self.device))
+        counts: all as seen, those from its prompt_len on as generated too."""
+        slots, ids, output_slots, output_ids = [], [], [], []
+        for entry, found, start in zip(tracked, tokens, starts, strict=True):
+            split = max(0, min(len(found), entry.prompt_len - start))
+            slots += [entry.slot] * len(found)
+            ids += found
+            output_slots += [entry.slot] * (len(found) - split)
+            output_ids += found[split:]
+            entry.generated += found[split:]
+        if ids:
+            true = torch.ones((), dtype=torch.bool, device=self.device)
+            self.seen.index_put_(self._index(slots, ids), true)
         if output_ids:
             index = self._index(output_slots, output_ids)
             ones = torch.ones(len(output_ids), dtype=torch.int32, device=self.device)

@@ -14,7 +14,8 @@ In vLLM's order (its v1 Sampler.apply_logits_processors, then min_p after temper
 
 Steps 1-4 gather (row, token) pairs in Python, a few per row (the words, the biases, the
 stop tokens: never the vocabulary or the history), and write them in one indexed operation
-each; step 5 works on the penalised rows' slice of the batch only.
+each. Step 5 touches only the tokens a penalised row has seen (found on the device, from
+the histories' table), since no penalty changes any other.
 """
 
 from __future__ import annotations
@@ -115,24 +116,24 @@ def _penalise(
         return
     assert tokens is not None, "penalised rows read their history"
     device = values.device
-    which = torch.tensor([history[i] for i in rows], device=device)
-    counts = tokens.output_counts[which]
-    generated = counts > 0
-    seen = tokens.prompt_seen[which] | generated
-    repetition, frequency, presence = torch.tensor(
+    slots = tokens.slots[torch.tensor([history[i] for i in rows], device=device)]
+    seen = tokens.seen[slots].nonzero()  # [(index in rows, token)] of every seen token
+    which, token = seen[:, 0], seen[:, 1]
+    counts = tokens.output_counts[slots[which], token].to(values.dtype)
+    settings = torch.tensor(
         [
             [specs[i].repetition_penalty, specs[i].frequency_penalty, specs[i].presence_penalty]
             for i in rows
         ],
         dtype=values.dtype,
         device=device,
-    ).T[:, :, None]
-    index = torch.tensor(rows, device=device)
-    sub = values[index]
-    penalty = torch.where(seen, repetition, 1.0)
-    sub = torch.where(sub > 0, sub / penalty, sub * penalty)
-    sub = sub - frequency * counts - presence * generated
-    values[index] = sub
+    )[which]
+    row = torch.tensor(rows, device=device)[which]
+    found = values[row, token]
+    repetition = settings[:, 0]
+    found = torch.where(found > 0, found / repetition, found * repetition)
+    found = found - settings[:, 1] * counts - settings[:, 2] * (counts > 0)
+    values[row, token] = found
 
 
 def _penalised(spec: SamplingSpec) -> bool:

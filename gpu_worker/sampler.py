@@ -108,7 +108,9 @@ class Sampler:
         if not specs:
             return SampleOutput(tokens=[], logprobs=None)
         masked = _Masked.of(logits, bitmasks or [])
-        tokens = self._choose(logits, specs, positions, _adjusted(logits, masked, specs, history))
+        tokens = self._choose(
+            logits, specs, positions, with_processors(logits, masked, specs, history)
+        )
         logprobs = None
         if any(spec.logprobs for spec in specs):
             tops = [spec.top_logprobs if spec.logprobs else 0 for spec in specs]
@@ -206,7 +208,7 @@ class _Masked:
         return cls(torch.tensor(rows, device=device), values)
 
 
-def _adjusted(
+def with_processors(
     logits: Logits, masked: _Masked | None, specs: list[SamplingSpec], history: RowTokens | None
 ) -> _Masked | None:
     """`masked` with the logit processors applied: the rows with a grammar mask or a

@@ -30,8 +30,9 @@ def row_tokens(prompts: list[list[int]], outputs: list[list[int]]) -> RowTokens:
     for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
         for token in output:
             counts[i, token] += 1
-        seen[i, prompt] = True
-    return RowTokens(list(range(len(prompts))), counts, seen, [list(o) for o in outputs])
+        seen[i, prompt + output] = True
+    rows = list(range(len(prompts)))
+    return RowTokens(rows, torch.tensor(rows), counts, seen, [list(o) for o in outputs])
 
 
 def vllm_penalties(
@@ -56,12 +57,10 @@ def empirical(tokens: list[int]) -> torch.Tensor:
 def draws(logits: torch.Tensor, spec: SamplingSpec, tokens: RowTokens | None = None) -> list[int]:
     """DRAWS tokens sampled from one row's logits (the row repeated, with its history)."""
     batch = logits.expand(DRAWS, -1).clone()
-    if tokens is not None:
+    if tokens is not None:  # every row reads the one history
+        slots = tokens.slots.expand(DRAWS)
         tokens = RowTokens(
-            list(range(DRAWS)),
-            tokens.output_counts.expand(DRAWS, -1),
-            tokens.prompt_seen.expand(DRAWS, -1),
-            tokens.generated * DRAWS,
+            list(range(DRAWS)), slots, tokens.output_counts, tokens.seen, tokens.generated * DRAWS
         )
     return Sampler(0, CPU).sample(batch, [spec] * DRAWS, [0] * DRAWS, None, tokens).tokens
 
@@ -95,7 +94,7 @@ def test_rows_without_parameters_keep_their_exact_logits():
     logits = raw_logits(3)
     specs = [SamplingSpec(), PENALTIES[3], SamplingSpec(temperature=0.7)]
     history = row_tokens([PROMPTS[3]], [OUTPUTS[3]])
-    history.rows = [1]
+    history.rows = [1]  # its table's row 0
     found = adjust_logits(logits.clone(), specs, history)
     assert torch.equal(found[0], logits[0]) and torch.equal(found[2], logits[2])
     assert not torch.equal(found[1], logits[1])
@@ -214,10 +213,11 @@ def test_histories_count_prompt_and_generated_tokens_across_steps():
     histories.update(plan([(7, [9], 7), (8, [3, 3], 0)], [None, History(1)]))
     found = histories.rows([8, 7])
     assert found is not None and found.rows == [0, 1]
-    assert found.output_counts[1].tolist() == counts_of([9, 9])
-    assert found.prompt_seen[1].tolist() == [c > 0 for c in counts_of(prompt)]
+    eight, seven = found.slots.tolist()
+    assert found.output_counts[seven].tolist() == counts_of([9, 9])
+    assert found.seen[seven].tolist() == [c > 0 for c in counts_of([*prompt, 9])]
     assert found.generated == [[3], [9, 9]]
-    assert found.output_counts[0].tolist() == counts_of([3])
+    assert found.output_counts[eight].tolist() == counts_of([3])
 
 
 def test_a_released_or_restarted_sequence_starts_afresh():
@@ -227,7 +227,7 @@ def test_a_released_or_restarted_sequence_starts_afresh():
     histories.update(plan([(1, [4, 5, 6, 7], 0)], [History(2)], released=[1]))
     found = histories.rows([1])
     assert found is not None and found.generated == [[6, 7]]
-    assert found.output_counts[0].tolist() == counts_of([6, 7])
+    assert found.output_counts[found.slots[0]].tolist() == counts_of([6, 7])
     histories.update(plan([], released=[1, 99]))  # an unknown id is no error
     assert histories.rows([1]) is None and len(histories) == 0
 
@@ -243,4 +243,5 @@ def test_histories_grow_past_their_first_rows():
     histories.update(plan([(s, [s], 0) for s in seqs], [History(0) for _ in seqs]))
     found = histories.rows(list(seqs))
     assert found is not None
-    assert [row.nonzero().flatten().tolist() for row in found.output_counts] == [[s] for s in seqs]
+    counts = found.output_counts[found.slots]
+    assert [row.nonzero().flatten().tolist() for row in counts] == [[s] for s in seqs]
