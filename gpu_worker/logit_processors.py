@@ -12,6 +12,11 @@ In vLLM's order (its v1 Sampler.apply_logits_processors, then min_p after temper
 6. (sampled rows) min_p: tokens whose probability is below min_p times the row's highest
    at -inf.
 
+A row whose bans (steps 1-3) leave it no token at all, say allowed_token_ids disjoint from
+what its grammar allows next, or only stop tokens allowed before min_tokens, takes that
+step as if it had asked for no processor: its grammar (applied before) always holds, and
+the sampler never draws from an empty distribution.
+
 Steps 1-4 gather (row, token) pairs in Python, a few per row (the words, the biases, the
 stop tokens: never the vocabulary or the history), and write them in one indexed operation
 each. Step 5 touches only the tokens a penalised row has seen (found on the device, from
@@ -34,12 +39,28 @@ def adjust_logits(
     """Steps 1-5 on float32 values [len(specs), vocab], in place; `tokens` holds the history
     of every row whose spec reads it (rows index into `specs`)."""
     history = {} if tokens is None else {row: i for i, row in enumerate(tokens.rows)}
+    banning = [i for i, spec in enumerate(specs) if _bans(spec)]
+    before = values[banning] if banning else None  # a copy: advanced indexing
     _keep_allowed(values, specs)
     generated = {row: tokens.generated[i] for row, i in history.items()} if tokens else {}
     _ban(values, _banned_pairs(specs, generated))
     _add_bias(values, specs)
     _penalise(values, specs, tokens, history)
+    if before is not None:
+        _restore_emptied(values, banning, before)
     return values
+
+
+def _bans(spec: SamplingSpec) -> bool:
+    return spec.allowed_token_ids is not None or bool(spec.bad_words or spec.min_tokens)
+
+
+def _restore_emptied(values: torch.Tensor, rows: list[int], before: torch.Tensor) -> None:
+    """Rows among `rows` left with no finite logit get back their values `before`."""
+    index = torch.tensor(rows, device=values.device)
+    emptied = ~torch.isfinite(values[index]).any(dim=-1)
+    if bool(emptied.any()):
+        values[index[emptied]] = before[emptied]
 
 
 def apply_min_p(scaled: torch.Tensor, min_ps: list[float]) -> torch.Tensor:

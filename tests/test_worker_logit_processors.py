@@ -173,6 +173,18 @@ def test_min_tokens_masks_the_stop_tokens_until_reached():
     assert [greedy_after([11] * n) for n in range(5)] == [11, 11, 11, 2, 2]
 
 
+def test_bans_that_leave_no_token_yield_to_the_grammar():
+    logits = raw_logits(2, seed=8)
+    grammar = torch.zeros(2, -(-VOCAB // 32), dtype=torch.int32)  # bitmask words
+    grammar[:, 0] = 0b1100  # tokens 2 and 3
+    specs = [
+        SamplingSpec(allowed_token_ids=[5, 6]),  # nothing the grammar allows
+        SamplingSpec(temperature=1.0, allowed_token_ids=[3, 6]),
+    ]
+    out = Sampler(0, CPU).sample(logits, specs, [0, 0], [grammar[0], grammar[1]])
+    assert out.tokens == [2 + int(logits[0, 3] > logits[0, 2]), 3]
+
+
 # ---- the worker's histories --------------------------------------------------------------
 
 PENALISED = SamplingSpec(presence_penalty=1.0)
