@@ -3,7 +3,7 @@
     cadence bench processors [--rows 64] [--prompt 256] [--steps 24] [--dtype bfloat16]
 
 Two batches of W1's shape (`rows` sequences of `prompt` tokens, decoding), alternating step
-by step in one run so that a shared, noisy machine slows both alike: "free", where no row
+by step in one run (ABBA) so that a shared, noisy machine slows both alike: "free", where no row
 asks for a logit processor, and "quarter", where every fourth row has presence, frequency
 and repetition penalties and a logit_bias of 8 tokens (its history kept by the worker).
 Prints each batch's median step (forward, sampling, history counts) and their ratio; then,
@@ -128,9 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     chunk_rows = max(1, config.max_num_batched_tokens // args.prompt)
     quarter.prefill(free.prefill(0, capacity, chunk_rows), capacity, chunk_rows)
     times: dict[str, list[float]] = {"free": [], "quarter": []}
-    for _ in range(args.steps):  # alternating, so that the machine's noise hits both
-        times["free"].append(free.decode())
-        times["quarter"].append(quarter.decode())
+    batches = {"free": free, "quarter": quarter}
+    for step in range(args.steps):  # alternating (ABBA), so that noise hits both alike
+        for name in ("free", "quarter") if step % 2 == 0 else ("quarter", "free"):
+            times[name].append(batches[name].decode())
     ratios = [q / f for f, q in zip(times["free"], times["quarter"], strict=True)]
     free_ms, quarter_ms = (statistics.median(times[k]) for k in ("free", "quarter"))
     free_us, quarter_us = processors_us(runner, free, quarter)
