@@ -30,10 +30,8 @@ from ops.gpu_smoke import Seq, plan_of, tokens_of
 from service.config import default_cache_dir
 from service.model_files.resolve import resolve_model
 
-FREE = SamplingSpec(temperature=0.8, top_p=0.95)
+FREE = SamplingSpec()  # greedy, as W1 (ops.engine_bench): the cheapest step to add to
 PENALISED = SamplingSpec(
-    temperature=0.8,
-    top_p=0.95,
     presence_penalty=0.5,
     frequency_penalty=0.5,
     repetition_penalty=1.1,
