@@ -31,7 +31,7 @@ cadence_server = server_fixtures.cadence_server
 CAPITAL = "The capital of France is"  # greedy: " Paris." and more
 ONE_WORD = "Reply with one word: is the sky blue?"  # greedy: a short sentence, then EOS
 ANIMALS = "A list of animals:"
-MIN_TOKENS = 24
+MIN_TOKENS = 16
 
 
 def client_for(server: RunningServer) -> openai.OpenAI:
@@ -88,13 +88,13 @@ def answers(cadence_server: RunningServer, tokenizer: Tokenizer) -> dict[str, An
     listed = token(tokenizer, " animals")  # in the prompt: the repetition penalty sees it
     return run_all(
         {
-            "free": lambda: completion(s, CAPITAL, 12),
+            "free": lambda: completion(s, CAPITAL, 8),
             "stop_token": lambda: completion(
                 s, CAPITAL, 12, stop_token_ids=[token(tokenizer, ".")]
             ),
-            "bad_words": lambda: completion(s, CAPITAL, 12, bad_words=[" Paris"]),
-            "short": lambda: chat(s, ONE_WORD, 40),
-            "min_tokens": lambda: chat(s, ONE_WORD, 40, min_tokens=MIN_TOKENS),
+            "bad_words": lambda: completion(s, CAPITAL, 8, bad_words=[" Paris"]),
+            "short": lambda: chat(s, ONE_WORD, 24),
+            "min_tokens": lambda: chat(s, ONE_WORD, 24, min_tokens=MIN_TOKENS),
             "biased": lambda: completion(s, ANIMALS, 5, logit_bias={str(cat): 100}),
             "repeating": lambda: completion(
                 s,
