@@ -10,7 +10,15 @@ import torch
 
 from gpu_worker.histories import Histories, RowTokens
 from gpu_worker.logit_processors import adjust_logits
-from gpu_worker.protocol import BatchPlan, History, SamplingSpec
+from gpu_worker.protocol import (
+    BatchPlan,
+    FrameDecoder,
+    History,
+    SamplingSpec,
+    batch_plan_from_message,
+    encode_frame,
+    to_message,
+)
 from gpu_worker.sampler import Sampler
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -257,3 +265,18 @@ def test_histories_grow_past_their_first_rows():
     assert found is not None
     counts = found.output_counts[found.slots]
     assert [row.nonzero().flatten().tolist() for row in counts] == [[s] for s in seqs]
+
+
+def test_a_plan_with_histories_crosses_the_wire_unchanged():
+    spec = SamplingSpec(
+        logit_bias=[(3, 1.5)], bad_words=[[1, 2]], min_tokens=2, min_tokens_stop_ids=[0]
+    )
+    sent = plan([(4, [1, 2], 3), (5, [6], 0)], [History(3, [7, 8, 9]), History(1)], [2], spec)
+    decoded = FrameDecoder().feed(encode_frame(to_message("step", sent)))[0]
+    received = batch_plan_from_message(decoded)
+    assert (received.histories, received.released) == (sent.histories, sent.released)
+    assert received.sampling[0].logit_bias == [[3, 1.5]]  # JSON's pairs: lists, read alike
+    histories = Histories(VOCAB, CPU)
+    histories.update(received)
+    found = histories.rows([4])
+    assert found is not None and found.generated == [[1, 2]]
