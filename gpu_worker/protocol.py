@@ -121,6 +121,48 @@ class SamplingSpec:
     top_logprobs: int = 0  # with logprobs: the k most likely tokens at each sampled position
     # the prompt's tokens' log-probabilities, each with this many alternatives (`echo`)
     prompt_logprobs: int | None = None
+    # Logit processors, as vLLM's (gpu_worker.logit_processors), applied in this order:
+    # tokens outside allowed_token_ids (None: all allowed) and bad words at -inf; until
+    # min_tokens tokens are generated, min_tokens_stop_ids (the request's stop_token_ids,
+    # and EOS unless ignore_eos: the service fills them in) at -inf; logit_bias as
+    # [token, bias] pairs; the penalties; then (sampled rows only, after temperature) min_p.
+    allowed_token_ids: list[int] | None = None
+    # token sequences: the last token is banned where the generated tokens end with the rest
+    bad_words: list[list[int]] = field(default_factory=list)
+    min_tokens: int = 0
+    min_tokens_stop_ids: list[int] = field(default_factory=list)
+    logit_bias: list[tuple[int, float]] = field(default_factory=list)
+    presence_penalty: float = 0.0  # per generated token seen
+    frequency_penalty: float = 0.0  # per occurrence among the generated tokens
+    repetition_penalty: float = 1.0  # on tokens of the prompt or generated: 1 is none
+    min_p: float = 0.0
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether sampling depends on the sequence's tokens so far: the worker then keeps
+        them (BatchPlan.histories)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.bad_words
+            or self.min_tokens
+        )
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a processor before temperature (all but min_p) applies to this row."""
+        return self.allowed_token_ids is not None or bool(self.logit_bias) or self.reads_history
+
+
+@dataclass(slots=True)
+class History:
+    """Where a sequence's tokens begin on the worker, for a sampling that reads them (its
+    first step, and its first after each preemption): the worker counts every token a step
+    computes from then on, so later steps carry no history."""
+
+    prompt_len: int  # tokens at positions from here on are generated
+    prefix: list[int] = field(default_factory=list)  # tokens before start_pos (cache hits)
 
 
 @dataclass(slots=True)
@@ -159,6 +201,12 @@ class BatchPlan:
     little-endian int32 words (bit j of word w allows token 32 * w + j; the words cover
     the vocabulary, rounded up to 32), and None for every other sequence. Disallowed
     tokens are never sampled; logprobs stay those of the unmasked logits.
+
+    Histories (SamplingSpec.reads_history): `histories` is empty when no sequence of the
+    step starts one; otherwise aligned with seq_ids, a History for a sequence whose
+    history begins with this step, None for the others. `released` lists sequences whose
+    histories the worker drops before this step (finished, aborted, preempted); unknown
+    ids are ignored.
     """
 
     step_id: int
@@ -171,6 +219,8 @@ class BatchPlan:
     sampling: list[SamplingSpec]
     prompt_targets: list[list[int] | None] = field(default_factory=list)
     token_bitmasks: list[str | None] = field(default_factory=list)
+    histories: list[History | None] = field(default_factory=list)
+    released: list[int] = field(default_factory=list)
 
     @property
     def is_decode_only(self) -> bool:
@@ -210,6 +260,7 @@ def to_message(kind: str, record: Any) -> dict[str, Any]:
 def batch_plan_from_message(msg: dict[str, Any]) -> BatchPlan:
     fields = {k: v for k, v in msg.items() if k != "type"}
     fields["sampling"] = [SamplingSpec(**s) for s in fields["sampling"]]
+    fields["histories"] = [None if h is None else History(**h) for h in fields.get("histories", [])]
     return BatchPlan(**fields)
 
 

@@ -13,6 +13,7 @@ import torch
 from gpu_worker.attention import build_metadata
 from gpu_worker.faults import DeviceFault, is_device_fault
 from gpu_worker.graphs import DecodeRunner
+from gpu_worker.histories import Histories
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.model import Model
 from gpu_worker.protocol import BatchPlan, Handshake, StepResult, TokenLogprobs
@@ -38,6 +39,7 @@ class ModelRunner:
         self.sampler = sampler
         self.limits = limits
         self.handshake = handshake  # what the worker answered at init (gpu_worker.runtime)
+        self.histories = Histories(limits.vocab_size, model.device)
 
     def execute(self, plan: BatchPlan) -> StepResult:
         """Runs one step; a failure comes back as a result with `error` set, except one
@@ -56,6 +58,7 @@ class ModelRunner:
     def run(self, plan: BatchPlan) -> StepResult:
         """One step; raises where execute reports."""
         inputs = self.inputs(plan)
+        self.histories.update(plan)
         prompt_logprobs: list[TokenLogprobs | None] = []
         if plan.prompt_targets:
             hidden = self.forward(inputs)
@@ -64,12 +67,14 @@ class ModelRunner:
         else:
             logits = self.logits(inputs)
         sampled = inputs.sampled
+        seq_ids = [plan.seq_ids[i] for i in sampled]
+        history = self.histories.rows(seq_ids) if len(self.histories) else None
         output = self.sampler.sample(
-            logits, inputs.sampling(), inputs.ends(sampled), _bitmasks(plan, sampled)
+            logits, inputs.sampling(), inputs.ends(sampled), _bitmasks(plan, sampled), history
         )
         return StepResult(
             step_id=plan.step_id,
-            seq_ids=[plan.seq_ids[i] for i in sampled],
+            seq_ids=seq_ids,
             tokens=[[token] for token in output.tokens],
             logprobs=output.logprobs,
             prompt_logprobs=prompt_logprobs,

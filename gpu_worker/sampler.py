@@ -13,16 +13,24 @@ Structured output: a row may come with a token bitmask (its grammar's allowed to
 Its disallowed logits become -inf before anything else, greedy and its log-probabilities
 included (as vLLM's: those of the distribution it samples from); rows without one take the
 same path, at the same cost, as when no row has a mask.
+
+Then vLLM's logit processors (gpu_worker.logit_processors: allowed tokens, bad words,
+min_tokens, logit_bias, penalties; min_p after temperature), on the rows that ask for them,
+greedy ones too. Log-probabilities stay those before them (vLLM's default "raw_logprobs").
+Rows that ask for none take the same path as when no row asks.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from gpu_worker.histories import RowTokens
+from gpu_worker.logit_processors import adjust_logits, apply_min_p
 from gpu_worker.protocol import SamplingSpec, TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
@@ -84,9 +92,11 @@ class Sampler:
         specs: list[SamplingSpec],
         positions: list[int],
         bitmasks: list[torch.Tensor | None] | None = None,
+        history: RowTokens | None = None,
     ) -> SampleOutput:
         """positions[i] is where row i's token will sit; bitmasks[i], if given and not
-        None, the int32 words of the tokens row i may take (see BatchPlan.token_bitmasks)."""
+        None, the int32 words of the tokens row i may take (see BatchPlan.token_bitmasks);
+        `history`, the tokens so far of the rows whose specs read them (gpu_worker.histories)."""
         if isinstance(logits, torch.Tensor):
             logits = Logits(logits)
         if logits.num_rows != len(specs) or len(specs) != len(positions):
@@ -98,7 +108,9 @@ class Sampler:
         if not specs:
             return SampleOutput(tokens=[], logprobs=None)
         masked = _Masked.of(logits, bitmasks or [])
-        tokens = self._choose(logits, specs, positions, masked)
+        tokens = self._choose(
+            logits, specs, positions, with_processors(logits, masked, specs, history)
+        )
         logprobs = None
         if any(spec.logprobs for spec in specs):
             tops = [spec.top_logprobs if spec.logprobs else 0 for spec in specs]
@@ -121,6 +133,7 @@ class Sampler:
             return best
         temperatures = [1.0 if g else s.temperature for g, s in zip(greedy, specs, strict=True)]
         scaled = _dense(logits, masked) / torch.tensor(temperatures, device=device)[:, None]
+        scaled = apply_min_p(scaled, [spec.min_p for spec in specs])
         scaled = apply_top_k(scaled, [spec.top_k for spec in specs])
         scaled = apply_top_p(scaled, [spec.top_p for spec in specs])
         cdf = torch.softmax(scaled, dim=-1).cumsum(dim=-1)
@@ -193,6 +206,27 @@ class _Masked:
         # out of place: float32 values come back from dense() uncopied
         values = logits.select(rows).dense().masked_fill(~allowed, float("-inf"))
         return cls(torch.tensor(rows, device=device), values)
+
+
+def with_processors(
+    logits: Logits, masked: _Masked | None, specs: list[SamplingSpec], history: RowTokens | None
+) -> _Masked | None:
+    """`masked` with the logit processors applied: the rows with a grammar mask or a
+    processor (before temperature), their float32 values adjusted; `masked` itself when no
+    row has a processor."""
+    adjusted = [i for i, spec in enumerate(specs) if spec.adjusts_logits]
+    if not adjusted:
+        return masked
+    masked_rows = [] if masked is None else masked.rows.tolist()
+    rows = sorted(set(adjusted).union(masked_rows))
+    at = {row: k for k, row in enumerate(rows)}
+    values = logits.select(rows).dense()
+    if masked is not None:
+        values[torch.tensor([at[row] for row in masked_rows], device=values.device)] = masked.values
+    if history is not None:
+        history = dataclasses.replace(history, rows=[at[row] for row in history.rows])
+    values = adjust_logits(values, [specs[row] for row in rows], history)
+    return _Masked(torch.tensor(rows, device=values.device), values)
 
 
 def _dense(logits: Logits, masked: _Masked | None) -> torch.Tensor:

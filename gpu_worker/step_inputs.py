@@ -148,8 +148,9 @@ def check_plan(plan: BatchPlan, limits: PlanLimits) -> None:
     for name in ("num_tokens", "start_pos", "block_tables", "sample", "sampling"):
         if len(getattr(plan, name)) != count:
             raise ValueError(f"plan has {count} seq_ids but {len(getattr(plan, name))} {name}")
-    if plan.token_bitmasks and len(plan.token_bitmasks) != count:
-        raise ValueError(f"plan has {count} seq_ids but {len(plan.token_bitmasks)} token_bitmasks")
+    for name in ("token_bitmasks", "histories"):
+        if getattr(plan, name) and len(getattr(plan, name)) != count:
+            raise ValueError(f"plan has {count} seq_ids but {len(getattr(plan, name))} {name}")
     if len(set(plan.seq_ids)) != count:
         raise ValueError("plan lists a sequence more than once")
     for seq_id, tokens, start, table in zip(

@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subs.add_parser("engine", help="the engine alone on the real model, no HTTP", add_help=False)
     subs.add_parser("sampler", help="the sampler alone: cost per setting", add_help=False)
+    subs.add_parser(
+        "processors", help="vLLM's sampling parameters: their cost in a step", add_help=False
+    )
     return parser
 
 

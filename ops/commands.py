@@ -9,7 +9,7 @@ import sys
 
 def bench(argv: list[str] | None = None) -> int:
     """`cadence bench SCENARIO | compare | capacity | chat | prefix | structured | engine |
-    sampler | roofline | kv-accuracy`."""
+    sampler | processors | roofline | kv-accuracy`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command, rest = (argv[0], argv[1:]) if argv else ("", argv)
     if command == "compare":
@@ -18,6 +18,8 @@ def bench(argv: list[str] | None = None) -> int:
         from ops.engine_bench import main
     elif command == "sampler":
         from ops.sampler_bench import main
+    elif command == "processors":
+        from ops.processors_bench import main
     elif command == "roofline":
         from ops.roofline import main
     elif command == "kv-accuracy":

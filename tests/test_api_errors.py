@@ -30,9 +30,18 @@ CASES = [
     ("absurd temperature", "POST", COMPLETIONS, {"prompt": "x", "temperature": 1e9}, 400, None),
     ("top_p zero", "POST", COMPLETIONS, {"prompt": "x", "top_p": 0}, 400, None),
     ("n=40", "POST", COMPLETIONS, {"prompt": "x", "n": 40}, 400, None),
-    # vLLM's and SGLang's fields, at values asking for what cadence does not do
-    ("min_tokens", "POST", COMPLETIONS, {"prompt": "x", "min_tokens": 5}, 400, None),
-    ("guided_json", "POST", COMPLETIONS, {"prompt": "x", "guided_json": {"a": 1}}, 400, None),
+    # vLLM's and SGLang's fields, at values out of their ranges or asking for what cadence
+    # does not do
+    (
+        "min_tokens",
+        "POST",
+        COMPLETIONS,
+        {"prompt": "x", "min_tokens": 5, "max_tokens": 3},
+        400,
+        None,
+    ),
+    ("guided_json", "POST", COMPLETIONS, {"prompt": "x", "guided_json": "[1"}, 400, None),
+    ("logit_bias", "POST", COMPLETIONS, {"prompt": "x", "logit_bias": {"5": 101}}, 400, None),
     ("continuing", "POST", CHAT, {"messages": USER, "continue_final_message": True}, 400, None),
     ("skip_special 1", "POST", COMPLETIONS, {"prompt": "x", "skip_special_tokens": 1}, 400, None),
     (

@@ -6,6 +6,7 @@ the HTTP tests (tests/test_api_errors.py) see as the same 400s.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import pytest
@@ -132,9 +133,26 @@ def test_prompt_lists_are_a_batch() -> None:
         ({"prompt": "x", "stream": True, "stream_options": {"bogus": 1}}, "stream_options"),
         ({"prompt": "x", "model": 3}, "model"),
         ({"prompt": "x", "user": 3}, "user"),
-        ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"prompt": "x", "frequency_penalty": "high"}, "frequency_penalty"),
         ({"prompt": "x", "echo": "yes"}, "echo"),
-        ({"prompt": "x", "min_tokens": 3}, "min_tokens"),
+        ({"prompt": "x", "min_tokens": 1.5}, "min_tokens"),
+        ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"3": "up"}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": [3]}, "logit_bias"),
+        ({"prompt": "x", "allowed_token_ids": [1, "2"]}, "allowed_token_ids"),
+        ({"prompt": "x", "stop_token_ids": 5}, "stop_token_ids"),
+        ({"prompt": "x", "bad_words": "word"}, "bad_words"),
+        ({"prompt": "x", "guided_choice": []}, "guided_choice"),
+        ({"prompt": "x", "guided_regex": 3}, "guided_regex"),
+        ({"prompt": "x", "guided_json": "[1"}, "guided_json"),
+        ({"prompt": "x", "structured_outputs": {"regex": ""}}, "structured_outputs"),
+        ({"prompt": "x", "structured_outputs": {"lark": "x"}}, "structured_outputs"),
+        (
+            {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}},
+            "structured_outputs",
+        ),
+        ({"prompt": "x", "guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+        ({"prompt": "x", "response_format": {"type": "structural_tag"}}, "response_format"),
         ({"prompt": "x", "no_stop_trim": True}, "no_stop_trim"),
         ({"prompt": "x", "skip_special_tokens": "no"}, "skip_special_tokens"),
         ({"prompt": "x", "cache_salt": ""}, "cache_salt"),
@@ -349,3 +367,68 @@ def test_a_malformed_response_format_is_a_400_naming_it(response_format: object)
     with pytest.raises(APIError) as info:
         parse_chat_request({**CHAT, "response_format": response_format}, None)
     assert (info.value.status, info.value.param) == (400, "response_format")
+
+
+def test_vllms_sampling_parameters_reach_the_spec_and_the_params() -> None:
+    parsed = parse_chat_request(
+        {
+            **CHAT,
+            "presence_penalty": 0.5,
+            "frequency_penalty": -1,
+            "repetition_penalty": 1.2,
+            "min_p": 0.05,
+            "logit_bias": {"50": -100, "7": 2.5},
+            "allowed_token_ids": [1, 2, 3],
+            "min_tokens": 2,
+            "stop_token_ids": [9],
+            "bad_words": ["darn", "heck"],
+        },
+        None,
+    )
+    spec = parsed.params.sampling
+    assert (spec.presence_penalty, spec.frequency_penalty, spec.repetition_penalty) == (
+        0.5,
+        -1.0,
+        1.2,
+    )
+    assert (spec.min_p, spec.min_tokens, spec.allowed_token_ids) == (0.05, 2, [1, 2, 3])
+    assert spec.logit_bias == [(7, 2.5), (50, -100.0)]
+    assert (parsed.params.stop_token_ids, parsed.params.bad_words) == ([9], ["darn", "heck"])
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"guided_regex": "[a-z]+"}, ResponseFormat("regex", "[a-z]+", "guided_regex")),
+        ({"guided_choice": ["a", 'b"']}, ResponseFormat("choice", '["a","b\\""]', "guided_choice")),
+        ({"guided_grammar": 'root ::= "x"'}, ResponseFormat("grammar", 'root ::= "x"')),
+        ({"guided_json": '{"type": "object"}'}, ResponseFormat("json_schema", '{"type":"object"}')),
+        (
+            {"structured_outputs": {"choice": ["yes", "no"]}},
+            ResponseFormat("choice", '["yes","no"]'),
+        ),
+        (
+            {"structured_outputs": {"json": {"type": "integer"}}},
+            ResponseFormat("json_schema", '{"type":"integer"}'),
+        ),
+        ({"structured_outputs": {"json_object": True}}, ResponseFormat("json_object")),
+        (
+            {"structured_outputs": {"grammar": "root ::= [0-9]", "disable_fallback": False}},
+            ResponseFormat("grammar", "root ::= [0-9]"),
+        ),
+    ],
+)
+def test_vllms_grammar_fields_parse_into_response_formats(fields, expected) -> None:
+    parsed = parse_completion_request({"prompt": "x", **fields}, None).response_format
+    assert parsed == expected and parsed.param == next(iter(fields))
+
+
+def test_a_structural_tag_goes_to_the_compiler_whole() -> None:
+    tag = {
+        "type": "structural_tag",
+        "structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}],
+        "triggers": ["<f>"],
+    }
+    parsed = parse_chat_request({**CHAT, "response_format": tag}, None).response_format
+    assert parsed is not None and parsed.type == "structural_tag"
+    assert json.loads(parsed.schema or "") == tag

@@ -152,3 +152,65 @@ def test_without_xgrammar_a_compilation_says_it_is_needed(
     compiler = GrammarCompiler(lambda: None)
     with pytest.raises(GrammarUnavailable, match=r"cadence\[structured\]"):
         compiler.compile(ResponseFormat("json_object"))
+
+
+def accepts(compiler: GrammarCompiler, tokenizer: Tokenizer, rf: ResponseFormat, text: str) -> bool:
+    """Whether the grammar takes `text`'s tokens and then its end."""
+    matcher = Matcher(compiler.compile(rf))
+    taken = all(matcher.accept(t) for t in tokenizer.encode(text))
+    return taken and matcher.accept(tokenizer.eos_token_ids[0]) and matcher.is_terminated
+
+
+TAG_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+LEGACY_TAG = {
+    "type": "structural_tag",
+    "structures": [{"begin": "<f>", "schema": TAG_SCHEMA, "end": "</f>"}],
+    "triggers": ["<f>"],
+}
+TAG = {
+    "type": "structural_tag",
+    "format": {
+        "type": "tag",
+        "begin": "<f>",
+        "content": {"type": "json_schema", "json_schema": TAG_SCHEMA},
+        "end": "</f>",
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("rf", "good", "bad"),
+    [
+        (ResponseFormat("regex", r"\d{3}-[a-z]+"), "123-abc", "12-abc"),
+        (ResponseFormat("choice", json.dumps(['say "hi"', "a\\b", "new\nline"])), "a\\b", "a"),
+        (
+            ResponseFormat("choice", json.dumps(['say "hi"', "a\\b", "new\nline"])),
+            "new\nline",
+            "new",
+        ),
+        (ResponseFormat("grammar", 'root ::= "yes" | "no" [0-9]+'), "no42", "yes42"),
+        (ResponseFormat("structural_tag", json.dumps(TAG)), '<f>{"a": 3}</f>', '<f>{"a": "x"}</f>'),
+        (
+            ResponseFormat("structural_tag", json.dumps(LEGACY_TAG)),
+            'text <f>{"a": 3}</f> more',
+            'text <f>{"b": 3}</f>',
+        ),
+    ],
+)
+def test_grammars_beyond_json_take_what_they_describe(compiler, tokenizer, rf, good, bad) -> None:
+    assert accepts(compiler, tokenizer, rf, good)
+    assert not accepts(compiler, tokenizer, rf, bad)
+
+
+@pytest.mark.parametrize(
+    "rf",
+    [
+        ResponseFormat("regex", "(("),
+        ResponseFormat("grammar", "root ::= "),
+        ResponseFormat("structural_tag", '{"type": "structural_tag", "format": {"type": "no"}}'),
+        ResponseFormat("structural_tag", json.dumps({**LEGACY_TAG, "triggers": ["<g>"]})),
+    ],
+)
+def test_a_grammar_xgrammar_rejects_is_invalid(compiler: GrammarCompiler, rf) -> None:
+    with pytest.raises(InvalidGrammar):
+        compiler.compile(rf)

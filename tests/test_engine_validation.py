@@ -73,6 +73,23 @@ def refusal(**kw) -> InvalidRequest:
         ({"p": params(stop=[1])}, "stop", None),
         ({"p": params(stop=["a"] * (MAX_STOP_STRINGS + 1))}, "stop", None),
         ({"p": params(stop=["a", "b" * (MAX_STOP_CHARS + 1)])}, "stop", None),
+        ({"p": params(presence_penalty=2.001)}, "presence_penalty", None),
+        ({"p": params(frequency_penalty=-2.001)}, "frequency_penalty", None),
+        ({"p": params(frequency_penalty=math.nan)}, "frequency_penalty", None),
+        ({"p": params(repetition_penalty=0.0)}, "repetition_penalty", None),
+        ({"p": params(min_p=1.001)}, "min_p", None),
+        ({"p": params(min_p=-0.1)}, "min_p", None),
+        ({"p": params(logit_bias=[(100, 1.0)])}, "logit_bias", None),
+        ({"p": params(logit_bias=[(3, 100.5)])}, "logit_bias", None),
+        ({"p": params(logit_bias=[(3, -101.0)])}, "logit_bias", None),
+        ({"p": params(allowed_token_ids=[])}, "allowed_token_ids", None),
+        ({"p": params(allowed_token_ids=[5, 100])}, "allowed_token_ids", None),
+        ({"p": params(min_tokens=-1)}, "min_tokens", None),
+        ({"p": params(min_tokens=5)}, "min_tokens", None),  # more than max_tokens (4)
+        ({"p": SamplingParams(stop_token_ids=[100])}, "stop_token_ids", None),
+        ({"p": SamplingParams(stop_token_ids=[True])}, "stop_token_ids", None),
+        ({"p": SamplingParams(bad_words=[" "])}, "bad_words", None),
+        ({"p": SamplingParams(bad_words=["a"] * 65)}, "bad_words", None),
         ({"tenant": ""}, "user", None),
         ({"tenant": "t" * (MAX_TENANT_CHARS + 1)}, "user", None),
         ({"priority": MAX_PRIORITY + 1}, "priority", None),
@@ -152,3 +169,17 @@ def test_a_missing_max_tokens_becomes_the_rest_of_the_context_window():
     with pytest.raises(InvalidRequest) as info:
         validate([1] * 64, full, roomy, "t", 0)  # nothing left: one token is still asked for
     assert info.value.code == "context_length_exceeded" and full.max_tokens == 1
+
+
+def test_the_logit_processors_accept_their_ranges_edges():
+    edges = params(
+        presence_penalty=-2.0,
+        frequency_penalty=2,
+        repetition_penalty=0.01,
+        min_p=1.0,
+        logit_bias=[(0, -100.0), (99, 100)],
+        allowed_token_ids=[0, 99],
+        min_tokens=4,
+    )
+    edges.stop_token_ids, edges.bad_words = [0, 99], ["word"]
+    check(p=edges)

@@ -6,6 +6,9 @@ step. Greedy output stays the solo run's only if a row's arithmetic depends neit
 company nor on which kernel (decode or prefill) runs it. In bfloat16, the default, any
 difference is enough to flip a near-tie, so equality here is bitwise. On the default model,
 in bfloat16 and in float32.
+
+The sampler's part: a row that asks for no logit processor (penalties, logit_bias, ...)
+draws the same tokens whether or not the rows beside it ask for them.
 """
 
 from __future__ import annotations
@@ -14,11 +17,11 @@ import pytest
 import torch
 
 from gpu_worker import runtime
-from gpu_worker.protocol import WorkerConfig
+from gpu_worker.protocol import History, SamplingSpec, WorkerConfig
 from gpu_worker.runner import ModelRunner
 from service.config import default_cache_dir
 from service.model_files.resolve import resolve_model
-from tests.worker_fixtures import Chunk, make_plan
+from tests.worker_fixtures import Chunk, make_plan, sampled
 
 pytestmark = pytest.mark.real_model
 
@@ -144,3 +147,60 @@ def test_recompute_beside_decode_rows_gives_the_decoded_bits(runner, decoded_alo
     company = decoding_company(runner, blocks)
     found = logits_by_position(runner, recompute_steps(table, 6, company[0]))
     assert_same_bits(found, decoded_alone)
+
+
+FREE = [SamplingSpec(), SamplingSpec(temperature=0.8, seed=5)]
+PROCESSED = [
+    SamplingSpec(
+        temperature=0.9,
+        presence_penalty=1.5,
+        frequency_penalty=0.5,
+        repetition_penalty=1.3,
+        logit_bias=[(11, 5.0), (12, -3.0)],
+        min_p=0.1,
+    ),
+    SamplingSpec(repetition_penalty=2.0, allowed_token_ids=[11, 12, 13]),
+    SamplingSpec(temperature=0.7, bad_words=[[11], [12, 13]], min_tokens=4),
+]
+GENERATED = 6
+
+
+def generate_beside(
+    runner: ModelRunner, blocks: Blocks, company: list[SamplingSpec]
+) -> list[list[int]]:
+    """FREE's sequences and one per company spec, prefilled together, then decoding
+    together: the tokens each sampled, in that order."""
+    specs = FREE + company
+    seq_ids = [SEQ, *range(100, 100 + len(specs) - 1)]
+    prompts = [TOKENS[:PROMPT]] + [random_tokens(9 + 4 * i, seed=50 + i) for i in seq_ids[1:]]
+    tables = [blocks.table(len(p) + GENERATED) for p in prompts]
+    chunks = [
+        Chunk(s, p, 0, t, spec=spec)
+        for s, p, t, spec in zip(seq_ids, prompts, tables, specs, strict=True)
+    ]
+    tokens: list[list[int]] = [[] for _ in specs]
+    for _ in range(GENERATED):
+        plan = make_plan(chunks)
+        plan.histories = [
+            History(len(p)) if c.start == 0 and c.spec.reads_history else None
+            for c, p in zip(chunks, prompts, strict=True)
+        ]
+        for row, token in enumerate(sampled(runner.execute(plan))):
+            tokens[row].append(token)
+        chunks = [
+            Chunk(c.seq_id, [found[-1]], c.start + len(c.tokens), c.table, spec=c.spec)
+            for c, found in zip(chunks, tokens, strict=True)
+        ]
+    ended = make_plan([])
+    ended.released = seq_ids
+    runner.execute(ended)
+    return tokens
+
+
+def test_a_free_row_samples_the_same_tokens_beside_processed_rows(runner):
+    blocks = Blocks(runner.cache.block_size)
+    alone = generate_beside(runner, blocks, [])
+    beside = generate_beside(runner, blocks, PROCESSED)
+    assert beside[: len(FREE)] == alone
+    assert set(beside[len(FREE) + 1]) <= {11, 12, 13}  # the processors did run in that batch
+    assert len(runner.histories) == 0

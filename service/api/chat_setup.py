@@ -53,7 +53,7 @@ def forced_calls_format(chat: ChatOptions) -> ResponseFormat | None:
         schema = named_schema(next(f for f in functions if f["name"] == chat.function))
     else:
         return None
-    return ResponseFormat("json_schema", orjson.dumps(schema).decode())
+    return ResponseFormat("json_schema", orjson.dumps(schema).decode(), param="tools")
 
 
 def output_reader(

@@ -19,6 +19,8 @@ from gpu_worker.protocol import SamplingSpec
 from service.api.chat_output import OutputReader
 from service.api.errors import APIError, bad_request
 from service.api.openai_chat import ChatOptions, parse_chat_options, parse_message
+from service.api.openai_grammar import parse_grammar, structural_tag_format
+from service.api.openai_sampling import params_fields, spec_fields
 from service.engine.grammar import ResponseFormat
 from service.engine.request import SamplingParams
 
@@ -28,18 +30,13 @@ MAX_SCHEMA_BYTES = 64 * 1024
 # Each message is template and dict work: a chat of more messages than this (or than the
 # window has tokens, since each costs at least one) is refused before any is read.
 MAX_CHAT_MESSAGES = 4096  # response_format's JSON schema, serialized
-RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema", "structural_tag")
 
 # Fields OpenAI (or common benchmark clients) send that cadence accepts only with their
 # neutral value: anything else would silently change the meaning of the request.
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (0, 0.0, None),
-    "presence_penalty": (0, 0.0, None),
-    "repetition_penalty": (1, 1.0, None),
-    "min_p": (0, 0.0, None),
     "echo": (False, None),  # completions read it; chat's (vLLM's) is another thing
     "suffix": (None, ""),
-    "logit_bias": (None,),
     "store": (None, False),
     "metadata": (None,),
     "service_tier": (None, "auto", "default"),
@@ -54,11 +51,7 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "include_stop_str_in_output": (False, None),
     "no_stop_trim": (False, None),
     "spaces_between_special_tokens": (True, None),
-    "min_tokens": (0, None),
     "min_new_tokens": (0, None),
-    "stop_token_ids": (None, []),
-    "bad_words": (None, []),
-    "allowed_token_ids": (None,),
     "logits_processors": (None, []),
     "custom_logit_processor": (None,),
     "prompt_logprobs": (None,),
@@ -68,11 +61,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "return_tokens_as_token_ids": (False, None),
     "return_token_ids": (False, None),
     "return_hidden_states": (False, None),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
     "regex": (None,),
     "ebnf": (None,),
     "json_schema": (None,),
@@ -335,6 +323,7 @@ def _parse_common(
         seed=fields.integer("seed", None),
         logprobs=top_logprobs is not None,
         top_logprobs=top_logprobs or 0,
+        **spec_fields(fields),
     )
     params = SamplingParams(
         max_tokens=max_tokens,
@@ -343,6 +332,7 @@ def _parse_common(
         skip_special_tokens=fields.boolean("skip_special_tokens", True),
         cache_salt=_parse_cache_salt(fields.raw("cache_salt")),
         sampling=sampling,
+        **params_fields(fields),
     )
     stream = fields.boolean("stream", False)
     if stream and best_of > n:
@@ -361,7 +351,9 @@ def _parse_common(
         deadline_ms=_parse_deadline(fields),
         n=n,
         best_of=best_of,
-        response_format=_parse_response_format(fields.raw("response_format")),
+        response_format=parse_grammar(
+            fields, _parse_response_format(fields.raw("response_format"))
+        ),
     )
 
 
@@ -400,6 +392,8 @@ def _parse_response_format(value: Any) -> ResponseFormat | None:
             f"{list(RESPONSE_FORMAT_TYPES)}",
             param,
         )
+    if kind == "structural_tag":
+        return structural_tag_format(value)
     if kind != "json_schema":
         return None if kind == "text" else ResponseFormat("json_object")
     spec = value.get("json_schema")

@@ -27,12 +27,16 @@ from service.api.openai_schema import (
     NEUTRAL_VALUES,
 )
 from service.engine.validation import (
+    MAX_BAD_WORDS,
     MAX_DEADLINE_S,
+    MAX_LOGIT_BIAS_TOKENS,
     MAX_LOGPROBS,
+    MAX_PENALTY,
     MAX_PRIORITY,
     MAX_SEED,
     MAX_SEQUENCES,
     MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE,
     MAX_TENANT_CHARS,
 )
@@ -361,6 +365,8 @@ def _request(own: Schema, required: list[str], max_model_len: int | None) -> Sch
         "stream": {"type": ["boolean", "null"]},
         "stream_options": _stream_options(),
         "response_format": _response_format(),
+        **_logit_processors(),
+        **_grammars(),
         "user": {"type": ["string", "null"], "maxLength": MAX_TENANT_CHARS},
         "priority": {
             **_integer(-MAX_PRIORITY, MAX_PRIORITY),
@@ -382,6 +388,66 @@ def _request(own: Schema, required: list[str], max_model_len: int | None) -> Sch
     schema = _object({**neutral, **shared, **own}, required)
     schema["additionalProperties"] = True  # unknown fields are ignored (and logged), as vLLM does
     return schema
+
+
+def _logit_processors() -> dict[str, Schema]:
+    """vLLM's sampling parameters beyond temperature, top-p and top-k (as vLLM defines them)."""
+    ids: Schema = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+    return {
+        "presence_penalty": _number(-MAX_PENALTY, MAX_PENALTY),
+        "frequency_penalty": _number(-MAX_PENALTY, MAX_PENALTY),
+        "repetition_penalty": {
+            "type": ["number", "null"],
+            "exclusiveMinimum": 0,
+            "description": "vLLM's: logits of tokens in the prompt or output divided by it "
+            "(multiplied where negative)",
+        },
+        "min_p": _number(0, 1),
+        "logit_bias": {
+            "type": ["object", "null"],
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+            "maxProperties": MAX_LOGIT_BIAS_TOKENS,
+            "description": "token id (as a string) -> bias added to its logit",
+        },
+        "allowed_token_ids": {"oneOf": [{"type": "null"}, {**ids, "minItems": 1}]},
+        "stop_token_ids": {"oneOf": [{"type": "null"}, {**ids, "maxItems": MAX_STOP_TOKEN_IDS}]},
+        "min_tokens": {
+            "type": ["integer", "null"],
+            "minimum": 0,
+            "description": "EOS and stop_token_ids cannot be sampled before this many tokens",
+        },
+        "bad_words": {
+            "oneOf": [
+                {"type": "null"},
+                {"type": "array", "items": {"type": "string"}, "maxItems": MAX_BAD_WORDS},
+            ]
+        },
+    }
+
+
+def _grammars() -> dict[str, Schema]:
+    """vLLM's structured output fields (one at most, response_format included)."""
+    text = {"type": ["string", "null"], "minLength": 1}
+    choices = {"oneOf": [{"type": "null"}, {"type": "array", "items": {"type": "string"}}]}
+    kinds = {
+        "json": {"type": ["object", "string"]},
+        "regex": {"type": "string"},
+        "choice": {"type": "array", "items": {"type": "string"}},
+        "grammar": {"type": "string", "description": "EBNF (xgrammar's), from rule root"},
+        "json_object": {"type": "boolean"},
+        "structural_tag": {"type": ["object", "string"]},
+    }
+    return {
+        "structured_outputs": {
+            "oneOf": [{"type": "null"}, {"type": "object", "properties": kinds}],
+            "description": "vLLM's (>= 0.10): one of json, regex, choice, grammar, "
+            "json_object, structural_tag",
+        },
+        "guided_json": {"type": ["object", "string", "null"]},
+        "guided_regex": text,
+        "guided_choice": choices,
+        "guided_grammar": text,
+    }
 
 
 def _distinct(values: tuple) -> list:
@@ -412,6 +478,7 @@ def _response_format() -> Schema:
                 {"type": {"const": "json_schema"}, "json_schema": json_schema},
                 ["type", "json_schema"],
             ),
+            _open({"type": {"const": "structural_tag"}}, ["type"]),
         ],
         "description": "text (the default), any JSON object, or JSON that fits "
         f"json_schema.schema (at most {MAX_SCHEMA_BYTES // 1024} KiB serialized; a schema "

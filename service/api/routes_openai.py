@@ -217,14 +217,13 @@ async def prepare(req: GenerationRequest, state: AppState) -> None:
     require_served_model(req.model, state)
     if not state.engine.ready:
         raise unavailable("the model worker is not ready yet; retry shortly")
-    grammar_param = "response_format"
     if req.chat is not None:
         check_tool_choice(req.chat, state.config)
         forced = forced_calls_format(req.chat)
-        if forced is not None:  # as vLLM: the calls' grammar, whatever response_format says
-            req.response_format, grammar_param = forced, "tools"
+        if forced is not None:  # as vLLM: the calls' grammar, whatever else the request says
+            req.response_format = forced
     if req.response_format is not None:
-        req.params.grammar = await grammar_of(req.response_format, state, grammar_param)
+        req.params.grammar = await grammar_of(req.response_format, state)
 
 
 def new_request_id(req: GenerationRequest) -> str:
@@ -430,7 +429,7 @@ def prompt_ids_of(
         raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from None
 
 
-async def grammar_of(response_format: ResponseFormat, state: AppState, param: str) -> Any:
+async def grammar_of(response_format: ResponseFormat, state: AppState) -> Any:
     """The compiled grammar, on the grammar threads, within GRAMMAR_COMPILE_TIMEOUT_S.
 
     xgrammar cannot be stopped mid-compilation: a request that hangs up or times out stops
@@ -441,20 +440,20 @@ async def grammar_of(response_format: ResponseFormat, state: AppState, param: st
             compile_grammar,
             response_format,
             state,
-            param,
             limiter=state.grammar_threads,
             abandon_on_cancel=True,
         )
     raise bad_request(
-        f"compiling the schema of {param} took more than {GRAMMAR_COMPILE_TIMEOUT_S} s "
-        "(waiting included); simplify it or retry later",
-        param,
+        f"compiling the {response_format.kind} of {response_format.param} took more than "
+        f"{GRAMMAR_COMPILE_TIMEOUT_S} s (waiting included); simplify it or retry later",
+        response_format.param,
         "grammar_timeout",
     )
 
 
-def compile_grammar(response_format: ResponseFormat, state: AppState, param: str) -> Any:
-    """The grammar of response_format (or of the forced tool calls: `param` "tools"), from
+def compile_grammar(response_format: ResponseFormat, state: AppState) -> Any:
+    """The grammar of a request (its field is `response_format.param`: "tools" for the
+    forced tool calls), from
     the cache or compiled (blocking: call it in a worker thread); a schema it cannot serve
     is a 400."""
     try:
@@ -462,9 +461,12 @@ def compile_grammar(response_format: ResponseFormat, state: AppState, param: str
             raise GrammarUnavailable("structured output is not enabled on this server")
         return state.grammars.compile(response_format)
     except GrammarUnavailable as exc:
-        raise bad_request(str(exc), param) from None
+        raise bad_request(str(exc), response_format.param) from None
     except InvalidGrammar as exc:
-        raise bad_request(f"the JSON schema of {param} is not supported: {exc}", param) from None
+        raise bad_request(
+            f"the {response_format.kind} of {response_format.param} is not supported: {exc}",
+            response_format.param,
+        ) from None
 
 
 def closed_early() -> APIError:

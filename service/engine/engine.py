@@ -48,7 +48,7 @@ from service.engine.admission import (
     Ticket,
 )
 from service.engine.block_manager import BlockManager
-from service.engine.detokenizer import Decoder, Detokenizer
+from service.engine.detokenizer import Decoder, Delta, Detokenizer
 from service.engine.grammar import Matcher
 from service.engine.masks import MaskFiller
 from service.engine.reporting import Reporter, since_received
@@ -61,7 +61,14 @@ from service.engine.request import (
     UnreadBytes,
     event_bytes,
 )
-from service.engine.scheduler import Outcome, ScheduleOutput, Scheduler, SchedulerStats
+from service.engine.sampling import worker_sampling
+from service.engine.scheduler import (
+    STOP_TOKEN,
+    Outcome,
+    ScheduleOutput,
+    Scheduler,
+    SchedulerStats,
+)
 from service.engine.stats import Observer
 from service.engine.supervision import Supervisor, Worker
 from service.engine.validation import InvalidRequest, Limits
@@ -71,10 +78,13 @@ log = structlog.get_logger()
 
 
 class TokenizerLike(Decoder, Protocol):
-    """What the engine needs of a tokenizer: decoding, and which ids end a sequence."""
+    """What the engine needs of a tokenizer: decoding, which ids end a sequence, and
+    encoding (of bad words)."""
 
     @property
     def eos_token_ids(self) -> list[int]: ...
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
 
 
 class EngineUnavailable(Exception):
@@ -364,8 +374,8 @@ class Engine:
             raise InvalidRequest(
                 f"request id {ticket.request_id!r} is already in use", code="duplicate_id"
             )
-        params = ticket.params
         deadline = self._admission.check(ticket, self._cache_shape())
+        params = worker_sampling(ticket.params, self.tokenizer.encode, self.tokenizer.eos_token_ids)
         assert params.max_tokens is not None
         # never blocks: a token event per output token, the finish event, and a spare, each
         send, receive = trio.open_memory_channel(ticket.n * (params.max_tokens + 2))
@@ -585,7 +595,9 @@ class Engine:
             event.prompt_logprobs = request.prompt_logprobs
             self._release_siblings(request)
             since_received("request.first_token", request, now, "ttft_ms")
-        delta = request.detokenizer.add_token(outcome.token)
+        # as vLLM: a stop token's text is not the output's
+        stop_token = finish == STOP_TOKEN
+        delta = Delta("", False) if stop_token else request.detokenizer.add_token(outcome.token)
         text = delta.text
         if delta.stopped:
             finish = ("stop", "stop_string")

@@ -1,6 +1,8 @@
-"""Grammars for constrained decoding (`response_format`), through xgrammar.
+"""Grammars for constrained decoding (`response_format`, vLLM's `structured_outputs`), through
+xgrammar: JSON (any object, or a schema), a regex, a choice among strings, an EBNF grammar,
+or a structural tag.
 
-A request's JSON schema is compiled once (off the event loop, cached) into a grammar over
+A request's grammar is compiled once (off the event loop, cached) into a grammar over
 the model's token vocabulary. Each constrained request then holds a Matcher: before a step
 samples its token, its `mask` must hold which tokens the grammar allows next as a bitmask,
 which travels in the plan to the worker's sampler; after the step, it accepts the token
@@ -15,11 +17,12 @@ from __future__ import annotations
 
 import base64
 import collections
+import json
 import os
 import re
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -51,12 +54,21 @@ class InvalidGrammar(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ResponseFormat:
-    """What `response_format` asks of the output: any JSON object ("json_object"), or JSON
-    matching `schema` (the schema as JSON text, its keys in the request's order, which is
-    the order the output's properties follow)."""
+    """What the output must be, by `type`: any JSON object ("json_object"); JSON matching
+    `schema` ("json_schema": the schema as JSON text, its keys in the request's order, which
+    is the order the output's properties follow); text matching the regex `schema`
+    ("regex"); one of the strings of the JSON list `schema` ("choice"); text of the EBNF
+    grammar `schema`, from its rule `root` ("grammar"); or xgrammar's structural tag, the
+    JSON object `schema` ("structural_tag"). `param` is the request field it came from."""
 
-    type: str  # "json_object" | "json_schema"
+    type: str
     schema: str | None = None
+    param: str = field(default="response_format", compare=False)
+
+    @property
+    def kind(self) -> str:
+        """What it is, in words (for messages)."""
+        return _KIND_NAMES.get(self.type, self.type.replace("_", " "))
 
 
 def _xgrammar() -> Any:
@@ -141,19 +153,61 @@ class GrammarCompiler:
             self._bytes -= evicted.memory_size_bytes
 
     def _compile(self, response_format: ResponseFormat) -> Any:
-        schema = response_format.schema or JSON_OBJECT_SCHEMA
+        compile_as = _COMPILE[response_format.type]
         try:
-            # vLLM's settings (but MAX_WHITESPACE): any whitespace between tokens, and
-            # xgrammar's strict mode (no properties or items beyond those the schema
-            # names, unless it allows them), whatever json_schema.strict says
-            compiled = self._compiler.compile_json_schema(
-                schema, any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE
-            )
-        except Exception as exc:  # xgrammar reports a bad schema as RuntimeError, mostly
+            compiled = compile_as(self._compiler, response_format.schema or JSON_OBJECT_SCHEMA)
+        except Exception as exc:  # xgrammar reports a bad grammar as RuntimeError, mostly
             raise InvalidGrammar(_ERROR_PREFIX.sub("", str(exc)).strip()) from None
         if not Matcher(compiled).allows_anything():
-            raise InvalidGrammar("no JSON value satisfies the schema")
+            raise InvalidGrammar("no output satisfies it")
         return compiled
+
+
+def _compile_json(compiler: Any, schema: str) -> Any:
+    # vLLM's settings (but MAX_WHITESPACE): any whitespace between tokens, and xgrammar's
+    # strict mode (no properties or items beyond those the schema names, unless it allows
+    # them), whatever json_schema.strict says
+    return compiler.compile_json_schema(
+        schema, any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE
+    )
+
+
+def _compile_choice(compiler: Any, choices: str) -> Any:
+    return compiler.compile_grammar(choice_grammar(json.loads(choices)))
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar of exactly the given strings, as vLLM's choice_as_grammar writes it
+    (JSON's string escapes are EBNF's)."""
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+
+
+def _compile_structural_tag(compiler: Any, text: str) -> Any:
+    """vLLM's two forms: the legacy `structures` and `triggers`, or xgrammar's own."""
+    tag = json.loads(text)
+    if "structures" not in tag:
+        return compiler.compile_structural_tag(text)
+    xgr = _xgrammar()
+    items = [
+        xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+        for s in tag["structures"]
+    ]
+    return compiler.compile_structural_tag(items, tag["triggers"])
+
+
+_COMPILE: dict[str, Callable[[Any, str], Any]] = {
+    "json_object": _compile_json,
+    "json_schema": _compile_json,
+    "regex": lambda compiler, regex: compiler.compile_regex(regex),
+    "choice": _compile_choice,
+    "grammar": lambda compiler, ebnf: compiler.compile_grammar(ebnf),
+    "structural_tag": _compile_structural_tag,
+}
+_KIND_NAMES = {
+    "json_object": "JSON schema",
+    "json_schema": "JSON schema",
+    "grammar": "EBNF grammar",
+}
 
 
 class Matcher:

@@ -43,6 +43,10 @@ class SamplingParams:
 
     max_tokens: int | None = 16  # None: the rest of the context window
     stop: list[str] = field(default_factory=list)
+    # tokens that end the sequence as EOS does (finish "stop"), their text left out, as vLLM
+    stop_token_ids: list[int] = field(default_factory=list)
+    # never generated: the engine sends their tokens to the worker (service.engine.sampling)
+    bad_words: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True  # False: special tokens (EOS too) appear in the text
     # vLLM's: only requests with the same salt share cached prefix blocks (tenant isolation)
@@ -151,6 +155,9 @@ class Request:
     prompt_logprobs: TokenLogprobs | None = None
     admitted_order: int = -1  # increasing each time it is admitted, for "most recently admitted"
     preemptions: int = 0
+    # the worker keeps its history (SamplingSpec.reads_history) from a plan's History on,
+    # until a plan releases it
+    history_on_worker: bool = False
     deadline: float | None = None  # engine clock: not started by then, it is refused
     first_scheduled: float | None = None
     first_token: float | None = None

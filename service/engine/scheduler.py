@@ -46,15 +46,20 @@ others hold costing nothing; the policy's view shows the hit as computed already
 is registered in the cache by update(), once the step that filled it has returned, so a
 hit never names a block a failed step left half-written.
 
-update(): the scheduled tokens are now cached; each sampled token is appended; EOS and
-max_tokens finish a sequence and free its blocks. A request with a grammar (structured
-output) sends the tokens it allows with each plan that samples it, and its grammar takes
-each token appended; a grammar that has taken its end token finishes it too. The engine
-fills those masks off the loop (service.engine.masks): a constrained row whose mask is not
-filled yet does not sample (a decode sits the step out, a prefill chunk stops a token
-short; counted as `grammar_mask_pending`). Text
+update(): the scheduled tokens are now cached; each sampled token is appended; EOS, a
+stop_token_ids token and max_tokens finish a sequence and free its blocks. A request with
+a grammar (structured output) sends the tokens it allows with each plan that samples it,
+and its grammar takes each token appended; a grammar that has taken its end token
+finishes it too. The engine fills those masks off the loop (service.engine.masks): a
+constrained row whose mask is not filled yet does not sample (a decode sits the step out,
+a prefill chunk stops a token short; counted as `grammar_mask_pending`). Text
 (detokenization, stop strings) and streams are the engine's business, which is what keeps
 this module free of I/O: a whole iteration runs without trio or a worker.
+
+Histories. A sequence whose sampling reads its tokens (penalties, bad words, min_tokens)
+has them counted by the worker: its first plan after each admission carries a History (its
+prompt length, and the tokens a prefix-cache hit skips), and the first plan after it ends
+or is preempted releases it, so no plan carries a sequence's tokens twice.
 """
 
 from __future__ import annotations
@@ -66,11 +71,13 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from gpu_worker.protocol import BatchPlan, StepResult, TokenLogprobs
+from gpu_worker.protocol import BatchPlan, History, StepResult, TokenLogprobs
 from policies.base import Decision, Policy, SeqView, View
 from service.engine.block_manager import BlockManager, chain_hashes
 from service.engine.request import Request, Status, account_of
 from service.engine.step_cost import StepCostModel
+
+STOP_TOKEN = ("stop", "stop_token")  # a stop_token_ids token finished the sequence
 
 
 @dataclass(slots=True)
@@ -188,6 +195,7 @@ class Scheduler:
         # computed the prompt they share: they then find it in the prefix cache
         self._held: dict[str, list[Request]] = {}
         self._constrained: dict[int, Request] = {}  # those with a grammar, by seq_id
+        self._released: list[int] = []  # histories the next plan tells the worker to drop
         self._admissions = 0
         self._last_step_ms: float | None = None
         self._last_step_tokens = 0
@@ -235,6 +243,7 @@ class Scheduler:
         if self._by_seq.pop(request.seq_id, None) is None:
             return
         self._constrained.pop(request.seq_id, None)
+        self._release_history(request)
         self.blocks.free(request.seq_id)
         if request.status is Status.RUNNING:
             self._leave_running(request)
@@ -383,6 +392,7 @@ class Scheduler:
         assert not self.running, "blocks replaced under running sequences"
         self.blocks = blocks
         self._last_step_ms = None
+        self._released.clear()  # a new worker holds no history
 
     # ---- the iteration ----------------------------------------------------------------
 
@@ -538,6 +548,8 @@ class Scheduler:
         assert request.params.max_tokens is not None  # validation fills it
         if token in self.eos_token_ids and not request.params.ignore_eos:
             outcome.finish = ("stop", "eos")
+        elif token in request.params.stop_token_ids:
+            outcome.finish = STOP_TOKEN
         elif grammar is not None and grammar.is_terminated:
             # the grammar took its end token: nothing may follow, even with ignore_eos
             outcome.finish = ("stop", "eos")
@@ -765,11 +777,17 @@ class Scheduler:
 
     def _preempt(self, victim: Request, out: ScheduleOutput, *, pause: bool = True) -> None:
         self.blocks.free(victim.seq_id)
+        self._release_history(victim)
         self._leave_running(victim)
         victim.reset_for_recompute()
         self._join_waiting(victim)
         out.preempted.append(victim)
         self.admission_paused = self.admission_paused or pause
+
+    def _release_history(self, request: Request) -> None:
+        if request.history_on_worker:
+            request.history_on_worker = False
+            self._released.append(request.seq_id)
 
     # ---- tenants' slots (module docstring) ---------------------------------------------
 
@@ -854,6 +872,7 @@ class Scheduler:
         seq_ids, num_tokens, start_pos, input_ids = [], [], [], []
         tables, sample, sampling, bitmasks = [], [], [], []
         prompt_targets: list[list[int] | None] = []
+        histories: list[History | None] = []
         table_of = self.blocks.table
         for item in scheduled:
             request = item.request
@@ -868,6 +887,8 @@ class Scheduler:
             prompt_targets.append(_prompt_targets(request, item.num_tokens))
             grammar = request.grammar if item.samples else None
             bitmasks.append(None if grammar is None else grammar.mask)
+            histories.append(_history(request, start))
+        released, self._released = self._released, []
         return BatchPlan(
             step_id=step_id,
             seq_ids=seq_ids,
@@ -879,7 +900,17 @@ class Scheduler:
             sampling=sampling,
             prompt_targets=prompt_targets if any(prompt_targets) else [],
             token_bitmasks=bitmasks if any(m is not None for m in bitmasks) else [],
+            histories=histories if any(h is not None for h in histories) else [],
+            released=released,
         )
+
+
+def _history(request: Request, start: int) -> History | None:
+    """The History a plan begins `request`'s with, if the worker has none yet and it reads one."""
+    if request.history_on_worker or not request.params.sampling.reads_history:
+        return None
+    request.history_on_worker = True
+    return History(request.prompt_len, request.token_ids[:start])
 
 
 def _prompt_targets(request: Request, num_tokens: int) -> list[int] | None:

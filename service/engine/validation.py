@@ -9,6 +9,7 @@ the routes can answer in OpenAI's error shape without knowing the rules.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from service.engine.request import SamplingParams
@@ -25,6 +26,14 @@ MAX_TEMPERATURE = 2.0  # OpenAI's range
 MAX_LOGPROBS = 20  # alternatives per token (chat's `top_logprobs`; vLLM's max_logprobs too)
 MAX_SEQUENCES = 32  # sequences generated for one request (`n`, `best_of`)
 MAX_DEADLINE_S = 86_400.0  # a day
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
+MAX_LOGIT_BIAS = 100.0  # a bias lies in [-100, 100] (OpenAI's)
+# Each step gathers a row's token lists in Python (gpu_worker.logit_processors): bounded so
+# that no request makes every step of its batch slow.
+MAX_LOGIT_BIAS_TOKENS = 1024
+MAX_ALLOWED_TOKEN_IDS = 4096
+MAX_STOP_TOKEN_IDS = 64
+MAX_BAD_WORDS = 64
 
 
 class InvalidRequest(ValueError):
@@ -59,11 +68,13 @@ def validate(
     _check_prompt(prompt_ids, limits)
     _check_sampling(params)
     _check_logprobs(params.sampling.top_logprobs, params.sampling.prompt_logprobs)
+    _check_processors(params, limits.vocab_size)
     _check_routing(tenant, priority)
     _check_sequences(sequences)
     _check_deadline(deadline_s)
     if params.max_tokens is None:
         params.max_tokens = max(1, limits.max_model_len - len(prompt_ids))
+    _check_min_tokens(params.sampling.min_tokens, params.max_tokens)
     _check_length(len(prompt_ids), params.max_tokens, limits)
 
 
@@ -104,15 +115,88 @@ def _check_sampling(params: SamplingParams) -> None:
     _check_stop(params.stop)
 
 
-def _check_stop(stop: list[str]) -> None:
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise InvalidRequest("stop must be a list of non-empty strings", "stop")
-    if len(stop) > MAX_STOP_STRINGS:
-        raise InvalidRequest(f"stop accepts at most {MAX_STOP_STRINGS} strings", "stop")
-    if any(len(s) > MAX_STOP_CHARS for s in stop):
+def _check_processors(params: SamplingParams, vocab_size: int) -> None:
+    """vLLM's ranges for its logit processors' parameters (OpenAI's where it has them)."""
+    spec = params.sampling
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(spec, name)
+        if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise InvalidRequest(f"{name} must be between -2 and 2, got {value!r}", name)
+    if not _is_number(spec.repetition_penalty) or spec.repetition_penalty <= 0:
         raise InvalidRequest(
-            f"each stop string may have at most {MAX_STOP_CHARS} characters", "stop"
+            f"repetition_penalty must be greater than 0, got {spec.repetition_penalty!r}",
+            "repetition_penalty",
         )
+    if not _is_number(spec.min_p) or not 0 <= spec.min_p <= 1:
+        raise InvalidRequest(f"min_p must be in [0, 1], got {spec.min_p!r}", "min_p")
+    _check_logit_bias(spec.logit_bias, vocab_size)
+    if spec.allowed_token_ids is not None:
+        _check_token_ids(spec.allowed_token_ids, "allowed_token_ids", vocab_size)
+        if not spec.allowed_token_ids:
+            raise InvalidRequest("allowed_token_ids must not be empty", "allowed_token_ids")
+        if len(spec.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+            raise InvalidRequest(
+                f"allowed_token_ids may list at most {MAX_ALLOWED_TOKEN_IDS} tokens",
+                "allowed_token_ids",
+            )
+    _check_token_ids(params.stop_token_ids, "stop_token_ids", vocab_size)
+    if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(
+            f"stop_token_ids may list at most {MAX_STOP_TOKEN_IDS} tokens", "stop_token_ids"
+        )
+    _check_bad_words(params.bad_words)
+
+
+def _check_logit_bias(pairs: list[tuple[int, float]], vocab_size: int) -> None:
+    if len(pairs) > MAX_LOGIT_BIAS_TOKENS:
+        raise InvalidRequest(
+            f"logit_bias may name at most {MAX_LOGIT_BIAS_TOKENS} tokens", "logit_bias"
+        )
+    _check_token_ids([token for token, _ in pairs], "logit_bias", vocab_size)
+    for token, bias in pairs:
+        if not _is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise InvalidRequest(
+                f"logit_bias values must be between -100 and 100, got {bias!r} for {token}",
+                "logit_bias",
+            )
+
+
+def _check_token_ids(ids: object, param: str, vocab_size: int) -> None:
+    if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t < vocab_size for t in ids):
+        raise InvalidRequest(
+            f"{param} must hold token ids in [0, {vocab_size}) (the vocabulary)", param
+        )
+
+
+def _check_min_tokens(min_tokens: int, max_tokens: int) -> None:
+    if not _is_int(min_tokens) or min_tokens < 0:
+        raise InvalidRequest(
+            f"min_tokens must be an integer >= 0, got {min_tokens!r}", "min_tokens"
+        )
+    if min_tokens > max_tokens:
+        raise InvalidRequest(
+            f"min_tokens ({min_tokens}) must be at most max_tokens ({max_tokens})", "min_tokens"
+        )
+
+
+def _check_bad_words(words: list[str]) -> None:
+    # a blank word is no tokens to ban (the rule strips leading spaces)
+    _check_texts(words, "bad_words", "bad word", MAX_BAD_WORDS, lambda w: bool(w.strip()))
+
+
+def _check_stop(stop: list[str]) -> None:
+    _check_texts(stop, "stop", "stop string", MAX_STOP_STRINGS, bool)
+
+
+def _check_texts(
+    texts: list[str], param: str, noun: str, most: int, usable: Callable[[str], bool]
+) -> None:
+    if not isinstance(texts, list) or not all(isinstance(t, str) and usable(t) for t in texts):
+        raise InvalidRequest(f"{param} must be a list of non-empty strings", param)
+    if len(texts) > most:
+        raise InvalidRequest(f"{param} accepts at most {most} strings", param)
+    if any(len(t) > MAX_STOP_CHARS for t in texts):
+        raise InvalidRequest(f"each {noun} may have at most {MAX_STOP_CHARS} characters", param)
 
 
 def _check_logprobs(top: int, prompt: int | None) -> None:
