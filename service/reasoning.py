@@ -41,5 +41,3 @@ def parse(text: str, final: bool, starts_inside: bool) -> Reasoned:
     if after is None:
         return Reasoned(reasoning, "")
     return Reasoned(reasoning, text[after:])
-
-

@@ -64,26 +64,48 @@ def test_reasoning_effort_and_kwargs_are_template_variables() -> None:
 
 
 def test_forced_schemas_accept_only_calls_of_declared_tools() -> None:
-    required = json.loads(forced_calls_format(options(tools=[WEATHER, CLOCK],
-                                                      tool_choice="required")).schema)
-    jsonschema.validate([{"name": "get_weather", "parameters": {"city": "Oslo"}},
-                         {"name": "get_time", "parameters": {}}], required)
-    for wrong in ([], [{"name": "get_weather", "parameters": {}}],
-                  [{"name": "launch", "parameters": {}}]):
+    required = json.loads(
+        forced_calls_format(options(tools=[WEATHER, CLOCK], tool_choice="required")).schema
+    )
+    jsonschema.validate(
+        [
+            {"name": "get_weather", "parameters": {"city": "Oslo"}},
+            {"name": "get_time", "parameters": {}},
+        ],
+        required,
+    )
+    for wrong in (
+        [],
+        [{"name": "get_weather", "parameters": {}}],
+        [{"name": "launch", "parameters": {}}],
+    ):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(wrong, required)
     single = options(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
     assert json.loads(forced_calls_format(single).schema)["maxItems"] == 1
-    named = options(tools=[WEATHER, CLOCK],
-                    tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    named = options(
+        tools=[WEATHER, CLOCK],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     assert json.loads(forced_calls_format(named).schema) == WEATHER["function"]["parameters"]
     assert forced_calls_format(options(tools=[WEATHER])) is None  # auto: read, not forced
 
 
 def test_assistant_calls_reach_the_template_with_object_arguments() -> None:
-    message = parse_message(0, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]})
+    message = parse_message(
+        0,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                }
+            ],
+        },
+    )
     assert message["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
     assert message["content"] is None
 
@@ -92,12 +114,20 @@ def test_tools_and_kwargs_reach_the_jinja_template() -> None:
     tokenizer = Tokenizer.from_dir(cache_dir() / "models" / "SmolLM2-135M-Instruct")
     template = Path(__file__).with_name("hermes_template.jinja").read_text()
     text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "hi"}], True, tools=[WEATHER], template=template,
-        enable_thinking=True, reasoning_effort="high",
+        [{"role": "user", "content": "hi"}],
+        True,
+        tools=[WEATHER],
+        template=template,
+        enable_thinking=True,
+        reasoning_effort="high",
     )
     assert json.dumps(WEATHER) in text and "(effort: high) hi" in text
     assert text.endswith("<|im_start|>assistant\n<think>\n")
-    ids = tokenizer.encode_chat([{"role": "user", "content": "hi"}], tools=[WEATHER],
-                                template=template)
-    assert ids == tokenizer.encode(tokenizer.apply_chat_template(
-        [{"role": "user", "content": "hi"}], tools=[WEATHER], template=template))
+    ids = tokenizer.encode_chat(
+        [{"role": "user", "content": "hi"}], tools=[WEATHER], template=template
+    )
+    assert ids == tokenizer.encode(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}], tools=[WEATHER], template=template
+        )
+    )

@@ -35,16 +35,24 @@ def test_each_prompt_gets_its_own_choices_indexed_across_prompts(client: openai.
     assert [c.index for c in batch.choices] == [0, 1, 2, 3]
     echoed = [a.choices[0].text for a in alone]
     assert [c.text for c in batch.choices] == [  # the same answers without the prompts
-        e.removeprefix(p) for p, e in zip(("The capital of France is", "One, two,"), echoed,
-                                          strict=True) for _ in "ab"
+        e.removeprefix(p)
+        for p, e in zip(("The capital of France is", "One, two,"), echoed, strict=True)
+        for _ in "ab"
     ]
     assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
     assert batch.usage.completion_tokens == 4 * MAX_TOKENS
 
     texts = ["", "", "", ""]
     usage = None
-    stream = complete(client, PROMPTS, temperature=0, n=2, stream=True, echo=True,
-                      stream_options={"include_usage": True})
+    stream = complete(
+        client,
+        PROMPTS,
+        temperature=0,
+        n=2,
+        stream=True,
+        echo=True,
+        stream_options={"include_usage": True},
+    )
     for chunk in stream:
         for choice in chunk.choices:
             texts[choice.index] += choice.text

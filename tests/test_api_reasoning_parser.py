@@ -67,8 +67,11 @@ def test_reasoning_then_a_tool_call_streamed_equals_whole(cuts) -> None:
 
 @pytest.mark.parametrize(
     ("tail", "inside"),
-    [("<|im_start|>assistant\n<think>\n", True), ("<|im_start|>assistant\n", False),
-     ("<think>\n\n</think>\n\n", False)],
+    [
+        ("<|im_start|>assistant\n<think>\n", True),
+        ("<|im_start|>assistant\n", False),
+        ("<think>\n\n</think>\n\n", False),
+    ],
 )
 def test_a_prompt_that_opens_the_reasoning_is_seen(tail, inside) -> None:
     assert reasoning.opens_reasoning(tail) is inside

@@ -100,8 +100,7 @@ RECORDED = [
     # Llama-3.2 / ToolACE pythonic list, two calls, text around it
     (
         "pythonic",
-        'Sure! [get_weather(city="Paris", unit="celsius"), get_time(zone=\'Europe/Paris\')] '
-        "Done.",
+        'Sure! [get_weather(city="Paris", unit="celsius"), get_time(zone=\'Europe/Paris\')] Done.',
         "Sure!  Done.",
         [WEATHER, TIME],
     ),
@@ -109,8 +108,12 @@ RECORDED = [
         "pythonic",
         "[search(query=\"a ] b\", limit=5, exact=True, tags=['x', 'y'], extra=None)]",
         "",
-        [CallText("search", '{"query": "a ] b", "limit": 5, "exact": true, '
-                  '"tags": ["x", "y"], "extra": null}')],
+        [
+            CallText(
+                "search",
+                '{"query": "a ] b", "limit": 5, "exact": true, "tags": ["x", "y"], "extra": null}',
+            )
+        ],
     ),
     ("pythonic", "A list [1, 2] and [x for x in y].", "A list [1, 2] and [x for x in y].", []),
     ("pythonic", "[f(x)]", "[f(x)]", []),  # positional: not a call of a declared tool
@@ -165,8 +168,10 @@ def test_blank_content_around_calls_is_none() -> None:
 
 
 def test_forced_calls_read_the_grammars_formats() -> None:
-    required = '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}, ' \
+    required = (
+        '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}, '
         '{"name": "get_time", "parameters": {"zone": "Europe/Paris"}}]'
+    )
     assert RequiredParser().parse(required, True).calls == [WEATHER, TIME]
     assert NamedParser("get_time").parse(' {"zone": "Europe/Paris"}', True).calls == [TIME]
 

@@ -46,8 +46,10 @@ WEATHER = tool(
 ADD = tool(
     "add",
     "Add two integers",
-    {"a": {"type": "integer", "minimum": -999, "maximum": 999}, "b": {"type": "integer",
-     "minimum": -999, "maximum": 999}},
+    {
+        "a": {"type": "integer", "minimum": -999, "maximum": 999},
+        "b": {"type": "integer", "minimum": -999, "maximum": 999},
+    },
     ["a", "b"],
 )
 FLIGHT = tool(
@@ -64,8 +66,14 @@ FLIGHT = tool(
 TAGS = tool(
     "tag_note",
     "Tag a note",
-    {"tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 1,
-              "maxItems": 3}},
+    {
+        "tags": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 12},
+            "minItems": 1,
+            "maxItems": 3,
+        }
+    },
     ["tags"],
 )
 ALL_TOOLS = [WEATHER, ADD, FLIGHT, TAGS]
@@ -81,9 +89,12 @@ FORCED_CASES = [
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     running = start_server(
         tmp_path_factory.mktemp("tools-server"),
-        "--chat-template", str(TEMPLATE),
-        "--tool-call-parser", "hermes",
-        "--reasoning-parser", "deepseek_r1",
+        "--chat-template",
+        str(TEMPLATE),
+        "--tool-call-parser",
+        "hermes",
+        "--reasoning-parser",
+        "deepseek_r1",
     )
     yield running
     stop_server(running)
@@ -152,8 +163,13 @@ def test_parallel_tool_calls_false_makes_one_call(client: openai.OpenAI) -> None
 def test_an_agent_loop_of_two_turns(client: openai.OpenAI) -> None:
     messages: list[Any] = [{"role": "user", "content": "What is the weather in Madrid?"}]
     first = client.chat.completions.create(
-        model="SmolLM2-135M-Instruct", messages=messages, tools=[WEATHER],
-        tool_choice="required", parallel_tool_calls=False, max_tokens=MAX_TOKENS, temperature=0,
+        model="SmolLM2-135M-Instruct",
+        messages=messages,
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
     )
     call = first.choices[0].message.tool_calls[0]
     assert call.function.name == "get_weather"
@@ -161,8 +177,12 @@ def test_an_agent_loop_of_two_turns(client: openai.OpenAI) -> None:
     result = {"temperature": 31, "unit": "celsius", "sky": "clear"}
     messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)})
     second = client.chat.completions.create(
-        model="SmolLM2-135M-Instruct", messages=messages, tools=[WEATHER],
-        tool_choice="none", max_tokens=24, temperature=0,
+        model="SmolLM2-135M-Instruct",
+        messages=messages,
+        tools=[WEATHER],
+        tool_choice="none",
+        max_tokens=24,
+        temperature=0,
     )
     answer = second.choices[0]
     assert answer.message.tool_calls is None and answer.message.content
@@ -198,8 +218,16 @@ def test_reasoning_opened_by_the_template_is_reasoning_content(client: openai.Op
 
 
 def test_continuous_usage_stats_count_every_chunk(client: openai.OpenAI) -> None:
-    chunks = list(ask(client, "Count to five.", True, max_tokens=12, temperature=0,
-                      stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    chunks = list(
+        ask(
+            client,
+            "Count to five.",
+            True,
+            max_tokens=12,
+            temperature=0,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
     counts = [chunk.usage.completion_tokens for chunk in chunks]
     assert all(chunk.usage is not None for chunk in chunks)
     assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 12
@@ -224,16 +252,31 @@ USER = {"role": "user", "content": "hi"}
         ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
         ({"messages": [USER, {"role": "tool", "content": "18 C"}]}, "messages[1]"),
         (
-            {"messages": [USER, {"role": "assistant", "tool_calls": [
-                {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{x"}}]}]},
+            {
+                "messages": [
+                    USER,
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {
+                                "id": "c",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": "{x"},
+                            }
+                        ],
+                    },
+                ]
+            },
             "messages[1].tool_calls[0]",
         ),
         ({"messages": [USER, {"role": "assistant"}]}, "messages[1]"),
         ({"chat_template": "{{ messages }}"}, "chat_template"),
         ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
         ({"reasoning_effort": "maximal"}, "reasoning_effort"),
-        ({"tools": [tool("f", "", {"x": {"type": "nonsense"}}, [])], "tool_choice": "required"},
-         "tools"),
+        (
+            {"tools": [tool("f", "", {"x": {"type": "nonsense"}}, [])], "tool_choice": "required"},
+            "tools",
+        ),
     ],
 )
 def test_bad_tool_requests_are_400s_naming_the_field(
@@ -252,8 +295,12 @@ def test_tokenize_renders_a_chat_as_generation_does(
     body = {"model": server.model, "messages": [USER], **fields}
     counted = httpx.post(f"{server.url}/tokenize", json=body, timeout=30).json()["count"]
     answer = client.chat.completions.create(
-        model=server.model, messages=[USER], max_tokens=1, tool_choice="none",
-        tools=fields["tools"], extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+        model=server.model,
+        messages=[USER],
+        max_tokens=1,
+        tool_choice="none",
+        tools=fields["tools"],
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}},
     )
     assert counted == answer.usage.prompt_tokens
     plain = httpx.post(f"{server.url}/tokenize", json={"messages": [USER]}, timeout=30).json()
@@ -265,8 +312,13 @@ def responses_tool(chat_tool: dict) -> dict:
 
 
 def test_the_responses_api_whole_and_streamed(client: openai.OpenAI) -> None:
-    fields = {"model": "SmolLM2-135M-Instruct", "max_output_tokens": 16, "temperature": 0,
-              "instructions": "Answer briefly.", "input": "What is the capital of France?"}
+    fields = {
+        "model": "SmolLM2-135M-Instruct",
+        "max_output_tokens": 16,
+        "temperature": 0,
+        "instructions": "Answer briefly.",
+        "input": "What is the capital of France?",
+    }
     whole = client.responses.create(**fields)
     assert whole.object == "response" and whole.output_text
     assert whole.status in ("completed", "incomplete") and whole.usage.output_tokens <= 16
@@ -282,22 +334,37 @@ def test_the_responses_api_whole_and_streamed(client: openai.OpenAI) -> None:
 def test_the_responses_api_calls_tools_and_takes_their_output(client: openai.OpenAI) -> None:
     tools = [responses_tool(WEATHER), responses_tool(ADD)]
     items: list[Any] = [{"role": "user", "content": "What is the weather in Lisbon?"}]
-    events = list(client.responses.create(
-        model="SmolLM2-135M-Instruct", input=items, tools=tools, tool_choice="required",
-        parallel_tool_calls=False, max_output_tokens=MAX_TOKENS, temperature=0, stream=True,
-    ))
+    events = list(
+        client.responses.create(
+            model="SmolLM2-135M-Instruct",
+            input=items,
+            tools=tools,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_output_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+        )
+    )
     first = events[-1].response
     (call,) = [item for item in first.output if item.type == "function_call"]
-    jsonschema.validate(json.loads(call.arguments),
-                        {t["name"]: t["parameters"] for t in tools}[call.name])
+    jsonschema.validate(
+        json.loads(call.arguments), {t["name"]: t["parameters"] for t in tools}[call.name]
+    )
     arguments = "".join(
         e.delta for e in events if e.type == "response.function_call_arguments.delta"
     )
     assert arguments == call.arguments
-    items += [call, {"type": "function_call_output", "call_id": call.call_id,
-                     "output": '{"temperature": 24}'}]
+    items += [
+        call,
+        {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature": 24}'},
+    ]
     second = client.responses.create(
-        model="SmolLM2-135M-Instruct", input=items, tools=tools, tool_choice="none",
-        max_output_tokens=16, temperature=0,
+        model="SmolLM2-135M-Instruct",
+        input=items,
+        tools=tools,
+        tool_choice="none",
+        max_output_tokens=16,
+        temperature=0,
     )
     assert second.output_text and second.usage.input_tokens > first.usage.input_tokens

@@ -28,8 +28,12 @@ def test_chat_template_is_a_file_or_inline_jinja(tmp_path: Path) -> None:
 
 def test_parsers_are_chosen_by_name() -> None:
     config = serve_config(
-        "--tool-call-parser", "pythonic", "--reasoning-parser", "qwen3",
-        "--trust-request-chat-template", "--exclude-tools-when-tool-choice-none",
+        "--tool-call-parser",
+        "pythonic",
+        "--reasoning-parser",
+        "qwen3",
+        "--trust-request-chat-template",
+        "--exclude-tools-when-tool-choice-none",
     )
     assert (config.tool_call_parser, config.reasoning_parser) == ("pythonic", "qwen3")
     assert config.trust_request_chat_template and config.exclude_tools_when_tool_choice_none

@@ -417,8 +417,9 @@ async def test_the_command_runs_every_turn_and_reads_the_hit_rate_from_metrics(
 
 async def test_counters_are_read_from_every_metrics_url(nursery, tmp_path, tokenizer_json):
     """Behind a router: the replicas' counters, summed, and where the requests went."""
-    served, idle = FakeServer(cached_tokens=2, metrics_prefix="cadence:"), FakeServer(
-        metrics_prefix="cadence:"
+    served, idle = (
+        FakeServer(cached_tokens=2, metrics_prefix="cadence:"),
+        FakeServer(metrics_prefix="cadence:"),
     )
     for server in (served, idle):
         await nursery.start(server.serve)

@@ -240,4 +240,3 @@ def test_prompt_logprobs_over_chunks_equal_transformers_log_softmax(tiny_llama_d
     expected = reference[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
     assert max_diff(torch.tensor(found), expected) < 1e-4
     assert top_ids == reference[:-1].topk(3, dim=-1).indices.tolist()
-

@@ -275,7 +275,6 @@ def test_bad_worker_settings_fail_at_start(tiny_llama_dir):
         make_runner(tiny_llama_dir, kv_memory=100.0)
 
 
-
 def test_the_checked_call_sizes_are_recorded_per_machine_and_recalled(
     tiny_llama_dir, tmp_path, monkeypatch
 ):

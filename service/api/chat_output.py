@@ -47,9 +47,7 @@ class OutputReader:
         if self.reasons:
             message["reasoning_content"] = thought
         if parsed.calls:
-            message["tool_calls"] = [
-                tool_call(call, new_call_id()) for call in parsed.calls
-            ]
+            message["tool_calls"] = [tool_call(call, new_call_id()) for call in parsed.calls]
         return message
 
 

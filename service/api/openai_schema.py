@@ -135,7 +135,6 @@ class GenerationRequest:
     ignored: tuple[str, ...] = ()  # fields this server does not know, ignored (and logged)
     batch: list[str | list[int]] | None = None  # a list prompt of several (vLLM's batch)
 
-
     @property
     def sequences(self) -> int:
         """Sequences generated across every prompt."""

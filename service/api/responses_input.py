@@ -13,8 +13,18 @@ from service.api.errors import bad_request
 
 # Responses fields that are the chat's under the same name
 SAME_FIELDS = (
-    "model", "temperature", "top_p", "top_k", "seed", "stream", "parallel_tool_calls",
-    "user", "priority", "chat_template_kwargs", "stop", "ignore_eos",
+    "model",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stream",
+    "parallel_tool_calls",
+    "user",
+    "priority",
+    "chat_template_kwargs",
+    "stop",
+    "ignore_eos",
 )
 STORED_ONLY = ("previous_response_id", "conversation")  # a server-side conversation
 
@@ -63,8 +73,13 @@ def messages_of(value: Any) -> list[dict[str, Any]]:
             _add_call(messages, item)
         elif kind == "function_call_output":
             output = item.get("output")
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                             "content": output if isinstance(output, str) else str(output)})
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item.get("call_id"),
+                    "content": output if isinstance(output, str) else str(output),
+                }
+            )
         elif kind == "message":
             messages.append({"role": item.get("role"), "content": _text(item.get("content"))})
         elif kind != "reasoning":  # a reasoning item is the model's own: not shown again

@@ -10,8 +10,16 @@ from typing import Any
 
 from service.api.openai_responses import ResponseHeader
 
-ECHOED = ("instructions", "tools", "tool_choice", "parallel_tool_calls", "temperature", "top_p",
-          "max_output_tokens", "metadata")
+ECHOED = (
+    "instructions",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "temperature",
+    "top_p",
+    "max_output_tokens",
+    "metadata",
+)
 
 
 def item_id(prefix: str) -> str:
@@ -19,18 +27,34 @@ def item_id(prefix: str) -> str:
 
 
 def reasoning_item(text: str, status: str) -> dict[str, Any]:
-    return {"type": "reasoning", "id": item_id("rs"), "summary": [], "status": status,
-            "content": [{"type": "reasoning_text", "text": text}]}
+    return {
+        "type": "reasoning",
+        "id": item_id("rs"),
+        "summary": [],
+        "status": status,
+        "content": [{"type": "reasoning_text", "text": text}],
+    }
 
 
 def message_item(text: str, status: str) -> dict[str, Any]:
-    return {"type": "message", "id": item_id("msg"), "role": "assistant", "status": status,
-            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+    return {
+        "type": "message",
+        "id": item_id("msg"),
+        "role": "assistant",
+        "status": status,
+        "content": [{"type": "output_text", "text": text, "annotations": []}],
+    }
 
 
 def call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {"type": "function_call", "id": item_id("fc"), "call_id": call_id, "name": name,
-            "arguments": arguments, "status": status}
+    return {
+        "type": "function_call",
+        "id": item_id("fc"),
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
 
 
 def output_of(message: dict[str, Any]) -> list[dict[str, Any]]:
@@ -47,8 +71,11 @@ def output_of(message: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def response_object(
-    header: ResponseHeader, request: dict[str, Any], output: list[dict[str, Any]],
-    finish_reason: str | None, usage: dict[str, Any] | None,
+    header: ResponseHeader,
+    request: dict[str, Any],
+    output: list[dict[str, Any]],
+    finish_reason: str | None,
+    usage: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """The response: `finish_reason` None while in progress."""
     status = {None: "in_progress", "length": "incomplete"}.get(finish_reason, "completed")
@@ -106,15 +133,18 @@ class ResponseEvents:
 
     def started(self) -> list[dict[str, Any]]:
         response = response_object(self.header, self.request, [], None, None)
-        return [self.event("response.created", response=response),
-                self.event("response.in_progress", response=response)]
+        return [
+            self.event("response.created", response=response),
+            self.event("response.in_progress", response=response),
+        ]
 
     def deltas(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
         """The events of one chat delta."""
         events = []
         if delta.get("reasoning_content"):
-            events += self._text("reasoning", delta["reasoning_content"],
-                                 "response.reasoning_text.delta")
+            events += self._text(
+                "reasoning", delta["reasoning_content"], "response.reasoning_text.delta"
+            )
         if delta.get("content"):
             events += self._text("message", delta["content"], "response.output_text.delta")
         for call in delta.get("tool_calls") or ():
@@ -123,24 +153,43 @@ class ResponseEvents:
 
     def _open(self, key: Any, item: dict[str, Any]) -> list[dict[str, Any]]:
         self.items[key] = OpenItem(item, len(self.items))
-        events = [self.event("response.output_item.added", output_index=len(self.items) - 1,
-                             item=item)]
+        events = [
+            self.event("response.output_item.added", output_index=len(self.items) - 1, item=item)
+        ]
         if item["type"] == "message":
             part = {"type": "output_text", "text": "", "annotations": []}
-            events.append(self.event("response.content_part.added", item_id=item["id"],
-                                     output_index=len(self.items) - 1, content_index=0, part=part))
+            events.append(
+                self.event(
+                    "response.content_part.added",
+                    item_id=item["id"],
+                    output_index=len(self.items) - 1,
+                    content_index=0,
+                    part=part,
+                )
+            )
         return events
 
     def _text(self, key: str, text: str, kind: str) -> list[dict[str, Any]]:
         events = []
         if key not in self.items:
-            opened = reasoning_item("", "in_progress") if key == "reasoning" else \
-                message_item("", "in_progress")
+            opened = (
+                reasoning_item("", "in_progress")
+                if key == "reasoning"
+                else message_item("", "in_progress")
+            )
             events += self._open(key, opened)
         open_ = self.items[key]
         open_.text += text
-        events.append(self.event(kind, item_id=open_.item["id"], output_index=open_.index,
-                                 content_index=0, delta=text, logprobs=[]))
+        events.append(
+            self.event(
+                kind,
+                item_id=open_.item["id"],
+                output_index=open_.index,
+                content_index=0,
+                delta=text,
+                logprobs=[],
+            )
+        )
         return events
 
     def _call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
@@ -152,9 +201,14 @@ class ResponseEvents:
         piece = call["function"].get("arguments", "")
         open_.text += piece
         if piece:
-            events.append(self.event("response.function_call_arguments.delta",
-                                     item_id=open_.item["id"], output_index=open_.index,
-                                     delta=piece))
+            events.append(
+                self.event(
+                    "response.function_call_arguments.delta",
+                    item_id=open_.item["id"],
+                    output_index=open_.index,
+                    delta=piece,
+                )
+            )
         return events
 
     def finished(self, finish_reason: str, usage: dict[str, Any]) -> list[dict[str, Any]]:
@@ -164,8 +218,7 @@ class ResponseEvents:
             events += item_events
             output.append(done)
         response = response_object(self.header, self.request, output, finish_reason, usage)
-        kind = "response.incomplete" if response["status"] == "incomplete" else \
-            "response.completed"
+        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         return [*events, self.event(kind, response=response)]
 
     def _close(self, open_: OpenItem) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -173,19 +226,32 @@ class ResponseEvents:
         events = []
         if item["type"] == "function_call":
             done = call_item(item["call_id"], item["name"], open_.text, "completed")
-            events.append(self.event("response.function_call_arguments.done",
-                                     arguments=open_.text, **where))
+            events.append(
+                self.event("response.function_call_arguments.done", arguments=open_.text, **where)
+            )
         elif item["type"] == "message":
             done = message_item(open_.text, "completed")
-            events.append(self.event("response.output_text.done", content_index=0,
-                                     text=open_.text, logprobs=[], **where))
-            events.append(self.event("response.content_part.done", content_index=0,
-                                     part=done["content"][0], **where))
+            events.append(
+                self.event(
+                    "response.output_text.done",
+                    content_index=0,
+                    text=open_.text,
+                    logprobs=[],
+                    **where,
+                )
+            )
+            events.append(
+                self.event(
+                    "response.content_part.done", content_index=0, part=done["content"][0], **where
+                )
+            )
         else:
             done = reasoning_item(open_.text, "completed")
-            events.append(self.event("response.reasoning_text.done", content_index=0,
-                                     text=open_.text, **where))
+            events.append(
+                self.event(
+                    "response.reasoning_text.done", content_index=0, text=open_.text, **where
+                )
+            )
         done["id"] = item["id"]
-        events.append(self.event("response.output_item.done", output_index=open_.index,
-                                 item=done))
+        events.append(self.event("response.output_item.done", output_index=open_.index, item=done))
         return done, events

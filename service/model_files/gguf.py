@@ -78,8 +78,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     arch = meta.get("general.architecture")
     if arch not in CONVERTIBLE:
         raise GGUFError(
-            f"architecture {arch!r} is not supported "
-            f"(supported: {', '.join(CONVERTIBLE)})"
+            f"architecture {arch!r} is not supported (supported: {', '.join(CONVERTIBLE)})"
         )
     tokenizer, special = build_tokenizer(meta)
     tensors = convert_tensors(reader, meta)
