@@ -367,6 +367,21 @@ def _request(own: Schema, required: list[str], max_model_len: int | None) -> Sch
         "response_format": _response_format(),
         **_logit_processors(),
         **_grammars(),
+        **_routing(),
+    }
+    neutral = {
+        name: {"enum": _distinct(values)}
+        for name, values in NEUTRAL_VALUES.items()
+        if values and name not in shared
+    }
+    schema = _object({**neutral, **shared, **own}, required)
+    schema["additionalProperties"] = True  # unknown fields are ignored (and logged), as vLLM does
+    return schema
+
+
+def _routing() -> dict[str, Schema]:
+    """Who a request is for and when it must start: tenant, priority, deadline."""
+    return {
         "user": {"type": ["string", "null"], "maxLength": MAX_TENANT_CHARS},
         "priority": {
             **_integer(-MAX_PRIORITY, MAX_PRIORITY),
@@ -380,14 +395,6 @@ def _request(own: Schema, required: list[str], max_model_len: int | None) -> Sch
             "cannot, 429 (overloaded at arrival, deadline_exceeded later; with Retry-After)",
         },
     }
-    neutral = {
-        name: {"enum": _distinct(values)}
-        for name, values in NEUTRAL_VALUES.items()
-        if values and name not in shared
-    }
-    schema = _object({**neutral, **shared, **own}, required)
-    schema["additionalProperties"] = True  # unknown fields are ignored (and logged), as vLLM does
-    return schema
 
 
 def _logit_processors() -> dict[str, Schema]:

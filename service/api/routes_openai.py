@@ -605,45 +605,30 @@ async def sse_stream(
 ) -> AsyncIterator[bytes]:
     """Each of the n sequences' chunks carries its `index` (best_of is never streamed).
 
-    `first`: events already read from the channel (a request with a deadline); `echo`: the
-    prompt, sent with each sequence's first tokens."""
+    `first`: events already read from the channel (a request with a deadline); `echoes`:
+    each prompt's echo, sent with its sequences' first tokens."""
     finishes: dict[int, FinishEvent] = {}
     failed = False
-    choices = req.sequences  # best_of is never streamed: one sequence a choice
-    text_offsets = [0] * choices
-    unsent = [echoes[i // req.n] if echoes else None for i in range(choices)]  # echoes to send
-    counted = [0] * choices  # tokens sent, per choice (continuous_usage_stats)
-    streams = [MessageStream(req.reader) for _ in range(choices)] if req.reader else None
+    choices = StreamedChoice.all_of(req, echoes)
 
-    def data(chunk: dict[str, Any], index: int) -> bytes:
+    def data(chunk: dict[str, Any], choice: StreamedChoice) -> bytes:
         if req.continuous_usage:
-            chunk["usage"] = running_usage(req.prompt_tokens, counted[index])
+            chunk["usage"] = running_usage(req.prompt_tokens, choice.counted)
         return sse_data(chunk)
 
     try:
         if req.kind == "chat":
-            for index in range(choices):
-                yield data(delta_chunk(header, "", None, role=True, index=index), index)
-        async for group in event_groups(channel, state.heartbeat_seconds, first, choices):
+            for choice in choices:
+                yield data(delta_chunk(header, "", None, role=True, index=choice.index), choice)
+        async for group in event_groups(channel, state.heartbeat_seconds, first, len(choices)):
             if not group:
                 yield HEARTBEAT
                 continue
             for index, events in by_index(group).items():
-                tokens = [event for event in events if isinstance(event, TokenEvent)]
-                counted[index] += sum(len(event.token_ids) for event in tokens)
-                if streams is not None:
-                    chunk = read_chunk(req, header, tokens, state, streams[index], index)
-                else:
-                    chunk = token_chunk(
-                        req, header, tokens, state, text_offsets[index], unsent[index], index
-                    )
+                choice = choices[index]
+                chunk = tokens_chunk(req, header, state, choice, events)
                 if chunk is not None:
-                    text_offsets[index] += sum(len(event.text) for event in tokens)
-                    echo = unsent[index]
-                    if echo is not None:
-                        text_offsets[index] += len(echo.text)
-                        unsent[index] = None
-                    yield data(chunk, index)
+                    yield data(chunk, choice)
                 finish = events[-1]
                 if not isinstance(finish, FinishEvent):
                     continue
@@ -654,26 +639,95 @@ async def sse_stream(
                     yield sse_data(error.body())
                     yield DONE
                     return
-                reason = finish.reason
-                if streams is not None:
-                    last = streams[index].delta("", final=True)
-                    if last:
-                        yield data(message_chunk(header, last, None, index), index)
-                    reason = finish_reason_of(reason, streams[index].called)
-                yield data(delta_chunk(header, None, reason, index=index), index)
-        if len(finishes) < choices:
-            yield sse_data(closed_early().body())
-        elif req.include_usage:
-            report_cached = state.config.reports_cached_tokens()
-            usage_ = usage([finishes[i] for i in range(choices)], report_cached, req.n)
-            yield sse_data(usage_chunk(header, usage_))
-        yield DONE
+                for chunk in finish_chunks(header, choice, finish.reason):
+                    yield data(chunk, choice)
+        for ending in stream_ending(req, header, state, finishes, len(choices)):
+            yield ending
     finally:
         # Reached by trio.Cancelled (hypercorn reported the disconnect) or GeneratorExit
         # (a write failed): both in a cancelled context, so only synchronous cleanup here.
         channel.close()
-        if failed or len(finishes) < choices:
+        if failed or len(finishes) < len(choices):
             abort(header, state)
+
+
+def stream_ending(
+    req: GenerationRequest,
+    header: ResponseHeader,
+    state: AppState,
+    finishes: dict[int, FinishEvent],
+    choices: int,
+) -> list[bytes]:
+    """The events after the last choice's: an error if one never finished, the usage if
+    asked for, then [DONE]."""
+    if len(finishes) < choices:
+        return [sse_data(closed_early().body()), DONE]
+    if not req.include_usage:
+        return [DONE]
+    report_cached = state.config.reports_cached_tokens()
+    usage_ = usage([finishes[i] for i in range(choices)], report_cached, req.n)
+    return [sse_data(usage_chunk(header, usage_)), DONE]
+
+
+@dataclasses.dataclass(slots=True)
+class StreamedChoice:
+    """One choice's progress through a stream."""
+
+    index: int
+    echo: Echo | None  # the prompt, still to be sent with the first tokens
+    stream: MessageStream | None  # a chat whose answer is read (tool calls, reasoning)
+    text_offset: int = 0  # characters sent (completions' logprobs text_offset)
+    counted: int = 0  # tokens sent (continuous_usage_stats)
+
+    @classmethod
+    def all_of(
+        cls, req: GenerationRequest, echoes: list[Echo | None] | None
+    ) -> list[StreamedChoice]:
+        """A request's choices: best_of is never streamed, so one sequence a choice."""
+        return [
+            cls(
+                i,
+                echoes[i // req.n] if echoes else None,
+                MessageStream(req.reader) if req.reader else None,
+            )
+            for i in range(req.sequences)
+        ]
+
+
+def tokens_chunk(
+    req: GenerationRequest,
+    header: ResponseHeader,
+    state: AppState,
+    choice: StreamedChoice,
+    events: list[Event],
+) -> dict[str, Any] | None:
+    """The chunk of a choice's new tokens (None: nothing to send yet)."""
+    tokens = [event for event in events if isinstance(event, TokenEvent)]
+    choice.counted += sum(len(event.token_ids) for event in tokens)
+    if choice.stream is not None:
+        chunk = read_chunk(req, header, tokens, state, choice.stream, choice.index)
+    else:
+        chunk = token_chunk(
+            req, header, tokens, state, choice.text_offset, choice.echo, choice.index
+        )
+    if chunk is not None:
+        choice.text_offset += sum(len(event.text) for event in tokens)
+        if choice.echo is not None:
+            choice.text_offset += len(choice.echo.text)
+            choice.echo = None
+    return chunk
+
+
+def finish_chunks(header: ResponseHeader, choice: StreamedChoice, reason: str) -> list[dict]:
+    """A finished choice's last chunks: what its reader held back, then the reason."""
+    chunks = []
+    if choice.stream is not None:
+        last = choice.stream.delta("", final=True)
+        if last:
+            chunks.append(message_chunk(header, last, None, choice.index))
+        reason = finish_reason_of(reason, choice.stream.called)
+    chunks.append(delta_chunk(header, None, reason, index=choice.index))
+    return chunks
 
 
 def by_index(group: list[Event]) -> dict[int, list[Event]]:
