@@ -84,14 +84,29 @@ def cpu_flags() -> str:
 
 
 def build_directory() -> Path:
-    """This checkout's build of these sources with these flags, for this CPU and this torch."""
+    """The build of these sources with these flags, for this CPU and this torch: shared by
+    every checkout of the same sources (a fresh clone builds nothing a former one built)."""
     described = (
-        f"{SOURCES[0].parent.resolve()}|{sources_digest()}|{CFLAGS}|{torch.__version__}"
-        f"|{platform.machine()}|{cpu_flags()}"
+        f"{sources_digest()}|{CFLAGS}|{torch.__version__}|{platform.machine()}|{cpu_flags()}"
     )
     digest = hashlib.sha256(described.encode()).hexdigest()[:16]
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
     return Path(root) / f"cadence_native_{digest}"
+
+
+def staged_sources(directory: Path) -> list[Path]:
+    """SOURCES as copies inside the build directory, headers beside them: ninja rebuilds
+    whatever it compiled from another path, so a build shared by checkouts compiles the
+    same paths whichever checkout asks."""
+    staged = directory / "src"
+    staged.mkdir(exist_ok=True)
+    for source in sorted(SOURCES[0].parent.iterdir()):
+        target, text = staged / source.name, source.read_bytes()
+        if not target.exists() or target.read_bytes() != text:
+            partial = staged / f".{source.name}.{os.getpid()}.tmp"
+            partial.write_bytes(text)
+            os.replace(partial, target)  # atomic: a concurrent build reads old or new, whole
+    return [staged / source.name for source in SOURCES]
 
 
 def clear_stale_lock(directory: Path, max_age: float = STALE_LOCK_SECONDS) -> bool:
@@ -133,7 +148,7 @@ def kernels() -> Any | None:
         clear_stale_lock(directory)
         cpp_extension.load(
             name="cadence_native",
-            sources=[str(source) for source in SOURCES],
+            sources=[str(source) for source in staged_sources(directory)],
             extra_cflags=CFLAGS,
             build_directory=str(directory),
             is_python_module=False,

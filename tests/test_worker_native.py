@@ -155,7 +155,9 @@ def test_prefill_kernel_rejects_a_block_outside_the_cache():
         kernel(q, k_cache, v_cache, table, 10, 0.125)
 
 
-def test_each_checkout_sources_flags_and_cpu_get_their_own_build(tmp_path, monkeypatch):
+def test_sources_flags_and_cpu_get_their_own_build_and_checkouts_share_it(
+    tmp_path, monkeypatch
+):
     here = native.build_directory()
     assert here == native.build_directory() and here.name.startswith("cadence_native_")
     assert (here / "cadence_native.so").exists()  # the one this process loaded
@@ -173,7 +175,12 @@ def test_each_checkout_sources_flags_and_cpu_get_their_own_build(tmp_path, monke
     for source in native.SOURCES[0].parent.iterdir():
         (copy / source.name).write_bytes(source.read_bytes())
     monkeypatch.setattr(native, "SOURCES", [copy / s.name for s in native.SOURCES])
-    assert native.build_directory() != here  # another checkout, same text
+    assert native.build_directory() == here  # another checkout, same text: the same build
+    staged = native.staged_sources(here)  # compiled from the build's own copies
+    assert [path.parent for path in staged] == [here / "src"] * len(staged)
+    assert all(path.read_bytes() == (copy / path.name).read_bytes() for path in staged)
+    (copy / native.SOURCES[0].name).write_bytes(b"// changed\n")
+    assert native.build_directory() != here  # other text: another build
 
 
 def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(tmp_path):
