@@ -6,8 +6,10 @@ the machine that runs the suite may not hold on the next. This machine can be ma
 look like others: ONEDNN_MAX_CPU_ISA caps the instructions oneDNN may use,
 ATEN_CPU_CAPABILITY PyTorch's own kernels', CADENCE_NATIVE_MARCH the C++ kernels', and
 OMP_NUM_THREADS the threads. Under each cap, on one thread (the rest of the suite runs on
-two), the row-invariance, matmul, kernel-choice and real-model tests run again, unchanged,
-in a fresh interpreter (the caps are read at start-up).
+two), the row-invariance (on the real model), matmul and kernel-choice tests run again,
+unchanged, in a fresh interpreter (the caps are read at start-up). The real model's
+agreement with transformers (tests/test_worker_real_model.py) is not among them: under a
+cap it checks the library's arithmetic more than cadence's claims, for a minute of CI.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ CLAIMS = [
     "tests/test_worker_linear.py",
     "tests/test_worker_batch_invariance.py",
     "tests/test_worker_kernel_choice.py",
-    "tests/test_worker_real_model.py",
 ]
 KINDS = {
     # oneDNN without AVX512-BF16 (bfloat16 matmuls through other kernels).
