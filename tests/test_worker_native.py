@@ -155,9 +155,7 @@ def test_prefill_kernel_rejects_a_block_outside_the_cache():
         kernel(q, k_cache, v_cache, table, 10, 0.125)
 
 
-def test_sources_flags_and_cpu_get_their_own_build_and_checkouts_share_it(
-    tmp_path, monkeypatch
-):
+def test_sources_flags_and_cpu_get_their_own_build_and_checkouts_share_it(tmp_path, monkeypatch):
     here = native.build_directory()
     assert here == native.build_directory() and here.name.startswith("cadence_native_")
     assert (here / "cadence_native.so").exists()  # the one this process loaded
