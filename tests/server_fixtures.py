@@ -196,21 +196,25 @@ def stop_server(server: RunningServer, timeout: float = 30.0) -> int:
     return server.process.returncode
 
 
-@pytest.fixture(scope="session")
+# Module-scoped: each test module that takes one (as `cadence_server =
+# server_fixtures.cadence_server`) has its own server, stopped when the module ends; at
+# session scope each module's alias still made its own, and all of them lived to the end of
+# the run (18 servers and their workers at once, out of memory beside the other-CPU runs).
+@pytest.fixture(scope="module")
 def cadence_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     server = start_server(tmp_path_factory.mktemp("cadence-server"))
     yield server
     stop_server(server)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def cadence_server_bf16(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     server = start_server(tmp_path_factory.mktemp("cadence-server-bf16"), dtype="bfloat16")
     yield server
     stop_server(server)
 
 
-@pytest.fixture(scope="session", params=DTYPES)
+@pytest.fixture(scope="module", params=DTYPES)
 def server_of_each_dtype(request: pytest.FixtureRequest) -> RunningServer:
     name = {"float32": "cadence_server", "bfloat16": "cadence_server_bf16"}[request.param]
     return request.getfixturevalue(name)
