@@ -44,6 +44,7 @@ MAX_FRAME_BYTES = 256 * 1024 * 1024
 MAX_IDLE_GAP_S = 1.0
 DEVICE_ERROR = "device_error"  # a step's "fatal" reason: the device is unusable
 KERNEL_SEAMS = ("attention", "layer_ops", "matmul")  # see gpu_worker.kernels
+POOL_LAST, POOL_SUM = "last", "sum"  # BatchPlan.pooling's kinds
 
 
 @dataclass(slots=True)
@@ -207,6 +208,11 @@ class BatchPlan:
     history begins with this step, None for the others. `released` lists sequences whose
     histories the worker drops before this step (finished, aborted, preempted); unknown
     ids are ignored.
+
+    Pooling (embeddings): `pooling` is empty when no sequence of the step is pooled;
+    otherwise aligned with seq_ids, POOL_LAST (the final hidden state of the chunk's last
+    row) or POOL_SUM (the sum of its rows' final hidden states) for a sequence that does
+    not sample, None for the others. StepResult.pooled then has each one's vector.
     """
 
     step_id: int
@@ -221,6 +227,7 @@ class BatchPlan:
     token_bitmasks: list[str | None] = field(default_factory=list)
     histories: list[History | None] = field(default_factory=list)
     released: list[int] = field(default_factory=list)
+    pooling: list[str | None] = field(default_factory=list)
 
     @property
     def is_decode_only(self) -> bool:
@@ -245,6 +252,9 @@ class StepResult:
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     step_ms: float = 0.0  # forward + sample, measured in the worker
     error: str | None = None
+    # one per sequence of the plan when it had `pooling`: the pooled vector as base64 of
+    # little-endian float64 (exact sums of a chunk's rows), None for those without
+    pooled: list[str | None] = field(default_factory=list)
     # how long the worker waited for this plan after sending its previous result; None for
     # a first step, after a ping, or after more than MAX_IDLE_GAP_S (the service was idle)
     idle_ms: float | None = None

@@ -6,6 +6,7 @@ gpu_worker.runtime, which starts the worker; a runner only runs steps.
 
 from __future__ import annotations
 
+import base64
 import time
 
 import torch
@@ -16,7 +17,7 @@ from gpu_worker.graphs import DecodeRunner
 from gpu_worker.histories import Histories
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.model import Model
-from gpu_worker.protocol import BatchPlan, Handshake, StepResult, TokenLogprobs
+from gpu_worker.protocol import POOL_LAST, BatchPlan, Handshake, StepResult, TokenLogprobs
 from gpu_worker.sampler import Logits, Sampler, decode_bitmask, token_logprobs
 from gpu_worker.step_inputs import PlanLimits, StepInputs
 
@@ -60,10 +61,14 @@ class ModelRunner:
         inputs = self.inputs(plan)
         self.histories.update(plan)
         prompt_logprobs: list[TokenLogprobs | None] = []
-        if plan.prompt_targets:
+        pooled: list[str | None] = []
+        if plan.prompt_targets or plan.pooling:
             hidden = self.forward(inputs)
             logits = self._sampled_logits(inputs, hidden)
-            prompt_logprobs = self._prompt_logprobs(inputs, hidden)
+            if plan.prompt_targets:
+                prompt_logprobs = self._prompt_logprobs(inputs, hidden)
+            if plan.pooling:
+                pooled = self._pooled(inputs, hidden)
         else:
             logits = self.logits(inputs)
         sampled = inputs.sampled
@@ -78,6 +83,7 @@ class ModelRunner:
             tokens=[[token] for token in output.tokens],
             logprobs=output.logprobs,
             prompt_logprobs=prompt_logprobs,
+            pooled=pooled,
         )
 
     def step_logits(self, plan: BatchPlan) -> torch.Tensor:
@@ -145,6 +151,22 @@ class ModelRunner:
                 wanted = torch.tensor(part, device=logits.device)
                 found.extend(token_logprobs(logits, wanted, [top] * len(part)))
             results.append(found)
+        return results
+
+    def _pooled(self, inputs: StepInputs, hidden: torch.Tensor) -> list[str | None]:
+        """Each pooled sequence's vector (BatchPlan.pooling) in float64: sums of float32
+        values in float64 keep the same bits however the prompt was cut into chunks."""
+        plan = inputs.plan
+        results: list[str | None] = []
+        for i, kind in enumerate(plan.pooling):
+            if kind is None:
+                results.append(None)
+                continue
+            first = int(inputs.first_rows[i])
+            rows = hidden[first : first + plan.num_tokens[i]].double()
+            vector = rows[-1] if kind == POOL_LAST else rows.sum(0)
+            data = vector.cpu().numpy().astype("<f8").tobytes()
+            results.append(base64.b64encode(data).decode())
         return results
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_worker.protocol import BatchPlan, SamplingSpec
+from gpu_worker.protocol import POOL_LAST, POOL_SUM, BatchPlan, SamplingSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +148,7 @@ def check_plan(plan: BatchPlan, limits: PlanLimits) -> None:
     for name in ("num_tokens", "start_pos", "block_tables", "sample", "sampling"):
         if len(getattr(plan, name)) != count:
             raise ValueError(f"plan has {count} seq_ids but {len(getattr(plan, name))} {name}")
-    for name in ("token_bitmasks", "histories"):
+    for name in ("token_bitmasks", "histories", "pooling"):
         if getattr(plan, name) and len(getattr(plan, name)) != count:
             raise ValueError(f"plan has {count} seq_ids but {len(getattr(plan, name))} {name}")
     if len(set(plan.seq_ids)) != count:
@@ -171,6 +171,16 @@ def check_plan(plan: BatchPlan, limits: PlanLimits) -> None:
         raise ValueError(f"token ids must lie in 0..{vocab_size - 1}")
     if plan.prompt_targets:
         _check_prompt_targets(plan, vocab_size)
+    if plan.pooling:
+        _check_pooling(plan)
+
+
+def _check_pooling(plan: BatchPlan) -> None:
+    for seq_id, kind, samples in zip(plan.seq_ids, plan.pooling, plan.sample, strict=True):
+        if kind not in (None, POOL_LAST, POOL_SUM):
+            raise ValueError(f"sequence {seq_id} has pooling {kind!r}; not one of last, sum")
+        if kind is not None and samples:
+            raise ValueError(f"sequence {seq_id} is pooled and sampled; a step does one")
 
 
 def _check_prompt_targets(plan: BatchPlan, vocab_size: int) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_worker.protocol import WorkerConfig
+from service.engine.request import POOLING_TYPES
 from service.flag_types import (
     chat_template_source,
     fraction,
@@ -273,6 +274,12 @@ class Config:
         None,
         "return the model's <think>...</think> apart, as reasoning_content",
         choices=REASONING_PARSERS,
+    )
+    pooling_type: str = flag(
+        "last",
+        "how /v1/embeddings pools the prompt's final hidden states: the last token's "
+        "(vLLM's default for a decoder model) or their mean",
+        choices=POOLING_TYPES,
     )
     shutdown_timeout: float = flag(
         5.0,

@@ -1,7 +1,8 @@
 """Start a real cadence server (Hypercorn on loopback, the real default model) for API tests.
 
-`cadence_server` (float32) is session-scoped and shared by every API test module: import it
-into a test module (`from tests.server_fixtures import cadence_server`) and pytest finds it.
+`cadence_server` (float32) is session-scoped and shared by every API test module, which
+takes it by name (tests/conftest.py registers it once), so a test leaves the server as it
+found it: no request left running, the policy swapped back.
 Tests that make a claim about outputs take `server_of_each_dtype` instead, which runs them
 on that server and on a second one in bfloat16, the dtype users get by default. Tests that
 break their server (killing the worker, shutting down) start their own with `start_server`.
@@ -196,25 +197,24 @@ def stop_server(server: RunningServer, timeout: float = 30.0) -> int:
     return server.process.returncode
 
 
-# Module-scoped: each test module that takes one (as `cadence_server =
-# server_fixtures.cadence_server`) has its own server, stopped when the module ends; at
-# session scope each module's alias still made its own, and all of them lived to the end of
-# the run (18 servers and their workers at once, out of memory beside the other-CPU runs).
-@pytest.fixture(scope="module")
+# Registered once, in tests/conftest.py: one server of each dtype for the whole run. (A
+# module's own alias of a session fixture is a fixture of its own: 18 aliases made 18
+# servers, all alive to the end of the run.)
+@pytest.fixture(scope="session")
 def cadence_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     server = start_server(tmp_path_factory.mktemp("cadence-server"))
     yield server
     stop_server(server)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cadence_server_bf16(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     server = start_server(tmp_path_factory.mktemp("cadence-server-bf16"), dtype="bfloat16")
     yield server
     stop_server(server)
 
 
-@pytest.fixture(scope="module", params=DTYPES)
+@pytest.fixture(scope="session", params=DTYPES)
 def server_of_each_dtype(request: pytest.FixtureRequest) -> RunningServer:
     name = {"float32": "cadence_server", "bfloat16": "cadence_server_bf16"}[request.param]
     return request.getfixturevalue(name)

@@ -10,9 +10,6 @@ from tests import server_fixtures
 from tests.server_fixtures import RunningServer, stream_completion
 
 pytestmark = pytest.mark.real_model
-cadence_server = server_fixtures.cadence_server
-cadence_server_bf16 = server_fixtures.cadence_server_bf16
-server_of_each_dtype = server_fixtures.server_of_each_dtype
 ENDPOINTS = [
     ("GET", "/admin/policy", None),
     ("GET", "/admin/state", None),

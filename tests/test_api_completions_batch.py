@@ -8,11 +8,9 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests import server_fixtures
 from tests.server_fixtures import RunningServer
 
 pytestmark = pytest.mark.real_model
-cadence_server = server_fixtures.cadence_server
 PROMPTS = ["The capital of France is", [2705, 28, 827, 28]]  # a text, and "One, two,"
 MAX_TOKENS = 8
 

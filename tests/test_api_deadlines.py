@@ -12,11 +12,9 @@ import httpx
 import pytest
 import trio
 
-from tests import server_fixtures
 from tests.server_fixtures import RunningServer, stream_completion
 
 pytestmark = pytest.mark.real_model
-cadence_server = server_fixtures.cadence_server
 
 BUSY = {"prompt": "Once upon a time", "max_tokens": 120, "ignore_eos": True, "temperature": 0}
 LONG_PROMPT = "The history of the world, told briefly. " * 150  # ~1,200 tokens

@@ -10,11 +10,9 @@ import orjson
 import pytest
 import trio
 
-from tests import server_fixtures
 from tests.server_fixtures import RunningServer
 
 pytestmark = pytest.mark.real_model
-cadence_server = server_fixtures.cadence_server
 MAX_TOKENS = 48
 
 

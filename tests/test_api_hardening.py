@@ -20,11 +20,9 @@ import orjson
 import pytest
 import trio
 
-from tests import server_fixtures
 from tests.server_fixtures import RunningServer, start_server, stop_server
 
 pytestmark = pytest.mark.real_model
-cadence_server = server_fixtures.cadence_server
 
 GIANT_CHARS = 4 * 1024 * 1024 - 1024  # just under the default 4 MiB body limit
 # Prompts of this many characters per token of the window pass the cheap bound (SmolLM2's

@@ -11,11 +11,9 @@ import torch
 
 from service.model_files.resolve import resolve_model
 from service.tokenizer import Tokenizer
-from tests import server_fixtures
 from tests.server_fixtures import RunningServer, cache_dir
 
 pytestmark = pytest.mark.real_model
-cadence_server = server_fixtures.cadence_server
 TOLERANCE = 2e-3  # float32 on both sides; kernels sum in other orders
 CHAT = [{"role": "user", "content": "Name three colours of the rainbow."}]
 PROMPT = "The capital of France is Paris. The capital of Italy is"

@@ -23,11 +23,9 @@ import orjson
 import pytest
 import trio
 
-from tests import server_fixtures
 from tests.server_fixtures import RunningServer
 
 pytestmark = pytest.mark.real_model
-cadence_server = server_fixtures.cadence_server
 GAP_GOAL_S = 2.0  # the goal for the largest gap of a stream during an attack
 BYTE_LEVEL_CHARS = 650_000  # U+10FFFD: 4 tokens a character, 2.6 MB of JSON
 TOKENS_AFTER_ATTACK = 5  # the stream is read on this far after the attack ended

@@ -6,11 +6,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests import server_fixtures
 from tests.server_fixtures import RunningServer
 
 pytestmark = pytest.mark.real_model
-cadence_server = server_fixtures.cadence_server
 REQUIRED = [
     "cadence:time_to_first_token_seconds",
     "cadence:inter_token_latency_seconds",

@@ -10,11 +10,9 @@ import time
 import openai
 import pytest
 
-from tests import server_fixtures
 from tests.server_fixtures import RunningServer
 
 pytestmark = pytest.mark.real_model
-cadence_server = server_fixtures.cadence_server
 PROMPT = "Once upon a time, in a small village by the sea,"
 CHAT = [{"role": "user", "content": "Write a short poem about the sea."}]
 

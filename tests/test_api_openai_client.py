@@ -7,13 +7,9 @@ import pytest
 
 from service.model_files.resolve import resolve_model
 from service.tokenizer import Tokenizer
-from tests import server_fixtures
 from tests.server_fixtures import RunningServer, cache_dir
 
 pytestmark = pytest.mark.real_model
-cadence_server = server_fixtures.cadence_server
-cadence_server_bf16 = server_fixtures.cadence_server_bf16
-server_of_each_dtype = server_fixtures.server_of_each_dtype
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 

@@ -12,11 +12,9 @@ import openai
 import pytest
 
 from ops.corpus import full_text
-from tests import server_fixtures
 from tests.server_fixtures import RunningServer
 
 pytestmark = pytest.mark.real_model
-cadence_server = server_fixtures.cadence_server
 BLOCK = 16
 QUESTIONS = ["Who wrote this?", "Summarise it in one line.", "What is the first word?"]
 

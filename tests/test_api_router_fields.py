@@ -12,11 +12,9 @@ import openai
 import orjson
 import pytest
 
-from tests import server_fixtures
 from tests.server_fixtures import RunningServer
 
 pytestmark = pytest.mark.real_model
-cadence_server = server_fixtures.cadence_server
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 # what sglang-router and vllm-router were seen adding to chat bodies, and more of vLLM's

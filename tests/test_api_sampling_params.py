@@ -22,11 +22,9 @@ import pytest
 
 from service.model_files.resolve import resolve_model
 from service.tokenizer import Tokenizer
-from tests import server_fixtures
 from tests.server_fixtures import RunningServer, cache_dir
 
 pytestmark = pytest.mark.real_model
-cadence_server = server_fixtures.cadence_server
 
 CAPITAL = "The capital of France is"  # greedy: " Paris." and more
 ONE_WORD = "Reply with one word: is the sky blue?"  # greedy: a short sentence, then EOS

@@ -10,7 +10,6 @@ from tests import server_fixtures
 from tests.server_fixtures import RunningServer, stream_completion
 
 pytestmark = pytest.mark.real_model
-cadence_server = server_fixtures.cadence_server
 
 
 async def test_64_concurrent_streams_complete_with_exact_token_counts(

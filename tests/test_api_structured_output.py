@@ -13,11 +13,9 @@ import jsonschema
 import openai
 import pytest
 
-from tests import server_fixtures
 from tests.server_fixtures import RunningServer
 
 pytestmark = pytest.mark.real_model
-cadence_server = server_fixtures.cadence_server
 MAX_TOKENS = 200
 
 NAME = {"type": "string", "maxLength": 40}

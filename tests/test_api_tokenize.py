@@ -9,11 +9,9 @@ import pytest
 
 from service.model_files.resolve import resolve_model
 from service.tokenizer import Tokenizer
-from tests import server_fixtures
 from tests.server_fixtures import RunningServer, cache_dir
 
 pytestmark = pytest.mark.real_model
-cadence_server = server_fixtures.cadence_server
 TEXT = "The quick brown fox jumps over the lazy dog. Ünïcödé, 日本語, and emoji 🦊."
 CHAT = [
     {"role": "system", "content": "Answer in one word."},

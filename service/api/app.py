@@ -10,7 +10,14 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from service.api import openapi, routes_admin, routes_openai, routes_responses, routes_tokenize
+from service.api import (
+    openapi,
+    routes_admin,
+    routes_embeddings,
+    routes_openai,
+    routes_responses,
+    routes_tokenize,
+)
 from service.api.access import install_api_keys, install_host_check
 from service.api.app_state import EXTENSION_KEY, AppState
 from service.api.body import drain_unread_body
@@ -47,6 +54,7 @@ def create_app(
     app.extensions[EXTENSION_KEY] = state
     app.register_blueprint(routes_openai.blueprint)
     app.register_blueprint(routes_tokenize.blueprint)
+    app.register_blueprint(routes_embeddings.blueprint)
     app.register_blueprint(routes_responses.blueprint)
     app.register_blueprint(routes_admin.blueprint)
     app.register_blueprint(openapi.blueprint)

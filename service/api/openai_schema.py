@@ -25,6 +25,7 @@ from service.engine.grammar import ResponseFormat
 from service.engine.request import SamplingParams
 
 MAX_BATCH_PROMPTS = 32  # prompts of one list `prompt` (completions)
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on one request's `input` list
 MAX_CACHE_SALT_CHARS = 256
 MAX_SCHEMA_BYTES = 64 * 1024
 # Each message is template and dict work: a chat of more messages than this (or than the
@@ -280,6 +281,66 @@ def parse_tokenize_request(body: Any, bound: PromptBound | None = None) -> Token
     )
 
 
+@dataclass(slots=True)
+class EmbeddingRequest:
+    """POST /v1/embeddings, as OpenAI and vLLM define it."""
+
+    model: str | None
+    inputs: list[str | list[int]]
+    encoding_format: str  # "float" | "base64" (little-endian float32)
+    normalize: bool  # vLLM's: L2-normalized (its default), or the pooled state as is
+    add_special_tokens: bool
+    truncate_prompt_tokens: int | None  # vLLM's: keep only the last k tokens (-1: the window)
+    tenant: str | None
+    priority: int
+    ignored: tuple[str, ...] = ()
+
+
+def parse_embedding_request(
+    body: Any, tenant_header: str | None, bound: PromptBound | None = None
+) -> EmbeddingRequest:
+    fields = _Fields(body)
+    model = fields.raw("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request(f"'model' must be a string, got {model!r}", "model")
+    encoding_format = fields.raw("encoding_format") or "float"
+    if encoding_format not in ("float", "base64"):
+        raise bad_request(
+            f"'encoding_format' must be 'float' or 'base64', got {encoding_format!r}",
+            "encoding_format",
+        )
+    if fields.raw("dimensions") is not None:
+        # vLLM's answer for a model without Matryoshka training: cutting its vectors short
+        # would give poor embeddings
+        raise bad_request(
+            "this model does not support 'dimensions' (it has no Matryoshka representation)",
+            "dimensions",
+        )
+    truncate = fields.integer("truncate_prompt_tokens", None)
+    if truncate is not None and truncate != -1 and truncate < 1:
+        raise bad_request(
+            f"'truncate_prompt_tokens' must be -1 or at least 1, got {truncate}",
+            "truncate_prompt_tokens",
+        )
+    # a prompt to be cut may be longer than the window (the body's size bounds it)
+    inputs = _parse_prompts(
+        fields.raw("input"), None if truncate else bound, "input", MAX_EMBEDDING_INPUTS
+    )
+    request = EmbeddingRequest(
+        model=model,
+        inputs=inputs,
+        encoding_format=encoding_format,
+        normalize=fields.boolean("normalize", True),
+        add_special_tokens=fields.boolean("add_special_tokens", True),  # vLLM's default here
+        truncate_prompt_tokens=truncate,
+        tenant=_parse_tenant(tenant_header, fields.raw("user")),
+        priority=fields.integer("priority", 0) or 0,
+    )
+    fields.check_leftovers()
+    request.ignored = tuple(fields.ignored)
+    return request
+
+
 def parse_detokenize_request(
     body: Any, vocab_size: int, bound: PromptBound
 ) -> tuple[str | None, list[int]]:
@@ -426,35 +487,37 @@ def _parse_deadline(fields: _Fields) -> float | None:
     return fields.number("deadline_ms", 0.0)
 
 
-def _parse_prompts(value: Any, bound: PromptBound | None) -> list[str | list[int]]:
+def _parse_prompts(
+    value: Any, bound: PromptBound | None, param: str = "prompt", most: int = MAX_BATCH_PROMPTS
+) -> list[str | list[int]]:
     """A prompt, or a list of them: strings or token-id lists."""
     if value is None:
-        raise bad_request("'prompt' is required", "prompt")
+        raise bad_request(f"'{param}' is required", param)
     if not (isinstance(value, list) and value and isinstance(value[0], str | list)):
-        return [_parse_prompt(value, bound)]
-    if len(value) > MAX_BATCH_PROMPTS:
-        raise bad_request(f"'prompt' may list at most {MAX_BATCH_PROMPTS} prompts", "prompt")
-    return [_parse_prompt(one, bound) for one in value]
+        return [_parse_prompt(value, bound, param)]
+    if len(value) > most:
+        raise bad_request(f"'{param}' may list at most {most} prompts", param)
+    return [_parse_prompt(one, bound, param) for one in value]
 
 
-def _parse_prompt(value: Any, bound: PromptBound | None) -> str | list[int]:
+def _parse_prompt(value: Any, bound: PromptBound | None, param: str) -> str | list[int]:
     if isinstance(value, str):
         if not value:
-            raise bad_request("'prompt' must not be empty", "prompt")
+            raise bad_request(f"'{param}' must not be empty", param)
         if bound is not None:
-            bound.check_chars(len(value), "prompt")
+            bound.check_chars(len(value), param)
         return value
     if isinstance(value, list):
         if not value:
-            raise bad_request("'prompt' must not be empty", "prompt")
+            raise bad_request(f"'{param}' must not be empty", param)
         if bound is not None:
-            bound.check_tokens(len(value), "prompt")
+            bound.check_tokens(len(value), param)
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
             raise bad_request(
-                "'prompt' must be a string or a list of non-negative token ids", "prompt"
+                f"'{param}' must be a string or a list of non-negative token ids", param
             )
         return value
-    raise bad_request("'prompt' must be a string or a list of token ids", "prompt")
+    raise bad_request(f"'{param}' must be a string or a list of token ids", param)
 
 
 def _parse_messages(value: Any, bound: PromptBound | None) -> list[dict[str, Any]]:

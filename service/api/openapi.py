@@ -23,6 +23,7 @@ from service.api.openai_schema import (
     MAX_BATCH_PROMPTS,
     MAX_CACHE_SALT_CHARS,
     MAX_CHAT_MESSAGES,
+    MAX_EMBEDDING_INPUTS,
     MAX_SCHEMA_BYTES,
     NEUTRAL_VALUES,
 )
@@ -45,7 +46,7 @@ blueprint = Blueprint("openapi", __name__)
 Schema = dict[str, Any]
 JSON = "application/json"
 SSE = "text/event-stream"
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
 
 
 @blueprint.get("/openapi.json")
@@ -107,6 +108,7 @@ def _public_paths(max_model_len: int | None) -> Schema:
         },
         "/tokenize": {"post": _tokenize()},
         "/v1/responses": {"post": _responses()},
+        "/v1/embeddings": {"post": _embeddings(max_model_len)},
         "/detokenize": {"post": _detokenize()},
         "/health": {
             "get": {
@@ -214,16 +216,43 @@ def _responses() -> Schema:
     return operation
 
 
+def _embeddings(max_model_len: int | None) -> Schema:
+    """OpenAI's, with vLLM's extra fields; pooled as --pooling-type says."""
+    request = _open(
+        {
+            "input": _prompts(max_model_len, MAX_EMBEDDING_INPUTS),
+            "model": {"type": ["string", "null"]},
+            "encoding_format": {"enum": ["float", "base64", None]},
+            "normalize": {"type": ["boolean", "null"]},
+            "add_special_tokens": {"type": ["boolean", "null"]},
+            "truncate_prompt_tokens": {"type": ["integer", "null"], "minimum": -1},
+            "user": {"type": ["string", "null"]},
+            "priority": {"type": ["integer", "null"]},
+        },
+        ["input"],
+    )
+    vector = {"oneOf": [{"type": "array", "items": {"type": "number"}}, {"type": "string"}]}
+    item = _object_open(
+        {"index": {"type": "integer"}, "object": {"const": "embedding"}, "embedding": vector}
+    )
+    response = _object_open(
+        {
+            "object": {"const": "list"},
+            "data": {"type": "array", "items": item},
+            "model": {"type": "string"},
+            "usage": _object_open(
+                {"prompt_tokens": {"type": "integer"}, "total_tokens": {"type": "integer"}}
+            ),
+        }
+    )
+    operation = _generation("Embeddings of one input or a list of them", request)
+    operation["responses"]["200"] = _json_content("The embeddings", response)
+    return operation
+
+
 def _completion_request(max_model_len: int | None) -> Schema:
-    ids = _token_ids(max_model_len)
-    text = {"type": "string", "minLength": 1}
     prompt = {
-        "oneOf": [
-            text,
-            ids,
-            {"type": "array", "items": text, "minItems": 1, "maxItems": MAX_BATCH_PROMPTS},
-            {"type": "array", "items": ids, "minItems": 1, "maxItems": MAX_BATCH_PROMPTS},
-        ],
+        **_prompts(max_model_len, MAX_BATCH_PROMPTS),
         "description": "a prompt, or a list of them (vLLM's batch: prompt i's choice j is "
         "choice i x n + j)",
     }
@@ -498,6 +527,16 @@ def _stream_options() -> Schema:
     """Allowed only with stream=true (a 400 otherwise)."""
     flags = {"include_usage": {"type": "boolean"}, "continuous_usage_stats": {"type": "boolean"}}
     return {"oneOf": [{"type": "null"}, _object(flags, [])]}
+
+
+def _prompts(max_model_len: int | None, most: int) -> Schema:
+    """A text or token-id prompt, or a list of up to `most` of either."""
+    ids = _token_ids(max_model_len)
+    text = {"type": "string", "minLength": 1}
+    lists = [
+        {"type": "array", "items": one, "minItems": 1, "maxItems": most} for one in (text, ids)
+    ]
+    return {"oneOf": [text, ids, *lists]}
 
 
 def _token_ids(max_model_len: int | None) -> Schema:

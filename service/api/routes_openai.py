@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.metadata
 import math
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, cast
 
 import orjson
@@ -227,15 +228,19 @@ async def prepare(req: GenerationRequest, state: AppState) -> None:
 
 
 def new_request_id(req: GenerationRequest) -> str:
-    prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
+    return request_id_for("chatcmpl" if req.kind == "chat" else "cmpl", req.ignored)
+
+
+def request_id_for(prefix: str, ignored: tuple[str, ...]) -> str:
+    """A new request id; the request's `ignored` fields are logged with it."""
     request_id = f"{prefix}-{uuid.uuid4().hex}"
-    if req.ignored:
+    if ignored:
         # as vLLM: a field it does not know is no reason to refuse (routers add their own)
         log.warning(
             "request.fields_ignored",
             request_id=request_id,
-            fields=loggable_names(req.ignored),
-            count=len(req.ignored),
+            fields=loggable_names(ignored),
+            count=len(ignored),
         )
     return request_id
 
@@ -258,7 +263,7 @@ async def submit_prompt(
         params = dataclasses.replace(
             params, sampling=dataclasses.replace(params.sampling, logprobs=True)
         )
-    try:
+    with engine_refusals(lambda param: field_of(param, req)):
         channel = await state.engine.submit(
             prompt_ids,
             params,
@@ -268,6 +273,15 @@ async def submit_prompt(
             deadline_s=deadline_of(req),
             n=req.best_of,
         )
+    return prompt_ids, channel
+
+
+@contextlib.contextmanager
+def engine_refusals(field: Callable[[str | None], str | None]) -> Iterator[None]:
+    """The engine's refusals of a submission as HTTP errors: 429, 503, or a 400 naming the
+    request's `field` behind the engine argument at fault."""
+    try:
+        yield
     except Overloaded as exc:
         raise APIError(
             429,
@@ -278,8 +292,7 @@ async def submit_prompt(
     except EngineUnavailable as exc:
         raise unavailable(str(exc) or "the engine is not available") from None
     except InvalidRequest as exc:
-        raise bad_request(str(exc), field_of(exc.param, req), exc.code) from None
-    return prompt_ids, channel
+        raise bad_request(str(exc), field(exc.param), exc.code) from None
 
 
 def deadline_of(req: GenerationRequest) -> float | None:

@@ -63,6 +63,7 @@ from service.engine.request import (
 )
 from service.engine.sampling import worker_sampling
 from service.engine.scheduler import (
+    POOLED,
     STOP_TOKEN,
     Outcome,
     ScheduleOutput,
@@ -627,12 +628,12 @@ class Engine:
         request.finish_reason, request.finish_detail = reason, detail
         completion = request.num_generated
         cached = request.num_cached_tokens
-        _send(
-            request,
-            FinishEvent(
-                reason, detail, request.prompt_len, completion, error, cached, request.index
-            ),
+        event = FinishEvent(
+            reason, detail, request.prompt_len, completion, error, cached, request.index
         )
+        if (reason, detail) == POOLED:
+            event.embedding = request.pooled
+        _send(request, event)
         request.stream.close()
         self._requests.pop(request.request_id, None)
         self._release_siblings(request)

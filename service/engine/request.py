@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 
 
 DEFAULT_TENANT = "default"
+# SamplingParams.pooling: the last token's final hidden state, or the mean over the prompt
+LAST_POOLING, MEAN_POOLING = "last", "mean"
+POOLING_TYPES = (LAST_POOLING, MEAN_POOLING)
 # "team/alice": the sub-tenant alice of the tenant team (an API key's, or one a client
 # named): fairness, quotas and the prefix cache's isolation count the tenant, logs show both
 SUB_TENANT_SEPARATOR = "/"
@@ -54,6 +57,9 @@ class SamplingParams:
     sampling: SamplingSpec = field(default_factory=_openai_default_sampling)
     # structured output: xgrammar's CompiledGrammar for response_format (service.engine.grammar)
     grammar: Any = None
+    # an embedding, not a completion (POOLING_TYPES; then max_tokens is 0): the prompt's
+    # final hidden states pooled, in the FinishEvent
+    pooling: str | None = None
 
 
 @dataclass(slots=True)
@@ -77,6 +83,7 @@ class FinishEvent:
     error: str | None = None
     cached_tokens: int = 0  # prompt tokens found in the prefix cache, not computed
     index: int = 0  # which of the request's n sequences finished
+    embedding: list[float] | None = None  # a pooled request's (SamplingParams.pooling)
 
 
 Event = TokenEvent | FinishEvent
@@ -153,6 +160,9 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, chained
     # of prompt tokens 1.. as computed so far, when its sampling asks for them (`echo`)
     prompt_logprobs: TokenLogprobs | None = None
+    # a pooled request's vector so far: the sum of its rows' hidden states (mean pooling),
+    # then the pooled embedding once its prompt is computed
+    pooled: list[float] | None = None
     admitted_order: int = -1  # increasing each time it is admitted, for "most recently admitted"
     preemptions: int = 0
     # the worker keeps its history (SamplingSpec.reads_history) from a plan's History on,
@@ -181,10 +191,15 @@ class Request:
 
     @property
     def needs_prompt_logprobs(self) -> bool:
-        """Its prompt's log-probabilities are wanted and not all computed yet: its prompt
-        must then be computed, not taken from the prefix cache."""
+        """Its prompt's log-probabilities are wanted and not all computed yet."""
         found = self.prompt_logprobs
         return found is not None and len(found) < self.prompt_len - 1
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Its prompt must be computed, not taken from the prefix cache: for its prompt's
+        log-probabilities, or the mean of its hidden states."""
+        return self.needs_prompt_logprobs or self.params.pooling == MEAN_POOLING
 
     @property
     def is_finished(self) -> bool:

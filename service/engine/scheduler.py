@@ -60,10 +60,16 @@ Histories. A sequence whose sampling reads its tokens (penalties, bad words, min
 has them counted by the worker: its first plan after each admission carries a History (its
 prompt length, and the tokens a prefix-cache hit skips), and the first plan after it ends
 or is preempted releases it, so no plan carries a sequence's tokens twice.
+
+Pooling (embeddings). A pooled request never samples: its chunks carry what the worker
+pools of them (BatchPlan.pooling), and update() finishes it (POOLED) with the step that
+computes its prompt's last token. A mean-pooled one takes no prefix-cache hit, since every
+row's state is summed, so its sum starts again at 0 after a preemption.
 """
 
 from __future__ import annotations
 
+import base64
 import bisect
 import collections
 import dataclasses
@@ -71,13 +77,16 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from gpu_worker.protocol import BatchPlan, History, StepResult, TokenLogprobs
+import numpy as np
+
+from gpu_worker.protocol import POOL_LAST, POOL_SUM, BatchPlan, History, StepResult, TokenLogprobs
 from policies.base import Decision, Policy, SeqView, View
 from service.engine.block_manager import BlockManager, chain_hashes
-from service.engine.request import Request, Status, account_of
+from service.engine.request import MEAN_POOLING, Request, Status, account_of
 from service.engine.step_cost import StepCostModel
 
 STOP_TOKEN = ("stop", "stop_token")  # a stop_token_ids token finished the sequence
+POOLED = ("stop", "pooled")  # a pooled request (an embedding) computed its prompt
 
 
 @dataclass(slots=True)
@@ -433,14 +442,22 @@ class Scheduler:
         self._last_step_ms = result.step_ms
         self._last_step_tokens = out.plan.total_tokens
         self.step_cost.observe_plan(out.plan.num_tokens, out.plan.start_pos, result.step_ms)
-        for i, item in enumerate(out.scheduled):
-            if not item.request.is_finished:  # not aborted while the step ran
-                if result.prompt_logprobs:
-                    _keep_prompt_logprobs(item.request, result.prompt_logprobs[i])
-                item.request.num_computed_tokens += item.num_tokens
-                self._register_blocks(item.request)
-        sampled = [item.request for item in out.scheduled if item.samples]
         outcomes = []
+        for i, item in enumerate(out.scheduled):
+            request = item.request
+            if not request.is_finished:  # not aborted while the step ran
+                if result.prompt_logprobs:
+                    _keep_prompt_logprobs(request, result.prompt_logprobs[i])
+                if result.pooled:
+                    _keep_pooled(request, out.plan.start_pos[i], result.pooled[i])
+                request.num_computed_tokens += item.num_tokens
+                self._register_blocks(request)
+                if (
+                    request.params.pooling is not None
+                    and request.num_computed_tokens >= request.prompt_len
+                ):
+                    outcomes.append(self._pooled_outcome(request))
+        sampled = [item.request for item in out.scheduled if item.samples]
         row = 0  # result.logprobs has a row per token, in the order of result.tokens
         for request, tokens in zip(sampled, result.tokens, strict=True):
             first, row = row, row + len(tokens)
@@ -456,6 +473,14 @@ class Scheduler:
                     break
         return outcomes
 
+    def _pooled_outcome(self, request: Request) -> Outcome:
+        """A pooled request has computed its prompt: its embedding is done."""
+        assert request.pooled is not None
+        if request.params.pooling == MEAN_POOLING:
+            request.pooled = [value / request.prompt_len for value in request.pooled]
+        self.remove(request)
+        return Outcome(request, finish=POOLED)
+
     def _register_blocks(self, request: Request) -> None:
         """Make the blocks `request` has filled and computed findable by later prompts."""
         if not self.blocks.enable_caching:
@@ -466,7 +491,7 @@ class Scheduler:
     def _prefix_hit(self, request: Request) -> list[int]:
         """The cached blocks a waiting request would start with; at least its last token
         is left to compute, since the step must produce the logits it samples from."""
-        if not self.blocks.enable_caching or request.needs_prompt_logprobs:
+        if not self.blocks.enable_caching or request.computes_whole_prompt:
             return []
         hashes = self._hashes(request)
         return self.blocks.match(hashes[: (request.num_tokens - 1) // self.blocks.block_size])
@@ -647,7 +672,8 @@ class Scheduler:
 
     def _add_to_step(self, request: Request, tokens: int, draft: _Draft) -> None:
         self.blocks.allocate(request.seq_id, request.num_computed_tokens + tokens)
-        samples = request.num_computed_tokens + tokens >= request.num_tokens
+        ends_prompt = request.num_computed_tokens + tokens >= request.num_tokens
+        samples = ends_prompt and request.params.pooling is None
         draft.out.scheduled.append(Scheduled(request, tokens, samples))
         draft.chosen.add(request.seq_id)
         draft.budget -= tokens
@@ -873,6 +899,7 @@ class Scheduler:
         tables, sample, sampling, bitmasks = [], [], [], []
         prompt_targets: list[list[int] | None] = []
         histories: list[History | None] = []
+        pooling: list[str | None] = []
         table_of = self.blocks.table
         for item in scheduled:
             request = item.request
@@ -888,6 +915,7 @@ class Scheduler:
             grammar = request.grammar if item.samples else None
             bitmasks.append(None if grammar is None else grammar.mask)
             histories.append(_history(request, start))
+            pooling.append(_pooling(request, item.num_tokens))
         released, self._released = self._released, []
         return BatchPlan(
             step_id=step_id,
@@ -902,7 +930,32 @@ class Scheduler:
             token_bitmasks=bitmasks if any(m is not None for m in bitmasks) else [],
             histories=histories if any(h is not None for h in histories) else [],
             released=released,
+            pooling=pooling if any(p is not None for p in pooling) else [],
         )
+
+
+def _pooling(request: Request, num_tokens: int) -> str | None:
+    """What the worker pools of a chunk (BatchPlan.pooling): every chunk's rows for a mean,
+    the last row of the chunk that ends the prompt for the last token's state."""
+    kind = request.params.pooling
+    if kind is None:
+        return None
+    if kind == MEAN_POOLING:
+        return POOL_SUM
+    ends_prompt = request.num_computed_tokens + num_tokens >= request.prompt_len
+    return POOL_LAST if ends_prompt else None
+
+
+def _keep_pooled(request: Request, start: int, found: str | None) -> None:
+    """Adds a chunk's pooled vector to what `request` has. A mean pooled request takes no
+    prefix-cache hit, so its computation (again, after a preemption) starts at 0."""
+    if found is None:
+        return
+    vector = np.frombuffer(base64.b64decode(found), dtype="<f8")
+    if start == 0 or request.pooled is None or request.params.pooling != MEAN_POOLING:
+        request.pooled = vector.tolist()
+    else:
+        request.pooled = (np.asarray(request.pooled) + vector).tolist()
 
 
 def _history(request: Request, start: int) -> History | None:

@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from service.engine.request import SamplingParams
+from service.engine.request import POOLING_TYPES, SamplingParams
 
 MAX_STOP_STRINGS = 16
 # Real stop strings are short (a role marker, a closing tag, a fence); 256 characters leaves
@@ -110,9 +110,23 @@ def _check_sampling(params: SamplingParams) -> None:
     if spec.seed is not None and (not _is_int(spec.seed) or not 0 <= spec.seed <= MAX_SEED):
         raise InvalidRequest(f"seed must be an integer in [0, {MAX_SEED}]", "seed")
     max_tokens = params.max_tokens
-    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
+    if params.pooling is not None:
+        _check_pooling(params)
+    elif max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
         raise InvalidRequest(f"max_tokens must be at least 1, got {max_tokens!r}", "max_tokens")
     _check_stop(params.stop)
+
+
+def _check_pooling(params: SamplingParams) -> None:
+    """A pooled request computes its prompt and generates nothing."""
+    if params.pooling not in POOLING_TYPES:
+        raise InvalidRequest(
+            f"pooling must be one of {', '.join(POOLING_TYPES)}, got {params.pooling!r}", "pooling"
+        )
+    if params.max_tokens != 0:
+        raise InvalidRequest(
+            "a pooled request generates no tokens: max_tokens must be 0", "max_tokens"
+        )
 
 
 def _check_processors(params: SamplingParams, vocab_size: int) -> None:
