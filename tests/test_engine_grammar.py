@@ -6,10 +6,14 @@ from __future__ import annotations
 import base64
 import json
 import sys
+import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import trio
 
+from service.api import routes_openai
 from service.engine.grammar import (
     GrammarCompiler,
     GrammarUnavailable,
@@ -214,3 +218,21 @@ def test_grammars_beyond_json_take_what_they_describe(compiler, tokenizer, rf, g
 def test_a_grammar_xgrammar_rejects_is_invalid(compiler: GrammarCompiler, rf) -> None:
     with pytest.raises(InvalidGrammar):
         compiler.compile(rf)
+
+
+async def test_the_compilers_slow_set_up_is_waited_for_outside_the_compile_timeout(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a busy machine the vocabulary's conversion alone can outlast the timeout: the
+    first request with a grammar waits for it instead of getting a 400."""
+
+    def slow_info():
+        time.sleep(0.5)
+        return hf_tokenizer_info(tokenizer.backend, MODEL_VOCAB, tokenizer.eos_token_ids)
+
+    monkeypatch.setattr(routes_openai, "GRAMMAR_COMPILE_TIMEOUT_S", 0.3)
+    state = SimpleNamespace(
+        grammars=GrammarCompiler(slow_info), grammar_threads=trio.CapacityLimiter(1)
+    )
+    compiled = await routes_openai.grammar_of(ResponseFormat("json_object"), state)  # type: ignore[arg-type]
+    assert Matcher(compiled).needs_mask

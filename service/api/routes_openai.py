@@ -447,7 +447,15 @@ async def grammar_of(response_format: ResponseFormat, state: AppState) -> Any:
 
     xgrammar cannot be stopped mid-compilation: a request that hangs up or times out stops
     waiting at once (abandon_on_cancel) and its thread finishes on its own, holding its
-    place on the limiter until then, and caches what it compiled for the next asker."""
+    place on the limiter until then, and caches what it compiled for the next asker. The
+    compiler's one-time set-up (the vocabulary's conversion) is waited for outside that
+    time: on a busy machine it alone can take longer."""
+    grammars = state.grammars
+    if grammars is not None and not grammars.is_prepared:
+        with contextlib.suppress(GrammarUnavailable):  # compile_grammar reports it
+            await trio.to_thread.run_sync(
+                grammars.prepare, limiter=state.grammar_threads, abandon_on_cancel=True
+            )
     with trio.move_on_after(GRAMMAR_COMPILE_TIMEOUT_S):
         return await trio.to_thread.run_sync(
             compile_grammar,

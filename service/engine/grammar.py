@@ -122,17 +122,27 @@ class GrammarCompiler:
         self._cache: collections.OrderedDict[ResponseFormat, Any] = collections.OrderedDict()
         self._lock = threading.Lock()
 
+    @property
+    def is_prepared(self) -> bool:
+        return self._compiler is not None
+
+    def prepare(self) -> None:
+        """Imports xgrammar and converts the vocabulary, once (seconds: blocking, call it in
+        a thread); raises GrammarUnavailable."""
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = _xgrammar().GrammarCompiler(
+                    self._tokenizer_info(), max_threads=1, cache_enabled=False
+                )
+
     def compile(self, response_format: ResponseFormat) -> Any:
         """The xgrammar CompiledGrammar; raises GrammarUnavailable or InvalidGrammar."""
+        self.prepare()
         with self._lock:
             compiled = self._cache.get(response_format)
             if compiled is not None:
                 self._cache.move_to_end(response_format)
                 return compiled
-            if self._compiler is None:
-                self._compiler = _xgrammar().GrammarCompiler(
-                    self._tokenizer_info(), max_threads=1, cache_enabled=False
-                )
         compiled = self._compile(response_format)
         with self._lock:
             self._keep(response_format, compiled)
