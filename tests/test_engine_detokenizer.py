@@ -175,3 +175,29 @@ def test_the_work_per_token_does_not_grow_with_the_output():
     assert held_back  # the stop strings were live: text that began one was held
     near_start, at_the_end = lines_per_window[1], lines_per_window[-1]
     assert at_the_end <= near_start
+
+
+def vllm_stop_with_min_tokens(text_of_tokens: list[str], stop: str, min_tokens: int) -> int | None:
+    """vLLM's rule, stated directly: after each token past the first min_tokens, a stop
+    string that ends in that token's text (it may begin before) stops the output there;
+    the length of the output kept, or None."""
+    text = ""
+    for count, piece in enumerate(text_of_tokens, 1):
+        before, text = len(text), text + piece
+        if count <= min_tokens:
+            continue
+        found = text.find(stop, max(0, before - len(stop) + 1))
+        if found != -1:
+            return found
+    return None
+
+
+@pytest.mark.parametrize("min_tokens", [0, 2, 5, 6, 9, 12, 30])
+def test_a_stop_string_ending_within_min_tokens_does_not_stop_as_in_vllm(min_tokens):
+    text = "aSTOPbcSTOPdefSTSTOPg"  # one byte a token: stops end at tokens 5, 11, 20
+    detok = Detokenizer(TOK, [], ["STOP"], min_tokens=min_tokens)
+    pieces, stopped = feed(detok, TOK.encode(text))
+    expected = vllm_stop_with_min_tokens(list(text), "STOP", min_tokens)
+    assert stopped == (expected is not None)
+    kept = "".join(pieces) + ("" if stopped else detok.flush())
+    assert kept == (text if expected is None else text[:expected])

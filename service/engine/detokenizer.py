@@ -42,8 +42,12 @@ class Detokenizer:
         prompt_ids: list[int],
         stop: list[str],
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
+        # as vLLM: a stop string that ends within the first min_tokens tokens' text does not
+        # stop the sequence (one that ends in a later token's text may begin there)
+        self._unchecked_tokens = min_tokens
         self._skip_special = skip_special_tokens
         self._ids = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
@@ -58,7 +62,9 @@ class Detokenizer:
 
     def add_token(self, token_id: int) -> Delta:
         self._ids.append(token_id)
-        return self._release(self._decode_new())
+        checked = self._unchecked_tokens <= 0
+        self._unchecked_tokens -= 1
+        return self._release(self._decode_new(), checked)
 
     def flush(self) -> str:
         """At the end of a sequence: everything held back (not cut by a stop) goes out."""
@@ -85,9 +91,9 @@ class Detokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
 
-    def _release(self, new: str) -> Delta:
+    def _release(self, new: str, checked: bool) -> Delta:
         pending = self._held + new
-        stop_starts_back = self._matcher.feed(new)
+        stop_starts_back = self._matcher.feed(new, report=checked)
         if stop_starts_back is not None:
             self._held = ""
             return self._send(pending[: len(pending) - stop_starts_back], stopped=True)
@@ -116,15 +122,16 @@ class StopMatcher:
         """Length of the longest end of the text that begins a stop string (and is not one)."""
         return max(self._matched, default=0)
 
-    def feed(self, piece: str) -> int | None:
+    def feed(self, piece: str, *, report: bool = True) -> int | None:
         """Add `piece` to the text; if stop strings now appear, how many characters before
-        the end of the text the earliest of them starts, else None."""
+        the end of the text the earliest of them starts, else None. With `report` false,
+        the stops that end in `piece` are passed over (None), as if it held none."""
         earliest = None
         for i, stop in enumerate(self._stops):
             matched = self._matched[i]
             if not matched and stop[0] not in piece:
                 continue  # the common case, checked at C speed
-            matched, end = _advance(stop, self._fallbacks[i], matched, piece)
+            matched, end = _advance(stop, self._fallbacks[i], matched, piece, report)
             self._matched[i] = matched
             if end >= 0:  # the farthest back from the end is the earliest in the text
                 starts_back = len(piece) - end + len(stop)
@@ -146,14 +153,19 @@ def _fallback_table(stop: str) -> list[int]:
     return table
 
 
-def _advance(stop: str, table: list[int], matched: int, piece: str) -> tuple[int, int]:
+def _advance(
+    stop: str, table: list[int], matched: int, piece: str, report: bool = True
+) -> tuple[int, int]:
     """Run one stop string's automaton over `piece`: the characters of `stop` matched at the
-    end, and where in `piece` its first complete match ends (-1 if none)."""
+    end, and where in `piece` its first complete match ends (-1 if none, or if not
+    `report`: then a complete match resumes as a partial one and the run goes on)."""
     for end, char in enumerate(piece, 1):
         while matched and stop[matched] != char:
             matched = table[matched - 1]
         if stop[matched] == char:
             matched += 1
             if matched == len(stop):
-                return matched, end
+                if report:
+                    return matched, end
+                matched = table[matched - 1]
     return matched, -1
