@@ -68,6 +68,26 @@ RECORDED = [
         [TIME],
     ),
     ("mistral", "No tools needed: 2 + 2 = 4.", "No tools needed: 2 + 2 = 4.", []),
+    # the v11 tokenizer's form (Mistral-Small-3.1, Devstral): name[ARGS]arguments, each call
+    (
+        "mistral",
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}'
+        '[TOOL_CALLS]get_time[ARGS]{"zone": "Europe/Paris"}',
+        "",
+        [WEATHER, TIME],
+    ),
+    (
+        "mistral",
+        'Let me look. [TOOL_CALLS]get_time[ARGS] {"zone": "Europe/Paris"}',
+        "Let me look. ",
+        [TIME],
+    ),
+    (
+        "mistral",
+        "[TOOL_CALLS] is the token, and [TOOL_CALLS]a b[ARGS]{} is no call.",
+        "[TOOL_CALLS] is the token, and [TOOL_CALLS]a b[ARGS]{} is no call.",
+        [],
+    ),
     # Llama-3.1-8B-Instruct after <|python_tag|>, two calls separated by ";"
     (
         "llama3_json",
