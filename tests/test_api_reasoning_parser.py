@@ -75,3 +75,15 @@ def test_reasoning_then_a_tool_call_streamed_equals_whole(cuts) -> None:
 )
 def test_a_prompt_that_opens_the_reasoning_is_seen(tail, inside) -> None:
     assert reasoning.opens_reasoning(tail) is inside
+
+
+@settings(max_examples=20, deadline=None)
+@given(cuts=st.lists(st.integers(0, 200), max_size=25))
+def test_include_reasoning_false_leaves_the_reasoning_out_whole_and_streamed(cuts) -> None:
+    text = RECORDED[0][0]
+    reader = OutputReader(reasons=True, shows_reasoning=False)
+    whole = reader.message(text)
+    assert "reasoning_content" not in whole and whole["content"] == RECORDED[0][3]
+    deltas = stream_deltas(reader, text, cuts)
+    assert not any("reasoning_content" in delta for delta in deltas)
+    assert reassemble(deltas) == comparable(whole)

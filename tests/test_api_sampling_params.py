@@ -213,6 +213,9 @@ GRAMMARS = {
         1,
     ),
     "guided_json": ("completion", "A person as JSON:\n", {"guided_json": PERSON}, person, 3),
+    # SGLang's names for the same
+    "regex": ("completion", "Call us at", {"regex": PHONE}, matches(PHONE), 1),
+    "ebnf": ("chat", "Add two numbers.", {"ebnf": SUM_EBNF}, matches(SUM), 1),
     "response_format.json_schema": (
         "chat",
         "Describe a person.",

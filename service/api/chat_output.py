@@ -22,6 +22,7 @@ class OutputReader:
 
     reasons: bool = False
     starts_inside: bool = False  # the prompt opened the reasoning
+    shows_reasoning: bool = True  # false: read apart, then left out (include_reasoning)
     tools: ToolCallParser | None = None
     max_calls: int | None = None
     dropped: tuple[str, ...] = ()  # special tokens' texts that are not the answer's (EOS)
@@ -34,6 +35,8 @@ class OutputReader:
         if self.reasons:
             reasoned = reasoning.parse(text, final, self.starts_inside)
             thought, text = reasoned.reasoning, reasoned.content
+            if not self.shows_reasoning:
+                thought = None
         if self.tools is None:
             return thought, Parsed(content=text)
         parsed = self.tools.parse(text, final)
@@ -44,7 +47,7 @@ class OutputReader:
         """The whole answer's message."""
         thought, parsed = self.read(text, final=True)
         message: dict[str, Any] = {"role": "assistant", "content": visible(parsed.content)}
-        if self.reasons:
+        if self.reasons and self.shows_reasoning:
             message["reasoning_content"] = thought
         if parsed.calls:
             message["tool_calls"] = [tool_call(call, new_call_id()) for call in parsed.calls]

@@ -73,6 +73,7 @@ def output_reader(
         tail = tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
         reader.reasons = True
         reader.starts_inside = reasoning.opens_reasoning(tail)
+        reader.shows_reasoning = chat.include_reasoning
     if reader.tools is None and not reader.reasons:
         return None
     if reader.tools is not None and reader.tools.keeps_special_tokens:

@@ -35,6 +35,7 @@ class ChatOptions:
     parallel_tool_calls: bool = True
     template: str | None = None  # the request's own chat template
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    include_reasoning: bool = True  # vLLM's: false drops reasoning_content from the answer
 
     def functions(self) -> list[dict[str, Any]]:
         """The declared functions ({"name", "parameters", ...})."""
@@ -66,7 +67,18 @@ def parse_chat_options(raw: Any) -> ChatOptions:
     template = raw("chat_template")
     if template is not None and (not isinstance(template, str) or not template):
         raise bad_request("'chat_template' must be a non-empty string", "chat_template")
-    return ChatOptions(tools, tool_choice, function, parallel is not False, template, kwargs)
+    include_reasoning = raw("include_reasoning")
+    if include_reasoning is not None and not isinstance(include_reasoning, bool):
+        raise bad_request("'include_reasoning' must be true or false", "include_reasoning")
+    return ChatOptions(
+        tools,
+        tool_choice,
+        function,
+        parallel is not False,
+        template,
+        kwargs,
+        include_reasoning is not False,
+    )
 
 
 def _parse_tools(value: Any) -> list[dict[str, Any]] | None:

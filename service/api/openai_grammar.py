@@ -3,7 +3,8 @@
 OpenAI's `response_format` (json_object, json_schema; xgrammar's structural_tag too, as
 vLLM takes it), vLLM's `structured_outputs` ({"json" | "regex" | "choice" | "grammar" |
 "json_object" | "structural_tag": ...}, vLLM >= 0.10), and its older `guided_json`,
-`guided_regex`, `guided_choice` and `guided_grammar`. At most one may be given (as vLLM).
+`guided_regex`, `guided_choice` and `guided_grammar`, and SGLang's `regex`, `ebnf` and
+`json_schema`. At most one may be given (as vLLM).
 Types and sizes are read here; whether xgrammar compiles it is the grammar compiler's
 question (service.engine.grammar), answered with a 400 naming the same field.
 """
@@ -35,6 +36,10 @@ GUIDED = {
     "guided_regex": "regex",
     "guided_choice": "choice",
     "guided_grammar": "grammar",
+    # SGLang's names
+    "regex": "regex",
+    "ebnf": "grammar",
+    "json_schema": "json",
 }
 
 

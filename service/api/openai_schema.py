@@ -62,9 +62,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "return_tokens_as_token_ids": (False, None),
     "return_token_ids": (False, None),
     "return_hidden_states": (False, None),
-    "regex": (None,),
-    "ebnf": (None,),
-    "json_schema": (None,),
     "lora_path": (None,),
     "lora_request": (None,),
     "kv_transfer_params": (None,),
@@ -73,7 +70,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "separate_reasoning": (),
     "add_special_tokens": (),  # the tokenizer's own choice either way: no BOS is configured
     "stream_reasoning": (),
-    "include_reasoning": (),
     "request_id": (),
     "rid": (),
     "session_params": (),

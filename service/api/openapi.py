@@ -353,6 +353,10 @@ def _tool_fields() -> Schema:
             "oneOf": [{"type": "null"}, {"enum": list(REASONING_EFFORTS)}],
             "description": "passed to the chat template as `reasoning_effort`",
         },
+        "include_reasoning": {
+            "type": ["boolean", "null"],
+            "description": "vLLM's: false leaves reasoning_content out (--reasoning-parser)",
+        },
     }
 
 
@@ -483,6 +487,9 @@ def _grammars() -> dict[str, Schema]:
         "guided_regex": text,
         "guided_choice": choices,
         "guided_grammar": text,
+        "regex": text,  # SGLang's
+        "ebnf": text,
+        "json_schema": {"type": ["object", "string", "null"]},
     }
 
 
