@@ -146,6 +146,7 @@ PHONE = r"\(\d{3}\) \d{3}-\d{4}"
 COLOURS = ["red", "green", "blue", 'say "dark" \\ purple']
 SUM_EBNF = 'root ::= num " + " num " = " num\nnum ::= [1-9] [0-9]?'
 SUM = r"[1-9][0-9]? \+ [1-9][0-9]? = [1-9][0-9]?"
+SUM_LARK = "start: num ' + ' num \" = \" num\nnum: /[1-9]/ [/[0-9]/]  // vLLM takes Lark too"
 PERSON = {
     "type": "object",
     "properties": {
@@ -216,6 +217,13 @@ GRAMMARS = {
     # SGLang's names for the same
     "regex": ("completion", "Call us at", {"regex": PHONE}, matches(PHONE), 1),
     "ebnf": ("chat", "Add two numbers.", {"ebnf": SUM_EBNF}, matches(SUM), 1),
+    "guided_grammar.lark": (
+        "completion",
+        "Arithmetic:",
+        {"guided_grammar": SUM_LARK},
+        matches(SUM),
+        1,
+    ),
     "response_format.json_schema": (
         "chat",
         "Describe a person.",

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from service.api.errors import bad_request
+from service.api.lark_grammar import LarkError, is_lark, lark_to_ebnf
 from service.engine.grammar import ResponseFormat
 
 if TYPE_CHECKING:
@@ -122,6 +123,18 @@ def _text(kind: str) -> Any:
     return parse
 
 
+def _grammar(value: Any, param: str) -> ResponseFormat:
+    """xgrammar's EBNF, or a Lark grammar converted to it (as vLLM's xgrammar backend)."""
+    grammar = _text("grammar")(value, param)
+    assert grammar.schema is not None
+    if not is_lark(grammar.schema):
+        return grammar
+    try:
+        return ResponseFormat("grammar", _bounded(lark_to_ebnf(grammar.schema), param), param)
+    except LarkError as exc:
+        raise bad_request(f"'{param}' (a Lark grammar): {exc}", param) from None
+
+
 def _choice(value: Any, param: str) -> ResponseFormat:
     if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
         raise bad_request(f"'{param}' must be a non-empty list of non-empty strings", param)
@@ -151,7 +164,7 @@ _KINDS = {
     "json": _json,
     "regex": _text("regex"),
     "choice": _choice,
-    "grammar": _text("grammar"),
+    "grammar": _grammar,
     "json_object": _json_object,
     "structural_tag": _structural_tag,
 }
