@@ -110,6 +110,9 @@ class Handshake:
     device_warning: str | None = None
     # seconds per start-up step, in order (gpu_worker.runtime); load_seconds is their sum
     startup: dict[str, float] = field(default_factory=dict)
+    # the window every layer attends within (a query at p sees keys p - w + 1 .. p); None
+    # when any layer sees the whole context. The service then frees the blocks before it.
+    sliding_window: int | None = None
 
 
 @dataclass(slots=True)

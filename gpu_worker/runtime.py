@@ -117,6 +117,7 @@ def start(config: WorkerConfig) -> ModelRunner:
         kernels=choice.report(),
         graphs=graphs,
         startup=clock.steps,
+        sliding_window=model_config.sliding_window,
     )
     return ModelRunner(model, cache, decode_runner, Sampler(config.seed, device), limits, handshake)
 

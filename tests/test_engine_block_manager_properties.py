@@ -28,6 +28,8 @@ operations = st.lists(
         st.tuples(st.just("allocate"), st.integers(0, 4), st.integers(0, 80)),
         st.tuples(st.just("free"), st.integers(0, 4), st.just(0)),
         st.tuples(st.just("promise"), st.integers(0, 4), st.integers(0, 80)),
+        # a sliding window moved on: positions before this one are no longer read
+        st.tuples(st.just("drop"), st.integers(0, 4), st.integers(-8, 80)),
     ),
     max_size=40,
 )
@@ -45,17 +47,21 @@ def test_random_allocations_and_frees_match_the_model(
 ):
     bm = BlockManager(num_blocks, block_size, watermark)
     assert bm.watermark_blocks == int(watermark * num_blocks)
-    held: dict[int, int] = {}  # seq_id -> blocks held, the model
+    length: dict[int, int] = {}  # seq_id -> table entries, the model
+    dropped: dict[int, int] = {}  # seq_id -> leading entries released
     promised: dict[int, int] = {}  # seq_id -> table length promised
 
     def owed(s: int) -> int:
-        return max(0, promised.get(s, 0) - held.get(s, 0))
+        return max(0, promised.get(s, 0) - length.get(s, 0))
+
+    def held(s: int) -> int:
+        return length.get(s, 0) - dropped.get(s, 0)
 
     for op, seq_id, tokens in ops:
         free_before = bm.num_free
         available = free_before - sum(owed(s) for s in promised)
         if op == "allocate":
-            needed = max(0, blocks_for(tokens, block_size) - held.get(seq_id, 0))
+            needed = max(0, blocks_for(tokens, block_size) - length.get(seq_id, 0))
             assert bm.extra_blocks(seq_id, tokens) == needed
             assert bm.can_grow(seq_id, tokens) == (needed <= free_before)  # promises or not
             shortfall = blocks_for(tokens, block_size) - (available - bm.watermark_blocks)
@@ -68,27 +74,39 @@ def test_random_allocations_and_frees_match_the_model(
             else:
                 bm.allocate(seq_id, tokens)
                 if needed:
-                    held[seq_id] = held.get(seq_id, 0) + needed
+                    length[seq_id] = length.get(seq_id, 0) + needed
                 table = bm.table(seq_id)
                 assert table[: len(old_table)] == old_table  # growth only appends
                 assert bm.num_free == free_before - needed
         elif op == "promise":
             bm.promise(seq_id, tokens)
             promised[seq_id] = blocks_for(tokens, block_size)
+        elif op == "drop":
+            table = list(bm.table(seq_id))
+            until = max(dropped.get(seq_id, 0), min(max(tokens, 0) // block_size, len(table)))
+            released = until - dropped.get(seq_id, 0)
+            assert bm.drop_before(seq_id, tokens) == released
+            assert bm.table(seq_id) == table  # positions still index it
+            if released:
+                dropped[seq_id] = until
+            assert bm.num_free == free_before + released
         else:
-            dropped = bm.free(seq_id)
+            freed = bm.free(seq_id)
             promised.pop(seq_id, None)
-            assert dropped == held.pop(seq_id, 0)
+            assert freed == held(seq_id)
+            length.pop(seq_id, None)
+            dropped.pop(seq_id, None)
             assert bm.table(seq_id) == [] and bm.num_held(seq_id) == 0
-            assert bm.num_free == free_before + dropped
+            assert bm.num_free == free_before + freed
         for s in range(5):
-            assert bm.num_held(s) == held.get(s, 0) == len(bm.table(s))
+            assert bm.num_held(s) == held(s) == len(bm.held(s))
+            assert len(bm.table(s)) == length.get(s, 0)
             assert bm.num_promised_to(s) == owed(s)
-            assert bm.num_claimed(s) == held.get(s, 0) + owed(s)
+            assert bm.num_claimed(s) == held(s) + owed(s)
         assert bm.num_promised == sum(owed(s) for s in promised)
         assert bm.num_available == bm.num_free - bm.num_promised
-        assert bm.num_used == sum(held.values()) == num_blocks - bm.num_free
-        owned = [b for s in held for b in bm.table(s)]
+        assert bm.num_used == sum(map(held, range(5))) == num_blocks - bm.num_free
+        owned = [b for s in range(5) for b in bm.held(s)]
         assert len(owned) == len(set(owned))
         assert all(0 <= b < num_blocks for b in owned)
         bm.check_invariants()

@@ -16,6 +16,12 @@ A sequence admitted on its whole prompt is allocated its blocks chunk by chunk; 
 it will still need are *promised* to it, and admission counts only the free blocks nobody
 is promised (`num_available`), so two long prompts are never admitted against the same
 blocks. A promise binds admission only: growth (`can_grow`) may take any free block.
+
+Sliding windows. On a model whose every layer attends within a window, the blocks wholly
+before a sequence's window are never read again: `drop_before` releases them (to the free
+list, or evictable when cached). Its table keeps their ids at their places, so positions
+still index it, but they are no longer its blocks (`held` is the rest): another sequence
+may take one, and its keys there are masked out by the window.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from __future__ import annotations
 import collections
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 
 class BlockAccountingError(AssertionError):
@@ -73,6 +79,7 @@ class BlockManager:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._refcount = [0] * num_blocks
         self._tables: dict[int, list[int]] = {}
+        self._dropped: dict[int, int] = {}  # seq_id -> leading table entries released
         self._promised: dict[int, int] = {}  # seq_id -> table length promised, while unmet
         self._num_promised = 0  # blocks promised and not yet allocated, over all sequences
         self._block_of: dict[bytes, int] = {}  # registered hash -> its block
@@ -109,11 +116,16 @@ class BlockManager:
         return self.num_free - self._num_promised
 
     def table(self, seq_id: int) -> list[int]:
-        """The block table of `seq_id` (empty if it holds none). Do not mutate."""
+        """The block table of `seq_id` (empty if it holds none), its dropped entries
+        included: entry i is the block of positions i x block_size on. Do not mutate."""
         return self._tables.get(seq_id, _EMPTY)
 
+    def held(self, seq_id: int) -> list[int]:
+        """The blocks `seq_id` holds: its table but the dropped entries."""
+        return self.table(seq_id)[self._dropped.get(seq_id, 0) :]
+
     def num_held(self, seq_id: int) -> int:
-        return len(self._tables.get(seq_id, _EMPTY))
+        return len(self.table(seq_id)) - self._dropped.get(seq_id, 0)
 
     def refcount(self, block: int) -> int:
         return self._refcount[block]
@@ -124,12 +136,12 @@ class BlockManager:
     def num_promised_to(self, seq_id: int) -> int:
         """Blocks promised to `seq_id` and not yet allocated."""
         target = self._promised.get(seq_id)
-        return 0 if target is None else max(0, target - self.num_held(seq_id))
+        return 0 if target is None else max(0, target - len(self.table(seq_id)))
 
     def num_claimed(self, seq_id: int) -> int:
         """Blocks `seq_id` holds alone or is promised: what freeing it gives back to
         admission (a block it shares stays held by the others)."""
-        alone = sum(1 for block in self.table(seq_id) if self._refcount[block] == 1)
+        alone = sum(1 for block in self.held(seq_id) if self._refcount[block] == 1)
         return alone + self.num_promised_to(seq_id)
 
     def blocks_to_hold(self, num_tokens: int) -> int:
@@ -137,7 +149,7 @@ class BlockManager:
 
     def extra_blocks(self, seq_id: int, num_tokens: int) -> int:
         """Blocks `seq_id` still needs so that its table covers `num_tokens` tokens."""
-        return max(0, self.blocks_to_hold(num_tokens) - self.num_held(seq_id))
+        return max(0, self.blocks_to_hold(num_tokens) - len(self.table(seq_id)))
 
     def can_grow(self, seq_id: int, num_tokens: int) -> bool:
         return self.extra_blocks(seq_id, num_tokens) <= self.num_free
@@ -175,7 +187,7 @@ class BlockManager:
 
     def share(self, seq_id: int, hit: Sequence[int]) -> None:
         """Start the empty table of `seq_id` with the cached blocks `hit` (from `match`)."""
-        assert not self.num_held(seq_id), f"sequence {seq_id} shares into a non-empty table"
+        assert not self.table(seq_id), f"sequence {seq_id} shares into a non-empty table"
         if not hit:
             return
         for block in hit:
@@ -194,7 +206,9 @@ class BlockManager:
             return
         table = self.table(seq_id)
         full = min(num_computed // self.block_size, len(hashes), len(table))
-        for index in range(self._registered.get(seq_id, 0), full):
+        # a dropped entry's block may be another sequence's now
+        first = max(self._registered.get(seq_id, 0), self._dropped.get(seq_id, 0))
+        for index in range(first, full):
             block, digest = table[index], hashes[index]
             if digest not in self._block_of and block not in self._hash_of:
                 self._block_of[digest] = block
@@ -254,6 +268,19 @@ class BlockManager:
         if not still_owed:
             del self._promised[seq_id]
 
+    def drop_before(self, seq_id: int, position: int) -> int:
+        """Release the blocks of `seq_id` that hold only positions before `position` (its
+        window no longer reaches them); returns how many. First blocks first: evicted
+        before the later ones of a chain, they are the least useful to a prefix match."""
+        dropped = self._dropped.get(seq_id, 0)
+        table = self.table(seq_id)
+        until = min(max(position, 0) // self.block_size, len(table))
+        if until <= dropped:
+            return 0
+        self._release(reversed(table[dropped:until]))
+        self._dropped[seq_id] = until
+        return until - dropped
+
     def free(self, seq_id: int) -> int:
         """Release every block of `seq_id` and its promise; idempotent. Returns how many
         references dropped. Last blocks first, so a chain's tail is evicted before its
@@ -261,10 +288,17 @@ class BlockManager:
         self._num_promised -= self.num_promised_to(seq_id)
         self._promised.pop(seq_id, None)
         self._registered.pop(seq_id, None)
-        table = self._tables.pop(seq_id, None)
-        if not table:
-            return 0
-        for block in reversed(table):
+        held = self.held(seq_id)
+        self._tables.pop(seq_id, None)
+        self._dropped.pop(seq_id, None)
+        self._release(reversed(held))
+        return len(held)
+
+    def _release(self, blocks: Iterable[int]) -> None:
+        """One reference less to each of `blocks`, in order: unreferenced, a block goes to
+        the free list, or is kept evictable when it holds a hash (released last, evicted
+        last)."""
+        for block in blocks:
             self._refcount[block] -= 1
             if self._refcount[block]:
                 continue
@@ -272,7 +306,6 @@ class BlockManager:
                 self._evictable[block] = None
             else:
                 self._free.append(block)
-        return len(table)
 
     # ---- invariants -----------------------------------------------------------------------
 
@@ -286,9 +319,10 @@ class BlockManager:
         for seq_id, table in self._tables.items():
             if not table:
                 raise BlockAccountingError(f"sequence {seq_id} has an empty table entry")
-            if len(set(table)) != len(table):
+            blocks = self.held(seq_id)
+            if len(set(blocks)) != len(blocks):
                 raise BlockAccountingError(f"sequence {seq_id} holds a block twice")
-            for block in table:
+            for block in blocks:
                 if not 0 <= block < self.num_blocks:
                     raise BlockAccountingError(f"block {block} out of range in seq {seq_id}")
                 counted[block] += 1
@@ -323,7 +357,7 @@ class BlockManager:
 
     def _check_promises(self) -> None:
         for seq_id, target in self._promised.items():
-            if target <= self.num_held(seq_id):
+            if target <= len(self.table(seq_id)):
                 raise BlockAccountingError(f"sequence {seq_id}: a met promise is still counted")
         owed = sum(self.num_promised_to(seq_id) for seq_id in self._promised)
         if owed != self._num_promised:

@@ -665,6 +665,7 @@ class Engine:
         """A new worker's cache sizes the blocks; its device decides overlap and masks."""
         self.handshake = handshake
         self._scheduler.replace_blocks(self._blocks_for(handshake.num_blocks))
+        self._scheduler.sliding_window = handshake.sliding_window
         self._fail_what_no_longer_fits()
         self._overlap = overlaps(self.config.overlap, handshake.device)
         # on the CPU, fills would take the cores the step needs: only between steps there
@@ -736,7 +737,7 @@ def _check_blocks_kept(sched: Scheduler, plan: BatchPlan) -> None:
     blocks it only read may be shared: cached prefixes are.)"""
     holders: dict[int, set[int]] = {}
     for request in (*sched.running, *sched.waiting):
-        for block in sched.blocks.table(request.seq_id):
+        for block in sched.blocks.held(request.seq_id):
             holders.setdefault(block, set()).add(request.seq_id)
     size = sched.blocks.block_size
     for seq_id, start, table in zip(plan.seq_ids, plan.start_pos, plan.block_tables, strict=True):

@@ -61,6 +61,12 @@ has them counted by the worker: its first plan after each admission carries a Hi
 prompt length, and the tokens a prefix-cache hit skips), and the first plan after it ends
 or is preempted releases it, so no plan carries a sequence's tokens twice.
 
+Sliding windows. On a model whose every layer attends within a window, update() releases
+the blocks wholly before each sequence's window (BlockManager.drop_before) as it moves on:
+a long sequence holds about window / block_size blocks. Admission still counts the whole
+prompt (a prompt is admitted only if it fits whole), so the gain is for decoding and for
+the sequences beside it, not a prompt longer than the cache.
+
 Pooling (embeddings). A pooled request never samples: its chunks carry what the worker
 pools of them (BatchPlan.pooling), and update() finishes it (POOLED) with the step that
 computes its prompt's last token. A mean-pooled one takes no prefix-cache hit, since every
@@ -194,6 +200,9 @@ class Scheduler:
         self.running: list[Request] = []  # admission order
         self.waiting: list[Request] = []  # arrival order (seq_id)
         self.tenant_share = tenant_share  # of the running slots, while other tenants wait
+        # the model's window when every layer has one (Handshake.sliding_window): the blocks
+        # before a sequence's window are released as it moves on
+        self.sliding_window: int | None = None
         self._running_of: collections.Counter[str] = collections.Counter()  # by account
         self._waiting_of: dict[str, list[Request]] = {}  # by account, arrival order
         self.corrections: collections.Counter[str] = collections.Counter()
@@ -376,7 +385,7 @@ class Scheduler:
         self.blocks.check_invariants()
         held = {seq_id for seq_id in self._by_seq if self.blocks.num_held(seq_id)}
         assert held >= {r.seq_id for r in self.running if r.num_computed_tokens}, "lost blocks"
-        tables = [self.blocks.table(s) for s in self._by_seq]
+        tables = [self.blocks.held(s) for s in self._by_seq]
         assert self.blocks.num_used == len({b for table in tables for b in table}), "stray block"
         for r in self.running:
             owed = self.blocks.num_promised_to(r.seq_id)
@@ -452,6 +461,7 @@ class Scheduler:
                     _keep_pooled(request, out.plan.start_pos[i], result.pooled[i])
                 request.num_computed_tokens += item.num_tokens
                 self._register_blocks(request)
+                self._drop_behind_window(request)
                 if (
                     request.params.pooling is not None
                     and request.num_computed_tokens >= request.prompt_len
@@ -472,6 +482,13 @@ class Scheduler:
                 if outcome.finish is not None:
                     break
         return outcomes
+
+    def _drop_behind_window(self, request: Request) -> None:
+        """The next query of `request`, at its first uncomputed position p, sees keys from
+        p - window + 1 on: the blocks wholly before them are released."""
+        if self.sliding_window is not None:
+            first_seen = request.num_computed_tokens - self.sliding_window + 1
+            self.blocks.drop_before(request.seq_id, first_seen)
 
     def _pooled_outcome(self, request: Request) -> Outcome:
         """A pooled request has computed its prompt: its embedding is done."""
@@ -783,7 +800,7 @@ class Scheduler:
             # a hit block only the victim holds turns evictable: freed, then taken back
             lost = sum(
                 1
-                for b in self.blocks.table(seq_id)
+                for b in self.blocks.held(seq_id)
                 if b in hit_blocks and self.blocks.refcount(b) == 1
             )
             return self.blocks.num_claimed(seq_id) - lost
