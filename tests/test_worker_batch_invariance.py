@@ -42,13 +42,16 @@ TOKENS = random_tokens(LENGTH, seed=1)
 @pytest.fixture(scope="module", params=["bfloat16", "float32"])
 def runner(request) -> ModelRunner:
     model_dir = resolve_model(None, default_cache_dir())
-    # The kernels the chooser picks, as a server would: only row-invariant attention
-    # serves where one passes its check, and every matmul runs in checked call sizes.
+    # The kernels the chooser picks, as a server would (with the kernel cache, where this
+    # machine's matmul call-size checks are recorded: a CPU without AVX512-BF16 takes a
+    # minute to probe them): only row-invariant attention serves where one passes its
+    # check, and every matmul runs in checked call sizes.
     config = WorkerConfig(
         model_dir=str(model_dir),
         dtype=request.param,
         device="cpu",
         kv_memory=float(1 << 28),
+        kernel_cache=str(default_cache_dir() / "kernels.json"),
     )
     return runtime.start(config)
 
@@ -172,7 +175,10 @@ def generate_beside(
     together: the tokens each sampled, in that order."""
     specs = FREE + company
     seq_ids = [SEQ, *range(100, 100 + len(specs) - 1)]
-    prompts = [TOKENS[:PROMPT]] + [random_tokens(9 + 4 * i, seed=50 + i) for i in seq_ids[1:]]
+    # the company's prompts: 13, 17, 21, ... tokens (a seq id, 100 on, made them 400 long)
+    prompts = [TOKENS[:PROMPT]] + [
+        random_tokens(9 + 4 * i, seed=50 + i) for i in range(1, len(specs))
+    ]
     tables = [blocks.table(len(p) + GENERATED) for p in prompts]
     chunks = [
         Chunk(s, p, 0, t, spec=spec)
