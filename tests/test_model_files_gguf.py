@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -134,12 +135,7 @@ def write_tiny_gguf(
     config = model.config
     tokens, types = tiny_vocab()
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    add_sizes(writer, config)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_tokenizer_model(tokenizer_model)
@@ -158,6 +154,20 @@ def write_tiny_gguf(
         elif name.endswith("k_proj.weight"):
             weight = permute_like_llama_cpp(weight, config.num_key_value_heads)
         _add_tensor(writer, gguf_name(name), weight, Q.F32 if weight.ndim == 1 else qtype)
+    finish(writer)
+
+
+def add_sizes(writer: gguf.GGUFWriter, config: Any) -> None:
+    """The hyperparameters every architecture's GGUF has, from a transformers config."""
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+
+
+def finish(writer: gguf.GGUFWriter) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
