@@ -280,6 +280,7 @@ NOT_READ_BY_TRANSFORMERS = {
     "head_dim",  # Qwen3's attention.key_length
     "moe_intermediate_size",  # Qwen3-MoE's expert_feed_forward_length
     "query_pre_attn_scalar",  # Gemma 3's: llama.cpp's rule (head_dim; hidden/heads in 27B)
+    "unk_token_id",  # a tokenizer's: tokenizer_config.json's unk_token
     "_model_name_or_path",  # transformers' is general.name
     "_name_or_path",
     "dtype",
@@ -336,6 +337,7 @@ def transformers_gguf_load(gguf_path: Path) -> tuple[Any, dict[str, torch.Tensor
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     config = transformers.AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    skeleton = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.device("meta"):  # only its parameter names are read
+        skeleton = transformers.AutoModelForCausalLM.from_config(config)
     parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)
     return config, parsed["tensors"]
