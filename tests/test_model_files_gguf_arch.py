@@ -70,6 +70,12 @@ def _gemma3_metadata(writer: gguf.GGUFWriter, config: Any) -> None:
     writer.add_sliding_window(config.sliding_window)
 
 
+def _gemma2_metadata(writer: gguf.GGUFWriter, config: Any) -> None:
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+    writer.add_final_logit_softcapping(config.final_logit_softcapping)
+
+
 def _phi3_metadata(writer: gguf.GGUFWriter, config: Any) -> None:
     writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
     writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
@@ -93,6 +99,8 @@ def _moe_metadata(writer: gguf.GGUFWriter, config: Any) -> None:
     writer.add_expert_used_count(config.num_experts_per_tok)
     if hasattr(config, "moe_intermediate_size"):
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if hasattr(config, "shared_expert_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
 
 
 MIXTRAL_EXPERTS = {"w1": "ffn_gate_exps", "w2": "ffn_down_exps", "w3": "ffn_up_exps"}
@@ -121,6 +129,23 @@ CASES = {
         norm_shift=1.0,
         head_dim_keys=True,
         metadata=_gemma3_metadata,
+    ),
+    "gemma2": Case(
+        "gemma2",
+        transformers.Gemma2ForCausalLM,
+        {
+            **SMALL,
+            "num_hidden_layers": 3,
+            "head_dim": 16,
+            "sliding_window": 8,
+            "query_pre_attn_scalar": 16,
+            "attn_logit_softcapping": 5.0,  # small enough to bend these tiny logits
+            "final_logit_softcapping": 3.0,
+            "rms_norm_eps": 1e-6,
+        },
+        norm_shift=1.0,
+        head_dim_keys=True,
+        metadata=_gemma2_metadata,
     ),
     "phi3": Case(
         "phi3",
@@ -161,6 +186,18 @@ CASES = {
         metadata=_moe_metadata,
         experts=MIXTRAL_EXPERTS,
         transformers_reads_it=False,  # its loader reads a llama-arch Mixtral as Llama
+    ),
+    "qwen2moe": Case(
+        "qwen2moe",
+        transformers.Qwen2MoeForCausalLM,
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 64,
+        },
+        metadata=_moe_metadata,
+        experts=QWEN_EXPERTS,
     ),
     "qwen3moe": Case(
         "qwen3moe",
@@ -249,7 +286,7 @@ def gguf_tensors(case: Case, model: Any, tmp_path: Path) -> dict[str, np.ndarray
             continue
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, hf_name
-        out[gguf_name] = weight
+        out[gguf_name] = weight.reshape(-1) if "shared_expert_gate" in hf_name else weight
     for name, by_expert in stacks.items():
         out[name] = np.stack([by_expert[e] for e in sorted(by_expert)])
     return out
@@ -278,7 +315,10 @@ NOT_READ_BY_TRANSFORMERS = {
     "sliding_window",  # Phi-3's: llama.cpp reads attention.sliding_window
     "original_max_position_embeddings",  # Phi-3's: rope.scaling.original_context_length
     "head_dim",  # Qwen3's attention.key_length
-    "moe_intermediate_size",  # Qwen3-MoE's expert_feed_forward_length
+    "moe_intermediate_size",  # the MoE files' expert_feed_forward_length
+    "shared_expert_intermediate_size",  # Qwen2-MoE's expert_shared_feed_forward_length
+    "attn_logit_softcapping",  # Gemma 2's (llama.cpp reads them)
+    "final_logit_softcapping",
     "query_pre_attn_scalar",  # Gemma 3's: llama.cpp's rule (head_dim; hidden/heads in 27B)
     "unk_token_id",  # a tokenizer's: tokenizer_config.json's unk_token
     "_model_name_or_path",  # transformers' is general.name

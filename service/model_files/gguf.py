@@ -130,6 +130,8 @@ def convert_tensors(
             values = unpermute_rope_rows(values, view.num_kv_heads)
         if arch.norm_shift and tensor.name.endswith("norm.weight"):
             values = values - np.float32(arch.norm_shift)
+        if tensor.name.endswith(".ffn_gate_inp_shexp.weight") and values.ndim == 1:
+            values = values[None, :]
         if len(names) == 1:
             out[names[0]] = values
         elif values.ndim != 3 or values.shape[0] != len(names):

@@ -113,44 +113,66 @@ def _qwen2(meta: Meta) -> Config:
     return {"use_sliding_window": False, "sliding_window": None}
 
 
-def _qwen3_moe(meta: Meta) -> Config:
+def _qwen_moe(meta: Meta) -> Config:
     return {
         **_qwen2(meta),
         **_experts(meta, "num_experts"),
         "moe_intermediate_size": int(meta.require("expert_feed_forward_length")),
-        # llama.cpp's qwen3moe renormalizes the chosen experts' weights (as transformers'
-        # own GGUF loader assumes too).
-        "norm_topk_prob": True,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
     }
 
 
+def _qwen2_moe(meta: Meta) -> Config:
+    shared = int(meta.require("expert_shared_feed_forward_length"))
+    # llama.cpp's qwen2moe weighs the chosen experts by their softmax as is.
+    return _qwen_moe(meta) | {"shared_expert_intermediate_size": shared, "norm_topk_prob": False}
+
+
+def _qwen3_moe(meta: Meta) -> Config:
+    # llama.cpp's qwen3moe renormalizes the chosen experts' weights (as transformers' own
+    # GGUF loader assumes too).
+    return _qwen_moe(meta) | {"norm_topk_prob": True}
+
+
+def _gemma2(meta: Meta) -> Config:
+    # llama.cpp's defaults: a 4096-token window on every other layer, logits soft-capped.
+    attn_cap = float(meta.get("attn_logit_softcapping", 50.0))
+    return _gemma(meta, period=2, layers_27b=46, window=meta.sliding_window or 4096) | {
+        "attn_logit_softcapping": attn_cap,
+        "final_logit_softcapping": float(meta.get("final_logit_softcapping", 30.0)),
+    }
+
+
 def _gemma3(meta: Meta) -> Config:
+    softcap = meta.get("final_logit_softcapping")
+    return _gemma(meta, period=6, layers_27b=62, window=meta.sliding_window) | {
+        "rope_local_base_freq": float(meta.get("rope.freq_base_swa", 10000.0)),
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": float(softcap) if softcap else None,
+    }
+
+
+def _gemma(meta: Meta, period: int, layers_27b: int, window: int | None) -> Config:
     layers = int(meta.require("block_count"))
     hidden = int(meta.require("embedding_length"))
-    window = meta.sliding_window
-    sliding = _gemma3_sliding_layers(meta, layers) if window else [False] * layers
-    # llama.cpp (and gemma_pytorch) scale queries by 1/sqrt(hidden/heads) in the 27B model
-    # (62 layers), by 1/sqrt(head_dim) in the others.
-    scalar = hidden // meta.num_heads if layers == 62 else meta.head_dim
-    softcap = meta.get("final_logit_softcapping")
+    sliding = _gemma_sliding_layers(meta, layers, period) if window else [False] * layers
+    # llama.cpp (and gemma_pytorch) scale queries by 1/sqrt(hidden/heads) in the 27B
+    # models, by 1/sqrt(head_dim) in the others.
+    scalar = hidden // meta.num_heads if layers == layers_27b else meta.head_dim
     return {
         "hidden_activation": "gelu_pytorch_tanh",
         "query_pre_attn_scalar": scalar,
         "sliding_window": window,
         "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
-        "rope_local_base_freq": float(meta.get("rope.freq_base_swa", 10000.0)),
-        "attn_logit_softcapping": None,
-        "final_logit_softcapping": float(softcap) if softcap else None,
         "attention_bias": False,
     }
 
 
-def _gemma3_sliding_layers(meta: Meta, layers: int) -> list[bool]:
+def _gemma_sliding_layers(meta: Meta, layers: int, period: int) -> list[bool]:
     """Which layers attend in the window: llama.cpp's sliding_window_pattern, a per-layer
-    list or a period n whose last layer is global (6 when absent)."""
-    pattern = meta.get("attention.sliding_window_pattern", 6)
+    list or a period n whose last layer is global (the architecture's when absent)."""
+    pattern = meta.get("attention.sliding_window_pattern", period)
     if isinstance(pattern, list):
         if len(pattern) != layers:
             raise GGUFError(f"sliding_window_pattern lists {len(pattern)} of {layers} layers")
@@ -200,30 +222,53 @@ QWEN2 = Arch(
     "qwen2", "Qwen2ForCausalLM", _DENSE, fields=_qwen2, omit=("attention_bias", "head_dim")
 )
 QWEN3 = Arch("qwen3", "Qwen3ForCausalLM", _DENSE | _QK_NORM, fields=_qwen2)
+_QWEN_EXPERTS = {
+    "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{e}.up_proj",
+    "ffn_down_exps": "mlp.experts.{e}.down_proj",
+}
+QWEN2_MOE = Arch(
+    "qwen2_moe",
+    "Qwen2MoeForCausalLM",
+    _ATTENTION
+    | {
+        "ffn_gate_inp": "mlp.gate",
+        "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+        "ffn_up_shexp": "mlp.shared_expert.up_proj",
+        "ffn_down_shexp": "mlp.shared_expert.down_proj",
+        "ffn_gate_inp_shexp": "mlp.shared_expert_gate",  # [1, hidden]; GGUF drops the 1
+    },
+    _QWEN_EXPERTS,
+    fields=_qwen2_moe,
+    omit=("attention_bias", "head_dim"),
+)
 QWEN3_MOE = Arch(
     "qwen3_moe",
     "Qwen3MoeForCausalLM",
     _ATTENTION | _QK_NORM | {"ffn_gate_inp": "mlp.gate"},
-    {
-        "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
-        "ffn_up_exps": "mlp.experts.{e}.up_proj",
-        "ffn_down_exps": "mlp.experts.{e}.down_proj",
-    },
+    _QWEN_EXPERTS,
     fields=_qwen3_moe,
+)
+_GEMMA_LAYER = _DENSE | {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+GEMMA2 = Arch(
+    "gemma2",
+    "Gemma2ForCausalLM",
+    _GEMMA_LAYER,
+    norm_shift=1.0,
+    fields=_gemma2,
+    omit=("hidden_act",),  # hidden_activation
 )
 GEMMA3 = Arch(
     "gemma3_text",
     "Gemma3ForCausalLM",
-    _DENSE
-    | _QK_NORM
-    | {
-        "post_attention_norm": "post_attention_layernorm",
-        "ffn_norm": "pre_feedforward_layernorm",
-        "post_ffw_norm": "post_feedforward_layernorm",
-    },
+    _GEMMA_LAYER | _QK_NORM,
     norm_shift=1.0,
     fields=_gemma3,
-    omit=("hidden_act",),  # hidden_activation
+    omit=("hidden_act",),
 )
 PHI3 = Arch(
     "phi3",
@@ -244,7 +289,9 @@ CONVERTIBLE: dict[str, tuple[Arch, ...]] = {
     "llama": (LLAMA, MISTRAL, MIXTRAL),
     "qwen2": (QWEN2,),
     "qwen3": (QWEN3,),
+    "qwen2moe": (QWEN2_MOE,),
     "qwen3moe": (QWEN3_MOE,),
+    "gemma2": (GEMMA2,),
     "gemma3": (GEMMA3,),
     "phi3": (PHI3,),
 }
