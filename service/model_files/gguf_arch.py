@@ -125,8 +125,12 @@ def _qwen_moe(meta: Meta) -> Config:
 
 def _qwen2_moe(meta: Meta) -> Config:
     shared = int(meta.require("expert_shared_feed_forward_length"))
-    # llama.cpp's qwen2moe weighs the chosen experts by their softmax as is.
-    return _qwen_moe(meta) | {"shared_expert_intermediate_size": shared, "norm_topk_prob": False}
+    return _qwen_moe(meta) | {
+        "shared_expert_intermediate_size": shared,
+        # llama.cpp's qwen2moe weighs the chosen experts by their softmax as is.
+        "norm_topk_prob": False,
+        "qkv_bias": "model.layers.0.self_attn.q_proj.bias" in meta.tensors,
+    }
 
 
 def _qwen3_moe(meta: Meta) -> Config:
