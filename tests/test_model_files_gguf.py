@@ -130,6 +130,7 @@ def write_tiny_gguf(
     *,
     arch: str = "llama",
     tokenizer_model: str = "gpt2",
+    pre: str = "smollm",
     extra: Callable[[gguf.GGUFWriter], None] | None = None,
 ) -> None:
     config = model.config
@@ -139,7 +140,7 @@ def write_tiny_gguf(
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_tokenizer_model(tokenizer_model)
-    writer.add_tokenizer_pre("smollm")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(MERGES + DIGIT_MERGES)
@@ -340,11 +341,12 @@ def test_unknown_rope_factors_are_a_clear_error(tmp_path: Path) -> None:
         converted_config(tmp_path, odd)
 
 
-def test_tokenizer_matches_transformers_gguf_tokenizer(tmp_path: Path) -> None:
+@pytest.mark.parametrize("pre", ["smollm", "llama-bpe", "qwen2", "deepseek-r1-qwen", "tekken"])
+def test_tokenizer_matches_transformers_gguf_tokenizer(tmp_path: Path, pre: str) -> None:
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
-    write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama(tied=True), Q.F32)
+    write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama(tied=True), Q.F32, pre=pre)
     out = tmp_path / "hf"
     out.mkdir()
     convert_gguf(tmp_path / "tiny.gguf", out)
@@ -356,6 +358,7 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(tmp_path: Path) -> None:
         "<|im_start|>user\nhello<|im_end|>\n<think>hm</think>",
         "naïve café — 日本語 🤖 x²",
         "in 9: 7 + 5 = 3",
+        "It's THE World's order, isn't it?\r\n  A/B",
     ]
     for text in texts:
         ids = mine.encode(text, add_special_tokens=False).ids
