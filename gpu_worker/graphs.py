@@ -86,11 +86,13 @@ def decode_forward(
     context_lens: torch.Tensor,
 ) -> Logits:
     """One decode token per row -> logits [rows, vocab]; tensor ops only."""
-    backend = model.kernels.attention
-    rows = DecodeGroup(slice(None), block_tables, context_lens)
-    group = backend.decode_group(rows, cache.like, model.config.group_size)
-    meta = AttentionMetadata(slots, group, [], input_ids.shape[0], backend)
-    return model.logits(model.forward(input_ids, positions, cache.layers, meta))
+    backend, group_size = model.kernels.attention, model.config.group_size
+    metas = []
+    for kind in model.attention_kinds:
+        rows = DecodeGroup(slice(None), block_tables, context_lens, layer=kind)
+        group = backend.decode_group(rows, cache.like, group_size)
+        metas.append(AttentionMetadata(slots, group, [], input_ids.shape[0], backend))
+    return model.logits(model.forward(input_ids, positions, cache.layers, metas))
 
 
 class DecodeGraph(Protocol):
@@ -173,8 +175,9 @@ class DecodeRunner:
 
 
 def graph_capturer(model: Model, cache: KVCache, use_cuda_graphs: bool) -> GraphCapturer | None:
-    """The capturer for the model's device; None where graphs are off or not CUDA."""
-    if not use_cuda_graphs or model.device.type != "cuda":
+    """The capturer for the model's device; None where graphs are off, not CUDA, or the
+    model's steps read values on the host (a mixture of experts, gpu_worker.moe)."""
+    if not use_cuda_graphs or model.device.type != "cuda" or not model.capturable:
         return None
     return CudaGraphCapturer(model, cache)
 

@@ -26,6 +26,7 @@ checking them is most of a first start. An operator may pin a seam to one candid
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -41,18 +42,20 @@ import torch.nn.functional as F
 
 from gpu_worker import kernels as kernel_set
 from gpu_worker import native
-from gpu_worker.attention import AttentionBackend, build_metadata
+from gpu_worker.attention import FULL, AttentionBackend, LayerAttention, build_metadata
 from gpu_worker.kernels import Kernels
 from gpu_worker.kv_cache import LayerKV
 from gpu_worker.kv_quant import quantize_rows
 from gpu_worker.layer_ops import LayerOps, write_kv
 from gpu_worker.linear import Linear
+from gpu_worker.model import attention_kinds
 from gpu_worker.model_config import ModelConfig
 
 C = TypeVar("C")
 REPEATS = 5  # timed rounds, after one warm-up; each candidate's fastest round counts
 # Agreement with the reference: the PyTorch and C++ paths sum in other orders.
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
+CHECK_WINDOW = 100  # the longest window attention candidates are checked with
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +71,8 @@ class Shapes:
     dtype: torch.dtype
     device: torch.device
     cache_dtype: torch.dtype  # the model's dtype, or an 8-bit one (gpu_worker.kv_quant)
+    # The model's kinds of attention layer: which backends serve it (windows, soft-capping).
+    layers: tuple[LayerAttention, ...] = (FULL,)
 
     @classmethod
     def of(
@@ -88,7 +93,16 @@ class Shapes:
             dtype,
             device,
             cache_dtype,
+            tuple(attention_kinds(config)),
         )
+
+    def checked_layer(self) -> LayerAttention:
+        """The model's kind of attention layer that candidates are checked on: a windowed
+        one where there is one, its window cut so that it bites in the checked contexts."""
+        windowed = [layer for layer in self.layers if layer.window is not None]
+        if not windowed:
+            return self.layers[-1]
+        return dataclasses.replace(windowed[0], window=min(windowed[0].window or 0, CHECK_WINDOW))
 
     def cache(self, num_blocks: int, generator: torch.Generator) -> LayerKV:
         """A layer's cache of `num_blocks` blocks holding random rows."""
@@ -177,7 +191,7 @@ def choose(shapes: Shapes, pins: dict[str, str], cache_file: Path | None) -> Cho
     if recorded is not None:
         try:
             chosen = kernel_set.by_names(
-                recorded["names"], shapes.device, shapes.dtype, shapes.head_dim
+                recorded["names"], shapes.device, shapes.dtype, shapes.head_dim, shapes.layers
             )
         except KeyError:  # a kernel no longer offered here: measure again
             pass
@@ -194,7 +208,7 @@ def choose(shapes: Shapes, pins: dict[str, str], cache_file: Path | None) -> Cho
 
 
 def measure_all(shapes: Shapes, pins: dict[str, str]) -> Choice:
-    offered = kernel_set.candidates(shapes.device, shapes.dtype, shapes.head_dim)
+    offered = kernel_set.candidates(shapes.device, shapes.dtype, shapes.head_dim, shapes.layers)
     for seam, name in pins.items():
         offered[seam] = [c for c in offered[seam] if kernel_set.name_of(c) == name]
         if not offered[seam]:
@@ -227,6 +241,7 @@ class AttentionCase:
     chunk_start: int
     chunk_table: torch.Tensor  # [W]
     group_size: int
+    layer: LayerAttention = FULL  # how the case's layer attends (Shapes.checked_layer)
 
 
 def attention_case(
@@ -253,7 +268,17 @@ def attention_case(
     q_chunk = randn(chunk, shapes.heads + kv_heads, d)[:, : shapes.heads]
     group_size = shapes.heads // kv_heads
     return AttentionCase(
-        kv, q_decode, tables, lens, q_chunk, k_chunk, v_chunk, start, chunk_table, group_size
+        kv,
+        q_decode,
+        tables,
+        lens,
+        q_chunk,
+        k_chunk,
+        v_chunk,
+        start,
+        chunk_table,
+        group_size,
+        shapes.checked_layer(),
     )
 
 
@@ -271,6 +296,7 @@ def run_decode(
         case.kv.k,
         case.group_size,
         backend,
+        case.layer,
     )
     assert meta.decode is not None  # every row decodes
     return backend.decode(case.q_decode[list(seqs)], case.kv, meta.decode)
@@ -286,6 +312,7 @@ def run_prefill(backend: AttentionBackend, case: AttentionCase) -> torch.Tensor:
         case.kv.k,
         case.group_size,
         backend,
+        case.layer,
     )
     chunk = meta.prefills[0]
     return backend.prefill(case.q_chunk, case.k_chunk, case.v_chunk, case.kv, chunk)
@@ -304,6 +331,7 @@ def decode_chunk_rows(
         case.kv.k,
         case.group_size,
         backend,
+        case.layer,
     )
     assert meta.decode is not None  # every row decodes
     return backend.decode(case.q_chunk[rows], case.kv, meta.decode)
@@ -514,7 +542,7 @@ def machine() -> dict[str, str]:
 def _cache_key(shapes: Shapes, pins: dict[str, str]) -> str:
     """Everything the choice depends on, the candidates on offer included (a new one must
     be measured)."""
-    offered = kernel_set.candidates(shapes.device, shapes.dtype, shapes.head_dim)
+    offered = kernel_set.candidates(shapes.device, shapes.dtype, shapes.head_dim, shapes.layers)
     names = {seam: [kernel_set.name_of(c) for c in found] for seam, found in offered.items()}
     described = {
         **machine(),

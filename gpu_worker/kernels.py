@@ -16,15 +16,18 @@ never look at the device themselves.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from gpu_worker import native
 from gpu_worker.attention import (
+    FULL,
     AttentionBackend,
     FlexAttention,
     HybridAttention,
+    LayerAttention,
     NativeAttention,
     NativeRowsAttention,
     TorchAttention,
@@ -55,8 +58,13 @@ def reference() -> Kernels:
 
 
 def attention_candidates(
-    device: torch.device, dtype: torch.dtype, head_dim: int
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    layers: Sequence[LayerAttention] = (FULL,),
 ) -> list[AttentionBackend]:
+    """The backends that run here and serve every kind of the model's attention `layers`
+    (a backend without sliding windows is never offered for a model that has them)."""
     kernels = native.kernels() if device.type == "cpu" else None
     found: list[AttentionBackend] = [TorchAttention()]
     if device.type == "cuda":
@@ -65,7 +73,7 @@ def attention_candidates(
         found += [NativeRowsAttention(kernels), HybridAttention(kernels)]
         if NativeAttention.serves(device, dtype, head_dim):
             found.append(NativeAttention(kernels))
-    return found
+    return [backend for backend in found if backend.serves_layers(list(layers))]
 
 
 def layer_ops_candidates(device: torch.device) -> list[LayerOps]:
@@ -78,20 +86,29 @@ def matmul_candidates(device: torch.device) -> list[str]:
     return ["aten"] + (["onednn"] if onednn else [])
 
 
-def candidates(device: torch.device, dtype: torch.dtype, head_dim: int) -> dict[str, list]:
+def candidates(
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    layers: Sequence[LayerAttention] = (FULL,),
+) -> dict[str, list]:
     """Every seam's candidates, the reference first."""
     return {
-        "attention": attention_candidates(device, dtype, head_dim),
+        "attention": attention_candidates(device, dtype, head_dim, layers),
         "layer_ops": layer_ops_candidates(device),
         "matmul": matmul_candidates(device),
     }
 
 
 def by_names(
-    names: dict[str, str], device: torch.device, dtype: torch.dtype, head_dim: int
+    names: dict[str, str],
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    layers: Sequence[LayerAttention] = (FULL,),
 ) -> Kernels:
     """The Kernels a recorded choice names; KeyError when one is not offered here."""
-    offered = candidates(device, dtype, head_dim)
+    offered = candidates(device, dtype, head_dim, layers)
     chosen = {}
     for seam in SEAMS:
         by_name = {name_of(c): c for c in offered[seam]}

@@ -110,11 +110,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * normed.to(x.dtype)
 
 
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm, exactly as transformers: scaled by (1 + w) in float32, then rounded.
+    `weight` is 1 + w already, in float32 (the model adds the one at load)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
+
+
+def add_gemma_rms_norm_(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    return gemma_rms_norm(x.add_(delta), weight, eps)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU: gelu(gate, tanh approximation) * up, as Gemma's MLP."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Hugging Face's rotate_half convention: x * cos + rotate_half(x) * sin.
 
     rotate_half(x) = cat(-x2, x1) is roll(x) = cat(x2, x1) with its first half negated;
-    `signed_sin` carries that sign (see model.rope_tables), so one roll replaces a slice, a
+    `signed_sin` carries that sign (see rope.rope_tables), so one roll replaces a slice, a
     negation and a cat, with the same values bit for bit.
     """
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

@@ -1,47 +1,40 @@
-"""The Llama family (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2) over a paged KV cache.
+"""The decoder over a paged KV cache, for every family FAMILIES lists (Llama 2/3, SmolLM2,
+TinyLlama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, and the Mixtral and Qwen mixtures of experts).
 
 One forward pass takes the flattened tokens of a whole mixed batch (prefill chunks and
 decode tokens, [T] ids at [T] absolute positions) and returns hidden states [T, hidden];
 the LM head runs separately, only on the rows that sample a token.
 
 The layers are plain tensors rather than nn.Modules: a decode step is hundreds of small
-kernels, and module call overhead would be a visible share of it on a CPU. Weights come in
-with their Hugging Face names; q/k/v and gate/up are fused into single matmuls at load,
-each part leaving the checkpoint's dict as it is taken (see _WeightTaker).
+kernels, and module call overhead would be a visible share of it on a CPU. What differs
+between families is data on the layers (gpu_worker.layers): a part a family lacks is None
+and skipped; the choices made once per model (Gemma's norms, GeGLU) are functions picked
+at load. Layers that attend alike (the same window, scale and soft-capping) share one set
+of attention records per step; a Llama model has one set for all its layers.
 Which kernels run the attention, the small layer ops and the matmuls is the worker's
 choice (gpu_worker.kernels), made once before the model loads.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.attention import AttentionMetadata, paged_attention
+from gpu_worker.attention import AttentionMetadata, LayerAttention, paged_attention
 from gpu_worker.kernels import Kernels
 from gpu_worker.kv_cache import LayerKV
+from gpu_worker.layer_ops import add_gemma_rms_norm_, gelu_tanh_and_mul, gemma_rms_norm, rms_norm
+from gpu_worker.layers import MissingWeights, WeightTaker, load_layer
 from gpu_worker.linear import LM_HEAD_ROW_SIZES, Linear
-from gpu_worker.model_config import ModelConfig, RopeScaling
+from gpu_worker.model_config import ModelConfig
+from gpu_worker.rope import rope_tables
 from gpu_worker.sampler import Logits
 
 REFINED_LOGITS = 8  # top logits per row recomputed in float32 when the model runs in bfloat16
 
-
-class MissingWeights(ValueError):
-    """The checkpoint lacks tensors the architecture needs, or has the wrong shapes."""
-
-
-@dataclass(slots=True)
-class Layer:
-    input_norm: torch.Tensor
-    qkv: Linear  # [(heads + 2 * kv_heads) * head_dim, hidden], with Qwen2's biases
-    o_proj: Linear
-    post_norm: torch.Tensor
-    gate_up: Linear  # [2 * intermediate, hidden]
-    down: Linear
+__all__ = ["REFINED_LOGITS", "MissingWeights", "Model", "attention_kinds"]
 
 
 class Model:
@@ -60,58 +53,88 @@ class Model:
         self.device = device
         self.kernels = kernels
         self.ops = kernels.layer_ops
-        take = _WeightTaker(weights, dtype, device)
-        self.embed = take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
+        gemma = config.family.gemma
+        self._pick_functions(gemma)
         prepack = kernels.matmul == "onednn"
-        self.layers = [
-            _load_layer(take, config, i, prepack) for i in range(config.num_hidden_layers)
-        ]
-        self.norm = take("model.norm.weight", (config.hidden_size,))
+        take = WeightTaker(weights, dtype, device, prepack, gemma_norms=gemma)
+        self.embed = take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
+        # Gemma scales its embeddings by sqrt(hidden), rounded to the model's dtype.
+        self.embed_scale = (
+            torch.tensor(config.hidden_size**0.5).to(device, dtype) if gemma else None
+        )
+        self.attention_kinds = attention_kinds(config)
+        kind_of = {kind: i for i, kind in enumerate(self.attention_kinds)}
+        ropes = {}
+        self.layers = []
+        for i in range(config.num_hidden_layers):
+            rope = config.rope_of(i)
+            if rope not in ropes:
+                ropes[rope] = rope_tables(config.head_dim, rope, max_positions, dtype, device)
+            kind = kind_of[_layer_attention(config, i)]
+            self.layers.append(load_layer(take, config, i, ropes[rope], kind))
+        self.norm = take.norm("model.norm.weight", config.hidden_size)
         if config.tie_word_embeddings or "lm_head.weight" not in weights:
             lm_head = self.embed
         else:
             lm_head = take("lm_head.weight", (config.vocab_size, config.hidden_size))
         self.lm_head = Linear(lm_head, prepack=prepack, sizes=LM_HEAD_ROW_SIZES)
         self.lm_head_rows = lm_head  # dense, for recomputing single logits
-        self.cos, self.signed_sin = rope_tables(config, max_positions, dtype, device)
+        self.capturable = config.moe is None  # see gpu_worker.moe
+
+    def _pick_functions(self, gemma: bool) -> None:
+        ops = self.ops
+        self.rms_norm = gemma_rms_norm if gemma else ops.rms_norm
+        self.add_rms_norm_ = add_gemma_rms_norm_ if gemma else ops.add_rms_norm_
+        self.qk_norm = gemma_rms_norm if gemma else rms_norm
+        gelu = self.config.hidden_act == "gelu_pytorch_tanh"
+        self.act_and_mul = gelu_tanh_and_mul if gelu else ops.silu_and_mul
 
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[LayerKV],
-        meta: AttentionMetadata,
+        metas: Sequence[AttentionMetadata],
     ) -> torch.Tensor:
         """[T] token ids at [T] positions -> final-normed hidden states [T, hidden].
 
-        Writes the tokens' K/V into their cache slots on the way.
+        `metas` holds a step's attention records for each of `attention_kinds`. Writes the
+        tokens' K/V into their cache slots on the way.
         """
         cfg, ops, eps = self.config, self.ops, self.config.rms_norm_eps
+        norm, add_norm_ = self.rms_norm, self.add_rms_norm_
         heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q_width, kv_width = heads * head_dim, kv_heads * head_dim
         num_tokens = input_ids.shape[0]
+        slots = metas[0].slots
         # The residual stream, updated in place; each norm comes fused with the add before it.
         x = F.embedding(input_ids, self.embed)
-        h = ops.rms_norm(x, self.layers[0].input_norm, eps)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        h = norm(x, self.layers[0].input_norm, eps)
         next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
         for layer, next_norm, kv in zip(self.layers, next_norms, kv_caches, strict=True):
             qkv = layer.qkv(h)
+            if layer.qk_norm is not None:
+                qk = qkv[:, : q_width + kv_width].view(num_tokens, heads + kv_heads, head_dim)
+                qk.copy_(self.qk_norm(qk, layer.qk_norm, eps))
             ops.rope_and_cache_(
-                qkv,
-                positions,
-                self.cos,
-                self.signed_sin,
-                kv,
-                meta.slots,
-                heads,
-                kv_heads,
+                qkv, positions, layer.cos, layer.signed_sin, kv, slots, heads, kv_heads
             )
             q = qkv[:, :q_width].view(num_tokens, heads, head_dim)
             k = qkv[:, q_width : q_width + kv_width].view(num_tokens, kv_heads, head_dim)
             v = qkv[:, q_width + kv_width :].view(num_tokens, kv_heads, head_dim)
-            attn = paged_attention(q, k, v, kv, meta)
-            h = ops.add_rms_norm_(x, layer.o_proj(attn), layer.post_norm, eps)
-            h = ops.add_rms_norm_(x, layer.down(ops.silu_and_mul(layer.gate_up(h))), next_norm, eps)
+            attn = layer.o_proj(paged_attention(q, k, v, kv, metas[layer.attention]))
+            if layer.attn_out_norm is not None:
+                attn = norm(attn, layer.attn_out_norm, eps)
+            h = add_norm_(x, attn, layer.mlp_norm, eps)
+            if layer.moe is not None:
+                mlp = layer.moe(h, self.act_and_mul)
+            else:
+                mlp = layer.down(self.act_and_mul(layer.gate_up(h)))  # type: ignore[misc]
+            if layer.mlp_out_norm is not None:
+                mlp = norm(mlp, layer.mlp_out_norm, eps)
+            h = add_norm_(x, mlp, next_norm, eps)
         return h
 
     def logits(self, h: torch.Tensor) -> Logits:
@@ -122,11 +145,16 @@ class Model:
         id (SmolLM2 then answers "L'Étoile" instead of "Paris"). The few highest logits of
         each row are therefore recomputed in float32 from the same hidden state.
         """
-        logits = self.lm_head(h)
+        logits = self._capped(self.lm_head(h))
         if logits.dtype == torch.float32:
             return Logits(logits)
         top = self.ops.top_k_ids(logits, min(REFINED_LOGITS, logits.shape[1]))
-        return Logits(logits, top, self._exact_logits(h, top))
+        return Logits(logits, top, self._capped(self._exact_logits(h, top)))
+
+    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
+        """Gemma's final soft-capping, cap * tanh(logit / cap), where the config sets it."""
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _exact_logits(self, h: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
         """The logits of the `top` ids [S, k] of each row, in float32.
@@ -139,97 +167,16 @@ class Model:
         return (rows * h.double().unsqueeze(1)).sum(-1).float()
 
 
-def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    dim = config.head_dim
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    inv_freq = 1.0 / (config.rope_theta**exponents)
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    if scaling.rope_type == "linear":
-        return inv_freq / scaling.factor
-    return _llama3_frequencies(inv_freq, scaling)
+def _layer_attention(config: ModelConfig, index: int) -> LayerAttention:
+    scale = None if config.query_pre_attn_scalar is None else config.attention_scale
+    return LayerAttention(scale, config.window_of(index), config.attn_logit_softcapping)
 
 
-def _llama3_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
-    # Exactly transformers' _compute_llama3_parameters.
-    old_len = scaling.original_max_position_embeddings
-    low_freq_wavelen = old_len / scaling.low_freq_factor
-    high_freq_wavelen = old_len / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-def rope_tables(
-    config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and signed sin [max_positions, head_dim], computed in float32 like transformers.
-
-    The signed sin is sin with its first half negated, the form layer_ops.apply_rope takes.
-    """
-    inv_freq = inverse_frequencies(config)
-    positions = torch.arange(max_positions, dtype=torch.float32)
-    freqs = torch.outer(positions, inv_freq)
-    cos = torch.cat((freqs, freqs), dim=-1).cos()
-    signed_sin = torch.cat((-freqs, freqs), dim=-1).sin()
-    return cos.to(device, dtype), signed_sin.to(device, dtype)
-
-
-class _WeightTaker:
-    """Takes tensors out of the checkpoint's dict by Hugging Face name, checks their shape,
-    places them.
-
-    Taking removes each tensor from the dict, so once a layer's q/k/v (or gate/up) are
-    fused, nothing holds the separate parts: loading peaks at the model plus one fused
-    tensor rather than twice the fused weights.
-    """
-
-    def __init__(self, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
-        self.weights = weights
-        self.dtype = dtype
-        self.device = device
-
-    def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        tensor = self.weights.pop(name, None)
-        if tensor is None:
-            raise MissingWeights(f"checkpoint lacks the tensor {name}")
-        if tuple(tensor.shape) != shape:
-            raise MissingWeights(f"{name} has shape {tuple(tensor.shape)}, expected {shape}")
-        return tensor.to(self.device, self.dtype).contiguous()
-
-    def fused(self, names: list[str], shapes: list[tuple[int, ...]]) -> torch.Tensor:
-        parts = [self(n, s) for n, s in zip(names, shapes, strict=True)]
-        return torch.cat(parts).contiguous()
-
-
-def _load_layer(take: _WeightTaker, cfg: ModelConfig, index: int, prepack: bool) -> Layer:
-    prefix = f"model.layers.{index}."
-    hidden, head_dim = cfg.hidden_size, cfg.head_dim
-    q_rows = cfg.num_attention_heads * head_dim
-    kv_rows = cfg.num_key_value_heads * head_dim
-    attn = prefix + "self_attn."
-    qkv_names = [f"{attn}{p}_proj" for p in ("q", "k", "v")]
-    qkv_rows = [q_rows, kv_rows, kv_rows]
-    qkv_bias = None
-    if cfg.attention_bias:
-        qkv_bias = take.fused([n + ".bias" for n in qkv_names], [(r,) for r in qkv_rows])
-    mlp = prefix + "mlp."
-    inter = cfg.intermediate_size
-    qkv_weight = take.fused([n + ".weight" for n in qkv_names], [(r, hidden) for r in qkv_rows])
-    gate_up_weight = take.fused(
-        [mlp + "gate_proj.weight", mlp + "up_proj.weight"], [(inter, hidden), (inter, hidden)]
-    )
-    return Layer(
-        input_norm=take(prefix + "input_layernorm.weight", (hidden,)),
-        qkv=Linear(qkv_weight, qkv_bias, prepack=prepack),
-        o_proj=Linear(take(attn + "o_proj.weight", (hidden, q_rows)), prepack=prepack),
-        post_norm=take(prefix + "post_attention_layernorm.weight", (hidden,)),
-        gate_up=Linear(gate_up_weight, prepack=prepack),
-        down=Linear(take(mlp + "down_proj.weight", (hidden, inter)), prepack=prepack),
-    )
+def attention_kinds(config: ModelConfig) -> list[LayerAttention]:
+    """The distinct ways the model's layers attend, in the order layers first use them."""
+    kinds: list[LayerAttention] = []
+    for i in range(config.num_hidden_layers):
+        kind = _layer_attention(config, i)
+        if kind not in kinds:
+            kinds.append(kind)
+    return kinds

@@ -1,4 +1,10 @@
-"""The model facts the runtime needs, read from a Hugging Face config.json."""
+"""The model facts the runtime needs, read from a Hugging Face config.json.
+
+The families differ by data, not by code: FAMILIES says, per architecture, which of the
+shared features its layers have (q/k norms, Gemma's norms and GeGLU, fused checkpoint
+projections, mixture-of-experts layouts); the config gives the sizes, the RoPE of each
+layer type and each layer's attention window.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,9 @@ from typing import Any
 
 from gpu_worker.protocol import ARCHITECTURES
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+# transformers' defaults where a config names no base (Gemma 3's differ by layer type)
+DEFAULT_THETA = {("gemma3_text", "full_attention"): 1e6}
 
 
 class UnsupportedModel(ValueError):
@@ -21,13 +29,69 @@ class ConfigError(ValueError):
     """config.json is missing or malformed."""
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
+class Family:
+    """What an architecture's layers are made of, beyond the Llama layer."""
+
+    qkv_bias: bool = False  # q/k/v biases whatever the config says (Qwen2)
+    qk_norm: bool = False  # an RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
+    # Gemma: (1 + w) norms in float32, norms after attention and MLP too, embeddings
+    # scaled by sqrt(hidden), GeGLU, the attention scale from query_pre_attn_scalar
+    gemma: bool = False
+    fused_projections: bool = False  # the checkpoint holds qkv_proj and gate_up_proj (Phi-3)
+    moe: str | None = None  # the experts' layout: "mixtral" or "qwen"
+    # A sliding window counts only with use_sliding_window (Qwen's configs default it off).
+    window_opt_in: bool = False
+
+
+FAMILIES = {
+    "LlamaForCausalLM": Family(),
+    "MistralForCausalLM": Family(),
+    "Qwen2ForCausalLM": Family(qkv_bias=True, window_opt_in=True),
+    "Qwen3ForCausalLM": Family(qk_norm=True, window_opt_in=True),
+    "Gemma2ForCausalLM": Family(gemma=True),
+    "Gemma3ForCausalLM": Family(qk_norm=True, gemma=True),
+    "Phi3ForCausalLM": Family(fused_projections=True),
+    "MixtralForCausalLM": Family(moe="mixtral"),
+    "Qwen2MoeForCausalLM": Family(moe="qwen", window_opt_in=True),
+    "Qwen3MoeForCausalLM": Family(qk_norm=True, moe="qwen", window_opt_in=True),
+}
+assert set(FAMILIES) == set(ARCHITECTURES.values())
+
+
+@dataclass(frozen=True, slots=True)
 class RopeScaling:
-    rope_type: str  # "linear" | "llama3"
+    rope_type: str  # "linear" | "llama3" | "yarn" | "longrope"
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # cos and sin are multiplied by it (yarn, longrope: transformers' attention_factor)
+    attention_factor: float = 1.0
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0
+    truncate: bool = True
+    short_factor: tuple[float, ...] = ()  # longrope
+    long_factor: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Rope:
+    theta: float
+    scaling: RopeScaling | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MoE:
+    """A mixture-of-experts MLP: top-k of a softmax over the router's logits."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    renormalize: bool  # the top-k weights are divided by their sum
+    float32_weights: bool  # the weights stay float32 (Mixtral) or round to the model's dtype
+    sparse_layers: tuple[bool, ...]  # which layers are MoE (the others are dense MLPs)
+    shared_intermediate_size: int = 0  # a gated shared expert beside the routed ones (Qwen2-MoE)
 
 
 @dataclass(slots=True)
@@ -48,6 +112,19 @@ class ModelConfig:
     attention_bias: bool
     bos_token_id: int | None
     sliding_window: int | None = None
+    # Each layer's window, None for full attention; () when no layer has one.
+    layer_windows: tuple[int | None, ...] = ()
+    # The RoPE of the windowed layers where it differs from the others' (Gemma 3).
+    sliding_rope: Rope | None = None
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    hidden_act: str = "silu"
+    moe: MoE | None = None
+
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.architecture]
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -67,28 +144,39 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         architecture = _architecture(raw)
+        family = FAMILIES[architecture]
         try:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
+            layers = int(raw["num_hidden_layers"])
+            rope = _rope(raw, "full_attention")
+            windows = _layer_windows(raw, layers, family)
+            sliding_rope = _rope(raw, "sliding_attention") if any(windows) else None
             config = cls(
                 architecture=architecture,
                 hidden_size=hidden,
                 intermediate_size=int(raw["intermediate_size"]),
-                num_hidden_layers=int(raw["num_hidden_layers"]),
+                num_hidden_layers=layers,
                 num_attention_heads=heads,
                 num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
                 head_dim=int(raw.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=_rope_theta(raw),
-                rope_scaling=_rope_scaling(raw),
+                rope_theta=rope.theta,
+                rope_scaling=rope.scaling,
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 vocab_size=int(raw["vocab_size"]),
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                # Qwen2 always has q/k/v biases; its config has no flag for them.
-                attention_bias=architecture == "Qwen2ForCausalLM"
-                or bool(raw.get("attention_bias", False)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", family.gemma)),
+                attention_bias=family.qkv_bias
+                or bool(raw.get("attention_bias", raw.get("qkv_bias", False))),
                 bos_token_id=_optional_int(raw.get("bos_token_id")),
-                sliding_window=_sliding_window(raw),
+                sliding_window=max((w for w in windows if w), default=None),
+                layer_windows=windows if any(windows) else (),
+                sliding_rope=None if sliding_rope == rope else sliding_rope,
+                query_pre_attn_scalar=_optional_float(raw.get("query_pre_attn_scalar")),
+                attn_logit_softcapping=_optional_float(raw.get("attn_logit_softcapping")),
+                final_logit_softcapping=_optional_float(raw.get("final_logit_softcapping")),
+                hidden_act=str(raw.get("hidden_activation") or raw.get("hidden_act") or "silu"),
+                moe=_moe(raw, family, layers),
             )
         except UnsupportedModel:
             raise
@@ -107,6 +195,11 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise UnsupportedModel(f"head_dim {self.head_dim} is odd; RoPE needs an even one")
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise UnsupportedModel(
+                f"{self.architecture}: unsupported activation {self.hidden_act!r}; "
+                "supported: silu, gelu_pytorch_tanh"
+            )
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
@@ -118,14 +211,30 @@ class ModelConfig:
 
     @property
     def context_limit(self) -> int:
-        """The longest sequence this model computes exactly (a sliding window caps it)."""
-        if self.sliding_window:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """The longest sequence this model computes (windowed layers attend within their
+        window; the others see the whole context)."""
         return self.max_position_embeddings
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def window_of(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    def rope_of(self, layer: int) -> Rope:
+        """The RoPE layer `layer` rotates its queries and keys with."""
+        if self.sliding_rope is not None and self.window_of(layer):
+            return self.sliding_rope
+        return Rope(self.rope_theta, self.rope_scaling)
 
 
 def _optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _architecture(raw: dict[str, Any]) -> str:
@@ -141,49 +250,157 @@ def _architecture(raw: dict[str, Any]) -> str:
     )
 
 
-def _rope_dict(raw: dict[str, Any]) -> dict[str, Any] | None:
-    # transformers >= 5 writes "rope_parameters" (rope_theta inside); older ones "rope_scaling".
+def _rope_dict(raw: dict[str, Any], layer_type: str) -> dict[str, Any]:
+    """The RoPE parameters of one layer type.
+
+    transformers >= 5 writes "rope_parameters" (rope_theta inside; per layer type for
+    Gemma 3: "full_attention", "sliding_attention"); older ones "rope_scaling" beside a
+    top-level rope_theta (and Gemma 3's rope_local_base_freq).
+    """
     for key in ("rope_parameters", "rope_scaling"):
         value = raw.get(key)
-        if isinstance(value, dict):
-            return value
-    return None
+        if not isinstance(value, dict):
+            continue
+        by_type = value.get(layer_type)
+        if isinstance(by_type, dict):
+            return by_type
+        if any(isinstance(v, dict) for v in value.values()):
+            return {}  # per layer type, and none for this one
+        if layer_type == "sliding_attention" and "rope_local_base_freq" in raw:
+            return {}  # an old Gemma 3 config: its scaling is the global layers'
+        return value
+    return {}
 
 
-def _rope_theta(raw: dict[str, Any]) -> float:
-    rope = _rope_dict(raw) or {}
-    return float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+def _rope(raw: dict[str, Any], layer_type: str) -> Rope:
+    rope = _rope_dict(raw, layer_type)
+    theta = rope.get("rope_theta")
+    if theta is None and layer_type == "sliding_attention":
+        theta = raw.get("rope_local_base_freq")
+    if theta is None:
+        model_type = str(raw.get("model_type"))
+        theta = raw.get("rope_theta") or DEFAULT_THETA.get((model_type, layer_type), 10000.0)
+    return Rope(float(theta), _rope_scaling(raw, rope))
 
 
-def _rope_scaling(raw: dict[str, Any]) -> RopeScaling | None:
-    rope = _rope_dict(raw)
-    if rope is None:
-        return None
+def _rope_scaling(raw: dict[str, Any], rope: dict[str, Any]) -> RopeScaling | None:
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     if rope_type not in ROPE_TYPES:
         raise UnsupportedModel(
             f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
         )
+    if float(rope.get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 1.0) != 1:
+        raise UnsupportedModel(
+            "partial rotary embeddings (partial_rotary_factor) are not supported"
+        )
     if rope_type == "default":
         return None
-    factor = float(rope["factor"])
+    longest = int(raw.get("max_position_embeddings", 2048))
+    original = int(
+        rope.get("original_max_position_embeddings")
+        or raw.get("original_max_position_embeddings")
+        or longest
+    )
+    factor = float(rope.get("factor") or longest / original)
     if not math.isfinite(factor) or factor <= 0:
         raise ConfigError(f"rope scaling factor must be positive, got {factor}")
     if rope_type == "linear":
         return RopeScaling("linear", factor)
+    if rope_type == "llama3":
+        return RopeScaling(
+            "llama3",
+            factor,
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position_embeddings=original,
+        )
+    if rope_type == "yarn":
+        return _yarn(rope, factor, original)
+    return _longrope(rope, factor, original)
+
+
+def _yarn(rope: dict[str, Any], factor: float, original: int) -> RopeScaling:
+    # As transformers' _compute_yarn_parameters.
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention_factor = (
+            mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        )
     return RopeScaling(
-        "llama3",
+        "yarn",
         factor,
-        low_freq_factor=float(rope["low_freq_factor"]),
-        high_freq_factor=float(rope["high_freq_factor"]),
-        original_max_position_embeddings=int(
-            rope.get("original_max_position_embeddings") or raw["max_position_embeddings"]
-        ),
+        original_max_position_embeddings=original,
+        attention_factor=float(attention_factor),
+        beta_fast=float(rope.get("beta_fast") or 32),
+        beta_slow=float(rope.get("beta_slow") or 1),
+        truncate=bool(rope.get("truncate", True)),
     )
 
 
-def _sliding_window(raw: dict[str, Any]) -> int | None:
-    if raw.get("use_sliding_window") is False:
-        return None
+def _longrope(rope: dict[str, Any], factor: float, original: int) -> RopeScaling:
+    # As transformers' _compute_longrope_parameters.
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
+    return RopeScaling(
+        "longrope",
+        factor,
+        original_max_position_embeddings=original,
+        attention_factor=float(attention_factor),
+        short_factor=tuple(float(f) for f in rope["short_factor"]),
+        long_factor=tuple(float(f) for f in rope["long_factor"]),
+    )
+
+
+def _layer_windows(raw: dict[str, Any], layers: int, family: Family) -> tuple[int | None, ...]:
+    """Each layer's sliding window, as transformers assigns them: by `layer_types` where
+    the config lists them, else every layer (Mistral), or the layers from
+    max_window_layers on where use_sliding_window says so (Qwen2)."""
     window = raw.get("sliding_window")
-    return int(window) if window else None
+    if not raw.get("use_sliding_window", not family.window_opt_in) or not window:
+        return (None,) * layers
+    types = raw.get("layer_types")
+    if types is None and "use_sliding_window" in raw and "max_window_layers" in raw:
+        first = int(raw["max_window_layers"])
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    if types is None:
+        return (int(window),) * layers
+    if len(types) != layers:
+        raise ConfigError(f"layer_types lists {len(types)} layers, the model has {layers}")
+    for kind in set(types) - {"sliding_attention", "full_attention"}:
+        raise UnsupportedModel(f"unsupported layer type {kind!r}")
+    return tuple(int(window) if kind == "sliding_attention" else None for kind in types)
+
+
+def _moe(raw: dict[str, Any], family: Family, layers: int) -> MoE | None:
+    if family.moe is None:
+        return None
+    experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
+    if family.moe == "mixtral":
+        return MoE(
+            experts,
+            int(raw["num_experts_per_tok"]),
+            int(raw["intermediate_size"]),
+            renormalize=True,
+            float32_weights=True,
+            sparse_layers=(True,) * layers,
+        )
+    step = int(raw.get("decoder_sparse_step") or 1)
+    dense = set(raw.get("mlp_only_layers") or [])
+    return MoE(
+        experts,
+        int(raw["num_experts_per_tok"]),
+        int(raw["moe_intermediate_size"]),
+        renormalize=bool(raw.get("norm_topk_prob", False)),
+        float32_weights=False,
+        sparse_layers=tuple(
+            i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(layers)
+        ),
+        shared_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
+    )

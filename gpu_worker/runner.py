@@ -109,20 +109,25 @@ class ModelRunner:
         """The final hidden state of every row of a step, eagerly (any mix of rows)."""
         device, cache = self.model.device, self.cache
         plan = inputs.plan
-        meta = build_metadata(
-            plan.num_tokens,
-            plan.start_pos,
-            inputs.tables,
-            inputs.slots.to(device, non_blocking=True),
-            cache.like,
-            self.model.config.group_size,
-            self.model.kernels.attention,
-        )
+        slots = inputs.slots.to(device, non_blocking=True)
+        metas = [
+            build_metadata(
+                plan.num_tokens,
+                plan.start_pos,
+                inputs.tables,
+                slots,
+                cache.like,
+                self.model.config.group_size,
+                self.model.kernels.attention,
+                kind,
+            )
+            for kind in self.model.attention_kinds
+        ]
         return self.model.forward(
             torch.tensor(plan.input_ids, device=device),
             inputs.positions.to(device, non_blocking=True),
             cache.layers,
-            meta,
+            metas,
         )
 
     def _sampled_logits(self, inputs: StepInputs, hidden: torch.Tensor) -> Logits:

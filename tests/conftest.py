@@ -1,9 +1,10 @@
 """Fixtures any test module takes by name, without importing them: the tiny random Llama
-of the worker tests and their one-thread setting (tests.worker_fixtures), and the real
-servers the API tests share (tests.server_fixtures)."""
+of the worker tests (and of the other architectures, tiny_models) and their one-thread
+setting (tests.worker_fixtures), and the real servers the API tests share
+(tests.server_fixtures)."""
 
 from tests.server_fixtures import cadence_server, cadence_server_bf16, server_of_each_dtype
-from tests.worker_fixtures import one_torch_thread, tiny_llama_dir
+from tests.worker_fixtures import one_torch_thread, tiny_llama_dir, tiny_models
 
 __all__ = [
     "cadence_server",
@@ -11,4 +12,5 @@ __all__ = [
     "one_torch_thread",
     "server_of_each_dtype",
     "tiny_llama_dir",
+    "tiny_models",
 ]

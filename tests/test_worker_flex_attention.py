@@ -10,8 +10,10 @@ from torch.nn.attention.flex_attention import create_mask
 
 from gpu_worker import kernel_choice, kernels
 from gpu_worker.attention import (
+    FULL,
     FlexAttention,
     HybridAttention,
+    LayerAttention,
     TorchAttention,
     build_metadata,
     torch_backend,
@@ -36,10 +38,17 @@ def shapes(block_size: int = 4) -> Shapes:
     return Shapes(6, 2, 64, 128, 256, block_size, torch.float32, CPU, torch.float32)
 
 
+# Plain layers, sliding windows shorter than the contexts, and Gemma 2's soft-capping.
+LAYERS = [FULL, LayerAttention(window=9), LayerAttention(scale=0.3, window=50, softcap=1.5)]
+LAYER_IDS = ["full", "window", "window-softcap"]
+
+
+@pytest.mark.parametrize("layer", LAYERS, ids=LAYER_IDS)
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_decode_matches_the_reference_over_ragged_contexts_and_shuffled_tables(block_size):
+def test_decode_matches_the_reference_over_ragged_contexts_and_shuffled_tables(block_size, layer):
     # attention_case shuffles every block of the cache among the tables; contexts differ.
     case = attention_case(shapes(block_size), batch=7, chunk=8, start=40)
+    case.layer = layer
     # Contexts that fill their last block exactly, or hold one token, too.
     case.lens[:3] = [block_size * 3, 1, block_size + 1]
     got, want = run_decode(FlexAttention(), case), run_decode(TorchAttention(), case)
@@ -47,9 +56,11 @@ def test_decode_matches_the_reference_over_ragged_contexts_and_shuffled_tables(b
     assert max_diff(got, want) < TOLERANCE
 
 
+@pytest.mark.parametrize("layer", LAYERS, ids=LAYER_IDS)
 @pytest.mark.parametrize(("start", "chunk"), [(0, 37), (21, 37), (130, 300), (256, 128)])
-def test_a_prefill_chunk_attends_over_its_cached_prefix_and_itself_causally(start, chunk):
+def test_a_prefill_chunk_attends_over_its_cached_prefix_and_itself_causally(start, chunk, layer):
     case = attention_case(shapes(), batch=2, chunk=chunk, start=start)
+    case.layer = layer
     got, want = run_prefill(FlexAttention(), case), run_prefill(TorchAttention(), case)
     assert got.shape == want.shape == (chunk, 6, 64)
     assert max_diff(got, want) < TOLERANCE
@@ -153,8 +164,9 @@ def test_decode_block_lists_cover_exactly_what_each_row_sees():
     assert mask.kv_num_blocks[:2, 0, 0].tolist() == [0, 1]
 
 
+@pytest.mark.parametrize("window", [None, 9, 150])
 @pytest.mark.parametrize(("start", "chunk"), [(0, 130), (21, 300)])
-def test_prefill_block_lists_cover_exactly_what_each_query_tile_sees(start, chunk):
+def test_prefill_block_lists_cover_exactly_what_each_query_tile_sees(start, chunk, window):
     case = attention_case(shapes(), batch=1, chunk=chunk, start=start)
     meta = build_metadata(
         [chunk],
@@ -164,6 +176,7 @@ def test_prefill_block_lists_cover_exactly_what_each_query_tile_sees(start, chun
         case.kv.k,
         case.group_size,
         FlexAttention(),
+        LayerAttention(window=window),
     )
     assert_blocks_match_the_mask(meta.prefills[0].prepared)
 
@@ -173,8 +186,8 @@ def test_a_mixed_step_of_the_model_matches_the_reference(tiny_llama_dir, monkeyp
     tables are padded with the scratch block to the step's width."""
     offered = kernels.attention_candidates
 
-    def with_flex(device, dtype, head_dim):
-        return [*offered(device, dtype, head_dim), FlexAttention()]
+    def with_flex(device, dtype, head_dim, layers=(FULL,)):
+        return [*offered(device, dtype, head_dim, layers), FlexAttention()]
 
     monkeypatch.setattr(kernels, "attention_candidates", with_flex)
     logits = {}

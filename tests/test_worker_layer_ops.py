@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -11,7 +9,8 @@ from gpu_worker import kernels, native
 from gpu_worker.kv_cache import LayerKV
 from gpu_worker.kv_quant import KV_CACHE_DTYPES, as_bytes, quantize_rows
 from gpu_worker.layer_ops import NativeLayerOps, TorchLayerOps
-from gpu_worker.model import rope_tables
+from gpu_worker.model_config import Rope
+from gpu_worker.rope import rope_tables
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -83,8 +82,7 @@ def rope_case(dtype: torch.dtype, head_dim: int, cache_dtype: str | None = None)
     """A step's qkv rows and a layer's cache (8-bit when cache_dtype names one) with
     stale rows in it."""
     heads, kv_heads = 6, 2
-    config = SimpleNamespace(head_dim=head_dim, rope_theta=10000.0, rope_scaling=None)
-    cos, sin = rope_tables(config, 64, dtype, torch.device("cpu"))
+    cos, sin = rope_tables(head_dim, Rope(10000.0), 64, dtype, torch.device("cpu"))
     tokens = 11
     qkv = rows((tokens, (heads + 2 * kv_heads) * head_dim), dtype, 6)
     positions = torch.randperm(64, generator=torch.Generator().manual_seed(7))[:tokens]

@@ -8,6 +8,7 @@ import torch
 from gpu_worker.attention import torch_backend
 from gpu_worker.protocol import SamplingSpec
 from tests.worker_fixtures import (
+    BLOCK_SIZE,
     Chunk,
     blocks_for,
     generate_greedy,
@@ -22,6 +23,7 @@ from tests.worker_fixtures import (
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -35,8 +37,25 @@ VARIANTS = {
     "qwen2-bias": ("qwen2", {}),
     "llama3-rope": ("llama", {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0}),
     "linear-rope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+    "yarn-rope": ("llama", {"rope_scaling": YARN_ROPE}),
     "head-dim-32": ("llama", {"head_dim": 32}),
 }
+# The other families (tests.worker_fixtures.ARCHITECTURE_KINDS: windows shorter than the
+# prompts, several experts per token), each checked with the kernels the worker picks for it.
+ARCHITECTURES = {
+    "qwen3-yarn": ("qwen3", {"rope_scaling": {**YARN_ROPE, "beta_fast": 8.0, "beta_slow": 2.0}}),
+    "mistral-window": ("mistral", {}),
+    "gemma3": ("gemma3", {}),
+    "gemma2-softcap": ("gemma2", {}),
+    "phi3-longrope": ("phi3", {}),  # serves 256 positions > 48: the long factors
+    "phi3-longrope-short": ("phi3", {"max_position_embeddings": 48}),
+    "mixtral": ("mixtral", {}),
+    "qwen3-moe": ("qwen3_moe", {}),
+    "qwen2-moe-shared": ("qwen2_moe", {}),
+}
+# A family's prompts, where they differ: longrope matches transformers within one factor set.
+PROMPT_LENGTHS = {"phi3-longrope": (49, 90), "phi3-longrope-short": (1, 5, 37, 48)}
+ARCH_KV_MEMORY = float(4 * 1024 * 1024)  # three layers, and the checks' block ids up to 730
 
 
 def tolerance(reference: torch.Tensor) -> float:
@@ -47,6 +66,20 @@ def tolerance(reference: torch.Tensor) -> float:
 def variant_dir(request, tmp_path_factory):
     kind, overrides = VARIANTS[request.param]
     return save_tiny_model(tmp_path_factory.mktemp(request.param), kind, **overrides)
+
+
+@pytest.fixture(scope="module", params=list(ARCHITECTURES))
+def architecture(request, tiny_models):
+    """(name, model directory, runner with the kernels chosen for it, transformers' model)."""
+    kind, overrides = ARCHITECTURES[request.param]
+    path = tiny_models(kind, **overrides)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one_torch_thread is function-scoped
+    try:
+        runner = make_runner(path, kv_memory=ARCH_KV_MEMORY)
+    finally:
+        torch.set_num_threads(threads)
+    return request.param, path, runner, hf_model(path)
 
 
 @pytest.fixture(params=["native-rows", "hybrid", "torch-blocked", "torch-flash"])
@@ -66,9 +99,12 @@ def layer_ops_path(request) -> str:
 
 
 def test_prefill_logits_match_transformers(variant_dir, prefill_path, layer_ops_path):
-    hf = hf_model(variant_dir)
     runner = make_runner(variant_dir, kernels=f"{prefill_path},{layer_ops_path}")
-    for seq_id, length in enumerate((1, 5, 37, 150)):
+    check_prefill_logits(runner, hf_model(variant_dir), (1, 5, 37, 150))
+
+
+def check_prefill_logits(runner, hf, lengths) -> None:
+    for seq_id, length in enumerate(lengths):
         prompt = random_prompt(length, seed=length)
         with torch.no_grad():
             reference = hf(torch.tensor([prompt])).logits[0, -1]
@@ -79,21 +115,52 @@ def test_prefill_logits_match_transformers(variant_dir, prefill_path, layer_ops_
 
 def test_token_by_token_logits_match_transformers_at_every_position(variant_dir, layer_ops_path):
     """Chunks of one token: each step attends only to K/V earlier steps left in the cache."""
-    hf = hf_model(variant_dir)
     runner = make_runner(variant_dir, kernels=layer_ops_path)
-    prompt = random_prompt(40, seed=3)
+    check_token_by_token_logits(runner, hf_model(variant_dir), 40)
+
+
+def check_token_by_token_logits(runner, hf, length: int, first: int = 0) -> None:
+    """Positions from `first` on, after a prefill of the ones before."""
+    prompt = random_prompt(length, seed=3)
     with torch.no_grad():
-        reference = hf(torch.tensor([prompt])).logits[0]
+        reference = hf(torch.tensor([prompt])).logits[0, first:]
     table = blocks_for(0, len(prompt))
+    if first:
+        runner.execute(make_plan([Chunk(0, prompt[:first], 0, table, sample=False)]))
     rows = [
         runner.step_logits(make_plan([Chunk(0, [token], pos, table)]))[0]
-        for pos, token in enumerate(prompt)
+        for pos, token in enumerate(prompt[first:], start=first)
     ]
     assert max_diff(torch.stack(rows), reference) < tolerance(reference)
 
 
+def test_architecture_logits_match_transformers(architecture):
+    """A prompt's last logits, every position decoded token by token, and greedy decoding,
+    past each window."""
+    name, _, runner, hf = architecture
+    check_prefill_logits(runner, hf, PROMPT_LENGTHS.get(name, (1, 5, 37, 90)))
+    first = PROMPT_LENGTHS.get(name, (0,))[0] - 1
+    check_token_by_token_logits(runner, hf, first + 30, first=max(first, 0))
+    check_greedy_decoding(runner, hf, random_prompt(max(12, first + 1), seed=7), 16)
+
+
+@pytest.mark.parametrize(
+    "architecture",
+    [name for name in ARCHITECTURES if name != "phi3-longrope-short"],  # 48 tokens: too few
+    indirect=True,
+)
+def test_architecture_chunked_batched_and_prefix_cached(architecture, one_torch_thread):
+    _, _, runner, _ = architecture
+    check_chunked_prefill(runner)
+    check_mixed_batch(runner)
+    check_prefix_cache(runner)
+
+
 def test_chunked_prefill_equals_unchunked(tiny_llama_dir, prefill_path):
-    runner = make_runner(tiny_llama_dir, kernels=prefill_path)
+    check_chunked_prefill(make_runner(tiny_llama_dir, kernels=prefill_path))
+
+
+def check_chunked_prefill(runner) -> None:
     prompt = random_prompt(100, seed=5)
     whole_table = blocks_for(0, len(prompt) + 20)
     whole = runner.step_logits(make_plan([Chunk(0, prompt, 0, whole_table)]))[0]
@@ -122,7 +189,12 @@ def test_chunked_prefill_equals_unchunked(tiny_llama_dir, prefill_path):
 
 
 def test_a_sequence_is_the_same_alone_and_in_a_mixed_batch(tiny_llama_dir, prefill_path):
-    runner = make_runner(tiny_llama_dir, kernels=prefill_path)
+    check_mixed_batch(make_runner(tiny_llama_dir, kernels=prefill_path))
+
+
+def check_mixed_batch(runner) -> None:
+    """Bit for bit where the attention claims row invariance (the matmuls and the experts'
+    routing keep it: gpu_worker.linear, gpu_worker.moe)."""
     target = random_prompt(30, seed=11)
     # Alone: the first 20 tokens, then a chunk of 10 at position 20.
     alone_table = blocks_for(0, 40)
@@ -152,6 +224,21 @@ def test_a_sequence_is_the_same_alone_and_in_a_mixed_batch(tiny_llama_dir, prefi
     )
     logits = runner.step_logits(mixed)
     assert max_diff(logits[2], alone) < tolerance(alone)
+    if runner.model.kernels.attention.row_invariant:
+        assert torch.equal(logits[2], alone)
+
+
+def check_prefix_cache(runner) -> None:
+    """A prompt whose first blocks another sequence computed (the service's prefix cache
+    hands them over in its block table) gets the logits of a prefill from scratch."""
+    prompt = random_prompt(37, seed=31)
+    table = blocks_for(500, len(prompt))
+    whole = runner.step_logits(make_plan([Chunk(50, prompt, 0, table)]))[0]
+    shared = 5  # full blocks, past the tiny models' windows
+    start = shared * BLOCK_SIZE
+    cached_table = table[:shared] + blocks_for(600, len(prompt) - start)
+    cached = runner.step_logits(make_plan([Chunk(51, prompt[start:], start, cached_table)]))[0]
+    assert max_diff(cached, whole) < tolerance(whole)
 
 
 def test_decodes_in_a_mixed_batch_match_decoding_alone(tiny_llama_dir):
@@ -177,18 +264,19 @@ def test_decodes_in_a_mixed_batch_match_decoding_alone(tiny_llama_dir):
 
 
 def test_greedy_decoding_equals_transformers_generate(variant_dir):
-    hf = hf_model(variant_dir)
-    runner = make_runner(variant_dir)
-    prompt = random_prompt(12, seed=7)
+    check_greedy_decoding(make_runner(variant_dir), hf_model(variant_dir), random_prompt(12, 7), 32)
+
+
+def check_greedy_decoding(runner, hf, prompt: list[int], steps: int) -> None:
     with torch.no_grad():
         generated = hf.generate(
             torch.tensor([prompt]),
-            max_new_tokens=32,
+            max_new_tokens=steps,
             do_sample=False,
             eos_token_id=None,
             pad_token_id=0,
         )[0, len(prompt) :].tolist()
-    assert generate_greedy(runner, prompt, steps=32) == generated
+    assert generate_greedy(runner, prompt, steps=steps) == generated
 
 
 def test_bfloat16_logits_stay_close_to_float32(tiny_llama_dir):

@@ -43,7 +43,16 @@ def test_config_parses_defaults_and_variants():
     assert (config.head_dim, config.group_size) == (16, 2)
     assert config.rope_scaling is None and not config.attention_bias
     qwen = config_with(architectures=["Qwen2ForCausalLM"], sliding_window=4096)
-    assert qwen.attention_bias and qwen.context_limit == 2048  # no use_sliding_window: capped
+    assert qwen.attention_bias and qwen.layer_windows == ()  # no use_sliding_window: none
+    mistral = config_with(architectures=["MistralForCausalLM"], sliding_window=64)
+    assert mistral.layer_windows == (64, 64) and mistral.context_limit == 2048  # not capped
+    windowed = config_with(
+        architectures=["Qwen2ForCausalLM"],
+        sliding_window=32,
+        use_sliding_window=True,
+        max_window_layers=1,
+    )
+    assert windowed.layer_windows == (None, 32)
     old_style = config_with(rope_scaling={"type": "linear", "factor": 2.0}, rope_theta=1e6)
     assert old_style.rope_scaling.rope_type == "linear" and old_style.rope_theta == 1e6
     new_style = config_with(rope_parameters={"rope_type": "default", "rope_theta": 5e5})
@@ -56,7 +65,9 @@ def test_config_parses_defaults_and_variants():
     ("changes", "error", "message"),
     [
         ({"architectures": ["GPT2LMHeadModel"]}, UnsupportedModel, "GPT2LMHeadModel"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, UnsupportedModel, "yarn"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, UnsupportedModel, "dynamic"),
+        ({"hidden_act": "relu"}, UnsupportedModel, "activation"),
+        ({"partial_rotary_factor": 0.5}, UnsupportedModel, "partial"),
         ({"num_key_value_heads": 3}, UnsupportedModel, "multiple"),
         ({"hidden_size": None}, ConfigError, "malformed"),
         ({"rope_scaling": {"rope_type": "linear", "factor": -1}}, ConfigError, "factor"),

@@ -22,8 +22,81 @@ BLOCK_SIZE = 4  # small, so short test prompts already span several blocks
 GREEDY = SamplingSpec()
 
 
+# The families beyond Llama and Qwen2: transformers' config and model class names, and what
+# each tiny model sets beyond the common sizes. Windows are smaller than the test prompts;
+# the mixtures route each token to several experts.
+ARCHITECTURE_KINDS = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 11}),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            "num_hidden_layers": 3,
+            "head_dim": 16,
+            "sliding_window": 11,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            },
+            "query_pre_attn_scalar": 24,
+            "final_logit_softcapping": 3.0,
+            "hidden_activation": "gelu_pytorch_tanh",
+        },
+    ),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {"head_dim": 16, "sliding_window": 11, "query_pre_attn_scalar": 24},
+    ),
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        {
+            "original_max_position_embeddings": 48,
+            "rope_scaling": {
+                "rope_type": "longrope",
+                "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                "long_factor": [2.0 + 0.5 * i for i in range(8)],
+            },
+            "pad_token_id": 0,
+        },
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {"num_local_experts": 5, "num_experts_per_tok": 2, "sliding_window": 13},
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "head_dim": 16,
+            "num_experts": 6,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "num_hidden_layers": 3,
+            "mlp_only_layers": [1],
+        },
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+        },
+    ),
+}
+
+
 def save_tiny_model(path: Path, kind: str = "llama", **overrides) -> Path:
     """A 2-layer GQA model with random weights, saved as a Hugging Face directory."""
+    import transformers
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     common = dict(
@@ -39,22 +112,26 @@ def save_tiny_model(path: Path, kind: str = "llama", **overrides) -> Path:
         eos_token_id=2,
         bos_token_id=1,
     )
-    common.update(overrides)
-    config_cls, model_cls = {
+    classes = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    }[kind]
+    }
+    if kind in ARCHITECTURE_KINDS:
+        config_name, model_name, settings = ARCHITECTURE_KINDS[kind]
+        classes[kind] = (getattr(transformers, config_name), getattr(transformers, model_name))
+        common.update(settings)
+    common.update(overrides)
+    config_cls, model_cls = classes[kind]
     torch.manual_seed(0)
     model = model_cls(config_cls(**common)).eval()
-    if kind == "qwen2":  # random init leaves biases at zero, which would not test them
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (
-                    layer.self_attn.q_proj,
-                    layer.self_attn.k_proj,
-                    layer.self_attn.v_proj,
-                ):
-                    proj.bias.normal_(0, 0.5)
+    # Random init leaves biases at zero and norms at one (Gemma's at zero), which would not
+    # test them (the Llama and Qwen2 models keep their norms, as they always had).
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.5)
+            elif "norm" in name and kind in ARCHITECTURE_KINDS:
+                param.uniform_(-0.5, 0.5).add_(0.0 if kind.startswith("gemma") else 1.0)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
@@ -62,7 +139,10 @@ def save_tiny_model(path: Path, kind: str = "llama", **overrides) -> Path:
 def hf_model(path: Path):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # Eager attention: the one that soft-caps Gemma 2's scores.
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
 
 
 @pytest.fixture
@@ -78,6 +158,22 @@ def one_torch_thread():
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """tiny_models(kind, **overrides) -> a saved tiny model of that kind, made once per
+    session (kinds: llama, qwen2 and those of ARCHITECTURE_KINDS)."""
+    made: dict[str, Path] = {}
+
+    def tiny_model(kind: str, **overrides) -> Path:
+        key = repr((kind, sorted(overrides.items())))
+        if key not in made:
+            path = tmp_path_factory.mktemp(f"tiny_{kind}")
+            made[key] = save_tiny_model(path, kind, **overrides)
+        return made[key]
+
+    return tiny_model
 
 
 def make_runner(model_dir: Path, **overrides) -> ModelRunner:

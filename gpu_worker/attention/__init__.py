@@ -18,10 +18,12 @@ Each keeps what it prepares for a step in the records' `prepared` field, its own
 """
 
 from gpu_worker.attention.base import (
+    FULL,
     QUERY_BLOCK,
     AttentionBackend,
     AttentionMetadata,
     DecodeGroup,
+    LayerAttention,
     PrefillChunk,
     build_metadata,
     paged_attention,
@@ -32,12 +34,14 @@ from gpu_worker.attention.native_backend import NativeAttention, NativeRowsAtten
 from gpu_worker.attention.torch_backend import TorchAttention
 
 __all__ = [
+    "FULL",
     "QUERY_BLOCK",
     "AttentionBackend",
     "AttentionMetadata",
     "DecodeGroup",
     "FlexAttention",
     "HybridAttention",
+    "LayerAttention",
     "NativeAttention",
     "NativeRowsAttention",
     "PrefillChunk",

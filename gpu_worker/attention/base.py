@@ -21,6 +21,24 @@ from gpu_worker.kv_cache import LayerKV
 QUERY_BLOCK = 128  # prefill queries per attention block
 
 
+@dataclass(frozen=True, slots=True)
+class LayerAttention:
+    """How a layer attends, where layers differ: its scale, its sliding window (a query at
+    position p sees keys at positions p - window < k <= p) and Gemma 2's soft-capping of
+    the scores (cap * tanh(score / cap), before the mask). A step's records are built once
+    per distinct kind (a Llama model has one), and every layer of that kind shares them."""
+
+    scale: float | None = None  # None: head_dim ** -0.5
+    window: int | None = None
+    softcap: float | None = None
+
+    def scale_for(self, head_dim: int) -> float:
+        return head_dim**-0.5 if self.scale is None else self.scale
+
+
+FULL = LayerAttention()
+
+
 @dataclass(slots=True)
 class PrefillChunk:
     rows: slice  # the chunk's rows in the flattened batch
@@ -28,6 +46,7 @@ class PrefillChunk:
     context_len: int  # start position + number of new tokens
     block_table: torch.Tensor  # [W] the sequence's blocks
     prepared: Any = None  # the backend's own record (AttentionBackend.prefill_chunk)
+    layer: LayerAttention = FULL
 
 
 @dataclass(slots=True)
@@ -36,6 +55,7 @@ class DecodeGroup:
     block_tables: torch.Tensor  # [B, W]
     context_lens: torch.Tensor  # [B]
     prepared: Any = None  # the backend's own record (AttentionBackend.decode_group)
+    layer: LayerAttention = FULL
 
 
 class AttentionBackend:
@@ -46,6 +66,15 @@ class AttentionBackend:
     name: str
     row_invariant: bool  # a row's bits depend on nothing but its query and context
     paged: bool = True  # reads K/V in place through the block tables, copying no context
+    windows: bool = False  # serves sliding windows (LayerAttention.window)
+    softcap: bool = False  # serves soft-capped scores (LayerAttention.softcap)
+
+    def serves_layers(self, layers: list[LayerAttention]) -> bool:
+        """Whether it computes every one of a model's kinds of attention layer."""
+        return all(
+            (self.windows or layer.window is None) and (self.softcap or layer.softcap is None)
+            for layer in layers
+        )
 
     def decode_group(
         self, group: DecodeGroup, cache_like: torch.Tensor, group_size: int
@@ -111,8 +140,9 @@ def build_metadata(
     cache_like: torch.Tensor,
     group_size: int,
     backend: AttentionBackend,
+    layer: LayerAttention = FULL,
 ) -> AttentionMetadata:
-    """Index tensors of one mixed step, shared by every layer.
+    """Index tensors of one mixed step, shared by every layer of kind `layer`.
 
     `block_tables` is the plan's tables padded to a common width ([S, W], on the host);
     `slots` the flat cache slot of each new token, already on the device; `cache_like`
@@ -129,13 +159,22 @@ def build_metadata(
             decode_rows.append(row)
         else:
             table = block_tables[seq, : -(-(start + count) // block_size)]
-            chunk = PrefillChunk(slice(row, row + count), start, start + count, block_tables[seq])
+            chunk = PrefillChunk(
+                slice(row, row + count), start, start + count, block_tables[seq], layer=layer
+            )
             prefills.append(backend.prefill_chunk(chunk, table, cache_like))
         row += count
     decode = None
     if decode_seqs:
         decode = _decode_group_for(
-            decode_seqs, decode_rows, start_pos, block_tables, cache_like, group_size, backend
+            decode_seqs,
+            decode_rows,
+            start_pos,
+            block_tables,
+            cache_like,
+            group_size,
+            backend,
+            layer,
         )
     return AttentionMetadata(slots, decode, prefills, row, backend)
 
@@ -148,6 +187,7 @@ def _decode_group_for(
     cache_like: torch.Tensor,
     group_size: int,
     backend: AttentionBackend,
+    layer: LayerAttention,
 ) -> DecodeGroup:
     device = cache_like.device
     block_size = cache_like.shape[2]
@@ -157,4 +197,5 @@ def _decode_group_for(
     lens = torch.tensor(context_lens, device=device)
     contiguous = rows[-1] - rows[0] == len(rows) - 1
     row_index = slice(rows[0], rows[-1] + 1) if contiguous else torch.tensor(rows, device=device)
-    return backend.decode_group(DecodeGroup(row_index, tables, lens), cache_like, group_size)
+    group = DecodeGroup(row_index, tables, lens, layer=layer)
+    return backend.decode_group(group, cache_like, group_size)

@@ -18,13 +18,21 @@ from typing import Any
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from gpu_worker.attention.base import QUERY_BLOCK, AttentionBackend, DecodeGroup, PrefillChunk
+from gpu_worker.attention.base import (
+    QUERY_BLOCK,
+    AttentionBackend,
+    DecodeGroup,
+    LayerAttention,
+    PrefillChunk,
+)
 from gpu_worker.kv_cache import LayerKV
 
 
 class FlexAttention(AttentionBackend):
     name = "flex"
     row_invariant = False
+    windows = True
+    softcap = True
 
     def decode_group(
         self, group: DecodeGroup, cache_like: torch.Tensor, group_size: int
@@ -38,6 +46,7 @@ class FlexAttention(AttentionBackend):
             lens // block_size,
             1,
             cache_like,
+            group.layer.window,
         )
         return group
 
@@ -56,17 +65,19 @@ class FlexAttention(AttentionBackend):
             ((firsts + 1) // block_size)[None].to(device, non_blocking=True),
             count,
             cache_like,
+            chunk.layer.window,
         )
         return chunk
 
     def decode(self, q: torch.Tensor, kv: LayerKV, group: DecodeGroup) -> torch.Tensor:
-        return _flex(q[:, :, None], kv, group.prepared)[:, :, 0]
+        return _flex(q[:, :, None], kv, group.prepared, group.layer)[:, :, 0]
 
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, chunk: PrefillChunk
     ) -> torch.Tensor:
         """The chunk's own K/V are read back from the cache, where they already are."""
-        return _flex(q.transpose(0, 1)[None], kv, chunk.prepared)[0].transpose(0, 1)
+        queries = q.transpose(0, 1)[None]
+        return _flex(queries, kv, chunk.prepared, chunk.layer)[0].transpose(0, 1)
 
 
 def paged_block_mask(
@@ -76,6 +87,7 @@ def paged_block_mask(
     full: torch.Tensor,
     q_len: int,
     cache_like: torch.Tensor,
+    window: int | None = None,
 ) -> BlockMask:
     """The block mask of `q_len` queries per sequence over the cache seen as one key sequence.
 
@@ -88,9 +100,15 @@ def paged_block_mask(
     a block sits at one index in every table that holds it (its keys are rotated for those
     positions; a shared prefix block is shared at its place), the scratch block aside,
     which holds nothing anyone sees.
+
+    With a sliding `window`, a query also sees no key `window` or more positions before
+    it: no block is whole then (every block goes through the mask_mod, which drops the
+    keys behind the window; the blocks wholly behind it are still visited).
     """
     batch, width = tables.shape
     cache_blocks, block_size = cache_like.shape[1], cache_like.shape[2]
+    if window is not None:
+        full = torch.zeros_like(full)
     columns = torch.arange(width, device=tables.device)
     index_of = torch.zeros(cache_blocks, dtype=torch.long, device=tables.device)
     index_of.scatter_(0, tables.reshape(-1), columns.repeat(batch))
@@ -104,7 +122,10 @@ def paged_block_mask(
         block = kv_idx // block_size
         index = index_of[block]
         position = index * block_size + kv_idx % block_size
-        return (tables[b, index] == block) & (position <= q_first[b] + q_idx)
+        seen = (tables[b, index] == block) & (position <= q_first[b] + q_idx)
+        if window is None:
+            return seen
+        return seen & (position > q_first[b] + q_idx - window)
 
     return BlockMask.from_kv_blocks(
         _per_tile(counts - full),
@@ -123,7 +144,7 @@ def _per_tile(t: torch.Tensor) -> torch.Tensor:
     return t[:, None].to(torch.int32).contiguous()
 
 
-def _flex(q: torch.Tensor, kv: LayerKV, mask: BlockMask) -> torch.Tensor:
+def _flex(q: torch.Tensor, kv: LayerKV, mask: BlockMask, layer: LayerAttention) -> torch.Tensor:
     """q [B, heads, n, d] over the whole cache under `mask` -> [B, heads, n, d]."""
     if kv.quantized:
         raise RuntimeError("FlexAttention reads a cache of the model's dtype, not 8-bit codes")
@@ -138,10 +159,23 @@ def _flex(q: torch.Tensor, kv: LayerKV, mask: BlockMask) -> torch.Tensor:
         keys,
         values,
         block_mask=mask,
-        scale=head_dim**-0.5,
+        score_mod=None if layer.softcap is None else _softcap_mod(layer.softcap),
+        scale=layer.scale_for(head_dim),
         enable_gqa=q.shape[1] != kv_heads,
         kernel_options=_kernel_options(mask) if on_cuda else None,
     )
+
+
+@functools.cache
+def _softcap_mod(cap: float) -> Any:
+    """Gemma 2's soft-capping as a score_mod (applied before the mask, as transformers)."""
+
+    def capped(
+        score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor
+    ) -> torch.Tensor:
+        return torch.tanh(score / cap) * cap
+
+    return capped
 
 
 @functools.cache

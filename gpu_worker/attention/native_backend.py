@@ -5,6 +5,9 @@ each K/V byte once; the chunk kernel needs bfloat16 on a CPU with AVX512-BF16.
 NativeRowsAttention, where the chunk kernel does not serve: the decode kernel takes a
 chunk's rows too, one query each.
 
+Neither serves sliding windows or soft-capped scores (kernel choice passes them over for
+models that have them).
+
 A query row gets the same bits whatever else is in the step and whether it is a decode
 row or a row of a prefill chunk, so recompute after a preemption reproduces the tokens
 decoded before it, in bfloat16 too. An 8-bit cache's rows are dequantized once per task
@@ -42,13 +45,13 @@ class NativeAttention(AttentionBackend):
         )
 
     def decode(self, q: torch.Tensor, kv: LayerKV, group: DecodeGroup) -> torch.Tensor:
-        return self._decode_rows(q, kv, group.block_tables, group.context_lens)
+        scale = group.layer.scale_for(q.shape[-1])
+        return self._decode_rows(q, kv, group.block_tables, group.context_lens, scale)
 
     def _decode_rows(
-        self, q: torch.Tensor, kv: LayerKV, tables: torch.Tensor, lens: torch.Tensor
+        self, q: torch.Tensor, kv: LayerKV, tables: torch.Tensor, lens: torch.Tensor, scale: float
     ) -> torch.Tensor:
         """Query row i over the first lens[i] tokens of block table tables[i]."""
-        scale = q.shape[-1] ** -0.5
         return self.kernels.paged_decode_attention(
             q, kv.k, kv.v, tables, lens, scale, kv.k_scales, kv.v_scales
         )
@@ -56,7 +59,7 @@ class NativeAttention(AttentionBackend):
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, chunk: PrefillChunk
     ) -> torch.Tensor:
-        scale = q.shape[-1] ** -0.5
+        scale = chunk.layer.scale_for(q.shape[-1])
         return self.kernels.paged_prefill_attention(
             q, kv.k, kv.v, chunk.block_table, chunk.start, scale, kv.k_scales, kv.v_scales
         )
@@ -90,4 +93,4 @@ class NativeRowsAttention(NativeAttention):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, chunk: PrefillChunk
     ) -> torch.Tensor:
         rows = chunk.prepared
-        return self._decode_rows(q, kv, rows.tables, rows.lens)
+        return self._decode_rows(q, kv, rows.tables, rows.lens, chunk.layer.scale_for(q.shape[-1]))

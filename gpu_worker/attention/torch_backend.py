@@ -22,7 +22,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.attention.base import QUERY_BLOCK, AttentionBackend, DecodeGroup, PrefillChunk
+from gpu_worker.attention.base import (
+    QUERY_BLOCK,
+    AttentionBackend,
+    DecodeGroup,
+    LayerAttention,
+    PrefillChunk,
+)
 from gpu_worker.kv_cache import LayerKV
 from gpu_worker.kv_quant import KV_CACHE_DTYPES, as_bytes, dequantize
 
@@ -41,10 +47,16 @@ _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 class TorchChunk:
     """A chunk's rows of the cache seen as [kv_heads * blocks, ...] that hold its context,
     head by head (None when it starts at 0 and attends only to itself), and a
-    [QUERY_BLOCK, QUERY_BLOCK] tile, -inf above the diagonal."""
+    [QUERY_BLOCK, QUERY_BLOCK] tile, -inf above the diagonal.
+
+    In a windowed layer the rows start at the first block any query sees (`first_key`
+    is that block's first position), and each query block has its own mask over the keys
+    it sees, from `window_masks` (first key position, [size, keys] 0 or -inf)."""
 
     cache_rows: torch.Tensor | None
     causal_tile: torch.Tensor
+    first_key: int = 0
+    window_masks: list[tuple[int, torch.Tensor]] | None = None
 
 
 @dataclass(slots=True)
@@ -66,32 +78,39 @@ class TorchAttention(AttentionBackend):
     name = "torch"
     row_invariant = False
     paged = False
+    windows = True
+    softcap = True
 
     def decode_group(
         self, group: DecodeGroup, cache_like: torch.Tensor, group_size: int
     ) -> DecodeGroup:
         group.prepared = _decode_gather(
-            group.block_tables, group.context_lens, cache_like, group_size
+            group.block_tables, group.context_lens, cache_like, group_size, group.layer.window
         )
         return group
 
     def prefill_chunk(
         self, chunk: PrefillChunk, table: torch.Tensor, cache_like: torch.Tensor
     ) -> PrefillChunk:
-        kv_heads, cache_blocks = cache_like.shape[:2]
+        kv_heads, cache_blocks, block_size = cache_like.shape[:3]
+        window = chunk.layer.window
+        first_block = 0 if window is None else max(0, chunk.start - window + 1) // block_size
         # An 8-bit cache is read back for the chunk's own keys too: they must be the
         # values later steps will see.
         cache_rows = None
         if chunk.start > 0 or cache_like.dtype in KV_CACHE_DTYPES.values():
             heads = torch.arange(kv_heads)[:, None] * cache_blocks
-            rows = (heads + table).reshape(-1)
+            rows = (heads + table[first_block:]).reshape(-1)
             cache_rows = rows.to(cache_like.device, non_blocking=True)
-        tile = causal_tile(_score_dtype(cache_like), cache_like.device)
-        chunk.prepared = TorchChunk(cache_rows, tile)
+        dtype = _score_dtype(cache_like)
+        tile = causal_tile(dtype, cache_like.device)
+        chunk.prepared = TorchChunk(cache_rows, tile, first_block * block_size)
+        if window is not None:
+            chunk.prepared.window_masks = _window_masks(chunk, window, dtype, cache_like.device)
         return chunk
 
     def decode(self, q: torch.Tensor, kv: LayerKV, group: DecodeGroup) -> torch.Tensor:
-        return _gathered_decode_attention(q, kv, group.prepared)
+        return _gathered_decode_attention(q, kv, group.prepared, group.layer)
 
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, chunk: PrefillChunk
@@ -103,8 +122,32 @@ class TorchAttention(AttentionBackend):
 
 def cpu_flash_serves(device: torch.device, chunk: PrefillChunk, kv: LayerKV) -> bool:
     """Whether PyTorch's CPU flash kernel takes a chunk: a long context, of a cache of the
-    model's dtype, on a CPU (there is no such kernel for any other device)."""
-    return chunk.context_len > FLASH_MIN_CONTEXT and device.type == "cpu" and not kv.quantized
+    model's dtype, on a CPU (there is no such kernel for any other device), in a layer
+    without a window or soft-capping (a windowed chunk's blocks see few keys anyway)."""
+    return (
+        chunk.context_len > FLASH_MIN_CONTEXT
+        and device.type == "cpu"
+        and not kv.quantized
+        and chunk.layer.window is None
+        and chunk.layer.softcap is None
+    )
+
+
+def _window_masks(
+    chunk: PrefillChunk, window: int, dtype: torch.dtype, device: torch.device
+) -> list[tuple[int, torch.Tensor]]:
+    """Each query block's first visible key position and its mask over keys from there to
+    its last query: -inf past a query (causal) or `window` or more positions before it."""
+    masks = []
+    for first in range(chunk.start, chunk.context_len, QUERY_BLOCK):
+        end = min(first + QUERY_BLOCK, chunk.context_len)
+        lowest = max(0, first - window + 1)
+        queries = torch.arange(first, end, device=device)[:, None]
+        keys = torch.arange(lowest, end, device=device)[None, :]
+        hidden = (keys > queries) | (keys <= queries - window)
+        mask = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, -math.inf)
+        masks.append((lowest, mask))
+    return masks
 
 
 def _decode_gather(
@@ -112,6 +155,7 @@ def _decode_gather(
     context_lens: torch.Tensor,
     cache_like: torch.Tensor,
     group_size: int,
+    window: int | None = None,
 ) -> DecodeGather:
     device = block_tables.device
     batch, width = block_tables.shape
@@ -119,6 +163,8 @@ def _decode_gather(
     keys_per_seq = width * block_size
     key_pos = torch.arange(keys_per_seq, device=device)
     visible = key_pos[None, :] < context_lens[:, None]
+    if window is not None:
+        visible &= key_pos[None, :] >= context_lens[:, None] - window
     bias = torch.zeros(visible.shape, dtype=_score_dtype(cache_like), device=device)
     bias.masked_fill_(~visible, -math.inf)
     slots = block_tables[:, :, None] * block_size + torch.arange(block_size, device=device)
@@ -144,36 +190,49 @@ def _blocked_prefill_attention(
     """As _prefill_attention, with matmuls over query blocks.
 
     Query block [i, e) sees keys [0, start + e): every key before start + i is visible to
-    all its queries, so only the last e - i columns need the causal triangle.
+    all its queries, so only the last e - i columns need the causal triangle. In a
+    windowed layer it sees keys from its first query's window on, under its own mask.
     """
     num_queries, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     group_size = heads // kv_heads
-    if chunk.prepared.cache_rows is None:
+    prepared, layer = chunk.prepared, chunk.layer
+    if prepared.cache_rows is None:
         keys, values = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
     else:
-        keys = _gather(kv.k, kv.k_scales, chunk.prepared.cache_rows, chunk.context_len, q.dtype)
-        values = _gather(kv.v, kv.v_scales, chunk.prepared.cache_rows, chunk.context_len, q.dtype)
-    scale, unused = head_dim**-0.5, q.new_zeros(())  # beta=0: baddbmm ignores its input
+        length = chunk.context_len - prepared.first_key
+        keys = _gather(kv.k, kv.k_scales, prepared.cache_rows, length, q.dtype)
+        values = _gather(kv.v, kv.v_scales, prepared.cache_rows, length, q.dtype)
+    scale, unused = layer.scale_for(head_dim), q.new_zeros(())  # beta=0: baddbmm ignores it
     out = q.new_empty(q.shape)
     grouped = q.view(num_queries, kv_heads, group_size, head_dim)
-    for first in range(0, num_queries, QUERY_BLOCK):
+    for index, first in enumerate(range(0, num_queries, QUERY_BLOCK)):
         end = min(first + QUERY_BLOCK, num_queries)
         size, visible = end - first, chunk.start + end
+        lowest = 0 if prepared.window_masks is None else prepared.window_masks[index][0]
+        seen = slice(lowest - prepared.first_key, visible - prepared.first_key)
         # The query heads of one key/value head as that head's rows: [kv_heads, group * size, d].
         block = grouped[first:end].permute(1, 2, 0, 3).reshape(kv_heads, -1, head_dim)
         # As in decode: scaled inside the matmul, softmax in float32.
-        scores = torch.baddbmm(
-            unused, block, keys[:, :visible].transpose(1, 2), beta=0, alpha=scale
-        )
-        scores = scores.view(kv_heads, group_size, size, visible)
-        scores[..., visible - size :].add_(chunk.prepared.causal_tile[:size, :size])
+        scores = torch.baddbmm(unused, block, keys[:, seen].transpose(1, 2), beta=0, alpha=scale)
+        scores = scores.view(kv_heads, group_size, size, visible - lowest)
+        if layer.softcap is not None:
+            scores = _softcapped(scores, layer.softcap)
+        if prepared.window_masks is None:
+            scores[..., visible - size :].add_(prepared.causal_tile[:size, :size])
+        else:
+            scores.add_(prepared.window_masks[index][1])
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        probs = probs.view(kv_heads, -1, visible)
-        block_out = torch.bmm(probs, values[:, :visible])
+        probs = probs.view(kv_heads, -1, visible - lowest)
+        block_out = torch.bmm(probs, values[:, seen])
         by_query = block_out.view(kv_heads, group_size, size, head_dim).permute(2, 0, 1, 3)
         out[first:end] = by_query.reshape(size, heads, head_dim)
     return out
+
+
+def _softcapped(scores: torch.Tensor, cap: float) -> torch.Tensor:
+    """Gemma 2's soft-capping, as transformers: cap * tanh(score / cap)."""
+    return torch.tanh(scores / cap) * cap
 
 
 def _flash_prefill_attention(
@@ -188,7 +247,7 @@ def _flash_prefill_attention(
     num_queries, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     group_size = heads // kv_heads
-    scale = head_dim**-0.5
+    scale = chunk.layer.scale_for(head_dim)
     # [1, heads, n, d]; the kernel needs one key/value head per query head.
     own_keys = k.transpose(0, 1).repeat_interleave(group_size, 0)[None]
     own_values = v.transpose(0, 1).repeat_interleave(group_size, 0)[None]
@@ -222,7 +281,9 @@ def _merge(
     return merged.to(out_a.dtype)
 
 
-def _gathered_decode_attention(q: torch.Tensor, kv: LayerKV, group: DecodeGather) -> torch.Tensor:
+def _gathered_decode_attention(
+    q: torch.Tensor, kv: LayerKV, group: DecodeGather, layer: LayerAttention
+) -> torch.Tensor:
     """As _decode_attention, in PyTorch.
 
     The query heads that share a key/value head become that head's query rows, so grouped-
@@ -245,12 +306,13 @@ def _gathered_decode_attention(q: torch.Tensor, kv: LayerKV, group: DecodeGather
     # Scale and mask inside the matmul: the same values as scaling and masking a float32
     # copy of the scores afterwards, without those passes over them. The softmax still
     # computes in float32 (a bfloat16 softmax changes greedy tokens across schedules).
-    scores = torch.baddbmm(
-        group.bias.to(q.dtype),
-        queries.reshape(kv_heads * batch, group_size, head_dim),
-        keys.transpose(1, 2),
-        alpha=head_dim**-0.5,
-    )
+    queries = queries.reshape(kv_heads * batch, group_size, head_dim)
+    scale = layer.scale_for(head_dim)
+    if layer.softcap is None:
+        scores = torch.baddbmm(group.bias.to(q.dtype), queries, keys.transpose(1, 2), alpha=scale)
+    else:  # capped before the mask
+        scores = _softcapped(torch.bmm(queries, keys.transpose(1, 2)) * scale, layer.softcap)
+        scores = scores + group.bias.to(q.dtype)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     if kv.quantized:
         values = _rows_of(kv.v, kv.v_scales, group.key_rows, q.dtype).view(keys.shape)
