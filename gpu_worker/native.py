@@ -129,7 +129,8 @@ def kernels() -> Any | None:
     Its ops take CPU tensors only:
     - paged_decode_attention(q [B, heads, d], k_cache, v_cache [kv_heads, blocks,
       block_size, d], block_tables [B, W], context_lens [B], scale, k_scales=None,
-      v_scales=None) -> [B, heads, d];
+      v_scales=None, window=0) -> [B, heads, d] (window > 0: each row sees its last
+      `window` tokens);
     - paged_prefill_attention(q [n, heads, d], k_cache, v_cache, block_table [W], start,
       scale, k_scales=None, v_scales=None) -> [n, heads, d], where the CPU has AVX512-BF16;
     - rms_norm, add_rms_norm_, silu_and_mul, rope_and_cache_: see gpu_worker.layer_ops;

@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from gpu_worker import kernel_choice, kernels
-from gpu_worker.attention import NativeAttention, NativeRowsAttention, TorchAttention
+from gpu_worker.attention import (
+    FULL,
+    LayerAttention,
+    NativeAttention,
+    NativeRowsAttention,
+    TorchAttention,
+)
 from gpu_worker.kernel_choice import NoCorrectKernel, Shapes, Trial, pick
 from gpu_worker.protocol import parse_kernel_pins
 from service.cli import build_parser
@@ -102,6 +108,31 @@ def test_a_candidate_whose_rows_depend_on_their_company_fails_the_invariance_che
     assert kernel_choice.check_attention(backend, case, expected) == (
         "decode row 0 alone differs from the same row in a batch"
     )
+
+
+class WindowlessAttention(NativeRowsAttention):
+    """Claims sliding windows, and attends over the whole context."""
+
+    name = "windowless"
+
+    def decode(self, q, kv, group):
+        return self._decode_rows(q, kv, group.block_tables, group.context_lens, FULL)
+
+
+def test_a_windowed_model_is_offered_and_checked_on_what_serves_windows():
+    layers = (LayerAttention(window=4096), FULL)  # Gemma 3's local and global layers
+    offered = kernels.attention_candidates(CPU, torch.bfloat16, 64, layers)
+    assert {b.name for b in offered} == {"torch", "native-rows", "hybrid"}  # no chunk kernel
+    capped = kernels.attention_candidates(CPU, torch.bfloat16, 64, (LayerAttention(softcap=50),))
+    assert [b.name for b in capped] == ["torch"]
+    shapes = Shapes(9, 3, 64, 576, 1536, 16, torch.bfloat16, CPU, torch.bfloat16, layers)
+    # Checked where the window bites: the checked contexts are a few hundred tokens.
+    assert shapes.checked_layer() == LayerAttention(window=kernel_choice.CHECK_WINDOW)
+    case, expected = case_and_expected(shapes)
+    native = kernels.native.kernels()
+    assert kernel_choice.check_attention(NativeRowsAttention(native), case, expected) is None
+    failure = kernel_choice.check_attention(WindowlessAttention(native), case, expected)
+    assert failure is not None and failure.startswith("decode differs from the reference")
 
 
 class ShortChunkDependentAttention(NativeRowsAttention):

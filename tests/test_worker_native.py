@@ -43,12 +43,14 @@ def random_decode_case(
     return qk[:, :heads], k_cache, v_cache, tables, lens
 
 
-def decode_both_ways(q, k_cache, v_cache, tables, lens) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_both_ways(
+    q, k_cache, v_cache, tables, lens, layer=attention.FULL
+) -> tuple[torch.Tensor, torch.Tensor]:
     group_size = q.shape[1] // k_cache.shape[0]
     kv = LayerKV(k_cache, v_cache)
 
     def run(backend: attention.AttentionBackend) -> torch.Tensor:
-        rows = attention.DecodeGroup(slice(None), tables, lens)
+        rows = attention.DecodeGroup(slice(None), tables, lens, layer=layer)
         group = backend.decode_group(rows, k_cache, group_size)
         return backend.decode(q, kv, group)
 
@@ -64,6 +66,20 @@ def test_kernel_matches_pytorch_decode(dtype, tolerance, head_dim, group_size, b
     got, expected = decode_both_ways(*case)
     assert got.dtype == dtype and got.shape == case[0].shape
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("head_dim", [64, 40])  # 40: the scalar loops
+@pytest.mark.parametrize("window", [1, 7, 16, 100])  # 100: past every context
+def test_kernel_attends_within_a_sliding_window(dtype, tolerance, head_dim, window):
+    """Each row sees its last `window` tokens, which start mid-block (block size 5)."""
+    case = random_decode_case(dtype, head_dim, 3, 5, seed=window)
+    layer = attention.LayerAttention(scale=0.2, window=window)
+    got, expected = decode_both_ways(*case, layer=layer)
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    if window < 25:  # the window bites: the whole context would give other values
+        whole, _ = decode_both_ways(*case, layer=attention.LayerAttention(scale=0.2))
+        assert not torch.allclose(got[1].float(), whole[1].float(), atol=tolerance)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -22,6 +22,7 @@ class HybridAttention(AttentionBackend):
     name = "hybrid"
     row_invariant = False
     paged = False
+    windows = True  # both halves serve sliding windows
 
     def __init__(self, kernels: Any) -> None:
         self._decoder = NativeAttention(kernels)

@@ -5,8 +5,9 @@ each K/V byte once; the chunk kernel needs bfloat16 on a CPU with AVX512-BF16.
 NativeRowsAttention, where the chunk kernel does not serve: the decode kernel takes a
 chunk's rows too, one query each.
 
-Neither serves sliding windows or soft-capped scores (kernel choice passes them over for
-models that have them).
+The decode kernel takes a sliding window (each row sees its last `window` tokens), so
+NativeRowsAttention serves windowed layers; the chunk kernel does not, and NativeAttention
+is not offered for models with windows. Neither soft-caps scores.
 
 A query row gets the same bits whatever else is in the step and whether it is a decode
 row or a row of a prefill chunk, so recompute after a preemption reproduces the tokens
@@ -22,13 +23,14 @@ from typing import Any
 import torch
 
 from gpu_worker import native
-from gpu_worker.attention.base import AttentionBackend, DecodeGroup, PrefillChunk
+from gpu_worker.attention.base import AttentionBackend, DecodeGroup, LayerAttention, PrefillChunk
 from gpu_worker.kv_cache import LayerKV
 
 
 class NativeAttention(AttentionBackend):
     name = "native"
     row_invariant = True
+    windows = False  # the chunk kernel has none
 
     def __init__(self, kernels: Any) -> None:
         self.kernels = kernels
@@ -45,15 +47,21 @@ class NativeAttention(AttentionBackend):
         )
 
     def decode(self, q: torch.Tensor, kv: LayerKV, group: DecodeGroup) -> torch.Tensor:
-        scale = group.layer.scale_for(q.shape[-1])
-        return self._decode_rows(q, kv, group.block_tables, group.context_lens, scale)
+        return self._decode_rows(q, kv, group.block_tables, group.context_lens, group.layer)
 
     def _decode_rows(
-        self, q: torch.Tensor, kv: LayerKV, tables: torch.Tensor, lens: torch.Tensor, scale: float
+        self,
+        q: torch.Tensor,
+        kv: LayerKV,
+        tables: torch.Tensor,
+        lens: torch.Tensor,
+        layer: LayerAttention,
     ) -> torch.Tensor:
-        """Query row i over the first lens[i] tokens of block table tables[i]."""
+        """Query row i over the first lens[i] tokens of block table tables[i] (the last
+        `layer.window` of them in a windowed layer)."""
+        scale = layer.scale_for(q.shape[-1])
         return self.kernels.paged_decode_attention(
-            q, kv.k, kv.v, tables, lens, scale, kv.k_scales, kv.v_scales
+            q, kv.k, kv.v, tables, lens, scale, kv.k_scales, kv.v_scales, layer.window or 0
         )
 
     def prefill(
@@ -75,6 +83,7 @@ class RowsChunk:
 
 class NativeRowsAttention(NativeAttention):
     name = "native-rows"
+    windows = True
 
     @staticmethod
     def serves(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -93,4 +102,4 @@ class NativeRowsAttention(NativeAttention):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, chunk: PrefillChunk
     ) -> torch.Tensor:
         rows = chunk.prepared
-        return self._decode_rows(q, kv, rows.tables, rows.lens, chunk.layer.scale_for(q.shape[-1]))
+        return self._decode_rows(q, kv, rows.tables, rows.lens, chunk.layer)

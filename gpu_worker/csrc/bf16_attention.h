@@ -42,15 +42,17 @@ struct PagedKV {
   CacheRows<bf16> k, v;
   const int64_t* table;  // the sequence's block ids
   int64_t cache_blocks, block_size, d;
+  int64_t from = 0;  // the first token seen (a sliding window's): "token t" is from + t
 
   // Indices of the rows of tokens [0, len) of `head`, then kPrefetchTokens copies of the
   // last (past the end, prefetch it again rather than test every time), walking the block
   // table once rather than dividing per token.
   void row_ids(int64_t head, int64_t len, std::vector<int64_t>& out) const {
     out.resize(len + kPrefetchTokens);
-    for (int64_t t = 0, i = 0; t < len; ++i) {
+    int64_t slot = from % block_size;
+    for (int64_t t = 0, i = from / block_size; t < len; ++i, slot = 0) {
       const int64_t first = (head * cache_blocks + table[i]) * block_size;
-      for (int64_t slot = 0; slot < block_size && t < len; ++slot, ++t) out[t] = first + slot;
+      for (; slot < block_size && t < len; ++slot, ++t) out[t] = first + slot;
     }
     std::fill(out.begin() + len, out.end(), out[len - 1]);
   }

@@ -14,6 +14,9 @@
 // for bit: rows are dequantized as they are staged, or, in the bfloat16 kernel, when a task
 // starts.
 //
+// A sliding window (`window` > 0) is a first token: a row sees the last `window` tokens of
+// its context, walked as a context of its own (the bfloat16 path's PagedKV::from).
+//
 // A query row's result depends only on its own query and keys, never on the other rows of
 // the call, so a float32 prefill chunk can run its rows here as well (gpu_worker.attention).
 // In bfloat16 on CPUs with AVX512-BF16 a task runs the prefill kernel's arithmetic instead
@@ -64,14 +67,23 @@ struct Problem {
   T* out;  // [batch, heads, head_dim], contiguous
   int64_t heads, kv_heads, group, head_dim, cache_blocks, block_size, width;
   float scale;
+  int64_t window;  // > 0: a query at position p sees keys p - window < k <= p only
 
-  // The memory of the keys, then the values, of tokens [0, len) of sequence `seq` under
-  // kv head `head`.
-  void task_spans(int64_t seq, int64_t head, int64_t len, std::vector<Span>& out) const {
+  // The first token of a context of `len` tokens that its last token sees.
+  int64_t first_seen(int64_t len) const {
+    return window > 0 ? std::max<int64_t>(0, len - window) : 0;
+  }
+
+  // The memory of the keys, then the values, of tokens [from, len) of sequence `seq`
+  // under kv head `head`.
+  void task_spans(int64_t seq, int64_t head, int64_t from, int64_t len,
+                  std::vector<Span>& out) const {
     for (const CacheRows<T>* cache : {&k, &v}) {
-      for (int64_t t = 0, i = 0; t < len; t += block_size, ++i) {
+      for (int64_t i = from / block_size; i * block_size < len; ++i) {
+        const int64_t t = std::max(i * block_size, from);
         const int64_t first = (head * cache_blocks + block_tables[seq * width + i]) * block_size;
-        cache->spans(first, std::min(block_size, len - t), head_dim, out);
+        cache->spans(first + t - i * block_size, std::min((i + 1) * block_size, len) - t,
+                     head_dim, out);
       }
     }
   }
@@ -295,15 +307,17 @@ void weighted_values(const Problem<T>& p, const int64_t* ids, int64_t len, const
 template <typename T>
 void attend(const Problem<T>& p, int64_t seq, int64_t head, std::vector<float>& scratch,
             std::vector<int64_t>& ids, Ahead& ahead) {
-  const int64_t len = p.context_lens[seq];
+  const int64_t context = p.context_lens[seq], from = p.first_seen(context);
+  const int64_t len = context - from;  // the keys seen: tokens [from, context)
   const Buffers b = carve(scratch, p.group, p.head_dim, len);
-  ids.resize(len);
-  p.row_ids(seq, head, len, ids.data());
+  ids.resize(context);
+  p.row_ids(seq, head, context, ids.data());
+  const int64_t* seen = ids.data() + from;
 
   const int64_t first_head = head * p.group;
-  key_scores(p, seq, first_head, ids.data(), len, b, ahead);
+  key_scores(p, seq, first_head, seen, len, b, ahead);
   softmax_rows(p, len, b);
-  weighted_values(p, ids.data(), len, b, ahead);
+  weighted_values(p, seen, len, b, ahead);
   T* out = p.out + (seq * p.heads + first_head) * p.head_dim;
   for (int64_t i = 0; i < p.group * p.head_dim; ++i) out[i] = static_cast<T>(b.acc[i]);
 }
@@ -316,9 +330,10 @@ void attend(const Problem<T>& p, int64_t seq, int64_t head, std::vector<float>& 
 // `ahead` holds the next task's cache lines, asked for while this one computes.
 void attend_bf16(const Problem<bf16>& p, int64_t seq, int64_t head, Workspace& w,
                  Ahead& ahead) {
-  const int64_t len = p.context_lens[seq];
+  const int64_t context = p.context_lens[seq], from = p.first_seen(context);
+  const int64_t len = context - from;  // the keys seen: tokens [from, context)
   const PagedKV kv{p.k, p.v, p.block_tables + seq * p.width, p.cache_blocks, p.block_size,
-                   p.head_dim};
+                   p.head_dim, from};
   w.start(kv, head, len, std::min(p.group, kUnit));
   w.keys.resize(2 * p.head_dim / 2 * kKeys);
   const Direct keys_and_values{w, p.head_dim, len, w.keys.data(), ahead};
@@ -353,7 +368,8 @@ void attend_in_order(const Problem<T>& p, int64_t begin, int64_t end, const Atte
     if (task + 1 < end) {
       const int64_t next = (task + 1) / p.kv_heads;
       check_sequence(p, next, p.context_lens[next]);
-      p.task_spans(next, (task + 1) % p.kv_heads, p.context_lens[next], ahead.spans);
+      const int64_t len = p.context_lens[next];
+      p.task_spans(next, (task + 1) % p.kv_heads, p.first_seen(len), len, ahead.spans);
     }
     attend(task / p.kv_heads, task % p.kv_heads, ahead);
   }
@@ -386,22 +402,24 @@ void run(const Problem<T>& p, int64_t batch) {
 template <typename T>
 Problem<T> make_problem(const at::Tensor& q, const CacheRows<T>& k, const CacheRows<T>& v,
                         const at::Tensor& k_cache, const at::Tensor& tables,
-                        const at::Tensor& lens, at::Tensor& out, double scale) {
+                        const at::Tensor& lens, at::Tensor& out, double scale, int64_t window) {
   const int64_t heads = q.size(1), kv_heads = k_cache.size(0);
   return Problem<T>{q.const_data_ptr<T>(), q.stride(0), q.stride(1), k, v,
                     tables.const_data_ptr<int64_t>(), lens.const_data_ptr<int64_t>(),
                     out.mutable_data_ptr<T>(), heads, kv_heads, heads / kv_heads, q.size(2),
-                    k_cache.size(1), k_cache.size(2), tables.size(1), static_cast<float>(scale)};
+                    k_cache.size(1), k_cache.size(2), tables.size(1), static_cast<float>(scale),
+                    window};
 }
 
 // q [batch, heads, head_dim] (last dim contiguous), caches [kv_heads, blocks, block_size,
 // head_dim] of q's dtype, or int8 / float8_e4m3fn with their scales [kv_heads, blocks,
 // block_size], block_tables [batch, width] and context_lens [batch] int64 -> [batch, heads, d].
+// A `window` > 0 is a sliding window: each row sees its last `window` tokens only.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& context_lens, double scale,
                                   const std::optional<at::Tensor>& k_scales,
-                                  const std::optional<at::Tensor>& v_scales) {
+                                  const std::optional<at::Tensor>& v_scales, int64_t window) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [batch, heads, d], rows contiguous");
@@ -430,7 +448,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     using T = decltype(zero);
     run(make_problem<T>(q, cache_rows<T>(k_cache, k_scales, kind),
                         cache_rows<T>(v_cache, v_scales, kind), k_cache, tables, lens, out,
-                        scale),
+                        scale, window),
         batch);
   };
   AT_DISPATCH_SWITCH(q.scalar_type(), "paged_decode_attention",
@@ -443,7 +461,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 TORCH_LIBRARY(cadence, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale, Tensor? k_scales=None, Tensor? v_scales=None) "
-        "-> Tensor");
+        "Tensor context_lens, float scale, Tensor? k_scales=None, Tensor? v_scales=None, "
+        "int window=0) -> Tensor");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
 }
