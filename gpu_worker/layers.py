@@ -42,7 +42,7 @@ class Layer:
 
 class WeightTaker:
     """Takes tensors out of the checkpoint's dict by Hugging Face name, checks their shape,
-    places them.
+    places them. A multimodal model's text weights are renamed as the text model's first.
 
     Taking removes each tensor from the dict, so once a layer's q/k/v (or gate/up) are
     fused, nothing holds the separate parts: loading peaks at the model plus one fused
@@ -56,7 +56,13 @@ class WeightTaker:
         device: torch.device,
         prepack: bool,
         gemma_norms: bool = False,
+        text_prefixes: tuple[str, ...] = (),
     ):
+        for name in [n for n in weights if n.startswith(text_prefixes)]:
+            prefix = next(p for p in text_prefixes if name.startswith(p))
+            weights["model." + name.removeprefix(prefix)] = weights.pop(name)
+        if "language_model.lm_head.weight" in weights:
+            weights["lm_head.weight"] = weights.pop("language_model.lm_head.weight")
         self.weights = weights
         self.dtype = dtype
         self.device = device

@@ -56,7 +56,8 @@ class Model:
         gemma = config.family.gemma
         self._pick_functions(gemma)
         prepack = kernels.matmul == "onednn"
-        take = WeightTaker(weights, dtype, device, prepack, gemma_norms=gemma)
+        prefixes = config.family.text_prefixes
+        take = WeightTaker(weights, dtype, device, prepack, gemma, prefixes)
         self.embed = take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
         # Gemma scales its embeddings by sqrt(hidden), rounded to the model's dtype.
         self.embed_scale = (

@@ -42,6 +42,12 @@ class Family:
     moe: str | None = None  # the experts' layout: "mixtral" or "qwen"
     # A sliding window counts only with use_sliding_window (Qwen's configs default it off).
     window_opt_in: bool = False
+    # The decoder is the text model of a multimodal one (Gemma 3's text_config): its
+    # weights' names start with one of these instead of "model." (the rest is not loaded).
+    text_prefixes: tuple[str, ...] = ()
+    # Without layer_types, every n-th layer is global and the others windowed (Gemma:
+    # sliding_window_pattern, or this default); 0: every layer is windowed.
+    window_pattern: int = 0
 
 
 FAMILIES = {
@@ -49,8 +55,14 @@ FAMILIES = {
     "MistralForCausalLM": Family(),
     "Qwen2ForCausalLM": Family(qkv_bias=True, window_opt_in=True),
     "Qwen3ForCausalLM": Family(qk_norm=True, window_opt_in=True),
-    "Gemma2ForCausalLM": Family(gemma=True),
-    "Gemma3ForCausalLM": Family(qk_norm=True, gemma=True),
+    "Gemma2ForCausalLM": Family(gemma=True, window_pattern=2),
+    "Gemma3ForCausalLM": Family(qk_norm=True, gemma=True, window_pattern=6),
+    "Gemma3ForConditionalGeneration": Family(
+        qk_norm=True,
+        gemma=True,
+        text_prefixes=("model.language_model.", "language_model.model."),
+        window_pattern=6,
+    ),
     "Phi3ForCausalLM": Family(fused_projections=True),
     "MixtralForCausalLM": Family(moe="mixtral"),
     "Qwen2MoeForCausalLM": Family(moe="qwen", window_opt_in=True),
@@ -145,6 +157,18 @@ class ModelConfig:
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         architecture = _architecture(raw)
         family = FAMILIES[architecture]
+        if family.text_prefixes:
+            raw = _text_config(raw)
+        try:
+            return cls._parse(raw, architecture)
+        except UnsupportedModel as exc:  # named by the architecture it concerns
+            raise UnsupportedModel(f"{architecture}: {exc}") from exc
+
+    @classmethod
+    def _parse(cls, raw: dict[str, Any], architecture: str) -> ModelConfig:
+        family = FAMILIES[architecture]
+        if raw.get("use_bidirectional_attention"):
+            raise UnsupportedModel("bidirectional attention is not supported")
         try:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
@@ -197,8 +221,7 @@ class ModelConfig:
             raise UnsupportedModel(f"head_dim {self.head_dim} is odd; RoPE needs an even one")
         if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
             raise UnsupportedModel(
-                f"{self.architecture}: unsupported activation {self.hidden_act!r}; "
-                "supported: silu, gelu_pytorch_tanh"
+                f"unsupported activation {self.hidden_act!r}; supported: silu, gelu_pytorch_tanh"
             )
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"):
             if getattr(self, name) <= 0:
@@ -248,6 +271,15 @@ def _architecture(raw: dict[str, Any]) -> str:
     raise UnsupportedModel(
         f"unsupported architecture {found}; supported: {', '.join(ARCHITECTURES.values())}"
     )
+
+
+def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config's text model, as a config of its own."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError("config.json lacks the text model's text_config")
+    inherited = {k: raw[k] for k in ("tie_word_embeddings", "bos_token_id") if k in raw}
+    return {"model_type": "gemma3_text", **inherited, **text}
 
 
 def _rope_dict(raw: dict[str, Any], layer_type: str) -> dict[str, Any]:
@@ -360,8 +392,8 @@ def _longrope(rope: dict[str, Any], factor: float, original: int) -> RopeScaling
 
 def _layer_windows(raw: dict[str, Any], layers: int, family: Family) -> tuple[int | None, ...]:
     """Each layer's sliding window, as transformers assigns them: by `layer_types` where
-    the config lists them, else every layer (Mistral), or the layers from
-    max_window_layers on where use_sliding_window says so (Qwen2)."""
+    the config lists them, else every layer (Mistral), the layers from max_window_layers
+    on where use_sliding_window says so (Qwen2), or all but every n-th (Gemma)."""
     window = raw.get("sliding_window")
     if not raw.get("use_sliding_window", not family.window_opt_in) or not window:
         return (None,) * layers
@@ -369,12 +401,21 @@ def _layer_windows(raw: dict[str, Any], layers: int, family: Family) -> tuple[in
     if types is None and "use_sliding_window" in raw and "max_window_layers" in raw:
         first = int(raw["max_window_layers"])
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    pattern = int(raw.get("sliding_window_pattern") or family.window_pattern)
+    if types is None and pattern:
+        types = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+        ]
     if types is None:
         return (int(window),) * layers
     if len(types) != layers:
         raise ConfigError(f"layer_types lists {len(types)} layers, the model has {layers}")
     for kind in set(types) - {"sliding_attention", "full_attention"}:
         raise UnsupportedModel(f"unsupported layer type {kind!r}")
+    if raw.get("use_bidirectional_attention"):
+        raise UnsupportedModel(
+            "bidirectional attention (use_bidirectional_attention) is not supported"
+        )
     return tuple(int(window) if kind == "sliding_attention" else None for kind in types)
 
 

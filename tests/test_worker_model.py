@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -328,3 +330,30 @@ def test_prompt_logprobs_over_chunks_equal_transformers_log_softmax(tiny_llama_d
     expected = reference[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
     assert max_diff(torch.tensor(found), expected) < 1e-4
     assert top_ids == reference[:-1].topk(3, dim=-1).indices.tolist()
+
+
+def test_a_multimodal_gemma3_checkpoint_serves_its_text_model(tiny_models, tmp_path):
+    """model_type gemma3: the text_config's decoder, its weights under model.language_model
+    (the vision tower's are left unread), gives the text model's logits."""
+    from safetensors.torch import load_file, save_file
+
+    text_dir = tiny_models("gemma3")
+    text_config = json.loads((text_dir / "config.json").read_text())
+    config = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "text_config": {k: v for k, v in text_config.items() if k != "architectures"},
+        "vision_config": {"model_type": "siglip_vision_model"},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    weights = {
+        name.replace("model.", "model.language_model.", 1): tensor
+        for name, tensor in load_file(text_dir / "model.safetensors").items()
+    }
+    weights["model.vision_tower.patch_embedding.weight"] = torch.ones(4, 4)
+    save_file(weights, tmp_path / "model.safetensors")
+    plan = make_plan([Chunk(0, random_prompt(30, seed=4), 0, blocks_for(0, 30))])
+    expected = make_runner(text_dir).step_logits(plan)
+    runner = make_runner(tmp_path)
+    assert runner.handshake.architecture == "Gemma3ForConditionalGeneration"
+    assert torch.equal(runner.step_logits(plan), expected)

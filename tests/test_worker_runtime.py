@@ -53,6 +53,65 @@ def test_config_parses_defaults_and_variants():
         max_window_layers=1,
     )
     assert windowed.layer_windows == (None, 32)
+
+
+def test_gemma3_configs_old_and_new_give_each_layer_its_window_and_rope():
+    common = {**BASE_CONFIG, "num_hidden_layers": 7, "sliding_window": 512}
+    old = ModelConfig.from_dict(
+        {
+            **common,
+            "architectures": ["Gemma3ForCausalLM"],
+            "model_type": "gemma3_text",
+            "rope_theta": 1e6,
+            "rope_local_base_freq": 1e4,
+            "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+            "sliding_window_pattern": 6,
+            "query_pre_attn_scalar": 256,
+        }
+    )
+    assert old.layer_windows == (512,) * 5 + (None, 512)
+    local, full = old.rope_of(0), old.rope_of(5)
+    assert (local.theta, local.scaling) == (1e4, None)
+    assert full.theta == 1e6 and full.scaling.factor == 8.0
+    assert old.attention_scale == 256**-0.5 and old.tie_word_embeddings
+    new = ModelConfig.from_dict(
+        {
+            **common,
+            "architectures": ["Gemma3ForCausalLM"],
+            "layer_types": ["sliding_attention"] * 6 + ["full_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            },
+        }
+    )
+    assert new.layer_windows == (512,) * 6 + (None,)
+    assert new.rope_of(0) == local and new.rope_of(6) == full
+    gemma2 = ModelConfig.from_dict({**common, "architectures": ["Gemma2ForCausalLM"]})
+    assert gemma2.layer_windows == (512, None) * 3 + (512,) and gemma2.sliding_rope is None
+
+
+def test_mixture_of_experts_configs_say_which_layers_route():
+    qwen = ModelConfig.from_dict(
+        {
+            **BASE_CONFIG,
+            "num_hidden_layers": 4,
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "decoder_sparse_step": 2,
+            "mlp_only_layers": [3],
+            "norm_topk_prob": True,
+        }
+    )
+    assert qwen.moe.sparse_layers == (False, True, False, False)
+    assert qwen.moe.renormalize and not qwen.moe.float32_weights
+    mixtral = config_with(
+        architectures=["MixtralForCausalLM"], num_local_experts=8, num_experts_per_tok=2
+    )
+    assert mixtral.moe.renormalize and mixtral.moe.float32_weights
+    assert mixtral.moe.intermediate_size == 128
     old_style = config_with(rope_scaling={"type": "linear", "factor": 2.0}, rope_theta=1e6)
     assert old_style.rope_scaling.rope_type == "linear" and old_style.rope_theta == 1e6
     new_style = config_with(rope_parameters={"rope_type": "default", "rope_theta": 5e5})
@@ -65,6 +124,11 @@ def test_config_parses_defaults_and_variants():
     ("changes", "error", "message"),
     [
         ({"architectures": ["GPT2LMHeadModel"]}, UnsupportedModel, "GPT2LMHeadModel"),
+        (
+            {"architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True},
+            UnsupportedModel,
+            "Gemma3ForCausalLM: bidirectional",
+        ),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, UnsupportedModel, "dynamic"),
         ({"hidden_act": "relu"}, UnsupportedModel, "activation"),
         ({"partial_rotary_factor": 0.5}, UnsupportedModel, "partial"),
