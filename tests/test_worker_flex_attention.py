@@ -11,6 +11,7 @@ from torch.nn.attention.flex_attention import create_mask
 from gpu_worker import kernel_choice, kernels
 from gpu_worker.attention import (
     FULL,
+    QUERY_BLOCK,
     FlexAttention,
     HybridAttention,
     LayerAttention,
@@ -178,7 +179,31 @@ def test_prefill_block_lists_cover_exactly_what_each_query_tile_sees(start, chun
         FlexAttention(),
         LayerAttention(window=window),
     )
-    assert_blocks_match_the_mask(meta.prefills[0].prepared)
+    mask = meta.prefills[0].prepared
+    assert_blocks_match_the_mask(mask)
+    if window == 9:  # a tile visits only the blocks its window reaches
+        listed, _ = block_coverage(mask)
+        assert int(listed.sum(-1).max()) <= -(-(QUERY_BLOCK + 9) // 4) + 1
+
+
+def test_decode_block_lists_start_where_each_rows_window_does():
+    case = attention_case(shapes(), batch=6, chunk=8, start=20)
+    case.lens[:2] = [12, 1]
+    meta = build_metadata(
+        [1] * 6,
+        [n - 1 for n in case.lens],
+        case.tables,
+        torch.zeros(6, dtype=torch.long),
+        case.kv.k,
+        case.group_size,
+        FlexAttention(),
+        LayerAttention(window=6),
+    )
+    mask = meta.decode.prepared
+    assert_blocks_match_the_mask(mask)
+    # Positions 6..11 (blocks 1 and 2) for a context of 12; position 0 for a context of 1.
+    assert mask.kv_num_blocks[:2, 0, 0].tolist() == [2, 1]
+    assert mask.full_kv_num_blocks.sum() == 0
 
 
 def test_a_mixed_step_of_the_model_matches_the_reference(tiny_llama_dir, monkeypatch):

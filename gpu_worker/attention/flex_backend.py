@@ -102,19 +102,22 @@ def paged_block_mask(
     which holds nothing anyone sees.
 
     With a sliding `window`, a query also sees no key `window` or more positions before
-    it: no block is whole then (every block goes through the mask_mod, which drops the
-    keys behind the window; the blocks wholly behind it are still visited).
+    it: no block is listed whole then (the mask_mod drops the keys behind the window), and
+    a tile's list starts at the first block its first query's window reaches.
     """
     batch, width = tables.shape
     cache_blocks, block_size = cache_like.shape[1], cache_like.shape[2]
+    first = full  # a tile's partly visible blocks follow its whole ones in the table
     if window is not None:
+        tiles = torch.arange(counts.shape[1], device=tables.device)
+        lowest = (q_first[:, None] + QUERY_BLOCK * tiles - window + 1).clamp(min=0)
+        first = torch.minimum(lowest // block_size, counts)
         full = torch.zeros_like(full)
     columns = torch.arange(width, device=tables.device)
     index_of = torch.zeros(cache_blocks, dtype=torch.long, device=tables.device)
     index_of.scatter_(0, tables.reshape(-1), columns.repeat(batch))
     in_order = tables[:, None, :].expand(-1, counts.shape[1], -1)
-    # A tile's partly visible blocks follow its whole ones in the table.
-    partial = in_order.gather(2, (full[..., None] + columns).clamp(max=width - 1))
+    partial = in_order.gather(2, (first[..., None] + columns).clamp(max=width - 1))
 
     def visible(
         b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
@@ -128,7 +131,7 @@ def paged_block_mask(
         return seen & (position > q_first[b] + q_idx - window)
 
     return BlockMask.from_kv_blocks(
-        _per_tile(counts - full),
+        _per_tile(counts - first),
         _per_tile(partial),
         _per_tile(full),
         _per_tile(in_order),
