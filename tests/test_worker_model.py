@@ -158,6 +158,19 @@ def test_architecture_chunked_batched_and_prefix_cached(architecture, one_torch_
     check_prefix_cache(runner)
 
 
+@pytest.mark.parametrize("name", ["mistral-window", "gemma3", "mixtral", "qwen3-moe"])
+def test_architecture_rows_keep_their_bits_alone_and_batched_in_bfloat16(
+    name, tiny_models, one_torch_thread
+):
+    """Where a row-invariant attention serves (the decode kernel's windows too), a row's
+    bfloat16 logits are the same bits beside other sequences: the experts' routing and
+    matmuls (gpu_worker.moe) keep the claim."""
+    kind, overrides = ARCHITECTURES[name]
+    runner = make_runner(tiny_models(kind, **overrides), dtype="bfloat16", kv_memory=ARCH_KV_MEMORY)
+    assert runner.model.kernels.attention.row_invariant
+    check_mixed_batch(runner)
+
+
 def test_chunked_prefill_equals_unchunked(tiny_llama_dir, prefill_path):
     check_chunked_prefill(make_runner(tiny_llama_dir, kernels=prefill_path))
 
