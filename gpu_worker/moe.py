@@ -64,7 +64,10 @@ class MoEMLP:
         if self.shared is not None and self.shared_gate is not None:
             gate_up, down = self.shared
             shared = down(act_and_mul(gate_up(h)))
-            out = out + torch.sigmoid(self.shared_gate(h)) * shared
+            # In float64, where a vectorized sigmoid and its scalar tail (which rows get
+            # which depends on the step's row count) agree once rounded back.
+            gate = torch.sigmoid(self.shared_gate(h).double()).to(h.dtype)
+            out = out + gate * shared
         return out
 
 
