@@ -158,7 +158,9 @@ def test_architecture_chunked_batched_and_prefix_cached(architecture, one_torch_
     check_prefix_cache(runner)
 
 
-@pytest.mark.parametrize("name", ["mistral-window", "gemma3", "mixtral", "qwen3-moe"])
+@pytest.mark.parametrize(
+    "name", ["mistral-window", "gemma3", "mixtral", "qwen3-moe", "qwen2-moe-shared"]
+)
 def test_architecture_rows_keep_their_bits_batched_and_chunked_in_bfloat16(
     name, tiny_models, one_torch_thread
 ):
