@@ -231,8 +231,9 @@ def random_scales(shape: tuple[int, ...], cache_dtype: torch.dtype, seed: int) -
 @pytest.mark.parametrize("head_dim", [64, 128, 40])  # 40: the plain loops
 @pytest.mark.parametrize("group_size", [1, 3])
 @pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("window", [0, 7])  # 7: a sliding window, from mid-block
 def test_decode_on_8_bit_caches_is_decode_on_their_values(
-    kernels, cache_dtype, dtype, head_dim, group_size, block_size
+    kernels, cache_dtype, dtype, head_dim, group_size, block_size, window
 ):
     q, k_cache, _, tables, lens = random_decode_case(
         dtype, head_dim, group_size, block_size, seed=head_dim + block_size
@@ -243,7 +244,7 @@ def test_decode_on_8_bit_caches_is_decode_on_their_values(
     v_scales = random_scales(k_cache.shape[:3], cache_dtype, seed=4)
     scale = head_dim**-0.5
     got = kernels.paged_decode_attention(
-        q, k_codes, v_codes, tables, lens, scale, k_scales, v_scales
+        q, k_codes, v_codes, tables, lens, scale, k_scales, v_scales, window
     )
     expected = kernels.paged_decode_attention(
         q,
@@ -252,6 +253,7 @@ def test_decode_on_8_bit_caches_is_decode_on_their_values(
         tables,
         lens,
         scale,
+        window=window,
     )
     assert got.dtype == dtype and got.shape == q.shape
     assert torch.equal(got, expected)
