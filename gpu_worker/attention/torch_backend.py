@@ -158,13 +158,16 @@ def _decode_gather(
     window: int | None = None,
 ) -> DecodeGather:
     device = block_tables.device
-    batch, width = block_tables.shape
     kv_heads, cache_blocks, block_size, head_dim = cache_like.shape
-    keys_per_seq = width * block_size
-    key_pos = torch.arange(keys_per_seq, device=device)
-    visible = key_pos[None, :] < context_lens[:, None]
+    key_pos = torch.arange(block_tables.shape[1] * block_size, device=device)[None, :]
     if window is not None:
-        visible &= key_pos[None, :] >= context_lens[:, None] - window
+        # Each row's table from the block its window starts in: at most the window's blocks.
+        block_tables, key_pos = _window_tables(block_tables, context_lens, window, block_size)
+    batch, width = block_tables.shape
+    keys_per_seq = width * block_size
+    visible = key_pos < context_lens[:, None]
+    if window is not None:
+        visible &= key_pos >= context_lens[:, None] - window
     bias = torch.zeros(visible.shape, dtype=_score_dtype(cache_like), device=device)
     bias.masked_fill_(~visible, -math.inf)
     slots = block_tables[:, :, None] * block_size + torch.arange(block_size, device=device)
@@ -182,6 +185,20 @@ def _decode_gather(
         bag_rows=bag_rows.expand(kv_heads, batch, group_size, keys_per_seq).reshape(-1),
         bag_offsets=torch.arange(0, bags * keys_per_seq, keys_per_seq, device=device),
     )
+
+
+def _window_tables(
+    tables: torch.Tensor, lens: torch.Tensor, window: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode rows' tables [B, W] cut to the blocks their windows reach -> ([B, W'] tables,
+    [B, W' * block_size] each column's position); tensor ops only (graph capture)."""
+    width = min(tables.shape[1], -(-window // block_size) + 1)
+    first = (lens - window).clamp(min=0) // block_size
+    columns = first[:, None] + torch.arange(width, device=tables.device)
+    slots = torch.arange(block_size, device=tables.device)
+    # Columns past a table's end repeat its last block, at positions past every context.
+    positions = (columns[:, :, None] * block_size + slots).reshape(len(tables), -1)
+    return tables.gather(1, columns.clamp(max=tables.shape[1] - 1)), positions
 
 
 def _blocked_prefill_attention(
