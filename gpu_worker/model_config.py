@@ -34,6 +34,7 @@ class Family:
     """What an architecture's layers are made of, beyond the Llama layer."""
 
     qkv_bias: bool = False  # q/k/v biases whatever the config says (Qwen2)
+    qkv_bias_default: bool = False  # q/k/v biases where the config names none (Qwen2-MoE)
     qk_norm: bool = False  # an RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
     # Gemma: (1 + w) norms in float32, norms after attention and MLP too, embeddings
     # scaled by sqrt(hidden), GeGLU, the attention scale from query_pre_attn_scalar
@@ -65,7 +66,7 @@ FAMILIES = {
     ),
     "Phi3ForCausalLM": Family(fused_projections=True),
     "MixtralForCausalLM": Family(moe="mixtral"),
-    "Qwen2MoeForCausalLM": Family(moe="qwen", window_opt_in=True),
+    "Qwen2MoeForCausalLM": Family(qkv_bias_default=True, moe="qwen", window_opt_in=True),
     "Qwen3MoeForCausalLM": Family(qk_norm=True, moe="qwen", window_opt_in=True),
 }
 assert set(FAMILIES) == set(ARCHITECTURES.values())
@@ -191,7 +192,7 @@ class ModelConfig:
                 vocab_size=int(raw["vocab_size"]),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", family.gemma)),
                 attention_bias=family.qkv_bias
-                or bool(raw.get("attention_bias", raw.get("qkv_bias", False))),
+                or bool(raw.get("attention_bias", raw.get("qkv_bias", family.qkv_bias_default))),
                 bos_token_id=_optional_int(raw.get("bos_token_id")),
                 sliding_window=max((w for w in windows if w), default=None),
                 layer_windows=windows if any(windows) else (),

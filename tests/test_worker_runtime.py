@@ -112,6 +112,14 @@ def test_mixture_of_experts_configs_say_which_layers_route():
     )
     assert mixtral.moe.renormalize and mixtral.moe.float32_weights
     assert mixtral.moe.intermediate_size == 128
+    qwen2 = {
+        **BASE_CONFIG,
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "moe_intermediate_size": 8,
+        "num_experts_per_tok": 2,
+    }
+    assert ModelConfig.from_dict(qwen2).attention_bias  # older configs name no qkv_bias
+    assert not ModelConfig.from_dict({**qwen2, "qkv_bias": False}).attention_bias
     old_style = config_with(rope_scaling={"type": "linear", "factor": 2.0}, rope_theta=1e6)
     assert old_style.rope_scaling.rope_type == "linear" and old_style.rope_theta == 1e6
     new_style = config_with(rope_parameters={"rope_type": "default", "rope_theta": 5e5})
