@@ -124,6 +124,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     bos_token_id: int | None
+    # The window every layer attends within (the largest, where they differ); None when a
+    # layer sees the whole context. The service frees the blocks before it (Handshake).
     sliding_window: int | None = None
     # Each layer's window, None for full attention; () when no layer has one.
     layer_windows: tuple[int | None, ...] = ()
@@ -194,7 +196,7 @@ class ModelConfig:
                 attention_bias=family.qkv_bias
                 or bool(raw.get("attention_bias", raw.get("qkv_bias", family.qkv_bias_default))),
                 bos_token_id=_optional_int(raw.get("bos_token_id")),
-                sliding_window=max((w for w in windows if w), default=None),
+                sliding_window=_common_window(windows),
                 layer_windows=windows if any(windows) else (),
                 sliding_rope=None if sliding_rope == rope else sliding_rope,
                 query_pre_attn_scalar=_optional_float(raw.get("query_pre_attn_scalar")),
@@ -389,6 +391,12 @@ def _longrope(rope: dict[str, Any], factor: float, original: int) -> RopeScaling
         short_factor=tuple(float(f) for f in rope["short_factor"]),
         long_factor=tuple(float(f) for f in rope["long_factor"]),
     )
+
+
+def _common_window(windows: tuple[int | None, ...]) -> int | None:
+    """The window every layer attends within (the largest); None when one sees all."""
+    sizes = [w for w in windows if w]
+    return max(sizes) if sizes and len(sizes) == len(windows) else None
 
 
 def _layer_windows(raw: dict[str, Any], layers: int, family: Family) -> tuple[int | None, ...]:

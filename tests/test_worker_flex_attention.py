@@ -57,6 +57,18 @@ def test_decode_matches_the_reference_over_ragged_contexts_and_shuffled_tables(b
     assert max_diff(got, want) < TOLERANCE
 
 
+def test_a_block_behind_one_rows_window_serves_another_row():
+    """The service frees the blocks wholly behind a sequence's window, leaving them in its
+    table, and another sequence may take them (service.engine.block_manager.drop_before)."""
+    case = attention_case(shapes(), batch=3, chunk=8, start=40)
+    case.lens[:2] = [12, 40]
+    stale = int(case.tables[1, 0])  # behind row 1's window: positions 31..39 are seen
+    case.tables[0, 2] = stale  # row 0's positions 8..11, in its window
+    case.layer = LayerAttention(window=9)
+    got, want = run_decode(FlexAttention(), case), run_decode(TorchAttention(), case)
+    assert max_diff(got, want) < TOLERANCE
+
+
 @pytest.mark.parametrize("layer", LAYERS, ids=LAYER_IDS)
 @pytest.mark.parametrize(("start", "chunk"), [(0, 37), (21, 37), (130, 300), (256, 128)])
 def test_a_prefill_chunk_attends_over_its_cached_prefix_and_itself_causally(start, chunk, layer):

@@ -46,6 +46,7 @@ def test_config_parses_defaults_and_variants():
     assert qwen.attention_bias and qwen.layer_windows == ()  # no use_sliding_window: none
     mistral = config_with(architectures=["MistralForCausalLM"], sliding_window=64)
     assert mistral.layer_windows == (64, 64) and mistral.context_limit == 2048  # not capped
+    assert mistral.sliding_window == 64  # every layer's: the service frees blocks before it
     windowed = config_with(
         architectures=["Qwen2ForCausalLM"],
         sliding_window=32,
@@ -70,6 +71,7 @@ def test_gemma3_configs_old_and_new_give_each_layer_its_window_and_rope():
         }
     )
     assert old.layer_windows == (512,) * 5 + (None, 512)
+    assert old.sliding_window is None  # the global layers see every block
     local, full = old.rope_of(0), old.rope_of(5)
     assert (local.theta, local.scaling) == (1e4, None)
     assert full.theta == 1e6 and full.scaling.factor == 8.0

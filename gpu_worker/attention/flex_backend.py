@@ -99,7 +99,7 @@ def paged_block_mask(
     The mask_mod finds a cache slot's position through the block's index in the tables:
     a block sits at one index in every table that holds it (its keys are rotated for those
     positions; a shared prefix block is shared at its place), the scratch block aside,
-    which holds nothing anyone sees.
+    which holds nothing anyone sees, and the blocks behind a row's window.
 
     With a sliding `window`, a query also sees no key `window` or more positions before
     it: no block is listed whole then (the mask_mod drops the keys behind the window), and
@@ -114,8 +114,14 @@ def paged_block_mask(
         first = torch.minimum(lowest // block_size, counts)
         full = torch.zeros_like(full)
     columns = torch.arange(width, device=tables.device)
-    index_of = torch.zeros(cache_blocks, dtype=torch.long, device=tables.device)
-    index_of.scatter_(0, tables.reshape(-1), columns.repeat(batch))
+    index_of = torch.zeros(cache_blocks + 1, dtype=torch.long, device=tables.device)
+    placed = tables
+    if window is not None:
+        # Blocks wholly behind a row's window may have gone to other sequences (the
+        # service frees them; the table keeps their places): they place nothing.
+        behind = (q_first - window + 1).clamp(min=0) // block_size
+        placed = torch.where(columns < behind[:, None], cache_blocks, tables)
+    index_of.scatter_(0, placed.reshape(-1), columns.repeat(batch))
     in_order = tables[:, None, :].expand(-1, counts.shape[1], -1)
     partial = in_order.gather(2, (first[..., None] + columns).clamp(max=width - 1))
 
