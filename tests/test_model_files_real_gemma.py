@@ -7,6 +7,7 @@ weight; and its K-quant blocks against an independent dequantizer and llama.cpp'
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,25 @@ SAMPLE_TEXTS = [
     "def f(x):\n    return x**2  # square",
     "\x00\x01 control \x7f and a\u00a0no-break space",
 ]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_reading_of_the_file() -> Iterator[None]:
+    """The gguf package parses the 262k-token vocabulary in ~17 s per reader, and
+    transformers makes one for its config, one for its weights and one for its tokenizer:
+    here they (and the K-quant test) share the first, read-only."""
+    readers: dict[tuple[str, str], Any] = {}
+    new_reader = gguf.GGUFReader
+
+    def shared(path: Any, mode: str = "r") -> Any:
+        key = (str(path), mode)
+        if key not in readers:
+            readers[key] = new_reader(path, mode)
+        return readers[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", shared)
+        yield
 
 
 @pytest.fixture(scope="module")
