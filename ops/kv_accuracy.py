@@ -116,22 +116,41 @@ def greedy_answer(runner: ModelRunner, prompt: list[int], count: int) -> list[in
     return tokens[len(prompt) :]
 
 
-def compare(
-    reference: ModelRunner, quantized: ModelRunner, prompt_set: list[list[int]], count: int
-) -> Agreement:
+@dataclass(slots=True)
+class Answer:
+    """A prompt's greedy answer on the reference cache, and the reference's float32 logits
+    at each of the answer's positions, teacher forced."""
+
+    prompt: list[int]
+    tokens: list[int]
+    logits: torch.Tensor
+
+
+def reference_answers(
+    reference: ModelRunner, prompt_set: list[list[int]], count: int
+) -> list[Answer]:
+    answers = []
+    for prompt in prompt_set:
+        tokens = greedy_answer(reference, prompt, count)
+        logits = row_logits(reference, prompt + tokens, len(prompt))[:-1]
+        answers.append(Answer(prompt, tokens, logits))
+    return answers
+
+
+def compare(answers: list[Answer], quantized: ModelRunner) -> Agreement:
+    """How often the quantized cache, teacher forced over the reference's answers, picks
+    the same token, and how far its logits are from the reference's."""
     agreeing = positions = 0
     divergences: list[int | None] = []
     errors: list[float] = []
-    for prompt in prompt_set:
-        answer = greedy_answer(reference, prompt, count)
-        tokens = prompt + answer
-        want = row_logits(reference, tokens, len(prompt))[:-1]
-        got = row_logits(quantized, tokens, len(prompt))[:-1]
-        same = got.argmax(dim=-1) == torch.tensor(answer)
+    for answer in answers:
+        got = row_logits(quantized, answer.prompt + answer.tokens, len(answer.prompt))[:-1]
+        same = got.argmax(dim=-1) == torch.tensor(answer.tokens)
         agreeing += int(same.sum())
-        positions += len(answer)
+        positions += len(answer.tokens)
         differing = (~same).nonzero()
         divergences.append(int(differing[0]) if len(differing) else None)
+        want = answer.logits
         scale = want.abs().amax(dim=-1)
         errors += ((got - want).abs().amax(dim=-1) / scale).tolist()
     return Agreement(positions, agreeing, divergences, max(errors), statistics.fmean(errors))
@@ -155,9 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         f"blocks in {KV_MEMORY / 2**20:.0f} MiB"
     )
     print("cache   blocks  agreement  first divergence (per prompt)   max err  mean err")
+    answers = reference_answers(reference, prompt_set, args.tokens)
     for name in args.kv_cache_dtype:
         quantized = runner_for(model_dir, args.dtype, name)
-        result = compare(reference, quantized, prompt_set, args.tokens)
+        result = compare(answers, quantized)
         firsts = " ".join("-" if d is None else str(d) for d in result.first_divergence)
         print(
             f"{name:6} {quantized.handshake.num_blocks:7} {result.rate:10.1%}  {firsts:30}  "

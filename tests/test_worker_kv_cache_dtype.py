@@ -108,16 +108,24 @@ def test_prefill_and_decode_through_an_8bit_cache_stay_close(wide_heads_dir, dty
         assert torch.equal(cache_scales.view(cache_scales.shape[0], -1)[:, slots], want_scales)
 
 
+@pytest.fixture(scope="module")
+def bfloat16_answers() -> list[kv_accuracy.Answer]:
+    """Greedy answers of the default model on a bfloat16 cache, with their logits."""
+    model_dir = resolve_model(None, default_cache_dir())
+    reference = kv_accuracy.runner_for(model_dir, "bfloat16", "auto")
+    return kv_accuracy.reference_answers(
+        reference, kv_accuracy.prompts(model_dir, count_random=1), count=16
+    )
+
+
 @pytest.mark.real_model
 @pytest.mark.parametrize("cache", EIGHT_BIT)
-def test_the_default_model_keeps_its_greedy_answers_with_an_8bit_cache(cache):
+def test_the_default_model_keeps_its_greedy_answers_with_an_8bit_cache(cache, bfloat16_answers):
     """Teacher-forced over greedy bfloat16 answers (ops/kv_accuracy.py; BENCHMARKS.md has
     the full run): int8 and fp8 chose the reference's token at 98 % of positions there."""
     model_dir = resolve_model(None, default_cache_dir())
-    prompts = kv_accuracy.prompts(model_dir, count_random=1)
-    reference = kv_accuracy.runner_for(model_dir, "bfloat16", "auto")
     quantized = kv_accuracy.runner_for(model_dir, "bfloat16", cache)
-    result = kv_accuracy.compare(reference, quantized, prompts, count=16)
-    assert result.positions == 16 * len(prompts)
+    result = kv_accuracy.compare(bfloat16_answers, quantized)
+    assert result.positions == 16 * len(bfloat16_answers)
     assert result.rate >= 0.9
     assert 0 < result.mean_error < 0.06 and result.max_error < 0.2
