@@ -51,6 +51,7 @@ SOURCES = [
         "top_logits.cpp",
     )
 ]
+LIBRARY = "cadence_native"  # the extension's name: its .so in the build directory
 ENABLED = os.environ.get("CADENCE_NATIVE_KERNELS", "1") != "0"
 # The instruction set to build for: this CPU's, or another level to see how the kernels do
 # on CPUs without this one's extensions (x86-64-v3: AVX2, no AVX-512).
@@ -109,6 +110,21 @@ def staged_sources(directory: Path) -> list[Path]:
     return [staged / source.name for source in SOURCES]
 
 
+def _load_built(directory: Path) -> bool:
+    """Loads the library a former process built here, if there is one. The directory's name
+    already says which sources, flags, torch and CPU it was built for; through
+    cpp_extension.load, a new virtual environment's torch include paths would change the
+    compile commands, and ninja would build it all again (40 s in every fresh CI clone)."""
+    library = directory / f"{LIBRARY}.so"
+    if not library.is_file():
+        return False
+    try:
+        torch.ops.load_library(str(library))
+    except OSError:  # a build cut short: build it again
+        return False
+    return True
+
+
 def clear_stale_lock(directory: Path, max_age: float = STALE_LOCK_SECONDS) -> bool:
     """Removes the build lock a killed build left; True when there was one."""
     lock = directory / "lock"
@@ -145,10 +161,12 @@ def kernels() -> Any | None:
         from torch.utils import cpp_extension
 
         directory = build_directory()
+        if _load_built(directory):
+            return torch.ops.cadence
         directory.mkdir(parents=True, exist_ok=True)
         clear_stale_lock(directory)
         cpp_extension.load(
-            name="cadence_native",
+            name=LIBRARY,
             sources=[str(source) for source in staged_sources(directory)],
             extra_cflags=CFLAGS,
             build_directory=str(directory),
