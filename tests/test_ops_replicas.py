@@ -5,6 +5,7 @@ Ctrl-C's SIGTERM stops everything, leaving no process behind."""
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -47,12 +48,16 @@ class Replicas:
 
 
 def free_port_pair() -> int:
-    """A free port whose successor is free too (the router's Prometheus exporter)."""
+    """A free port whose successor is free too (the router's Prometheus exporter), below
+    the kernel's ephemeral range: a port the kernel hands out itself could go to one of the
+    replicas (they bind port 0) or another test's server before the router binds it."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    generator = random.Random()
     while True:
+        port = generator.randrange(max(1024, low - 8000), low - 1)
         with socket.socket() as first, socket.socket() as second:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
             try:
+                first.bind(("127.0.0.1", port))
                 second.bind(("127.0.0.1", port + 1))
             except OSError:
                 continue
