@@ -85,13 +85,14 @@ def decode_forward(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
 ) -> Logits:
-    """One decode token per row -> logits [rows, vocab]; tensor ops only."""
+    """One decode token per row -> logits [rows, vocab]; tensor ops only. `slots` [G, B]
+    and `block_tables` [G, B, W] hold each KV group's."""
     backend, group_size = model.kernels.attention, model.config.group_size
     metas = []
-    for kind in model.attention_kinds:
-        rows = DecodeGroup(slice(None), block_tables, context_lens, layer=kind)
+    for g, kind in enumerate(model.group_attention):
+        rows = DecodeGroup(slice(None), block_tables[g], context_lens, layer=kind)
         group = backend.decode_group(rows, cache.like, group_size)
-        metas.append(AttentionMetadata(slots, group, [], input_ids.shape[0], backend))
+        metas.append(AttentionMetadata(slots[g], group, [], input_ids.shape[0], backend))
     return model.logits(model.forward(input_ids, positions, cache.layers, metas))
 
 
@@ -198,7 +199,10 @@ class CudaGraphCapturer:
     def capture(self, batch: int, width: int, pool: Any) -> DecodeGraph:
         model, cache = self.model, self.cache
         # Padding rows only, so the warm-up runs touch only the scratch block.
-        inputs = padding_tensors(cache.block_size, cache.scratch_block, batch, width, model.device)
+        groups = len(model.group_attention)
+        inputs = padding_tensors(
+            cache.block_size, cache.scratch_block, batch, width, model.device, groups
+        )
         warm = self._warm_up(inputs)
         outputs = self._outputs_for(warm, batch)
         del warm

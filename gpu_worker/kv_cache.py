@@ -1,8 +1,10 @@
-"""The paged KV cache: per layer, K and V tensors of fixed-size token blocks.
+"""The paged KV cache: per slot, K and V tensors of fixed-size token blocks.
 
-Blocks 0..num_blocks-1 belong to the service, which puts their ids in block tables. One
-more block at the end is the worker's scratch block: padded decode rows write there, so
-padding never touches a real sequence.
+A layer keeps its K/V in a slot (gpu_worker.kv_groups): each its own, or on a hybrid model
+the i-th layer of every group of layers in slot i, a block id then naming positions of one
+group. Blocks 0..num_blocks-1 belong to the service, which puts their ids in block tables.
+One more block at the end is the worker's scratch block: padded decode rows write there,
+so padding never touches a real sequence.
 
 The cache holds the model's dtype, or 8-bit codes with a float32 scale per (token, kv
 head) row (`--kv-cache-dtype int8|fp8`, gpu_worker.kv_quant): 68 bytes a row of 64 dims
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gpu_worker.kv_groups import KVGroups
 from gpu_worker.kv_quant import KV_CACHE_DTYPES, dequantize
 from gpu_worker.model_config import ModelConfig
 
@@ -29,7 +32,7 @@ class KVCacheError(ValueError):
 
 @dataclass(slots=True)
 class LayerKV:
-    """One layer's cache: K and V [kv_heads, num_blocks + 1, block_size, d], and for an
+    """One slot's cache: K and V [kv_heads, num_blocks + 1, block_size, d], and for an
     8-bit cache their scales [kv_heads, num_blocks + 1, block_size]."""
 
     k: torch.Tensor
@@ -58,7 +61,8 @@ class LayerKV:
 
 @dataclass(slots=True)
 class KVCache:
-    layers: list[LayerKV]
+    slots: list[LayerKV]
+    layers: list[LayerKV]  # each layer's slot
     num_blocks: int  # usable by the service
     block_size: int
 
@@ -68,12 +72,12 @@ class KVCache:
 
     @property
     def bytes(self) -> int:
-        return sum(layer.bytes for layer in self.layers)
+        return sum(slot.bytes for slot in self.slots)
 
     @property
     def like(self) -> torch.Tensor:
-        """Any layer's K cache: it gives the shapes, dtype and device of them all."""
-        return self.layers[0].k
+        """Any slot's K cache: it gives the shapes, dtype and device of them all."""
+        return self.slots[0].k
 
 
 def cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -89,11 +93,12 @@ def cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 
 def block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block across all layers, K and V (and their scales when 8-bit)."""
+    """Bytes of one block across all slots, K and V (and their scales when 8-bit)."""
     row = config.head_dim * dtype.itemsize
     if dtype in KV_CACHE_DTYPES.values():
         row += torch.float32.itemsize
-    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * row
+    slots = KVGroups.of(config).num_slots
+    return 2 * slots * block_size * config.num_key_value_heads * row
 
 
 def budget_bytes(kv_memory: float, free_bytes: int, reserved_bytes: int = 0) -> int:
@@ -162,16 +167,18 @@ def allocate(
         return _on_small_pages(torch.empty(shape, dtype=of)).zero_()
 
     quantized = dtype in KV_CACHE_DTYPES.values()
-    layers = [
+    groups = KVGroups.of(config)
+    slots = [
         LayerKV(
             zeros((*rows, config.head_dim), dtype),
             zeros((*rows, config.head_dim), dtype),
             zeros(rows, torch.float32) if quantized else None,
             zeros(rows, torch.float32) if quantized else None,
         )
-        for _ in range(config.num_hidden_layers)
+        for _ in range(groups.num_slots)
     ]
-    return KVCache(layers=layers, num_blocks=num_blocks, block_size=block_size)
+    layers = [slots[groups.slot_of(i)] for i in range(config.num_hidden_layers)]
+    return KVCache(slots=slots, layers=layers, num_blocks=num_blocks, block_size=block_size)
 
 
 # The worker's malloc hands large blocks 2 MiB pages (worker_link's glibc tunable), which the

@@ -33,7 +33,7 @@ class Layer:
     down: Linear | None
     cos: torch.Tensor  # the layer's RoPE tables (rope.rope_tables), shared with its kind
     signed_sin: torch.Tensor
-    attention: int  # which of the model's kinds of attention layer (Model.attention_kinds)
+    attention: int  # its KV group (gpu_worker.kv_groups), whose attention records it reads
     qk_norm: torch.Tensor | None = None  # [heads + kv_heads, head_dim]: q heads', then k's
     attn_out_norm: torch.Tensor | None = None  # Gemma's post_attention_layernorm
     mlp_out_norm: torch.Tensor | None = None  # Gemma's post_feedforward_layernorm

@@ -37,28 +37,31 @@ def profile_lengths(max_tokens: int, max_seqs: int, context_limit: int) -> list[
     return chunks + [1] * decodes
 
 
-def profile_plan(lengths: list[int], block_size: int, context_limit: int) -> BatchPlan:
-    """A plan of sequences of `lengths` tokens whose tables all name block 0: activations
-    depend on shapes, not on which blocks hold the data, so one block serves them all.
-    Chunks end at context_limit, where their attention reads the most."""
+def profile_plan(
+    lengths: list[int], block_size: int, context_limit: int, num_groups: int = 1
+) -> BatchPlan:
+    """A plan of sequences of `lengths` tokens whose tables (in each of `num_groups` KV
+    groups) all name block 0: activations depend on shapes, not on which blocks hold the
+    data, so one block serves them all. Chunks end at context_limit, where their attention
+    reads the most."""
     starts = [context_limit - n if n > 1 else 0 for n in lengths]
+    tables = [[0] * -(-(s + n) // block_size) for s, n in zip(starts, lengths, strict=True)]
     return BatchPlan(
         step_id=-1,
         seq_ids=list(range(len(lengths))),
         num_tokens=lengths,
         start_pos=starts,
         input_ids=[0] * sum(lengths),
-        block_tables=[
-            [0] * -(-(s + n) // block_size) for s, n in zip(starts, lengths, strict=True)
-        ],
+        block_tables=tables,
+        group_tables=_other_groups(tables, num_groups),
         sample=[True] * len(lengths),
         sampling=[PROFILE_SAMPLING] * len(lengths),
     )
 
 
-def decode_profile_plan(batch: int, position: int, width: int) -> BatchPlan:
-    """`batch` decode rows at `position`, each reading a table of `width` blocks, all
-    block 0."""
+def decode_profile_plan(batch: int, position: int, width: int, num_groups: int = 1) -> BatchPlan:
+    """`batch` decode rows at `position`, each reading a table of `width` blocks (in each
+    of `num_groups` KV groups), all block 0."""
     return BatchPlan(
         step_id=-1,
         seq_ids=list(range(batch)),
@@ -66,9 +69,15 @@ def decode_profile_plan(batch: int, position: int, width: int) -> BatchPlan:
         start_pos=[position] * batch,
         input_ids=[0] * batch,
         block_tables=[[0] * width] * batch,
+        group_tables=_other_groups([[0] * width] * batch, num_groups),
         sample=[True] * batch,
         sampling=[SamplingSpec()] * batch,
     )
+
+
+def _other_groups(tables: list[list[int]], num_groups: int) -> list[list[list[int]]]:
+    """BatchPlan.group_tables that repeat each sequence's first table."""
+    return [[table] * (num_groups - 1) for table in tables] if num_groups > 1 else []
 
 
 def peak_bytes(device: torch.device, step: Callable[[], object]) -> int:

@@ -10,7 +10,8 @@ kernels, and module call overhead would be a visible share of it on a CPU. What 
 between families is data on the layers (gpu_worker.layers): a part a family lacks is None
 and skipped; the choices made once per model (Gemma's norms, GeGLU) are functions picked
 at load. Layers that attend alike (the same window, scale and soft-capping) share one set
-of attention records per step; a Llama model has one set for all its layers.
+of attention records per step, one set per KV group (gpu_worker.kv_groups: the layers that
+share block tables); a Llama model has one set for all its layers.
 Which kernels run the attention, the small layer ops and the matmuls is the worker's
 choice (gpu_worker.kernels), made once before the model loads.
 """
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from gpu_worker.attention import AttentionMetadata, LayerAttention, paged_attention
 from gpu_worker.kernels import Kernels
 from gpu_worker.kv_cache import LayerKV
+from gpu_worker.kv_groups import KVGroups
 from gpu_worker.layer_ops import add_gemma_rms_norm_, gelu_tanh_and_mul, gemma_rms_norm, rms_norm
 from gpu_worker.layers import MissingWeights, WeightTaker, load_layer
 from gpu_worker.linear import LM_HEAD_ROW_SIZES, Linear
@@ -63,16 +65,16 @@ class Model:
         self.embed_scale = (
             torch.tensor(config.hidden_size**0.5).to(device, dtype) if gemma else None
         )
-        self.attention_kinds = attention_kinds(config)
-        kind_of = {kind: i for i, kind in enumerate(self.attention_kinds)}
+        groups = KVGroups.of(config)
+        # how each KV group's layers attend: a step's attention records are per group
+        self.group_attention = [_layer_attention(config, layers[0]) for layers in groups.layers]
         ropes = {}
         self.layers = []
         for i in range(config.num_hidden_layers):
             rope = config.rope_of(i)
             if rope not in ropes:
                 ropes[rope] = rope_tables(config.head_dim, rope, max_positions, dtype, device)
-            kind = kind_of[_layer_attention(config, i)]
-            self.layers.append(load_layer(take, config, i, ropes[rope], kind))
+            self.layers.append(load_layer(take, config, i, ropes[rope], groups.group_of(i)))
         self.norm = take.norm("model.norm.weight", config.hidden_size)
         if config.tie_word_embeddings or "lm_head.weight" not in weights:
             lm_head = self.embed
@@ -99,15 +101,14 @@ class Model:
     ) -> torch.Tensor:
         """[T] token ids at [T] positions -> final-normed hidden states [T, hidden].
 
-        `metas` holds a step's attention records for each of `attention_kinds`. Writes the
-        tokens' K/V into their cache slots on the way.
+        `metas` holds a step's attention records for each KV group (`group_attention`).
+        Writes the tokens' K/V into their cache slots on the way.
         """
         cfg, ops, eps = self.config, self.ops, self.config.rms_norm_eps
         norm, add_norm_ = self.rms_norm, self.add_rms_norm_
         heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q_width, kv_width = heads * head_dim, kv_heads * head_dim
         num_tokens = input_ids.shape[0]
-        slots = metas[0].slots
         # The residual stream, updated in place; each norm comes fused with the add before it.
         x = F.embedding(input_ids, self.embed)
         if self.embed_scale is not None:
@@ -119,13 +120,14 @@ class Model:
             if layer.qk_norm is not None:
                 qk = qkv[:, : q_width + kv_width].view(num_tokens, heads + kv_heads, head_dim)
                 qk.copy_(self.qk_norm(qk, layer.qk_norm, eps))
+            meta = metas[layer.attention]
             ops.rope_and_cache_(
-                qkv, positions, layer.cos, layer.signed_sin, kv, slots, heads, kv_heads
+                qkv, positions, layer.cos, layer.signed_sin, kv, meta.slots, heads, kv_heads
             )
             q = qkv[:, :q_width].view(num_tokens, heads, head_dim)
             k = qkv[:, q_width : q_width + kv_width].view(num_tokens, kv_heads, head_dim)
             v = qkv[:, q_width + kv_width :].view(num_tokens, kv_heads, head_dim)
-            attn = layer.o_proj(paged_attention(q, k, v, kv, metas[layer.attention]))
+            attn = layer.o_proj(paged_attention(q, k, v, kv, meta))
             if layer.attn_out_norm is not None:
                 attn = norm(attn, layer.attn_out_norm, eps)
             h = add_norm_(x, attn, layer.mlp_norm, eps)

@@ -118,9 +118,10 @@ class Handshake:
     device_warning: str | None = None
     # seconds per start-up step, in order (gpu_worker.runtime); load_seconds is their sum
     startup: dict[str, float] = field(default_factory=dict)
-    # the window every layer attends within (a query at p sees keys p - w + 1 .. p); None
-    # when any layer sees the whole context. The service then frees the blocks before it.
-    sliding_window: int | None = None
+    # the cache's groups of layers (gpu_worker.kv_groups), each one's sliding window (a
+    # query at p sees keys p - w + 1 .. p) or None for full attention: the service keeps a
+    # table per group and frees a windowed group's blocks behind its window
+    kv_group_windows: list[int | None] = field(default_factory=lambda: [None])
 
 
 @dataclass(slots=True)
@@ -207,6 +208,10 @@ class BatchPlan:
     prefix plus the new tokens, causally). A sequence with sample[i] true gets one token
     sampled from the logits of its last position with sampling[i].
 
+    KV groups (Handshake.kv_group_windows): a hybrid model's cache has a table per group
+    of layers; block_tables[i] is group 0's, and group_tables[i] lists the others', each
+    as long. `group_tables` is empty for a model of one group.
+
     Structured output: `token_bitmasks` is empty when no sequence of the step is
     constrained; otherwise it is aligned with seq_ids, and token_bitmasks[i] is, for a
     constrained sequence that samples, the tokens its grammar allows, as base64 of
@@ -234,6 +239,7 @@ class BatchPlan:
     block_tables: list[list[int]]
     sample: list[bool]
     sampling: list[SamplingSpec]
+    group_tables: list[list[list[int]]] = field(default_factory=list)
     prompt_targets: list[list[int] | None] = field(default_factory=list)
     token_bitmasks: list[str | None] = field(default_factory=list)
     histories: list[History | None] = field(default_factory=list)

@@ -114,14 +114,14 @@ class ModelRunner:
             build_metadata(
                 plan.num_tokens,
                 plan.start_pos,
-                inputs.tables,
-                slots,
+                inputs.tables[group],
+                slots[group],
                 cache.like,
                 self.model.config.group_size,
                 self.model.kernels.attention,
                 kind,
             )
-            for kind in self.model.attention_kinds
+            for group, kind in enumerate(self.model.group_attention)
         ]
         return self.model.forward(
             torch.tensor(plan.input_ids, device=device),

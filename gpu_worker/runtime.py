@@ -28,6 +28,7 @@ from gpu_worker.device import free_memory_bytes, resolve_device, resolve_dtype
 from gpu_worker.graphs import DecodeRunner, graph_capturer, graph_widths
 from gpu_worker.kernels import Kernels
 from gpu_worker.kv_cache import KVCache
+from gpu_worker.kv_groups import KVGroups
 from gpu_worker.model import Model
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.protocol import Handshake, WorkerConfig, parse_kernel_pins
@@ -73,6 +74,7 @@ def start(config: WorkerConfig) -> ModelRunner:
         choice = _choose_kernels(config, model_config, dtype, device, cache_dtype)
     with clock.step("weights"):
         model = _load_model(config, model_dir, model_config, dtype, device, choice.kernels)
+    groups = KVGroups.of(model_config)
     max_blocks_per_seq = -(-model_config.context_limit // config.block_size)
     reserved = 0
     if device.type == "cuda":
@@ -80,7 +82,12 @@ def start(config: WorkerConfig) -> ModelRunner:
             reserved = _activation_reserve(model, config, cache_dtype, max_blocks_per_seq)
     with clock.step("cache"):
         num_blocks = _count_blocks(
-            config, model_config, device, cache_dtype, reserved, max_blocks_per_seq
+            config,
+            model_config,
+            device,
+            cache_dtype,
+            reserved,
+            max_blocks_per_seq * groups.num_groups,
         )
         cache = kv_cache.allocate(model_config, num_blocks, config.block_size, cache_dtype, device)
     decode_runner = DecodeRunner(
@@ -96,7 +103,9 @@ def start(config: WorkerConfig) -> ModelRunner:
         memory.release_cached(device)
     # A sequence can never outgrow the whole cache.
     max_model_len = min(model_config.context_limit, num_blocks * config.block_size)
-    limits = PlanLimits(config.block_size, num_blocks, model_config.vocab_size, max_model_len)
+    limits = PlanLimits(
+        config.block_size, num_blocks, model_config.vocab_size, max_model_len, groups.num_groups
+    )
     handshake = Handshake(
         model_name=model_dir.resolve().name,
         architecture=model_config.architecture,
@@ -117,7 +126,7 @@ def start(config: WorkerConfig) -> ModelRunner:
         kernels=choice.report(),
         graphs=graphs,
         startup=clock.steps,
-        sliding_window=model_config.sliding_window,
+        kv_group_windows=list(groups.windows),
     )
     return ModelRunner(model, cache, decode_runner, Sampler(config.seed, device), limits, handshake)
 
@@ -179,7 +188,8 @@ def _count_blocks(
     reserved: int,
     max_blocks_per_seq: int,
 ) -> int:
-    """On CUDA after the profile (gpu_worker.memory); on a CPU a share of MemAvailable."""
+    """On CUDA after the profile (gpu_worker.memory); on a CPU a share of MemAvailable.
+    `max_blocks_per_seq` counts every KV group's."""
     free = memory.settled_free_bytes(device) if device.type == "cuda" else free_memory_bytes(device)
     return kv_cache.count_blocks(
         config.kv_memory,
@@ -208,7 +218,8 @@ def runner_on(model: Model, cache: KVCache, config: WorkerConfig) -> ModelRunner
     """A runner over `cache`, with its own sampler: the worker's random stream must not
     depend on the profile."""
     limit = model.config.context_limit
-    limits = PlanLimits(cache.block_size, cache.num_blocks, model.config.vocab_size, limit)
+    groups = KVGroups.of(model.config).num_groups
+    limits = PlanLimits(cache.block_size, cache.num_blocks, model.config.vocab_size, limit, groups)
     decodes = DecodeRunner(
         model,
         cache,
@@ -223,11 +234,13 @@ def profile_mixed(runner: ModelRunner, config: WorkerConfig) -> None:
     cache (any cache with a block 0)."""
     limit = runner.model.config.context_limit
     lengths = memory.profile_lengths(config.max_num_batched_tokens, config.max_num_seqs, limit)
-    runner.run(memory.profile_plan(lengths, runner.cache.block_size, limit))
+    bs, groups = runner.cache.block_size, runner.limits.num_groups
+    runner.run(memory.profile_plan(lengths, bs, limit, groups))
 
 
 def profile_decode(runner: ModelRunner, config: WorkerConfig, width: int) -> None:
     """The largest decode batch, every row reading a table `width` blocks wide."""
     batch, bs = config.max_num_seqs, runner.cache.block_size
     position = min(width * bs, runner.model.config.context_limit) - 1
-    runner.logits(runner.inputs(memory.decode_profile_plan(batch, position, width)))
+    plan = memory.decode_profile_plan(batch, position, width, runner.limits.num_groups)
+    runner.logits(runner.inputs(plan))

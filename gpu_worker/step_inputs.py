@@ -1,10 +1,11 @@
 """The spine of a step: every per-row fact of one BatchPlan, derived once, after its check.
 
 A plan lists sequences; the model sees rows (tokens). Which rows belong to which sequence,
-their absolute positions and cache slots, each sequence's padded block table, which
-sequences sample and from which row, which are single-token (decode) rows: every part of
-the worker (attention metadata, the eager and the graph-replayed forward, the sampler)
-reads these facts from a StepInputs and derives none of them itself.
+their absolute positions, their cache slots and each sequence's padded block table in each
+KV group (gpu_worker.kv_groups: one for most models), which sequences sample and from
+which row, which are single-token (decode) rows: every part of the worker (attention
+metadata, the eager and the graph-replayed forward, the sampler) reads these facts from a
+StepInputs and derives none of them itself.
 
 A decode-only step is padded to a batch bucket and a table width (gpu_worker.graphs):
 `decode_tensors` builds those padded tensors, whose padding rows write and read only the
@@ -29,6 +30,7 @@ class PlanLimits:
     num_blocks: int  # the cache's blocks a table may name (the scratch block is not one)
     vocab_size: int
     max_model_len: int
+    num_groups: int = 1  # the cache's KV groups: a plan has a table per group
 
 
 @dataclass(slots=True)
@@ -38,8 +40,8 @@ class StepInputs:
     scratch_block: int
     first_rows: torch.Tensor  # [S] each sequence's first row in the flattened batch
     positions: torch.Tensor  # [T] each row's absolute position
-    tables: torch.Tensor  # [S, W] block tables padded with the scratch block
-    slots: torch.Tensor  # [T] the cache slot each row's K/V is written to
+    tables: torch.Tensor  # [G, S, W] each group's block tables, padded with the scratch block
+    slots: torch.Tensor  # [G, T] the cache slot each row's K/V is written to, in each group
     sampled: list[int]  # the sequences that sample, in plan order
 
     @classmethod
@@ -54,9 +56,13 @@ class StepInputs:
         positions = torch.tensor(plan.start_pos, dtype=torch.long)[seq_of_row] + offsets
         width = max((len(t) for t in plan.block_tables), default=1)
         tables = torch.tensor(
-            [t + [scratch_block] * (width - len(t)) for t in plan.block_tables], dtype=torch.long
-        ).view(len(counts), width)
-        slots = tables[seq_of_row, positions // bs] * bs + positions % bs
+            [
+                [t + [scratch_block] * (width - len(t)) for t in group]
+                for group in _group_major(plan)
+            ],
+            dtype=torch.long,
+        ).view(limits.num_groups, len(counts), width)
+        slots = tables[:, seq_of_row, positions // bs] * bs + positions % bs
         sampled = [i for i, wanted in enumerate(plan.sample) if wanted]
         return cls(plan, bs, scratch_block, first_rows, positions, tables, slots, sampled)
 
@@ -86,22 +92,18 @@ class StepInputs:
         """The sampled sequences' settings, in plan order."""
         return [self.plan.sampling[i] for i in self.sampled]
 
-    def table_for(self, seq: int) -> torch.Tensor:
-        """The blocks covering exactly sequence `seq`'s context after this step."""
-        end = self.plan.start_pos[seq] + self.plan.num_tokens[seq]
-        return self.tables[seq, : -(-end // self.block_size)]
-
     def decode_tensors(
         self, batch: int, width: int, device: torch.device
     ) -> tuple[torch.Tensor, ...]:
-        """A decode-only step's (input_ids, positions, slots, tables, context_lens) for
-        `batch` rows and tables `width` wide (graphs.decode_forward's inputs)."""
+        """A decode-only step's (input_ids, positions, slots [G, B], tables [G, B, W],
+        context_lens) for `batch` rows and tables `width` wide (graphs.decode_forward's
+        inputs)."""
         rows = self.plan.total_tokens
         return _decode_tensors(
             self.plan.input_ids,
             self.positions.tolist(),
             self.slots.tolist(),
-            self.tables[:rows, :width].tolist(),
+            self.tables[:, :rows, :width].tolist(),
             self.block_size,
             self.scratch_block,
             batch,
@@ -111,17 +113,38 @@ class StepInputs:
 
 
 def padding_tensors(
-    block_size: int, scratch_block: int, batch: int, width: int, device: torch.device
+    block_size: int,
+    scratch_block: int,
+    batch: int,
+    width: int,
+    device: torch.device,
+    num_groups: int = 1,
 ) -> tuple[torch.Tensor, ...]:
     """decode_tensors of a step with no sequence: `batch` padding rows (graph capture)."""
-    return _decode_tensors([], [], [], [], block_size, scratch_block, batch, width, device)
+    nothing: list[list[int]] = [[] for _ in range(num_groups)]
+    return _decode_tensors(
+        [],
+        [],
+        nothing,
+        [[] for _ in range(num_groups)],
+        block_size,
+        scratch_block,
+        batch,
+        width,
+        device,
+    )
+
+
+def _group_major(plan: BatchPlan) -> list[list[list[int]]]:
+    """The plan's tables by group, then sequence."""
+    return [plan.block_tables] + [list(group) for group in zip(*plan.group_tables, strict=True)]
 
 
 def _decode_tensors(
     input_ids: list[int],
     positions: list[int],
-    slots: list[int],
-    tables: list[list[int]],
+    slots: list[list[int]],
+    tables: list[list[list[int]]],
     block_size: int,
     scratch: int,
     batch: int,
@@ -131,12 +154,14 @@ def _decode_tensors(
     """Rows beyond the step's own, and table entries beyond a row's own, point at the
     scratch block, with context length 1."""
     pad = batch - len(input_ids)
-    tables = [t + [scratch] * (width - len(t)) for t in tables]
     host = (
         input_ids + [0] * pad,
         positions + [0] * pad,
-        slots + [scratch * block_size] * pad,
-        tables + [[scratch] * width] * pad,
+        [group + [scratch * block_size] * pad for group in slots],
+        [
+            [t + [scratch] * (width - len(t)) for t in group] + [[scratch] * width] * pad
+            for group in tables
+        ],
         [p + 1 for p in positions] + [1] * pad,
     )
     return tuple(torch.tensor(values, dtype=torch.long, device=device) for values in host)
@@ -148,7 +173,7 @@ def check_plan(plan: BatchPlan, limits: PlanLimits) -> None:
     for name in ("num_tokens", "start_pos", "block_tables", "sample", "sampling"):
         if len(getattr(plan, name)) != count:
             raise ValueError(f"plan has {count} seq_ids but {len(getattr(plan, name))} {name}")
-    for name in ("token_bitmasks", "histories", "pooling"):
+    for name in ("token_bitmasks", "histories", "pooling", "group_tables"):
         if getattr(plan, name) and len(getattr(plan, name)) != count:
             raise ValueError(f"plan has {count} seq_ids but {len(getattr(plan, name))} {name}")
     if len(set(plan.seq_ids)) != count:
@@ -161,7 +186,8 @@ def check_plan(plan: BatchPlan, limits: PlanLimits) -> None:
         raise ValueError(
             f"num_tokens add up to {sum(plan.num_tokens)} but input_ids has {len(plan.input_ids)}"
         )
-    used = [block for table in plan.block_tables for block in table]
+    _check_group_tables(plan, limits.num_groups)
+    used = [block for group in _group_major(plan) for table in group for block in table]
     if used and (min(used) < 0 or max(used) >= limits.num_blocks):
         raise ValueError(
             f"block ids must lie in 0..{limits.num_blocks - 1}, got {min(used)}..{max(used)}"
@@ -173,6 +199,20 @@ def check_plan(plan: BatchPlan, limits: PlanLimits) -> None:
         _check_prompt_targets(plan, vocab_size)
     if plan.pooling:
         _check_pooling(plan)
+
+
+def _check_group_tables(plan: BatchPlan, num_groups: int) -> None:
+    if not plan.group_tables:
+        if num_groups > 1:
+            raise ValueError(f"the cache has {num_groups} KV groups: a plan needs their tables")
+        return
+    for seq_id, table, others in zip(
+        plan.seq_ids, plan.block_tables, plan.group_tables, strict=True
+    ):
+        if len(others) != num_groups - 1 or any(len(t) != len(table) for t in others):
+            raise ValueError(
+                f"sequence {seq_id} needs {num_groups - 1} more tables as long as its first"
+            )
 
 
 def _check_pooling(plan: BatchPlan) -> None:

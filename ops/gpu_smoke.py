@@ -155,14 +155,23 @@ class Seq:
     spec: SamplingSpec = field(default_factory=SamplingSpec)
 
 
-def plan_of(seqs: list[Seq], step_id: int = 0) -> BatchPlan:
+def plan_of(seqs: list[Seq], step_id: int = 0, num_groups: int = 1) -> BatchPlan:
+    """The step of `seqs`. On a cache of `num_groups` KV groups (a hybrid model's), entry
+    b of a table is block b x num_groups + g in group g: no two groups share a block."""
+
+    def spread(table: list[int], group: int) -> list[int]:
+        return [block * num_groups + group for block in table]
+
     return BatchPlan(
         step_id=step_id,
         seq_ids=[s.seq_id for s in seqs],
         num_tokens=[len(s.tokens) for s in seqs],
         start_pos=[s.start for s in seqs],
         input_ids=[t for s in seqs for t in s.tokens],
-        block_tables=[list(s.table) for s in seqs],
+        block_tables=[spread(s.table, 0) for s in seqs],
+        group_tables=[[spread(s.table, g) for g in range(1, num_groups)] for s in seqs]
+        if num_groups > 1
+        else [],
         sample=[s.sample for s in seqs],
         sampling=[s.spec for s in seqs],
     )

@@ -413,3 +413,19 @@ async def collect(channel: trio.MemoryReceiveChannel, into: Collected | None = N
             out.times.append(trio.current_time())
     assert out.finish is not None, "stream closed without a FinishEvent"
     return out
+
+
+async def run_together(
+    engine: Engine, token_lists: list[list[int]], params: SamplingParams, tag: str
+) -> list[list[int]]:
+    """Submit every prompt at once (request ids `tag`-i); each one's tokens, in order."""
+    results: list[list[int]] = [[] for _ in token_lists]
+
+    async def one(i: int, ids: list[int]) -> None:
+        channel = await engine.submit(ids, params, request_id=f"{tag}-{i}")
+        results[i] = (await collect(channel)).token_ids
+
+    async with trio.open_nursery() as nursery:
+        for i, ids in enumerate(token_lists):
+            nursery.start_soon(one, i, ids)
+    return results

@@ -5,6 +5,7 @@ transformers continues it, where attending beyond the window would continue othe
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -94,3 +95,26 @@ def test_prompt_beyond_the_window_continues_as_transformers(
     finally:
         model.config.sliding_window = window
     assert complete(gemma_server, prompt) == tok.decode(windowed)
+
+
+def test_a_long_prompt_holds_the_full_layers_blocks_and_the_windows_of_the_others(
+    gemma_server: RunningServer, reference: tuple[Any, Tokenizer]
+) -> None:
+    """About 2,900 tokens: Gemma 3 270M's 3 full layers keep a block per 16 positions, its
+    15 windowed layers (5 KV groups of 3: gpu_worker.kv_groups) only their 512-token
+    windows, where a cache of all 18 layers in one group would hold 6 blocks per entry."""
+    _, tok = reference
+    lines = [f"Entry {i}: the value is {(i * 7919) % 1000:03d}." for i in range(1, 230)]
+    prompt = "\n".join(lines) + "\nThe value of entry 1 is"
+    tokens = len(tok.encode(prompt, add_special_tokens=True))
+    assert tokens > 2600
+    before = len(gemma_server.log_file.read_text().splitlines())
+    complete(gemma_server, prompt)
+    records = [json.loads(line) for line in gemma_server.log_file.read_text().splitlines()]
+    steps = [r for r in records[before:] if r.get("event") == "iteration"]
+    entries = -(-(tokens + MAX_TOKENS) // 16)  # --block-size 16, the default
+    cap = -(-(511 + 512) // 16) + 1  # a window's blocks and a 512-token chunk's
+    most = max(step["kv_blocks_used"] for step in steps)
+    assert most <= entries + 5 * cap < 0.55 * 6 * entries
+    window = -(-512 // 16) + 1
+    assert steps[-1]["kv_blocks_used"] <= entries + 5 * window < 0.35 * 6 * entries

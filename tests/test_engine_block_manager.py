@@ -55,12 +55,12 @@ def test_watermark_applies_to_admission_only():
 def test_invariant_check_catches_corruption():
     bm = BlockManager(num_blocks=4, block_size=4)
     bm.allocate(1, 4)
-    bm._tables[2] = list(bm._tables[1])  # double ownership
+    bm._tables[2], bm._dropped[2] = [list(bm._tables[1][0])], [0]  # double ownership
     with pytest.raises(BlockAccountingError):
         bm.check_invariants()
     bm = BlockManager(num_blocks=4, block_size=4)
     bm.allocate(1, 4)
-    bm._free.append(bm._tables[1][0])  # free and owned at once
+    bm._free.append(bm.table(1)[0])  # free and owned at once
     with pytest.raises(BlockAccountingError):
         bm.check_invariants()
 

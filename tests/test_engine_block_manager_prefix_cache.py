@@ -42,9 +42,9 @@ def test_only_full_computed_blocks_are_found():
     bm.allocate(1, 10)
     hashes = chain_hashes(tokens, SIZE, [])
     bm.register(1, hashes, 5)  # one block computed so far
-    assert bm.match(hashes) == bm.table(1)[:1]
+    assert bm.match(hashes).blocks == bm.table(1)[:1]
     bm.register(1, hashes, 10)
-    assert bm.match(hashes) == bm.table(1)[:2]  # the third block is partial
+    assert bm.match(hashes).blocks == bm.table(1)[:2]  # the third block is partial
     bm.check_invariants()
 
 
@@ -54,11 +54,11 @@ def test_a_shared_block_is_freed_only_by_its_last_holder():
     hit = bm.match(hashes)
     bm.share(2, hit)
     bm.allocate(2, 10)
-    assert bm.table(2)[:2] == hit and [bm.refcount(b) for b in hit] == [2, 2]
+    assert bm.table(2)[:2] == hit.blocks and [bm.refcount(b) for b in hit.blocks] == [2, 2]
     assert bm.num_used == 3  # two shared, one of 2's own
     assert bm.num_claimed(2) == 1  # freeing 2 gives back only the block it holds alone
     bm.free(1)
-    assert [bm.refcount(b) for b in hit] == [1, 1] and bm.num_evictable == 0
+    assert [bm.refcount(b) for b in hit.blocks] == [1, 1] and bm.num_evictable == 0
     bm.free(2)
     assert bm.num_evictable == 2 and bm.num_free == 8 and bm.num_cached == 2
     bm.check_invariants()
@@ -85,7 +85,7 @@ def test_allocation_takes_plain_free_blocks_before_evicting_and_then_the_lru_one
     bm.allocate(3, 8)  # the two plain free blocks
     assert bm.num_evictable == 2 and bm.num_evicted == 0
     bm.allocate(4, 4)  # none plain free: evicts sequence 2's block, released first
-    assert bm.num_evicted == 1 and bm.match(second) == [] and len(bm.match(first)) == 1
+    assert bm.num_evicted == 1 and bm.match(second).blocks == [] and bm.match(first).num_blocks == 1
     bm.check_invariants()
 
 
@@ -95,9 +95,9 @@ def test_a_chain_is_evicted_from_its_tail():
     hashes = computed(bm, 1, list(range(12)))
     bm.free(1)
     bm.allocate(2, 4)
-    assert len(bm.match(hashes)) == 2  # the third block went first
+    assert bm.match(hashes).num_blocks == 2  # the third block went first
     bm.allocate(2, 8)
-    assert len(bm.match(hashes)) == 1
+    assert bm.match(hashes).num_blocks == 1
     bm.check_invariants()
 
 
@@ -105,7 +105,7 @@ def test_a_duplicate_block_stays_unregistered_and_the_first_copy_serves():
     bm = BlockManager(8, SIZE)
     a = computed(bm, 1, [5] * 4)
     computed(bm, 2, [5] * 4)  # computed beside it, before it was found
-    assert bm.num_cached == 1 and bm.match(a) == bm.table(1)
+    assert bm.num_cached == 1 and bm.match(a).blocks == bm.table(1)
     bm.free(2)
     assert bm.num_evictable == 0 and bm.num_free == 7  # the copy went back as plain free
     bm.check_invariants()
@@ -118,7 +118,7 @@ def test_reset_forgets_every_hash_and_keeps_what_is_held():
     bm.share(3, bm.match(held))
     bm.free(2)
     assert bm.reset_cache() == 4
-    assert bm.match(held) == [] and bm.match(gone) == []
+    assert bm.match(held).blocks == [] and bm.match(gone).blocks == []
     assert bm.num_evictable == 0 and bm.num_free == 6 and bm.table(3) == bm.table(1)
     bm.free(1)
     bm.free(3)
@@ -129,7 +129,7 @@ def test_reset_forgets_every_hash_and_keeps_what_is_held():
 def test_with_caching_off_nothing_is_registered_or_found():
     bm = BlockManager(8, SIZE, enable_caching=False)
     hashes = computed(bm, 1, list(range(8)))
-    assert bm.match(hashes) == [] and bm.num_cached == 0
+    assert bm.match(hashes).blocks == [] and bm.num_cached == 0
     bm.free(1)
     assert bm.num_evictable == 0 and bm.num_free == 8
 
@@ -187,12 +187,12 @@ def test_any_sequence_of_operations_keeps_the_accounting_exact(
             tokens = PROMPTS[arg % len(PROMPTS)]
             hashes = chain_hashes(tokens, SIZE, [])
             hit = bm.match(hashes[: (len(tokens) - 1) // SIZE])
-            for index, block in enumerate(hit):
+            for index, block in enumerate(hit.blocks):
                 assert content[block] == tuple(tokens[: (index + 1) * SIZE]), "a wrong hit"
             if bm.admission_cost(len(tokens), hit) > bm.num_free:
                 continue
             bm.share(seq_id, hit)
-            live[seq_id], computed_upto[seq_id] = tokens, len(hit) * SIZE
+            live[seq_id], computed_upto[seq_id] = tokens, hit.num_blocks * SIZE
         elif op == "grow":
             for grower in [seq_id] if seq_id in live else list(live):  # one, or everyone
                 grow_one_block(bm, grower, live[grower], computed_upto, content)

@@ -3,9 +3,11 @@
 tests/test_engine_block_manager.py walks through the rules once each. Here hypothesis drives the
 BlockManager with arbitrary interleavings of growth, over-asks and frees over several
 sequences, and promises of blocks to come, and compares it after every operation with the
-obvious model (a sequence of n tokens holds ceil(n / block_size) blocks; free = total -
-held; a promise of n tokens is owed ceil(n / block_size) - held until it is met or the
-sequence is freed; admission sees free - owed). The examples below pin the
+obvious model (a sequence of n tokens holds ceil(n / block_size) blocks in each KV group,
+a windowed group none wholly behind the window; free = total - held; a promise of n
+tokens is owed ceil(n / block_size) - the entries there in each group, a windowed group's
+no more than its cap leaves room for, until it is met or the sequence is freed; admission
+sees free - owed). The examples below pin the
 admission watermark at its boundaries and what `check_invariants` reports for each kind
 of corruption it exists to catch.
 """
@@ -28,65 +30,98 @@ operations = st.lists(
         st.tuples(st.just("allocate"), st.integers(0, 4), st.integers(0, 80)),
         st.tuples(st.just("free"), st.integers(0, 4), st.just(0)),
         st.tuples(st.just("promise"), st.integers(0, 4), st.integers(0, 80)),
-        # a sliding window moved on: positions before this one are no longer read
-        st.tuples(st.just("drop"), st.integers(0, 4), st.integers(-8, 80)),
+        # a sliding window moved on: the next query is at this position
+        st.tuples(st.just("drop"), st.integers(0, 4), st.integers(-8, 90)),
     ),
     max_size=40,
 )
+# One group as most models have, windowed or not, and hybrid ones (a full group beside
+# windowed ones, as Gemma's): "w" stands for the drawn window.
+GROUPS = [("full",), ("w",), ("full", "w"), ("full", "w", "w")]
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    num_blocks=st.integers(1, 20),
+    num_blocks=st.integers(1, 30),
     block_size=st.integers(1, 8),
     watermark=st.floats(0, 0.5),
+    groups=st.sampled_from(GROUPS),
+    window=st.integers(1, 24),
+    max_chunk=st.integers(1, 16),
     ops=operations,
 )
 def test_random_allocations_and_frees_match_the_model(
-    num_blocks: int, block_size: int, watermark: float, ops: list[tuple[str, int, int]]
+    num_blocks: int,
+    block_size: int,
+    watermark: float,
+    groups: tuple[str, ...],
+    window: int,
+    max_chunk: int,
+    ops: list[tuple[str, int, int]],
 ):
-    bm = BlockManager(num_blocks, block_size, watermark)
+    windows = [None if kind == "full" else window for kind in groups]
+    bm = BlockManager(
+        num_blocks, block_size, watermark, windows=windows, max_chunk_tokens=max_chunk
+    )
     assert bm.watermark_blocks == int(watermark * num_blocks)
-    length: dict[int, int] = {}  # seq_id -> table entries, the model
-    dropped: dict[int, int] = {}  # seq_id -> leading entries released
+    cap = -(-(window - 1 + max_chunk) // block_size) + 1  # a windowed group's most
+    full, windowed = groups.count("full"), groups.count("w")
+    length: dict[int, int] = {}  # seq_id -> table entries (in every group), the model
+    dropped: dict[int, int] = {}  # seq_id -> leading entries a windowed group released
     promised: dict[int, int] = {}  # seq_id -> table length promised
 
-    def owed(s: int) -> int:
-        return max(0, promised.get(s, 0) - length.get(s, 0))
-
     def held(s: int) -> int:
-        return length.get(s, 0) - dropped.get(s, 0)
+        return full * length.get(s, 0) + windowed * (length.get(s, 0) - dropped.get(s, 0))
+
+    def owed(s: int) -> int:
+        to_come = promised.get(s, 0) - length.get(s, 0)
+        if to_come <= 0:
+            return 0
+        in_window = length.get(s, 0) - dropped.get(s, 0)
+        return full * to_come + windowed * max(0, min(to_come, cap - in_window))
+
+    def to_hold(tokens: int) -> int:
+        entries = blocks_for(tokens, block_size)
+        return full * entries + windowed * min(entries, cap)
 
     for op, seq_id, tokens in ops:
         free_before = bm.num_free
         available = free_before - sum(owed(s) for s in promised)
         if op == "allocate":
-            needed = max(0, blocks_for(tokens, block_size) - length.get(seq_id, 0))
+            needed = len(groups) * max(0, blocks_for(tokens, block_size) - length.get(seq_id, 0))
             assert bm.extra_blocks(seq_id, tokens) == needed
             assert bm.can_grow(seq_id, tokens) == (needed <= free_before)  # promises or not
-            shortfall = blocks_for(tokens, block_size) - (available - bm.watermark_blocks)
+            shortfall = to_hold(tokens) - (available - bm.watermark_blocks)
             assert bm.admission_shortfall(tokens) == shortfall
-            old_table = list(bm.table(seq_id))
+            old_tables = [list(bm.table(seq_id, g)) for g in range(len(groups))]
             if needed > free_before:
                 with pytest.raises(OutOfBlocks):
                     bm.allocate(seq_id, tokens)
-                assert bm.table(seq_id) == old_table and bm.num_free == free_before
+                assert [bm.table(seq_id, g) for g in range(len(groups))] == old_tables
+                assert bm.num_free == free_before
             else:
                 bm.allocate(seq_id, tokens)
                 if needed:
-                    length[seq_id] = length.get(seq_id, 0) + needed
-                table = bm.table(seq_id)
-                assert table[: len(old_table)] == old_table  # growth only appends
+                    length[seq_id] = blocks_for(tokens, block_size)
+                    dropped.setdefault(seq_id, 0)
+                for g, old in enumerate(old_tables):  # growth only appends
+                    assert bm.table(seq_id, g)[: len(old)] == old
                 assert bm.num_free == free_before - needed
+            if promised.get(seq_id, 0) <= length.get(seq_id, 0):
+                promised.pop(seq_id, None)  # met
         elif op == "promise":
             bm.promise(seq_id, tokens)
-            promised[seq_id] = blocks_for(tokens, block_size)
+            if blocks_for(tokens, block_size) > length.get(seq_id, 0):
+                promised[seq_id] = blocks_for(tokens, block_size)
+            else:
+                promised.pop(seq_id, None)
         elif op == "drop":
-            table = list(bm.table(seq_id))
-            until = max(dropped.get(seq_id, 0), min(max(tokens, 0) // block_size, len(table)))
-            released = until - dropped.get(seq_id, 0)
-            assert bm.drop_before(seq_id, tokens) == released
-            assert bm.table(seq_id) == table  # positions still index it
+            tables = [list(bm.table(seq_id, g)) for g in range(len(groups))]
+            first = dropped.get(seq_id, 0)
+            until = min(max(tokens - window + 1, 0) // block_size, length.get(seq_id, 0))
+            released = windowed * max(0, until - first)
+            assert bm.drop_behind_window(seq_id, tokens) == released
+            assert [bm.table(seq_id, g) for g in range(len(groups))] == tables  # positions index
             if released:
                 dropped[seq_id] = until
             assert bm.num_free == free_before + released
@@ -100,7 +135,7 @@ def test_random_allocations_and_frees_match_the_model(
             assert bm.num_free == free_before + freed
         for s in range(5):
             assert bm.num_held(s) == held(s) == len(bm.held(s))
-            assert len(bm.table(s)) == length.get(s, 0)
+            assert all(len(bm.table(s, g)) == length.get(s, 0) for g in range(len(groups)))
             assert bm.num_promised_to(s) == owed(s)
             assert bm.num_claimed(s) == held(s) + owed(s)
         assert bm.num_promised == sum(owed(s) for s in promised)
@@ -220,11 +255,13 @@ def corrupted(kind: str) -> BlockManager:
     bm.allocate(2, 4)
     owned = bm.table(1)[0]
     if kind == "empty table":
-        bm._tables[3] = []
+        bm._tables[3], bm._dropped[3] = [[]], [0]
+    elif kind == "unequal tables":
+        bm._tables[1].append([])
     elif kind == "out of range":
-        bm._tables[1].append(4)
+        bm._tables[1][0].append(4)
     elif kind == "negative block":
-        bm._tables[1].append(-1)
+        bm._tables[1][0].append(-1)
     elif kind == "free twice":
         bm._free.append(bm._free[0])
     elif kind == "refcount too high":
@@ -232,16 +269,16 @@ def corrupted(kind: str) -> BlockManager:
     elif kind == "refcount of a free block":
         bm._refcount[bm._free[0]] = 1
     elif kind == "held twice by one":
-        bm._tables[1].append(owned)
+        bm._tables[1][0].append(owned)
         bm._refcount[owned] += 1
     elif kind == "evictable and free":
         block = bm._free[0]
-        bm._hash_of[block], bm._block_of[b"h"] = b"h", block
+        bm._hash_of[block], bm._block_of[0][b"h"] = (0, b"h"), block
         bm._evictable[block] = None
     elif kind == "evictable without hash":
         bm._evictable[bm._free.pop()] = None
     elif kind == "hash maps disagree":
-        bm._hash_of[owned] = b"x"
+        bm._hash_of[owned] = (0, b"x")
     elif kind == "free and owned":
         bm._free.append(owned)
     elif kind == "lost block":
@@ -259,6 +296,7 @@ def corrupted(kind: str) -> BlockManager:
     ("kind", "message"),
     [
         ("empty table", "empty table"),
+        ("unequal tables", r"^sequence 1's tables differ from its groups$"),
         ("out of range", "out of range"),
         ("negative block", "out of range"),
         ("free twice", r"^a block is on the free list twice$"),

@@ -9,7 +9,6 @@ from contextlib import asynccontextmanager
 
 import pytest
 import structlog
-import trio
 
 from service.config import Config, default_cache_dir
 from service.engine.assembly import open_engine
@@ -17,7 +16,7 @@ from service.engine.engine import Engine
 from service.engine.request import SamplingParams, SamplingSpec
 from service.model_files.resolve import resolve_model
 from service.tokenizer import Tokenizer
-from tests.sim_worker import RecordingObserver, collect
+from tests.sim_worker import RecordingObserver, run_together
 
 pytestmark = pytest.mark.real_model
 
@@ -65,19 +64,6 @@ async def started(
         observer = RecordingObserver()
         engine.add_observer(observer)
         yield engine, observer
-
-
-async def run_together(engine: Engine, token_lists, params, tag: str) -> list[list[int]]:
-    results = [None] * len(token_lists)
-
-    async def one(i, ids):
-        channel = await engine.submit(ids, params, request_id=f"{tag}-{i}")
-        results[i] = (await collect(channel)).token_ids
-
-    async with trio.open_nursery() as nursery:
-        for i, ids in enumerate(token_lists):
-            nursery.start_soon(one, i, ids)
-    return results
 
 
 ARGMAX = SamplingSpec(temperature=0.0)

@@ -5,6 +5,7 @@ block_size blocks; its table keeps their places; another sequence may take them.
 from __future__ import annotations
 
 from policies.base import Decision
+from service.engine.block_manager import BlockManager
 from service.engine.request import Status
 from service.engine.scheduler import ScheduleOutput, Scheduler
 from tests.scheduler_helpers import make_request, make_scheduler, sampled_result
@@ -23,9 +24,16 @@ def step(sched: Scheduler, schedule: list[tuple[int, int]]) -> ScheduleOutput:
     return out
 
 
-def windowed(num_blocks: int, **kwargs) -> Scheduler:
-    sched, _ = make_scheduler(num_blocks=num_blocks, block_size=BLOCK, max_tokens=64, **kwargs)
-    sched.sliding_window = WINDOW
+def windowed(num_blocks: int, *, prefix_caching: bool = False) -> Scheduler:
+    sched, _ = make_scheduler(num_blocks=num_blocks, block_size=BLOCK, max_tokens=64)
+    blocks = BlockManager(
+        num_blocks,
+        BLOCK,
+        enable_caching=prefix_caching,
+        windows=(WINDOW,),
+        max_chunk_tokens=sched.max_batched_tokens,
+    )
+    sched.replace_blocks(blocks)
     return sched
 
 

@@ -5,12 +5,12 @@ and every output is the one computed with every block kept, on a cache with room
 from __future__ import annotations
 
 import pytest
-import trio
 
 from service.config import Config
 from service.engine.assembly import open_engine
+from service.engine.block_manager import BlockManager
 from service.engine.request import SamplingParams, SamplingSpec
-from tests.sim_worker import RecordingObserver, SimTokenizer, collect
+from tests.sim_worker import RecordingObserver, SimTokenizer, run_together
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -44,18 +44,12 @@ async def outputs(
     ) as engine:
         observer = RecordingObserver()
         engine.add_observer(observer)
-        assert engine.handshake is not None and engine.handshake.sliding_window == WINDOW
-        if keep_blocks:
-            engine.scheduler.sliding_window = None
-        results: list[list[int]] = [[] for _ in prompts]
-
-        async def one(i: int) -> None:
-            channel = await engine.submit(prompts[i], GREEDY, request_id=f"r{i}")
-            results[i] = (await collect(channel)).token_ids
-
-        async with trio.open_nursery() as nursery:
-            for i in range(len(prompts)):
-                nursery.start_soon(one, i)
+        handshake = engine.handshake
+        assert handshake is not None and handshake.kv_group_windows == [WINDOW]
+        if keep_blocks:  # a manager that knows of no window
+            whole = BlockManager(handshake.num_blocks, BLOCK, enable_caching=False)
+            engine.scheduler.replace_blocks(whole)
+        results = await run_together(engine, prompts, GREEDY, "r")
     return results, observer
 
 

@@ -126,7 +126,7 @@ class FakeGraph:
 
     def replay(self, input_ids, positions, slots, block_tables, context_lens):
         assert input_ids.shape == (self.batch,)
-        assert block_tables.shape == (self.batch, self.width)
+        assert block_tables.shape == (1, self.batch, self.width)  # one KV group
         self.owner.replays.append((self.batch, self.width))
         owner = self.owner
         return decode_forward(

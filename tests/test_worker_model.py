@@ -15,9 +15,9 @@ from tests.worker_fixtures import (
     blocks_for,
     generate_greedy,
     hf_model,
-    make_plan,
     make_runner,
     max_diff,
+    plan_for,
     random_prompt,
     sampled,
     save_tiny_model,
@@ -111,7 +111,7 @@ def check_prefill_logits(runner, hf, lengths) -> None:
         with torch.no_grad():
             reference = hf(torch.tensor([prompt])).logits[0, -1]
         table = blocks_for(seq_id * 40, length)
-        logits = runner.step_logits(make_plan([Chunk(seq_id, prompt, 0, table)]))[0]
+        logits = runner.step_logits(plan_for(runner, [Chunk(seq_id, prompt, 0, table)]))[0]
         assert max_diff(logits, reference) < tolerance(reference), f"prompt length {length}"
 
 
@@ -128,9 +128,9 @@ def check_token_by_token_logits(runner, hf, length: int, first: int = 0) -> None
         reference = hf(torch.tensor([prompt])).logits[0, first:]
     table = blocks_for(0, len(prompt))
     if first:
-        runner.execute(make_plan([Chunk(0, prompt[:first], 0, table, sample=False)]))
+        runner.execute(plan_for(runner, [Chunk(0, prompt[:first], 0, table, sample=False)]))
     rows = [
-        runner.step_logits(make_plan([Chunk(0, [token], pos, table)]))[0]
+        runner.step_logits(plan_for(runner, [Chunk(0, [token], pos, table)]))[0]
         for pos, token in enumerate(prompt[first:], start=first)
     ]
     assert max_diff(torch.stack(rows), reference) < tolerance(reference)
@@ -184,7 +184,7 @@ def check_chunked_prefill(runner) -> None:
     exact = runner.model.kernels.attention.row_invariant
     prompt = random_prompt(100, seed=5)
     whole_table = blocks_for(0, len(prompt) + 20)
-    whole = runner.step_logits(make_plan([Chunk(0, prompt, 0, whole_table)]))[0]
+    whole = runner.step_logits(plan_for(runner, [Chunk(0, prompt, 0, whole_table)]))[0]
     whole_tokens = generate_greedy(runner, prompt, steps=12)
     for index, chunk_size in enumerate((1, 3, 7, 16, 64)):
         table = blocks_for(100 * (index + 1), len(prompt))
@@ -192,7 +192,7 @@ def check_chunked_prefill(runner) -> None:
         while start < len(prompt):
             piece = prompt[start : start + chunk_size]
             last = start + len(piece) == len(prompt)
-            plan = make_plan([Chunk(1, piece, start, table, sample=last)])
+            plan = plan_for(runner, [Chunk(1, piece, start, table, sample=last)])
             logits = runner.step_logits(plan)
             start += len(piece)
         assert max_diff(logits[0], whole) < tolerance(whole), f"chunk size {chunk_size}"
@@ -202,11 +202,13 @@ def check_chunked_prefill(runner) -> None:
     tokens = []
     for start in range(0, len(prompt), 7):
         piece = prompt[start : start + 7]
-        result = runner.execute(make_plan([Chunk(2, piece, start, table)]))
+        result = runner.execute(plan_for(runner, [Chunk(2, piece, start, table)]))
     tokens += sampled(result)
     while len(tokens) < len(whole_tokens):
         position = len(prompt) + len(tokens) - 1
-        tokens += sampled(runner.execute(make_plan([Chunk(2, [tokens[-1]], position, table)])))
+        tokens += sampled(
+            runner.execute(plan_for(runner, [Chunk(2, [tokens[-1]], position, table)]))
+        )
     assert tokens == whole_tokens
 
 
@@ -220,29 +222,31 @@ def check_mixed_batch(runner) -> None:
     target = random_prompt(30, seed=11)
     # Alone: the first 20 tokens, then a chunk of 10 at position 20.
     alone_table = blocks_for(0, 40)
-    runner.execute(make_plan([Chunk(0, target[:20], 0, alone_table, sample=False)]))
-    alone = runner.step_logits(make_plan([Chunk(0, target[20:], 20, alone_table)]))[0]
+    runner.execute(plan_for(runner, [Chunk(0, target[:20], 0, alone_table, sample=False)]))
+    alone = runner.step_logits(plan_for(runner, [Chunk(0, target[20:], 20, alone_table)]))[0]
 
     # In a batch: other sequences are decoding and prefilling (first and later chunks) at
     # the same step, in different blocks, placed before and after the target.
     other = random_prompt(25, seed=12)
     decoding = random_prompt(17, seed=13)
     tables = {name: blocks_for(base, 40) for name, base in (("t", 100), ("o", 200), ("d", 300))}
-    warmup = make_plan(
+    warmup = plan_for(
+        runner,
         [
             Chunk(1, target[:20], 0, tables["t"], sample=False),
             Chunk(2, other[:9], 0, tables["o"], sample=False),
             Chunk(3, decoding, 0, tables["d"]),
-        ]
+        ],
     )
     assert runner.execute(warmup).error is None
-    mixed = make_plan(
+    mixed = plan_for(
+        runner,
         [
             Chunk(3, [7], 17, tables["d"]),
             Chunk(2, other[9:], 9, tables["o"]),
             Chunk(1, target[20:], 20, tables["t"]),
             Chunk(4, random_prompt(6, seed=14), 0, blocks_for(400, 6)),
-        ]
+        ],
     )
     logits = runner.step_logits(mixed)
     assert max_diff(logits[2], alone) < tolerance(alone)
@@ -255,11 +259,13 @@ def check_prefix_cache(runner) -> None:
     hands them over in its block table) gets the logits of a prefill from scratch."""
     prompt = random_prompt(37, seed=31)
     table = blocks_for(500, len(prompt))
-    whole = runner.step_logits(make_plan([Chunk(50, prompt, 0, table)]))[0]
+    whole = runner.step_logits(plan_for(runner, [Chunk(50, prompt, 0, table)]))[0]
     shared = 5  # full blocks, past the tiny models' windows
     start = shared * BLOCK_SIZE
     cached_table = table[:shared] + blocks_for(600, len(prompt) - start)
-    cached = runner.step_logits(make_plan([Chunk(51, prompt[start:], start, cached_table)]))[0]
+    cached = runner.step_logits(plan_for(runner, [Chunk(51, prompt[start:], start, cached_table)]))[
+        0
+    ]
     assert max_diff(cached, whole) < tolerance(whole)
 
 
@@ -269,18 +275,18 @@ def test_decodes_in_a_mixed_batch_match_decoding_alone(tiny_llama_dir):
     alone = []
     for i, prompt in enumerate(prompts):
         table = blocks_for(10 * i, 30)
-        runner.execute(make_plan([Chunk(i, prompt, 0, table, sample=False)]))
+        runner.execute(plan_for(runner, [Chunk(i, prompt, 0, table, sample=False)]))
         decode = Chunk(i, [5], len(prompt), table)
-        alone.append(runner.step_logits(make_plan([decode]))[0])
+        alone.append(runner.step_logits(plan_for(runner, [decode]))[0])
     # Same decodes, interleaved with prefill chunks (non-contiguous decode rows).
     for i, prompt in enumerate(prompts):
         table = blocks_for(100 + 10 * i, 30)
-        runner.execute(make_plan([Chunk(10 + i, prompt, 0, table, sample=False)]))
+        runner.execute(plan_for(runner, [Chunk(10 + i, prompt, 0, table, sample=False)]))
     chunks = []
     for i, prompt in enumerate(prompts):
         chunks.append(Chunk(10 + i, [5], len(prompt), blocks_for(100 + 10 * i, 30)))
         chunks.append(Chunk(20 + i, random_prompt(4, seed=i), 0, blocks_for(200 + 10 * i, 4)))
-    logits = runner.step_logits(make_plan(chunks))
+    logits = runner.step_logits(plan_for(runner, chunks))
     for i in range(len(prompts)):
         assert max_diff(logits[2 * i], alone[i]) < tolerance(alone[i])
 
@@ -306,13 +312,14 @@ def test_bfloat16_logits_stay_close_to_float32(tiny_llama_dir):
     bfloat16 = make_runner(tiny_llama_dir, dtype="bfloat16")
     assert bfloat16.handshake.dtype == "bfloat16"
     prompt = random_prompt(50, seed=9)
-    plan = make_plan([Chunk(0, prompt, 0, blocks_for(0, 60))])
+    plan = plan_for(float32, [Chunk(0, prompt, 0, blocks_for(0, 60))])
     reference = float32.step_logits(plan)[0]
     logits = bfloat16.step_logits(plan)[0]
     assert torch.isfinite(logits).all()
     # bfloat16 keeps 8 bits of mantissa: a few percent of the logit scale.
     assert max_diff(logits, reference) < 0.05 * reference.abs().max().item()
-    decode = make_plan([Chunk(0, [4], 50, blocks_for(0, 60), spec=SamplingSpec(logprobs=True))])
+    spec = SamplingSpec(logprobs=True)
+    decode = plan_for(bfloat16, [Chunk(0, [4], 50, blocks_for(0, 60), spec=spec)])
     result = bfloat16.execute(decode)
     assert len(sampled(result)) == 1
     assert result.logprobs is not None and result.logprobs.logprobs[0] <= 0
@@ -329,15 +336,16 @@ def test_prompt_logprobs_over_chunks_equal_transformers_log_softmax(tiny_llama_d
     spec = SamplingSpec(prompt_logprobs=3)
     table = blocks_for(0, len(prompt))
     neighbour = random_prompt(20, seed=22)
-    alone = runner.step_logits(make_plan([Chunk(9, neighbour, 0, blocks_for(60, 20))]))[0]
+    alone = runner.step_logits(plan_for(runner, [Chunk(9, neighbour, 0, blocks_for(60, 20))]))[0]
     found: list[float] = []
     top_ids: list[list[int]] = []
     for start, end in ((0, 100), (100, 150)):
-        plan = make_plan(
+        plan = plan_for(
+            runner,
             [
                 Chunk(0, prompt[start:end], start, table, sample=end == len(prompt), spec=spec),
                 Chunk(9, neighbour, 0, blocks_for(60, 20)),
-            ]
+            ],
         )
         plan.prompt_targets = [prompt[start + 1 : min(end + 1, len(prompt))], None]
         result = runner.execute(plan)
@@ -372,8 +380,9 @@ def test_a_multimodal_gemma3_checkpoint_serves_its_text_model(tiny_models, tmp_p
     }
     weights["model.vision_tower.patch_embedding.weight"] = torch.ones(4, 4)
     save_file(weights, tmp_path / "model.safetensors")
-    plan = make_plan([Chunk(0, random_prompt(30, seed=4), 0, blocks_for(0, 30))])
-    expected = make_runner(text_dir).step_logits(plan)
+    text_runner = make_runner(text_dir)
+    plan = plan_for(text_runner, [Chunk(0, random_prompt(30, seed=4), 0, blocks_for(0, 30))])
+    expected = text_runner.step_logits(plan)
     runner = make_runner(tmp_path)
     assert runner.handshake.architecture == "Gemma3ForConditionalGeneration"
     assert torch.equal(runner.step_logits(plan), expected)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gpu_worker import runtime
-from gpu_worker.protocol import SamplingSpec, StepResult, WorkerConfig
+from gpu_worker.protocol import BatchPlan, SamplingSpec, StepResult, WorkerConfig
 from gpu_worker.runner import ModelRunner
 from ops.gpu_smoke import Seq as Chunk
 from ops.gpu_smoke import plan_of as make_plan
@@ -191,6 +191,11 @@ def make_runner(model_dir: Path, **overrides) -> ModelRunner:
     return runtime.start(WorkerConfig(**settings))
 
 
+def plan_for(runner: ModelRunner, seqs: list[Chunk], step_id: int = 0) -> BatchPlan:
+    """The step of `seqs` on `runner`'s cache, with a table for each of its KV groups."""
+    return make_plan(seqs, step_id, runner.limits.num_groups)
+
+
 def sampled(result: StepResult) -> list[int]:
     """The token each sampled sequence took, from a step that samples one each."""
     assert result.error is None, result.error
@@ -214,11 +219,11 @@ def generate_greedy(
     """Prefill the whole prompt, then decode `steps - 1` tokens, one step each."""
     table = blocks_for(0, len(prompt) + steps)
     tokens: list[int] = []
-    result = runner.execute(make_plan([Chunk(seq_id, prompt, 0, table)]))
+    result = runner.execute(plan_for(runner, [Chunk(seq_id, prompt, 0, table)]))
     tokens += sampled(result)
     for _ in range(steps - 1):
         position = len(prompt) + len(tokens) - 1
-        result = runner.execute(make_plan([Chunk(seq_id, [tokens[-1]], position, table)]))
+        result = runner.execute(plan_for(runner, [Chunk(seq_id, [tokens[-1]], position, table)]))
         tokens += sampled(result)
     return tokens
 

@@ -1,35 +1,49 @@
 """Paged KV accounting: which of the worker's blocks each sequence holds, and the prefix cache.
 
 The tensors live in the worker; here are only block ids 0..num_blocks-1, each with a
-reference count: the number of sequences whose table holds it.
+reference count: the number of sequences whose tables hold it.
+
+KV groups. A model whose layers all attend alike has one group: a sequence has one table,
+and its entry i is the block of positions i x block_size on, in every layer. A hybrid
+model (Gemma 2 and 3: windowed layers beside full ones) has several groups of layers, of
+the same size (the worker's gpu_worker.kv_groups): a block holds block_size positions of
+one group's layers, all groups draw their blocks from the one pool, and a sequence has a
+table per group, each as long as the others. That is vLLM's hybrid KV cache manager: a
+windowed group gives back what its window no longer reads while the full groups keep all.
+
+Sliding windows. A windowed group's blocks wholly before a sequence's window are never
+read again: `drop_behind_window` releases them (to the free list, or evictable when
+cached). The table keeps their ids at their places, so positions still index it, but they
+are no longer its blocks (`held` is the rest): another sequence may take one, and its keys
+there are masked out by the window. A windowed group thus holds at most its `cap`: the
+window's blocks, a chunk's, and the one the window's start cuts.
 
 Prefix caching. A block that a sequence has filled and computed is registered under a hash
 chained from its parent's (`chain_hashes`): the hash names the block's tokens and every
-token before them, so equal hashes mean equal K/V. A newcomer's longest registered prefix
-is `match`ed and `share`d: its table starts with those blocks (reference counted, never
+token before them, so equal hashes mean equal K/V (per group). A newcomer's longest hit is
+`match`ed and `share`d: its tables start with those blocks (reference counted, never
 written again: a sequence only writes past its computed tokens, which start after them).
+A hit covers the leading positions in every full group, and in a windowed group only the
+window of the position the newcomer computes first (the entries before it are never read).
 A released block that holds a hash is kept, *evictable*, in least-recently-released order
 instead of going to the free list; it is taken back by a later match, or evicted (its hash
 forgotten) when an allocation finds no plain free block. Both kinds count as free.
 
 A sequence admitted on its whole prompt is allocated its blocks chunk by chunk; the blocks
-it will still need are *promised* to it, and admission counts only the free blocks nobody
-is promised (`num_available`), so two long prompts are never admitted against the same
-blocks. A promise binds admission only: growth (`can_grow`) may take any free block.
-
-Sliding windows. On a model whose every layer attends within a window, the blocks wholly
-before a sequence's window are never read again: `drop_before` releases them (to the free
-list, or evictable when cached). Its table keeps their ids at their places, so positions
-still index it, but they are no longer its blocks (`held` is the rest): another sequence
-may take one, and its keys there are masked out by the window.
+it will still need (a windowed group's up to its cap) are *promised* to it, and admission
+counts only the free blocks nobody is promised (`num_available`), so two long prompts are
+never admitted against the same blocks. A promise binds admission only: growth
+(`can_grow`) may take any free block.
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
+import sys
 from array import array
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 
 class BlockAccountingError(AssertionError):
@@ -60,6 +74,26 @@ def _root(salt: str | None) -> bytes:
     return b"" if salt is None else hashlib.sha256(b"cache_salt\0" + salt.encode()).digest()
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """The cached blocks a newcomer starts with (BlockManager.match): those of its first
+    `num_blocks` table entries, per group; a windowed group's from entry `first_kept[g]`
+    on (its window's), a full group's all."""
+
+    tables: tuple[tuple[int, ...], ...]
+    first_kept: tuple[int, ...]
+    num_blocks: int
+
+    @property
+    def blocks(self) -> list[int]:
+        """Every block the hit names, in all groups."""
+        return [block for table in self.tables for block in table]
+
+
+# What a windowed table holds at entries it never reads (a hit skips them): any block id.
+_UNREAD = 0
+
+
 class BlockManager:
     def __init__(
         self,
@@ -67,26 +101,48 @@ class BlockManager:
         block_size: int,
         watermark: float = 0.0,
         enable_caching: bool = True,
+        *,
+        windows: Sequence[int | None] = (None,),
+        max_chunk_tokens: int | None = None,
     ) -> None:
+        """`windows`: each KV group's sliding window (None: full attention), one group by
+        default. A windowed group needs `max_chunk_tokens`, the most tokens a sequence
+        computes in a step, to know the most blocks it holds at once."""
         # no blocks: a scheduler's before its first worker answers (nothing is admitted then)
         if num_blocks < 0 or block_size < 1:
             raise ValueError("num_blocks must be at least 0 and block_size positive")
+        if not windows or any(w is not None and w < 1 for w in windows):
+            raise ValueError(f"windows must list each group's window, None or positive: {windows}")
+        if any(w is not None for w in windows) and (max_chunk_tokens or 0) < 1:
+            raise ValueError("a windowed group needs max_chunk_tokens")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.watermark_blocks = int(watermark * num_blocks)
         self.enable_caching = enable_caching
+        self.windows = tuple(windows)
+        # the most blocks a windowed group holds at once: between steps, entries from the
+        # window's start, cut by a block boundary, to the end of the next chunk
+        self.caps = tuple(
+            None if w is None else -(-(w - 1 + (max_chunk_tokens or 0)) // block_size) + 1
+            for w in self.windows
+        )
+        self._groups = range(len(self.windows))
         # popped from the end: recently freed blocks are reused first (warm in caches)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._refcount = [0] * num_blocks
-        self._tables: dict[int, list[int]] = {}
-        self._dropped: dict[int, int] = {}  # seq_id -> leading table entries released
+        self._tables: dict[int, list[list[int]]] = {}  # seq_id -> a table per group
+        self._dropped: dict[int, list[int]] = {}  # seq_id -> leading entries released, per group
         self._promised: dict[int, int] = {}  # seq_id -> table length promised, while unmet
         self._num_promised = 0  # blocks promised and not yet allocated, over all sequences
-        self._block_of: dict[bytes, int] = {}  # registered hash -> its block
-        self._hash_of: dict[int, bytes] = {}  # registered block -> its hash
+        self._block_of: list[dict[bytes, int]] = [{} for _ in self._groups]  # hash -> block
+        self._hash_of: dict[int, tuple[int, bytes]] = {}  # registered block -> group, hash
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self._registered: dict[int, int] = {}  # seq_id -> leading blocks of its table seen
+        self._registered: dict[int, int] = {}  # seq_id -> leading entries of its tables seen
         self.num_evicted = 0  # cached blocks whose hash was forgotten to reuse them
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
 
     @property
     def num_free(self) -> int:
@@ -115,17 +171,29 @@ class BlockManager:
         """Free blocks not promised to anyone (negative once growth took promised ones)."""
         return self.num_free - self._num_promised
 
-    def table(self, seq_id: int) -> list[int]:
-        """The block table of `seq_id` (empty if it holds none), its dropped entries
-        included: entry i is the block of positions i x block_size on. Do not mutate."""
-        return self._tables.get(seq_id, _EMPTY)
+    @property
+    def no_hit(self) -> PrefixHit:
+        return PrefixHit(((),) * self.num_groups, (0,) * self.num_groups, 0)
+
+    def table(self, seq_id: int, group: int = 0) -> list[int]:
+        """The block table of `seq_id` in `group` (empty if it holds none), its dropped
+        entries included: entry i is the block of positions i x block_size on. Do not mutate."""
+        tables = self._tables.get(seq_id)
+        return _EMPTY if tables is None else tables[group]
 
     def held(self, seq_id: int) -> list[int]:
-        """The blocks `seq_id` holds: its table but the dropped entries."""
-        return self.table(seq_id)[self._dropped.get(seq_id, 0) :]
+        """The blocks `seq_id` holds, in all groups: its tables but the dropped entries."""
+        tables = self._tables.get(seq_id)
+        if tables is None:
+            return []
+        dropped = self._dropped[seq_id]
+        return [block for g in self._groups for block in tables[g][dropped[g] :]]
 
     def num_held(self, seq_id: int) -> int:
-        return len(self.table(seq_id)) - self._dropped.get(seq_id, 0)
+        tables = self._tables.get(seq_id)
+        if tables is None:
+            return 0
+        return sum(len(table) for table in tables) - sum(self._dropped[seq_id])
 
     def refcount(self, block: int) -> int:
         return self._refcount[block]
@@ -134,9 +202,21 @@ class BlockManager:
         return block in self._hash_of
 
     def num_promised_to(self, seq_id: int) -> int:
-        """Blocks promised to `seq_id` and not yet allocated."""
+        """Blocks promised to `seq_id` and not yet allocated: each group's entries still to
+        come, a windowed group's no more than its cap leaves room for."""
         target = self._promised.get(seq_id)
-        return 0 if target is None else max(0, target - len(self.table(seq_id)))
+        if target is None:
+            return 0
+        return sum(self._owed_in(seq_id, g, target) for g in self._groups)
+
+    def _owed_in(self, seq_id: int, group: int, target: int) -> int:
+        table = self.table(seq_id, group)
+        to_come = target - len(table)
+        cap = self.caps[group]
+        if to_come <= 0 or cap is None:
+            return max(0, to_come)
+        held = len(table) - (self._dropped[seq_id][group] if table else 0)
+        return max(0, min(to_come, cap - held))
 
     def num_claimed(self, seq_id: int) -> int:
         """Blocks `seq_id` holds alone or is promised: what freeing it gives back to
@@ -145,11 +225,28 @@ class BlockManager:
         return alone + self.num_promised_to(seq_id)
 
     def blocks_to_hold(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        """The most blocks a sequence of `num_tokens` holds at once, in all groups."""
+        entries = -(-num_tokens // self.block_size)
+        return sum(entries if cap is None else min(entries, cap) for cap in self.caps)
+
+    def tokens_fitting(self, num_blocks: int) -> int:
+        """The longest sequence whose blocks_to_hold fits in `num_blocks` (sys.maxsize when
+        every group is windowed and their caps fit)."""
+        if None not in self.caps and sum(self.caps) <= num_blocks:  # type: ignore[arg-type]
+            return sys.maxsize
+        low, high = 0, max(num_blocks, 0)  # entries: every group holds one at least
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self.blocks_to_hold(mid * self.block_size) <= num_blocks:
+                low = mid
+            else:
+                high = mid - 1
+        return low * self.block_size
 
     def extra_blocks(self, seq_id: int, num_tokens: int) -> int:
-        """Blocks `seq_id` still needs so that its table covers `num_tokens` tokens."""
-        return max(0, self.blocks_to_hold(num_tokens) - len(self.table(seq_id)))
+        """Blocks `seq_id` still needs so that its tables cover `num_tokens` tokens."""
+        entries = -(-num_tokens // self.block_size)
+        return sum(max(0, entries - len(self.table(seq_id, g))) for g in self._groups)
 
     def can_grow(self, seq_id: int, num_tokens: int) -> bool:
         return self.extra_blocks(seq_id, num_tokens) <= self.num_free
@@ -160,61 +257,101 @@ class BlockManager:
         sequences to grow."""
         return self.num_available - self.watermark_blocks
 
-    def admission_shortfall(self, num_tokens: int, hit: Sequence[int] = ()) -> int:
+    def admission_shortfall(self, num_tokens: int, hit: PrefixHit | None = None) -> int:
         """Blocks missing to admit a sequence of `num_tokens` whose first blocks are the
         cached `hit` (<= 0: it fits). A hit block that others hold costs nothing; an
         evictable one leaves the free blocks like a new one."""
         return self.admission_cost(num_tokens, hit) - self.num_admittable
 
-    def admission_cost(self, num_tokens: int, hit: Sequence[int] = ()) -> int:
+    def admission_cost(self, num_tokens: int, hit: PrefixHit | None = None) -> int:
         """Free blocks a sequence of `num_tokens` takes if it starts with the cached `hit`."""
-        shared = sum(1 for block in hit if self._refcount[block] > 0)
+        blocks = () if hit is None else hit.blocks
+        shared = sum(1 for block in blocks if self._refcount[block] > 0)
         return self.blocks_to_hold(num_tokens) - shared
 
     # ---- the prefix cache ---------------------------------------------------------------
 
-    def match(self, hashes: Sequence[bytes]) -> list[int]:
-        """The registered blocks of the longest prefix of `hashes`."""
+    def match(self, hashes: Sequence[bytes]) -> PrefixHit:
+        """The registered blocks of the longest prefix of `hashes` that every group can
+        start from: a full group needs each of its blocks, a windowed group its window's."""
         if not self.enable_caching:
-            return []
-        hit = []
-        for digest in hashes:
-            block = self._block_of.get(digest)
-            if block is None:
-                break
-            hit.append(block)
-        return hit
+            return self.no_hit
+        length = self._longest_hit(hashes)
+        if not length:
+            return self.no_hit
+        first_kept = tuple(self._first_kept(g, length) for g in self._groups)
+        tables = tuple(
+            tuple(self._block_of[g][digest] for digest in hashes[first_kept[g] : length])
+            for g in self._groups
+        )
+        return PrefixHit(tables, first_kept, length)
 
-    def share(self, seq_id: int, hit: Sequence[int]) -> None:
-        """Start the empty table of `seq_id` with the cached blocks `hit` (from `match`)."""
+    def _longest_hit(self, hashes: Sequence[bytes]) -> int:
+        length = len(hashes)
+        for g in self._groups:
+            if self.windows[g] is None:
+                found = self._block_of[g]
+                length = next((i for i in range(length) if hashes[i] not in found), length)
+        while length:
+            # a hit must end before the last entry its windows read that is missing
+            gaps = [self._last_gap(g, hashes, length) for g in self._groups if self.windows[g]]
+            if max(gaps, default=-1) < 0:
+                break
+            length = max(gaps)
+        return length
+
+    def _last_gap(self, group: int, hashes: Sequence[bytes], length: int) -> int:
+        """The last entry a hit of `length` entries reads in windowed `group` that is not
+        registered there; -1 when none is missing."""
+        found = self._block_of[group]
+        for index in range(length - 1, self._first_kept(group, length) - 1, -1):
+            if hashes[index] not in found:
+                return index
+        return -1
+
+    def _first_kept(self, group: int, length: int) -> int:
+        """The first table entry a sequence computing from entry `length` on reads in `group`."""
+        window = self.windows[group]
+        if window is None:
+            return 0
+        return max(0, length * self.block_size - window + 1) // self.block_size
+
+    def share(self, seq_id: int, hit: PrefixHit) -> None:
+        """Start the empty tables of `seq_id` with the cached blocks `hit` (from `match`)."""
         assert not self.table(seq_id), f"sequence {seq_id} shares into a non-empty table"
-        if not hit:
+        if not hit.num_blocks:
             return
-        for block in hit:
+        for block in hit.blocks:
             assert block in self._hash_of, f"block {block} is not cached"
             if self._refcount[block] == 0:
                 del self._evictable[block]
             self._refcount[block] += 1
-        self._tables[seq_id] = list(hit)
-        self._registered[seq_id] = len(hit)
+        self._tables[seq_id] = [
+            [_UNREAD] * first + list(table)
+            for first, table in zip(hit.first_kept, hit.tables, strict=True)
+        ]
+        self._dropped[seq_id] = list(hit.first_kept)
+        self._registered[seq_id] = hit.num_blocks
 
     def register(self, seq_id: int, hashes: Sequence[bytes], num_computed: int) -> None:
         """`seq_id` has computed `num_computed` tokens, whose full blocks' hashes are
-        `hashes`: make those blocks findable. A block whose hash another block already
-        holds stays unregistered (the first copy serves the matches)."""
-        if not self.enable_caching:
+        `hashes`: make those blocks findable. A block whose hash another block of its group
+        already holds stays unregistered (the first copy serves the matches)."""
+        tables = self._tables.get(seq_id)
+        if not self.enable_caching or tables is None:
             return
-        table = self.table(seq_id)
-        full = min(num_computed // self.block_size, len(hashes), len(table))
-        # a dropped entry's block may be another sequence's now
-        first = max(self._registered.get(seq_id, 0), self._dropped.get(seq_id, 0))
-        for index in range(first, full):
-            block, digest = table[index], hashes[index]
-            if digest not in self._block_of and block not in self._hash_of:
-                self._block_of[digest] = block
-                self._hash_of[block] = digest
+        full = min(num_computed // self.block_size, len(hashes), len(tables[0]))
+        seen = self._registered.get(seq_id, 0)
+        for g, table in enumerate(tables):
+            found = self._block_of[g]
+            # a dropped entry's block may be another sequence's now
+            for index in range(max(seen, self._dropped[seq_id][g]), full):
+                block, digest = table[index], hashes[index]
+                if digest not in found and block not in self._hash_of:
+                    found[digest] = block
+                    self._hash_of[block] = (g, digest)
         if full:
-            self._registered[seq_id] = max(full, self._registered.get(seq_id, 0))
+            self._registered[seq_id] = max(full, seen)
 
     def reset_cache(self) -> int:
         """Forget every registered hash: evictable blocks become plain free, held ones stay
@@ -222,7 +359,8 @@ class BlockManager:
         cached = len(self._hash_of)
         self._free.extend(reversed(self._evictable))
         self._evictable.clear()
-        self._block_of.clear()
+        for found in self._block_of:
+            found.clear()
         self._hash_of.clear()
         return cached
 
@@ -231,68 +369,84 @@ class BlockManager:
     def promise(self, seq_id: int, num_tokens: int) -> None:
         """Set aside the blocks `seq_id` needs to hold `num_tokens`, allocated later chunk by
         chunk; the promise ends when they are allocated or the sequence is freed."""
-        owed = self.extra_blocks(seq_id, num_tokens)
-        self._num_promised += owed - self.num_promised_to(seq_id)
-        if owed:
-            self._promised[seq_id] = self.blocks_to_hold(num_tokens)
+        owed_before = self.num_promised_to(seq_id)
+        if self.extra_blocks(seq_id, num_tokens):
+            self._promised[seq_id] = -(-num_tokens // self.block_size)
         else:
             self._promised.pop(seq_id, None)
+        self._num_promised += self.num_promised_to(seq_id) - owed_before
 
     def allocate(self, seq_id: int, num_tokens: int) -> None:
-        """Grow the table of `seq_id` to cover `num_tokens` tokens (a block at each boundary)."""
+        """Grow the tables of `seq_id` to cover `num_tokens` tokens (a block at each boundary)."""
         extra = self.extra_blocks(seq_id, num_tokens)
         if extra == 0:
             return
         if extra > self.num_free:
             raise OutOfBlocks(f"sequence {seq_id} needs {extra} blocks, {self.num_free} free")
-        owed = self.num_promised_to(seq_id)
-        table = self._tables.setdefault(seq_id, [])
-        for _ in range(extra):
-            block = self._take_free_block()
-            self._refcount[block] += 1
-            table.append(block)
-        if owed:
-            self._keep_promise(seq_id, owed)
+        owed_before = self.num_promised_to(seq_id)
+        if seq_id not in self._tables:
+            self._tables[seq_id] = [[] for _ in self._groups]
+            self._dropped[seq_id] = [0] * self.num_groups
+        entries = -(-num_tokens // self.block_size)
+        for table in self._tables[seq_id]:
+            for _ in range(entries - len(table)):
+                block = self._take_free_block()
+                self._refcount[block] += 1
+                table.append(block)
+        if self._promised.get(seq_id, 0) <= entries:
+            self._promised.pop(seq_id, None)  # met
+        self._num_promised += self.num_promised_to(seq_id) - owed_before
 
     def _take_free_block(self) -> int:
         if self._free:
             return self._free.pop()
         block, _ = self._evictable.popitem(last=False)  # the least recently released
-        del self._block_of[self._hash_of.pop(block)]
+        group, digest = self._hash_of.pop(block)
+        del self._block_of[group][digest]
         self.num_evicted += 1
         return block
 
-    def _keep_promise(self, seq_id: int, owed_before: int) -> None:
-        still_owed = self.num_promised_to(seq_id)
-        self._num_promised -= owed_before - still_owed
-        if not still_owed:
-            del self._promised[seq_id]
-
-    def drop_before(self, seq_id: int, position: int) -> int:
-        """Release the blocks of `seq_id` that hold only positions before `position` (its
-        window no longer reaches them); returns how many. First blocks first: evicted
-        before the later ones of a chain, they are the least useful to a prefix match."""
-        dropped = self._dropped.get(seq_id, 0)
-        table = self.table(seq_id)
-        until = min(max(position, 0) // self.block_size, len(table))
-        if until <= dropped:
+    def drop_behind_window(self, seq_id: int, position: int) -> int:
+        """Release the blocks of `seq_id`'s windowed groups that its next query, at
+        `position`, no longer reads (those wholly before position - window + 1); returns
+        how many. The tables keep their ids; a promise owes the room they leave again."""
+        tables = self._tables.get(seq_id)
+        if tables is None:
             return 0
-        self._release(reversed(table[dropped:until]))
-        self._dropped[seq_id] = until
-        return until - dropped
+        owed_before = self.num_promised_to(seq_id)
+        dropped = self._dropped[seq_id]
+        released: list[int] = []
+        for g, window in enumerate(self.windows):
+            if window is None:
+                continue
+            until = min(max(position - window + 1, 0) // self.block_size, len(tables[g]))
+            if until > dropped[g]:
+                # last first, as free() does: the head of a chain is evicted last
+                released += reversed(tables[g][dropped[g] : until])
+                dropped[g] = until
+        self._release(released)
+        self._num_promised += self.num_promised_to(seq_id) - owed_before
+        return len(released)
 
     def free(self, seq_id: int) -> int:
         """Release every block of `seq_id` and its promise; idempotent. Returns how many
-        references dropped. Last blocks first, so a chain's tail is evicted before its
-        head, which more sequences share."""
+        references dropped. Last entries first (in every group), so a chain's tail is
+        evicted before its head, which more sequences share."""
         self._num_promised -= self.num_promised_to(seq_id)
         self._promised.pop(seq_id, None)
         self._registered.pop(seq_id, None)
-        held = self.held(seq_id)
-        self._tables.pop(seq_id, None)
-        self._dropped.pop(seq_id, None)
-        self._release(reversed(held))
-        return len(held)
+        tables = self._tables.pop(seq_id, None)
+        if tables is None:
+            return 0
+        dropped = self._dropped.pop(seq_id)
+        released = [
+            table[index]
+            for index in range(len(tables[0]) - 1, -1, -1)
+            for table, first in zip(tables, dropped, strict=True)
+            if index >= first
+        ]
+        self._release(released)
+        return len(released)
 
     def _release(self, blocks: Iterable[int]) -> None:
         """One reference less to each of `blocks`, in order: unreferenced, a block goes to
@@ -311,14 +465,16 @@ class BlockManager:
 
     def check_invariants(self) -> None:
         """free + evictable + held == total, each block in exactly one of them, refcounts
-        match the tables, registered hashes map both ways, the promised count is the sum of
-        the unmet promises."""
+        match the tables, a sequence's tables are equally long, registered hashes map both
+        ways, the promised count is the sum of the unmet promises."""
         self._check_promises()
         self._check_cache()
         counted = [0] * self.num_blocks
-        for seq_id, table in self._tables.items():
-            if not table:
+        for seq_id, tables in self._tables.items():
+            if not tables[0]:
                 raise BlockAccountingError(f"sequence {seq_id} has an empty table entry")
+            if len(tables) != self.num_groups or len({len(t) for t in tables}) != 1:
+                raise BlockAccountingError(f"sequence {seq_id}'s tables differ from its groups")
             blocks = self.held(seq_id)
             if len(set(blocks)) != len(blocks):
                 raise BlockAccountingError(f"sequence {seq_id} holds a block twice")
@@ -347,8 +503,8 @@ class BlockManager:
             )
 
     def _check_cache(self) -> None:
-        if len(self._block_of) != len(self._hash_of) or any(
-            self._block_of.get(digest) != block for block, digest in self._hash_of.items()
+        if sum(map(len, self._block_of)) != len(self._hash_of) or any(
+            self._block_of[g].get(digest) != block for block, (g, digest) in self._hash_of.items()
         ):
             raise BlockAccountingError("the hash -> block and block -> hash maps disagree")
         for block in self._evictable:

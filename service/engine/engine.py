@@ -130,7 +130,7 @@ class Engine:
         )
         # built now, given its blocks at each worker start (none before the first)
         self._scheduler = Scheduler(
-            self._blocks_for(0),
+            self._blocks_for(None),
             make_policy(config.policy, config.policy_params),
             max_batched_tokens=config.max_batched_tokens,
             max_num_seqs=config.max_num_seqs,
@@ -664,8 +664,7 @@ class Engine:
     def _worker_started(self, handshake: Handshake) -> None:
         """A new worker's cache sizes the blocks; its device decides overlap and masks."""
         self.handshake = handshake
-        self._scheduler.replace_blocks(self._blocks_for(handshake.num_blocks))
-        self._scheduler.sliding_window = handshake.sliding_window
+        self._scheduler.replace_blocks(self._blocks_for(handshake))
         self._fail_what_no_longer_fits()
         self._overlap = overlaps(self.config.overlap, handshake.device)
         # on the CPU, fills would take the cores the step needs: only between steps there
@@ -673,14 +672,16 @@ class Engine:
         self._ready = True
         self._report.worker_started(handshake, self._overlap)
 
-    def _blocks_for(self, num_blocks: int) -> BlockManager:
-        """The KV cache's block ids, in the block size of the worker's cache."""
-        block_size = self.handshake.block_size if self.handshake else self.config.block_size
+    def _blocks_for(self, handshake: Handshake | None) -> BlockManager:
+        """The KV cache's block ids, in the block size and KV groups of the worker's cache
+        (none before a worker answers)."""
         return BlockManager(
-            num_blocks,
-            block_size,
+            0 if handshake is None else handshake.num_blocks,
+            self.config.block_size if handshake is None else handshake.block_size,
             self.config.watermark,
             enable_caching=self.config.enable_prefix_caching,
+            windows=(None,) if handshake is None else handshake.kv_group_windows,
+            max_chunk_tokens=self.config.max_batched_tokens,
         )
 
     def _fail_what_no_longer_fits(self) -> None:

@@ -61,11 +61,13 @@ has them counted by the worker: its first plan after each admission carries a Hi
 prompt length, and the tokens a prefix-cache hit skips), and the first plan after it ends
 or is preempted releases it, so no plan carries a sequence's tokens twice.
 
-Sliding windows. On a model whose every layer attends within a window, update() releases
-the blocks wholly before each sequence's window (BlockManager.drop_before) as it moves on:
-a long sequence holds about window / block_size blocks. Admission still counts the whole
-prompt (a prompt is admitted only if it fits whole), so the gain is for decoding and for
-the sequences beside it, not a prompt longer than the cache.
+Sliding windows. The blocks of layers that attend within a window (every layer of a
+Mistral; 15 of 18 layers of Gemma 3 270M, a KV group of their own: BlockManager) are
+released by update() once wholly behind a sequence's window (drop_behind_window), so such
+a group holds about window / block_size blocks of a long sequence. Admission counts what a
+prompt holds at its peak: all its blocks in a full group, a windowed group's up to its cap
+(the window's blocks and a chunk's), so a prompt longer than the cache may still fit on a
+model whose every layer is windowed.
 
 Pooling (embeddings). A pooled request never samples: its chunks carry what the worker
 pools of them (BatchPlan.pooling), and update() finishes it (POOLED) with the step that
@@ -87,7 +89,7 @@ import numpy as np
 
 from gpu_worker.protocol import POOL_LAST, POOL_SUM, BatchPlan, History, StepResult, TokenLogprobs
 from policies.base import Decision, Policy, SeqView, View
-from service.engine.block_manager import BlockManager, chain_hashes
+from service.engine.block_manager import BlockManager, PrefixHit, chain_hashes
 from service.engine.request import MEAN_POOLING, Request, Status, account_of
 from service.engine.step_cost import StepCostModel
 
@@ -200,9 +202,6 @@ class Scheduler:
         self.running: list[Request] = []  # admission order
         self.waiting: list[Request] = []  # arrival order (seq_id)
         self.tenant_share = tenant_share  # of the running slots, while other tenants wait
-        # the model's window when every layer has one (Handshake.sliding_window): the blocks
-        # before a sequence's window are released as it moves on
-        self.sliding_window: int | None = None
         self._running_of: collections.Counter[str] = collections.Counter()  # by account
         self._waiting_of: dict[str, list[Request]] = {}  # by account, arrival order
         self.corrections: collections.Counter[str] = collections.Counter()
@@ -373,7 +372,7 @@ class Scheduler:
     def capacity_tokens(self) -> int:
         """The most tokens one sequence can hold (admission keeps the watermark free)."""
         blocks = self.blocks
-        return (blocks.num_blocks - blocks.watermark_blocks) * blocks.block_size
+        return blocks.tokens_fitting(blocks.num_blocks - blocks.watermark_blocks)
 
     @property
     def admission_watermark_blocks(self) -> int:
@@ -387,14 +386,22 @@ class Scheduler:
         assert held >= {r.seq_id for r in self.running if r.num_computed_tokens}, "lost blocks"
         tables = [self.blocks.held(s) for s in self._by_seq]
         assert self.blocks.num_used == len({b for table in tables for b in table}), "stray block"
+        windowed = any(self.blocks.windows)
         for r in self.running:
             owed = self.blocks.num_promised_to(r.seq_id)
-            # a prefill is owed exactly the rest of its prompt; after it samples, nothing
-            assert owed == self.blocks.extra_blocks(r.seq_id, r.num_tokens) or (
-                owed == 0 and r.remaining == 1
-            ), f"sequence {r.seq_id}: promised {owed} blocks"
+            # a prefill is owed the rest of its prompt (a windowed group's up to its cap);
+            # after it samples, nothing
+            rest = self.blocks.extra_blocks(r.seq_id, r.num_tokens)
+            assert owed == rest or (owed == 0 and r.remaining == 1) or (windowed and owed < rest), (
+                f"sequence {r.seq_id}: promised {owed} blocks"
+            )
         for r in self.running:
-            written = self.blocks.table(r.seq_id)[r.num_computed_tokens // self.blocks.block_size :]
+            first = r.num_computed_tokens // self.blocks.block_size
+            written = [
+                block
+                for g in range(self.blocks.num_groups)
+                for block in self.blocks.table(r.seq_id, g)[first:]
+            ]
             assert all(self.blocks.refcount(b) == 1 for b in written), "a shared block is written"
             assert not any(map(self.blocks.is_cached, written)), "a cached block is written"
             assert r.num_computed_tokens < r.num_tokens or r.num_generated, "nothing to sample"
@@ -484,11 +491,9 @@ class Scheduler:
         return outcomes
 
     def _drop_behind_window(self, request: Request) -> None:
-        """The next query of `request`, at its first uncomputed position p, sees keys from
-        p - window + 1 on: the blocks wholly before them are released."""
-        if self.sliding_window is not None:
-            first_seen = request.num_computed_tokens - self.sliding_window + 1
-            self.blocks.drop_before(request.seq_id, first_seen)
+        """The next query of `request` is at its first uncomputed position: the blocks of
+        windowed layers it no longer reads are released."""
+        self.blocks.drop_behind_window(request.seq_id, request.num_computed_tokens)
 
     def _pooled_outcome(self, request: Request) -> Outcome:
         """A pooled request has computed its prompt: its embedding is done."""
@@ -505,11 +510,11 @@ class Scheduler:
         hashes = self._hashes(request)
         self.blocks.register(request.seq_id, hashes, request.num_computed_tokens)
 
-    def _prefix_hit(self, request: Request) -> list[int]:
+    def _prefix_hit(self, request: Request) -> PrefixHit:
         """The cached blocks a waiting request would start with; at least its last token
         is left to compute, since the step must produce the logits it samples from."""
         if not self.blocks.enable_caching or request.computes_whole_prompt:
-            return []
+            return self.blocks.no_hit
         hashes = self._hashes(request)
         return self.blocks.match(hashes[: (request.num_tokens - 1) // self.blocks.block_size])
 
@@ -556,7 +561,7 @@ class Scheduler:
         """As admission would take it: its cache hit computed already, the hit blocks that
         others hold counted as its own (they cost it nothing)."""
         hit = self._prefix_hit(r)
-        hit_tokens = len(hit) * self.blocks.block_size
+        hit_tokens = hit.num_blocks * self.blocks.block_size
         return dataclasses.replace(
             self._seq_view(r),
             num_computed_tokens=hit_tokens,
@@ -776,16 +781,16 @@ class Scheduler:
         self.blocks.promise(request.seq_id, request.num_tokens)
         return True
 
-    def _start_from_cache(self, request: Request, hit: list[int]) -> None:
+    def _start_from_cache(self, request: Request, hit: PrefixHit) -> None:
         self.blocks.share(request.seq_id, hit)
-        request.num_computed_tokens = len(hit) * self.blocks.block_size
+        request.num_computed_tokens = hit.num_blocks * self.blocks.block_size
         if request.first_scheduled is None:  # what its usage reports: the first admission
             request.num_cached_tokens = min(request.num_computed_tokens, request.prompt_len)
         self.prefix_queries += request.num_tokens
         self.prefix_hits += request.num_computed_tokens
 
     def _admission_victims(
-        self, request: Request, hit: list[int], draft: _Draft
+        self, request: Request, hit: PrefixHit, draft: _Draft
     ) -> list[Request] | None:
         """Who must go for `request` to fit (often nobody), or None if it cannot fit."""
         if self._at_cap(request) and not self._life_fits_beside_the_kept(request):
@@ -794,7 +799,7 @@ class Scheduler:
         if short <= 0:
             return []
         named = self._named_victims(request, draft)
-        hit_blocks = set(hit)
+        hit_blocks = set(hit.blocks)
 
         def gain(seq_id: int) -> int:
             # a hit block only the victim holds turns evictable: freed, then taken back
@@ -918,6 +923,8 @@ class Scheduler:
         histories: list[History | None] = []
         pooling: list[str | None] = []
         table_of = self.blocks.table
+        groups = range(1, self.blocks.num_groups)  # a hybrid model's: the plan's group_tables
+        group_tables: list[list[list[int]]] = []
         for item in scheduled:
             request = item.request
             start = request.num_computed_tokens
@@ -926,6 +933,8 @@ class Scheduler:
             start_pos.append(start)
             input_ids.extend(request.token_ids[start : start + item.num_tokens])
             tables.append(list(table_of(request.seq_id)))
+            if groups:
+                group_tables.append([list(table_of(request.seq_id, g)) for g in groups])
             sample.append(item.samples)
             sampling.append(request.params.sampling)
             prompt_targets.append(_prompt_targets(request, item.num_tokens))
@@ -941,6 +950,7 @@ class Scheduler:
             start_pos=start_pos,
             input_ids=input_ids,
             block_tables=tables,
+            group_tables=group_tables,
             sample=sample,
             sampling=sampling,
             prompt_targets=prompt_targets if any(prompt_targets) else [],

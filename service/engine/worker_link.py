@@ -158,6 +158,9 @@ class WorkerLink:
                 start_pos=[start],
                 input_ids=[token] * count,
                 block_tables=[[0]],  # nothing owns a block yet: the engine allocates later
+                group_tables=[[[0]] * (len(handshake.kv_group_windows) - 1)]
+                if len(handshake.kv_group_windows) > 1
+                else [],
                 sample=[True],
                 sampling=[SamplingSpec()],
             )
