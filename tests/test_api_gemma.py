@@ -100,7 +100,7 @@ def test_prompt_beyond_the_window_continues_as_transformers(
 def test_a_long_prompt_holds_the_full_layers_blocks_and_the_windows_of_the_others(
     gemma_server: RunningServer, reference: tuple[Any, Tokenizer]
 ) -> None:
-    """About 2,900 tokens: Gemma 3 270M's 3 full layers keep a block per 16 positions, its
+    """3,335 tokens: Gemma 3 270M's 3 full layers keep a block per 16 positions, its
     15 windowed layers (5 KV groups of 3: gpu_worker.kv_groups) only their 512-token
     windows, where a cache of all 18 layers in one group would hold 6 blocks per entry."""
     _, tok = reference
