@@ -35,7 +35,7 @@ class TenantLoad:
 
     waiting: int = 0  # sequences not running
     queued_tokens: int = 0  # prompt tokens waiting to start (a prompt once per request)
-    kv_blocks: int = 0  # blocks its live sequences may come to hold: prompt + max_tokens
+    kv_blocks: int = 0  # blocks its live sequences may come to hold (prompt + max_tokens)
 
 
 @dataclass(slots=True)
@@ -62,7 +62,6 @@ class CacheShape:
 
     limits: Limits
     num_blocks: int
-    block_size: int
 
 
 class AdmissionControl:
@@ -136,14 +135,15 @@ class AdmissionControl:
                 retry_after=now + ahead_ms / 1000 - deadline,
             )
 
-    def tenant_load(self, block_size: int) -> dict[str, TenantLoad]:
+    def tenant_load(self) -> dict[str, TenantLoad]:
         """What each tenant has in the engine now (a scan: its requests are few thousand at
         most, bounded by --max-queue and --max-num-seqs)."""
         loads: dict[str, TenantLoad] = {}
+        to_hold = self.scheduler.blocks.blocks_to_hold  # in every KV group
         for request in self.requests.values():
             load = loads.setdefault(account_of(request.tenant), TenantLoad())
             assert request.params.max_tokens is not None
-            load.kv_blocks += -(-(request.prompt_len + request.params.max_tokens) // block_size)
+            load.kv_blocks += to_hold(request.prompt_len + request.params.max_tokens)
             if request.status is Status.WAITING:
                 load.waiting += 1
                 load.queued_tokens += request.prompt_len if request.index == 0 else 0
@@ -156,7 +156,8 @@ class AdmissionControl:
         if share >= 1:
             return
         account = account_of(ticket.tenant)
-        blocks = ticket.n * -(-(len(ticket.prompt_token_ids) + max_tokens) // kv.block_size)
+        to_hold = self.scheduler.blocks.blocks_to_hold(len(ticket.prompt_token_ids) + max_tokens)
+        blocks = ticket.n * to_hold
         kv_quota = int(share * kv.num_blocks)
         if blocks > kv_quota:
             raise InvalidRequest(
@@ -165,7 +166,7 @@ class AdmissionControl:
                 "n",
                 "tenant_quota_exceeded",
             )
-        load = self.tenant_load(kv.block_size).get(account, TenantLoad())
+        load = self.tenant_load().get(account, TenantLoad())
         checks = (
             (load.waiting + ticket.n, self.config.max_queue, "sequences waiting", "queue_full"),
             (

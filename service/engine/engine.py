@@ -458,8 +458,7 @@ class Engine:
 
     def tenant_load(self) -> dict[str, TenantLoad]:
         """What each tenant has in the engine now: its quotas' measure (/metrics shows it)."""
-        block_size = self.handshake.block_size if self.handshake else 1
-        return self._admission.tenant_load(block_size)
+        return self._admission.tenant_load()
 
     def _cache_shape(self) -> CacheShape:
         assert self.handshake is not None and self.max_model_len is not None
@@ -468,7 +467,7 @@ class Engine:
             max_model_len=self.max_model_len,
             kv_capacity_tokens=self._scheduler.capacity_tokens,
         )
-        return CacheShape(limits, self.handshake.num_blocks, self.handshake.block_size)
+        return CacheShape(limits, self.handshake.num_blocks)
 
     def _refuse_queued(self) -> None:
         while True:
