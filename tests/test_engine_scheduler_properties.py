@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from policies.base import Decision, View
+from service.engine.block_manager import BlockManager
 from service.engine.request import Request, Status
 from service.engine.scheduler import ScheduleOutput, Scheduler
 from tests.scheduler_helpers import (
@@ -102,7 +103,8 @@ def check_step(
             assert start == 0 or sched.blocks.enable_caching
         else:  # a chunk continues where the cache ends
             assert start == was.num_computed
-        written = plan.block_tables[i][start // block_size :]
+        tables = [plan.block_tables[i], *(plan.group_tables[i] if plan.group_tables else [])]
+        written = [b for table in tables for b in table[start // block_size :]]
         assert all(sched.blocks.refcount(b) == 1 for b in written), "writes a shared block"
         assert start + n <= was.num_tokens
         if was.num_tokens - was.num_computed == 1:
@@ -112,7 +114,7 @@ def check_step(
         offset += n
         # the table covers exactly the tokens computed so far
         assert len(plan.block_tables[i]) == -(-(start + n) // block_size)
-        assert plan.block_tables[i] == sched.blocks.table(seq_id)
+        assert tables == [sched.blocks.table(seq_id, g) for g in range(sched.blocks.num_groups)]
         assert request.status is Status.RUNNING
         assert plan.sampling[i] is request.params.sampling
         assert request not in out.preempted
@@ -145,7 +147,10 @@ def check_membership(sched: Scheduler, live: dict[int, Request]) -> None:
     for r in sched.running:
         assert r.num_computed_tokens <= r.num_tokens
         blocks = -(-r.num_computed_tokens // sched.blocks.block_size)
-        assert sched.blocks.num_held(r.seq_id) == blocks
+        if any(sched.blocks.windows):  # a windowed group gave back what lies behind
+            assert sched.blocks.num_held(r.seq_id) <= blocks * sched.blocks.num_groups
+        else:
+            assert sched.blocks.num_held(r.seq_id) == blocks
     sched.check_invariants()  # the blocks', the promises', the cap's
     assert sched.has_work() == bool(live)
 
@@ -162,6 +167,8 @@ def check_membership(sched: Scheduler, live: dict[int, Request]) -> None:
     max_preemptions=st.integers(0, 3),
     steps=st.integers(1, 25),
     prefix_caching=st.booleans(),
+    groups=st.sampled_from([("full",), ("full",), ("full", "w", "w"), ("w",)]),
+    window=st.integers(1, 12),
 )
 def test_every_step_keeps_the_core_promises_whatever_the_policy_decides(
     data: st.DataObject,
@@ -174,7 +181,11 @@ def test_every_step_keeps_the_core_promises_whatever_the_policy_decides(
     max_preemptions: int,
     steps: int,
     prefix_caching: bool,
+    groups: tuple[str, ...],
+    window: int,
 ):
+    """On one table per sequence, and on a hybrid model's KV groups (a full group and
+    windowed ones, or a windowed one alone)."""
     sched, policy = make_scheduler(
         num_blocks,
         block_size,
@@ -185,7 +196,19 @@ def test_every_step_keeps_the_core_promises_whatever_the_policy_decides(
         max_preemptions=max_preemptions,
         prefix_caching=prefix_caching,
     )
-    capacity = (num_blocks - sched.blocks.watermark_blocks) * block_size
+    if groups != ("full",):
+        windows = [None if kind == "full" else window for kind in groups]
+        sched.replace_blocks(
+            BlockManager(
+                num_blocks,
+                block_size,
+                watermark,
+                enable_caching=prefix_caching,
+                windows=windows,
+                max_chunk_tokens=max_tokens,
+            )
+        )
+    capacity = min(sched.capacity_tokens, 1000)
     live: dict[int, Request] = {}
     next_id = 0
     for iteration in range(1, steps + 1):
