@@ -124,7 +124,7 @@ def test_a_windowed_model_is_offered_and_checked_on_what_serves_windows():
     offered = kernels.attention_candidates(CPU, torch.bfloat16, 64, layers)
     assert {b.name for b in offered} == {"torch", "native-rows", "hybrid"}  # no chunk kernel
     capped = kernels.attention_candidates(CPU, torch.bfloat16, 64, (LayerAttention(softcap=50),))
-    assert [b.name for b in capped] == ["torch"]
+    assert {b.name for b in capped} == {"torch", "native-rows", "hybrid"}  # Gemma 2's
     shapes = Shapes(9, 3, 64, 576, 1536, 16, torch.bfloat16, CPU, torch.bfloat16, layers)
     # Checked where the window bites: the checked contexts are a few hundred tokens.
     assert shapes.checked_layer() == LayerAttention(window=kernel_choice.CHECK_WINDOW)

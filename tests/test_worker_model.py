@@ -159,14 +159,16 @@ def test_architecture_chunked_batched_and_prefix_cached(architecture, one_torch_
 
 
 @pytest.mark.parametrize(
-    "name", ["mistral-window", "gemma3", "mixtral", "qwen3-moe", "qwen2-moe-shared"]
+    "name",
+    ["mistral-window", "gemma3", "gemma2-softcap", "mixtral", "qwen3-moe", "qwen2-moe-shared"],
 )
 def test_architecture_rows_keep_their_bits_batched_and_chunked_in_bfloat16(
     name, tiny_models, one_torch_thread
 ):
-    """Where a row-invariant attention serves (the decode kernel's windows too), a row's
-    bfloat16 logits are the same bits beside other sequences and in chunks of any size:
-    the experts' routing and matmuls (gpu_worker.moe) keep the claim."""
+    """Where a row-invariant attention serves (the decode kernel's windows and Gemma 2's
+    soft-capping too), a row's bfloat16 logits are the same bits beside other sequences
+    and in chunks of any size: the experts' routing and matmuls (gpu_worker.moe) keep the
+    claim."""
     kind, overrides = ARCHITECTURES[name]
     runner = make_runner(tiny_models(kind, **overrides), dtype="bfloat16", kv_memory=ARCH_KV_MEMORY)
     assert runner.model.kernels.attention.row_invariant

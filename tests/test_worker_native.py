@@ -82,6 +82,20 @@ def test_kernel_attends_within_a_sliding_window(dtype, tolerance, head_dim, wind
         assert not torch.allclose(got[1].float(), whole[1].float(), atol=tolerance)
 
 
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("head_dim", [64, 40])  # 40: the scalar loops
+@pytest.mark.parametrize("window", [None, 7])
+def test_kernel_soft_caps_the_scores(dtype, tolerance, head_dim, window):
+    """Gemma 2's cap * tanh(score / cap), before the softmax and the window's mask; a cap
+    of 2 bites on these scores (a large scale spreads them past it)."""
+    case = random_decode_case(dtype, head_dim, 3, 5, seed=head_dim)
+    layer = attention.LayerAttention(scale=0.5, window=window, softcap=2.0)
+    got, expected = decode_both_ways(*case, layer=layer)
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    uncapped, _ = decode_both_ways(*case, layer=attention.LayerAttention(0.5, window))
+    assert not torch.allclose(got[1].float(), uncapped[1].float(), atol=tolerance)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seq", [0, 1, 4])  # a thread's first task, and later ones: the
 # bfloat16 kernel reads the next task's table to prefetch its rows while it runs this one

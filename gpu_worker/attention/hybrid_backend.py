@@ -23,6 +23,7 @@ class HybridAttention(AttentionBackend):
     row_invariant = False
     paged = False
     windows = True  # both halves serve sliding windows
+    softcap = True  # and Gemma 2's soft-capped scores
 
     def __init__(self, kernels: Any) -> None:
         self._decoder = NativeAttention(kernels)

@@ -5,9 +5,9 @@ each K/V byte once; the chunk kernel needs bfloat16 on a CPU with AVX512-BF16.
 NativeRowsAttention, where the chunk kernel does not serve: the decode kernel takes a
 chunk's rows too, one query each.
 
-The decode kernel takes a sliding window (each row sees its last `window` tokens), so
-NativeRowsAttention serves windowed layers; the chunk kernel does not, and NativeAttention
-is not offered for models with windows. Neither soft-caps scores.
+The decode kernel takes a sliding window (each row sees its last `window` tokens) and
+Gemma 2's soft-capping of the scores, so NativeRowsAttention serves windowed and soft-capped
+layers; the chunk kernel takes neither, and NativeAttention is not offered for such models.
 
 A query row gets the same bits whatever else is in the step and whether it is a decode
 row or a row of a prefill chunk, so recompute after a preemption reproduces the tokens
@@ -60,8 +60,9 @@ class NativeAttention(AttentionBackend):
         """Query row i over the first lens[i] tokens of block table tables[i] (the last
         `layer.window` of them in a windowed layer)."""
         scale = layer.scale_for(q.shape[-1])
+        window, softcap = layer.window or 0, layer.softcap or 0.0
         return self.kernels.paged_decode_attention(
-            q, kv.k, kv.v, tables, lens, scale, kv.k_scales, kv.v_scales, layer.window or 0
+            q, kv.k, kv.v, tables, lens, scale, kv.k_scales, kv.v_scales, window, softcap
         )
 
     def prefill(
@@ -84,6 +85,7 @@ class RowsChunk:
 class NativeRowsAttention(NativeAttention):
     name = "native-rows"
     windows = True
+    softcap = True
 
     @staticmethod
     def serves(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:

@@ -325,12 +325,16 @@ void weigh_values(const Unit& u, const bf16* probs, int64_t stride, int64_t chun
   }
 }
 
+// `softcap` > 0: Gemma 2's soft-capping of the scaled scores, before the softmax.
 template <int64_t Q, typename Source>
-void attend_unit_of(const Unit& u, int64_t d, float scale, Workspace& w, const Source& src) {
+void attend_unit_of(const Unit& u, int64_t d, float scale, Workspace& w, const Source& src,
+                    float softcap) {
   const int64_t stride = w.stride, even = (u.max_len + 1) / 2 * 2;
   score_keys<Q>(u, d / 2, scale, src, w.scores.data(), stride);
   for (int64_t q = 0; q < Q; ++q) {
-    softmax_row(w.scores.data() + q * stride, u.lens[q], w.probs.data() + q * stride, even);
+    float* scores = w.scores.data() + q * stride;
+    if (softcap > 0.f) softcap_row<bf16>(scores, u.lens[q], softcap);
+    softmax_row(scores, u.lens[q], w.probs.data() + q * stride, even);
   }
   weigh_values<Q>(u, w.probs.data(), stride, d / kChunk, src);
 }
@@ -338,14 +342,14 @@ void attend_unit_of(const Unit& u, int64_t d, float scale, Workspace& w, const S
 // The unit's n queries (1 <= n <= kUnit) over the keys and values of `src`.
 template <typename Source>
 void attend_unit(const Unit& u, int64_t n, int64_t d, float scale, Workspace& w,
-                 const Source& src) {
+                 const Source& src, float softcap = 0.f) {
   switch (n) {
-    case 1: return attend_unit_of<1>(u, d, scale, w, src);
-    case 2: return attend_unit_of<2>(u, d, scale, w, src);
-    case 3: return attend_unit_of<3>(u, d, scale, w, src);
-    case 4: return attend_unit_of<4>(u, d, scale, w, src);
-    case 5: return attend_unit_of<5>(u, d, scale, w, src);
-    default: return attend_unit_of<6>(u, d, scale, w, src);
+    case 1: return attend_unit_of<1>(u, d, scale, w, src, softcap);
+    case 2: return attend_unit_of<2>(u, d, scale, w, src, softcap);
+    case 3: return attend_unit_of<3>(u, d, scale, w, src, softcap);
+    case 4: return attend_unit_of<4>(u, d, scale, w, src, softcap);
+    case 5: return attend_unit_of<5>(u, d, scale, w, src, softcap);
+    default: return attend_unit_of<6>(u, d, scale, w, src, softcap);
   }
 }
 

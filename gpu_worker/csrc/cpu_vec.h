@@ -4,6 +4,7 @@
 
 #include <c10/util/BFloat16.h>
 
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
@@ -20,6 +21,15 @@ inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 template <typename T>
 inline float rounded(float x) {
   return to_float(static_cast<T>(x));
+}
+
+// Gemma 2's soft-capping of scores [0, n): cap * tanh(score / cap), each step rounded to T
+// as the PyTorch path's tensors of the model dtype are (float32: not rounded).
+template <typename T>
+inline void softcap_row(float* row, int64_t n, float cap) {
+  for (int64_t t = 0; t < n; ++t) {
+    row[t] = rounded<T>(rounded<T>(std::tanh(rounded<T>(row[t] / cap))) * cap);
+  }
 }
 
 #if defined(__AVX512F__)

@@ -15,7 +15,8 @@
 // starts.
 //
 // A sliding window (`window` > 0) is a first token: a row sees the last `window` tokens of
-// its context, walked as a context of its own (the bfloat16 path's PagedKV::from).
+// its context, walked as a context of its own (the bfloat16 path's PagedKV::from). A
+// `softcap` > 0 is Gemma 2's soft-capping of the scaled scores, cap * tanh(score / cap).
 //
 // A query row's result depends only on its own query and keys, never on the other rows of
 // the call, so a float32 prefill chunk can run its rows here as well (gpu_worker.attention).
@@ -68,6 +69,7 @@ struct Problem {
   int64_t heads, kv_heads, group, head_dim, cache_blocks, block_size, width;
   float scale;
   int64_t window;  // > 0: a query at position p sees keys p - window < k <= p only
+  float softcap;  // > 0: scores become softcap * tanh(score / softcap) before the softmax
 
   // The first token of a context of `len` tokens that its last token sees.
   int64_t first_seen(int64_t len) const {
@@ -279,6 +281,7 @@ void softmax_rows(const Problem<T>& p, int64_t len, const Buffers& b) {
   for (int64_t g = 0; g < p.group; ++g) {
     float* row = b.scores + g * len;
     scale_and_round<T>(row, len, p.scale);  // as the PyTorch path scales after the dot
+    if (p.softcap > 0.f) softcap_row<T>(row, len, p.softcap);
     scale_and_round<T>(row, len, 1.f / exp_row(row, len));
   }
 }
@@ -347,7 +350,7 @@ void attend_bf16(const Problem<bf16>& p, int64_t seq, int64_t head, Workspace& w
       u.lens[i] = len;
     }
     u.max_len = len;
-    attend_unit(u, n, p.head_dim, p.scale, w, keys_and_values);
+    attend_unit(u, n, p.head_dim, p.scale, w, keys_and_values, p.softcap);
   }
 }
 
@@ -402,24 +405,27 @@ void run(const Problem<T>& p, int64_t batch) {
 template <typename T>
 Problem<T> make_problem(const at::Tensor& q, const CacheRows<T>& k, const CacheRows<T>& v,
                         const at::Tensor& k_cache, const at::Tensor& tables,
-                        const at::Tensor& lens, at::Tensor& out, double scale, int64_t window) {
+                        const at::Tensor& lens, at::Tensor& out, double scale, int64_t window,
+                        double softcap) {
   const int64_t heads = q.size(1), kv_heads = k_cache.size(0);
   return Problem<T>{q.const_data_ptr<T>(), q.stride(0), q.stride(1), k, v,
                     tables.const_data_ptr<int64_t>(), lens.const_data_ptr<int64_t>(),
                     out.mutable_data_ptr<T>(), heads, kv_heads, heads / kv_heads, q.size(2),
                     k_cache.size(1), k_cache.size(2), tables.size(1), static_cast<float>(scale),
-                    window};
+                    window, static_cast<float>(softcap)};
 }
 
 // q [batch, heads, head_dim] (last dim contiguous), caches [kv_heads, blocks, block_size,
 // head_dim] of q's dtype, or int8 / float8_e4m3fn with their scales [kv_heads, blocks,
 // block_size], block_tables [batch, width] and context_lens [batch] int64 -> [batch, heads, d].
-// A `window` > 0 is a sliding window: each row sees its last `window` tokens only.
+// A `window` > 0 is a sliding window: each row sees its last `window` tokens only; a
+// `softcap` > 0 soft-caps the scores (Gemma 2).
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& context_lens, double scale,
                                   const std::optional<at::Tensor>& k_scales,
-                                  const std::optional<at::Tensor>& v_scales, int64_t window) {
+                                  const std::optional<at::Tensor>& v_scales, int64_t window,
+                                  double softcap) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [batch, heads, d], rows contiguous");
@@ -448,7 +454,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     using T = decltype(zero);
     run(make_problem<T>(q, cache_rows<T>(k_cache, k_scales, kind),
                         cache_rows<T>(v_cache, v_scales, kind), k_cache, tables, lens, out,
-                        scale, window),
+                        scale, window, softcap),
         batch);
   };
   AT_DISPATCH_SWITCH(q.scalar_type(), "paged_decode_attention",
@@ -462,6 +468,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 TORCH_LIBRARY(cadence, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale, Tensor? k_scales=None, Tensor? v_scales=None, "
-        "int window=0) -> Tensor");
+        "int window=0, float softcap=0.0) -> Tensor");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
 }
