@@ -411,7 +411,7 @@ class BlockManager:
         `position`, no longer reads (those wholly before position - window + 1); returns
         how many. The tables keep their ids; a promise owes the room they leave again."""
         tables = self._tables.get(seq_id)
-        if tables is None:
+        if tables is None or all(window is None for window in self.windows):
             return 0
         owed_before = self.num_promised_to(seq_id)
         dropped = self._dropped[seq_id]
