@@ -32,6 +32,7 @@ class SeqView:
     # cost (others hold them), so that View.blocks_for is what admitting it takes
     num_blocks: int
     preempted: int = 0  # how many times it was preempted
+    waiting: bool = False  # not admitted (View.waiting): the two fields above are its hit's
     deadline: float | None = None  # engine clock: it must start by then, or it is refused
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache, not computed
 
@@ -119,15 +120,25 @@ class View:
     # blocks a newcomer's whole prompt may take: free, not promised to running prefills,
     # above the watermark, and 0 while admission pauses after a preemption (None: as free)
     admit_blocks: int | None = None
+    # Each KV group's most blocks a sequence holds at once: None for a full group (all of
+    # them), a windowed group's cap (its window's and a chunk's). Most models have one full
+    # group; Gemma 3 a full one and five windowed (service.engine.block_manager).
+    kv_caps: tuple[int | None, ...] = (None,)
 
     @property
     def admittable_blocks(self) -> int:
         return self.free_blocks if self.admit_blocks is None else self.admit_blocks
 
     def blocks_for(self, seq: SeqView, new_tokens: int) -> int:
-        """Extra blocks `seq` needs to hold `new_tokens` more tokens."""
-        needed = -(-(seq.num_computed_tokens + new_tokens) // self.block_size)
-        return max(0, needed - seq.num_blocks)
+        """Extra blocks `seq` needs to hold `new_tokens` more tokens: a running one, a block
+        in each group per new table entry; a waiting one, what admitting it takes (its peak,
+        a windowed group's up to the cap, less the hit's blocks others hold)."""
+        entries = -(-(seq.num_computed_tokens + new_tokens) // self.block_size)
+        if seq.waiting:
+            peak = sum(entries if cap is None else min(entries, cap) for cap in self.kv_caps)
+            return max(0, peak - seq.num_blocks)
+        held = -(-seq.num_computed_tokens // self.block_size)  # its tables' entries
+        return len(self.kv_caps) * max(0, entries - held)
 
 
 @dataclass(slots=True)

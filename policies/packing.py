@@ -47,7 +47,7 @@ def fill_budget(
     for seq in prefills:
         if prefill_left < 1 or len(schedule) >= view.max_seqs:
             break
-        waiting = seq.num_blocks == 0  # a running sequence always holds a block
+        waiting = seq.waiting
         if waiting and admit_slots < 1:
             continue
         whole = view.blocks_for(seq, seq.remaining) if waiting else 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from policies.base import SeqView, StepCost, View
 
 BLOCK = 16
@@ -51,7 +53,7 @@ def view(
         iteration=1,
         now=now,
         running=tuple(running),
-        waiting=tuple(waiting),
+        waiting=tuple(dataclasses.replace(s, waiting=True) for s in waiting),
         num_waiting=len(waiting),
         free_blocks=free,
         total_blocks=1000,

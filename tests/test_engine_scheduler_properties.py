@@ -234,6 +234,12 @@ def test_every_step_keeps_the_core_promises_whatever_the_policy_decides(
         }
         had_work = sched.has_work()
         running, waiting = [r.seq_id for r in sched.running], [r.seq_id for r in sched.waiting]
+        # what the view's blocks_for must say: a decode's next block in every group; a
+        # newcomer's admission (without a cache hit: with one, the view counts its shares)
+        growth = {
+            r.seq_id: sched.blocks.extra_blocks(r.seq_id, r.num_tokens) for r in sched.running
+        }
+        admission = {r.seq_id: sched.blocks.admission_cost(r.num_tokens) for r in sched.waiting}
         free = sched.blocks.num_free
         policy.next = decision
         out = sched.schedule(now=float(iteration))
@@ -241,6 +247,10 @@ def test_every_step_keeps_the_core_promises_whatever_the_policy_decides(
         assert [s.seq_id for s in view.running] == running
         assert [s.seq_id for s in view.waiting] == waiting and view.num_waiting == len(waiting)
         assert view.free_blocks == free and view.now == float(iteration)
+        for s in view.running:
+            assert view.blocks_for(s, s.remaining) == growth[s.seq_id]
+        for s in view.waiting:
+            assert s.num_computed_tokens or view.blocks_for(s, s.remaining) == admission[s.seq_id]
         assert out.iteration == view.iteration == iteration
         check_step(sched, out, before, block_size)
         check_preempted(sched, out, before)

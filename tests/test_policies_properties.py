@@ -75,6 +75,7 @@ def views(draw: st.DrawFn) -> View:
                 num_generated=draw(st.integers(0, 3)),  # preempted ones keep their tokens
                 num_computed_tokens=0,
                 num_blocks=0,
+                waiting=True,
             )
         )
     return View(
@@ -953,6 +954,16 @@ def test_blocks_for_counts_the_extra_blocks_new_tokens_need(
 ):
     s = seq(1, 100, computed=computed, blocks=blocks)
     assert view().blocks_for(s, new) == needed
+
+
+def test_blocks_for_counts_a_block_in_every_kv_group_and_a_windowed_groups_cap():
+    """Gemma 3's layout: a full group and five windowed ones, each holding 3 blocks at most."""
+    hybrid = dataclasses.replace(view(), kv_caps=(None,) + (3,) * 5)
+    running = seq(1, 100, computed=40, blocks=3 + 5 * 2)  # 3 entries, windows partly given back
+    assert hybrid.blocks_for(running, 8) == 0  # still in its third entry
+    assert hybrid.blocks_for(running, 9) == 6  # a fourth: one in each group
+    waiting = dataclasses.replace(seq(2, 100), waiting=True)
+    assert hybrid.blocks_for(waiting, 100) == 7 + 5 * 3  # 7 entries; the windows' capped
 
 
 def test_a_sequence_view_knows_its_remaining_tokens_and_whether_it_decodes():

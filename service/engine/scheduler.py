@@ -542,6 +542,7 @@ class Scheduler:
             last_step_ms=self._last_step_ms,
             last_step_tokens=self._last_step_tokens,
             step_cost=self.step_cost.estimate(),
+            kv_caps=blocks.caps,
         )
 
     def _seq_view(self, r: Request) -> SeqView:
@@ -570,6 +571,7 @@ class Scheduler:
             num_blocks=self.blocks.blocks_to_hold(r.num_tokens)
             - self.blocks.admission_cost(r.num_tokens, hit),
             num_cached_tokens=min(hit_tokens, r.prompt_len),
+            waiting=True,
         )
 
     # ---- results ----------------------------------------------------------------------
