@@ -14,6 +14,8 @@ of corruption it exists to catch.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -190,6 +192,20 @@ def test_a_fresh_manager_has_every_block_free_and_distinct():
 def test_blocks_to_hold_rounds_up_to_whole_blocks():
     bm = BlockManager(8, 4)
     assert [bm.blocks_to_hold(n) for n in range(10)] == [0, 1, 1, 1, 1, 2, 2, 2, 2, 3]
+
+
+def test_a_windowed_group_holds_at_most_its_cap_and_the_longest_fitting_sequence_follows():
+    """Block size 4, window 8, chunks of 4 tokens: a windowed group holds at most the window's
+    2 blocks, the chunk's one and the one the window's start cuts (cap 4)."""
+    hybrid = BlockManager(100, 4, windows=(None, 8, 8), max_chunk_tokens=4)
+    assert hybrid.caps == (None, 4, 4)
+    assert [hybrid.blocks_to_hold(n) for n in (4, 12, 16, 40)] == [3, 9, 12, 18]
+    assert hybrid.tokens_fitting(18) == 40 and hybrid.tokens_fitting(17) == 36
+    assert hybrid.tokens_fitting(2) == 0  # a first entry takes a block in each of 3 groups
+    windowed = BlockManager(100, 4, windows=(8,), max_chunk_tokens=4)
+    assert windowed.tokens_fitting(4) == sys.maxsize  # any length fits in its cap
+    assert windowed.tokens_fitting(3) == 12
+    assert BlockManager(100, 4).tokens_fitting(7) == 28
 
 
 def test_a_freed_block_is_handed_out_again():
