@@ -3,12 +3,18 @@ of the worker tests (and of the other architectures, tiny_models) and their one-
 setting (tests.worker_fixtures), and the real servers the API tests share
 (tests.server_fixtures)."""
 
-from tests.server_fixtures import cadence_server, cadence_server_bf16, server_of_each_dtype
+from tests.server_fixtures import (
+    cadence_server,
+    cadence_server_bf16,
+    one_at_a_time,
+    server_of_each_dtype,
+)
 from tests.worker_fixtures import one_torch_thread, tiny_llama_dir, tiny_models
 
 __all__ = [
     "cadence_server",
     "cadence_server_bf16",
+    "one_at_a_time",
     "one_torch_thread",
     "server_of_each_dtype",
     "tiny_llama_dir",
