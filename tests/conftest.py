@@ -8,6 +8,7 @@ from tests.server_fixtures import (
     cadence_server_bf16,
     one_at_a_time,
     server_of_each_dtype,
+    watched_server,
 )
 from tests.worker_fixtures import one_torch_thread, tiny_llama_dir, tiny_models
 
@@ -19,4 +20,5 @@ __all__ = [
     "server_of_each_dtype",
     "tiny_llama_dir",
     "tiny_models",
+    "watched_server",
 ]
