@@ -106,14 +106,20 @@ def _step(runner: ModelRunner, tokens: list[int], start: int, table: list[int]) 
     return runner.step_logits(plan)[0]
 
 
-def greedy_answer(runner: ModelRunner, prompt: list[int], count: int) -> list[int]:
+def greedy_answer(
+    runner: ModelRunner, prompt: list[int], count: int
+) -> tuple[list[int], torch.Tensor]:
+    """`count` greedy tokens, and the logits each was chosen from: the steps are
+    row_logits's own (the prompt in one chunk, then one token per step), so these are the
+    rows it would compute, teacher forced over the answer, without computing them again."""
     tokens = list(prompt)
     table = list(range(-(-(len(prompt) + count) // runner.cache.block_size)))
-    logits = _step(runner, prompt, 0, table)
-    while len(tokens) < len(prompt) + count:
-        tokens.append(int(logits.argmax()))
-        logits = _step(runner, [tokens[-1]], len(tokens) - 1, table)
-    return tokens[len(prompt) :]
+    rows = [_step(runner, prompt, 0, table)]
+    while True:
+        tokens.append(int(rows[-1].argmax()))
+        if len(tokens) == len(prompt) + count:
+            return tokens[len(prompt) :], torch.stack(rows)
+        rows.append(_step(runner, [tokens[-1]], len(tokens) - 1, table))
 
 
 @dataclass(slots=True)
@@ -131,9 +137,7 @@ def reference_answers(
 ) -> list[Answer]:
     answers = []
     for prompt in prompt_set:
-        tokens = greedy_answer(reference, prompt, count)
-        logits = row_logits(reference, prompt + tokens, len(prompt))[:-1]
-        answers.append(Answer(prompt, tokens, logits))
+        answers.append(Answer(prompt, *greedy_answer(reference, prompt, count)))
     return answers
 
 

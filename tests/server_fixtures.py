@@ -2,10 +2,12 @@
 
 `cadence_server` (float32) is session-scoped and shared by every API test module, which
 takes it by name (tests/conftest.py registers it once), so a test leaves the server as it
-found it: no request left running, the policy swapped back.
+found it: no request left running, the policy swapped back. `one_at_a_time` (one sequence
+at a time) and `watched_server` (whose worker tests kill: it is replaced) are shared likewise.
 Tests that make a claim about outputs take `server_of_each_dtype` instead, which runs them
 on that server and on a second one in bfloat16, the dtype users get by default. Tests that
-break their server (killing the worker, shutting down) start their own with `start_server`.
+break their server (shutting down, a worker that cannot restart) start their own with
+`start_server`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ ADMIN_TOKEN = "test-admin-token"
 SMALL_KV_BYTES = 192 * 1024 * 1024
 DTYPES = ("float32", "bfloat16")
 STARTUP_SECONDS = 600.0  # the first run fetches and converts the default model
+STEP_TIMEOUT = 3.0  # watched_server's
 
 
 @dataclass(slots=True)
@@ -210,6 +213,27 @@ def cadence_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running
 @pytest.fixture(scope="session")
 def cadence_server_bf16(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     server = start_server(tmp_path_factory.mktemp("cadence-server-bf16"), dtype="bfloat16")
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="session")
+def one_at_a_time(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """One sequence at a time and no aging: the waiting order is the `priority` policy's
+    alone, and a second request waits while the first runs (a queued stream's heartbeats)."""
+    server = start_server(
+        tmp_path_factory.mktemp("one-at-a-time"),
+        "--policy", "priority", "--policy-param", "aging_rate=0", "--max-num-seqs", "1",
+    )  # fmt: skip
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="session")
+def watched_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """A server whose worker the tests kill or stop (it is replaced each time), with a
+    short step timeout, so that a stopped worker is noticed in seconds."""
+    server = start_server(tmp_path_factory.mktemp("watched"), "--step-timeout", str(STEP_TIMEOUT))
     yield server
     stop_server(server)
 

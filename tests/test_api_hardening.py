@@ -221,17 +221,22 @@ def test_the_playground_page_cannot_be_framed(cadence_server: RunningServer) -> 
     assert response.headers["Content-Security-Policy"] == "frame-ancestors 'none'"
 
 
-def test_the_server_takes_the_hard_limit_of_open_files(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def capped_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """Started with a soft limit of 256 open files, and at most 3 connections."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))  # the child inherits
     try:
-        server = start_server(tmp_path)
+        server = start_server(tmp_path_factory.mktemp("capped"), "--max-connections", "3")
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    try:
-        limits = Path(f"/proc/{server.process.pid}/limits").read_text().splitlines()
-    finally:
-        stop_server(server)
+    yield server
+    stop_server(server)
+
+
+def test_the_server_takes_the_hard_limit_of_open_files(capped_server: RunningServer) -> None:
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    limits = Path(f"/proc/{capped_server.process.pid}/limits").read_text().splitlines()
     line = next(line for line in limits if line.startswith("Max open files"))
     assert line.split()[3:5] == [str(hard), str(hard)]
 
@@ -300,8 +305,10 @@ def test_a_foreign_origin_gets_no_cors_beside_an_allowed_one(cors_server: Runnin
     assert "access-control-allow-origin" not in simple.headers
 
 
-def test_a_connection_past_the_cap_gets_503_and_the_others_are_served(tmp_path: Path) -> None:
-    server = start_server(tmp_path, "--max-connections", "3")
+def test_a_connection_past_the_cap_gets_503_and_the_others_are_served(
+    capped_server: RunningServer,
+) -> None:
+    server = capped_server
     url = urlsplit(server.url)
     health = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
 
@@ -326,4 +333,3 @@ def test_a_connection_past_the_cap_gets_503_and_the_others_are_served(tmp_path: 
     finally:
         for sock in held:
             sock.close()
-        stop_server(server)

@@ -23,9 +23,10 @@ def client_for(server: RunningServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def document(tag: str) -> str:
-    """~1,500 tokens no other test sends (the tag makes it unique from its first block)."""
-    return f"[{tag}]\n" + full_text()[:6000]
+def document(tag: str, chars: int = 6000) -> str:
+    """~1,500 tokens (by default) no other test sends (the tag makes it unique from its
+    first block); a test that needs only some cached blocks takes fewer, a prefill less."""
+    return f"[{tag}]\n" + full_text()[:chars]
 
 
 def counters(server: RunningServer) -> dict[str, float]:
@@ -85,7 +86,7 @@ def test_a_long_shared_prefix_is_computed_once(cadence_server: RunningServer) ->
 
 def test_chat_usage_reports_cached_tokens_streamed_and_not(cadence_server: RunningServer) -> None:
     messages = [
-        {"role": "system", "content": document("chat-usage")},
+        {"role": "system", "content": document("chat-usage", 800)},
         {"role": "user", "content": "Say hi."},
     ]
     client = client_for(cadence_server)
@@ -108,7 +109,7 @@ def test_chat_usage_reports_cached_tokens_streamed_and_not(cadence_server: Runni
 def test_the_admin_state_shows_the_cache_and_the_reset_needs_the_token(
     cadence_server: RunningServer,
 ) -> None:
-    prompt = f"{document('reset')}\nAnswer:"
+    prompt = f"{document('reset', 800)}\nAnswer:"
     ask(cadence_server, prompt)
     cache = cadence_server.admin_state()["prefix_cache"]
     assert cache["enabled"] and cache["cached_blocks"] > 0 and 0 < cache["hit_rate"] <= 1

@@ -5,26 +5,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 
-from tests.server_fixtures import RunningServer, start_server, stop_server
+from tests.server_fixtures import RunningServer
 
 pytestmark = pytest.mark.real_model
-
-
-@pytest.fixture(scope="module")
-def one_at_a_time(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    """One sequence at a time and no aging: the waiting order is the policy's alone."""
-    server = start_server(
-        tmp_path_factory.mktemp("priority-server"),
-        "--policy", "priority", "--policy-param", "aging_rate=0", "--max-num-seqs", "1",
-    )  # fmt: skip
-    yield server
-    stop_server(server)
 
 
 def test_lower_priority_values_run_first_as_vllm_does(

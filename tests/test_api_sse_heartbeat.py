@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import httpx
 import pytest
 import trio
 
-from tests.server_fixtures import start_server, stop_server, stream_completion
+from tests.server_fixtures import RunningServer, stream_completion
 
 pytestmark = pytest.mark.real_model
+HEARTBEATS = 2  # before the queued request starts: two run into each other unparsed
 
 
 def events_as_a_read_stripping_client_sees_them(reads: list[bytes]) -> list[str]:
@@ -45,29 +45,40 @@ def _is_json(text: str) -> bool:
     return True
 
 
-async def test_heartbeats_of_a_queued_request_do_not_break_clients(tmp_path: Path) -> None:
-    server = start_server(tmp_path, "--max-num-seqs", "1")
-    try:
-        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
-            first_token = trio.Event()
-            reads: list[bytes] = []
+async def test_heartbeats_of_a_queued_request_do_not_break_clients(
+    one_at_a_time: RunningServer,
+) -> None:
+    async with httpx.AsyncClient(base_url=one_at_a_time.url, timeout=120) as client:
+        first_token = trio.Event()
+        heartbeats = trio.Event()
+        reads: list[bytes] = []
 
-            async def queued_stream() -> None:
-                body = {"prompt": "Hello", "max_tokens": 8, "ignore_eos": True, "stream": True}
-                async with client.stream("POST", "/v1/completions", json=body) as response:
-                    assert response.status_code == 200
-                    async for raw in response.aiter_raw():
-                        reads.append(raw)
+        async def queued_stream() -> None:
+            body = {"prompt": "Hello", "max_tokens": 8, "ignore_eos": True, "stream": True}
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                async for raw in response.aiter_raw():
+                    reads.append(raw)
+                    if b"".join(reads).startswith(HEARTBEATS * b"\n"):
+                        heartbeats.set()
 
-            async with trio.open_nursery() as nursery:
-                # The only slot is busy for a few seconds, so the second request waits and
-                # its stream gets heartbeats (one a second) before its first token.
-                long = {"prompt": "Go on", "max_tokens": 150, "ignore_eos": True}
-                nursery.start_soon(stream_completion, client, long, first_token)
-                await first_token.wait()
-                nursery.start_soon(queued_stream)
-    finally:
-        stop_server(server)
+        # The only slot is busy until the second request, waiting, has had HEARTBEATS
+        # heartbeats (one a second) before its first token; then the first request's
+        # client goes away, which frees the slot.
+        long = {"prompt": "Go on", "max_tokens": 2000, "ignore_eos": True}
+        long_scope = trio.CancelScope()
+
+        async def long_stream() -> None:
+            with long_scope:
+                await stream_completion(client, long, first_token)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(long_stream)
+            await first_token.wait()
+            nursery.start_soon(queued_stream)
+            with trio.fail_after(60):
+                await heartbeats.wait()
+            long_scope.cancel()
     raw = b"".join(reads)
     assert raw.startswith(b"\n"), raw[:80]  # heartbeats came before the first event
     # Replay the bytes as separate network reads split at every heartbeat.

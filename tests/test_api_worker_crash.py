@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -14,8 +12,6 @@ import trio
 from tests.server_fixtures import (
     RunningServer,
     StreamResult,
-    start_server,
-    stop_server,
     stream_completion,
     wait_for_health,
 )
@@ -23,19 +19,12 @@ from tests.server_fixtures import (
 pytestmark = pytest.mark.real_model
 
 
-@pytest.fixture
-def own_server(tmp_path: Path) -> Iterator[RunningServer]:
-    server = start_server(tmp_path)
-    yield server
-    stop_server(server)
-
-
-async def test_sigkill_of_the_worker_mid_stream(own_server: RunningServer) -> None:
-    old_pid = own_server.admin_state()["worker_pid"]
-    assert old_pid == own_server.worker_pids()[-1]
+async def test_sigkill_of_the_worker_mid_stream(watched_server: RunningServer) -> None:
+    old_pid = watched_server.admin_state()["worker_pid"]
+    assert old_pid == watched_server.worker_pids()[-1]
     results: list[StreamResult] = []
     started = [trio.Event() for _ in range(4)]
-    async with httpx.AsyncClient(base_url=own_server.url, timeout=120) as client:
+    async with httpx.AsyncClient(base_url=watched_server.url, timeout=120) as client:
 
         async def one(i: int) -> None:
             body = {"prompt": f"Stream {i}", "max_tokens": 1000, "ignore_eos": True}
@@ -51,18 +40,18 @@ async def test_sigkill_of_the_worker_mid_stream(own_server: RunningServer) -> No
         assert result.done, "the stream must end with [DONE]"
         assert result.error is not None and result.error["code"] == "worker_died"
         assert set(result.error) == {"message", "type", "param", "code"}
-    down = await trio.to_thread.run_sync(wait_for_health, own_server, 503, 10)
-    up = await trio.to_thread.run_sync(wait_for_health, own_server, 200, 300)
+    down = await trio.to_thread.run_sync(wait_for_health, watched_server, 503, 10)
+    up = await trio.to_thread.run_sync(wait_for_health, watched_server, 200, 300)
     print(f"/health 503 seen after {down:.2f} s, 200 again {up:.2f} s later")
-    state = own_server.admin_state()
-    assert state["worker_pid"] != old_pid and own_server.process.poll() is None
+    state = watched_server.admin_state()
+    assert state["worker_pid"] != old_pid and watched_server.process.poll() is None
     assert state["last_worker_failure"]["reason"] == "worker_died"
-    health = httpx.get(f"{own_server.url}/health", timeout=10).json()
+    health = httpx.get(f"{watched_server.url}/health", timeout=10).json()
     assert health["last_worker_failure"]["reason"] == "worker_died"
     response = httpx.post(
-        f"{own_server.url}/v1/completions",
+        f"{watched_server.url}/v1/completions",
         timeout=60,
         json={"prompt": "Hello again", "max_tokens": 4, "ignore_eos": True},
     )
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
-    assert own_server.wait_idle()["kv_blocks_used"] == 0
+    assert watched_server.wait_idle()["kv_blocks_used"] == 0

@@ -104,9 +104,13 @@ def test_log_lines_are_json_with_ts_level_event_first(tmp_path: Path) -> None:
 
 @pytest.mark.real_model
 async def test_serve_from_loading_to_overload_to_graceful_shutdown(tmp_path: Path) -> None:
-    # One running slot and one queue place: a third request is refused with 429.
+    # One running slot and one queue place: a third request is refused with 429. SIGTERM
+    # lets the two run for --shutdown-timeout (5 s by default) before it ends them.
     server = start_server(
-        tmp_path, "--max-num-seqs", "1", "--max-queue", "1", admin_token=None, wait=False
+        tmp_path,
+        *("--max-num-seqs", "1", "--max-queue", "1", "--shutdown-timeout", "1"),
+        admin_token=None,
+        wait=False,
     )
     try:
         early = httpx.get(f"{server.url}/health", timeout=10)

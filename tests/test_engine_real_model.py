@@ -150,9 +150,11 @@ def test_offline_generate_queues_a_batch_beyond_the_servers_token_bound(tokenize
 
     # one runs at a time, so a server would refuse the fourth 3,000-token prompt (9,000
     # tokens waiting > the 8,192 the bound never goes below); a batch is submitted at once
-    # and must all be queued
+    # and must all be queued. The prompts share all but their last block, so that after the
+    # first the prefix cache prefills each in a few tokens (the bound counts whole prompts).
     llm = LLM(dtype="bfloat16", device="cpu", max_num_seqs=1, max_queued_tokens=1)
-    prompts = [[tokenizer.bos_token_id or 1] + [100 + i] * 2999 for i in range(4)]
+    shared = [tokenizer.bos_token_id or 1] + [100] * 2983
+    prompts = [shared + [100 + i] * 16 for i in range(4)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=1, sampling=ARGMAX))
     assert [out.finish_reason for out in outs] == ["length"] * 4
 

