@@ -26,7 +26,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpu_worker.model_config import ModelConfig
 from gpu_worker.protocol import ARCHITECTURES
 from service.model_files.gguf import GGUFError, convert_gguf
 
@@ -106,8 +105,7 @@ def served_model_name(model: str | None) -> str:
 
 def check_model_dir(path: Path) -> None:
     """Raise ModelFileError unless `path` holds a Hugging Face style model of an
-    architecture the worker runs, its config.json read as the worker will read it (a rope
-    type or a setting the worker lacks is refused here, before a worker starts)."""
+    architecture the worker runs."""
     model_type = _model_type(path)
     if model_type not in ARCHITECTURES:
         raise ModelFileError(
@@ -115,10 +113,6 @@ def check_model_dir(path: Path) -> None:
             f"(supported: {', '.join(ARCHITECTURES)})"
         )
     _check_files(path)
-    try:
-        ModelConfig.from_dir(path)
-    except ValueError as exc:  # UnsupportedModel or ConfigError: each names what it lacks
-        raise ModelFileError(f"{path / 'config.json'}: {exc}") from exc
 
 
 def _model_type(path: Path) -> object:
