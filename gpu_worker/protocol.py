@@ -229,6 +229,17 @@ class BatchPlan:
     otherwise aligned with seq_ids, POOL_LAST (the final hidden state of the chunk's last
     row) or POOL_SUM (the sum of its rows' final hidden states) for a sequence that does
     not sample, None for the others. StepResult.pooled then has each one's vector.
+
+    Speculative decoding: `draft_tokens` is empty when no sequence of the step has drafted
+    tokens; otherwise aligned with seq_ids, the k >= 0 tokens drafted for sequence i, which
+    are the last k of its num_tokens[i] input tokens (a decoding sequence's chunk is then
+    its last sampled token and the drafts, at consecutive positions); such a sequence
+    samples. The worker samples at each of the chunk's last k + 1 positions and keeps the
+    drafts up to the first it rejects: StepResult.tokens[i] is the j <= k accepted drafts
+    and one token sampled after them (greedy: the argmax, so the tokens are those of
+    decoding without drafts; sampled: rejection sampling, so their distribution is too).
+    The cache then holds valid K/V for the chunk's first 1 + j positions; the rest is
+    overwritten by the steps that follow.
     """
 
     step_id: int
@@ -245,6 +256,7 @@ class BatchPlan:
     histories: list[History | None] = field(default_factory=list)
     released: list[int] = field(default_factory=list)
     pooling: list[str | None] = field(default_factory=list)
+    draft_tokens: list[list[int]] = field(default_factory=list)
 
     @property
     def is_decode_only(self) -> bool:
