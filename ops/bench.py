@@ -143,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     subs.add_parser(
         "processors", help="vLLM's sampling parameters: their cost in a step", add_help=False
     )
+    subs.add_parser(
+        "speculation",
+        help="one stream on repetitive and free text: drafts accepted",
+        add_help=False,
+    )
     return parser
 
 

@@ -38,7 +38,8 @@ class FakeServer:
     HTTP 429. Records the bodies and headers it received, and accepts PUT /admin/policy.
     With `metrics_prefix` ("cadence:", "vllm:") GET /metrics serves prefix-cache counters
     that every streamed request raises by its prompt's PROMPT_TOKENS and `cached_tokens`,
-    which its usage reports as prompt_tokens_details when set; without, /metrics is a 404.
+    which its usage reports as prompt_tokens_details when set, and speculative-decoding
+    counters raised by `drafted`/`accepted` per streamed request; without, /metrics is a 404.
     """
 
     token_gap_s: float = 0.005
@@ -52,6 +53,9 @@ class FakeServer:
     metrics_prefix: str | None = None
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    drafted: int = 0  # per streamed request, into the speculative-decoding counters
+    accepted: int = 0
+    streamed: int = 0
 
     @property
     def url(self) -> str:
@@ -104,6 +108,7 @@ class FakeServer:
         messages = request.get("messages")
         self.prefix_cache_queries += PROMPT_TOKENS
         self.prefix_cache_hits += self.cached_tokens or 0
+        self.streamed += 1
         for i in range(count):
             await trio.sleep(self.token_gap_s)
             if "CUT" in prompt and i == 2:
@@ -132,6 +137,8 @@ class FakeServer:
             f"{p}prefix_cache_hits_total{labels} {self.prefix_cache_hits}\n"
             f"{p}num_requests_running {self.open_streams}\n"
             f"{p}request_received_total {len(self.bodies)}\n"
+            f"{p}spec_decode_num_draft_tokens_total{labels} {self.drafted * self.streamed}\n"
+            f"{p}spec_decode_num_accepted_tokens_total{labels} {self.accepted * self.streamed}\n"
         )
 
 
