@@ -94,14 +94,34 @@ class ModelRunner:
         """The tokens each sampled sequence takes (one, or its kept drafts and one), and
         their logprobs when any asks."""
         sampled = inputs.sampled
-        history = self.histories.rows(seq_ids) if len(self.histories) else None
         bitmasks = _bitmasks(inputs.plan, sampled)
         if verification is not None:
-            return verification.sample(self.sampler, logits, inputs.sampling(), bitmasks, history)
+            return self._verify(inputs, logits, seq_ids, verification, bitmasks)
+        history = self.histories.rows(seq_ids) if len(self.histories) else None
         output = self.sampler.sample(
             logits, inputs.sampling(), inputs.ends(sampled), bitmasks, history
         )
         return [[token] for token in output.tokens], output.logprobs
+
+    def _verify(
+        self,
+        inputs: StepInputs,
+        logits: Logits,
+        seq_ids: list[int],
+        verification: Verification,
+        bitmasks: list[torch.Tensor | None] | None,
+    ) -> tuple[list[list[int]], TokenLogprobs | None]:
+        """_sample's tokens for a step with drafts; the histories count the kept drafts."""
+        tracking = len(self.histories) > 0
+        drafts = verification.drafts
+        history = self.histories.drafted_rows(seq_ids, drafts) if tracking else None
+        tokens, logprobs = verification.sample(
+            self.sampler, logits, inputs.sampling(), bitmasks, history
+        )
+        if tracking:
+            kept = [row[:-1] for row in tokens]
+            self.histories.keep(seq_ids, kept, verification.draft_starts)
+        return tokens, logprobs
 
     def step_logits(self, plan: BatchPlan) -> torch.Tensor:
         """Runs one step without sampling: float32 logits of the sampling sequences."""

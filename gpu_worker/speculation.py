@@ -21,17 +21,16 @@ included, and a seeded row (whose uniform at a position comes from its seed and 
 position) keeps the very tokens it takes without drafts. A draft model (q_t not one-hot)
 would need p_t as a tensor and a second uniform per rejected position: a rule of its own.
 
-Supported: everything the sampler applies to a row alone: greedy, temperature, top_k,
-top_p, min_p, seed, logprobs and top_logprobs, allowed_token_ids, logit_bias. Refused (the
-step fails with an error) for a sequence with drafts: a grammar's token bitmask (a plan
-carries the mask of one position) and a sampling that reads its history
-(SamplingSpec.reads_history: penalties, bad_words, min_tokens; gpu_worker.histories counts
-every token of a chunk, the rejected drafts too).
+Supported: every sampling setting but a grammar: greedy, temperature, top_k, top_p, min_p,
+seed, logprobs and top_logprobs, allowed_token_ids, logit_bias, and those that read the
+sequence's history (penalties, bad_words, min_tokens: the row after draft t sees the drafts
+up to t, and the history keeps the drafts kept; gpu_worker.histories). Refused (the step
+fails with an error): drafts on a sequence with a grammar's token bitmask, since a plan
+carries its grammar's mask for one position only.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -83,9 +82,8 @@ class Verification:
         history: RowTokens | None,
     ) -> tuple[list[list[int]], TokenLogprobs | None]:
         """Each sampled sequence's kept tokens, and their logprobs (a row per kept token, in
-        order) when any row asks: the arguments are Sampler.sample's, a row per sequence."""
-        if history is not None:  # only sequences without drafts read theirs: one row each
-            history = dataclasses.replace(history, rows=[self.first[r] for r in history.rows])
+        order) when any row asks. specs and bitmasks have an entry per sampled sequence,
+        `history` a row per sampling row (Histories.drafted_rows)."""
         output = sampler.sample(
             logits,
             self._per_row(specs),
@@ -105,6 +103,11 @@ class Verification:
             for t in range(len(mine))
         ]
         return tokens, _rows_of(output.logprobs, kept)
+
+    @property
+    def draft_starts(self) -> list[int]:
+        """The position of each sampled sequence's first draft (its first row's token)."""
+        return [self.positions[first] for first in self.first]
 
     def _per_row(self, values: list[T]) -> list[T]:
         """A value per sampled sequence -> that value at each of its sampling rows."""
@@ -130,7 +133,7 @@ def accepted(draft: list[int], drawn: list[int]) -> int:
 
 def check_drafts(plan: BatchPlan) -> None:
     """ValueError, saying why, for drafts that are not their chunk's last tokens, or on a
-    sequence that does not sample or whose sampling the step cannot verify exactly."""
+    sequence that does not sample or has a grammar."""
     if len(plan.draft_tokens) != len(plan.seq_ids):
         raise ValueError(
             f"plan has {len(plan.seq_ids)} seq_ids but {len(plan.draft_tokens)} draft_tokens"
@@ -151,11 +154,6 @@ def check_drafts(plan: BatchPlan) -> None:
             raise ValueError(f"sequence {seq_id} has drafts but does not sample")
         if plan.token_bitmasks and plan.token_bitmasks[i] is not None:
             raise ValueError(f"sequence {seq_id} has drafts and a grammar: not verifiable")
-        if plan.sampling[i].reads_history:
-            raise ValueError(
-                f"sequence {seq_id} has drafts and a sampling that reads its history "
-                "(penalties, bad_words, min_tokens): not verifiable"
-            )
 
 
 def _rows_of(logprobs: TokenLogprobs, rows: list[int]) -> TokenLogprobs:

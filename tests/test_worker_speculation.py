@@ -20,9 +20,12 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from gpu_worker.protocol import BatchPlan, History, SamplingSpec, TokenLogprobs
+from gpu_worker import runtime
+from gpu_worker.protocol import BatchPlan, History, SamplingSpec, TokenLogprobs, WorkerConfig
 from gpu_worker.runner import ModelRunner
 from gpu_worker.sampler import apply_top_k
+from service.config import default_cache_dir
+from service.model_files.resolve import resolve_model
 from tests.worker_fixtures import (
     GREEDY,
     VOCAB,
@@ -88,6 +91,11 @@ def run_lanes(runner: ModelRunner, lanes: list[Lane], wanted: int) -> None:
         plan = plan_for(runner, [chunk for chunk, _ in parts], step_id)
         if any(drafts for _, drafts in parts):
             plan.draft_tokens = [drafts for _, drafts in parts]
+        if any(lane.spec.reads_history and not lane.computed for lane in active):
+            plan.histories = [
+                History(len(lane.prompt)) if lane.spec.reads_history and not lane.computed else None
+                for lane in active
+            ]
         result = runner.execute(plan)
         assert result.error is None, result.error
         got = dict(zip(result.seq_ids, result.tokens, strict=True))
@@ -228,6 +236,28 @@ def test_a_seeded_sequence_takes_its_tokens_without_drafts(runner, drafts):
         assert max(lane.returned) > 1
 
 
+@pytest.mark.parametrize("drafts", [right, wrong, mixed])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(repetition_penalty=1.5, frequency_penalty=0.4, presence_penalty=0.3),
+        dict(temperature=1.0, seed=7, repetition_penalty=1.3, min_tokens=20),
+    ],
+)
+def test_samplings_that_read_the_history_see_the_drafts_before_them(
+    runner, reference, drafts, settings
+):
+    """The row after draft t sees the drafts up to t; the history keeps only the kept."""
+    stops = sorted(set(reference[:4]))
+    spec = SamplingSpec(**settings, bad_words=[reference[2:4]], min_tokens_stop_ids=stops)
+    plain = decoded(runner, PROMPT, WANTED + 8, spec=spec).tokens
+    assert plain[:WANTED] != reference[:WANTED]  # the processors change the tokens
+    lane = decoded(runner, PROMPT, WANTED, drafts(plain, 3), spec)
+    assert lane.tokens[:WANTED] == plain[:WANTED]
+    if drafts is right:
+        assert min(lane.returned) == 4
+
+
 TRIALS = 6000
 TRIALS_PER_STEP = 400
 TOP_K = 6
@@ -332,9 +362,6 @@ def test_drafts_the_worker_cannot_verify_fail_the_step(runner):
     with_grammar = drafted_plan(runner)
     with_grammar.token_bitmasks = [base64.b64encode(bytes(VOCAB // 8)).decode(), None]
     assert "grammar" in refused(with_grammar, runner)
-    with_history = drafted_plan(runner, SamplingSpec(repetition_penalty=1.2))
-    with_history.histories = [History(prompt_len=1), None]
-    assert "history" in refused(with_history, runner)
     not_the_inputs = drafted_plan(runner)
     not_the_inputs.draft_tokens[0] = [7, 7, 7]
     assert "last tokens" in refused(not_the_inputs, runner)
@@ -356,3 +383,22 @@ def test_empty_drafts_are_a_plain_step(runner):
     plan.draft_tokens = [[]]
     expected = runner.execute(plan_for(runner, [Chunk(0, PROMPT, 0, blocks_for(0, 16))]))
     assert runner.execute(plan).tokens == expected.tokens
+
+
+@pytest.mark.real_model
+def test_the_default_model_in_bfloat16_keeps_its_greedy_tokens():
+    """A near-tie of bfloat16 logits flips with any difference in a row's arithmetic: the
+    drafted steps' rows must be computed as the decode steps' are (and sampled with the
+    same refinement, gpu_worker.model.Model.logits)."""
+    config = WorkerConfig(
+        model_dir=str(resolve_model(None, default_cache_dir())),
+        dtype="bfloat16",
+        device="cpu",
+        kv_memory=float(1 << 26),
+        kernel_cache=str(default_cache_dir() / "kernels.json"),
+    )
+    real = runtime.start(config)
+    prompt = random_prompt(16, seed=9)
+    reference = decoded(real, prompt, WANTED + 8).tokens
+    for drafter in (mixed(reference, 3), right(reference, 4)):
+        assert decoded(real, prompt, WANTED, drafter).tokens[:WANTED] == reference[:WANTED]
