@@ -34,6 +34,7 @@ from tests.worker_fixtures import (
     make_runner,
     plan_for,
     random_prompt,
+    sampled,
 )
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -378,11 +379,13 @@ def test_drafts_the_worker_cannot_verify_fail_the_step(runner):
     assert result.error is None and 1 <= len(result.tokens[0]) <= 4 and len(result.tokens[1]) == 1
 
 
-def test_empty_drafts_are_a_plain_step(runner):
-    plan = plan_for(runner, [Chunk(0, PROMPT, 0, blocks_for(0, 16))])
+def test_empty_drafts_are_a_plain_step(runner, reference):
+    """A decode-only plan whose draft lists are all empty takes the decode path."""
+    table = blocks_for(0, 16)
+    assert sampled(runner.execute(plan_for(runner, [Chunk(0, PROMPT, 0, table)]))) == reference[:1]
+    plan = plan_for(runner, [Chunk(0, reference[:1], len(PROMPT), table)])
     plan.draft_tokens = [[]]
-    expected = runner.execute(plan_for(runner, [Chunk(0, PROMPT, 0, blocks_for(0, 16))]))
-    assert runner.execute(plan).tokens == expected.tokens
+    assert sampled(runner.execute(plan)) == reference[1:2]
 
 
 @pytest.mark.real_model
@@ -399,6 +402,9 @@ def test_the_default_model_in_bfloat16_keeps_its_greedy_tokens():
     )
     real = runtime.start(config)
     prompt = random_prompt(16, seed=9)
-    reference = decoded(real, prompt, WANTED + 8).tokens
-    for drafter in (mixed(reference, 3), right(reference, 4)):
-        assert decoded(real, prompt, WANTED, drafter).tokens[:WANTED] == reference[:WANTED]
+    for spec in (GREEDY, SamplingSpec(temperature=0.8, top_p=0.9, seed=3)):
+        reference = decoded(real, prompt, WANTED + 8, spec=spec).tokens
+        for drafter, most in ((mixed(reference, 3), 4), (right(reference, 4), 5)):
+            lane = decoded(real, prompt, WANTED, drafter, spec)
+            assert lane.tokens[:WANTED] == reference[:WANTED]
+            assert max(lane.returned) == most
