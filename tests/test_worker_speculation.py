@@ -203,6 +203,15 @@ def test_drafts_beside_prefilling_and_decoding_sequences(runner, reference):
     assert max(lanes[1].returned) == 3
 
 
+def test_drafts_on_a_model_with_sliding_windows(tiny_models):
+    """Gemma 3's layers in KV groups of their own, with an 11-token window the drafts cross."""
+    hybrid = make_runner(tiny_models("gemma3"))
+    assert hybrid.limits.num_groups > 1
+    expected = decoded(hybrid, PROMPT, WANTED + 8).tokens
+    lane = decoded(hybrid, PROMPT, WANTED, mixed(expected, 3))
+    assert lane.tokens[:WANTED] == expected[:WANTED]
+
+
 def test_logprobs_come_a_row_per_returned_token(runner, reference):
     spec = SamplingSpec(logprobs=True, top_logprobs=3)
     plain = decoded(runner, PROMPT, WANTED, spec=spec)
