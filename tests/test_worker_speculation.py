@@ -227,7 +227,29 @@ def test_logprobs_come_a_row_per_returned_token(runner, reference):
     )
 
 
-SAMPLED = SamplingSpec(temperature=1.0, top_k=20)
+def test_logprobs_rows_follow_the_tokens_of_a_batch(runner, reference):
+    """Rows in the order of the result's tokens flattened, whichever sequences ask."""
+    asking = [SamplingSpec(logprobs=True, top_logprobs=2), SamplingSpec(logprobs=True), GREEDY]
+    other = random_prompt(9, seed=7)
+    solo = [
+        decoded(runner, PROMPT, WANTED, spec=asking[0]),
+        decoded(runner, other, WANTED, spec=asking[1]),
+    ]
+    lanes = [
+        Lane(0, PROMPT, blocks_for(0, 64), mixed(reference, 3), asking[0]),
+        Lane(1, other, blocks_for(16, 64), None, asking[1]),
+        Lane(2, PROMPT, blocks_for(32, 64), right(reference, 2), asking[2]),
+    ]
+    run_lanes(runner, lanes, WANTED)
+    assert [len(lane.logprobs) for lane in lanes] == [len(lane.tokens) for lane in lanes]
+    assert lanes[2].tokens[:WANTED] == reference[:WANTED]
+    assert not any(lanes[2].logprobs.top_ids)  # rows of chosen tokens only: it asked for none
+    for lane, alone in zip(lanes[:2], solo, strict=True):
+        assert lane.tokens[:WANTED] == alone.tokens[:WANTED]
+        assert lane.logprobs.top_ids[:WANTED] == alone.logprobs.top_ids[:WANTED]
+        assert lane.logprobs.logprobs[:WANTED] == pytest.approx(
+            alone.logprobs.logprobs[:WANTED], abs=1e-4
+        )
 
 
 @pytest.mark.parametrize("drafts", [right, wrong, mixed])
@@ -275,7 +297,7 @@ PREFIX = random_prompt(8, seed=6)  # two whole blocks, shared by every trial
 
 
 def distribution(logits: torch.Tensor) -> torch.Tensor:
-    """What SAMPLED_TOP draws from: temperature 1, the TOP_K most likely tokens."""
+    """What the trials draw from: temperature 1, the TOP_K most likely tokens."""
     return torch.softmax(apply_top_k(logits[None], [TOP_K])[0], dim=-1).double()
 
 
