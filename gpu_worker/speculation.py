@@ -14,12 +14,14 @@ is one-hot at d_{t+1}, and the rule reads "accept d with probability p_t(d), and
 rejection draw from p_t without d". The sampler's own draw realises it with one uniform per
 position: x_t drawn from p_t (as decoding without drafts draws it, from the same uniform)
 equals d with probability p_t(d), and given x_t != d it follows p_t without d. So every
-row is sampled as a row without drafts is, and a sequence keeps x_0 .. x_j, where d_1 .. d_j
-are the drafts that equal their x (x_j is the token after them): greedy rows keep the
-argmax tokens, the sampler's tie rules and its bfloat16 refinement (Model.logits)
-included, and a seeded row (whose uniform at a position comes from its seed and that
-position) keeps the very tokens it takes without drafts. A draft model (q_t not one-hot)
-would need p_t as a tensor and a second uniform per rejected position: a rule of its own.
+row is sampled as a row without drafts is, and a sequence keeps x_0 .. x_j, j being the
+number of leading drafts equal to the token drawn at their position (d_{t+1} = x_t for
+t < j): the kept drafts, then the token after them. Greedy rows keep the argmax tokens, the
+sampler's tie rules and its bfloat16 refinement (Model.logits) included, and a seeded row
+(whose uniform at a position comes from its seed and that position) keeps the very tokens
+it takes without drafts. A draft model (q_t not one-hot) would need the sampler's processed
+p_t as a tensor, the test above with a uniform and a residual draw with another: a rule of
+its own beside this one.
 
 Supported: every sampling setting but a grammar: greedy, temperature, top_k, top_p, min_p,
 seed, logprobs and top_logprobs, allowed_token_ids, logit_bias, and those that read the

@@ -410,6 +410,16 @@ def test_drafts_the_worker_cannot_verify_fail_the_step(runner):
     assert result.error is None and 1 <= len(result.tokens[0]) <= 4 and len(result.tokens[1]) == 1
 
 
+def test_a_grammar_beside_drafts_holds(runner):
+    assert runner.execute(drafted_plan(runner)).tokens[1] != [5]  # what the mask rules out
+    plan = drafted_plan(runner)
+    only_5 = torch.zeros(VOCAB // 32, dtype=torch.int32)
+    only_5[0] = 1 << 5
+    plan.token_bitmasks = [None, base64.b64encode(only_5.numpy().tobytes()).decode()]
+    result = runner.execute(plan)
+    assert result.error is None and result.tokens[1] == [5]
+
+
 def test_empty_drafts_are_a_plain_step(runner, reference):
     """A decode-only plan whose draft lists are all empty takes the decode path."""
     table = blocks_for(0, 16)
