@@ -6,7 +6,9 @@ lengths; instead the worker counts every token a step computes, from the step th
 a sequence's history (BatchPlan.histories) until the plan that releases it. Every token of a
 sequence is computed once per life in the cache (a sampled token is the next step's input),
 so after a step's update the counts cover its positions 0 .. end - 1: the tokens the next
-token is sampled after.
+token is sampled after. Drafted tokens (BatchPlan.draft_tokens) are the exception: a step
+counts them once it keeps them (`keep`), and meanwhile the row that samples after draft t
+sees the history and the drafts up to t (`drafted_rows`).
 
 The counts are two tables with a row per tracked sequence, on the model's device:
 occurrences among the generated tokens (int32; presence and frequency penalties) and
@@ -86,6 +88,48 @@ class Histories:
             generated=[t.generated for _, t in tracked],
         )
 
+    def drafted_rows(self, seq_ids: list[int], drafts: list[list[int]]) -> RowTokens | None:
+        """rows(seq_ids) for a step whose sequence i samples at len(drafts[i]) + 1 rows, in
+        order: its row t sees its history and its first t drafts (as generated tokens: a
+        sequence drafts once it decodes), in copies of its rows of the tables."""
+        rows: list[int] = []  # of the sampling rows
+        slots: list[int] = []
+        generated: list[list[int]] = []
+        copies: list[int] = []  # each draft token a copy adds, by copy
+        ids: list[int] = []
+        first = 0
+        for seq_id, draft in zip(seq_ids, drafts, strict=True):
+            tracked = self._tracked.get(seq_id)
+            if tracked is not None:
+                for t in range(len(draft) + 1):
+                    copies += [len(rows)] * t
+                    ids += draft[:t]
+                    rows.append(first + t)
+                    slots.append(tracked.slot)
+                    generated.append(tracked.generated + draft[:t])
+            first += len(draft) + 1
+        if not rows:
+            return None
+        index = torch.tensor(slots, device=self.device)
+        counts, seen = self.output_counts[index], self.seen[index]  # copies: advanced indexing
+        if ids:
+            added = self._index(copies, ids)
+            ones = torch.ones(len(ids), dtype=torch.int32, device=self.device)
+            counts.index_put_(added, ones, accumulate=True)
+            seen[added] = True
+        return RowTokens(rows, torch.arange(len(rows), device=self.device), counts, seen, generated)
+
+    def keep(self, seq_ids: list[int], kept: list[list[int]], starts: list[int]) -> None:
+        """Counts the drafts each sequence kept, kept[i], which sit from position starts[i]."""
+        tracked, tokens, positions = [], [], []
+        for seq_id, found, start in zip(seq_ids, kept, starts, strict=True):
+            entry = self._tracked.get(seq_id)
+            if entry is not None:
+                tracked.append(entry)
+                tokens.append(found)
+                positions.append(start)
+        self._count(tracked, tokens, positions)
+
     def _begin(self, seq_id: int, history: History) -> None:
         self._drop(seq_id)
         if not self._free:
@@ -113,13 +157,17 @@ class Histories:
         return torch.zeros((rows, self.vocab_size), dtype=dtype, device=self.device)
 
     def _count_step(self, plan: BatchPlan) -> None:
+        """Counts the step's tokens, each sequence's drafts excepted (see `keep`)."""
         tracked, tokens, starts = [], [], []
+        drafts = plan.draft_tokens or [[] for _ in plan.seq_ids]
         first = 0
-        for seq_id, count, start in zip(plan.seq_ids, plan.num_tokens, plan.start_pos, strict=True):
+        for seq_id, count, start, draft in zip(
+            plan.seq_ids, plan.num_tokens, plan.start_pos, drafts, strict=True
+        ):
             entry = self._tracked.get(seq_id)
             if entry is not None:
                 tracked.append(entry)
-                tokens.append(plan.input_ids[first : first + count])
+                tokens.append(plan.input_ids[first : first + count - len(draft)])
                 starts.append(start)
             first += count
         self._count(tracked, tokens, starts)

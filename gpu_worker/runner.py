@@ -19,6 +19,7 @@ from gpu_worker.kv_cache import KVCache
 from gpu_worker.model import Model
 from gpu_worker.protocol import POOL_LAST, BatchPlan, Handshake, StepResult, TokenLogprobs
 from gpu_worker.sampler import Logits, Sampler, decode_bitmask, token_logprobs
+from gpu_worker.speculation import Verification
 from gpu_worker.step_inputs import PlanLimits, StepInputs
 
 PROMPT_ROWS = 64  # prompt positions whose log-probabilities are computed at once
@@ -59,32 +60,68 @@ class ModelRunner:
     def run(self, plan: BatchPlan) -> StepResult:
         """One step; raises where execute reports."""
         inputs = self.inputs(plan)
+        verification = Verification.of(inputs) if plan.draft_tokens else None
         self.histories.update(plan)
         prompt_logprobs: list[TokenLogprobs | None] = []
         pooled: list[str | None] = []
-        if plan.prompt_targets or plan.pooling:
+        if plan.prompt_targets or plan.pooling or verification is not None:
             hidden = self.forward(inputs)
-            logits = self._sampled_logits(inputs, hidden)
+            logits = self._sampled_logits(inputs, hidden, verification)
             if plan.prompt_targets:
                 prompt_logprobs = self._prompt_logprobs(inputs, hidden)
             if plan.pooling:
                 pooled = self._pooled(inputs, hidden)
         else:
             logits = self.logits(inputs)
-        sampled = inputs.sampled
-        seq_ids = [plan.seq_ids[i] for i in sampled]
-        history = self.histories.rows(seq_ids) if len(self.histories) else None
-        output = self.sampler.sample(
-            logits, inputs.sampling(), inputs.ends(sampled), _bitmasks(plan, sampled), history
-        )
+        seq_ids = [plan.seq_ids[i] for i in inputs.sampled]
+        tokens, logprobs = self._sample(inputs, logits, seq_ids, verification)
         return StepResult(
             step_id=plan.step_id,
             seq_ids=seq_ids,
-            tokens=[[token] for token in output.tokens],
-            logprobs=output.logprobs,
+            tokens=tokens,
+            logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             pooled=pooled,
         )
+
+    def _sample(
+        self,
+        inputs: StepInputs,
+        logits: Logits,
+        seq_ids: list[int],
+        verification: Verification | None,
+    ) -> tuple[list[list[int]], TokenLogprobs | None]:
+        """The tokens each sampled sequence takes (one, or its kept drafts and one), and
+        their logprobs when any asks."""
+        sampled = inputs.sampled
+        bitmasks = _bitmasks(inputs.plan, sampled)
+        if verification is not None:
+            return self._verify(inputs, logits, seq_ids, verification, bitmasks)
+        history = self.histories.rows(seq_ids) if len(self.histories) else None
+        output = self.sampler.sample(
+            logits, inputs.sampling(), inputs.ends(sampled), bitmasks, history
+        )
+        return [[token] for token in output.tokens], output.logprobs
+
+    def _verify(
+        self,
+        inputs: StepInputs,
+        logits: Logits,
+        seq_ids: list[int],
+        verification: Verification,
+        bitmasks: list[torch.Tensor | None] | None,
+    ) -> tuple[list[list[int]], TokenLogprobs | None]:
+        """_sample's tokens for a step with drafts; the histories count the kept drafts."""
+        tracking = len(self.histories) > 0
+        drafts = verification.drafts
+        history = self.histories.drafted_rows(seq_ids, drafts) if tracking else None
+        tokens, logprobs = verification.sample(
+            self.sampler, logits, inputs.sampling(), bitmasks, history
+        )
+        if tracking:
+            kept = [row[:-1] for row in tokens]
+            self.histories.keep(seq_ids, kept, verification.draft_starts)
+        return tokens, logprobs
 
     def step_logits(self, plan: BatchPlan) -> torch.Tensor:
         """Runs one step without sampling: float32 logits of the sampling sequences."""
@@ -130,9 +167,13 @@ class ModelRunner:
             metas,
         )
 
-    def _sampled_logits(self, inputs: StepInputs, hidden: torch.Tensor) -> Logits:
-        rows = inputs.last_rows(inputs.sampled).to(self.model.device)
-        return self.model.logits(hidden[rows])
+    def _sampled_logits(
+        self, inputs: StepInputs, hidden: torch.Tensor, verification: Verification | None = None
+    ) -> Logits:
+        """Logits at each sampling sequence's last row; at its last k + 1 rows for a
+        sequence with k drafts."""
+        rows = inputs.last_rows(inputs.sampled) if verification is None else verification.rows
+        return self.model.logits(hidden[rows.to(self.model.device)])
 
     def _prompt_logprobs(
         self, inputs: StepInputs, hidden: torch.Tensor
