@@ -70,6 +70,7 @@ from service.engine.scheduler import (
     Scheduler,
     SchedulerStats,
 )
+from service.engine.speculation import Speculator
 from service.engine.stats import Observer
 from service.engine.supervision import Supervisor, Worker
 from service.engine.validation import InvalidRequest, Limits
@@ -128,6 +129,7 @@ class Engine:
             max_restarts=config.max_worker_restarts,
             on_started=self._worker_started,
         )
+        spec = config.speculative_config
         # built now, given its blocks at each worker start (none before the first)
         self._scheduler = Scheduler(
             self._blocks_for(None),
@@ -138,6 +140,7 @@ class Engine:
             max_preemptions=config.max_preemptions,
             admission_watermark=config.admission_watermark,
             tenant_share=config.tenant_share(),
+            speculator=None if spec is None else Speculator(spec),
         )
         self._requests: dict[str, Request] = {}  # open streams, by request id
         self._admission = AdmissionControl(config, self._scheduler, self._requests)
@@ -306,6 +309,20 @@ class Engine:
             "overlap": self._overlap,
             "step_cost": self._step_cost(),
             "prefix_cache": self._prefix_cache_state(stats),
+            "speculative": self._speculative_state(stats),
+        }
+
+    def _speculative_state(self, stats: SchedulerStats) -> dict | None:
+        """The speculative config, and its drafted and accepted tokens since the start."""
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        drafted, accepted = stats.draft_tokens, stats.accepted_tokens
+        return {
+            "config": spec.describe(),
+            "draft_tokens": drafted,
+            "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None,
         }
 
     def _prefix_cache_state(self, stats: SchedulerStats | None) -> dict:

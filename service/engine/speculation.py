@@ -1,0 +1,262 @@
+"""Speculative decoding, the service's part: which tokens a decoding sequence drafts, and
+how many drafted tokens a step may carry (the worker verifies them: BatchPlan.draft_tokens).
+
+Drafting is n-gram prompt lookup, as vLLM's NgramProposer: the sequence's last n tokens (n
+from prompt_lookup_max down to prompt_lookup_min) are looked up in its prompt and output,
+and the tokens that followed their most recent earlier occurrence are proposed. Code,
+quotes, lists and edited documents repeat themselves; where the text does not, nothing is
+found and nothing is drafted. The lookup reads the last `_WINDOW` tokens only, so its cost
+per decoding sequence and step is bounded whatever the sequence's length.
+
+No stream's ITL gets worse. Drafts are what a step adds last: the scheduler first places
+every decoding sequence's own token and the policy's prefill chunks, and drafts take only
+the token budget left after them (the engine's cap and the policy's own, Decision's
+token_budget). They also take only time the step-cost model says is nearly free: the step
+with its drafts may be predicted to cost at most (1 + step_cost_tolerance) x the step
+without them. On a CPU at low batch a step reads the weights once whatever its rows, so a
+few rows more cost little and sequences draft their full k; at batch 64 each row is paid
+for, the allowance is a handful of tokens, and drafting stops. Before the model has
+measured enough steps, only a decode-only step of at most `_UNFITTED_STEP_TOKENS` tokens
+(drafts included) drafts. A step with drafts costs up to the tolerance more, and in
+exchange a sequence whose drafts are accepted advances several tokens in it.
+
+A request drafts fewer tokens when its drafts are rejected: each keeps an exponential
+average of accepted / drafted (Acceptance), and drafts round(num_speculative_tokens x
+that average); at 0 it probes with one token every `_PROBE_EVERY` decode steps, so a text
+that starts repeating itself is found again. Requests whose next token's distribution
+reads their history (penalties, bad words, min_tokens), structured output, seeded sampling
+(its tokens would depend on whether the load let it draft) and prompt log-probabilities
+still in flight never draft.
+
+Overlap (Config.overlap) does not stop drafting: the overlapped loop schedules step k+1
+only after update() has committed step k's tokens (only their text goes out later), so the
+drafts of k+1 are drawn from every accepted token.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from policies.base import StepCost
+
+if TYPE_CHECKING:
+    from service.engine.request import Request
+
+# The lookup reads this many of a sequence's last tokens: its cost per step stays bounded.
+_WINDOW = 1024
+# How much the latest step weighs in a request's average acceptance.
+_RATE_WEIGHT = 0.25
+# A request that drafts nothing (poor acceptance) tries one token after this many decodes.
+_PROBE_EVERY = 16
+# Before the step-cost model is fitted: the largest decode-only step that drafts.
+_UNFITTED_STEP_TOKENS = 16
+_FIELDS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "step_cost_tolerance",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """--speculative-config, vLLM's field names (and cadence's step_cost_tolerance)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # the most tokens a sequence drafts in one step
+    prompt_lookup_max: int = 4  # the longest suffix looked up
+    prompt_lookup_min: int = 2  # the shortest
+    # a step with drafts may be predicted to cost at most this fraction more than without
+    step_cost_tolerance: float = 0.05
+
+    def describe(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def parse_speculative_config(text: str) -> SpeculativeConfig:
+    """--speculative-config's JSON; ValueError saying what is wrong. As vLLM, a missing
+    prompt_lookup_min or _max takes the other's value (both missing: 2 and 4)."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"speculative config must be a JSON object: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"speculative config must be a JSON object, got {text!r}")
+    unknown = sorted(set(raw) - set(_FIELDS))
+    if unknown:
+        raise ValueError(f"unknown speculative config field(s) {unknown}; expected {list(_FIELDS)}")
+    if raw.get("method") != "ngram":
+        raise ValueError(f"speculative config method must be 'ngram', got {raw.get('method')!r}")
+    if "num_speculative_tokens" not in raw:
+        raise ValueError("speculative config needs num_speculative_tokens")
+    lookup = {"prompt_lookup_min": raw.get("prompt_lookup_min")}
+    lookup["prompt_lookup_max"] = raw.get("prompt_lookup_max", lookup["prompt_lookup_min"])
+    if lookup["prompt_lookup_min"] is None:
+        lookup["prompt_lookup_min"] = lookup["prompt_lookup_max"]
+    if lookup["prompt_lookup_min"] is None:
+        lookup = {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    config = SpeculativeConfig(
+        method="ngram",
+        num_speculative_tokens=_int(raw, "num_speculative_tokens", 1, 64),
+        prompt_lookup_max=_int(lookup, "prompt_lookup_max", 1, 64),
+        prompt_lookup_min=_int(lookup, "prompt_lookup_min", 1, 64),
+        step_cost_tolerance=_tolerance(raw.get("step_cost_tolerance", 0.05)),
+    )
+    if config.prompt_lookup_min > config.prompt_lookup_max:
+        raise ValueError("speculative config: prompt_lookup_min must be <= prompt_lookup_max")
+    return config
+
+
+def _int(raw: dict[str, Any], name: str, low: int, high: int) -> int:
+    value = raw[name]
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ValueError(
+            f"speculative config: {name} must be an integer {low}..{high}, got {value!r}"
+        )
+    return value
+
+
+def _tolerance(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise ValueError(f"speculative config: step_cost_tolerance must be 0..1, got {value!r}")
+    return float(value)
+
+
+def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """Up to `k` tokens that followed the most recent earlier occurrence of the last n
+    tokens of `tokens` (the longest n from n_max down to n_min that occurs; [] if none).
+    Where the copy reaches the end it goes on through the tokens it proposed, so a
+    pattern shorter than k repeats."""
+    if k < 1 or len(tokens) <= n_min:
+        return []
+    ctx = np.asarray(tokens[-_WINDOW:], dtype=np.int64)
+    # an occurrence's last token equals the sequence's last one, and is followed by a token
+    ends = np.flatnonzero(ctx[:-1] == ctx[-1])
+    for n in range(min(n_max, len(ctx) - 1), n_min - 1, -1):
+        found = ends[ends >= n - 1]
+        for back in range(1, n):
+            found = found[ctx[found - back] == ctx[-1 - back]]
+        if found.size:
+            start = int(found[-1]) + 1
+            return _repeat(ctx[start : start + k].tolist(), len(ctx) - start, k)
+    return []
+
+
+def _repeat(copied: list[int], period: int, k: int) -> list[int]:
+    """`copied` (the tokens up to the sequence's end) continued through itself to k."""
+    for i in range(len(copied), k):
+        copied.append(copied[i - period])
+    return copied
+
+
+@dataclass(slots=True)
+class Acceptance:
+    """One request's record of its drafts: how many to draft next, and its totals."""
+
+    rate: float = 1.0  # exponential average of accepted / drafted; optimistic at first
+    quiet: int = 0  # decode steps since it last drafted
+    drafted: int = 0  # tokens drafted over its life
+    accepted: int = 0  # of those, accepted by the worker
+
+    def wanted(self, most: int) -> int:
+        """Tokens to draft this step, at most `most` (0 when its drafts keep failing,
+        except for a probe of one token now and then)."""
+        k = min(most, math.floor(most * self.rate + 0.5))
+        return min(most, 1) if k < 1 and self.quiet >= _PROBE_EVERY else k
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """A decode step's outcome: `drafted` tokens verified, `accepted` of them kept."""
+        if not drafted:
+            self.quiet += 1
+            return
+        self.rate = (1 - _RATE_WEIGHT) * self.rate + _RATE_WEIGHT * accepted / drafted
+        self.quiet = 0
+        self.drafted += drafted
+        self.accepted += accepted
+
+
+def may_draft(request: Request) -> bool:
+    """Whether drafting can change neither the request's tokens nor their distribution
+    (module docstring)."""
+    params, sampling = request.params, request.params.sampling
+    seeded = sampling.seed is not None and sampling.temperature > 0
+    return not (
+        request.grammar is not None
+        or sampling.reads_history
+        or seeded
+        or params.pooling is not None
+        or request.needs_prompt_logprobs
+    )
+
+
+def draft_ms(cost: StepCost, context: int, k: int) -> float:
+    """What `k` drafts add to a step for a sequence with `context` cached tokens: their
+    tokens, and their attention priced as k more decodes (step_cost.plan_terms)."""
+    return cost.ms_per_token * k + cost.ms_per_context * (k * context + k * (k + 1) // 2)
+
+
+@dataclass(slots=True)
+class DraftAllowance:
+    """What the drafts of one step may still take: tokens of the budget, and time."""
+
+    tokens: int
+    extra_ms: float  # math.inf before the cost model is fitted (tokens bound it then)
+    cost: StepCost | None
+
+    def take(self, context: int, k: int) -> int:
+        """How many of `k` drafts of a sequence at `context` fit; takes them."""
+        k = max(0, min(k, self.tokens))
+        cost = self.cost
+        if cost is not None:
+            while k and draft_ms(cost, context, k) > self.extra_ms:
+                k -= 1
+            self.extra_ms -= draft_ms(cost, context, k)
+        self.tokens -= k
+        return k
+
+
+class Speculator:
+    """Drafts for the decoding sequences of one step, within its allowance."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+
+    def allowance(
+        self,
+        cost: StepCost | None,
+        step_ms: float,
+        step_tokens: int,
+        tokens_left: int,
+        *,
+        decode_only: bool,
+    ) -> DraftAllowance:
+        """The allowance of a step predicted (by `cost`) to take `step_ms` without drafts,
+        with `step_tokens` tokens and `tokens_left` of its budget unused."""
+        if cost is None:
+            small = _UNFITTED_STEP_TOKENS - step_tokens if decode_only else 0
+            return DraftAllowance(max(0, min(tokens_left, small)), math.inf, None)
+        extra_ms = self.config.step_cost_tolerance * step_ms
+        return DraftAllowance(max(0, tokens_left), extra_ms, cost)
+
+    def draft(self, request: Request, allowance: DraftAllowance, room: int) -> list[int]:
+        """The tokens `request` (decoding, may_draft) drafts this step: at most `room`
+        (its blocks' and its max_tokens' bound), as many as its acceptance wants and the
+        allowance takes."""
+        assert request.params.max_tokens is not None  # validation fills it
+        # one token is sampled after the drafts: never past max_tokens
+        most = min(self.config.num_speculative_tokens, room)
+        most = min(most, request.params.max_tokens - request.num_generated - 1)
+        k = request.acceptance.wanted(most) if most > 0 else 0
+        if k < 1 or not allowance.tokens:
+            return []
+        config = self.config
+        proposal = propose_ngram(
+            request.token_ids, k, config.prompt_lookup_min, config.prompt_lookup_max
+        )
+        return proposal[: allowance.take(request.num_computed_tokens, len(proposal))]
