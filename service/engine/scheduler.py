@@ -104,7 +104,7 @@ from policies.base import Decision, Policy, SeqView, View
 from service.engine.block_manager import BlockManager, PrefixHit, chain_hashes
 from service.engine.request import MEAN_POOLING, Request, Status, account_of
 from service.engine.speculation import Speculator, may_draft
-from service.engine.step_cost import StepCostModel, plan_terms
+from service.engine.step_cost import StepCostModel
 
 STOP_TOKEN = ("stop", "stop_token")  # a stop_token_ids token finished the sequence
 POOLED = ("stop", "pooled")  # a pooled request (an embedding) computed its prompt
@@ -491,9 +491,10 @@ class Scheduler:
         self._last_step_ms = result.step_ms
         self._last_step_tokens = out.plan.total_tokens
         drafted = [len(item.drafts) for item in out.scheduled]
-        self.step_cost.observe_plan(
-            out.plan.num_tokens, out.plan.start_pos, result.step_ms, drafted
-        )
+        plan = out.plan
+        self.step_cost.observe_plan(plan.num_tokens, plan.start_pos, result.step_ms, drafted)
+        if self.speculator is not None:
+            self.speculator.observe(plan.num_tokens, plan.start_pos, drafted, result.step_ms)
         taken = dict(zip(_sampled_ids(out), result.tokens, strict=True))
         outcomes = []
         for i, item in enumerate(out.scheduled):
@@ -778,15 +779,7 @@ class Scheduler:
             cap = min(cap, token_budget)
         num_tokens = [item.num_tokens for item in out.scheduled]
         starts = [item.request.num_computed_tokens for item in out.scheduled]
-        cost = self.step_cost.estimate()
-        step_ms = 0.0 if cost is None else cost.step_ms(*plan_terms(num_tokens, starts))
-        allowance = speculator.allowance(
-            cost,
-            step_ms,
-            sum(num_tokens),
-            cap - sum(num_tokens),
-            decode_only=not out.prefill_tokens,
-        )
+        allowance = speculator.allowance(self.step_cost, num_tokens, starts, cap - sum(num_tokens))
         decodes.sort(key=lambda item: (-item.request.acceptance.rate, item.request.seq_id))
         for item in decodes:
             request = item.request

@@ -15,9 +15,14 @@ token_budget). They also take only time the step-cost model says is nearly free:
 with its drafts may be predicted to cost at most (1 + step_cost_tolerance) x the step
 without them. On a CPU at low batch a step reads the weights once whatever its rows, so a
 few rows more cost little and sequences draft their full k; at batch 64 each row is paid
-for, the allowance is a handful of tokens, and drafting stops. Before the model has
-measured enough steps, only a decode-only step of at most `_UNFITTED_STEP_TOKENS` tokens
-(drafts included) drafts. A step with drafts costs up to the tolerance more, and in
+for, the allowance is a handful of tokens, and drafting stops. The engine's model
+(service.engine.step_cost) is linear in tokens: fitted to prefill chunks, which are
+compute-bound, it would price a decode's extra rows at a chunk's rate and forbid the drafts
+that are nearly free. So a decode-only step is priced by a model of the same form fitted
+to decode-only steps alone (drafts included: their rows teach it what rows cost there),
+and a step with prefill chunks by the engine's. Before the model in use has measured
+enough steps, only a decode-only step of at most `_UNFITTED_STEP_TOKENS` tokens (drafts
+included) drafts. A step with drafts costs up to the tolerance more, and in
 exchange a sequence whose drafts are accepted advances several tokens in it.
 
 A request drafts fewer tokens when its drafts are rejected: each keeps an exponential
@@ -43,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from policies.base import StepCost
+from service.engine.step_cost import StepCostModel, plan_terms
 
 if TYPE_CHECKING:
     from service.engine.request import Request
@@ -226,21 +232,31 @@ class Speculator:
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
+        self.decode_cost = StepCostModel()  # fitted to decode-only steps (module docstring)
+
+    def observe(
+        self, num_tokens: list[int], start_pos: list[int], drafted: list[int], step_ms: float
+    ) -> None:
+        """A measured step (BatchPlan's rows, each one's drafts): the decode model learns
+        from those without prefill chunks."""
+        if all(n == 1 or k for n, k in zip(num_tokens, drafted, strict=True)):
+            self.decode_cost.observe_plan(num_tokens, start_pos, step_ms, drafted)
 
     def allowance(
         self,
-        cost: StepCost | None,
-        step_ms: float,
-        step_tokens: int,
+        step_cost: StepCostModel,
+        num_tokens: list[int],
+        start_pos: list[int],
         tokens_left: int,
-        *,
-        decode_only: bool,
     ) -> DraftAllowance:
-        """The allowance of a step predicted (by `cost`) to take `step_ms` without drafts,
-        with `step_tokens` tokens and `tokens_left` of its budget unused."""
+        """What drafts may add to a step of these rows (none drafted yet), `tokens_left` of
+        its budget unused; `step_cost` prices a step with prefill chunks."""
+        decode_only = all(n == 1 for n in num_tokens)
+        cost = (self.decode_cost if decode_only else step_cost).estimate()
         if cost is None:
-            small = _UNFITTED_STEP_TOKENS - step_tokens if decode_only else 0
+            small = _UNFITTED_STEP_TOKENS - sum(num_tokens) if decode_only else 0
             return DraftAllowance(max(0, min(tokens_left, small)), math.inf, None)
+        step_ms = cost.step_ms(*plan_terms(num_tokens, start_pos))
         extra_ms = self.config.step_cost_tolerance * step_ms
         return DraftAllowance(max(0, tokens_left), extra_ms, cost)
 
