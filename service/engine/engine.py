@@ -14,7 +14,9 @@ sent, and step k's own part runs while the worker computes k+1. The loop is the 
 without overlap; only that part moves back to before the next schedule(). Outputs stay
 token-exact because:
 - update() appends every sampled token, and ends EOS and max_tokens sequences (freeing
-  their blocks), before the next schedule(); only stop strings are found later.
+  their blocks), before the next schedule(); only stop strings are found later. So the
+  drafts of step k+1 (speculative decoding) are drawn from every token step k took: they
+  need no sequential loop.
 - A request that ends while it is in the plan in flight (a stop string found in step k's
   part, an abort at any await) is computed once more for nothing: update() skips finished
   requests (no progress, no token) and _emit sends nothing for them.
@@ -624,6 +626,7 @@ class Engine:
         text = delta.text
         if delta.stopped:
             finish = ("stop", "stop_string")
+            _drop_unsent(request)
         elif finish is not None:
             text += request.detokenizer.flush()
         event.text = text
@@ -761,6 +764,12 @@ def _check_blocks_kept(sched: Scheduler, plan: BatchPlan) -> None:
         written = table[start // size :]
         taken = [block for block in written if holders.get(block, {seq_id}) != {seq_id}]
         assert not taken, f"step {plan.step_id}: blocks {taken} of seq {seq_id} reallocated"
+
+
+def _drop_unsent(request: Request) -> None:
+    """A stop string ended the text at the token just sent: the tokens update() appended
+    after it (the rest of a step's accepted drafts) are not the output's, nor its usage's."""
+    del request.token_ids[request.prompt_len + len(request.token_times) :]
 
 
 def _send(request: Request, event: TokenEvent | FinishEvent) -> bool:

@@ -20,9 +20,13 @@ for, the allowance is a handful of tokens, and drafting stops. The engine's mode
 compute-bound, it would price a decode's extra rows at a chunk's rate and forbid the drafts
 that are nearly free. So a decode-only step is priced by a model of the same form fitted
 to decode-only steps alone (drafts included: their rows teach it what rows cost there),
-and a step with prefill chunks by the engine's. Before the model in use has measured
-enough steps, only a decode-only step of at most `_UNFITTED_STEP_TOKENS` tokens (drafts
-included) drafts. A step with drafts costs up to the tolerance more, and in
+and a step with prefill chunks by the engine's. Past the most tokens a decode-only step
+has been measured with, the decode model extrapolates (with every step of one batch size
+alike, it cannot tell a row's cost from the base's): there a draft is priced at the dearer
+of the two models, the engine's being the compute-bound price no row exceeds, so that a
+step that tries more rows than ever stays within the tolerance too. Before the model in
+use has measured enough steps, only a decode-only step of at most `_UNFITTED_STEP_TOKENS`
+tokens (drafts included) drafts. A step with drafts costs up to the tolerance more, and in
 exchange a sequence whose drafts are accepted advances several tokens in it.
 
 A request drafts fewer tokens when its drafts are rejected: each keeps an exponential
@@ -201,6 +205,18 @@ def may_draft(request: Request) -> bool:
     )
 
 
+def _dearer(cost: StepCost, other: StepCost | None) -> StepCost:
+    """`cost` with the dearer of the two prices of a row and of a key read."""
+    if other is None:
+        return cost
+    return StepCost(
+        base_ms=cost.base_ms,
+        ms_per_token=max(cost.ms_per_token, other.ms_per_token),
+        ms_per_pair=cost.ms_per_pair,
+        ms_per_context=max(cost.ms_per_context, other.ms_per_context),
+    )
+
+
 def draft_ms(cost: StepCost, context: int, k: int) -> float:
     """What `k` drafts add to a step for a sequence with `context` cached tokens: their
     tokens, and their attention priced as k more decodes (step_cost.plan_terms)."""
@@ -213,18 +229,26 @@ class DraftAllowance:
 
     tokens: int
     extra_ms: float  # math.inf before the cost model is fitted (tokens bound it then)
-    cost: StepCost | None
+    cost: StepCost | None  # the price of a draft within the measured steps' tokens
+    beyond: StepCost | None = None  # past them (module docstring); None: `cost` throughout
+    measured: int = 0  # drafts the step may take before it passes the measured tokens
 
     def take(self, context: int, k: int) -> int:
         """How many of `k` drafts of a sequence at `context` fit; takes them."""
         k = max(0, min(k, self.tokens))
-        cost = self.cost
-        if cost is not None:
-            while k and draft_ms(cost, context, k) > self.extra_ms:
+        if self.cost is not None:
+            while k and self._ms(context, k) > self.extra_ms:
                 k -= 1
-            self.extra_ms -= draft_ms(cost, context, k)
+            self.extra_ms -= self._ms(context, k)
+        self.measured -= min(k, self.measured)
         self.tokens -= k
         return k
+
+    def _ms(self, context: int, k: int) -> float:
+        assert self.cost is not None
+        inside = min(k, self.measured)
+        beyond = self.beyond or self.cost
+        return draft_ms(self.cost, context, inside) + draft_ms(beyond, context + inside, k - inside)
 
 
 class Speculator:
@@ -233,6 +257,7 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.decode_cost = StepCostModel()  # fitted to decode-only steps (module docstring)
+        self.widest = 0  # the most tokens of a decode-only step measured
 
     def observe(
         self, num_tokens: list[int], start_pos: list[int], drafted: list[int], step_ms: float
@@ -241,6 +266,7 @@ class Speculator:
         from those without prefill chunks."""
         if all(n == 1 or k for n, k in zip(num_tokens, drafted, strict=True)):
             self.decode_cost.observe_plan(num_tokens, start_pos, step_ms, drafted)
+            self.widest = max(self.widest, sum(num_tokens))
 
     def allowance(
         self,
@@ -252,13 +278,18 @@ class Speculator:
         """What drafts may add to a step of these rows (none drafted yet), `tokens_left` of
         its budget unused; `step_cost` prices a step with prefill chunks."""
         decode_only = all(n == 1 for n in num_tokens)
-        cost = (self.decode_cost if decode_only else step_cost).estimate()
+        engines = step_cost.estimate()
+        cost = self.decode_cost.estimate() if decode_only else engines
         if cost is None:
             small = _UNFITTED_STEP_TOKENS - sum(num_tokens) if decode_only else 0
             return DraftAllowance(max(0, min(tokens_left, small)), math.inf, None)
         step_ms = cost.step_ms(*plan_terms(num_tokens, start_pos))
         extra_ms = self.config.step_cost_tolerance * step_ms
-        return DraftAllowance(max(0, tokens_left), extra_ms, cost)
+        allowance = DraftAllowance(max(0, tokens_left), extra_ms, cost)
+        if decode_only:
+            allowance.beyond = _dearer(cost, engines)
+            allowance.measured = max(0, self.widest - sum(num_tokens))
+        return allowance
 
     def draft(self, request: Request, allowance: DraftAllowance, room: int) -> list[int]:
         """The tokens `request` (decoding, may_draft) drafts this step: at most `room`
