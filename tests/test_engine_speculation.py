@@ -10,12 +10,14 @@ import pytest
 
 from gpu_worker.protocol import TokenLogprobs
 from policies.base import StepCost
+from service.engine import speculation
 from service.engine.request import SamplingParams, SamplingSpec
 from service.engine.speculation import (
     _PROBE_EVERY,
     _UNFITTED_STEP_TOKENS,
     _WINDOW,
     Acceptance,
+    DraftAllowance,
     SpeculativeConfig,
     Speculator,
     draft_ms,
@@ -215,6 +217,20 @@ def test_a_draft_is_priced_by_the_keys_its_queries_read():
     assert draft_ms(cost, 1000, 3) == pytest.approx(0.001 * 3006)
     assert plan_terms([4, 1], [1000, 50], [3, 0]) == (5, 0, 4006 + 50)
     assert plan_terms([4], [1000], [0]) == (4, 4 * 1000 + 10, 0)  # a prefill chunk
+
+
+def test_a_spent_allowance_looks_nothing_up(monkeypatch: pytest.MonkeyPatch):
+    """At a full batch most decodes find no time left: they cost no lookup either."""
+    looked = []
+    monkeypatch.setattr(speculation, "propose_ngram", lambda *a: looked.append(a) or [1, 2])
+    speculator = Speculator(SpeculativeConfig())
+    cost = StepCost(base_ms=10.0, ms_per_token=1.0, ms_per_pair=0.0)
+    request = make_request(0, 8, max_tokens=16)
+    spent = DraftAllowance(tokens=100, extra_ms=0.5, cost=cost)
+    assert speculator.draft(request, spent, room=4) == [] and not looked
+    open_ = DraftAllowance(tokens=100, extra_ms=2.5, cost=cost)
+    assert speculator.draft(request, open_, room=4) == [1, 2] and len(looked) == 1
+    assert looked[0][1] == 2  # it asks for no more than the allowance takes
 
 
 def test_prefill_steps_do_not_teach_the_decode_model():

@@ -181,7 +181,7 @@ async def test_counts_reach_the_request_log_the_state_and_metrics(autojump_clock
     async with running_engine(sim_config(speculative_config=SPEC), cpu_worker()) as engine:
         engine.add_observer(observer)
         engine.add_observer(metrics)
-        await run_all(engine, [repeating(0), repeating(1)], 32)
+        await run_all(engine, [repeating(0), repeating(1)], 64)
         state = engine.state()["speculative"]
         text = metrics.render(engine.state()).decode()
     drafted = sum(s.draft_tokens for s in observer.iterations)
@@ -189,6 +189,7 @@ async def test_counts_reach_the_request_log_the_state_and_metrics(autojump_clock
     assert drafted > 0 and accepted > 0
     assert state["config"] == SPEC.describe()
     assert (state["draft_tokens"], state["accepted_tokens"]) == (drafted, accepted)
+    assert state["decode_step_cost"]["base_ms"] > 0  # fitted to the decode-only steps
     assert sum(f.draft_tokens for f in observer.finished) == drafted
     assert f"cadence:spec_decode_num_draft_tokens_total {float(drafted)}" in text
     assert f"cadence:spec_decode_num_accepted_tokens_total {float(accepted)}" in text

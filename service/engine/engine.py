@@ -320,11 +320,15 @@ class Engine:
         if spec is None:
             return None
         drafted, accepted = stats.draft_tokens, stats.accepted_tokens
+        speculator = self._scheduler.speculator
+        decode_cost = None if speculator is None else speculator.decode_cost.estimate()
         return {
             "config": spec.describe(),
             "draft_tokens": drafted,
             "accepted_tokens": accepted,
             "acceptance_rate": accepted / drafted if drafted else None,
+            # what prices a decode-only step's drafts (service.engine.speculation)
+            "decode_step_cost": None if decode_cost is None else dataclasses.asdict(decode_cost),
         }
 
     def _prefix_cache_state(self, stats: SchedulerStats | None) -> dict:

@@ -143,9 +143,10 @@ def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int
     tokens of `tokens` (the longest n from n_max down to n_min that occurs; [] if none).
     Where the copy reaches the end it goes on through the tokens it proposed, so a
     pattern shorter than k repeats."""
-    if k < 1 or len(tokens) <= n_min:
-        return []
-    ctx = np.asarray(tokens[-_WINDOW:], dtype=np.int64)
+    window = tokens[-_WINDOW:]
+    if k < 1 or len(window) <= n_min or window[-1] not in window[:-1]:
+        return []  # the common case in text that does not repeat, without numpy's cost
+    ctx = np.asarray(window, dtype=np.int64)
     # an occurrence's last token equals the sequence's last one, and is followed by a token
     ends = np.flatnonzero(ctx[:-1] == ctx[-1])
     for n in range(min(n_max, len(ctx) - 1), n_min - 1, -1):
@@ -233,12 +234,17 @@ class DraftAllowance:
     beyond: StepCost | None = None  # past them (module docstring); None: `cost` throughout
     measured: int = 0  # drafts the step may take before it passes the measured tokens
 
+    def room(self, context: int, k: int) -> int:
+        """How many of `k` drafts of a sequence at `context` would fit."""
+        k = max(0, min(k, self.tokens))
+        while k and self.cost is not None and self._ms(context, k) > self.extra_ms:
+            k -= 1
+        return k
+
     def take(self, context: int, k: int) -> int:
         """How many of `k` drafts of a sequence at `context` fit; takes them."""
-        k = max(0, min(k, self.tokens))
+        k = self.room(context, k)
         if self.cost is not None:
-            while k and self._ms(context, k) > self.extra_ms:
-                k -= 1
             self.extra_ms -= self._ms(context, k)
         self.measured -= min(k, self.measured)
         self.tokens -= k
@@ -296,14 +302,14 @@ class Speculator:
         (its blocks' and its max_tokens' bound), as many as its acceptance wants and the
         allowance takes."""
         assert request.params.max_tokens is not None  # validation fills it
+        config, context = self.config, request.num_computed_tokens
+        k = request.acceptance.wanted(config.num_speculative_tokens)
         # one token is sampled after the drafts: never past max_tokens
-        most = min(self.config.num_speculative_tokens, room)
-        most = min(most, request.params.max_tokens - request.num_generated - 1)
-        k = request.acceptance.wanted(most) if most > 0 else 0
-        if k < 1 or not allowance.tokens:
+        k = min(k, room, request.params.max_tokens - request.num_generated - 1)
+        k = allowance.room(context, k)  # before the lookup: a full step costs no lookups
+        if k < 1:
             return []
-        config = self.config
         proposal = propose_ngram(
             request.token_ids, k, config.prompt_lookup_min, config.prompt_lookup_max
         )
-        return proposal[: allowance.take(request.num_computed_tokens, len(proposal))]
+        return proposal[: allowance.take(context, len(proposal))]
