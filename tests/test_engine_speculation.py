@@ -10,6 +10,7 @@ import pytest
 
 from gpu_worker.protocol import TokenLogprobs
 from policies.base import StepCost
+from service.cli import add_serve_args, config_from_args
 from service.engine import speculation
 from service.engine.request import SamplingParams, SamplingSpec
 from service.engine.speculation import (
@@ -73,6 +74,18 @@ def test_a_wrong_config_says_what_is_wrong(text: str, message: str):
         parse_speculative_config(text)
     with pytest.raises(argparse.ArgumentTypeError, match=message):  # the flag's error
         speculative_config(text)
+
+
+def test_the_flag_sets_the_config_and_a_wrong_one_is_a_usage_error(capsys):
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    assert config_from_args(parser.parse_args([])).speculative_config is None  # off
+    flag = '{"method": "ngram", "num_speculative_tokens": 3}'
+    config = config_from_args(parser.parse_args(["--speculative-config", flag]))
+    assert config.speculative_config == SpeculativeConfig(num_speculative_tokens=3)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config", '{"method": "ngram"}'])
+    assert "needs num_speculative_tokens" in capsys.readouterr().err
 
 
 # ---- the n-gram proposer --------------------------------------------------------------------
@@ -146,8 +159,7 @@ def test_totals_count_every_verified_draft():
     [
         (SamplingSpec(), True),
         (SamplingSpec(temperature=0.8), True),  # unseeded: rejection sampling keeps it
-        (SamplingSpec(temperature=0.0, seed=3), True),  # greedy: the tokens are the same
-        (SamplingSpec(temperature=0.8, seed=3), False),  # its tokens would depend on load
+        (SamplingSpec(temperature=0.8, seed=3), True),  # the worker keeps its tokens
         (SamplingSpec(presence_penalty=0.5), False),
         (SamplingSpec(min_tokens=2), False),
         (SamplingSpec(bad_words=[[1, 2]]), False),

@@ -33,9 +33,11 @@ A request drafts fewer tokens when its drafts are rejected: each keeps an expone
 average of accepted / drafted (Acceptance), and drafts round(num_speculative_tokens x
 that average); at 0 it probes with one token every `_PROBE_EVERY` decode steps, so a text
 that starts repeating itself is found again. Requests whose next token's distribution
-reads their history (penalties, bad words, min_tokens), structured output, seeded sampling
-(its tokens would depend on whether the load let it draft) and prompt log-probabilities
-still in flight never draft.
+reads their history (penalties, bad words, min_tokens), structured output (a plan carries
+a grammar's mask for one position) and prompt log-probabilities still in flight never
+draft. Sampled requests do: the worker keeps a draft with the probability the token has
+there, so the tokens' distribution is that of decoding without drafts (and a seeded
+request's tokens are the same, whatever the load let it draft).
 
 Overlap (Config.overlap) does not stop drafting: the overlapped loop schedules step k+1
 only after update() has committed step k's tokens (only their text goes out later), so the
@@ -195,12 +197,10 @@ class Acceptance:
 def may_draft(request: Request) -> bool:
     """Whether drafting can change neither the request's tokens nor their distribution
     (module docstring)."""
-    params, sampling = request.params, request.params.sampling
-    seeded = sampling.seed is not None and sampling.temperature > 0
+    params = request.params
     return not (
         request.grammar is not None
-        or sampling.reads_history
-        or seeded
+        or params.sampling.reads_history
         or params.pooling is not None
         or request.needs_prompt_logprobs
     )
