@@ -175,6 +175,21 @@ async def test_the_prefix_cache_shares_only_what_was_committed(autojump_clock):
     assert second.finish.cached_tokens >= len(longer) - 8
 
 
+async def test_preempted_and_recomputed_streams_keep_their_tokens(autojump_clock):
+    """Eight streams whose answers cannot all fit in 24 blocks: they preempt one another
+    while their drafts are accepted (and their blocks trimmed) at every step."""
+    observer = RecordingObserver()
+    worker = cpu_worker(num_blocks=24)
+    prompts = [repeating(i, 20 + 3 * i) for i in range(8)]
+    async with running_engine(sim_config(speculative_config=SPEC), worker) as engine:
+        engine.add_observer(observer)
+        results = await run_all(engine, prompts, 80)
+        assert engine.scheduler.blocks.num_free == worker.num_blocks
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.token_ids == expected_tokens(prompt, 80, period=PERIOD)
+    assert observer.preempted and engine.scheduler.accepted_tokens > 100
+
+
 async def test_counts_reach_the_request_log_the_state_and_metrics(autojump_clock):
     observer = RecordingObserver()
     metrics = Metrics()
