@@ -107,12 +107,14 @@ def parse_speculative_config(text: str) -> SpeculativeConfig:
         raise ValueError(f"speculative config method must be 'ngram', got {raw.get('method')!r}")
     if "num_speculative_tokens" not in raw:
         raise ValueError("speculative config needs num_speculative_tokens")
-    lookup = {"prompt_lookup_min": raw.get("prompt_lookup_min")}
-    lookup["prompt_lookup_max"] = raw.get("prompt_lookup_max", lookup["prompt_lookup_min"])
-    if lookup["prompt_lookup_min"] is None:
-        lookup["prompt_lookup_min"] = lookup["prompt_lookup_max"]
-    if lookup["prompt_lookup_min"] is None:
-        lookup = {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    low, high = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
+    if low is None and high is None:
+        default = SpeculativeConfig()
+        low, high = default.prompt_lookup_min, default.prompt_lookup_max
+    lookup = {
+        "prompt_lookup_min": high if low is None else low,
+        "prompt_lookup_max": low if high is None else high,
+    }
     config = SpeculativeConfig(
         method="ngram",
         num_speculative_tokens=_int(raw, "num_speculative_tokens", 1, 64),
