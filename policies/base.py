@@ -76,6 +76,15 @@ class StepCost:
         """What a chunk adds to a step: its tokens and its attention at its position."""
         return self.ms_per_token * tokens + self.ms_per_pair * attention_pairs(start, tokens)
 
+    def step_ms(self, tokens: int, pairs: int, context: int) -> float:
+        """A whole step: `tokens`, `pairs` of prefill attention, `context` keys decodes read."""
+        return (
+            self.base_ms
+            + self.ms_per_token * tokens
+            + self.ms_per_pair * pairs
+            + self.ms_per_context * context
+        )
+
     def decode_ms(self, contexts: list[int]) -> float:
         """A step of decodes alone, base included: one per cached-token count in `contexts`."""
         return (
@@ -148,6 +157,9 @@ class Decision:
     schedule: list[tuple[int, int]] = field(default_factory=list)
     # running sequences to preempt (their blocks are freed; recomputed later)
     preempt: list[int] = field(default_factory=list)
+    # the most tokens the policy wants in the step, drafted ones included (speculative
+    # decoding takes only what the schedule leaves of it); None: the engine's cap
+    token_budget: int | None = None
 
 
 class Policy:

@@ -39,7 +39,7 @@ class Fcfs(Policy):
                 return decision
         # no prefill, or none fits in memory right now: the decodes go on
         decodes = [s for s in view.running if s.is_decoding][: view.max_seqs]
-        return Decision(schedule=[(s.seq_id, 1) for s in decodes])
+        return Decision(schedule=[(s.seq_id, 1) for s in decodes], token_budget=budget)
 
     @staticmethod
     def _prefill_step(view: View, prefills: list, budget: int) -> Decision:
@@ -60,4 +60,4 @@ class Fcfs(Policy):
             schedule.append((seq.seq_id, tokens))
             free -= need
             left -= tokens
-        return Decision(schedule=schedule)
+        return Decision(schedule=schedule, token_budget=budget)

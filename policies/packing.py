@@ -32,7 +32,7 @@ def fill_budget(
     time by their cost at their positions (a chunk deep in a long prompt is shorter); the
     first chunk has at least one token, so a prompt always progresses.
     """
-    budget = min(budget, view.max_batched_tokens)
+    budget = budget_cap = min(budget, view.max_batched_tokens)
     schedule: list[tuple[int, int]] = []
     free = view.free_blocks
     for seq in decodes:
@@ -69,7 +69,7 @@ def fill_budget(
         admittable -= whole
         if prefill_ms is not None and cost is not None:
             prefill_ms -= cost.chunk_ms(start, chunk)
-    return Decision(schedule=schedule)
+    return Decision(schedule=schedule, token_budget=budget_cap)
 
 
 def split_running(view: View) -> tuple[list[SeqView], list[SeqView]]:

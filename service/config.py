@@ -14,6 +14,7 @@ from typing import Any
 
 from gpu_worker.protocol import WorkerConfig
 from service.engine.request import POOLING_TYPES
+from service.engine.speculation import SpeculativeConfig
 from service.flag_types import (
     chat_template_source,
     fraction,
@@ -24,6 +25,7 @@ from service.flag_types import (
     positive_float,
     positive_int,
     share,
+    speculative_config,
 )
 from service.reasoning import PARSERS as REASONING_PARSERS
 from service.tool_calls import PARSERS as TOOL_CALL_PARSERS
@@ -207,6 +209,16 @@ class Config:
         "schedule step k+1 before step k's text and events; auto: unless the worker computes "
         "on the CPU, whose cores the service would take from it",
         choices=("auto", "on", "off"),
+    )
+    speculative_config: SpeculativeConfig | None = flag(
+        None,
+        'n-gram speculative decoding, vLLM\'s JSON: {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}, '
+        'and cadence\'s "step_cost_tolerance" (0.05: drafts may make a step that much '
+        "slower, by the measured step costs) (default: off)",
+        type=speculative_config,
+        metavar="JSON",
+        show_default=False,
     )
     # HTTP
     host: str = flag("127.0.0.1", "the address to listen on")

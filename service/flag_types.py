@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from gpu_worker.protocol import parse_kernel_pins
+from service.engine.speculation import SpeculativeConfig, parse_speculative_config
 
 
 def positive_int(text: str) -> int:
@@ -54,6 +55,13 @@ def kernel_pins(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
+
+
+def speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return parse_speculative_config(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def origins(text: str) -> list[str]:

@@ -11,6 +11,7 @@ from service.engine.block_manager import BlockManager
 from service.engine.detokenizer import Detokenizer
 from service.engine.request import Request, SamplingParams
 from service.engine.scheduler import ScheduleOutput, Scheduler
+from service.engine.speculation import SpeculativeConfig, Speculator
 from tests.sim_worker import EOS, SimTokenizer
 
 SAMPLED = 7  # the token every simulated step samples
@@ -41,11 +42,15 @@ def make_request(
     priority: int = 0,
     received: float | None = None,
     family: int | None = None,
+    pattern: list[int] | None = None,
 ) -> Request:
-    """Requests of one `family` (default: its own) share their prompts' prefixes."""
+    """Requests of one `family` (default: its own) share their prompts' prefixes; with a
+    `pattern`, the prompt repeats it (n-gram drafting finds it)."""
     send, _ = trio.open_memory_channel(1000)
     first = (seq_id if family is None else family) * 31
     prompt = [(first + i) % 250 for i in range(prompt_len)]
+    if pattern is not None:
+        prompt = [pattern[i % len(pattern)] for i in range(prompt_len)]
     params = SamplingParams(max_tokens=max_tokens)
     return Request(
         request_id=f"r{seq_id}",
@@ -72,6 +77,7 @@ def make_scheduler(
     max_preemptions: int = 3,
     prefix_caching: bool = False,
     tenant_share: float = 1.0,
+    speculative: SpeculativeConfig | None = None,
 ) -> tuple[Scheduler, Scripted]:
     policy = Scripted()
     sched = Scheduler(
@@ -83,6 +89,7 @@ def make_scheduler(
         max_preemptions=max_preemptions,
         admission_watermark=admission_watermark,
         tenant_share=tenant_share,
+        speculator=None if speculative is None else Speculator(speculative),
     )
     return sched, policy
 

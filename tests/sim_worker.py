@@ -2,11 +2,14 @@
 
 Cost model: a step takes base_ms + per_token_ms * tokens + per_seq_ms * sequences
 (+ per_pair_ms * attention pairs, for the cost of attention over long prefixes) from the
-moment its plan arrives: the result is ready then, whatever the engine does meanwhile, and
-receive_result sleeps until it is, so a MockClock makes timing exact and instant. Like the
-real worker it reports, in `idle_ms`, how long each plan kept it waiting after its
-previous result, and `events` records, in order, when plans arrive and when the engine
-takes their results, so tests can see it overlap its own work with a step.
+moment its plan arrives; with `memory_bound_tokens`, a step of fewer tokens costs as much
+as one of that many, as on a CPU, where reading the weights bounds a small step and a few
+rows more are nearly free (a decode with drafted tokens at low batch). The result is
+ready then, whatever the engine does meanwhile, and receive_result sleeps until it is, so
+a MockClock makes timing exact and instant. Like the real worker it reports, in
+`idle_ms`, how long each plan kept it waiting after its previous result, and `events`
+records, in order, when plans arrive and when the engine takes their results, so tests
+can see it overlap its own work with a step.
 
 It keeps a fake KV cache (each slot remembers the token at its position and a digest of
 every token up to it) and checks every plan against it: a chunk must continue where the
@@ -17,6 +20,12 @@ shared: a sequence may start past position 0 and read what others wrote. The sam
 is a function of the sequence's content read back from that cache, so outputs do not
 depend on batch composition, on preemption or on the prefix cache, exactly the property
 the real model must have under greedy sampling.
+
+The "model" is that function, or with `period` a copying one: the token after position q
+is the one at q + 1 - period, so a prompt's text comes back and n-gram drafts are right.
+Drafted tokens (BatchPlan.draft_tokens) are verified as the real worker does under greedy
+sampling: the token after each position of the chunk's last k + 1 is computed, and the
+drafts are kept up to the first that differs from it, so acceptance is predictable.
 
 A plan's token bitmask (structured output) is honoured: a constrained sequence takes the
 first allowed of EOS and the bytes that close JSON soonest, else the smallest allowed
@@ -89,6 +98,8 @@ class SimWorker:
     per_token_ms: float = 0.1
     per_seq_ms: float = 0.2
     per_pair_ms: float = 0.0
+    memory_bound_tokens: int = 0  # a step of fewer tokens costs as much as one of this many
+    period: int | None = None  # the model copies its sequence from this many tokens back
     device: str = "cpu"  # as reported in the handshake
     device_warning: str | None = None  # likewise
     # (seq_id, position of the token to sample) -> sample EOS there
@@ -178,7 +189,7 @@ class SimWorker:
     def cost_ms(self, plan: BatchPlan) -> float:
         return (
             self.base_ms
-            + self.per_token_ms * plan.total_tokens
+            + self.per_token_ms * max(plan.total_tokens, self.memory_bound_tokens)
             + self.per_seq_ms * len(plan.seq_ids)
             + self.per_pair_ms * sum(map(attention_pairs, plan.start_pos, plan.num_tokens))
         )
@@ -231,13 +242,25 @@ class SimWorker:
                 self._write(table, seq_id, start + k, plan.input_ids[offset + k])
             offset += n
             if plan.sample[i]:
-                token = self._next_token(table, seq_id, start + n - 1)
+                drafts = plan.draft_tokens[i] if plan.draft_tokens else []
+                tokens = self._verify(table, seq_id, start + n - 1 - len(drafts), drafts)
                 mask = plan.token_bitmasks[i] if plan.token_bitmasks else None
                 if mask is not None and self.honour_bitmasks:
-                    token = constrained_choice(mask)
+                    assert not drafts, "a constrained sequence drafted"
+                    tokens = [constrained_choice(mask)]
                 result.seq_ids.append(seq_id)
-                result.tokens.append([token])
+                result.tokens.append(tokens)
         return result
+
+    def _verify(self, table: list[int], seq_id: int, last: int, drafts: list[int]) -> list[int]:
+        """The drafts up to the first the model does not sample, then the token it samples
+        there (after all of them, when all are right)."""
+        taken: list[int] = []
+        for draft in [*drafts, None]:  # None: after the last draft, whatever is sampled
+            taken.append(self._next_token(table, seq_id, last + len(taken)))
+            if taken[-1] != draft:
+                break
+        return taken
 
     def check_plan(self, plan: BatchPlan) -> None:
         n = len(plan.seq_ids)
@@ -290,6 +313,8 @@ class SimWorker:
     def _next_token(self, table: list[int], seq_id: int, last: int) -> int:
         if self.eos_at is not None and self.eos_at(seq_id, last + 1):
             return EOS
+        if self.period is not None and last + 1 >= self.period:
+            return self._read(table, seq_id, last + 1 - self.period)
         # attention "sees" the whole prefix: sample a few positions of it
         h = 17 * last
         for pos in {0, last // 3, last // 2, last - 1, last}:
@@ -320,11 +345,14 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, sampling=SamplingSpec(temperature=0.0), **kw)
 
 
-def expected_tokens(prompt: list[int], count: int) -> list[int]:
-    """What SimWorker generates for `prompt`, computed without the engine."""
+def expected_tokens(prompt: list[int], count: int, period: int | None = None) -> list[int]:
+    """What SimWorker (of that `period`) generates for `prompt`, computed without the engine."""
     tokens = list(prompt)
     for _ in range(count):
         last = len(tokens) - 1
+        if period is not None and last + 1 >= period:
+            tokens.append(tokens[last + 1 - period])
+            continue
         h = 17 * last
         for pos in {0, last // 3, last // 2, last - 1, last}:
             if pos >= 0:

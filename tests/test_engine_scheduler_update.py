@@ -14,6 +14,7 @@ from policies.base import Decision
 from service.engine.block_manager import BlockManager
 from service.engine.request import Request, SamplingParams, SamplingSpec
 from service.engine.scheduler import ScheduleOutput, Scheduler
+from service.engine.speculation import SpeculativeConfig, Speculator
 from tests.scheduler_helpers import Scripted, make_request
 from tests.sim_worker import EOS
 
@@ -88,28 +89,49 @@ def test_logprobs_reach_only_the_requests_that_asked():
 
 
 def test_several_tokens_of_one_step_append_in_order_until_the_sequence_finishes():
-    """A result row may hold several tokens (a step that verified drafted ones): each is
-    appended with its own logprobs row, and those past a finish are dropped."""
-    sched = scheduler()
-    short = make_request(0, 4)
-    short.params = SamplingParams(max_tokens=2, sampling=SamplingSpec(logprobs=True))
-    longer = make_request(1, 4)
+    """A step that verified drafted tokens takes several per row: each is appended with its
+    own logprobs row, those past a finish are dropped, and the blocks past the accepted
+    tokens go back."""
+    sched = scheduler(speculator=Speculator(SpeculativeConfig()))
+    short = make_request(0, 8, pattern=[1, 2, 3])
+    short.params = SamplingParams(max_tokens=3, sampling=SamplingSpec(logprobs=True))
+    longer = make_request(1, 8, pattern=[4, 5, 6])
     longer.params = SamplingParams(max_tokens=8, sampling=SamplingSpec(logprobs=True))
     sched.add(short)
     sched.add(longer)
-    out = planned(sched, Decision(schedule=[(0, 4), (1, 4)]))
+    out = planned(sched, Decision(schedule=[(0, 8), (1, 8)]))
+    sched.update(out, result(out, [3, 6], logprobs=TokenLogprobs([0.0, 0.0], [[], []], [[], []])))
+    out = planned(sched, Decision(schedule=[(0, 1), (1, 1)]))
+    assert out.plan is not None
+    # one draft for `short` (its max_tokens leaves room for one and the token after it)
+    assert out.plan.draft_tokens == [[1], [4, 5, 6, 4]]
+    assert sched.blocks.num_held(1) == 4  # positions up to 12: its last draft's
     rows = TokenLogprobs([-0.1, -0.2, -0.3, -0.4, -0.5], [[]] * 5, [[]] * 5)
-    seq_ids = [0, 1]
-    outcomes = sched.update(out, StepResult(out.iteration, seq_ids, [[5, 6, 7], [8, 9]], rows))
+    outcomes = sched.update(out, StepResult(out.iteration, [0, 1], [[1, 2], [4, 5, 7]], rows))
     found = [(o.request.seq_id, o.token, o.logprobs.logprobs, o.finish) for o in outcomes]
     assert found == [
-        (0, 5, [-0.1], None),
-        (0, 6, [-0.2], ("length", "max_tokens")),  # 7 lies past the finish
-        (1, 8, [-0.4], None),
-        (1, 9, [-0.5], None),
+        (0, 1, [-0.1], None),
+        (0, 2, [-0.2], ("length", "max_tokens")),
+        (1, 4, [-0.3], None),
+        (1, 5, [-0.4], None),
+        (1, 7, [-0.5], None),
     ]
-    assert short.token_ids[-2:] == [5, 6] and longer.token_ids[-2:] == [8, 9]
+    assert short.token_ids[-3:] == [3, 1, 2] and longer.token_ids[-4:] == [6, 4, 5, 7]
     assert sched.blocks.num_held(0) == 0
+    assert longer.num_computed_tokens == 11  # its prompt's 8, its token, 2 drafts accepted
+    assert sched.blocks.num_held(1) == 3  # the block of its rejected drafts went back
+    assert (out.draft_tokens, out.accepted_tokens) == (5, 3)
+    sched.check_invariants()
+
+
+def test_more_tokens_than_a_rows_drafts_fail_the_step():
+    sched = scheduler()
+    request = make_request(0, 4)
+    sched.add(request)
+    out = planned(sched, Decision(schedule=[(0, 4)]))
+    (outcome,) = sched.update(out, StepResult(out.iteration, [0], [[5, 6]]))
+    assert outcome.finish == ("error", "worker_error") and "drafts" in (outcome.error or "")
+    assert sched.blocks.num_free == 16
 
 
 def echo_request(seq_id: int, prompt_len: int) -> Request:

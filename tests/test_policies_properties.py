@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from policies.base import Decision, Policy, PolicyError, SeqView, StepCost, View, parse_params
+from policies.base import Policy, PolicyError, SeqView, StepCost, View, parse_params
 from policies.fair import Fair
 from policies.fcfs import Fcfs
 from policies.packing import fill_budget, split_running
@@ -353,7 +353,15 @@ def test_fill_budget_lets_a_running_prefill_continue_when_no_slot_is_free():
 
 
 def test_fill_budget_with_nothing_to_do_decides_nothing():
-    assert fill_budget(view(), [], [], budget=10, prefill_cap=10, chunk_size=10) == Decision()
+    decision = fill_budget(view(), [], [], budget=10, prefill_cap=10, chunk_size=10)
+    assert (decision.schedule, decision.preempt) == ([], [])
+
+
+def test_fill_budget_tells_its_budget_capped_by_the_engine():
+    """Drafted tokens (speculative decoding) take only what the policy's budget leaves."""
+    capped = fill_budget(view(), [], [], budget=10**6, prefill_cap=10, chunk_size=10)
+    assert capped.token_budget == view().max_batched_tokens
+    assert fill_budget(view(), [], [], budget=7, prefill_cap=7, chunk_size=7).token_budget == 7
 
 
 # ---- stall_free ----------------------------------------------------------------------------

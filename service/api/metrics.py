@@ -103,6 +103,14 @@ _DEFINITIONS = [
      "Sequences waiting, by API key tenant."),
     ("tenant_kv_blocks", "gauge", "tenant_kv_blocks_reserved",
      "KV blocks a tenant's live sequences may come to hold (prompt + max_tokens), by key tenant."),
+    ("spec_drafts", "counter", "spec_decode_num_drafts",
+     "Speculative decoding: sequence-steps that verified drafted tokens, as vLLM's."),
+    ("spec_draft_tokens", "counter", "spec_decode_num_draft_tokens",
+     "Speculative decoding: drafted tokens verified."),
+    ("spec_accepted_tokens", "counter", "spec_decode_num_accepted_tokens",
+     "Speculative decoding: drafted tokens the worker accepted."),
+    ("spec_acceptance", "gauge", "spec_decode_draft_acceptance_rate",
+     "Speculative decoding: accepted / drafted tokens since the start."),
     ("policy", "gauge", "policy_info",
      "The scheduling policy in force (value 1)."),
     ("cache_config", "gauge", "cache_config_info",
@@ -176,6 +184,7 @@ class Metrics:
             setattr(self, attribute, _metric(kind, name, doc, labels, self.registry))
         self._read_at_scrape = _CountersReadAtScrape()
         self.registry.register(self._read_at_scrape)
+        self._drafted = self._accepted = 0  # the acceptance rate's terms
 
     def __getattr__(self, attribute: str) -> Any:
         """The table's metrics, set as attributes in __init__ (this tells a type checker)."""
@@ -194,6 +203,16 @@ class Metrics:
         self.waiting.set(stats.waiting)
         if stats.kv_blocks_total:
             self.kv_usage.set(stats.kv_blocks_used / stats.kv_blocks_total)
+        if stats.draft_tokens:
+            self._on_drafts(stats)
+
+    def _on_drafts(self, stats: IterationStats) -> None:
+        self.spec_drafts.inc(stats.drafting_seqs)
+        self.spec_draft_tokens.inc(stats.draft_tokens)
+        self.spec_accepted_tokens.inc(stats.accepted_tokens)
+        self._drafted += stats.draft_tokens
+        self._accepted += stats.accepted_tokens
+        self.spec_acceptance.set(self._accepted / self._drafted)
 
     def on_request_finished(self, stats: RequestStats) -> None:
         self.finished.labels(finished_reason=stats.finish_reason).inc()

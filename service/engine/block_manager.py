@@ -428,6 +428,18 @@ class BlockManager:
         self._num_promised += self.num_promised_to(seq_id) - owed_before
         return len(released)
 
+    def trim(self, seq_id: int, num_tokens: int) -> int:
+        """Release the table entries of `seq_id` past those `num_tokens` tokens need (a
+        step's rejected drafts had them); returns how many. Such a block was written past
+        the computed tokens only, so it was never registered: it goes to the free list."""
+        tables = self._tables.get(seq_id)
+        if tables is None:
+            return 0
+        entries = max(1, -(-num_tokens // self.block_size))
+        released = [table.pop() for table in tables for _ in range(len(table) - entries)]
+        self._release(released)
+        return len(released)
+
     def free(self, seq_id: int) -> int:
         """Release every block of `seq_id` and its promise; idempotent. Returns how many
         references dropped. Last entries first (in every group), so a chain's tail is

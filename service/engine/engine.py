@@ -14,7 +14,9 @@ sent, and step k's own part runs while the worker computes k+1. The loop is the 
 without overlap; only that part moves back to before the next schedule(). Outputs stay
 token-exact because:
 - update() appends every sampled token, and ends EOS and max_tokens sequences (freeing
-  their blocks), before the next schedule(); only stop strings are found later.
+  their blocks), before the next schedule(); only stop strings are found later. So the
+  drafts of step k+1 (speculative decoding) are drawn from every token step k took: they
+  need no sequential loop.
 - A request that ends while it is in the plan in flight (a stop string found in step k's
   part, an abort at any await) is computed once more for nothing: update() skips finished
   requests (no progress, no token) and _emit sends nothing for them.
@@ -70,6 +72,7 @@ from service.engine.scheduler import (
     Scheduler,
     SchedulerStats,
 )
+from service.engine.speculation import Speculator
 from service.engine.stats import Observer
 from service.engine.supervision import Supervisor, Worker
 from service.engine.validation import InvalidRequest, Limits
@@ -128,6 +131,7 @@ class Engine:
             max_restarts=config.max_worker_restarts,
             on_started=self._worker_started,
         )
+        spec = config.speculative_config
         # built now, given its blocks at each worker start (none before the first)
         self._scheduler = Scheduler(
             self._blocks_for(None),
@@ -138,6 +142,7 @@ class Engine:
             max_preemptions=config.max_preemptions,
             admission_watermark=config.admission_watermark,
             tenant_share=config.tenant_share(),
+            speculator=None if spec is None else Speculator(spec),
         )
         self._requests: dict[str, Request] = {}  # open streams, by request id
         self._admission = AdmissionControl(config, self._scheduler, self._requests)
@@ -306,6 +311,24 @@ class Engine:
             "overlap": self._overlap,
             "step_cost": self._step_cost(),
             "prefix_cache": self._prefix_cache_state(stats),
+            "speculative": self._speculative_state(stats),
+        }
+
+    def _speculative_state(self, stats: SchedulerStats) -> dict | None:
+        """The speculative config, and its drafted and accepted tokens since the start."""
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        drafted, accepted = stats.draft_tokens, stats.accepted_tokens
+        speculator = self._scheduler.speculator
+        decode_cost = None if speculator is None else speculator.decode_cost.estimate()
+        return {
+            "config": spec.describe(),
+            "draft_tokens": drafted,
+            "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            # what prices a decode-only step's drafts (service.engine.speculation)
+            "decode_step_cost": None if decode_cost is None else dataclasses.asdict(decode_cost),
         }
 
     def _prefix_cache_state(self, stats: SchedulerStats | None) -> dict:
@@ -607,6 +630,7 @@ class Engine:
         text = delta.text
         if delta.stopped:
             finish = ("stop", "stop_string")
+            _drop_unsent(request)
         elif finish is not None:
             text += request.detokenizer.flush()
         event.text = text
@@ -744,6 +768,12 @@ def _check_blocks_kept(sched: Scheduler, plan: BatchPlan) -> None:
         written = table[start // size :]
         taken = [block for block in written if holders.get(block, {seq_id}) != {seq_id}]
         assert not taken, f"step {plan.step_id}: blocks {taken} of seq {seq_id} reallocated"
+
+
+def _drop_unsent(request: Request) -> None:
+    """A stop string ended the text at the token just sent: the tokens update() appended
+    after it (the rest of a step's accepted drafts) are not the output's, nor its usage's."""
+    del request.token_ids[request.prompt_len + len(request.token_times) :]
 
 
 def _send(request: Request, event: TokenEvent | FinishEvent) -> bool:

@@ -88,6 +88,9 @@ class Reporter:
             schedule_ms=service_s * 1000,
             preempted=len(out.preempted),
             worker_idle_ms=result.idle_ms,
+            drafting_seqs=out.drafting_seqs,
+            draft_tokens=out.draft_tokens,
+            accepted_tokens=out.accepted_tokens,
         )
         every = self.log_iterations
         if every and out.iteration % every == 0:

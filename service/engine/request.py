@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from gpu_worker.protocol import SamplingSpec, TokenLogprobs
+from service.engine.speculation import Acceptance
 
 if TYPE_CHECKING:
     from service.engine.detokenizer import Detokenizer
@@ -169,6 +170,7 @@ class Request:
     # until a plan releases it
     history_on_worker: bool = False
     deadline: float | None = None  # engine clock: not started by then, it is refused
+    acceptance: Acceptance = field(default_factory=Acceptance)  # of its drafted tokens
     first_scheduled: float | None = None
     first_token: float | None = None
     token_times: list[float] = field(default_factory=list)

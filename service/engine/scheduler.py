@@ -69,6 +69,18 @@ prompt holds at its peak: all its blocks in a full group, a windowed group's up 
 (the window's blocks and a chunk's), so a prompt longer than the cache may still fit on a
 model whose every layer is windowed.
 
+Speculative decoding (--speculative-config; service.engine.speculation says what is
+drafted, and how much a step may carry). Once the decision is applied, each decoding
+sequence may append drafted tokens to its one token, from the budget the step leaves and
+from free blocks that are neither promised nor in the watermark, so drafts never preempt
+nor delay an admission. The worker accepts j of a sequence's k drafts and samples one
+token after them: update() counts 1 + j tokens computed, gives back the blocks past them
+(BlockManager.trim: between steps a sequence holds the blocks of its computed tokens,
+drafts or not), and appends the tokens one by one, any of which may finish it (EOS, a
+stop token, max_tokens: the rest are dropped). A block is registered in the prefix cache
+only once its positions are computed and their tokens appended, so a block that held a
+rejected draft's K/V is never found as if it held the token that replaced it.
+
 Pooling (embeddings). A pooled request never samples: its chunks carry what the worker
 pools of them (BatchPlan.pooling), and update() finishes it (POOLED) with the step that
 computes its prompt's last token. A mean-pooled one takes no prefix-cache hit, since every
@@ -91,6 +103,7 @@ from gpu_worker.protocol import POOL_LAST, POOL_SUM, BatchPlan, History, StepRes
 from policies.base import Decision, Policy, SeqView, View
 from service.engine.block_manager import BlockManager, PrefixHit, chain_hashes
 from service.engine.request import MEAN_POOLING, Request, Status, account_of
+from service.engine.speculation import Speculator, may_draft
 from service.engine.step_cost import StepCostModel
 
 STOP_TOKEN = ("stop", "stop_token")  # a stop_token_ids token finished the sequence
@@ -100,8 +113,14 @@ POOLED = ("stop", "pooled")  # a pooled request (an embedding) computed its prom
 @dataclass(slots=True)
 class Scheduled:
     request: Request
-    num_tokens: int
+    num_tokens: int  # of its own tokens (a decode's: 1)
     samples: bool
+    drafts: list[int] = field(default_factory=list)  # drafted tokens it verifies after them
+
+    @property
+    def chunk(self) -> int:
+        """Tokens it computes this step, drafts included."""
+        return self.num_tokens + len(self.drafts)
 
 
 @dataclass(slots=True)
@@ -114,6 +133,9 @@ class ScheduleOutput:
     started: list[Request] = field(default_factory=list)  # scheduled for the first time
     prefill_tokens: int = 0
     decode_seqs: int = 0
+    drafting_seqs: int = 0  # sequences with drafted tokens
+    draft_tokens: int = 0  # drafted tokens, over all of them
+    accepted_tokens: int = 0  # of those, accepted (known once update() ran)
 
 
 @dataclass(slots=True)
@@ -151,6 +173,8 @@ class SchedulerStats:
     prefix_queries: int  # tokens of the sequences admitted, summed over admissions
     prefix_hits: int  # of those, tokens found in the prefix cache
     kv_blocks_evicted: int  # cached blocks reused for others since the worker started
+    draft_tokens: int = 0  # drafted tokens verified since the start (speculative decoding)
+    accepted_tokens: int = 0  # of those, accepted
 
 
 def _seq_key(request: Request) -> int:
@@ -189,6 +213,7 @@ class Scheduler:
         admission_watermark: float,
         waiting_view: int = 256,
         tenant_share: float = 1.0,
+        speculator: Speculator | None = None,
     ) -> None:
         self.blocks = blocks
         self.policy = policy
@@ -219,6 +244,9 @@ class Scheduler:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.step_cost = StepCostModel()  # fitted to every step's measured time
+        self.speculator = speculator  # None: nothing is drafted
+        self.draft_tokens = 0  # verified since the start
+        self.accepted_tokens = 0
 
     # ---- membership -------------------------------------------------------------------
 
@@ -339,6 +367,8 @@ class Scheduler:
             prefix_queries=self.prefix_queries,
             prefix_hits=self.prefix_hits,
             kv_blocks_evicted=self.blocks.num_evicted,
+            draft_tokens=self.draft_tokens,
+            accepted_tokens=self.accepted_tokens,
         )
 
     def reset_prefix_cache(self) -> int:
@@ -443,6 +473,7 @@ class Scheduler:
             self.corrections["empty_decision"] += 1
             self._apply(self._fallback_decision(), out)
         self._admit_wanted(out)
+        self._add_drafts(out, decision.token_budget)
         for item in out.scheduled:
             if item.request.first_scheduled is None:
                 item.request.first_scheduled = now
@@ -459,7 +490,12 @@ class Scheduler:
             return [self._fail(item.request, error) for item in out.scheduled]
         self._last_step_ms = result.step_ms
         self._last_step_tokens = out.plan.total_tokens
-        self.step_cost.observe_plan(out.plan.num_tokens, out.plan.start_pos, result.step_ms)
+        drafted = [len(item.drafts) for item in out.scheduled]
+        plan = out.plan
+        self.step_cost.observe_plan(plan.num_tokens, plan.start_pos, result.step_ms, drafted)
+        if self.speculator is not None:
+            self.speculator.observe(plan.num_tokens, plan.start_pos, drafted, result.step_ms)
+        taken = dict(zip(_sampled_ids(out), result.tokens, strict=True))
         outcomes = []
         for i, item in enumerate(out.scheduled):
             request = item.request
@@ -468,7 +504,7 @@ class Scheduler:
                     _keep_prompt_logprobs(request, result.prompt_logprobs[i])
                 if result.pooled:
                     _keep_pooled(request, out.plan.start_pos[i], result.pooled[i])
-                request.num_computed_tokens += item.num_tokens
+                self._commit(item, out, taken.get(request.seq_id, []))
                 self._register_blocks(request)
                 self._drop_behind_window(request)
                 if (
@@ -491,6 +527,19 @@ class Scheduler:
                 if outcome.finish is not None:
                     break
         return outcomes
+
+    def _commit(self, item: Scheduled, out: ScheduleOutput, tokens: list[int]) -> None:
+        """The step's tokens of `item` are computed: its own, and the drafts accepted (all
+        but the last of the tokens it takes); the blocks past them are given back."""
+        request, accepted = item.request, max(0, len(tokens) - 1)
+        request.num_computed_tokens += item.num_tokens + accepted
+        if item.drafts:
+            self.blocks.trim(request.seq_id, request.num_computed_tokens)
+            out.accepted_tokens += accepted
+            self.draft_tokens += len(item.drafts)
+            self.accepted_tokens += accepted
+        if item.samples and item.num_tokens == 1:  # a decode: drafts or not, its record
+            request.acceptance.record(len(item.drafts), accepted)
 
     def _drop_behind_window(self, request: Request) -> None:
         """The next query of `request` is at its first uncomputed position: the blocks of
@@ -579,9 +628,14 @@ class Scheduler:
     def _result_error(self, out: ScheduleOutput, result: StepResult) -> str | None:
         if result.error is not None:
             return result.error
-        expected = [item.request.seq_id for item in out.scheduled if item.samples]
-        if result.seq_ids != expected:
+        expected = _sampled_ids(out)
+        if result.seq_ids != expected or len(result.tokens) != len(expected):
             return f"step {out.iteration}: the worker returned tokens for other sequences"
+        sampled = (item for item in out.scheduled if item.samples)
+        for item, tokens in zip(sampled, result.tokens, strict=True):
+            j = len(tokens) - 1  # the drafts it accepted, then the token sampled after them
+            if not 0 <= j <= len(item.drafts) or tokens[:j] != item.drafts[:j]:
+                return f"step {out.iteration}: the worker took tokens its drafts do not allow"
         return None
 
     def _fail(self, request: Request, error: str) -> Outcome:
@@ -707,6 +761,45 @@ class Scheduler:
             draft.out.decode_seqs += 1
         else:
             draft.out.prefill_tokens += tokens
+
+    # ---- drafts (speculative decoding; module docstring) --------------------------------
+
+    def _add_drafts(self, out: ScheduleOutput, token_budget: int | None) -> None:
+        """Drafted tokens for the step's decodes, within what the step leaves of the token
+        budget (the engine's and the policy's) and of the time the cost model allows;
+        the sequences whose drafts were accepted most first."""
+        speculator = self.speculator
+        if speculator is None:
+            return
+        decodes = [i for i in out.scheduled if _decodes(i) and may_draft(i.request)]
+        if not decodes:
+            return
+        cap = self.max_batched_tokens
+        if isinstance(token_budget, int):  # a policy's, however wrong
+            cap = min(cap, token_budget)
+        num_tokens = [item.num_tokens for item in out.scheduled]
+        starts = [item.request.num_computed_tokens for item in out.scheduled]
+        allowance = speculator.allowance(self.step_cost, num_tokens, starts, cap - sum(num_tokens))
+        decodes.sort(key=lambda item: (-item.request.acceptance.rate, item.request.seq_id))
+        for item in decodes:
+            request = item.request
+            drafts = speculator.draft(request, allowance, self._draft_room(request))
+            if drafts:
+                self.blocks.allocate(request.seq_id, request.num_computed_tokens + 1 + len(drafts))
+                item.drafts = drafts
+                out.drafting_seqs += 1
+                out.draft_tokens += len(drafts)
+
+    def _draft_room(self, request: Request) -> int:
+        """The most drafts `request` may append whose blocks are free, unpromised and
+        above the watermark: drafts never preempt, nor take what admission counts on."""
+        assert self.speculator is not None
+        blocks, start = self.blocks, request.num_computed_tokens + 1
+        spare = max(0, blocks.num_admittable)
+        room = self.speculator.config.num_speculative_tokens
+        while room and blocks.extra_blocks(request.seq_id, start + room) > spare:
+            room -= 1
+        return room
 
     def _policy_victims(self, decision: Decision) -> list[Request]:
         victims: list[Request] = []
@@ -926,6 +1019,7 @@ class Scheduler:
         prompt_targets: list[list[int] | None] = []
         histories: list[History | None] = []
         pooling: list[str | None] = []
+        drafts: list[list[int]] = []
         table_of = self.blocks.table
         groups = range(1, self.blocks.num_groups)  # a hybrid model's: the plan's group_tables
         group_tables: list[list[list[int]]] = []
@@ -933,9 +1027,11 @@ class Scheduler:
             request = item.request
             start = request.num_computed_tokens
             seq_ids.append(request.seq_id)
-            num_tokens.append(item.num_tokens)
+            num_tokens.append(item.chunk)
             start_pos.append(start)
             input_ids.extend(request.token_ids[start : start + item.num_tokens])
+            input_ids.extend(item.drafts)
+            drafts.append(item.drafts)
             tables.append(list(table_of(request.seq_id)))
             if groups:
                 group_tables.append([list(table_of(request.seq_id, g)) for g in groups])
@@ -962,7 +1058,17 @@ class Scheduler:
             histories=histories if any(h is not None for h in histories) else [],
             released=released,
             pooling=pooling if any(p is not None for p in pooling) else [],
+            draft_tokens=drafts if any(drafts) else [],
         )
+
+
+def _sampled_ids(out: ScheduleOutput) -> list[int]:
+    return [item.request.seq_id for item in out.scheduled if item.samples]
+
+
+def _decodes(item: Scheduled) -> bool:
+    """A step's row computes one token and samples after it: it may draft."""
+    return item.samples and item.num_tokens == 1
 
 
 def _pooling(request: Request, num_tokens: int) -> str | None:

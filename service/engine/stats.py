@@ -33,6 +33,11 @@ class IterationStats:
     preempted: int  # sequences preempted at this iteration
     # the worker's wait for this plan after its previous result; None when it was idle anyway
     worker_idle_ms: float | None
+    # speculative decoding: sequences with drafted tokens, those tokens, and how many of
+    # them the worker accepted
+    drafting_seqs: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +60,8 @@ class RequestStats:
     preemptions: int
     iteration: int  # the last iteration begun when it finished
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission
+    draft_tokens: int = 0  # tokens it drafted (speculative decoding), over its life
+    accepted_tokens: int = 0  # of those, accepted
 
     @classmethod
     def of(cls, request: Request, policy: str, iteration: int) -> RequestStats:
@@ -75,6 +82,8 @@ class RequestStats:
             preemptions=request.preemptions,
             iteration=iteration,
             cached_tokens=request.num_cached_tokens,
+            draft_tokens=request.acceptance.drafted,
+            accepted_tokens=request.acceptance.accepted,
         )
 
     @property
@@ -118,6 +127,8 @@ class RequestStats:
             "e2e_ms": _ms(self.e2e),
             "preemptions": self.preemptions,
             "iteration": self.iteration,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
         }
 
 

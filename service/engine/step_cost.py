@@ -56,11 +56,15 @@ class StepCostModel:
         self._steps += 1
         self._stale = True
 
-    def observe_plan(self, num_tokens: list[int], start_pos: list[int], step_ms: float) -> None:
-        rows = list(zip(start_pos, num_tokens, strict=True))
-        pairs = sum(attention_pairs(start, n) for start, n in rows if n > 1)
-        context = sum(start for start, n in rows if n == 1)
-        self.observe(sum(num_tokens), pairs, context, step_ms)
+    def observe_plan(
+        self,
+        num_tokens: list[int],
+        start_pos: list[int],
+        step_ms: float,
+        drafted: list[int] | None = None,
+    ) -> None:
+        """A measured plan; `drafted`: each row's drafted tokens (BatchPlan.draft_tokens)."""
+        self.observe(*plan_terms(num_tokens, start_pos, drafted), step_ms)
 
     def estimate(self) -> StepCost | None:
         """The fitted coefficients, or None before enough steps were measured."""
@@ -94,6 +98,22 @@ class StepCostModel:
 
     def _residual(self, coef: np.ndarray) -> float:
         return float(self._yty - 2 * coef @ self._xty + coef @ self._xtx @ coef)
+
+
+def plan_terms(
+    num_tokens: list[int], start_pos: list[int], drafted: list[int] | None = None
+) -> tuple[int, int, int]:
+    """A plan's (tokens, prefill attention pairs, decode context). A decode with k drafts
+    verifies k + 1 tokens against its cache as k + 1 decodes at consecutive positions
+    would: priced by the keys each query reads, not as a prefill chunk's pairs, so that a
+    verification at a deep context is not mistaken for costly prefill."""
+    pairs = context = 0
+    for i, (start, n) in enumerate(zip(start_pos, num_tokens, strict=True)):
+        if n == 1 or (drafted and drafted[i]):
+            context += n * start + n * (n - 1) // 2
+        else:
+            pairs += attention_pairs(start, n)
+    return sum(num_tokens), pairs, context
 
 
 _TERM_SUBSETS = [

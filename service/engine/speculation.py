@@ -1,0 +1,317 @@
+"""Speculative decoding, the service's part: which tokens a decoding sequence drafts, and
+how many drafted tokens a step may carry (the worker verifies them: BatchPlan.draft_tokens).
+
+Drafting is n-gram prompt lookup, as vLLM's NgramProposer: the sequence's last n tokens (n
+from prompt_lookup_max down to prompt_lookup_min) are looked up in its prompt and output,
+and the tokens that followed their most recent earlier occurrence are proposed. Code,
+quotes, lists and edited documents repeat themselves; where the text does not, nothing is
+found and nothing is drafted. The lookup reads the last `_WINDOW` tokens only, so its cost
+per decoding sequence and step is bounded whatever the sequence's length.
+
+No stream's ITL gets worse. Drafts are what a step adds last: the scheduler first places
+every decoding sequence's own token and the policy's prefill chunks, and drafts take only
+the token budget left after them (the engine's cap and the policy's own, Decision's
+token_budget). They also take only time the step-cost model says is nearly free: the step
+with its drafts may be predicted to cost at most (1 + step_cost_tolerance) x the step
+without them. On a CPU at low batch a step reads the weights once whatever its rows, so a
+few rows more cost little and sequences draft their full k; at batch 64 each row is paid
+for, the allowance is a handful of tokens, and drafting stops. The engine's model
+(service.engine.step_cost) is linear in tokens: fitted to prefill chunks, which are
+compute-bound, it would price a decode's extra rows at a chunk's rate and forbid the drafts
+that are nearly free. So a decode-only step is priced by a model of the same form fitted
+to decode-only steps alone (drafts included: their rows teach it what rows cost there),
+and a step with prefill chunks by the engine's. Past the most tokens a decode-only step
+has been measured with, the decode model extrapolates (with every step of one batch size
+alike, it cannot tell a row's cost from the base's): there a draft is priced at the dearer
+of the two models, the engine's being the compute-bound price no row exceeds, so that a
+step that tries more rows than ever stays within the tolerance too. Before the model in
+use has measured enough steps, only a decode-only step of at most `_UNFITTED_STEP_TOKENS`
+tokens (drafts included) drafts. A step with drafts costs up to the tolerance more, and in
+exchange a sequence whose drafts are accepted advances several tokens in it.
+
+A request drafts fewer tokens when its drafts are rejected: each keeps an exponential
+average of accepted / drafted (Acceptance), and drafts round(num_speculative_tokens x
+that average); at 0 it probes with one token every `_PROBE_EVERY` decode steps, so a text
+that starts repeating itself is found again. Requests whose next token's distribution
+reads their history (penalties, bad words, min_tokens), structured output (a plan carries
+a grammar's mask for one position) and prompt log-probabilities still in flight never
+draft. Sampled requests do: the worker keeps a draft with the probability the token has
+there, so the tokens' distribution is that of decoding without drafts (and a seeded
+request's tokens are the same, whatever the load let it draft).
+
+Overlap (Config.overlap) does not stop drafting: the overlapped loop schedules step k+1
+only after update() has committed step k's tokens (only their text goes out later), so the
+drafts of k+1 are drawn from every accepted token.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from policies.base import StepCost
+from service.engine.step_cost import StepCostModel, plan_terms
+
+if TYPE_CHECKING:
+    from service.engine.request import Request
+
+# The lookup reads this many of a sequence's last tokens: its cost per step stays bounded.
+_WINDOW = 1024
+# How much the latest step weighs in a request's average acceptance.
+_RATE_WEIGHT = 0.25
+# A request that drafts nothing (poor acceptance) tries one token after this many decodes.
+_PROBE_EVERY = 16
+# Before the step-cost model is fitted: the largest decode-only step that drafts.
+_UNFITTED_STEP_TOKENS = 16
+_FIELDS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "step_cost_tolerance",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """--speculative-config, vLLM's field names (and cadence's step_cost_tolerance)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # the most tokens a sequence drafts in one step
+    prompt_lookup_max: int = 4  # the longest suffix looked up
+    prompt_lookup_min: int = 2  # the shortest
+    # a step with drafts may be predicted to cost at most this fraction more than without
+    step_cost_tolerance: float = 0.05
+
+    def describe(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def parse_speculative_config(text: str) -> SpeculativeConfig:
+    """--speculative-config's JSON; ValueError saying what is wrong. As vLLM, a missing
+    prompt_lookup_min or _max takes the other's value (both missing: 2 and 4)."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"speculative config must be a JSON object: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"speculative config must be a JSON object, got {text!r}")
+    unknown = sorted(set(raw) - set(_FIELDS))
+    if unknown:
+        raise ValueError(f"unknown speculative config field(s) {unknown}; expected {list(_FIELDS)}")
+    if raw.get("method") != "ngram":
+        raise ValueError(f"speculative config method must be 'ngram', got {raw.get('method')!r}")
+    if "num_speculative_tokens" not in raw:
+        raise ValueError("speculative config needs num_speculative_tokens")
+    low, high = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
+    if low is None and high is None:
+        default = SpeculativeConfig()
+        low, high = default.prompt_lookup_min, default.prompt_lookup_max
+    lookup = {
+        "prompt_lookup_min": high if low is None else low,
+        "prompt_lookup_max": low if high is None else high,
+    }
+    config = SpeculativeConfig(
+        method="ngram",
+        num_speculative_tokens=_int(raw, "num_speculative_tokens", 1, 64),
+        prompt_lookup_max=_int(lookup, "prompt_lookup_max", 1, 64),
+        prompt_lookup_min=_int(lookup, "prompt_lookup_min", 1, 64),
+        step_cost_tolerance=_tolerance(raw.get("step_cost_tolerance", 0.05)),
+    )
+    if config.prompt_lookup_min > config.prompt_lookup_max:
+        raise ValueError("speculative config: prompt_lookup_min must be <= prompt_lookup_max")
+    return config
+
+
+def _int(raw: dict[str, Any], name: str, low: int, high: int) -> int:
+    value = raw[name]
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ValueError(
+            f"speculative config: {name} must be an integer {low}..{high}, got {value!r}"
+        )
+    return value
+
+
+def _tolerance(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise ValueError(f"speculative config: step_cost_tolerance must be 0..1, got {value!r}")
+    return float(value)
+
+
+def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """Up to `k` tokens that followed the most recent earlier occurrence of the last n
+    tokens of `tokens` (the longest n from n_max down to n_min that occurs; [] if none).
+    Where the copy reaches the end it goes on through the tokens it proposed, so a
+    pattern shorter than k repeats."""
+    window = tokens[-_WINDOW:]
+    if k < 1 or len(window) <= n_min or window[-1] not in window[:-1]:
+        return []  # the common case in text that does not repeat, without numpy's cost
+    ctx = np.asarray(window, dtype=np.int64)
+    # an occurrence's last token equals the sequence's last one, and is followed by a token
+    ends = np.flatnonzero(ctx[:-1] == ctx[-1])
+    for n in range(min(n_max, len(ctx) - 1), n_min - 1, -1):
+        found = ends[ends >= n - 1]
+        for back in range(1, n):
+            found = found[ctx[found - back] == ctx[-1 - back]]
+        if found.size:
+            start = int(found[-1]) + 1
+            return _repeat(ctx[start : start + k].tolist(), len(ctx) - start, k)
+    return []
+
+
+def _repeat(copied: list[int], period: int, k: int) -> list[int]:
+    """`copied` (the tokens up to the sequence's end) continued through itself to k."""
+    for i in range(len(copied), k):
+        copied.append(copied[i - period])
+    return copied
+
+
+@dataclass(slots=True)
+class Acceptance:
+    """One request's record of its drafts: how many to draft next, and its totals."""
+
+    rate: float = 1.0  # exponential average of accepted / drafted; optimistic at first
+    quiet: int = 0  # decode steps since it last drafted
+    drafted: int = 0  # tokens drafted over its life
+    accepted: int = 0  # of those, accepted by the worker
+
+    def wanted(self, most: int) -> int:
+        """Tokens to draft this step, at most `most` (0 when its drafts keep failing,
+        except for a probe of one token now and then)."""
+        k = min(most, math.floor(most * self.rate + 0.5))
+        return min(most, 1) if k < 1 and self.quiet >= _PROBE_EVERY else k
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """A decode step's outcome: `drafted` tokens verified, `accepted` of them kept."""
+        if not drafted:
+            self.quiet += 1
+            return
+        self.rate = (1 - _RATE_WEIGHT) * self.rate + _RATE_WEIGHT * accepted / drafted
+        self.quiet = 0
+        self.drafted += drafted
+        self.accepted += accepted
+
+
+def may_draft(request: Request) -> bool:
+    """Whether drafting can change neither the request's tokens nor their distribution
+    (module docstring)."""
+    params = request.params
+    return not (
+        request.grammar is not None
+        or params.sampling.reads_history
+        or params.pooling is not None
+        or request.needs_prompt_logprobs
+    )
+
+
+def _dearer(cost: StepCost, other: StepCost | None) -> StepCost:
+    """`cost` with the dearer of the two prices of a row and of a key read."""
+    if other is None:
+        return cost
+    return StepCost(
+        base_ms=cost.base_ms,
+        ms_per_token=max(cost.ms_per_token, other.ms_per_token),
+        ms_per_pair=cost.ms_per_pair,
+        ms_per_context=max(cost.ms_per_context, other.ms_per_context),
+    )
+
+
+def draft_ms(cost: StepCost, context: int, k: int) -> float:
+    """What `k` drafts add to a step for a sequence with `context` cached tokens: their
+    tokens, and their attention priced as k more decodes (step_cost.plan_terms)."""
+    return cost.ms_per_token * k + cost.ms_per_context * (k * context + k * (k + 1) // 2)
+
+
+@dataclass(slots=True)
+class DraftAllowance:
+    """What the drafts of one step may still take: tokens of the budget, and time."""
+
+    tokens: int
+    extra_ms: float  # math.inf before the cost model is fitted (tokens bound it then)
+    cost: StepCost | None  # the price of a draft within the measured steps' tokens
+    beyond: StepCost | None = None  # past them (module docstring); None: `cost` throughout
+    measured: int = 0  # drafts the step may take before it passes the measured tokens
+
+    def room(self, context: int, k: int) -> int:
+        """How many of `k` drafts of a sequence at `context` would fit."""
+        k = max(0, min(k, self.tokens))
+        while k and self.cost is not None and self._ms(context, k) > self.extra_ms:
+            k -= 1
+        return k
+
+    def take(self, context: int, k: int) -> int:
+        """How many of `k` drafts of a sequence at `context` fit; takes them."""
+        k = self.room(context, k)
+        if self.cost is not None:
+            self.extra_ms -= self._ms(context, k)
+        self.measured -= min(k, self.measured)
+        self.tokens -= k
+        return k
+
+    def _ms(self, context: int, k: int) -> float:
+        assert self.cost is not None
+        inside = min(k, self.measured)
+        beyond = self.beyond or self.cost
+        return draft_ms(self.cost, context, inside) + draft_ms(beyond, context + inside, k - inside)
+
+
+class Speculator:
+    """Drafts for the decoding sequences of one step, within its allowance."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.decode_cost = StepCostModel()  # fitted to decode-only steps (module docstring)
+        self.widest = 0  # the most tokens of a decode-only step measured
+
+    def observe(
+        self, num_tokens: list[int], start_pos: list[int], drafted: list[int], step_ms: float
+    ) -> None:
+        """A measured step (BatchPlan's rows, each one's drafts): the decode model learns
+        from those without prefill chunks."""
+        if all(n == 1 or k for n, k in zip(num_tokens, drafted, strict=True)):
+            self.decode_cost.observe_plan(num_tokens, start_pos, step_ms, drafted)
+            self.widest = max(self.widest, sum(num_tokens))
+
+    def allowance(
+        self,
+        step_cost: StepCostModel,
+        num_tokens: list[int],
+        start_pos: list[int],
+        tokens_left: int,
+    ) -> DraftAllowance:
+        """What drafts may add to a step of these rows (none drafted yet), `tokens_left` of
+        its budget unused; `step_cost` prices a step with prefill chunks."""
+        decode_only = all(n == 1 for n in num_tokens)
+        engines = step_cost.estimate()
+        cost = self.decode_cost.estimate() if decode_only else engines
+        if cost is None:
+            small = _UNFITTED_STEP_TOKENS - sum(num_tokens) if decode_only else 0
+            return DraftAllowance(max(0, min(tokens_left, small)), math.inf, None)
+        step_ms = cost.step_ms(*plan_terms(num_tokens, start_pos))
+        extra_ms = self.config.step_cost_tolerance * step_ms
+        allowance = DraftAllowance(max(0, tokens_left), extra_ms, cost)
+        if decode_only:
+            allowance.beyond = _dearer(cost, engines)
+            allowance.measured = max(0, self.widest - sum(num_tokens))
+        return allowance
+
+    def draft(self, request: Request, allowance: DraftAllowance, room: int) -> list[int]:
+        """The tokens `request` (decoding, may_draft) drafts this step: at most `room`
+        (its blocks' and its max_tokens' bound), as many as its acceptance wants and the
+        allowance takes."""
+        assert request.params.max_tokens is not None  # validation fills it
+        config, context = self.config, request.num_computed_tokens
+        k = request.acceptance.wanted(config.num_speculative_tokens)
+        # one token is sampled after the drafts: never past max_tokens
+        k = min(k, room, request.params.max_tokens - request.num_generated - 1)
+        k = allowance.room(context, k)  # before the lookup: a full step costs no lookups
+        if k < 1:
+            return []
+        proposal = propose_ngram(
+            request.token_ids, k, config.prompt_lookup_min, config.prompt_lookup_max
+        )
+        return proposal[: allowance.take(context, len(proposal))]
