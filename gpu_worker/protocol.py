@@ -271,8 +271,8 @@ class BatchPlan:
 class StepResult:
     step_id: int
     seq_ids: list[int] = field(default_factory=list)  # the sampled sequences, in plan order
-    # per sampled sequence, the tokens it takes this step, in order: one for now (a step
-    # that verifies drafted tokens may accept several)
+    # per sampled sequence, the tokens it takes this step, in order: one, or with k drafts
+    # (BatchPlan.draft_tokens) the j <= k it accepted and the token sampled after them
     tokens: list[list[int]] = field(default_factory=list)
     # of the sampled tokens, when any sequence asked for them; a row per token, in the
     # order of `tokens` flattened

@@ -199,14 +199,16 @@ def decode_model(cost: StepCost, batches: tuple[int, ...]) -> StepCostModel:
     return model
 
 
-def test_before_a_fit_only_a_small_decode_only_step_drafts():
+def test_before_a_fit_only_a_small_decode_only_step_whose_rows_all_draft_drafts():
     speculator = Speculator(SpeculativeConfig())
     steps = StepCostModel()
-    small = speculator.allowance(steps, [1, 1], [10, 20], 500)
+    small = speculator.allowance(steps, [1, 1], [10, 20], 500, self_paid=2.0)
     assert (small.tokens, small.extra_ms) == (_UNFITTED_STEP_TOKENS - 2, math.inf)
-    assert speculator.allowance(steps, [1, 1], [10, 20], 5).tokens == 5  # the budget's
-    assert speculator.allowance(steps, [1, 32], [10, 0], 500).tokens == 0  # a prefill chunk
-    assert speculator.allowance(steps, [1] * _UNFITTED_STEP_TOKENS, [0] * 16, 500).tokens == 0
+    assert speculator.allowance(steps, [1, 1], [10, 20], 5, self_paid=2.0).tokens == 5
+    assert speculator.allowance(steps, [1, 1], [10, 20], 500).tokens == 0  # others would pay
+    assert speculator.allowance(steps, [1, 32], [10, 0], 500, self_paid=2.0).tokens == 0
+    wide = speculator.allowance(steps, [1] * _UNFITTED_STEP_TOKENS, [0] * 16, 500, self_paid=2.0)
+    assert wide.tokens == 0
 
 
 def test_drafts_take_what_the_tolerance_leaves_of_the_predicted_step():

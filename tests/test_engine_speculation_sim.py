@@ -12,6 +12,7 @@ import trio
 
 from service.api.metrics import Metrics
 from service.engine.engine import Engine
+from service.engine.request import SamplingParams, SamplingSpec
 from service.engine.speculation import SpeculativeConfig
 from tests.sim_worker import (
     EOS,
@@ -220,3 +221,45 @@ async def test_without_the_flag_nothing_is_drafted(autojump_clock):
         await run_all(engine, [repeating(0)], 16)
         assert engine.state()["speculative"] is None
     assert not any(s.draft_tokens for s in observer.iterations)
+
+
+def dear_rows_worker() -> SimWorker:
+    """A worker where every row costs (1 ms, beside a 5 ms step): 4 drafts make a lone
+    stream's step 80% longer, far past the tolerance others may be charged."""
+    return SimWorker(period=PERIOD, base_ms=5.0, per_token_ms=1.0)
+
+
+async def test_a_lone_stream_drafts_where_its_rows_cost_since_it_alone_pays(autojump_clock):
+    spans, steps = [], []
+    for spec in (None, SPEC):
+        observer = RecordingObserver()
+        async with running_engine(
+            sim_config(speculative_config=spec), dear_rows_worker()
+        ) as engine:
+            engine.add_observer(observer)
+            (result,) = await run_all(engine, [repeating(0)], 64)
+        assert result.token_ids == expected_tokens(repeating(0), 64, period=PERIOD)
+        spans.append(result.times[-1] - result.times[0])
+        steps.append(len([s for s in observer.iterations if not s.prefill_tokens]))
+    plain_span, drafted_span = spans
+    # each step of 1 + 4 rows takes 1.8x one row's and gives 5 tokens
+    assert drafted_span < plain_span / 2 and steps[1] < steps[0] / 3
+
+
+async def test_a_stream_that_cannot_draft_is_charged_no_more_than_the_tolerance(autojump_clock):
+    """Beside a drafting stream, one whose sampling reads its history (a penalty) drafts
+    nothing: the step's drafts are then its cost, which the tolerance bounds."""
+    penalised = SamplingParams(max_tokens=64, sampling=SamplingSpec(presence_penalty=0.5))
+    gaps = []
+    for spec in (None, SPEC):
+        config = sim_config(speculative_config=spec)
+        results = [Collected(), Collected()]
+        async with running_engine(config, dear_rows_worker()) as engine:
+            drafting = await engine.submit(repeating(0), greedy(64), request_id="d")
+            plain = await engine.submit(repeating(1), penalised, request_id="p")
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(collect, drafting, results[0])
+                nursery.start_soon(collect, plain, results[1])
+        gaps.append(max_gap([results[1]], max(r.times[0] for r in results)))
+    plain_gap, drafted_gap = gaps
+    assert drafted_gap <= plain_gap * (1 + SPEC.step_cost_tolerance) + 1e-9

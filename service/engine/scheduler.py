@@ -779,16 +779,39 @@ class Scheduler:
             cap = min(cap, token_budget)
         num_tokens = [item.num_tokens for item in out.scheduled]
         starts = [item.request.num_computed_tokens for item in out.scheduled]
-        allowance = speculator.allowance(self.step_cost, num_tokens, starts, cap - sum(num_tokens))
+        left = cap - sum(num_tokens)
         decodes.sort(key=lambda item: (-item.request.acceptance.rate, item.request.seq_id))
-        for item in decodes:
+        proposals = self._self_paid_proposals(out, decodes)
+        requests = [item.request for item in decodes]
+        self_paid = speculator.self_paid(requests, proposals) if proposals else 0.0
+        allowance = speculator.allowance(self.step_cost, num_tokens, starts, left, self_paid)
+        for index, item in enumerate(decodes):
             request = item.request
-            drafts = speculator.draft(request, allowance, self._draft_room(request))
+            if self_paid:  # the blocks earlier rows' drafts took are no longer free
+                proposal = proposals[index][: self._draft_room(request)]
+                drafts = speculator.take(request, allowance, proposal)
+            else:
+                drafts = speculator.draft(request, allowance, self._draft_room(request))
             if drafts:
                 self.blocks.allocate(request.seq_id, request.num_computed_tokens + 1 + len(drafts))
                 item.drafts = drafts
                 out.drafting_seqs += 1
                 out.draft_tokens += len(drafts)
+
+    def _self_paid_proposals(
+        self, out: ScheduleOutput, decodes: list[Scheduled]
+    ) -> list[list[int]]:
+        """Where the step is a few decodes that may all draft, each one's proposal (the
+        lookups cost little there); [] otherwise."""
+        speculator = self.speculator
+        assert speculator is not None
+        if len(decodes) != len(out.scheduled) or not speculator.self_paid_size(len(decodes)):
+            return []
+        proposals = []
+        for item in decodes:
+            k = speculator.wanted(item.request, self._draft_room(item.request))
+            proposals.append(speculator.propose(item.request, k) if k else [])
+        return proposals
 
     def _draft_room(self, request: Request) -> int:
         """The most drafts `request` may append whose blocks are free, unpromised and
