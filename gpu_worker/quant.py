@@ -20,14 +20,14 @@ compiler, CUDA) and as the tests' oracle.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.linear import ROW_SIZES, RowSizes, agreeing_sizes
+from gpu_worker.linear import ROW_SIZES, Linear, RowSizes, agreeing_sizes
 
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")  # WorkerConfig.quantization
 ACTIVATION_GROUP = 32  # activation values per int8 scale
@@ -55,10 +55,10 @@ class QuantWeight:
         part = (self.values[start:stop], self.scales[start:stop], mins)
         return QuantWeight(self.kind, *part, self.group)
 
-    def permuted_rows(self, order: torch.Tensor) -> QuantWeight:
-        """The same weight with its output rows in `order`."""
-        mins = None if self.mins is None else self.mins[order]
-        return QuantWeight(self.kind, self.values[order], self.scales[order], mins, self.group)
+    def to(self, device: torch.device) -> QuantWeight:
+        mins = None if self.mins is None else self.mins.to(device)
+        values, scales = self.values.to(device), self.scales.to(device)
+        return QuantWeight(self.kind, values, scales, mins, self.group)
 
 
 def _dequantized(
@@ -87,7 +87,8 @@ def quantize_int4(weight: torch.Tensor) -> QuantWeight:
     return QuantWeight("q4", values.flatten(1).to(torch.uint8), scales, low, 32)
 
 
-QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
+Quantizer = Callable[[torch.Tensor], QuantWeight]
+QUANTIZERS: dict[str, Quantizer] = {"int8": quantize_int8, "int4": quantize_int4}
 
 
 def _grouped(weight: torch.Tensor, group: int) -> torch.Tensor:
@@ -288,6 +289,9 @@ class QuantLinear:
         return self.kernel(part)[:rows]
 
 
+Matmul = Linear | QuantLinear  # what a model's matmul is
+
+
 def _merged(parts: Sequence[QuantWeight]) -> list[QuantWeight]:
     """Adjacent parts of one format as one: one kernel call instead of several."""
     merged: list[QuantWeight] = []
@@ -345,11 +349,3 @@ def _checked_sizes(
         like = torch.empty(0, dtype=dtype, device=device)
         _CHECKED[described] = agreeing_sizes(linear.kernel, k, sizes, like)
     return _CHECKED[described]
-
-
-def native_kernels(device: torch.device) -> Any | None:
-    """torch.ops.cadence where the quantized kernel is registered for `device`, else None."""
-    from gpu_worker import native
-
-    kernels = native.kernels() if device.type == "cpu" else None
-    return kernels if kernels is not None and hasattr(kernels, "quant_matmul") else None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker import quant
+from gpu_worker import kernels
 from gpu_worker.quant import (
     QuantLinear,
     QuantWeight,
@@ -21,9 +21,9 @@ from gpu_worker.quant import (
 
 @pytest.fixture(scope="module")
 def native():
-    kernels = quant.native_kernels(torch.device("cpu"))
-    assert kernels is not None  # the suite's machines have AVX512-VNNI, a compiler and ninja
-    return kernels
+    found = kernels.quant_kernels(torch.device("cpu"))
+    assert found is not None  # the suite's machines have AVX512-VNNI, a compiler and ninja
+    return found
 
 
 def randn(*shape: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
