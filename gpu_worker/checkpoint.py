@@ -61,9 +61,13 @@ def load_quantized(model_dir: str | Path, device: torch.device) -> dict[str, Qua
         )
     try:
         with safe_open(str(path), framework="pt", device="cpu") as handle:
-            tensors = {name: handle.get_tensor(name).to(device) for name in handle.keys()}  # noqa: SIM118
+            unserved = (handle.metadata() or {}).get("unserved")
+            names = list(handle.keys())
+            tensors = {name: handle.get_tensor(name).to(device) for name in names}
     except (SafetensorError, OSError, RuntimeError) as exc:
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    if unserved:
+        raise CheckpointError(f"no quantized kernel serves these weights' types: {unserved}")
     weights = {}
     for key in [k for k in tensors if k.endswith(".values")]:
         name = key.removesuffix(".values")
