@@ -148,8 +148,8 @@ class WeightTaker:
         return self.quantizer(self(name, shape) if dense is None else dense)
 
     def gated_mlp(self, names: Sequence[str], hidden: int, inter: int) -> tuple[Linear, Linear]:
-        """A mixture of experts' (gate_up, down), dense."""
-        """(gate_up, down) of a gated MLP whose gate, up and down weights are `names`."""
+        """(gate_up, down) of a gated MLP whose gate, up and down weights are `names`: a
+        mixture of experts' experts, dense whatever the quantization."""
         gate, up, down = names
         gate_up = self.fused([gate + ".weight", up + ".weight"], [(inter, hidden)] * 2)
         return Linear(gate_up, prepack=self.prepack), self.linear(down, (hidden, inter))
