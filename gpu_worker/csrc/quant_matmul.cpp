@@ -34,9 +34,17 @@ constexpr int64_t kSumGroup = 16;  // activation values per sum (the finest weig
 constexpr int64_t kCols = 16;  // columns per packed block
 constexpr int kMaxTile = 8;  // rows per register tile
 
+// 16 values as float32: a bfloat16 is the upper half of a float32's bits.
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const c10::BFloat16* x) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
 // One row's 32 values -> int8 codes, scale = max|x| / 127, the codes' sums per 16.
-void quantize_group(const float* x, int8_t* q, float* scale, int32_t* sums) {
-  __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
+template <typename In>
+void quantize_group(const In* x, int8_t* q, float* scale, int32_t* sums) {
+  __m512 lo = load16(x), hi = load16(x + 16);
   float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
   float d = amax / 127.0f;
   float inverse = d != 0.0f ? 1.0f / d : 0.0f;
@@ -56,20 +64,28 @@ void quantize_group(const float* x, int8_t* q, float* scale, int32_t* sums) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations(const at::Tensor& input) {
   TORCH_CHECK(input.device().is_cpu() && input.dim() == 2, "x must be a CPU [rows, K] tensor");
   TORCH_CHECK(input.size(1) % kGroup == 0, "K must be a multiple of 32");
-  at::Tensor x = input.to(at::kFloat).contiguous();
+  TORCH_CHECK(input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16,
+              "x must be float32 or bfloat16");
+  at::Tensor x = input.contiguous();
   const int64_t rows = x.size(0), k = x.size(1), groups = k / kGroup;
   at::Tensor q = at::empty({rows, k}, x.options().dtype(at::kChar));
-  at::Tensor scales = at::empty({rows, groups}, x.options());
+  at::Tensor scales = at::empty({rows, groups}, x.options().dtype(at::kFloat));
   at::Tensor sums = at::empty({rows, k / kSumGroup}, x.options().dtype(at::kInt));
-  const float* xs = x.const_data_ptr<float>();
   int8_t* qs = q.mutable_data_ptr<int8_t>();
   float* ss = scales.mutable_data_ptr<float>();
   int32_t* us = sums.mutable_data_ptr<int32_t>();
-  at::parallel_for(0, rows * groups, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      quantize_group(xs + g * kGroup, qs + g * kGroup, ss + g, us + 2 * g);
-    }
-  });
+  auto each_group = [&](const auto* xs) {
+    at::parallel_for(0, rows * groups, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        quantize_group(xs + g * kGroup, qs + g * kGroup, ss + g, us + 2 * g);
+      }
+    });
+  };
+  if (x.scalar_type() == at::kFloat) {
+    each_group(x.const_data_ptr<float>());
+  } else {
+    each_group(x.const_data_ptr<c10::BFloat16>());
+  }
   return {q, scales, sums};
 }
 
