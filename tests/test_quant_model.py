@@ -89,3 +89,13 @@ def test_the_refined_logits_use_the_served_head_rows(tiny_llama_dir):
     assert torch.equal(model._exact_logits(h, top), want)
     dense = (model.embed[top].double() * h.double().unsqueeze(1)).sum(-1).float()
     assert not torch.equal(want, dense)
+
+
+def test_qwen2s_biases_are_added_to_the_quantized_qkv(tiny_models):
+    model_dir = tiny_models("qwen2")
+    dense, runner = make_runner(model_dir), make_runner(model_dir, quantization="int8")
+    qkv = runner.model.layers[0].qkv
+    assert isinstance(qkv, QuantLinear) and qkv.biases[0] is not None
+    tokens = random_prompt(LENGTH, seed=5)
+    want, got = logits_decoded(dense, tokens, 9), logits_decoded(runner, tokens, 9)
+    assert ((got - want).abs() / want.abs().amax(-1, keepdim=True)).max() < 0.1
