@@ -4,11 +4,15 @@ same bits whether its row is prefilled in a chunk of any size or decoded beside 
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 
 from gpu_worker.quant import QuantLinear
 from gpu_worker.runner import ModelRunner
+from service.cli import add_serve_args, config_from_args
+from service.engine.worker_link import worker_config_for
 from tests.worker_fixtures import Chunk, blocks_for, make_runner, plan_for, random_prompt
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -99,3 +103,12 @@ def test_qwen2s_biases_are_added_to_the_quantized_qkv(tiny_models):
     tokens = random_prompt(LENGTH, seed=5)
     want, got = logits_decoded(dense, tokens, 9), logits_decoded(runner, tokens, 9)
     assert ((got - want).abs() / want.abs().amax(-1, keepdim=True)).max() < 0.1
+
+
+def test_the_flag_reaches_the_worker():
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    config = config_from_args(parser.parse_args(["--quantization", "int4"]))
+    assert worker_config_for(config, "/models/x").quantization == "int4"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "int3"])
