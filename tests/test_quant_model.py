@@ -9,6 +9,7 @@ import argparse
 import pytest
 import torch
 
+from gpu_worker import runtime
 from gpu_worker.quant import QuantLinear
 from gpu_worker.runner import ModelRunner
 from service.cli import add_serve_args, config_from_args
@@ -112,3 +113,15 @@ def test_the_flag_reaches_the_worker():
     assert worker_config_for(config, "/models/x").quantization == "int4"
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "int3"])
+
+
+def test_the_reference_serves_the_same_bits_where_the_kernel_is_not_built(
+    tiny_llama_dir, monkeypatch
+):
+    """The slow correct path (a CPU without VNNI, CUDA) computes what the kernel does."""
+    native = make_runner(tiny_llama_dir, dtype="bfloat16", quantization="int4")
+    monkeypatch.setattr(runtime, "quant_kernels", lambda device: None)
+    reference = make_runner(tiny_llama_dir, dtype="bfloat16", quantization="int4")
+    assert reference.handshake.quantization == "int4 (reference kernel)"
+    tokens = random_prompt(LENGTH, seed=6)
+    assert torch.equal(logits_decoded(reference, tokens, 7), logits_decoded(native, tokens, 7))
