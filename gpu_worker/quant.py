@@ -277,7 +277,9 @@ class QuantLinear:
     def dequantized_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The served weight's rows `ids` in float32 (the LM head's refined logits)."""
         if self.native is None and len(self.parts) == 1:
-            return self.parts[0].dequantize()[ids]
+            part = self.parts[0]
+            mins = None if part.mins is None else part.mins[ids]
+            return _dequantized(part.values[ids].float(), part.scales[ids], mins, part.group)
         if len(self.packed) != 1:
             raise ValueError("dequantized_rows serves a weight of one part")
         return self.packed[0].dequantized_rows(ids)
