@@ -1,4 +1,5 @@
-"""Read a model's weights from model.safetensors or a sharded safetensors index."""
+"""Read a model's weights from model.safetensors or a sharded safetensors index, and a GGUF
+conversion's quantized weights from quantized.safetensors."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+
+from gpu_worker.protocol import QUANTIZED_WEIGHTS
+from gpu_worker.quant import QuantWeight
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -43,6 +47,34 @@ def load_weights(
                     weights[name] = tensor.to(device=device, dtype=dtype)
         except (SafetensorError, OSError, RuntimeError) as exc:
             raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    return weights
+
+
+def load_quantized(model_dir: str | Path, device: torch.device) -> dict[str, QuantWeight]:
+    """The weights QUANTIZED_WEIGHTS holds, by name: q8 where the values are int8, q4 where
+    they are uint8, the group from the scales' width."""
+    path = Path(model_dir) / QUANTIZED_WEIGHTS
+    if not path.is_file():
+        raise CheckpointError(
+            f"{Path(model_dir).name} has no {QUANTIZED_WEIGHTS}: quantization 'gguf' serves a "
+            "model converted from a GGUF file"
+        )
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            unserved = (handle.metadata() or {}).get("unserved")
+            names = list(handle.keys())
+            tensors = {name: handle.get_tensor(name).to(device) for name in names}
+    except (SafetensorError, OSError, RuntimeError) as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    if unserved:
+        raise CheckpointError(f"no quantized kernel serves these weights' types: {unserved}")
+    weights = {}
+    for key in [k for k in tensors if k.endswith(".values")]:
+        name = key.removesuffix(".values")
+        values, scales = tensors[key], tensors[name + ".scales"]
+        kind = "q8" if values.dtype == torch.int8 else "q4"
+        group = values.shape[1] // scales.shape[1]
+        weights[name] = QuantWeight(kind, values, scales, tensors.get(name + ".mins"), group)
     return weights
 
 

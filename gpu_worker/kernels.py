@@ -6,6 +6,10 @@ Three seams, each with its candidates:
 - layer ops: NativeLayerOps, TorchLayerOps (gpu_worker.layer_ops);
 - matmul: "onednn" (weights prepacked once, see model.Linear) or "aten" (F.linear).
 
+Weights kept quantized (gpu_worker.quant) have no seam to measure: the C++ kernel serves
+them where it is built (a CPU with AVX512-VNNI) and the PyTorch reference elsewhere. The
+two give the same bits, and the reference is the slow correct path, never the faster one.
+
 A candidate is offered where it can run: the native ones on CPUs where the C++ kernels
 build (and the chunk kernel where the CPU has AVX512-BF16), oneDNN where PyTorch has it,
 FlexAttention on CUDA (compiled through Triton; on a CPU it only runs eagerly, densely);
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -43,6 +48,8 @@ class Kernels:
     attention: AttentionBackend
     layer_ops: LayerOps
     matmul: str  # "onednn" or "aten"
+    # torch.ops.cadence for weights kept quantized; None: the reference (quant_kernels)
+    quant_matmul: Any | None = None
 
     def names(self) -> dict[str, str]:
         return {
@@ -84,6 +91,12 @@ def layer_ops_candidates(device: torch.device) -> list[LayerOps]:
 def matmul_candidates(device: torch.device) -> list[str]:
     onednn = device.type == "cpu" and torch.backends.mkldnn.is_available()
     return ["aten"] + (["onednn"] if onednn else [])
+
+
+def quant_kernels(device: torch.device) -> Any | None:
+    """The namespace of the quantized matmul's C++ ops where they are built for `device`."""
+    kernels = native.kernels() if device.type == "cpu" else None
+    return kernels if kernels is not None and hasattr(kernels, "quant_matmul") else None
 
 
 def candidates(

@@ -4,19 +4,24 @@ One Layer record serves every family (gpu_worker.model_config.FAMILIES): the par
 family lacks are None, and the model's forward pass skips them. q/k/v and gate/up are
 fused into single matmuls at load (Phi-3's checkpoint holds them fused already), each
 part leaving the checkpoint's dict as it is taken (see WeightTaker). Gemma's norm weights
-are stored as 1 + w in float32, the form layer_ops.gemma_rms_norm takes.
+are stored as 1 + w in float32, the form layer_ops.gemma_rms_norm takes. With a
+quantization (gpu_worker.quant) the attention and MLP matmuls are QuantLinears, their
+weights quantized here or taken quantized from a GGUF conversion; a mixture of experts'
+matmuls stay dense.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from gpu_worker.linear import Linear
+from gpu_worker.linear import ROW_SIZES, Linear
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.moe import MoEMLP, load_moe
+from gpu_worker.quant import Matmul, Quantizer, QuantLinear, QuantWeight
 
 
 class MissingWeights(ValueError):
@@ -26,11 +31,11 @@ class MissingWeights(ValueError):
 @dataclass(slots=True)
 class Layer:
     input_norm: torch.Tensor
-    qkv: Linear  # [(heads + 2 * kv_heads) * head_dim, hidden], with Qwen2's biases
-    o_proj: Linear
+    qkv: Matmul  # [(heads + 2 * kv_heads) * head_dim, hidden], with Qwen2's biases
+    o_proj: Matmul
     mlp_norm: torch.Tensor  # before the MLP (Llama's post_attention_layernorm)
-    gate_up: Linear | None  # [2 * intermediate, hidden]; None in a mixture-of-experts layer
-    down: Linear | None
+    gate_up: Matmul | None  # [2 * intermediate, hidden]; None in a mixture-of-experts layer
+    down: Matmul | None
     cos: torch.Tensor  # the layer's RoPE tables (rope.rope_tables), shared with its kind
     signed_sin: torch.Tensor
     attention: int  # its KV group (gpu_worker.kv_groups), whose attention records it reads
@@ -47,6 +52,11 @@ class WeightTaker:
     Taking removes each tensor from the dict, so once a layer's q/k/v (or gate/up) are
     fused, nothing holds the separate parts: loading peaks at the model plus one fused
     tensor rather than twice the fused weights.
+
+    `quantizer` (gpu_worker.quant.QUANTIZERS) quantizes the matmuls' weights as they are
+    taken; `quantized` holds weights already quantized (a GGUF file's), by name, which
+    `matmul` serves in their own formats; `quant_kernels` is the quantized kernel's
+    namespace, or None for the reference.
     """
 
     def __init__(
@@ -57,6 +67,10 @@ class WeightTaker:
         prepack: bool,
         gemma_norms: bool = False,
         text_prefixes: tuple[str, ...] = (),
+        *,
+        quantizer: Quantizer | None = None,
+        quantized: dict[str, QuantWeight] | None = None,
+        quant_kernels: Any | None = None,
     ):
         for name in [n for n in weights if n.startswith(text_prefixes)]:
             prefix = next(p for p in text_prefixes if name.startswith(p))
@@ -68,6 +82,9 @@ class WeightTaker:
         self.device = device
         self.prepack = prepack
         self.gemma_norms = gemma_norms
+        self.quantizer = quantizer
+        self.quantized = {} if quantized is None else quantized
+        self.quant_kernels = quant_kernels
 
     def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         tensor = self.weights.pop(name, None)
@@ -86,15 +103,53 @@ class WeightTaker:
         assert weight is not None
         return (1.0 + weight.to(self.device, torch.float32)).contiguous()
 
-    def fused(self, names: list[str], shapes: list[tuple[int, ...]]) -> torch.Tensor:
+    def fused(self, names: list[str], shapes: Sequence[tuple[int, ...]]) -> torch.Tensor:
         parts = [self(n, s) for n, s in zip(names, shapes, strict=True)]
         return torch.cat(parts).contiguous()
 
     def linear(self, name: str, shape: tuple[int, int]) -> Linear:
         return Linear(self(name + ".weight", shape), prepack=self.prepack)
 
+    def quantizes(self, name: str) -> bool:
+        """Whether the weight `name` is served quantized."""
+        return self.quantizer is not None or name in self.quantized
+
+    def matmul(
+        self,
+        names: list[str],
+        shapes: list[tuple[int, int]],
+        bias: torch.Tensor | None = None,
+        sizes: tuple[int, ...] = ROW_SIZES,
+        dense: torch.Tensor | None = None,
+    ) -> Matmul:
+        """The matmul of the weights `names` fused (a tied LM head: `dense`, the embedding
+        already taken), quantized where the taker quantizes or holds them quantized; dense
+        where it holds none of them quantized and quantizes nothing (a GGUF file's float
+        tensors)."""
+        if not any(self.quantizes(n) for n in names):
+            weight = self.fused(names, shapes) if dense is None else dense
+            return Linear(weight, bias, prepack=self.prepack, sizes=sizes)
+        parts = [self._quantized(n, s, dense) for n, s in zip(names, shapes, strict=True)]
+        return QuantLinear(parts, bias, native=self.quant_kernels, dtype=self.dtype, sizes=sizes)
+
+    def _quantized(
+        self, name: str, shape: tuple[int, int], dense: torch.Tensor | None
+    ) -> QuantWeight:
+        stored = self.quantized.pop(name, None)
+        if stored is not None:
+            self.weights.pop(name, None)  # its dequantized copy
+            if tuple(stored.values.shape) != shape:
+                raise MissingWeights(f"{name} has shape {tuple(stored.values.shape)}, not {shape}")
+            return stored.to(self.device)
+        if self.quantizer is None:
+            raise MissingWeights(
+                f"{name} is stored unquantized beside quantized weights it is fused with"
+            )
+        return self.quantizer(self(name, shape) if dense is None else dense)
+
     def gated_mlp(self, names: Sequence[str], hidden: int, inter: int) -> tuple[Linear, Linear]:
-        """(gate_up, down) of a gated MLP whose gate, up and down weights are `names`."""
+        """(gate_up, down) of a gated MLP whose gate, up and down weights are `names`: a
+        mixture of experts' experts, dense whatever the quantization."""
         gate, up, down = names
         gate_up = self.fused([gate + ".weight", up + ".weight"], [(inter, hidden)] * 2)
         return Linear(gate_up, prepack=self.prepack), self.linear(down, (hidden, inter))
@@ -114,7 +169,7 @@ def load_layer(
     layer = Layer(
         input_norm=take.norm(prefix + "input_layernorm.weight", hidden),
         qkv=_qkv(take, cfg, attn),
-        o_proj=take.linear(attn + "o_proj", (hidden, heads * head_dim)),
+        o_proj=take.matmul([attn + "o_proj.weight"], [(hidden, heads * head_dim)]),
         mlp_norm=take.norm(
             prefix
             + ("pre_feedforward_layernorm" if family.gemma else "post_attention_layernorm")
@@ -138,25 +193,26 @@ def load_layer(
         layer.moe = load_moe(take, cfg, prefix)
     elif family.fused_projections:
         inter = cfg.intermediate_size
-        layer.gate_up = take.linear(prefix + "mlp.gate_up_proj", (2 * inter, hidden))
-        layer.down = take.linear(prefix + "mlp.down_proj", (hidden, inter))
+        layer.gate_up = take.matmul([prefix + "mlp.gate_up_proj.weight"], [(2 * inter, hidden)])
+        layer.down = take.matmul([prefix + "mlp.down_proj.weight"], [(hidden, inter)])
     else:
-        mlp = prefix + "mlp."
-        names = (mlp + "gate_proj", mlp + "up_proj", mlp + "down_proj")
-        layer.gate_up, layer.down = take.gated_mlp(names, hidden, cfg.intermediate_size)
+        mlp, inter = prefix + "mlp.", cfg.intermediate_size
+        names = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
+        layer.gate_up = take.matmul(names, [(inter, hidden)] * 2)
+        layer.down = take.matmul([mlp + "down_proj.weight"], [(hidden, inter)])
     return layer
 
 
-def _qkv(take: WeightTaker, cfg: ModelConfig, attn: str) -> Linear:
+def _qkv(take: WeightTaker, cfg: ModelConfig, attn: str) -> Matmul:
     hidden, head_dim = cfg.hidden_size, cfg.head_dim
     q_rows = cfg.num_attention_heads * head_dim
     kv_rows = cfg.num_key_value_heads * head_dim
     qkv_rows = [q_rows, kv_rows, kv_rows]
     if cfg.family.fused_projections:
-        return take.linear(attn + "qkv_proj", (sum(qkv_rows), hidden))
+        return take.matmul([attn + "qkv_proj.weight"], [(sum(qkv_rows), hidden)])
     qkv_names = [f"{attn}{p}_proj" for p in ("q", "k", "v")]
     qkv_bias = None
     if cfg.attention_bias:
         qkv_bias = take.fused([n + ".bias" for n in qkv_names], [(r,) for r in qkv_rows])
-    qkv_weight = take.fused([n + ".weight" for n in qkv_names], [(r, hidden) for r in qkv_rows])
-    return Linear(qkv_weight, qkv_bias, prepack=take.prepack)
+    qkv_weights = [n + ".weight" for n in qkv_names]
+    return take.matmul(qkv_weights, [(r, hidden) for r in qkv_rows], qkv_bias)

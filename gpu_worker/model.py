@@ -31,6 +31,7 @@ from gpu_worker.layer_ops import add_gemma_rms_norm_, gelu_tanh_and_mul, gemma_r
 from gpu_worker.layers import MissingWeights, WeightTaker, load_layer
 from gpu_worker.linear import LM_HEAD_ROW_SIZES, Linear
 from gpu_worker.model_config import ModelConfig
+from gpu_worker.quant import QUANTIZERS, QuantLinear, QuantWeight
 from gpu_worker.rope import rope_tables
 from gpu_worker.sampler import Logits
 
@@ -49,7 +50,11 @@ class Model:
         dtype: torch.dtype,
         device: torch.device,
         kernels: Kernels,
+        quantization: str = "none",
+        quantized: dict[str, QuantWeight] | None = None,
     ) -> None:
+        """`quantization` (gpu_worker.quant.QUANTIZATIONS): int8 and int4 quantize the
+        matmuls' weights here; gguf serves the `quantized` ones (a GGUF conversion's)."""
         self.config = config
         self.dtype = dtype
         self.device = device
@@ -59,7 +64,17 @@ class Model:
         self._pick_functions(gemma)
         prepack = kernels.matmul == "onednn"
         prefixes = config.family.text_prefixes
-        take = WeightTaker(weights, dtype, device, prepack, gemma, prefixes)
+        take = WeightTaker(
+            weights,
+            dtype,
+            device,
+            prepack,
+            gemma,
+            prefixes,
+            quantizer=QUANTIZERS.get(quantization),
+            quantized=quantized,
+            quant_kernels=kernels.quant_matmul,
+        )
         self.embed = take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
         # Gemma scales its embeddings by sqrt(hidden), rounded to the model's dtype.
         self.embed_scale = (
@@ -76,12 +91,14 @@ class Model:
                 ropes[rope] = rope_tables(config.head_dim, rope, max_positions, dtype, device)
             self.layers.append(load_layer(take, config, i, ropes[rope], groups.group_of(i)))
         self.norm = take.norm("model.norm.weight", config.hidden_size)
-        if config.tie_word_embeddings or "lm_head.weight" not in weights:
-            lm_head = self.embed
-        else:
-            lm_head = take("lm_head.weight", (config.vocab_size, config.hidden_size))
-        self.lm_head = Linear(lm_head, prepack=prepack, sizes=LM_HEAD_ROW_SIZES)
-        self.lm_head_rows = lm_head  # dense, for recomputing single logits
+        head_shape = (config.vocab_size, config.hidden_size)
+        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+        # Tied, the embedding stays dense for its lookups and a quantized head is a copy.
+        name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        dense = self.embed if tied else None if take.quantizes(name) else take(name, head_shape)
+        self.lm_head = take.matmul([name], [head_shape], sizes=LM_HEAD_ROW_SIZES, dense=dense)
+        # for recomputing single logits: the served rows (a quantized head dequantizes its own)
+        self.lm_head_rows = dense if isinstance(self.lm_head, Linear) else None
         self.capturable = config.moe is None  # see gpu_worker.moe
 
     def _pick_functions(self, gemma: bool) -> None:
@@ -162,11 +179,16 @@ class Model:
     def _exact_logits(self, h: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
         """The logits of the `top` ids [S, k] of each row, in float32.
 
-        Summed in float64, where the order of summation is lost in the rounding to float32:
+        The rows are the served weight's: a quantized head's dequantized. Summed in
+        float64, where the order of summation is lost in the rounding to float32:
         a library's matmul may sum a row otherwise by how many rows share the call, and a
         row's logits must not depend on its company.
         """
-        rows = self.lm_head_rows[top].double()  # [S, k, hidden]
+        if isinstance(self.lm_head, QuantLinear):
+            rows = self.lm_head.dequantized_rows(top).double()  # [S, k, hidden]
+        else:
+            assert self.lm_head_rows is not None
+            rows = self.lm_head_rows[top].double()
         return (rows * h.double().unsqueeze(1)).sum(-1).float()
 
 

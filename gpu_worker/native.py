@@ -9,7 +9,9 @@
   residual add, rotary embedding with the KV-cache write, SwiGLU);
 - kv_quant.h: the 8-bit KV cache (int8 or fp8 codes, one scale per row) that the cache
   write quantizes and both attention kernels dequantize (reference: gpu_worker.kv_quant);
-- top_logits.cpp: the ids of each row's k largest logits.
+- top_logits.cpp: the ids of each row's k largest logits;
+- quant_matmul.cpp: matmuls against weights kept quantized (gpu_worker.quant), on CPUs
+  with AVX512-VNNI (elsewhere the ops are not registered).
 
 torch.utils.cpp_extension compiles them once into a directory of their own under the torch
 extensions directory (~/.cache/torch_extensions unless TORCH_EXTENSIONS_DIR says
@@ -49,6 +51,7 @@ SOURCES = [
         "paged_prefill_attention.cpp",
         "layer_ops.cpp",
         "top_logits.cpp",
+        "quant_matmul.cpp",
     )
 ]
 LIBRARY = "cadence_native"  # the extension's name: its .so in the build directory
@@ -153,7 +156,8 @@ def kernels() -> Any | None:
       rope_and_cache_ takes k_scales=None, v_scales=None last.
     Caches hold q's dtype, or int8 / float8_e4m3fn codes with their scales [kv_heads, blocks,
     block_size] float32 (gpu_worker.kv_quant).
-    - top_k_indices(logits [rows, vocab], k) -> [rows, k] int64, best first (ties: lower id).
+    - top_k_indices(logits [rows, vocab], k) -> [rows, k] int64, best first (ties: lower id);
+    - quantize_activations, quant_matmul: see gpu_worker.quant.
     """
     if not ENABLED:
         return None

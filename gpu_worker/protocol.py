@@ -53,6 +53,9 @@ MAX_IDLE_GAP_S = 1.0
 DEVICE_ERROR = "device_error"  # a step's "fatal" reason: the device is unusable
 KERNEL_SEAMS = ("attention", "layer_ops", "matmul")  # see gpu_worker.kernels
 POOL_LAST, POOL_SUM = "last", "sum"  # BatchPlan.pooling's kinds
+# Beside model.safetensors in a GGUF conversion: each matmul weight as the file quantized it,
+# <name>.values (int8: q8, uint8: q4), <name>.scales and <name>.mins (gpu_worker.quant)
+QUANTIZED_WEIGHTS = "quantized.safetensors"
 
 
 @dataclass(slots=True)
@@ -72,6 +75,9 @@ class WorkerConfig:
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "int8" | "fp8"
     kernels: str = "auto"  # "auto", or pins: "attention=native,matmul=onednn" (kernel_choice)
     kernel_cache: str | None = None  # JSON file of measured kernel choices; None: measure
+    # the matmuls' weights (gpu_worker.quant): "none" (dtype), "int8" or "int4" (quantized
+    # at load), "gguf" (a GGUF conversion's own quantized weights, QUANTIZED_WEIGHTS)
+    quantization: str = "none"
 
 
 def parse_kernel_pins(text: str) -> dict[str, str]:
@@ -122,6 +128,8 @@ class Handshake:
     # query at p sees keys p - w + 1 .. p) or None for full attention: the service keeps a
     # table per group and frees a windowed group's blocks behind its window
     kv_group_windows: list[int | None] = field(default_factory=lambda: [None])
+    # WorkerConfig.quantization, and which kernel serves the quantized weights
+    quantization: str = "none"
 
 
 @dataclass(slots=True)

@@ -13,6 +13,7 @@ The handshake's `startup` gives each step's seconds, so a slow start says where 
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import time
@@ -23,15 +24,16 @@ from pathlib import Path
 import torch
 
 from gpu_worker import kernel_choice, kv_cache, linear, memory
-from gpu_worker.checkpoint import load_weights
+from gpu_worker.checkpoint import load_quantized, load_weights
 from gpu_worker.device import free_memory_bytes, resolve_device, resolve_dtype
 from gpu_worker.graphs import DecodeRunner, graph_capturer, graph_widths
-from gpu_worker.kernels import Kernels
+from gpu_worker.kernels import Kernels, quant_kernels
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.kv_groups import KVGroups
 from gpu_worker.model import Model
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.protocol import Handshake, WorkerConfig, parse_kernel_pins
+from gpu_worker.quant import QUANTIZATIONS
 from gpu_worker.runner import ModelRunner
 from gpu_worker.sampler import Sampler
 from gpu_worker.step_inputs import PlanLimits
@@ -127,6 +129,7 @@ def start(config: WorkerConfig) -> ModelRunner:
         graphs=graphs,
         startup=clock.steps,
         kv_group_windows=list(groups.windows),
+        quantization=_quantization_text(config.quantization, model),
     )
     return ModelRunner(model, cache, decode_runner, Sampler(config.seed, device), limits, handshake)
 
@@ -136,6 +139,18 @@ def _check_worker_config(config: WorkerConfig) -> None:
         raise ValueError(f"block_size must be at least 1, got {config.block_size}")
     if config.max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be at least 1, got {config.max_num_seqs}")
+    if config.quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {config.quantization!r}"
+        )
+
+
+def _quantization_text(quantization: str, model: Model) -> str:
+    """The handshake's: the quantization, and the kernel serving it."""
+    if quantization == "none":
+        return quantization
+    kernel = "native" if model.kernels.quant_matmul is not None else "reference"
+    return f"{quantization} ({kernel} kernel)"
 
 
 def _choose_kernels(
@@ -165,6 +180,9 @@ def _load_model(
     cache_file = Path(config.kernel_cache) if config.kernel_cache else None
     linear.recall_checked_sizes(kernel_choice.recall(cache_file, ROW_SIZES_SECTION))
     weights = load_weights(model_dir, dtype, device)
+    quantized = load_quantized(model_dir, device) if config.quantization == "gguf" else None
+    if config.quantization != "none":
+        kernels = dataclasses.replace(kernels, quant_matmul=quant_kernels(device))
     # The rope tables cover the whole context limit of the model.
     model = Model(
         model_config,
@@ -173,6 +191,8 @@ def _load_model(
         dtype=dtype,
         device=device,
         kernels=kernels,
+        quantization=config.quantization,
+        quantized=quantized,
     )
     del weights
     gc.collect()

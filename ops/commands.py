@@ -9,7 +9,7 @@ import sys
 
 def bench(argv: list[str] | None = None) -> int:
     """`cadence bench SCENARIO | compare | capacity | chat | prefix | structured | engine |
-    sampler | processors | roofline | kv-accuracy | speculation`."""
+    sampler | processors | roofline | kv-accuracy | weight-accuracy | speculation`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command, rest = (argv[0], argv[1:]) if argv else ("", argv)
     if command == "compare":
@@ -24,6 +24,8 @@ def bench(argv: list[str] | None = None) -> int:
         from ops.roofline import main
     elif command == "kv-accuracy":
         from ops.kv_accuracy import main
+    elif command == "weight-accuracy":
+        from ops.weight_accuracy import main
     elif command == "capacity":
         from ops.capacity import main
     elif command == "prefix":

@@ -70,13 +70,16 @@ def prompts(model_dir: Path, count_random: int = 2) -> list[list[int]]:
     return [*chats, passage, *noise]
 
 
-def runner_for(model_dir: Path, dtype: str, kv_cache_dtype: str) -> ModelRunner:
+def runner_for(
+    model_dir: Path, dtype: str, kv_cache_dtype: str, quantization: str = "none"
+) -> ModelRunner:
     config = WorkerConfig(
         model_dir=str(model_dir),
         dtype=dtype,
         device="cpu",
         kv_memory=KV_MEMORY,
         kv_cache_dtype=kv_cache_dtype,
+        quantization=quantization,
         kernel_cache=str(default_cache_dir() / "kernels.json"),
     )
     return runtime.start(config)

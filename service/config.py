@@ -101,6 +101,12 @@ class Config:
         "head, 1.9x the blocks in the same memory (README: when to use it)",
         choices=("auto", "bfloat16", "float32", "int8", "fp8"),
     )
+    quantization: str = flag(
+        _WORKER.quantization,
+        "the matmuls' weights: none (--dtype), int8 or int4 (quantized at load, groups of "
+        "32), gguf (a .gguf model's own quantized weights)",
+        choices=("none", "int8", "int4", "gguf"),
+    )
     block_size: int = flag(_WORKER.block_size, "tokens per KV block", type=positive_int)
     cache_dir: Path = flag(
         help="converted models and measured kernel choices (default: $CADENCE_CACHE, "

@@ -65,6 +65,7 @@ async def get_state() -> Response:
     body["worker_pid"] = handshake.pid if handshake is not None else None
     # The kernels the worker chose at its start, with every candidate's measured time.
     body["kernels"] = handshake.kernels if handshake is not None else None
+    body["quantization"] = handshake.quantization if handshake is not None else None
     return json_response(body)
 
 

@@ -6,6 +6,12 @@ architecture (gguf_arch), and written as float32 safetensors: dequantized values
 in float32, so the worker may cast them to its own dtype without a second rounding. The
 tokenizer is rebuilt from the `tokenizer.ggml.*` metadata as a `tokenizers` tokenizer.json
 (gguf_tokenizer).
+
+The matmul weights are also written as the file quantized them, repacked without loss
+(gguf_quants) into quantized.safetensors (gpu_worker.protocol.QUANTIZED_WEIGHTS), which the
+worker serves under --quantization gguf; its metadata names the matmul weights of a type no
+kernel serves ("unserved"), which that setting then refuses. A conversion records its
+CONVERSION_VERSION: the cache converts again a file converted by an older one.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import gguf
 import numpy as np
 from safetensors.numpy import save_file
 
+from gpu_worker.protocol import QUANTIZED_WEIGHTS
 from service.model_files.gguf_arch import (
     CONFIG_TENSORS,
     CONVERTIBLE,
@@ -29,9 +36,24 @@ from service.model_files.gguf_arch import (
     select_arch,
 )
 from service.model_files.gguf_meta import GGUFError
+from service.model_files.gguf_quants import FLOAT_TYPES, REPACKERS, Repacked, repack
 from service.model_files.gguf_tokenizer import build_tokenizer, tokenizer_config
 
-__all__ = ["CONVERTIBLE", "GGUFError", "convert_gguf", "gguf_model_type", "hf_tensor_name"]
+__all__ = [
+    "CONVERSION_VERSION",
+    "CONVERTIBLE",
+    "GGUFError",
+    "convert_gguf",
+    "gguf_model_type",
+    "hf_tensor_name",
+]
+
+# 2: quantized.safetensors beside model.safetensors
+CONVERSION_VERSION = 2
+VERSION_FILE = "conversion.json"
+# The Hugging Face weights the worker's dense layers multiply by (a mixture's experts and
+# the norms are not among them)
+MATMULS = ("_proj.weight", "lm_head.weight", "embed_tokens.weight")
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
@@ -46,6 +68,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         tensors.pop(name, None)
     out_dir = Path(out_dir)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    quantized, unserved = quantized_tensors(reader, meta, arch)
+    metadata = {"format": "pt", "unserved": ", ".join(unserved)}
+    save_file(quantized, str(out_dir / QUANTIZED_WEIGHTS), metadata=metadata)
+    _write_json(out_dir / VERSION_FILE, {"version": CONVERSION_VERSION})
     tokenizer.save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json", _generation_config(config))
@@ -145,6 +171,41 @@ def convert_tensors(
     if "model.embed_tokens.weight" not in out:
         raise GGUFError("GGUF has no token_embd.weight tensor")
     return out
+
+
+def quantized_tensors(
+    reader: gguf.GGUFReader, meta: dict[str, Any], arch: Arch
+) -> tuple[dict[str, np.ndarray], list[str]]:
+    """The matmul weights in their own quantized types, repacked, as <name>.values,
+    <name>.scales and <name>.mins; and the names (with types) of those of a type no kernel
+    serves. Float tensors are neither: they are served dense."""
+    view = Meta(meta, {})
+    out: dict[str, np.ndarray] = {}
+    unserved = []
+    for tensor in [t for t in reader.tensors if t.name not in CONFIG_TENSORS]:
+        names = hf_tensor_names(arch, tensor.name, int(view.get("expert_count", 0) or 0))
+        matmul = len(names) == 1 and names[0].endswith(MATMULS) and ".experts." not in names[0]
+        if not matmul or tensor.tensor_type in FLOAT_TYPES:
+            continue
+        if tensor.tensor_type not in REPACKERS:
+            unserved.append(f"{names[0]} ({tensor.tensor_type.name})")
+            continue
+        shape = (int(tensor.shape[1]), int(tensor.shape[0]))
+        weight = repack(tensor.data, tensor.tensor_type, shape)
+        weight = _unpermuted(weight, tensor.name, arch, view)
+        out[names[0] + ".values"], out[names[0] + ".scales"] = weight.values, weight.scales
+        if weight.mins is not None:
+            out[names[0] + ".mins"] = weight.mins
+    return out, unserved
+
+
+def _unpermuted(weight: Repacked, gguf_name: str, arch: Arch, view: Meta) -> Repacked:
+    """llama.cpp's q/k row order undone, as convert_tensors undoes it."""
+    if arch.permuted_qk and ".attn_q." in gguf_name:
+        return weight.rows_permuted(lambda a: unpermute_rope_rows(a, view.num_heads))
+    if arch.permuted_qk and ".attn_k." in gguf_name:
+        return weight.rows_permuted(lambda a: unpermute_rope_rows(a, view.num_kv_heads))
+    return weight
 
 
 def _generation_config(config: dict[str, Any]) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpu_worker.protocol import ARCHITECTURES
-from service.model_files.gguf import GGUFError, convert_gguf
+from service.model_files.gguf import CONVERSION_VERSION, VERSION_FILE, GGUFError, convert_gguf
 
 GGUF_MAGIC = b"GGUF"
 
@@ -214,13 +214,15 @@ def _is_gguf(path: Path) -> bool:
 
 
 def _is_complete(target: Path) -> bool:
-    """A finished conversion (only a complete one is ever renamed into place)."""
+    """A finished conversion (only a complete one is ever renamed into place) by this
+    version of the converter."""
     try:
         _model_type(target)
         _check_files(target)
-    except ModelFileError:
+        version = json.loads((target / VERSION_FILE).read_text(encoding="utf-8"))["version"]
+    except (ModelFileError, OSError, ValueError, KeyError, TypeError):
         return False
-    return True
+    return version == CONVERSION_VERSION
 
 
 def _convert_into(gguf_path: Path, target: Path) -> None:

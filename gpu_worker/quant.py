@@ -1,0 +1,353 @@
+"""Weights kept quantized: their formats, the quantizers, and the matmul that serves them.
+
+A decode step of a small model is memory-bound: it streams every weight once per step, so
+a weight in 8 or 4 bits instead of 16 costs a half or a quarter of the time. Two formats
+hold every weight cadence quantizes or takes from a GGUF file (gguf_quants maps each
+llama.cpp block type onto one of them without loss):
+- q8: int8 values in groups of `group` (32, or 16 for Q6_K) along K, a float32 scale per
+  group and optionally a float32 min: w = scale * value + min;
+- q4: values 0..15 in groups of 32, a float32 scale and min per group.
+
+The matmul is llama.cpp's: each row of x is quantized per 32 values to int8 with a float32
+scale, each group's dot product is exact integer arithmetic, and the groups' products are
+summed in float32 in K order. Nothing of that depends on which rows share a call, so a
+row's bits are independent of its batch and its chunk, as gpu_worker.linear promises for
+the dense matmuls (QuantLinear still checks its call sizes the same way). The C++ kernel
+(csrc/quant_matmul.cpp, AVX512-VNNI) and reference_matmul below compute the same bits;
+the reference is the slow correct path, used where the kernel is not built (no VNNI, no
+compiler, CUDA) and as the tests' oracle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.linear import ROW_SIZES, Linear, RowSizes, agreeing_sizes
+
+QUANTIZATIONS = ("none", "int8", "int4", "gguf")  # WorkerConfig.quantization
+ACTIVATION_GROUP = 32  # activation values per int8 scale
+BLOCK_COLUMNS = 16  # output columns per block of the packed layout
+
+
+@dataclass(frozen=True, slots=True)
+class QuantWeight:
+    """A [N, K] weight: w[n, k] = scales[n, k // group] * values[n, k] + mins[n, k // group]
+    (no mins: 0). q8's values are int8; q4's are uint8 in 0..15."""
+
+    kind: str  # "q8" | "q4"
+    values: torch.Tensor  # [N, K]
+    scales: torch.Tensor  # float32 [N, K // group]
+    mins: torch.Tensor | None  # float32 [N, K // group]
+    group: int
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight in float32: the values a matmul with it stands for."""
+        return _dequantized(self.values.float(), self.scales, self.mins, self.group)
+
+    def rows(self, start: int, stop: int) -> QuantWeight:
+        """Output rows start..stop (a part of a fused weight)."""
+        mins = None if self.mins is None else self.mins[start:stop]
+        part = (self.values[start:stop], self.scales[start:stop], mins)
+        return QuantWeight(self.kind, *part, self.group)
+
+    def to(self, device: torch.device) -> QuantWeight:
+        mins = None if self.mins is None else self.mins.to(device)
+        values, scales = self.values.to(device), self.scales.to(device)
+        return QuantWeight(self.kind, values, scales, mins, self.group)
+
+
+def _dequantized(
+    values: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group: int
+) -> torch.Tensor:
+    w = values * scales.repeat_interleave(group, dim=-1)
+    return w if mins is None else w + mins.repeat_interleave(group, dim=-1)
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantWeight:
+    """Symmetric int8 per 32 values, as llama.cpp's Q8_0 (but a float32 scale)."""
+    groups = _grouped(weight, 32)
+    scales = groups.abs().amax(-1) / 127
+    inverse = torch.where(scales != 0, 1.0 / scales, torch.zeros_like(scales))
+    values = torch.round(groups * inverse.unsqueeze(-1)).clamp(-127, 127)
+    return QuantWeight("q8", values.flatten(1).to(torch.int8), scales, None, 32)
+
+
+def quantize_int4(weight: torch.Tensor) -> QuantWeight:
+    """Asymmetric 4 bits per 32 values, as llama.cpp's Q4_1 (but float32 scale and min)."""
+    groups = _grouped(weight, 32)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scales = (high - low) / 15
+    inverse = torch.where(scales != 0, 1.0 / scales, torch.zeros_like(scales))
+    values = torch.round((groups - low.unsqueeze(-1)) * inverse.unsqueeze(-1)).clamp(0, 15)
+    return QuantWeight("q4", values.flatten(1).to(torch.uint8), scales, low, 32)
+
+
+Quantizer = Callable[[torch.Tensor], QuantWeight]
+QUANTIZERS: dict[str, Quantizer] = {"int8": quantize_int8, "int4": quantize_int4}
+
+
+def _grouped(weight: torch.Tensor, group: int) -> torch.Tensor:
+    rows, k = weight.shape
+    if k % group:
+        raise ValueError(f"a weight of {k} columns does not split into groups of {group}")
+    return weight.detach().float().reshape(rows, k // group, group)
+
+
+# ---- the packed layout (csrc/quant_matmul.cpp) --------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PackedWeight:
+    """A QuantWeight in the kernel's layout: columns in blocks of 16, and within a block,
+    per 4 values of K, the 16 columns' 4 values side by side (one 64-byte line feeds one
+    vpdpbusd). q8 stores value + 128; q4 puts lines c and c + 4 of each 32 values into
+    one line's low and high nibbles. scales, mins: [blocks, K // group, 16]."""
+
+    kind: str
+    n: int
+    k: int
+    group: int
+    data: torch.Tensor  # uint8
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+
+    def unpack(self) -> QuantWeight:
+        """The QuantWeight this was packed from (the rows beyond n dropped)."""
+        blocks, groups = self.scales.shape[0], self.k // ACTIVATION_GROUP
+        if self.kind == "q4":
+            lines = self.data.view(blocks, groups, 4, BLOCK_COLUMNS, 4)
+            lines = torch.cat((lines & 0x0F, lines >> 4), dim=2)
+        else:
+            lines = self.data.view(blocks, groups, 8, BLOCK_COLUMNS, 4)
+        codes = lines.permute(0, 3, 1, 2, 4).reshape(blocks * BLOCK_COLUMNS, self.k)[: self.n]
+        values = codes if self.kind == "q4" else (codes.to(torch.int16) - 128).to(torch.int8)
+        scales, mins = _unblocked(self.scales, self.n), _unblocked(self.mins, self.n)
+        assert scales is not None
+        return QuantWeight(self.kind, values, scales, mins, self.group)
+
+    def matmul(
+        self,
+        native: Any,
+        activations: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """The C++ kernel on activations from native.quantize_activations -> [M, n]."""
+        q, scales, sums = activations
+        return native.quant_matmul(
+            q, scales, sums, self.data, self.scales, self.mins, bias, self.n, self.group,
+            self.kind == "q4", dtype,
+        )  # fmt: skip
+
+    def dequantized_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Output rows `ids` ([...] int64) of the weight in float32: [..., K]."""
+        blocks, column = ids // BLOCK_COLUMNS, ids % BLOCK_COLUMNS
+        groups = self.k // ACTIVATION_GROUP
+        if self.kind == "q4":
+            lines = self.data.view(-1, groups, 4, BLOCK_COLUMNS, 4)[blocks, :, :, column]
+            codes = torch.cat((lines & 0x0F, lines >> 4), dim=-2).float()
+        else:
+            lines = self.data.view(-1, groups, 8, BLOCK_COLUMNS, 4)[blocks, :, :, column]
+            codes = lines.float() - 128
+        codes = codes.flatten(-3)  # [..., K]
+        mins = None if self.mins is None else self.mins[blocks, :, column]
+        return _dequantized(codes, self.scales[blocks, :, column], mins, self.group)
+
+
+def pack(weight: QuantWeight) -> PackedWeight:
+    n, k = weight.values.shape
+    if k % ACTIVATION_GROUP:
+        raise ValueError(f"a quantized weight needs K a multiple of 32, not {k}")
+    blocks = -(-n // BLOCK_COLUMNS)
+    codes = weight.values.to(torch.int16) + (128 if weight.kind == "q8" else 0)
+    codes = F.pad(codes, (0, 0, 0, blocks * BLOCK_COLUMNS - n)).to(torch.uint8)
+    lines = codes.view(blocks, BLOCK_COLUMNS, k // 32, 8, 4).permute(0, 2, 3, 1, 4)
+    if weight.kind == "q4":
+        lines = lines[:, :, :4] | (lines[:, :, 4:] << 4)
+    data = lines.contiguous().flatten()
+    mins = None if weight.mins is None else _blocked(weight.mins, blocks)
+    return PackedWeight(
+        weight.kind, n, k, weight.group, data, _blocked(weight.scales, blocks), mins
+    )
+
+
+def _blocked(params: torch.Tensor, blocks: int) -> torch.Tensor:
+    padded = F.pad(params.float(), (0, 0, 0, blocks * BLOCK_COLUMNS - params.shape[0]))
+    return padded.view(blocks, BLOCK_COLUMNS, -1).transpose(1, 2).contiguous()
+
+
+def _unblocked(params: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    if params is None:
+        return None
+    return params.transpose(1, 2).reshape(-1, params.shape[1])[:n]
+
+
+# ---- the arithmetic, in PyTorch -----------------------------------------------------------
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[M, K] -> int8-valued codes [M, K] (float32), scales [M, K // 32], the codes' sums
+    per 16 values [M, K // 16] (float32, exact): csrc's quantize_activations."""
+    groups = x.float().reshape(x.shape[0], -1, ACTIVATION_GROUP)
+    scales = groups.abs().amax(-1) / 127
+    inverse = torch.where(scales != 0, 1.0 / scales, torch.zeros_like(scales))
+    codes = torch.round(groups * inverse.unsqueeze(-1)).clamp(-127, 127).flatten(1)
+    return codes, scales, codes.view(x.shape[0], -1, 16).sum(-1)
+
+
+def reference_matmul(
+    x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ dequantized(weight).T as the kernel computes it, bit for bit: each group's dot
+    product exact (float64 sums of integers), the groups' float32 terms added in K order."""
+    codes, a_scales, a_sums = quantize_activations(x)
+    rows, group = x.shape[0], weight.group
+    dots = torch.einsum(
+        "mgk,ngk->gmn",
+        codes.double().view(rows, -1, group),
+        weight.values.double().view(weight.values.shape[0], -1, group),
+    ).float()
+    sums = a_sums if group == 16 else a_sums.view(rows, -1, 2).sum(-1)
+    acc = torch.zeros(rows, weight.values.shape[0], dtype=torch.float32, device=x.device)
+    for g in range(dots.shape[0]):
+        a_scale = a_scales[:, g * group // ACTIVATION_GROUP].unsqueeze(1)
+        acc = acc + dots[g] * weight.scales[:, g] * a_scale
+        if weight.mins is not None:
+            acc = acc + weight.mins[:, g] * (a_scale * sums[:, g : g + 1])
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(x.dtype)
+
+
+# ---- the matmul ---------------------------------------------------------------------------
+
+
+class QuantLinear:
+    """y = x @ weight.T + bias with the weight kept quantized: Linear's interface.
+
+    A fused weight may hold parts in different formats (a Q4_K_M file keeps some v and
+    down projections in Q6_K): each part is its own packed weight, x is quantized once, and
+    the parts' outputs are concatenated. With `native` (torch.ops.cadence where the C++
+    kernel is registered) the parts are packed for it; without, the reference serves.
+    """
+
+    __slots__ = ("biases", "native", "packed", "parts", "row_sizes")
+
+    def __init__(
+        self,
+        parts: Sequence[QuantWeight],
+        bias: torch.Tensor | None = None,
+        *,
+        native: Any | None,
+        dtype: torch.dtype,
+        sizes: tuple[int, ...] = ROW_SIZES,
+    ) -> None:
+        parts = _merged(parts)
+        self.native = native
+        self.packed = [pack(p) for p in parts] if native is not None else []
+        self.parts = [] if native is not None else list(parts)
+        bounds = _bounds([p.values.shape[0] for p in parts])
+        self.biases = [None if bias is None else bias[a:b].float() for a, b in bounds]
+        k, device = parts[0].values.shape[1], parts[0].values.device
+        self.row_sizes = _checked_sizes(self, parts, k, sizes, dtype, device)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        calls = self.row_sizes.calls(x.shape[0])
+        if not calls or (len(calls) == 1 and calls[0][1] == calls[0][2]):
+            return self.kernel(x)
+        return torch.cat([self._padded_call(x, *call) for call in calls])
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """The quantized matmul on exactly these rows."""
+        if self.native is None:
+            outs = [reference_matmul(x, p, b) for p, b in zip(self.parts, self.biases, strict=True)]
+        else:
+            q, scales, sums = self.native.quantize_activations(x)
+            outs = [
+                p.matmul(self.native, (q, scales, sums), b, x.dtype)
+                for p, b in zip(self.packed, self.biases, strict=True)
+            ]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+    def dequantized_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The served weight's rows `ids` in float32 (the LM head's refined logits)."""
+        if self.native is None and len(self.parts) == 1:
+            part = self.parts[0]
+            mins = None if part.mins is None else part.mins[ids]
+            return _dequantized(part.values[ids].float(), part.scales[ids], mins, part.group)
+        if len(self.packed) != 1:
+            raise ValueError("dequantized_rows serves a weight of one part")
+        return self.packed[0].dequantized_rows(ids)
+
+    def _padded_call(self, x: torch.Tensor, first: int, rows: int, size: int) -> torch.Tensor:
+        part = x[first : first + rows]
+        if rows < size:
+            part = F.pad(part, (0, 0, 0, size - rows))
+        return self.kernel(part)[:rows]
+
+
+Matmul = Linear | QuantLinear  # what a model's matmul is
+
+
+def _merged(parts: Sequence[QuantWeight]) -> list[QuantWeight]:
+    """Adjacent parts of one format as one: one kernel call instead of several."""
+    merged: list[QuantWeight] = []
+    for part in parts:
+        last = merged[-1] if merged else None
+        if last is None or _format(last) != _format(part):
+            merged.append(part)
+            continue
+        mins = None if last.mins is None or part.mins is None else torch.cat((last.mins, part.mins))
+        merged[-1] = QuantWeight(
+            last.kind,
+            torch.cat((last.values, part.values)),
+            torch.cat((last.scales, part.scales)),
+            mins,
+            last.group,
+        )
+    return merged
+
+
+def _format(weight: QuantWeight) -> tuple[str, int, bool]:
+    return weight.kind, weight.group, weight.mins is not None
+
+
+def _bounds(sizes: list[int]) -> list[tuple[int, int]]:
+    ends = torch.tensor(sizes).cumsum(0).tolist()
+    return list(zip([0, *ends[:-1]], ends, strict=True))
+
+
+# By formats and shapes, dtype, device, native or not, threads and sizes: the kernel's
+# order of operations depends on nothing else.
+_CHECKED: dict[str, RowSizes] = {}
+
+
+def _checked_sizes(
+    linear: QuantLinear,
+    parts: list[QuantWeight],
+    k: int,
+    sizes: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> RowSizes:
+    described = repr(
+        (
+            [(*_format(p), p.values.shape[0]) for p in parts],
+            k,
+            [b is None for b in linear.biases],
+            str(dtype),
+            str(device),
+            linear.native is not None,
+            torch.get_num_threads(),
+            sizes,
+        )
+    )
+    if described not in _CHECKED:
+        like = torch.empty(0, dtype=dtype, device=device)
+        _CHECKED[described] = agreeing_sizes(linear.kernel, k, sizes, like)
+    return _CHECKED[described]
