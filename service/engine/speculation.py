@@ -26,8 +26,9 @@ alike, it cannot tell a row's cost from the base's): there a draft is priced at 
 of the two models, the engine's being the compute-bound price no row exceeds, so that a
 step that tries more rows than ever stays within the tolerance too. Before the model in
 use has measured enough steps, only a decode-only step of at most `_UNFITTED_STEP_TOKENS`
-tokens (drafts included) whose every row drafts (below) drafts. A step with drafts costs up to the tolerance more, and in
-exchange a sequence whose drafts are accepted advances several tokens in it.
+tokens (drafts included) whose every row drafts (below) drafts. A step with drafts costs
+up to the tolerance more, and in exchange a sequence whose drafts are accepted advances
+several tokens in it.
 
 That bound is what others pay for a sequence's drafts. Where nobody else pays, because
 every row of a small decode-only step (at most `_SELF_PAID_SEQS` sequences: the machine is
