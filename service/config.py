@@ -212,8 +212,9 @@ class Config:
     )
     overlap: str = flag(
         "auto",
-        "schedule step k+1 before step k's text and events; auto: unless the worker computes "
-        "on the CPU, whose cores the service would take from it",
+        "schedule step k+1 before step k's text and events; auto: every step, except that on "
+        "a CPU only steps of at most 4 sequences do (a full batch's part would take cores "
+        "from the worker)",
         choices=("auto", "on", "off"),
     )
     speculative_config: SpeculativeConfig | None = flag(

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from gpu_worker.protocol import BatchPlan
 from service.config import Config
-from service.engine.engine import Engine
+from service.engine.engine import CPU_OVERLAP_SEQS, Engine
 from service.engine.request import SamplingParams, SamplingSpec
 from service.engine.stats import IterationStats
 from tests.sim_worker import (
@@ -77,7 +77,8 @@ arrivals = st.tuples(
     num_blocks=st.integers(10, 40),
     max_batched_tokens=st.integers(16, 256),
     max_num_seqs=st.integers(1, 6),
-    overlap=st.booleans(),
+    # "auto" beside a CPU worker overlaps the steps of few sequences only: both kinds mix
+    overlap=st.sampled_from(["on", "off", "auto"]),
 )
 def test_outputs_are_the_sequential_loops_whatever_ends_a_request(
     trace, first, swaps, num_blocks, max_batched_tokens, max_num_seqs, overlap
@@ -88,9 +89,9 @@ def test_outputs_are_the_sequential_loops_whatever_ends_a_request(
         max_batched_tokens=max_batched_tokens,
         max_num_seqs=max_num_seqs,
         max_queue=64,
-        overlap="on" if overlap else "off",
+        overlap=overlap,
     )
-    run = TraceRun(config, SimWorker(num_blocks=num_blocks))
+    run = TraceRun(config, SimWorker(num_blocks=num_blocks, device="cpu"))
     trio.run(run.play, trace, swaps, clock=trio.testing.MockClock(autojump_threshold=0))
 
     assert sorted(run.results) == sorted(run.refs)
@@ -317,17 +318,17 @@ async def test_a_worker_dying_with_a_plan_in_flight_fails_the_running_once(autoj
 @pytest.mark.parametrize(
     ("setting", "device", "expected"),
     [
-        ("auto", "cpu", False),  # the service's part would take the worker's cores
-        ("auto", "cuda:0", True),
-        ("on", "cpu", True),
-        ("off", "cuda:0", False),
+        ("auto", "cpu", CPU_OVERLAP_SEQS),  # a full batch's part would take the worker's cores
+        ("auto", "cuda:0", None),
+        ("on", "cpu", None),
+        ("off", "cuda:0", 0),
     ],
 )
-async def test_auto_overlaps_unless_the_worker_computes_on_the_cpu(
+async def test_auto_overlaps_only_small_steps_where_the_worker_computes_on_the_cpu(
     autojump_clock, setting, device, expected
 ):
     worker = SimWorker(device=device)
     async with running_engine(sim_config(overlap=setting), worker) as engine:
-        assert engine.state()["overlap"] is expected
+        assert engine.state()["overlap"] == {"setting": setting, "max_seqs": expected}
         out = await collect(await engine.submit([5] * 8, greedy(6), request_id="r"))
     assert len(out.tokens) == 6

@@ -24,7 +24,8 @@ class Reporter:
         self.log_iterations = log_iterations  # every Nth iteration is logged; 0: none
         self.observers: list[Observer] = []
 
-    def worker_started(self, handshake: Handshake, overlap: bool) -> None:
+    def worker_started(self, handshake: Handshake, overlap_seqs: int | None) -> None:
+        """`overlap_seqs`: the most sequences a step overlaps with (None: any)."""
         log.info(
             "worker.started",
             pid=handshake.pid,
@@ -33,7 +34,7 @@ class Reporter:
             startup=handshake.startup,
             kernels=handshake.kernels,
             graphs=handshake.graphs,
-            overlap=overlap,
+            overlap_seqs=overlap_seqs,
         )
         if handshake.device_warning is not None:
             log.warning("worker.device_warning", warning=handshake.device_warning)
