@@ -309,7 +309,8 @@ class Speculator:
         fewest tokens any row's drafts are expected to add, where every row drafts (module
         docstring); 0 where others would pay."""
         decode_only = all(n == 1 for n in num_tokens)
-        engines = step_cost.estimate()
+        # the engine's model prices a decode-only step's drafts only past what was measured
+        engines = step_cost.recent() if decode_only else step_cost.estimate()
         cost = self.decode_cost.estimate() if decode_only else engines
         if cost is None:  # unknown costs: only drafts that pay for themselves, a few
             small = _UNFITTED_STEP_TOKENS - sum(num_tokens) if decode_only and self_paid else 0

@@ -33,6 +33,9 @@ _MIN_STEPS = 8
 _SCALE = np.array([1.0, 1e-2, 1e-5, 1e-4])
 _TERMS = len(_SCALE)
 _RIDGE = 1e-6  # relative to the data's own scale: negligible wherever the data decides
+# What `recent` may lag: a fit costs about 0.35 ms (up to 15 least-squares solves), and a
+# lone stream's step on a CPU is 10 ms.
+_REFIT_EVERY = 8
 
 
 class StepCostModel:
@@ -43,6 +46,7 @@ class StepCostModel:
         self._steps = 0
         self._estimate: StepCost | None = None
         self._stale = False
+        self._fitted_at = 0  # the steps seen at the last fit
 
     def observe(self, tokens: int, pairs: int, context: int, step_ms: float) -> None:
         """One measured step: `tokens` computed, `pairs` prefill attention pairs, `context`
@@ -71,7 +75,15 @@ class StepCostModel:
         if self._stale and self._steps >= _MIN_STEPS:
             self._estimate = self._fit()
             self._stale = False
+            self._fitted_at = self._steps
         return self._estimate
+
+    def recent(self) -> StepCost | None:
+        """The fitted coefficients, at most _REFIT_EVERY steps old: for a caller that
+        asks every step and needs no more than the model's drift."""
+        if self._estimate is not None and self._steps - self._fitted_at < _REFIT_EVERY:
+            return self._estimate
+        return self.estimate()
 
     def _fit(self) -> StepCost | None:
         """Every term if their fit is non-negative (no subset fits better); otherwise the
@@ -89,11 +101,10 @@ class StepCostModel:
         """Least squares over `terms`, with a slight ridge: where the steps cannot tell
         terms apart (every decode step alike, no chunk seen yet) it shares the cost between
         them, instead of failing or swinging to huge opposite-signed values."""
-        index = np.array(terms)
-        a = self._xtx[np.ix_(index, index)]
+        index, square, eye = _SUBSET_ARRAYS[terms]
         ridge = _RIDGE * max(float(np.trace(self._xtx)), 1e-12) / _TERMS
         coef = np.zeros(_TERMS)
-        coef[index] = np.linalg.solve(a + ridge * np.eye(len(terms)), self._xty[index])
+        coef[index] = np.linalg.solve(self._xtx[square] + ridge * eye, self._xty[index])
         return coef
 
     def _residual(self, coef: np.ndarray) -> float:
@@ -119,6 +130,10 @@ def plan_terms(
 _TERM_SUBSETS = [
     terms for size in range(_TERMS, 0, -1) for terms in itertools.combinations(range(_TERMS), size)
 ]
+# each subset's index, its square of the normal equations and its identity, made once
+_SUBSET_ARRAYS = {
+    terms: (np.array(terms), np.ix_(terms, terms), np.eye(len(terms))) for terms in _TERM_SUBSETS
+}
 
 
 def _cost(coef: np.ndarray) -> StepCost:
