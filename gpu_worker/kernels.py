@@ -4,7 +4,8 @@ Three seams, each with its candidates:
 - attention: NativeAttention, NativeRowsAttention, HybridAttention, FlexAttention,
   TorchAttention (gpu_worker.attention);
 - layer ops: NativeLayerOps, TorchLayerOps (gpu_worker.layer_ops);
-- matmul: "onednn" (weights prepacked once, see model.Linear) or "aten" (F.linear).
+- matmul: "native" (cadence's bfloat16 kernel), "onednn" (weights prepacked once) or
+  "aten" (F.linear); see gpu_worker.linear.Linear.
 
 Weights kept quantized (gpu_worker.quant) have no seam to measure: the C++ kernel serves
 them where it is built (a CPU with AVX512-VNNI) and the PyTorch reference elsewhere. The
@@ -47,7 +48,7 @@ SEAMS = KERNEL_SEAMS
 class Kernels:
     attention: AttentionBackend
     layer_ops: LayerOps
-    matmul: str  # "onednn" or "aten"
+    matmul: str  # "native", "onednn" or "aten"
     # torch.ops.cadence for weights kept quantized; None: the reference (quant_kernels)
     quant_matmul: Any | None = None
 
@@ -88,9 +89,11 @@ def layer_ops_candidates(device: torch.device) -> list[LayerOps]:
     return [TorchLayerOps()] + ([] if kernels is None else [NativeLayerOps(kernels)])
 
 
-def matmul_candidates(device: torch.device) -> list[str]:
+def matmul_candidates(device: torch.device, dtype: torch.dtype) -> list[str]:
     onednn = device.type == "cpu" and torch.backends.mkldnn.is_available()
-    return ["aten"] + (["onednn"] if onednn else [])
+    kernels = native.kernels() if device.type == "cpu" else None
+    bf16 = dtype == torch.bfloat16 and hasattr(kernels, "bf16_matmul")
+    return ["aten"] + (["onednn"] if onednn else []) + (["native"] if bf16 else [])
 
 
 def quant_kernels(device: torch.device) -> Any | None:
@@ -109,7 +112,7 @@ def candidates(
     return {
         "attention": attention_candidates(device, dtype, head_dim, layers),
         "layer_ops": layer_ops_candidates(device),
-        "matmul": matmul_candidates(device),
+        "matmul": matmul_candidates(device, dtype),
     }
 
 

@@ -53,6 +53,7 @@ class WeightTaker:
     fused, nothing holds the separate parts: loading peaks at the model plus one fused
     tensor rather than twice the fused weights.
 
+    `matmul_kernel` is the dense matmuls' kernel (gpu_worker.linear.Linear's `kernel`);
     `quantizer` (gpu_worker.quant.QUANTIZERS) quantizes the matmuls' weights as they are
     taken; `quantized` holds weights already quantized (a GGUF file's), by name, which
     `matmul` serves in their own formats; `quant_kernels` is the quantized kernel's
@@ -64,7 +65,7 @@ class WeightTaker:
         weights: dict[str, torch.Tensor],
         dtype: torch.dtype,
         device: torch.device,
-        prepack: bool,
+        matmul_kernel: str,
         gemma_norms: bool = False,
         text_prefixes: tuple[str, ...] = (),
         *,
@@ -80,7 +81,7 @@ class WeightTaker:
         self.weights = weights
         self.dtype = dtype
         self.device = device
-        self.prepack = prepack
+        self.matmul_kernel = matmul_kernel
         self.gemma_norms = gemma_norms
         self.quantizer = quantizer
         self.quantized = {} if quantized is None else quantized
@@ -108,7 +109,7 @@ class WeightTaker:
         return torch.cat(parts).contiguous()
 
     def linear(self, name: str, shape: tuple[int, int]) -> Linear:
-        return Linear(self(name + ".weight", shape), prepack=self.prepack)
+        return Linear(self(name + ".weight", shape), kernel=self.matmul_kernel)
 
     def quantizes(self, name: str) -> bool:
         """Whether the weight `name` is served quantized."""
@@ -128,7 +129,7 @@ class WeightTaker:
         tensors)."""
         if not any(self.quantizes(n) for n in names):
             weight = self.fused(names, shapes) if dense is None else dense
-            return Linear(weight, bias, prepack=self.prepack, sizes=sizes)
+            return Linear(weight, bias, kernel=self.matmul_kernel, sizes=sizes)
         parts = [self._quantized(n, s, dense) for n, s in zip(names, shapes, strict=True)]
         return QuantLinear(parts, bias, native=self.quant_kernels, dtype=self.dtype, sizes=sizes)
 
@@ -152,7 +153,7 @@ class WeightTaker:
         mixture of experts' experts, dense whatever the quantization."""
         gate, up, down = names
         gate_up = self.fused([gate + ".weight", up + ".weight"], [(inter, hidden)] * 2)
-        return Linear(gate_up, prepack=self.prepack), self.linear(down, (hidden, inter))
+        return Linear(gate_up, kernel=self.matmul_kernel), self.linear(down, (hidden, inter))
 
 
 def load_layer(

@@ -54,27 +54,32 @@ class RowSizes:
 
 
 class Linear:
-    """y = x @ weight.T + bias, in calls of the checked sizes.
-
-    With `prepack` (the "onednn" matmul kernels) the weight is reordered once into oneDNN's
-    blocked layout: the same results, bit for bit, and faster than F.linear, which reorders
-    the weight on every call (most of all for the skinny matmuls of decode steps). Without
-    it, or when oneDNN cannot take the weight, the kernel is plain F.linear.
+    """y = x @ weight.T + bias, in calls of the checked sizes, on one of three kernels
+    (gpu_worker.kernels' matmul seam):
+    - "native": cadence's bfloat16 kernel (csrc/bf16_matmul.cpp, on CPUs with AVX512-BF16),
+      the weight repacked once into its layout; it sums every row the same way at any call
+      size, and streams a decode step's weights about twice as fast as oneDNN;
+    - "onednn": the weight reordered once into oneDNN's blocked layout: the same results,
+      bit for bit, as F.linear, and faster, since F.linear reorders the weight on every call
+      (most of all for the skinny matmuls of decode steps);
+    - "aten": plain F.linear.
+    A kernel that cannot take the weight (another dtype or device, an odd K, a CPU oneDNN
+    cannot serve) gives way to the next.
     """
 
-    __slots__ = ("bias", "packed", "row_sizes", "weight")
+    __slots__ = ("bias", "kind", "n", "row_sizes", "weight")
 
     def __init__(
         self,
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
         *,
-        prepack: bool = True,
+        kernel: str = "onednn",
         sizes: tuple[int, ...] = ROW_SIZES,
     ) -> None:
         self.bias = bias
-        self.packed = _onednn_packed(weight, bias) if prepack else None
-        self.weight = weight if self.packed is None else None
+        self.n = weight.shape[0]
+        self.kind, self.weight = _in_layout(weight, bias, kernel)  # the kernel's layout
         self.row_sizes = _checked_sizes(self, weight, sizes)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,10 +89,12 @@ class Linear:
         return torch.cat([self._padded_call(x, *call) for call in calls])
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        """The library's matmul on exactly these rows."""
-        if self.weight is not None:  # not packed
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        """The kernel's matmul on exactly these rows."""
+        if self.kind == "native":
+            return torch.ops.cadence.bf16_matmul(x, self.weight, self.bias, self.n)
+        if self.kind == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
 
     def _padded_call(self, x: torch.Tensor, first: int, rows: int, size: int) -> torch.Tensor:
         part = x[first : first + rows]
@@ -110,7 +117,7 @@ def _checked_sizes(linear: Linear, weight: torch.Tensor, sizes: tuple[int, ...])
             str(weight.dtype),
             str(weight.device),
             None if linear.bias is None else tuple(linear.bias.shape),
-            linear.packed is not None,
+            linear.kind,
             torch.get_num_threads(),
             sizes,
         )
@@ -211,6 +218,39 @@ def _probe_pass(
         call = torch.cat((filler[:lead], part, filler[lead : lead + after]))
         outputs.append(kernel(call)[lead : lead + part.shape[0]])
     return torch.cat(outputs)
+
+
+def _in_layout(
+    weight: torch.Tensor, bias: torch.Tensor | None, kernel: str
+) -> tuple[str, torch.Tensor]:
+    """The kernel that takes the weight, the first of `kernel` and those after it, and the
+    weight in its layout."""
+    if kernel == "native" and _native_serves(weight):
+        return "native", pack_bf16(weight)
+    if kernel in ("native", "onednn"):
+        packed = _onednn_packed(weight, bias)
+        if packed is not None:
+            return "onednn", packed
+    return "aten", weight
+
+
+def _native_serves(weight: torch.Tensor) -> bool:
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and weight.shape[1] % 2 == 0
+        and hasattr(torch.ops.cadence, "bf16_matmul")
+    )
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] as csrc/bf16_matmul.cpp reads it: columns in groups of 64 (the last padded
+    with zeros), each group's values in K order, per pair of K the 64 columns' pairs side by
+    side: [groups, K / 2, 64, 2]."""
+    n, k = weight.shape
+    groups = -(-n // 64)
+    padded = F.pad(weight, (0, 0, 0, groups * 64 - n))
+    return padded.view(groups, 64, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 def _onednn_packed(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:

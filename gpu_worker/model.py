@@ -62,13 +62,12 @@ class Model:
         self.ops = kernels.layer_ops
         gemma = config.family.gemma
         self._pick_functions(gemma)
-        prepack = kernels.matmul == "onednn"
         prefixes = config.family.text_prefixes
         take = WeightTaker(
             weights,
             dtype,
             device,
-            prepack,
+            kernels.matmul,
             gemma,
             prefixes,
             quantizer=QUANTIZERS.get(quantization),

@@ -11,7 +11,9 @@
   write quantizes and both attention kernels dequantize (reference: gpu_worker.kv_quant);
 - top_logits.cpp: the ids of each row's k largest logits;
 - quant_matmul.cpp: matmuls against weights kept quantized (gpu_worker.quant), on CPUs
-  with AVX512-VNNI (elsewhere the ops are not registered).
+  with AVX512-VNNI (elsewhere the ops are not registered);
+- bf16_matmul.cpp: the bfloat16 matmul (gpu_worker.linear's "native" kernel), on CPUs with
+  AVX512-BF16.
 
 torch.utils.cpp_extension compiles them once into a directory of their own under the torch
 extensions directory (~/.cache/torch_extensions unless TORCH_EXTENSIONS_DIR says
@@ -52,6 +54,7 @@ SOURCES = [
         "layer_ops.cpp",
         "top_logits.cpp",
         "quant_matmul.cpp",
+        "bf16_matmul.cpp",
     )
 ]
 LIBRARY = "cadence_native"  # the extension's name: its .so in the build directory
@@ -157,7 +160,8 @@ def kernels() -> Any | None:
     Caches hold q's dtype, or int8 / float8_e4m3fn codes with their scales [kv_heads, blocks,
     block_size] float32 (gpu_worker.kv_quant).
     - top_k_indices(logits [rows, vocab], k) -> [rows, k] int64, best first (ties: lower id);
-    - quantize_activations, quant_matmul: see gpu_worker.quant.
+    - quantize_activations, quant_matmul: see gpu_worker.quant;
+    - bf16_matmul(x [M, K], packed, bias=None, n) -> [M, n]: see gpu_worker.linear.
     """
     if not ENABLED:
         return None

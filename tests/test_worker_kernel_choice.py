@@ -86,12 +86,39 @@ def test_every_attention_candidate_offered_here_matches_the_reference(dtype, cac
 def test_every_layer_ops_and_matmul_candidate_passes_its_check(dtype, cache_dtype):
     shapes = smollm_shapes(dtype, cache_dtype)
     ops, ops_trials = kernel_choice.choose_layer_ops(kernels.layer_ops_candidates(CPU), shapes)
-    matmul, matmul_trials = kernel_choice.choose_matmul(kernels.matmul_candidates(CPU), shapes)
+    offered = kernels.matmul_candidates(CPU, dtype)
+    matmul, matmul_trials = kernel_choice.choose_matmul(offered, shapes)
     assert [t.name for t in ops_trials] == ["torch", "native"]
-    assert [t.name for t in matmul_trials] == ["aten", "onednn"]
+    # cadence's bfloat16 matmul is built where the CPU (or CADENCE_NATIVE_MARCH) has AVX512-BF16
+    bf16_kernel = hasattr(kernels.native.kernels(), "bf16_matmul")
+    native = ["native"] if dtype == torch.bfloat16 and bf16_kernel else []
+    assert [t.name for t in matmul_trials] == ["aten", "onednn", *native]
     assert all(t.ms is not None and t.ms > 0 for t in ops_trials + matmul_trials)
     assert ops.name == min(ops_trials, key=lambda t: t.ms).name
-    assert matmul == min(matmul_trials, key=lambda t: t.ms).name
+    assert matmul in offered
+
+
+def test_the_matmul_wins_that_is_fastest_over_a_lone_row_a_batch_and_a_chunk_alike(
+    monkeypatch,
+):
+    """Twice as fast on a lone decode row and 5% slower on a prefill chunk beats the
+    other, though its summed time is the larger: each workload weighs by its fastest."""
+    ms = {  # by rows: the candidates' times
+        1: {"aten": 0.10, "onednn": 0.05},
+        64: {"aten": 1.00, "onednn": 1.00},
+        256: {"aten": 4.00, "onednn": 4.20},
+    }
+
+    def timed(candidates, name, check, workload, **kwargs):
+        rows = workload.keywords["rows"]
+        trials = [kernel_choice.Trial(c, ms[rows][c]) for c in candidates]
+        return min(candidates, key=ms[rows].__getitem__), trials
+
+    monkeypatch.setattr(kernel_choice, "pick", timed)
+    shapes = smollm_shapes(torch.float32)
+    matmul, trials = kernel_choice.choose_matmul(["aten", "onednn"], shapes)
+    assert matmul == "onednn"
+    assert {t.name: t.ms for t in trials} == {"aten": 5.1, "onednn": 5.25}
 
 
 def test_a_wrong_candidate_fails_its_check():
@@ -221,7 +248,7 @@ def test_the_choice_is_cached_per_machine_and_shapes(tmp_path, monkeypatch):
     kernel_choice.choose(smollm_shapes(torch.bfloat16), {}, cache)
     kernel_choice.choose(shapes, {"matmul": "aten"}, cache)
     offered = kernels.matmul_candidates
-    monkeypatch.setattr(kernels, "matmul_candidates", lambda device: [*offered(device), "new"])
+    monkeypatch.setattr(kernels, "matmul_candidates", lambda *args: [*offered(*args), "new"])
     kernel_choice.choose(shapes, {}, cache)
     monkeypatch.setattr(kernels, "matmul_candidates", offered)
     monkeypatch.setattr(kernel_choice, "machine", lambda: {"cpu": "another"})

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gpu_worker import native
 from gpu_worker.linear import ROW_SIZES, Linear, RowSizes, agreeing_sizes
 
 DTYPES = [torch.bfloat16, torch.float32]
@@ -73,7 +74,7 @@ class FakeLibrary(Linear):
 
 def fake_linear(how, weight, sizes=ROW_SIZES) -> Linear:
     kind = type("Fake", (FakeLibrary,), {"__slots__": (), "how": staticmethod(how)})
-    return kind(weight, prepack=False, sizes=sizes)
+    return kind(weight, kernel="aten", sizes=sizes)
 
 
 def weight_of(out_features: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
@@ -152,10 +153,10 @@ def test_a_row_has_its_bits_at_any_row_count_whatever_the_library_does(how):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("prepack", [True, False])
+@pytest.mark.parametrize("kernel", ["aten", "onednn", "native"])
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536)])
-def test_a_row_has_its_bits_at_any_row_count_on_this_machine(dtype, prepack, shape):
-    linear = Linear(weight_of(*shape, dtype), prepack=prepack)
+def test_a_row_has_its_bits_at_any_row_count_on_this_machine(dtype, kernel, shape):
+    linear = Linear(weight_of(*shape, dtype), kernel=kernel)
     assert row_bits_at_every_count(linear, shape[1], dtype) == []
 
 
@@ -167,3 +168,46 @@ def test_without_the_checked_sizes_the_fake_library_would_differ():
     assert not torch.equal(kernel(rows, weight)[:1], kernel(rows[:1], weight))
     assert torch.equal(exact(rows, weight)[:1], exact(rows[:1], weight))
     assert not torch.equal(last_row_nudged(rows, weight)[-1:], last_row_nudged(rows[-1:], weight))
+
+
+NATIVE_BF16 = hasattr(torch.ops.cadence, "bf16_matmul") or (
+    native.kernels() is not None and hasattr(native.kernels(), "bf16_matmul")
+)
+needs_native_bf16 = pytest.mark.skipif(
+    not NATIVE_BF16, reason="cadence's bfloat16 matmul is built on CPUs with AVX512-BF16"
+)
+
+
+@needs_native_bf16
+@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (1000, 64), (7, 2)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_native_bf16_kernel_is_the_float32_product_rounded(
+    out_features, in_features, with_bias
+):
+    """Columns past a block of 16 (1000, 7) are cut off; each output is the float32 sum
+    of its products plus the bias, rounded once to bfloat16."""
+    weight = weight_of(out_features, in_features, torch.bfloat16)
+    generator = torch.Generator().manual_seed(4)
+    bias = torch.randn(out_features, generator=generator).bfloat16() if with_bias else None
+    linear = Linear(weight, bias, kernel="native")
+    assert linear.kind == "native"
+    rows = torch.randn(37, in_features, generator=generator).bfloat16()
+    got = linear(rows)
+    want = F.linear(rows.float(), weight.float(), None if bias is None else bias.float())
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    # one bfloat16 rounding (2^-8 relative) beyond float32's different order of summation
+    torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-3 * in_features**0.5)
+
+
+@needs_native_bf16
+def test_every_call_size_of_the_native_bf16_kernel_agrees():
+    """It sums a row alike at every call size and position (oneDNN's sizes fall into
+    classes on some CPUs)."""
+    linear = Linear(weight_of(960, 576, torch.bfloat16), kernel="native")
+    assert linear.row_sizes.sizes == ROW_SIZES
+
+
+def test_the_native_kernel_gives_way_where_it_cannot_take_the_weight():
+    """float32 weights go to oneDNN (or F.linear where oneDNN is missing)."""
+    linear = Linear(weight_of(96, 64, torch.float32), kernel="native")
+    assert linear.kind == ("onednn" if torch.backends.mkldnn.is_available() else "aten")
