@@ -53,7 +53,32 @@ class RowSizes:
         return calls
 
 
-class Linear:
+class SizedCalls:
+    """A matmul that hands its kernel only the row counts it checked (`row_sizes`)."""
+
+    __slots__ = ()
+    row_sizes: RowSizes
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if rows in self.row_sizes.sizes:  # one call of a checked size: most decode steps
+            return self.kernel(x)
+        calls = self.row_sizes.calls(rows)
+        if not calls:
+            return self.kernel(x)
+        return torch.cat([self._padded_call(x, *call) for call in calls])
+
+    def _padded_call(self, x: torch.Tensor, first: int, rows: int, size: int) -> torch.Tensor:
+        part = x[first : first + rows]
+        if rows < size:
+            part = F.pad(part, (0, 0, 0, size - rows))
+        return self.kernel(part)[:rows]
+
+
+class Linear(SizedCalls):
     """y = x @ weight.T + bias, in calls of the checked sizes, on one of three kernels
     (gpu_worker.kernels' matmul seam):
     - "native": cadence's bfloat16 kernel (csrc/bf16_matmul.cpp, on CPUs with AVX512-BF16),
@@ -82,12 +107,6 @@ class Linear:
         self.kind, self.weight = _in_layout(weight, bias, kernel)  # the kernel's layout
         self.row_sizes = _checked_sizes(self, weight, sizes)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        calls = self.row_sizes.calls(x.shape[0])
-        if not calls or (len(calls) == 1 and calls[0][1] == calls[0][2]):
-            return self.kernel(x)
-        return torch.cat([self._padded_call(x, *call) for call in calls])
-
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         """The kernel's matmul on exactly these rows."""
         if self.kind == "native":
@@ -95,12 +114,6 @@ class Linear:
         if self.kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
-
-    def _padded_call(self, x: torch.Tensor, first: int, rows: int, size: int) -> torch.Tensor:
-        part = x[first : first + rows]
-        if rows < size:
-            part = F.pad(part, (0, 0, 0, size - rows))
-        return self.kernel(part)[:rows]
 
 
 # By kernel, weight shape, dtype, device, bias, threads and the sizes offered: a library

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.linear import ROW_SIZES, Linear, RowSizes, agreeing_sizes
+from gpu_worker.linear import ROW_SIZES, Linear, RowSizes, SizedCalls, agreeing_sizes
 
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")  # WorkerConfig.quantization
 ACTIVATION_GROUP = 32  # activation values per int8 scale
@@ -227,7 +227,7 @@ def reference_matmul(
 # ---- the matmul ---------------------------------------------------------------------------
 
 
-class QuantLinear:
+class QuantLinear(SizedCalls):
     """y = x @ weight.T + bias with the weight kept quantized: Linear's interface.
 
     A fused weight may hold parts in different formats (a Q4_K_M file keeps some v and
@@ -256,12 +256,6 @@ class QuantLinear:
         k, device = parts[0].values.shape[1], parts[0].values.device
         self.row_sizes = _checked_sizes(self, parts, k, sizes, dtype, device)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        calls = self.row_sizes.calls(x.shape[0])
-        if not calls or (len(calls) == 1 and calls[0][1] == calls[0][2]):
-            return self.kernel(x)
-        return torch.cat([self._padded_call(x, *call) for call in calls])
-
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         """The quantized matmul on exactly these rows."""
         if self.native is None:
@@ -283,12 +277,6 @@ class QuantLinear:
         if len(self.packed) != 1:
             raise ValueError("dequantized_rows serves a weight of one part")
         return self.packed[0].dequantized_rows(ids)
-
-    def _padded_call(self, x: torch.Tensor, first: int, rows: int, size: int) -> torch.Tensor:
-        part = x[first : first + rows]
-        if rows < size:
-            part = F.pad(part, (0, 0, 0, size - rows))
-        return self.kernel(part)[:rows]
 
 
 Matmul = Linear | QuantLinear  # what a model's matmul is
