@@ -95,7 +95,8 @@ class Reporter:
         )
         every = self.log_iterations
         if every and out.iteration % every == 0:
-            log.info("iteration", **dataclasses.asdict(record))
+            # shallow: the record is flat, and asdict's deep copies showed on every step
+            log.info("iteration", **{f.name: getattr(record, f.name) for f in _ITERATION_FIELDS})
         for observer in self.observers:
             observer.on_iteration(record)
 
@@ -116,6 +117,9 @@ class Reporter:
         )
         for observer in self.observers:
             observer.on_policy_swap(old["name"], new["name"], iteration)
+
+
+_ITERATION_FIELDS = dataclasses.fields(IterationStats)
 
 
 def since_received(event: str, request: Request, now: float, key: str) -> None:

@@ -90,7 +90,7 @@ class StepCostModel:
         of systems over all the terms, the left-out ones pinned to 0 (one solve of 15 took
         as long as each of the 15 did, about 35 µs)."""
         coefs = self._solve_subsets()
-        feasible = (coefs >= 0).all(axis=1)
+        feasible = np.asarray((coefs >= 0).all(axis=1))
         if feasible[0]:  # every term
             return _cost(coefs[0])
         if not feasible.any():
