@@ -130,19 +130,11 @@ class PackedWeight:
         assert scales is not None
         return QuantWeight(self.kind, values, scales, mins, self.group)
 
-    def matmul(
-        self,
-        native: Any,
-        activations: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        bias: torch.Tensor | None,
-        dtype: torch.dtype,
-    ) -> torch.Tensor:
-        """The C++ kernel on activations from native.quantize_activations -> [M, n]."""
-        q, scales, sums = activations
+    def matmul(self, native: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The C++ kernel: x [M, K] -> [M, n], in x's dtype."""
         return native.quant_matmul(
-            q, scales, sums, self.data, self.scales, self.mins, bias, self.n, self.group,
-            self.kind == "q4", dtype,
-        )  # fmt: skip
+            x, self.data, self.scales, self.mins, bias, self.n, self.group, self.kind == "q4"
+        )
 
     def dequantized_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Output rows `ids` ([...] int64) of the weight in float32: [..., K]."""
@@ -231,9 +223,10 @@ class QuantLinear(SizedCalls):
     """y = x @ weight.T + bias with the weight kept quantized: Linear's interface.
 
     A fused weight may hold parts in different formats (a Q4_K_M file keeps some v and
-    down projections in Q6_K): each part is its own packed weight, x is quantized once, and
-    the parts' outputs are concatenated. With `native` (torch.ops.cadence where the C++
-    kernel is registered) the parts are packed for it; without, the reference serves.
+    down projections in Q6_K): each part is its own packed weight, called on x (its op
+    quantizes x, cheaply, for each), and the parts' outputs are concatenated. With `native`
+    (torch.ops.cadence where the C++ kernel is registered) the parts are packed for it;
+    without, the reference serves.
     """
 
     __slots__ = ("biases", "native", "packed", "parts", "row_sizes")
@@ -261,10 +254,8 @@ class QuantLinear(SizedCalls):
         if self.native is None:
             outs = [reference_matmul(x, p, b) for p, b in zip(self.parts, self.biases, strict=True)]
         else:
-            q, scales, sums = self.native.quantize_activations(x)
             outs = [
-                p.matmul(self.native, (q, scales, sums), b, x.dtype)
-                for p, b in zip(self.packed, self.biases, strict=True)
+                p.matmul(self.native, x, b) for p, b in zip(self.packed, self.biases, strict=True)
             ]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 

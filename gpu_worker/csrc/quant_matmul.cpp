@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <vector>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -225,14 +226,15 @@ void dispatch(const std::vector<Row>& rows, int64_t k, int64_t n, bool q4, int64
   return matmul<32, false, false>(rows, k, n, w, s, mins, bias, out);
 }
 
-// (q, scales, sums) from quantize_activations [M, K] against packed weights of n columns.
-at::Tensor quant_matmul(const at::Tensor& q, const at::Tensor& a_scales, const at::Tensor& a_sums,
-                        const at::Tensor& weights, const at::Tensor& scales,
+// x [M, K] (float32 or bfloat16) against packed weights of n columns -> [M, n] in x's dtype:
+// x quantized by quantize_activations, then the tiles. One op per call, not two: a decode
+// step makes some 120 of these calls, and each op's dispatch and outputs cost microseconds.
+at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias,
-                        int64_t n, int64_t group, bool q4, at::ScalarType out_dtype) {
-  TORCH_CHECK(q.is_contiguous() && a_scales.is_contiguous() && a_sums.is_contiguous() &&
-                  weights.is_contiguous() && scales.is_contiguous(),
-              "quant_matmul takes contiguous tensors");
+                        int64_t n, int64_t group, bool q4) {
+  TORCH_CHECK(weights.is_contiguous() && scales.is_contiguous(),
+              "quant_matmul takes contiguous weights");
+  const auto [q, a_scales, a_sums] = quantize_activations(x);
   const int64_t m = q.size(0), k = q.size(1), blocks = (n + kCols - 1) / kCols;
   TORCH_CHECK(weights.numel() == blocks * (q4 ? k * kCols / 2 : k * kCols),
               "packed weights do not match n and K");
@@ -246,11 +248,10 @@ at::Tensor quant_matmul(const at::Tensor& q, const at::Tensor& a_scales, const a
     rows[r] = {q.const_data_ptr<int8_t>() + r * k, a_scales.const_data_ptr<float>() + r * (k / 32),
                a_sums.const_data_ptr<int32_t>() + r * (k / 16)};
   }
-  at::Tensor out = at::empty({m, n}, q.options().dtype(out_dtype));
-  if (out_dtype == at::kFloat) {
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (x.scalar_type() == at::kFloat) {
     dispatch(rows, k, n, q4, group, weights, scales, mins_p, bias_p, out.mutable_data_ptr<float>());
   } else {
-    TORCH_CHECK(out_dtype == at::kBFloat16, "out_dtype must be float32 or bfloat16");
     dispatch(rows, k, n, q4, group, weights, scales, mins_p, bias_p,
              out.mutable_data_ptr<c10::BFloat16>());
   }
@@ -261,8 +262,8 @@ at::Tensor quant_matmul(const at::Tensor& q, const at::Tensor& a_scales, const a
 
 TORCH_LIBRARY_FRAGMENT(cadence, m) {
   m.def("quantize_activations(Tensor x) -> (Tensor, Tensor, Tensor)");
-  m.def("quant_matmul(Tensor q, Tensor a_scales, Tensor a_sums, Tensor weights, Tensor scales, "
-        "Tensor? mins, Tensor? bias, int n, int group, bool q4, ScalarType out_dtype) -> Tensor");
+  m.def("quant_matmul(Tensor x, Tensor weights, Tensor scales, Tensor? mins, Tensor? bias, "
+        "int n, int group, bool q4) -> Tensor");
   m.impl("quantize_activations", c10::DispatchKey::CPU, &quantize_activations);
   m.impl("quant_matmul", c10::DispatchKey::CPU, &quant_matmul);
 }
