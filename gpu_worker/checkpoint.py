@@ -10,7 +10,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from gpu_worker.protocol import QUANTIZED_WEIGHTS
-from gpu_worker.quant import QuantWeight
+from gpu_worker.quant import QuantWeight, kind_of
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -51,8 +51,8 @@ def load_weights(
 
 
 def load_quantized(model_dir: str | Path, device: torch.device) -> dict[str, QuantWeight]:
-    """The weights QUANTIZED_WEIGHTS holds, by name: q8 where the values are int8, q4 where
-    they are uint8, the group from the scales' width."""
+    """The weights QUANTIZED_WEIGHTS holds, by name: q8 where the values are int8, q4 or q5
+    where they are uint8 (gpu_worker.quant.kind_of), the group from the scales' width."""
     path = Path(model_dir) / QUANTIZED_WEIGHTS
     if not path.is_file():
         raise CheckpointError(
@@ -72,7 +72,7 @@ def load_quantized(model_dir: str | Path, device: torch.device) -> dict[str, Qua
     for key in [k for k in tensors if k.endswith(".values")]:
         name = key.removesuffix(".values")
         values, scales = tensors[key], tensors[name + ".scales"]
-        kind = "q8" if values.dtype == torch.int8 else "q4"
+        kind = kind_of(values)
         group = values.shape[1] // scales.shape[1]
         weights[name] = QuantWeight(kind, values, scales, tensors.get(name + ".mins"), group)
     return weights

@@ -54,7 +54,7 @@ DEVICE_ERROR = "device_error"  # a step's "fatal" reason: the device is unusable
 KERNEL_SEAMS = ("attention", "layer_ops", "matmul")  # see gpu_worker.kernels
 POOL_LAST, POOL_SUM = "last", "sum"  # BatchPlan.pooling's kinds
 # Beside model.safetensors in a GGUF conversion: each matmul weight as the file quantized it,
-# <name>.values (int8: q8, uint8: q4), <name>.scales and <name>.mins (gpu_worker.quant)
+# <name>.values (int8: q8, uint8: q4 or q5), <name>.scales and <name>.mins (gpu_worker.quant)
 QUANTIZED_WEIGHTS = "quantized.safetensors"
 
 

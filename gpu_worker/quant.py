@@ -1,12 +1,13 @@
 """Weights kept quantized: their formats, the quantizers, and the matmul that serves them.
 
 A decode step of a small model is memory-bound: it streams every weight once per step, so
-a weight in 8 or 4 bits instead of 16 costs a half or a quarter of the time. Two formats
+a weight in 8 or 4 bits instead of 16 costs a half or a quarter of the time. Three formats
 hold every weight cadence quantizes or takes from a GGUF file (gguf_quants maps each
 llama.cpp block type onto one of them without loss):
 - q8: int8 values in groups of `group` (32, or 16 for Q6_K) along K, a float32 scale per
   group and optionally a float32 min: w = scale * value + min;
-- q4: values 0..15 in groups of 32, a float32 scale and min per group.
+- q5: values 0..31 in groups of 32, a float32 scale and min per group (Q5_0, Q5_1, Q5_K);
+- q4: values 0..15, likewise.
 
 The matmul is llama.cpp's: each row of x is quantized per 32 values to int8 with a float32
 scale, each group's dot product is exact integer arithmetic, and the groups' products are
@@ -37,9 +38,9 @@ BLOCK_COLUMNS = 16  # output columns per block of the packed layout
 @dataclass(frozen=True, slots=True)
 class QuantWeight:
     """A [N, K] weight: w[n, k] = scales[n, k // group] * values[n, k] + mins[n, k // group]
-    (no mins: 0). q8's values are int8; q4's are uint8 in 0..15."""
+    (no mins: 0). q8's values are int8; q5's uint8 in 0..31, q4's in 0..15."""
 
-    kind: str  # "q8" | "q4"
+    kind: str  # "q8" | "q5" | "q4"
     values: torch.Tensor  # [N, K]
     scales: torch.Tensor  # float32 [N, K // group]
     mins: torch.Tensor | None  # float32 [N, K // group]
@@ -59,6 +60,17 @@ class QuantWeight:
         mins = None if self.mins is None else self.mins.to(device)
         values, scales = self.values.to(device), self.scales.to(device)
         return QuantWeight(self.kind, values, scales, mins, self.group)
+
+
+def kind_of(values: torch.Tensor) -> str:
+    """The narrowest format that holds these values as they are: int8 ones are q8, uint8
+    ones q4 where they fit in four bits, else q5 (a GGUF conversion stores uint8 codes)."""
+    if values.dtype == torch.int8:
+        return "q8"
+    top = int(values.max()) if values.numel() else 0
+    if top > 31:
+        raise ValueError(f"uint8 weight codes run to {top}; q5 holds 0..31")
+    return "q4" if top <= 15 else "q5"
 
 
 def _dequantized(
@@ -105,8 +117,10 @@ def _grouped(weight: torch.Tensor, group: int) -> torch.Tensor:
 class PackedWeight:
     """A QuantWeight in the kernel's layout: columns in blocks of 16, and within a block,
     per 4 values of K, the 16 columns' 4 values side by side (one 64-byte line feeds one
-    vpdpbusd). q8 stores value + 128; q4 puts lines c and c + 4 of each 32 values into
-    one line's low and high nibbles. scales, mins: [blocks, K // group, 16]."""
+    vpdpbusd). q8 stores value + 128, 8 lines per 32 values; q4 puts lines c and c + 4 of
+    each 32 values into one line's low and high nibbles, 4 lines; q5 adds to those a line
+    of the values' fifth bits, a 64-bit mask per line of 64 values (bit j: byte j).
+    scales, mins: [blocks, K // group, 16]."""
 
     kind: str
     n: int
@@ -118,37 +132,58 @@ class PackedWeight:
 
     def unpack(self) -> QuantWeight:
         """The QuantWeight this was packed from (the rows beyond n dropped)."""
-        blocks, groups = self.scales.shape[0], self.k // ACTIVATION_GROUP
-        if self.kind == "q4":
-            lines = self.data.view(blocks, groups, 4, BLOCK_COLUMNS, 4)
-            lines = torch.cat((lines & 0x0F, lines >> 4), dim=2)
-        else:
-            lines = self.data.view(blocks, groups, 8, BLOCK_COLUMNS, 4)
-        codes = lines.permute(0, 3, 1, 2, 4).reshape(blocks * BLOCK_COLUMNS, self.k)[: self.n]
-        values = codes if self.kind == "q4" else (codes.to(torch.int16) - 128).to(torch.int8)
+        blocks = self.scales.shape[0]
+        lines = self._lines()
+        codes = torch.cat(self._nibble_codes(lines), dim=2) if self.kind != "q8" else lines
+        codes = codes.unflatten(-1, (BLOCK_COLUMNS, 4))  # [blocks, groups, 8, 16, 4]
+        if self.kind == "q5":
+            fifth = (lines[:, :, 4].unsqueeze(-1) >> _BIT_SHIFTS) & 1  # [.., 64 bytes, 8 bits]
+            codes = codes | (fifth << 4).reshape(codes.shape)
+        codes = codes.permute(0, 3, 1, 2, 4).reshape(blocks * BLOCK_COLUMNS, self.k)[: self.n]
+        values = codes if self.kind != "q8" else (codes.to(torch.int16) - 128).to(torch.int8)
         scales, mins = _unblocked(self.scales, self.n), _unblocked(self.mins, self.n)
         assert scales is not None
         return QuantWeight(self.kind, values, scales, mins, self.group)
 
+    def _lines(self) -> torch.Tensor:
+        """The data as [blocks, K // 32, lines, 64]: 8 lines per 32 values (q8), 4 (q4), or
+        4 and the line of fifth bits (q5); a view."""
+        per_group = {"q8": 8, "q5": 5, "q4": 4}[self.kind]
+        return self.data.view(self.scales.shape[0], self.k // 32, per_group, 64)
+
+    @staticmethod
+    def _nibble_codes(lines: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The low four bits of code lines 0..3 and 4..7 from a q4 or q5 group's lines."""
+        nibbles = lines[..., :4, :]
+        return nibbles & 0x0F, nibbles >> 4
+
     def matmul(self, native: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The C++ kernel: x [M, K] -> [M, n], in x's dtype."""
+        bits = {"q8": 8, "q5": 5, "q4": 4}[self.kind]
         return native.quant_matmul(
-            x, self.data, self.scales, self.mins, bias, self.n, self.group, self.kind == "q4"
+            x, self.data, self.scales, self.mins, bias, self.n, self.group, bits
         )
 
     def dequantized_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Output rows `ids` ([...] int64) of the weight in float32: [..., K]."""
         blocks, column = ids // BLOCK_COLUMNS, ids % BLOCK_COLUMNS
-        groups = self.k // ACTIVATION_GROUP
-        if self.kind == "q4":
-            lines = self.data.view(-1, groups, 4, BLOCK_COLUMNS, 4)[blocks, :, :, column]
-            codes = torch.cat((lines & 0x0F, lines >> 4), dim=-2).float()
+        lines = self._lines().unflatten(-1, (BLOCK_COLUMNS, 4))  # [B, groups, lines, 16, 4]
+        if self.kind == "q8":
+            codes = lines[blocks, :, :, column].float() - 128  # [..., groups, 8, 4]
         else:
-            lines = self.data.view(-1, groups, 8, BLOCK_COLUMNS, 4)[blocks, :, :, column]
-            codes = lines.float() - 128
-        codes = codes.flatten(-3)  # [..., K]
+            low, high = self._nibble_codes(lines[blocks, :, :, column])
+            codes = torch.cat((low, high), dim=-2)
+            if self.kind == "q5":
+                # mask c's bits 4 * column .. + 3: byte 8c + column // 2, from bit 4 * (column % 2)
+                masks = self._lines()[:, :, 4].unflatten(-1, (8, 8))[blocks, :, :, column // 2]
+                fields = masks >> (4 * (column % 2)).to(torch.uint8).view(*column.shape, 1, 1)
+                codes = codes | (((fields.unsqueeze(-1) >> _BIT_SHIFTS[:4]) & 1) << 4)
+            codes = codes.float()
         mins = None if self.mins is None else self.mins[blocks, :, column]
-        return _dequantized(codes, self.scales[blocks, :, column], mins, self.group)
+        return _dequantized(codes.flatten(-3), self.scales[blocks, :, column], mins, self.group)
+
+
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
 
 
 def pack(weight: QuantWeight) -> PackedWeight:
@@ -159,8 +194,13 @@ def pack(weight: QuantWeight) -> PackedWeight:
     codes = weight.values.to(torch.int16) + (128 if weight.kind == "q8" else 0)
     codes = F.pad(codes, (0, 0, 0, blocks * BLOCK_COLUMNS - n)).to(torch.uint8)
     lines = codes.view(blocks, BLOCK_COLUMNS, k // 32, 8, 4).permute(0, 2, 3, 1, 4)
-    if weight.kind == "q4":
-        lines = lines[:, :, :4] | (lines[:, :, 4:] << 4)
+    if weight.kind != "q8":
+        nibbles = (lines[:, :, :4] & 0x0F) | ((lines[:, :, 4:] & 0x0F) << 4)
+        parts = [nibbles.reshape(blocks, k // 32, 256)]
+        if weight.kind == "q5":  # each line's 64 fifth bits, 8 to a byte, low bit first
+            fifth = ((lines >> 4) & 1).reshape(blocks, k // 32, 64, 8)
+            parts.append((fifth << _BIT_SHIFTS).sum(-1, dtype=torch.uint8))
+        lines = torch.cat(parts, dim=-1)
     data = lines.contiguous().flatten()
     mins = None if weight.mins is None else _blocked(weight.mins, blocks)
     return PackedWeight(

@@ -56,15 +56,15 @@ def test_repacking_gives_the_dequantized_values_bit_for_bit(kind):
     weight = repack(data, kind, SHAPE)
     want = gguf.quants.dequantize(data, kind).reshape(SHAPE)
     assert np.array_equal(weight.dequantize(), want)
-    assert weight.values.dtype == (np.uint8 if kind in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else np.int8)
+    assert weight.values.dtype == (np.int8 if kind in (Q.Q8_0, Q.Q6_K) else np.uint8)
     assert weight.scales.shape[1] == SHAPE[1] // (16 if kind == Q.Q6_K else 32)
 
 
 def test_the_worker_reads_what_the_conversion_repacked(tmp_path):
-    """The file's formats (q8 groups of 16, q4 with mins) survive the trip through
+    """The file's formats (q8 groups of 16, q4 and q5 with mins) survive the trip through
     quantized.safetensors into the worker's QuantWeights, value for value."""
     tensors = {}
-    for name, kind in (("a", Q.Q6_K), ("b", Q.Q4_K)):
+    for name, kind in (("a", Q.Q6_K), ("b", Q.Q4_K), ("c", Q.Q5_K)):
         weight = repack(blocks_of(kind), kind, SHAPE)
         tensors |= {f"{name}.values": weight.values, f"{name}.scales": weight.scales}
         if weight.mins is not None:
@@ -76,7 +76,8 @@ def test_the_worker_reads_what_the_conversion_repacked(tmp_path):
     loaded = load_quantized(tmp_path, torch.device("cpu"))
     assert (loaded["a"].kind, loaded["a"].group, loaded["a"].mins) == ("q8", 16, None)
     assert (loaded["b"].kind, loaded["b"].group) == ("q4", 32)
-    for name in "ab":
+    assert (loaded["c"].kind, loaded["c"].group) == ("q5", 32)
+    for name in "abc":
         assert torch.equal(loaded[name].dequantize(), torch.from_numpy(tensors[f"{name}.want"]))
 
 

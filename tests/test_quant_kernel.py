@@ -39,7 +39,8 @@ def random_q8(n: int, k: int, group: int, mins: bool, low: int = -128, high: int
 
 
 # Every format the kernel has: int8 and int4 quantized, q8 in groups of 16 (Q6_K), q8 with
-# mins (Q5_1, Q5_K), q4 with min = -8 scale (Q4_0). 40 columns: a partial column block.
+# mins, q4 with min = -8 scale (Q4_0), q5 with min = -16 scale (Q5_0) and with mins (Q5_1,
+# Q5_K). 40 columns: a partial column block.
 FORMATS = {
     "int8": lambda: quantize_int8(randn(40, 96, seed=1)),
     "int4": lambda: quantize_int4(randn(40, 96, seed=2)),
@@ -53,7 +54,18 @@ FORMATS = {
         -8 * torch.rand(40, 3) * 0.1,
         32,
     ),
+    "q5-0": lambda: random_q5(-16),
+    "q5-mins": lambda: random_q5(None),
 }
+
+
+def random_q5(min_scales: int | None) -> QuantWeight:
+    """Codes 0..31; min = min_scales x scale, or mins of their own."""
+    generator = torch.Generator().manual_seed(5)
+    values = torch.randint(0, 32, (40, 96), generator=generator, dtype=torch.uint8)
+    scales = torch.rand(40, 3, generator=generator) * 0.1
+    mins = torch.randn(40, 3, generator=generator) * 0.1 if min_scales is None else None
+    return QuantWeight("q5", values, scales, min_scales * scales if mins is None else mins, 32)
 
 
 def native_linear(weight: QuantWeight, native, bias=None, dtype=torch.float32) -> QuantLinear:

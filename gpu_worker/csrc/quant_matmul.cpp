@@ -13,7 +13,9 @@
 // each 32 values of K, 4 values of each of the 16 columns side by side (one 64-byte line
 // per 4 values of K: one vpdpbusd against a broadcast of 4 activations). q8 codes are the
 // signed values + 128, 8 lines per 32 K; q4 puts lines c and c + 4 into the low and high
-// nibbles of one line, 4 lines per 32 K. Scales and mins are [blocks, K / G, 16] float32.
+// nibbles of one line, 4 lines per 32 K; q5 (codes 0..31) is q4's 4 lines of their low four
+// bits and one line of their fifth: 8 little-endian 64-bit masks, mask c holding line c's
+// 64 fifth bits (bit j: the line's byte j). Scales and mins are [blocks, K / G, 16] float32.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -106,8 +108,9 @@ void store(Out* out, const float* values, const float* bias, int64_t n) {
 }
 
 // R rows against one block of 16 columns, all of K. kGroupSize: the weight group (16 or
-// 32); kQ4: nibble codes (groups of 32 only); kMins: w = scale * code + min.
-template <int R, int kGroupSize, bool kQ4, bool kMins, typename Out>
+// 32); kBits: 8, or nibble codes (4; 5 with a line of fifth bits; groups of 32 only); kMins:
+// w = scale * code + min.
+template <int R, int kGroupSize, int kBits, bool kMins, typename Out>
 void tile(const Row* rows, int64_t k, const uint8_t* weights, const float* w_scales,
           const float* w_mins, const float* bias, Out* out, int64_t out_stride, int64_t cols) {
   constexpr int kLines = kGroupSize / 4;  // 4 values of K per line
@@ -115,16 +118,24 @@ void tile(const Row* rows, int64_t k, const uint8_t* weights, const float* w_sca
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  const __m512i sixteen = _mm512_set1_epi8(16);
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t k0 = g * kGroupSize;
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
-    if constexpr (kQ4) {
-      const uint8_t* lines = weights + g * kGroupSize * kCols / 2;
+    if constexpr (kBits != 8) {
+      const uint8_t* lines = weights + g * kGroupSize * kCols * kBits / 8;
       for (int c = 0; c < 4; ++c) {
         __m512i line = _mm512_loadu_si512(lines + 64 * c);
         __m512i lo = _mm512_and_si512(line, low_nibbles);
         __m512i hi = _mm512_and_si512(_mm512_srli_epi16(line, 4), low_nibbles);
+        if constexpr (kBits == 5) {  // the fifth bits: 16 added where the mask has them
+          uint64_t lo_fifth, hi_fifth;
+          std::memcpy(&lo_fifth, lines + 256 + 8 * c, 8);
+          std::memcpy(&hi_fifth, lines + 256 + 8 * (c + 4), 8);
+          lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(lo_fifth), lo, sixteen);
+          hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(hi_fifth), hi, sixteen);
+        }
         for (int r = 0; r < R; ++r) {
           int32_t a_lo, a_hi;
           std::memcpy(&a_lo, rows[r].q + k0 + 4 * c, 4);
@@ -151,7 +162,7 @@ void tile(const Row* rows, int64_t k, const uint8_t* weights, const float* w_sca
       const int64_t first_sum = k0 / kSumGroup;
       int32_t sum = rows[r].sums[first_sum];
       if constexpr (kGroupSize == 32) sum += rows[r].sums[first_sum + 1];
-      if constexpr (!kQ4) {  // the codes are values + 128
+      if constexpr (kBits == 8) {  // the codes are values + 128
         dot[r] = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(128 * sum));
       }
       const float a_scale = rows[r].scales[k0 / kGroup];
@@ -171,24 +182,24 @@ void tile(const Row* rows, int64_t k, const uint8_t* weights, const float* w_sca
   }
 }
 
-template <int kGroupSize, bool kQ4, bool kMins, typename Out, int R = kMaxTile>
+template <int kGroupSize, int kBits, bool kMins, typename Out, int R = kMaxTile>
 void rest_tile(int rest, const Row* rows, int64_t k, const uint8_t* w, const float* s,
                const float* m, const float* bias, Out* out, int64_t stride, int64_t cols) {
   if constexpr (R > 0) {
     if (rest == R) {
-      tile<R, kGroupSize, kQ4, kMins>(rows, k, w, s, m, bias, out, stride, cols);
+      tile<R, kGroupSize, kBits, kMins>(rows, k, w, s, m, bias, out, stride, cols);
     } else {
-      rest_tile<kGroupSize, kQ4, kMins, Out, R - 1>(rest, rows, k, w, s, m, bias, out, stride,
+      rest_tile<kGroupSize, kBits, kMins, Out, R - 1>(rest, rows, k, w, s, m, bias, out, stride,
                                                      cols);
     }
   }
 }
 
-template <int kGroupSize, bool kQ4, bool kMins, typename Out>
+template <int kGroupSize, int kBits, bool kMins, typename Out>
 void matmul(const std::vector<Row>& rows, int64_t k, int64_t n, const uint8_t* weights,
             const float* scales, const float* mins, const float* bias, Out* out) {
   const int64_t blocks = (n + kCols - 1) / kCols, m = static_cast<int64_t>(rows.size());
-  const int64_t block_bytes = kQ4 ? k * kCols / 2 : k * kCols;
+  const int64_t block_bytes = k * kCols * kBits / 8;
   const int64_t block_params = k / kGroupSize * kCols;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
@@ -200,30 +211,35 @@ void matmul(const std::vector<Row>& rows, int64_t k, int64_t n, const uint8_t* w
       for (int64_t r = 0; r < m; r += kMaxTile) {
         const int rest = static_cast<int>(std::min<int64_t>(kMaxTile, m - r));
         Out* o = out + r * n + b * kCols;
-        rest_tile<kGroupSize, kQ4, kMins>(rest, rows.data() + r, k, w, s, mn, bb, o, n, cols);
+        rest_tile<kGroupSize, kBits, kMins>(rest, rows.data() + r, k, w, s, mn, bb, o, n, cols);
       }
     }
   });
 }
 
 template <typename Out>
-void dispatch(const std::vector<Row>& rows, int64_t k, int64_t n, bool q4, int64_t group,
+void dispatch(const std::vector<Row>& rows, int64_t k, int64_t n, int64_t bits, int64_t group,
               const at::Tensor& weights, const at::Tensor& scales, const float* mins,
               const float* bias, Out* out) {
   const uint8_t* w = weights.const_data_ptr<uint8_t>();
   const float* s = scales.const_data_ptr<float>();
-  if (q4) {
-    TORCH_CHECK(group == 32, "q4 weights come in groups of 32");
-    if (mins != nullptr) return matmul<32, true, true>(rows, k, n, w, s, mins, bias, out);
-    return matmul<32, true, false>(rows, k, n, w, s, mins, bias, out);
+  if (bits != 8) {
+    TORCH_CHECK(bits == 4 || bits == 5, "quantized weights have 8, 5 or 4 bits");
+    TORCH_CHECK(group == 32, "q4 and q5 weights come in groups of 32");
+    if (bits == 5) {
+      if (mins != nullptr) return matmul<32, 5, true>(rows, k, n, w, s, mins, bias, out);
+      return matmul<32, 5, false>(rows, k, n, w, s, mins, bias, out);
+    }
+    if (mins != nullptr) return matmul<32, 4, true>(rows, k, n, w, s, mins, bias, out);
+    return matmul<32, 4, false>(rows, k, n, w, s, mins, bias, out);
   }
   TORCH_CHECK(group == 32 || group == 16, "q8 weights come in groups of 32 or 16");
   if (group == 16) {
-    if (mins != nullptr) return matmul<16, false, true>(rows, k, n, w, s, mins, bias, out);
-    return matmul<16, false, false>(rows, k, n, w, s, mins, bias, out);
+    if (mins != nullptr) return matmul<16, 8, true>(rows, k, n, w, s, mins, bias, out);
+    return matmul<16, 8, false>(rows, k, n, w, s, mins, bias, out);
   }
-  if (mins != nullptr) return matmul<32, false, true>(rows, k, n, w, s, mins, bias, out);
-  return matmul<32, false, false>(rows, k, n, w, s, mins, bias, out);
+  if (mins != nullptr) return matmul<32, 8, true>(rows, k, n, w, s, mins, bias, out);
+  return matmul<32, 8, false>(rows, k, n, w, s, mins, bias, out);
 }
 
 // x [M, K] (float32 or bfloat16) against packed weights of n columns -> [M, n] in x's dtype:
@@ -231,12 +247,12 @@ void dispatch(const std::vector<Row>& rows, int64_t k, int64_t n, bool q4, int64
 // step makes some 120 of these calls, and each op's dispatch and outputs cost microseconds.
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias,
-                        int64_t n, int64_t group, bool q4) {
+                        int64_t n, int64_t group, int64_t bits) {
   TORCH_CHECK(weights.is_contiguous() && scales.is_contiguous(),
               "quant_matmul takes contiguous weights");
   const auto [q, a_scales, a_sums] = quantize_activations(x);
   const int64_t m = q.size(0), k = q.size(1), blocks = (n + kCols - 1) / kCols;
-  TORCH_CHECK(weights.numel() == blocks * (q4 ? k * kCols / 2 : k * kCols),
+  TORCH_CHECK(weights.numel() == blocks * k * kCols * bits / 8,
               "packed weights do not match n and K");
   TORCH_CHECK(scales.numel() == blocks * k / group * kCols, "scales do not match n, K, group");
   at::Tensor bias_f;
@@ -250,9 +266,10 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& weights, const at
   }
   at::Tensor out = at::empty({m, n}, x.options());
   if (x.scalar_type() == at::kFloat) {
-    dispatch(rows, k, n, q4, group, weights, scales, mins_p, bias_p, out.mutable_data_ptr<float>());
+    dispatch(rows, k, n, bits, group, weights, scales, mins_p, bias_p,
+             out.mutable_data_ptr<float>());
   } else {
-    dispatch(rows, k, n, q4, group, weights, scales, mins_p, bias_p,
+    dispatch(rows, k, n, bits, group, weights, scales, mins_p, bias_p,
              out.mutable_data_ptr<c10::BFloat16>());
   }
   return out;
@@ -263,7 +280,7 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& weights, const at
 TORCH_LIBRARY_FRAGMENT(cadence, m) {
   m.def("quantize_activations(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("quant_matmul(Tensor x, Tensor weights, Tensor scales, Tensor? mins, Tensor? bias, "
-        "int n, int group, bool q4) -> Tensor");
+        "int n, int group, int bits) -> Tensor");
   m.impl("quantize_activations", c10::DispatchKey::CPU, &quantize_activations);
   m.impl("quant_matmul", c10::DispatchKey::CPU, &quant_matmul);
 }

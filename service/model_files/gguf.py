@@ -48,8 +48,8 @@ __all__ = [
     "hf_tensor_name",
 ]
 
-# 2: quantized.safetensors beside model.safetensors
-CONVERSION_VERSION = 2
+# 2: quantized.safetensors beside model.safetensors; 3: Q5 types as 5-bit codes (uint8)
+CONVERSION_VERSION = 3
 VERSION_FILE = "conversion.json"
 # The Hugging Face weights the worker's dense layers multiply by (a mixture's experts and
 # the norms are not among them)

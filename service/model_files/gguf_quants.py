@@ -1,15 +1,16 @@
-"""llama.cpp's quantized blocks repacked, without loss, into the worker's two formats.
+"""llama.cpp's quantized blocks repacked, without loss, into the worker's three formats.
 
 The worker serves a weight kept quantized as q8 (int8 values in groups of 32 or 16, a
-float32 scale and optional min per group) or q4 (values 0..15 in groups of 32, a float32
-scale and min): w = scale * value + min (gpu_worker.quant). Every block type below maps onto
-one of them exactly: its scales are fp16, or fp16 times a 6- or 8-bit integer (exact in
-float32), and scale * value + min in float32 gives the same bits as gguf.quants.dequantize,
-operation for operation. The values are read as gguf.quants reads them.
+float32 scale and optional min per group), q5 or q4 (values 0..31 or 0..15 in groups of 32,
+a float32 scale and min): w = scale * value + min (gpu_worker.quant, which tells q4 from q5
+by the values' range). Every block type below maps onto one of them exactly: its scales are
+fp16, or fp16 times a 6- or 8-bit integer (exact in float32), and scale * value + min in
+float32 gives the same bits as gguf.quants.dequantize, operation for operation (a min of -8
+or -16 scales is exact too). The values are read as gguf.quants reads them.
 
     Q8_0 -> q8/32          Q4_0 -> q4 (min = -8 scale)   Q4_1 -> q4
-    Q5_0 -> q8/32          Q5_1 -> q8/32 with mins       Q4_K -> q4 (min = -dmin * m)
-    Q5_K -> q8/32 with mins                              Q6_K -> q8/16
+    Q5_0 -> q5 (min = -16 scale)  Q5_1 -> q5             Q4_K -> q4 (min = -dmin * m)
+    Q5_K -> q5 (min = -dmin * m)                         Q6_K -> q8/16
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ QK_K = 256  # values per K-quant super-block
 
 @dataclass(frozen=True, slots=True)
 class Repacked:
-    """A [rows, K] weight: values int8 (q8) or uint8 (q4) [rows, K], scales and mins
+    """A [rows, K] weight: values int8 (q8) or uint8 (q4, q5) [rows, K], scales and mins
     float32 [rows, K // group] (mins None: 0)."""
 
     values: np.ndarray
@@ -79,12 +80,12 @@ def _five_bits(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
 
 
 def _q5_0(blocks: np.ndarray) -> Unpacked:
-    q = _five_bits(blocks[:, 2:6], blocks[:, 6:]).astype(np.int8) - np.int8(16)
-    return q, _fp16(blocks[:, :2]), None
+    d = _fp16(blocks[:, :2])
+    return _five_bits(blocks[:, 2:6], blocks[:, 6:]), d, -16 * d
 
 
 def _q5_1(blocks: np.ndarray) -> Unpacked:
-    q = _five_bits(blocks[:, 4:8], blocks[:, 8:]).astype(np.int8)
+    q = _five_bits(blocks[:, 4:8], blocks[:, 8:])
     return q, _fp16(blocks[:, :2]), _fp16(blocks[:, 2:4])
 
 
@@ -110,7 +111,7 @@ def _q5_k(blocks: np.ndarray) -> Unpacked:
     qh, qs = blocks[:, 16:48], blocks[:, 48:]
     high = qh.reshape((n, -1, 1, 32)) >> np.arange(8, dtype=np.uint8).reshape((1, 1, 8, 1))
     high = (high & np.uint8(1)).reshape((n, -1))
-    return (_nibbles(qs, n, 32) | (high << np.uint8(4))).astype(np.int8), scales, mins
+    return _nibbles(qs, n, 32) | (high << np.uint8(4)), scales, mins
 
 
 def _q6_k(blocks: np.ndarray) -> Unpacked:
