@@ -148,7 +148,7 @@ class PackedWeight:
     def _lines(self) -> torch.Tensor:
         """The data as [blocks, K // 32, lines, 64]: 8 lines per 32 values (q8), 4 (q4), or
         4 and the line of fifth bits (q5); a view."""
-        per_group = {"q8": 8, "q5": 5, "q4": 4}[self.kind]
+        per_group = _BITS[self.kind]  # a 64-byte line per bit of 16 x 32 values, q8's too
         return self.data.view(self.scales.shape[0], self.k // 32, per_group, 64)
 
     @staticmethod
@@ -159,9 +159,8 @@ class PackedWeight:
 
     def matmul(self, native: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The C++ kernel: x [M, K] -> [M, n], in x's dtype."""
-        bits = {"q8": 8, "q5": 5, "q4": 4}[self.kind]
         return native.quant_matmul(
-            x, self.data, self.scales, self.mins, bias, self.n, self.group, bits
+            x, self.data, self.scales, self.mins, bias, self.n, self.group, _BITS[self.kind]
         )
 
     def dequantized_rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -183,6 +182,7 @@ class PackedWeight:
         return _dequantized(codes.flatten(-3), self.scales[blocks, :, column], mins, self.group)
 
 
+_BITS = {"q8": 8, "q5": 5, "q4": 4}
 _BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
 
 

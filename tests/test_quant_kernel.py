@@ -114,7 +114,7 @@ def test_quantizers_round_each_weight_within_half_a_step(quantizer):
     assert ((weight.dequantize() - w).abs() <= step / 2 + 1e-6).all()
 
 
-@pytest.mark.parametrize("name", ["int8", "int4", "q8-g16-mins"])
+@pytest.mark.parametrize("name", ["int8", "int4", "q8-g16-mins", "q5-0", "q5-mins"])
 def test_packing_keeps_every_value_and_row(name):
     weight = FORMATS[name]()
     packed = pack(weight)
@@ -126,7 +126,7 @@ def test_packing_keeps_every_value_and_row(name):
     assert torch.equal(packed.dequantized_rows(ids), weight.dequantize()[ids])
 
 
-@pytest.mark.parametrize("name", ["int8", "int4", "q8-g16"])
+@pytest.mark.parametrize("name", ["int8", "int4", "q8-g16", "q5-mins"])
 def test_a_rows_bits_do_not_depend_on_its_company(native, name):
     """A probe row alone, and at several positions among 1, 2, 5, 64 and 200 rows (register
     tiles of 8 rows, and their rests), gives the same bits."""
