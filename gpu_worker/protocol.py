@@ -56,6 +56,8 @@ POOL_LAST, POOL_SUM = "last", "sum"  # BatchPlan.pooling's kinds
 # Beside model.safetensors in a GGUF conversion: each matmul weight as the file quantized it,
 # <name>.values (int8: q8, uint8: q4 or q5), <name>.scales and <name>.mins (gpu_worker.quant)
 QUANTIZED_WEIGHTS = "quantized.safetensors"
+# A drafted token the worker's draft model is to choose (BatchPlan.draft_tokens)
+DRAFT_MODEL_TOKEN = -1
 
 
 @dataclass(slots=True)
@@ -78,6 +80,10 @@ class WorkerConfig:
     # the matmuls' weights (gpu_worker.quant): "none" (dtype), "int8" or "int4" (quantized
     # at load), "gguf" (a GGUF conversion's own quantized weights, QUANTIZED_WEIGHTS)
     quantization: str = "none"
+    # speculative decoding with a draft model (gpu_worker.draft_model): its directory, and
+    # its weights' quantization (as `quantization`, but never "gguf" unless it has them)
+    draft_model_dir: str | None = None
+    draft_quantization: str = "none"
 
 
 def parse_kernel_pins(text: str) -> dict[str, str]:
@@ -130,6 +136,8 @@ class Handshake:
     kv_group_windows: list[int | None] = field(default_factory=lambda: [None])
     # WorkerConfig.quantization, and which kernel serves the quantized weights
     quantization: str = "none"
+    # the draft model's directory name (WorkerConfig.draft_model_dir), None without one
+    draft_model: str | None = None
 
 
 @dataclass(slots=True)
@@ -248,6 +256,16 @@ class BatchPlan:
     decoding without drafts; sampled: rejection sampling, so their distribution is too).
     The cache then holds valid K/V for the chunk's first 1 + j positions; the rest is
     overwritten by the steps that follow.
+
+    Draft model (WorkerConfig.draft_model_dir): a draft of DRAFT_MODEL_TOKEN, in both
+    draft_tokens and input_ids, is the worker's to choose, with its draft model, greedily
+    (gpu_worker.draft_model); the rule above then verifies it. The draft model has its own
+    cache, over the same block tables, and computes only what a plan asks: `draft_context`
+    is empty or aligned with seq_ids, the tokens at positions draft_start[i] ..
+    draft_start[i] + len(draft_context[i]) - 1 whose K/V the draft model is to compute
+    first (the service keeps track of what it holds). A sequence with DRAFT_MODEL_TOKEN
+    drafts has context reaching its chunk's first position; the draft model reads that
+    position's token too.
     """
 
     step_id: int
@@ -265,6 +283,8 @@ class BatchPlan:
     released: list[int] = field(default_factory=list)
     pooling: list[str | None] = field(default_factory=list)
     draft_tokens: list[list[int]] = field(default_factory=list)
+    draft_context: list[list[int]] = field(default_factory=list)
+    draft_start: list[int] = field(default_factory=list)
 
     @property
     def is_decode_only(self) -> bool:

@@ -12,6 +12,7 @@ import time
 import torch
 
 from gpu_worker.attention import build_metadata
+from gpu_worker.draft_model import Drafter, asks_draft_model
 from gpu_worker.faults import DeviceFault, is_device_fault
 from gpu_worker.graphs import DecodeRunner
 from gpu_worker.histories import Histories
@@ -34,6 +35,7 @@ class ModelRunner:
         sampler: Sampler,
         limits: PlanLimits,
         handshake: Handshake | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -42,6 +44,7 @@ class ModelRunner:
         self.limits = limits
         self.handshake = handshake  # what the worker answered at init (gpu_worker.runtime)
         self.histories = Histories(limits.vocab_size, model.device)
+        self.drafter = drafter  # speculative decoding with a draft model (its drafts)
 
     def execute(self, plan: BatchPlan) -> StepResult:
         """Runs one step; a failure comes back as a result with `error` set, except one
@@ -59,6 +62,10 @@ class ModelRunner:
 
     def run(self, plan: BatchPlan) -> StepResult:
         """One step; raises where execute reports."""
+        if asks_draft_model(plan):
+            if self.drafter is None:
+                raise ValueError("the plan asks for a draft model's drafts; this worker has none")
+            plan = self.drafter.fill(plan)
         inputs = self.inputs(plan)
         verification = Verification.of(inputs) if plan.draft_tokens else None
         self.histories.update(plan)

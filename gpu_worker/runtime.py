@@ -4,6 +4,7 @@
     kernels   the kernel choice (measured, or read from the kernel cache)
     weights   the checkpoint read and the model built (each weight shape's matmul call sizes
               checked, or recalled from the kernel cache where this machine checked them)
+    draft model  speculative decoding's draft model, where there is one, built as the model
     profile   CUDA only: the largest steps run on a one-block cache, for their peak activations
     cache     the KV cache sized and allocated (zeroed: its pages are touched here)
     graphs    CUDA only: every decode graph captured
@@ -26,6 +27,7 @@ import torch
 from gpu_worker import kernel_choice, kv_cache, linear, memory
 from gpu_worker.checkpoint import load_quantized, load_weights
 from gpu_worker.device import free_memory_bytes, resolve_device, resolve_dtype
+from gpu_worker.draft_model import Drafter
 from gpu_worker.graphs import DecodeRunner, graph_capturer, graph_widths
 from gpu_worker.kernels import Kernels, quant_kernels
 from gpu_worker.kv_cache import KVCache
@@ -75,7 +77,11 @@ def start(config: WorkerConfig) -> ModelRunner:
     with clock.step("kernels"):
         choice = _choose_kernels(config, model_config, dtype, device, cache_dtype)
     with clock.step("weights"):
-        model = _load_model(config, model_dir, model_config, dtype, device, choice.kernels)
+        model = _load_model(config, model_dir, config.quantization, dtype, device, choice.kernels)
+    draft = None
+    if config.draft_model_dir is not None:
+        with clock.step("draft model"):
+            draft = _load_draft(config, model_config, dtype, device, choice.kernels)
     groups = KVGroups.of(model_config)
     max_blocks_per_seq = -(-model_config.context_limit // config.block_size)
     reserved = 0
@@ -83,15 +89,17 @@ def start(config: WorkerConfig) -> ModelRunner:
         with clock.step("profile"):
             reserved = _activation_reserve(model, config, cache_dtype, max_blocks_per_seq)
     with clock.step("cache"):
+        configs = [model_config] if draft is None else [model_config, draft.config]
         num_blocks = _count_blocks(
-            config,
-            model_config,
-            device,
-            cache_dtype,
-            reserved,
-            max_blocks_per_seq * groups.num_groups,
+            config, configs, device, cache_dtype, reserved, max_blocks_per_seq * groups.num_groups
         )
         cache = kv_cache.allocate(model_config, num_blocks, config.block_size, cache_dtype, device)
+        drafter = None
+        if draft is not None:
+            draft_cache = kv_cache.allocate(
+                draft.config, num_blocks, config.block_size, cache_dtype, device
+            )
+            drafter = Drafter(runner_on(draft, draft_cache, config))
     decode_runner = DecodeRunner(
         model,
         cache,
@@ -104,7 +112,8 @@ def start(config: WorkerConfig) -> ModelRunner:
         graphs = decode_runner.capture_all()
         memory.release_cached(device)
     # A sequence can never outgrow the whole cache.
-    max_model_len = min(model_config.context_limit, num_blocks * config.block_size)
+    limits_of = [model_config] if draft is None else [model_config, draft.config]
+    max_model_len = min(*(c.context_limit for c in limits_of), num_blocks * config.block_size)
     limits = PlanLimits(
         config.block_size, num_blocks, model_config.vocab_size, max_model_len, groups.num_groups
     )
@@ -130,8 +139,10 @@ def start(config: WorkerConfig) -> ModelRunner:
         startup=clock.steps,
         kv_group_windows=list(groups.windows),
         quantization=_quantization_text(config.quantization, model),
+        draft_model=None if draft is None else Path(str(config.draft_model_dir)).resolve().name,
     )
-    return ModelRunner(model, cache, decode_runner, Sampler(config.seed, device), limits, handshake)
+    sampler = Sampler(config.seed, device)
+    return ModelRunner(model, cache, decode_runner, sampler, limits, handshake, drafter)
 
 
 def _check_worker_config(config: WorkerConfig) -> None:
@@ -139,10 +150,10 @@ def _check_worker_config(config: WorkerConfig) -> None:
         raise ValueError(f"block_size must be at least 1, got {config.block_size}")
     if config.max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be at least 1, got {config.max_num_seqs}")
-    if config.quantization not in QUANTIZATIONS:
-        raise ValueError(
-            f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {config.quantization!r}"
-        )
+    for name in ("quantization", "draft_quantization"):
+        value = getattr(config, name)
+        if value not in QUANTIZATIONS:
+            raise ValueError(f"{name} must be one of {', '.join(QUANTIZATIONS)}, not {value!r}")
 
 
 def _quantization_text(quantization: str, model: Model) -> str:
@@ -170,7 +181,7 @@ def _choose_kernels(
 def _load_model(
     config: WorkerConfig,
     model_dir: Path,
-    model_config: ModelConfig,
+    quantization: str,
     dtype: torch.dtype,
     device: torch.device,
     kernels: Kernels,
@@ -179,9 +190,10 @@ def _load_model(
     recalled from the kernel cache, and the new ones recorded there."""
     cache_file = Path(config.kernel_cache) if config.kernel_cache else None
     linear.recall_checked_sizes(kernel_choice.recall(cache_file, ROW_SIZES_SECTION))
+    model_config = ModelConfig.from_dir(model_dir)
     weights = load_weights(model_dir, dtype, device)
-    quantized = load_quantized(model_dir, device) if config.quantization == "gguf" else None
-    if config.quantization != "none":
+    quantized = load_quantized(model_dir, device) if quantization == "gguf" else None
+    if quantization != "none":
         kernels = dataclasses.replace(kernels, quant_matmul=quant_kernels(device))
     # The rope tables cover the whole context limit of the model.
     model = Model(
@@ -191,7 +203,7 @@ def _load_model(
         dtype=dtype,
         device=device,
         kernels=kernels,
-        quantization=config.quantization,
+        quantization=quantization,
         quantized=quantized,
     )
     del weights
@@ -200,21 +212,45 @@ def _load_model(
     return model
 
 
+def _load_draft(
+    config: WorkerConfig,
+    target: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    kernels: Kernels,
+) -> Model:
+    """The draft model (gpu_worker.draft_model); ValueError where it cannot draft for the
+    target: another vocabulary, or a cache of several KV groups (its tables are the
+    target's group 0's)."""
+    assert config.draft_model_dir is not None
+    model_dir = Path(config.draft_model_dir)
+    draft = ModelConfig.from_dir(model_dir)
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"the draft model's vocabulary has {draft.vocab_size} tokens, the model's "
+            f"{target.vocab_size}: a draft model must share the model's tokenizer"
+        )
+    if KVGroups.of(draft).num_groups > 1 or KVGroups.of(target).num_groups > 1:
+        raise ValueError("a draft model needs both models to attend over one KV group")
+    return _load_model(config, model_dir, config.draft_quantization, dtype, device, kernels)
+
+
 def _count_blocks(
     config: WorkerConfig,
-    model_config: ModelConfig,
+    model_configs: list[ModelConfig],
     device: torch.device,
     cache_dtype: torch.dtype,
     reserved: int,
     max_blocks_per_seq: int,
 ) -> int:
     """On CUDA after the profile (gpu_worker.memory); on a CPU a share of MemAvailable.
-    `max_blocks_per_seq` counts every KV group's."""
+    `max_blocks_per_seq` counts every KV group's. A block holds the K/V of each model
+    (the draft model's beside the model's)."""
     free = memory.settled_free_bytes(device) if device.type == "cuda" else free_memory_bytes(device)
     return kv_cache.count_blocks(
         config.kv_memory,
         free,
-        kv_cache.block_bytes(model_config, config.block_size, cache_dtype),
+        sum(kv_cache.block_bytes(c, config.block_size, cache_dtype) for c in model_configs),
         max_useful_blocks=max_blocks_per_seq * config.max_num_seqs,
         reserved_bytes=reserved,
     )

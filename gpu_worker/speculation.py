@@ -19,9 +19,10 @@ number of leading drafts equal to the token drawn at their position (d_{t+1} = x
 t < j): the kept drafts, then the token after them. Greedy rows keep the argmax tokens, the
 sampler's tie rules and its bfloat16 refinement (Model.logits) included, and a seeded row
 (whose uniform at a position comes from its seed and that position) keeps the very tokens
-it takes without drafts. A draft model (q_t not one-hot) would need the sampler's processed
-p_t as a tensor, the test above with a uniform and a residual draw with another: a rule of
-its own beside this one.
+it takes without drafts. The draft model (gpu_worker.draft_model) drafts greedily, a
+deterministic proposer too, so its drafts are verified by the same rule. (Drafts sampled
+from a draft model's own q_t would need the sampler's processed p_t as a tensor, the test
+above with a uniform and a residual draw with another: a rule of its own.)
 
 Supported: every sampling setting but a grammar: greedy, temperature, top_k, top_p, min_p,
 seed, logprobs and top_logprobs, allowed_token_ids, logit_bias, and those that read the

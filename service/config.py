@@ -219,10 +219,11 @@ class Config:
     )
     speculative_config: SpeculativeConfig | None = flag(
         None,
-        'n-gram speculative decoding, vLLM\'s JSON: {"method": "ngram", '
+        'speculative decoding, vLLM\'s JSON: n-gram {"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}, '
         'and cadence\'s "step_cost_tolerance" (0.05: drafts may make a step that much '
-        "slower, by the measured step costs) (default: off)",
+        'slower, by the measured step costs); or a draft model\'s: {"model": PATH, '
+        '"num_speculative_tokens": 3, "quantization": "none"} (default: off)',
         type=speculative_config,
         metavar="JSON",
         show_default=False,

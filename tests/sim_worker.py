@@ -35,6 +35,7 @@ byte that is not whitespace, so that every grammar it follows ends.
 from __future__ import annotations
 
 import base64
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -42,7 +43,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import trio
 
-from gpu_worker.protocol import MAX_IDLE_GAP_S, BatchPlan, Handshake, StepResult
+from gpu_worker.protocol import (
+    DRAFT_MODEL_TOKEN,
+    MAX_IDLE_GAP_S,
+    BatchPlan,
+    Handshake,
+    StepResult,
+)
 from policies.base import attention_pairs
 from service.config import Config
 from service.engine.assembly import open_engine
@@ -192,7 +199,39 @@ class SimWorker:
             + self.per_token_ms * max(plan.total_tokens, self.memory_bound_tokens)
             + self.per_seq_ms * len(plan.seq_ids)
             + self.per_pair_ms * sum(map(attention_pairs, plan.start_pos, plan.num_tokens))
+            + self._draft_model_ms(plan)
         )
+
+    def _draft_model_ms(self, plan: BatchPlan) -> float:
+        """A draft model's passes (one per draft of the longest row's) and context tokens:
+        a model DRAFT_MODEL_SHARE as costly as this one, each pass a step of its rows."""
+        passes = max((d.count(DRAFT_MODEL_TOKEN) for d in plan.draft_tokens), default=0)
+        context = sum(map(len, plan.draft_context))
+        if not passes and not context:
+            return 0.0
+        step = self.base_ms + self.per_token_ms * self.memory_bound_tokens
+        context_ms = self.per_token_ms * max(context - self.memory_bound_tokens, 0)
+        return DRAFT_MODEL_SHARE * (max(passes, 1) * step + context_ms)
+
+    def _drafted_by_model(self, plan: BatchPlan) -> BatchPlan:
+        """`plan` with its DRAFT_MODEL_TOKEN drafts chosen by a draft model that is always
+        right (the model itself), as the real worker fills them (gpu_worker.draft_model)."""
+        if not any(DRAFT_MODEL_TOKEN in d for d in plan.draft_tokens):
+            return plan
+        input_ids, drafts, offset = list(plan.input_ids), [], 0
+        for i, seq_id in enumerate(plan.seq_ids):
+            n, start, draft = plan.num_tokens[i], plan.start_pos[i], plan.draft_tokens[i]
+            for k in range(n - len(draft)):
+                self._write(plan.block_tables[i], seq_id, start + k, input_ids[offset + k])
+            chosen = []
+            for k in range(n - len(draft), n):
+                token = self._next_token(plan.block_tables[i], seq_id, start + k - 1)
+                self._write(plan.block_tables[i], seq_id, start + k, token)
+                chosen.append(token)
+            input_ids[offset + n - len(draft) : offset + n] = chosen
+            drafts.append(chosen)
+            offset += n
+        return dataclasses.replace(plan, input_ids=input_ids, draft_tokens=drafts)
 
     async def send_step(self, plan: BatchPlan) -> None:
         await trio.lowlevel.checkpoint()  # a real send is one: aborts and arrivals land here
@@ -235,6 +274,7 @@ class SimWorker:
 
     def _compute(self, plan: BatchPlan) -> StepResult:
         result = StepResult(step_id=plan.step_id, step_ms=self.cost_ms(plan))
+        plan = self._drafted_by_model(plan)
         offset = 0
         for i, seq_id in enumerate(plan.seq_ids):
             n, start, table = plan.num_tokens[i], plan.start_pos[i], plan.block_tables[i]
@@ -321,6 +361,10 @@ class SimWorker:
             if pos >= 0:
                 h = (h * 1000003 + self._read(table, seq_id, pos)) % 1_000_000_007
         return 97 + h % 26  # a..z
+
+
+# what the simulated draft model costs, as a share of the model's cost
+DRAFT_MODEL_SHARE = 0.1
 
 
 def constrained_choice(bitmask: str) -> int:

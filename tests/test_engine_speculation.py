@@ -60,7 +60,12 @@ def test_a_missing_lookup_bound_takes_the_others(given: dict, lookup: tuple[int,
         ('{"method": "ngram", "num_speculative_tokens": 0}', "1..64"),
         ('{"method": "ngram", "num_speculative_tokens": 2.5}', "integer"),
         ('{"method": "ngram", "num_speculative_tokens": true}', "integer"),
-        ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "unknown"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "no model"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "mode": "x"}', "unknown"),
+        ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs a model"),
+        ('{"model": "d", "num_speculative_tokens": 2, "prompt_lookup_max": 2}', "takes no"),
+        ('{"model": "d", "num_speculative_tokens": 2, "quantization": "fp4"}', "one of"),
+        ('{"model": "d"}', "needs num_speculative_tokens"),
         (
             '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
             '"prompt_lookup_max": 2}',
@@ -74,6 +79,16 @@ def test_a_wrong_config_says_what_is_wrong(text: str, message: str):
         parse_speculative_config(text)
     with pytest.raises(argparse.ArgumentTypeError, match=message):  # the flag's error
         speculative_config(text)
+
+
+def test_a_config_that_names_a_model_is_the_draft_models():
+    text = '{"model": "/m/draft", "num_speculative_tokens": 3, "quantization": "int4"}'
+    expected = SpeculativeConfig(
+        "draft_model", 3, model="/m/draft", quantization="int4", step_cost_tolerance=0.05
+    )
+    assert parse_speculative_config(text) == expected
+    text = '{"method": "draft_model", "model": "d", "num_speculative_tokens": 2}'
+    assert parse_speculative_config(text).quantization == "none"
 
 
 def test_the_flag_sets_the_config_and_a_wrong_one_is_a_usage_error(capsys):
@@ -241,9 +256,9 @@ def test_a_spent_allowance_looks_nothing_up(monkeypatch: pytest.MonkeyPatch):
     cost = StepCost(base_ms=10.0, ms_per_token=1.0, ms_per_pair=0.0)
     request = make_request(0, 8, max_tokens=16)
     spent = DraftAllowance(tokens=100, extra_ms=0.5, cost=cost)
-    assert speculator.draft(request, spent, room=4) == [] and not looked
+    assert speculator.draft(request, spent, room=4).tokens == [] and not looked
     open_ = DraftAllowance(tokens=100, extra_ms=2.5, cost=cost)
-    assert speculator.draft(request, open_, room=4) == [1, 2] and len(looked) == 1
+    assert speculator.draft(request, open_, room=4).tokens == [1, 2] and len(looked) == 1
     assert looked[0][1] == 2  # it asks for no more than the allowance takes
 
 

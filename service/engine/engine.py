@@ -583,7 +583,7 @@ class Engine:
         if result is None:
             raise WorkerHung(f"a step took longer than {self.config.step_timeout} s")
         plan = step.out.plan
-        if result.seq_ids != [
+        if result.error is None and result.seq_ids != [
             s for s, samples in zip(plan.seq_ids, plan.sample, strict=True) if samples
         ]:
             raise WorkerDied("the worker's result does not answer its plan's sampling sequences")

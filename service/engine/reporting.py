@@ -35,6 +35,8 @@ class Reporter:
             kernels=handshake.kernels,
             graphs=handshake.graphs,
             overlap_seqs=overlap_seqs,
+            quantization=handshake.quantization,
+            draft_model=handshake.draft_model,
         )
         if handshake.device_warning is not None:
             log.warning("worker.device_warning", warning=handshake.device_warning)

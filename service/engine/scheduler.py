@@ -99,7 +99,15 @@ from typing import Any, cast
 
 import numpy as np
 
-from gpu_worker.protocol import POOL_LAST, POOL_SUM, BatchPlan, History, StepResult, TokenLogprobs
+from gpu_worker.protocol import (
+    DRAFT_MODEL_TOKEN,
+    POOL_LAST,
+    POOL_SUM,
+    BatchPlan,
+    History,
+    StepResult,
+    TokenLogprobs,
+)
 from policies.base import Decision, Policy, SeqView, View
 from service.engine.block_manager import BlockManager, PrefixHit, chain_hashes
 from service.engine.request import MEAN_POOLING, Request, Status, account_of
@@ -116,6 +124,9 @@ class Scheduled:
     num_tokens: int  # of its own tokens (a decode's: 1)
     samples: bool
     drafts: list[int] = field(default_factory=list)  # drafted tokens it verifies after them
+    # a draft model's (Drafted): what it computes first, from position draft_start
+    draft_context: list[int] = field(default_factory=list)
+    draft_start: int = 0
 
     @property
     def chunk(self) -> int:
@@ -532,6 +543,7 @@ class Scheduler:
         """The step's tokens of `item` are computed: its own, and the drafts accepted (all
         but the last of the tokens it takes); the blocks past them are given back."""
         request, accepted = item.request, max(0, len(tokens) - 1)
+        _sync_draft_model(item, accepted)
         request.num_computed_tokens += item.num_tokens + accepted
         if item.drafts:
             self.blocks.trim(request.seq_id, request.num_computed_tokens)
@@ -634,7 +646,8 @@ class Scheduler:
         sampled = (item for item in out.scheduled if item.samples)
         for item, tokens in zip(sampled, result.tokens, strict=True):
             j = len(tokens) - 1  # the drafts it accepted, then the token sampled after them
-            if not 0 <= j <= len(item.drafts) or tokens[:j] != item.drafts[:j]:
+            chosen = item.drafts[:j] if DRAFT_MODEL_TOKEN not in item.drafts else tokens[:j]
+            if not 0 <= j <= len(item.drafts) or tokens[:j] != chosen:
                 return f"step {out.iteration}: the worker took tokens its drafts do not allow"
         return None
 
@@ -784,14 +797,18 @@ class Scheduler:
         proposals = self._self_paid_proposals(out, decodes)
         requests = [item.request for item in decodes]
         self_paid = speculator.self_paid(requests, proposals) if proposals else 0.0
+        if not self_paid and not speculator.others_may_pay:
+            return
         allowance = speculator.allowance(self.step_cost, num_tokens, starts, left, self_paid)
         for index, item in enumerate(decodes):
             request = item.request
             if self_paid:  # the blocks earlier rows' drafts took are no longer free
                 proposal = proposals[index][: self._draft_room(request)]
-                drafts = speculator.take(request, allowance, proposal)
+                drafted = speculator.take(request, allowance, proposal)
             else:
-                drafts = speculator.draft(request, allowance, self._draft_room(request))
+                drafted = speculator.draft(request, allowance, self._draft_room(request))
+            item.draft_context, item.draft_start = drafted.context, drafted.context_start
+            drafts = drafted.tokens
             if drafts:
                 self.blocks.allocate(request.seq_id, request.num_computed_tokens + 1 + len(drafts))
                 item.drafts = drafts
@@ -1043,6 +1060,8 @@ class Scheduler:
         histories: list[History | None] = []
         pooling: list[str | None] = []
         drafts: list[list[int]] = []
+        draft_context: list[list[int]] = []
+        draft_start: list[int] = []
         table_of = self.blocks.table
         groups = range(1, self.blocks.num_groups)  # a hybrid model's: the plan's group_tables
         group_tables: list[list[list[int]]] = []
@@ -1055,6 +1074,8 @@ class Scheduler:
             input_ids.extend(request.token_ids[start : start + item.num_tokens])
             input_ids.extend(item.drafts)
             drafts.append(item.drafts)
+            draft_context.append(item.draft_context)
+            draft_start.append(item.draft_start)
             tables.append(list(table_of(request.seq_id)))
             if groups:
                 group_tables.append([list(table_of(request.seq_id, g)) for g in groups])
@@ -1082,7 +1103,20 @@ class Scheduler:
             released=released,
             pooling=pooling if any(p is not None for p in pooling) else [],
             draft_tokens=drafts if any(drafts) else [],
+            draft_context=draft_context if any(draft_context) else [],
+            draft_start=draft_start if any(draft_context) else [],
         )
+
+
+def _sync_draft_model(item: Scheduled, accepted: int) -> None:
+    """What the draft model's cache holds once the step ran: the context sent, and the
+    rows it drafted from that the sequence keeps (gpu_worker.draft_model)."""
+    request = item.request
+    if item.drafts and item.drafts[0] == DRAFT_MODEL_TOKEN:
+        kept = min(accepted, len(item.drafts) - 1)
+        request.draft_synced = request.num_computed_tokens + 1 + kept
+    elif item.draft_context:
+        request.draft_synced = item.draft_start + len(item.draft_context)
 
 
 def _sampled_ids(out: ScheduleOutput) -> list[int]:

@@ -49,6 +49,21 @@ draft. Sampled requests do: the worker keeps a draft with the probability the to
 there, so the tokens' distribution is that of decoding without drafts (and a seeded
 request's tokens are the same, whatever the load let it draft).
 
+A draft model (method draft_model) drafts in the worker: a sequence asks for k drafts as
+DRAFT_MODEL_TOKEN placeholders (gpu_worker.draft_model), priced and budgeted as any k
+drafts. The draft model has its own cache over the sequence's blocks and runs only where
+asked, so the service tracks what it holds (Request.draft_synced: the positions before it
+have K/V there) and sends what it lacks first (`missing_context`): the prompt, on a first
+draft, or the tokens of the steps a sequence decoded without drafting. Those are a
+prefill for the draft model, priced at the engine's per-token cost of a prefill chunk
+within the same allowance; where the allowance cannot take them all, the step sends what
+fits and drafts nothing, and the sequence drafts once the rest has gone. A draft model
+drafts only in steps whose drafts pay for themselves (every row of a step of at most
+`_SELF_PAID_SEQS` decodes drafts): each of its passes costs the same whether one row drafts
+or all do, a fixed cost that the per-token price of the tolerance bound cannot bound. So
+beside a prefill or in a larger batch nothing drafts, nothing is sent, and the draft model
+does not run.
+
 Overlap (Config.overlap) does not stop drafting: the overlapped loop schedules step k+1
 only after update() has committed step k's tokens (only their text goes out later), so the
 drafts of k+1 are drawn from every accepted token.
@@ -58,11 +73,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gpu_worker.protocol import DRAFT_MODEL_TOKEN
 from policies.base import StepCost
 from service.engine.step_cost import StepCostModel, plan_terms
 
@@ -88,19 +104,27 @@ _FIELDS = (
     "prompt_lookup_max",
     "prompt_lookup_min",
     "step_cost_tolerance",
+    "model",
+    "quantization",
 )
+NGRAM, DRAFT_MODEL = "ngram", "draft_model"
+_MODEL_FIELDS = ("model", "quantization")
+_QUANTIZATIONS = ("none", "int8", "int4", "gguf")  # gpu_worker.quant.QUANTIZATIONS
 
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     """--speculative-config, vLLM's field names (and cadence's step_cost_tolerance)."""
 
-    method: str = "ngram"
+    method: str = NGRAM  # or DRAFT_MODEL: a second model drafts (gpu_worker.draft_model)
     num_speculative_tokens: int = 4  # the most tokens a sequence drafts in one step
     prompt_lookup_max: int = 4  # the longest suffix looked up
     prompt_lookup_min: int = 2  # the shortest
     # a step with drafts may be predicted to cost at most this fraction more than without
     step_cost_tolerance: float = 0.05
+    # the draft model, as --model names one (a directory, a GGUF file, a packaged model)
+    model: str | None = None
+    quantization: str = "none"  # the draft model's weights, as --quantization
 
     def describe(self) -> dict[str, Any]:
         return asdict(self)
@@ -108,7 +132,8 @@ class SpeculativeConfig:
 
 def parse_speculative_config(text: str) -> SpeculativeConfig:
     """--speculative-config's JSON; ValueError saying what is wrong. As vLLM, a missing
-    prompt_lookup_min or _max takes the other's value (both missing: 2 and 4)."""
+    prompt_lookup_min or _max takes the other's value (both missing: 2 and 4), and a
+    config that names a model and no method is the draft model's."""
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -118,8 +143,15 @@ def parse_speculative_config(text: str) -> SpeculativeConfig:
     unknown = sorted(set(raw) - set(_FIELDS))
     if unknown:
         raise ValueError(f"unknown speculative config field(s) {unknown}; expected {list(_FIELDS)}")
-    if raw.get("method") != "ngram":
-        raise ValueError(f"speculative config method must be 'ngram', got {raw.get('method')!r}")
+    method = raw.get("method", DRAFT_MODEL if "model" in raw else None)
+    if method == DRAFT_MODEL:
+        return _draft_model_config(raw)
+    if method != NGRAM:
+        raise ValueError(
+            f"speculative config method must be 'ngram' or 'draft_model', got {method!r}"
+        )
+    if set(raw) & set(_MODEL_FIELDS):
+        raise ValueError("speculative config: method 'ngram' takes no model nor quantization")
     if "num_speculative_tokens" not in raw:
         raise ValueError("speculative config needs num_speculative_tokens")
     low, high = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
@@ -140,6 +172,30 @@ def parse_speculative_config(text: str) -> SpeculativeConfig:
     if config.prompt_lookup_min > config.prompt_lookup_max:
         raise ValueError("speculative config: prompt_lookup_min must be <= prompt_lookup_max")
     return config
+
+
+def _draft_model_config(raw: dict[str, Any]) -> SpeculativeConfig:
+    lookups = sorted(set(raw) & {"prompt_lookup_min", "prompt_lookup_max"})
+    if lookups:
+        raise ValueError(f"speculative config: method 'draft_model' takes no {lookups}")
+    model = raw.get("model")
+    if not isinstance(model, str) or not model:
+        raise ValueError("speculative config: method 'draft_model' needs a model (a path)")
+    quantization = raw.get("quantization", "none")
+    if quantization not in _QUANTIZATIONS:
+        raise ValueError(
+            f"speculative config: quantization must be one of {', '.join(_QUANTIZATIONS)}, "
+            f"got {quantization!r}"
+        )
+    if "num_speculative_tokens" not in raw:
+        raise ValueError("speculative config needs num_speculative_tokens")
+    return SpeculativeConfig(
+        method=DRAFT_MODEL,
+        num_speculative_tokens=_int(raw, "num_speculative_tokens", 1, 64),
+        model=model,
+        quantization=quantization,
+        step_cost_tolerance=_tolerance(raw.get("step_cost_tolerance", 0.05)),
+    )
 
 
 def _int(raw: dict[str, Any], name: str, low: int, high: int) -> int:
@@ -255,6 +311,19 @@ class DraftAllowance:
     cost: StepCost | None  # the price of a draft within the measured steps' tokens
     beyond: StepCost | None = None  # past them (module docstring); None: `cost` throughout
     measured: int = 0  # drafts the step may take before it passes the measured tokens
+    # the price of a token of a draft model's context: a prefill chunk's (module docstring)
+    context_cost: StepCost | None = None
+
+    def take_context(self, n: int) -> int:
+        """How many of `n` context tokens of a draft model fit; takes them."""
+        n = max(0, min(n, self.tokens))
+        cost = self.context_cost or self.cost
+        price = 0.0 if cost is None else cost.ms_per_token
+        if n and price > 0 and math.isfinite(self.extra_ms):
+            n = min(n, max(0, math.floor(self.extra_ms / price)))
+            self.extra_ms -= n * price
+        self.tokens -= n
+        return n
 
     def room(self, context: int, k: int) -> int:
         """How many of `k` drafts of a sequence at `context` would fit."""
@@ -277,6 +346,16 @@ class DraftAllowance:
         inside = min(k, self.measured)
         beyond = self.beyond or self.cost
         return draft_ms(self.cost, context, inside) + draft_ms(beyond, context + inside, k - inside)
+
+
+@dataclass(slots=True)
+class Drafted:
+    """What one decoding sequence drafts in a step."""
+
+    tokens: list[int] = field(default_factory=list)  # its drafts (DRAFT_MODEL_TOKEN: unchosen)
+    # the draft model's: the tokens it computes first, from position context_start
+    context: list[int] = field(default_factory=list)
+    context_start: int = 0
 
 
 class Speculator:
@@ -318,19 +397,19 @@ class Speculator:
         step_ms = cost.step_ms(*plan_terms(num_tokens, start_pos))
         share = max(self.config.step_cost_tolerance, _SELF_PAID_SHARE * self_paid)
         extra_ms = share * step_ms
-        allowance = DraftAllowance(max(0, tokens_left), extra_ms, cost)
+        allowance = DraftAllowance(max(0, tokens_left), extra_ms, cost, context_cost=engines)
         if decode_only:
             allowance.beyond = _dearer(cost, engines)
             allowance.measured = max(0, self.widest - sum(num_tokens))
         return allowance
 
-    def draft(self, request: Request, allowance: DraftAllowance, room: int) -> list[int]:
-        """The tokens `request` (decoding, may_draft) drafts this step: at most `room`
+    def draft(self, request: Request, allowance: DraftAllowance, room: int) -> Drafted:
+        """What `request` (decoding, may_draft) drafts this step: at most `room` tokens
         (its blocks' and its max_tokens' bound), as many as its acceptance wants and the
         allowance takes."""
         k = allowance.room(request.num_computed_tokens, self.wanted(request, room))
         if k < 1:  # before the lookup: a full step costs no lookups
-            return []
+            return Drafted()
         return self.take(request, allowance, self.propose(request, k))
 
     def wanted(self, request: Request, room: int) -> int:
@@ -341,14 +420,44 @@ class Speculator:
         return max(0, min(k, room, request.params.max_tokens - request.num_generated - 1))
 
     def propose(self, request: Request, k: int) -> list[int]:
+        """k tokens or fewer; the draft model's k are its to choose (DRAFT_MODEL_TOKEN)."""
         config = self.config
+        if config.method == DRAFT_MODEL:
+            return [DRAFT_MODEL_TOKEN] * k
         return propose_ngram(
             request.token_ids, k, config.prompt_lookup_min, config.prompt_lookup_max
         )
 
-    def take(self, request: Request, allowance: DraftAllowance, proposal: list[int]) -> list[int]:
-        """Of a proposal, the drafts the allowance takes."""
+    def take(self, request: Request, allowance: DraftAllowance, proposal: list[int]) -> Drafted:
+        """Of a proposal, the drafts the allowance takes. A draft model first computes the
+        context it lacks (module docstring): until all of it fits in a step, the step
+        sends it what fits, and no drafts."""
+        context = self.missing_context(request)
+        if context:
+            sent = allowance.take_context(len(context))
+            start = request.draft_synced
+            if sent < len(context):
+                return Drafted([], context[:sent], start)
+            return Drafted(self._taken(request, allowance, proposal), context, start)
+        return Drafted(self._taken(request, allowance, proposal))
+
+    def _taken(self, request: Request, allowance: DraftAllowance, proposal: list[int]) -> list[int]:
         return proposal[: allowance.take(request.num_computed_tokens, len(proposal))]
+
+    def missing_context(self, request: Request) -> list[int]:
+        """The tokens before `request`'s next position that its draft model has no K/V
+        for ([] without a draft model)."""
+        if self.config.method != DRAFT_MODEL:
+            return []
+        return request.token_ids[request.draft_synced : request.num_computed_tokens]
+
+    @property
+    def others_may_pay(self) -> bool:
+        """Whether a step's drafts may cost its other rows (up to the tolerance): n-gram
+        drafts, whose cost is their rows'. A draft model's passes cost the same however
+        few rows draft, which a price per token cannot bound: it drafts only where every
+        row does (module docstring)."""
+        return self.config.method == NGRAM
 
     def self_paid_size(self, rows: int) -> bool:
         """Whether a decode-only step of `rows` rows may have drafts that pay for themselves."""

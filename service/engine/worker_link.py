@@ -36,6 +36,8 @@ from gpu_worker.protocol import (
     to_message,
 )
 from service.config import Config
+from service.engine.speculation import DRAFT_MODEL
+from service.model_files.resolve import resolve_model
 
 _PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 _RECEIVE_BYTES = 1 << 16
@@ -66,13 +68,20 @@ class WorkerStartError(RuntimeError):
 
 
 def worker_config_for(config: Config, model_dir: Path | str) -> WorkerConfig:
-    """The worker's knobs are Config's fields of the same name (one default for both)."""
+    """The worker's knobs are Config's fields of the same name (one default for both); a
+    draft model (--speculative-config) is resolved as --model is."""
     named = {f.name for f in fields(Config)}
     shared = {f.name: getattr(config, f.name) for f in fields(WorkerConfig) if f.name in named}
+    spec = config.speculative_config
+    draft_dir = None
+    if spec is not None and spec.method == DRAFT_MODEL:
+        draft_dir = str(resolve_model(spec.model, config.cache_dir))
     return WorkerConfig(
         model_dir=str(model_dir),
         max_num_batched_tokens=config.max_batched_tokens,
         kernel_cache=str(config.cache_dir / "kernels.json"),
+        draft_model_dir=draft_dir,
+        draft_quantization="none" if spec is None else spec.quantization,
         **shared,
     )
 
