@@ -8,18 +8,19 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpu_worker.protocol import StepResult
+from gpu_worker.protocol import DRAFT_MODEL_TOKEN, StepResult
 from policies.base import Decision
 from service.engine.block_manager import BlockManager, chain_hashes
 from service.engine.request import Request, SamplingParams, SamplingSpec, Status
 from service.engine.scheduler import ScheduleOutput, Scheduler
-from service.engine.speculation import SpeculativeConfig
+from service.engine.speculation import DRAFT_MODEL, SpeculativeConfig
 from tests.scheduler_helpers import make_request, make_scheduler
 from tests.sim_worker import EOS
 from tests.test_engine_scheduler_properties import decisions
 
 PATTERN = [1, 2, 3]
 SPEC = SpeculativeConfig(num_speculative_tokens=4)
+DRAFT_SPEC = SpeculativeConfig(method=DRAFT_MODEL, num_speculative_tokens=4, model="draft")
 
 
 def scheduler(**kw) -> Scheduler:
@@ -190,17 +191,28 @@ def check_drafts(sched: Scheduler, out: ScheduleOutput, budget: object, before: 
         cap = min(cap, budget)
     own = sum(item.num_tokens for item in out.scheduled)
     assert plan.total_tokens <= sched.max_batched_tokens
-    assert out.draft_tokens <= max(0, cap - own), "drafts past the budget"
+    context = sum(map(len, plan.draft_context))  # a draft model's: budgeted as drafts
+    assert out.draft_tokens + context <= max(0, cap - own), "drafts past the budget"
     assert out.draft_tokens == sum(map(len, plan.draft_tokens))
-    if out.draft_tokens:  # the cost model is never fitted here (no step times)
-        assert own == len(plan.seq_ids) and plan.total_tokens <= 16  # a small decode step
+    if out.draft_tokens or context:  # the cost model is never fitted here (no step times)
+        assert own == len(plan.seq_ids) and plan.total_tokens + context <= 16  # a small step
     offset = 0
     for i, item in enumerate(out.scheduled):
         request, drafts = item.request, item.drafts
         n, start = plan.num_tokens[i], plan.start_pos[i]
+        if item.draft_context:  # what the draft model lacks, from where it stopped
+            assert plan.draft_context[i] == item.draft_context
+            assert (
+                item.draft_context
+                == request.token_ids[item.draft_start : start][: len(item.draft_context)]
+            )
+            assert not drafts or item.draft_start + len(item.draft_context) == start
         if drafts:
             assert item.samples and item.num_tokens == 1 and n == 1 + len(drafts)
             assert plan.draft_tokens[i] == drafts and len(drafts) <= SPEC.num_speculative_tokens
+            if DRAFT_MODEL_TOKEN in drafts:
+                assert set(drafts) == {DRAFT_MODEL_TOKEN}
+                assert request.draft_synced + len(item.draft_context) == start
             generated = before[request.seq_id][1] - request.prompt_len
             assert generated + len(drafts) + 1 <= request.params.max_tokens  # type: ignore[operator]
             assert plan.input_ids[offset : offset + n] == [request.token_ids[start], *drafts]
@@ -215,7 +227,10 @@ def verdicts(draw: st.DrawFn, out: ScheduleOutput) -> StepResult:
         if item.samples:
             kept = draw(st.integers(0, len(item.drafts)), label="accepted")
             last = draw(st.sampled_from([1, 2, 3, 3, 9, EOS]), label="sampled")
-            tokens[item.request.seq_id] = [*item.drafts[:kept], last]
+            drafts = item.drafts
+            if DRAFT_MODEL_TOKEN in drafts:  # the draft model's choice
+                drafts = [draw(st.sampled_from([1, 2, 3]), label="drafted") for _ in drafts]
+            tokens[item.request.seq_id] = [*drafts[:kept], last]
     return answer(out, tokens)
 
 
@@ -249,6 +264,7 @@ def check_cache(sched: Scheduler, live: dict[int, Request]) -> None:
     steps=st.integers(1, 25),
     groups=st.sampled_from([("full",), ("full",), ("full", "w"), ("w",)]),
     window=st.integers(1, 12),
+    spec=st.sampled_from([SPEC, DRAFT_SPEC]),
 )
 def test_drafts_keep_every_promise_whatever_the_policy_and_the_verdicts(
     data: st.DataObject,
@@ -261,8 +277,10 @@ def test_drafts_keep_every_promise_whatever_the_policy_and_the_verdicts(
     steps: int,
     groups: tuple[str, ...],
     window: int,
+    spec: SpeculativeConfig,
 ):
-    """On one table per sequence, and on a hybrid model's KV groups."""
+    """On one table per sequence, and on a hybrid model's KV groups; with n-gram drafts
+    and with a draft model's."""
     sched, policy = make_scheduler(
         num_blocks,
         block_size,
@@ -270,7 +288,7 @@ def test_drafts_keep_every_promise_whatever_the_policy_and_the_verdicts(
         max_seqs,
         watermark,
         prefix_caching=prefix_caching,
-        speculative=SPEC,
+        speculative=spec,
     )
     if groups != ("full",):
         windows = [None if kind == "full" else window for kind in groups]
