@@ -8,7 +8,7 @@ Three seams, each with its candidates:
   "aten" (F.linear); see gpu_worker.linear.Linear.
 
 Weights kept quantized (gpu_worker.quant) have no seam to measure: the C++ kernel serves
-them where it is built (a CPU with AVX512-VNNI) and the PyTorch reference elsewhere. The
+them where it is built (a CPU with AVX512-VNNI or AVX2) and the PyTorch reference elsewhere. The
 two give the same bits, and the reference is the slow correct path, never the faster one.
 
 A candidate is offered where it can run: the native ones on CPUs where the C++ kernels

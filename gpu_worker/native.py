@@ -11,7 +11,7 @@
   write quantizes and both attention kernels dequantize (reference: gpu_worker.kv_quant);
 - top_logits.cpp: the ids of each row's k largest logits;
 - quant_matmul.cpp: matmuls against weights kept quantized (gpu_worker.quant), on CPUs
-  with AVX512-VNNI (elsewhere the ops are not registered);
+  with AVX512-VNNI or AVX2 (elsewhere the ops are not registered);
 - bf16_matmul.cpp: the bfloat16 matmul (gpu_worker.linear's "native" kernel), on CPUs with
   AVX512-BF16.
 

@@ -14,9 +14,9 @@ scale, each group's dot product is exact integer arithmetic, and the groups' pro
 summed in float32 in K order. Nothing of that depends on which rows share a call, so a
 row's bits are independent of its batch and its chunk, as gpu_worker.linear promises for
 the dense matmuls (QuantLinear still checks its call sizes the same way). The C++ kernel
-(csrc/quant_matmul.cpp, AVX512-VNNI) and reference_matmul below compute the same bits;
-the reference is the slow correct path, used where the kernel is not built (no VNNI, no
-compiler, CUDA) and as the tests' oracle.
+(csrc/quant_matmul.cpp, AVX512-VNNI or AVX2) and reference_matmul below compute the same
+bits; the reference is the slow correct path, used where the kernel is not built (neither,
+no compiler, CUDA) and as the tests' oracle.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@ many steps a stream takes, never its tokens. A server with `--speculative-config
 as one without (bfloat16, the default model) greedy and seeded, alone and together, with
 the same log-probabilities, and its /metrics and logs count the drafts it accepted.
 
-The same holds with a draft model: the default model's own Q4_1 weights (its GGUF file's,
-served in their own type) drafting for its bfloat16 copy, a draft that is right most of
-the time, on free text too."""
+The same holds with a draft model: the default model drafting for itself, a draft that is
+right nearly every time, on free text too (BENCHMARKS.md measures a cheaper one, its own
+Q4_1 weights: here, on a CPU without their kernel, they would be slow)."""
 
 from __future__ import annotations
 
@@ -33,8 +33,7 @@ FREE = [{"role": "user", "content": "What is the tallest mountain in Africa?"}]
 
 
 DRAFT_MODEL = (
-    '{"model": "SmolLM2-135M-Instruct", "quantization": "gguf", "num_speculative_tokens": 3, '
-    '"step_cost_tolerance": 1.0}'
+    '{"model": "SmolLM2-135M-Instruct", "num_speculative_tokens": 3, "step_cost_tolerance": 1.0}'
 )
 
 
@@ -70,12 +69,12 @@ def answer(reply) -> tuple[str, int, str]:
     return choice.message.content, reply.usage.completion_tokens, choice.finish_reason
 
 
-def accepted_tokens(server: RunningServer) -> float:
+def accepted_tokens(server: RunningServer, counted: str = "accepted") -> float:
     text = httpx.get(f"{server.url}/metrics", timeout=30).text
     match = re.search(
-        r"^cadence:spec_decode_num_accepted_tokens_total(?:\{[^}]*\})? (\S+)$", text, re.M
+        rf"^cadence:spec_decode_num_{counted}_tokens_total(?:\{{[^}}]*\}})? (\S+)$", text, re.M
     )
-    assert match, "no accepted-tokens counter in /metrics"
+    assert match, f"no {counted}-tokens counter in /metrics"
     return float(match.group(1))
 
 
@@ -151,15 +150,16 @@ def test_a_draft_model_changes_no_answer_and_drafts_free_text_too(
     greedy = {"temperature": 0, "logprobs": True}
     seeded = {"temperature": 0.8, "seed": 7}
     for messages, options in [(FREE, greedy), (task_messages("edit", 2), greedy), (FREE, seeded)]:
-        before = accepted_tokens(draft_model_server)
+        before = [accepted_tokens(draft_model_server, c) for c in ("accepted", "draft")]
         drafted = chat(draft_model_server, messages, **options)
         plain = chat(cadence_server_bf16, messages, **options)
         assert answer(drafted) == answer(plain)
         if options is greedy:
             logprobs = [t.logprob for t in drafted.choices[0].logprobs.content]
             assert logprobs == [t.logprob for t in plain.choices[0].logprobs.content]
-            # its own weights in 4 bits: most of its drafts are right, repetitive or not
-            accepted = accepted_tokens(draft_model_server) - before
-            assert accepted >= drafted.usage.completion_tokens / 2
+            # the model's own argmax, whatever the text: nearly every draft is right
+            after = [accepted_tokens(draft_model_server, c) for c in ("accepted", "draft")]
+            accepted, drafts = (a - b for a, b in zip(after, before, strict=True))
+            assert drafts > 0 and accepted >= 0.9 * drafts
     log = draft_model_server.log_file.read_text().splitlines()
     assert not [e for e in map(json.loads, log) if e.get("level") == "error"]

@@ -118,7 +118,7 @@ def test_the_flag_reaches_the_worker():
 def test_the_reference_serves_the_same_bits_where_the_kernel_is_not_built(
     tiny_llama_dir, monkeypatch
 ):
-    """The slow correct path (a CPU without VNNI, CUDA) computes what the kernel does."""
+    """The slow correct path (a CPU without AVX2, CUDA) computes what the kernel does."""
     native = make_runner(tiny_llama_dir, dtype="bfloat16", quantization="int4")
     monkeypatch.setattr(runtime, "quant_kernels", lambda device: None)
     reference = make_runner(tiny_llama_dir, dtype="bfloat16", quantization="int4")

@@ -1,4 +1,4 @@
-// y = x @ W.T with W kept quantized (gpu_worker.quant), on CPUs with AVX512-VNNI.
+// y = x @ W.T with W kept quantized (gpu_worker.quant), on CPUs with AVX512-VNNI or AVX2.
 //
 // llama.cpp's scheme: each row of x is quantized per group of 32 to int8 with a float
 // scale (quantize_activations), each weight group of G (32, or 16 for Q6_K) holds unsigned
@@ -21,6 +21,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -28,6 +29,12 @@
 #include <vector>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define CADENCE_QUANT_AVX512 1
+#elif defined(__AVX2__)
+#define CADENCE_QUANT_AVX2 1
+#endif
+
+#if defined(CADENCE_QUANT_AVX512) || defined(CADENCE_QUANT_AVX2)
 #include <immintrin.h>
 
 namespace {
@@ -37,6 +44,122 @@ constexpr int64_t kSumGroup = 16;  // activation values per sum (the finest weig
 constexpr int64_t kCols = 16;  // columns per packed block
 constexpr int kMaxTile = 8;  // rows per register tile
 
+// The instruction set's part: 16 float32 or int32 lanes (one per column of a block), a
+// 64-byte line of weight codes, and a line's integer dot with 4 broadcast activations. On
+// AVX2 each is two 256-bit halves (columns 0-7, 8-15), lane for lane the same arithmetic:
+// the integer dots are exact either way and the float steps are the same operations, so
+// both give gpu_worker.quant.reference_matmul's bits.
+#if defined(CADENCE_QUANT_AVX512)
+struct F16 {
+  __m512 v;
+};
+struct I16 {
+  __m512i v;
+};
+struct Line {
+  __m512i v;
+};
+inline F16 fzero() { return {_mm512_setzero_ps()}; }
+inline F16 fload(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline F16 fset(float x) { return {_mm512_set1_ps(x)}; }
+inline F16 fmul(F16 a, F16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline F16 fadd(F16 a, F16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline F16 to_float(I16 a) { return {_mm512_cvtepi32_ps(a.v)}; }
+inline void fstore(float* p, F16 a) { _mm512_storeu_ps(p, a.v); }
+inline I16 izero() { return {_mm512_setzero_si512()}; }
+inline I16 isub(I16 a, int32_t b) { return {_mm512_sub_epi32(a.v, _mm512_set1_epi32(b))}; }
+inline Line load_line(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
+inline Line low_nibbles(Line l) { return {_mm512_and_si512(l.v, _mm512_set1_epi8(0x0F))}; }
+inline Line high_nibbles(Line l) {
+  return {_mm512_and_si512(_mm512_srli_epi16(l.v, 4), _mm512_set1_epi8(0x0F))};
+}
+// 16 added to the bytes whose bit is set in `mask` (bit j: byte j)
+inline Line add_fifth_bits(Line l, uint64_t mask) {
+  return {_mm512_mask_add_epi8(l.v, _cvtu64_mask64(mask), l.v, _mm512_set1_epi8(16))};
+}
+// acc + each column's 4 codes (unsigned, at most 31) . the 4 activations packed in `a`
+inline I16 dot_small(I16 acc, Line codes, int32_t a) {
+  return {_mm512_dpbusd_epi32(acc.v, codes.v, _mm512_set1_epi32(a))};
+}
+// q8 codes are the signed values + 128: vpdpbusd takes them as they are, and the tile
+// takes 128 x the activations' sum back (kQ8Biased)
+constexpr bool kQ8Biased = true;
+inline I16 dot_q8(I16 acc, Line codes, int32_t a) { return dot_small(acc, codes, a); }
+#else
+struct F16 {
+  __m256 lo, hi;
+};
+struct I16 {
+  __m256i lo, hi;
+};
+struct Line {
+  __m256i lo, hi;
+};
+inline F16 fzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline F16 fload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline F16 fset(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline F16 fmul(F16 a, F16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline F16 fadd(F16 a, F16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline F16 to_float(I16 a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+inline void fstore(float* p, F16 a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
+}
+inline I16 izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline I16 isub(I16 a, int32_t b) {
+  const __m256i v = _mm256_set1_epi32(b);
+  return {_mm256_sub_epi32(a.lo, v), _mm256_sub_epi32(a.hi, v)};
+}
+inline Line load_line(const uint8_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+inline Line low_nibbles(Line l) {
+  const __m256i m = _mm256_set1_epi8(0x0F);
+  return {_mm256_and_si256(l.lo, m), _mm256_and_si256(l.hi, m)};
+}
+inline Line high_nibbles(Line l) {
+  const __m256i m = _mm256_set1_epi8(0x0F);
+  return {_mm256_and_si256(_mm256_srli_epi16(l.lo, 4), m),
+          _mm256_and_si256(_mm256_srli_epi16(l.hi, 4), m)};
+}
+// 0xFF in the bytes whose bit is set in `mask` (bit j: byte j), 0 elsewhere
+inline __m256i bytes_of_bits(uint32_t mask) {
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2,
+                                          2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(mask)), spread);
+  return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+}
+inline Line add_fifth_bits(Line l, uint64_t mask) {
+  const __m256i sixteen = _mm256_set1_epi8(16);
+  __m256i lo = _mm256_and_si256(bytes_of_bits(static_cast<uint32_t>(mask)), sixteen);
+  __m256i hi = _mm256_and_si256(bytes_of_bits(static_cast<uint32_t>(mask >> 32)), sixteen);
+  return {_mm256_add_epi8(l.lo, lo), _mm256_add_epi8(l.hi, hi)};
+}
+// vpmaddubsw's pairs of u8 x s8 saturate at 16 bits: exact for codes up to 31 (31 x 127 x 2)
+inline __m256i dot_half(__m256i acc, __m256i u, __m256i s) {
+  const __m256i pairs = _mm256_maddubs_epi16(u, s);
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+inline I16 dot_small(I16 acc, Line codes, int32_t a) {
+  const __m256i as = _mm256_set1_epi32(a);
+  return {dot_half(acc.lo, codes.lo, as), dot_half(acc.hi, codes.hi, as)};
+}
+// q8's signed values (codes - 128) against the activations as |w| x (a with w's sign):
+// |w| <= 128 and |a| <= 127 keep the pairs within 16 bits, and the dot needs no correction
+constexpr bool kQ8Biased = false;
+inline __m256i dot_signed_half(__m256i acc, __m256i codes, __m256i as) {
+  const __m256i w = _mm256_xor_si256(codes, _mm256_set1_epi8(static_cast<char>(0x80)));
+  return dot_half(acc, _mm256_abs_epi8(w), _mm256_sign_epi8(as, w));
+}
+inline I16 dot_q8(I16 acc, Line codes, int32_t a) {
+  const __m256i as = _mm256_set1_epi32(a);
+  return {dot_signed_half(acc.lo, codes.lo, as), dot_signed_half(acc.hi, codes.hi, as)};
+}
+#endif
+
+#if defined(CADENCE_QUANT_AVX512)
 // 16 values as float32: a bfloat16 is the upper half of a float32's bits.
 inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
 inline __m512 load16(const c10::BFloat16* x) {
@@ -63,6 +186,38 @@ void quantize_group(const In* x, int8_t* q, float* scale, int32_t* sums) {
   }
   *scale = d;
 }
+
+#else
+// 32 values as float32: a bfloat16 is the upper half of a float32's bits.
+inline void to_float32(const float* x, float* out) { std::memcpy(out, x, 32 * sizeof(float)); }
+inline void to_float32(const c10::BFloat16* x, float* out) {
+  for (int i = 0; i < 32; ++i) {
+    uint32_t bits = static_cast<uint32_t>(x[i].x) << 16;
+    std::memcpy(out + i, &bits, 4);
+  }
+}
+
+// quantize_group as AVX-512's, in scalar code: a row's quantization is K values against the
+// K x N of its matmul. std::nearbyint rounds half to even (the default mode), as torch.round.
+template <typename In>
+void quantize_group(const In* x, int8_t* q, float* scale, int32_t* sums) {
+  float values[32];
+  to_float32(x, values);
+  float amax = 0.0f;
+  for (float v : values) amax = std::max(amax, std::fabs(v));
+  const float d = amax / 127.0f;
+  const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
+  sums[0] = sums[1] = 0;
+  for (int i = 0; i < 32; ++i) {
+    const float scaled = values[i] * inverse;
+    const int32_t code = std::clamp(static_cast<int32_t>(std::nearbyint(scaled)), -127, 127);
+    q[i] = static_cast<int8_t>(code);
+    sums[i / 16] += code;
+  }
+  *scale = d;
+}
+
+#endif
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations(const at::Tensor& input) {
   TORCH_CHECK(input.device().is_cpu() && input.dim() == 2, "x must be a CPU [rows, K] tensor");
@@ -115,69 +270,62 @@ void tile(const Row* rows, int64_t k, const uint8_t* weights, const float* w_sca
           const float* w_mins, const float* bias, Out* out, int64_t out_stride, int64_t cols) {
   constexpr int kLines = kGroupSize / 4;  // 4 values of K per line
   const int64_t groups = k / kGroupSize;
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
-  const __m512i sixteen = _mm512_set1_epi8(16);
+  F16 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = fzero();
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t k0 = g * kGroupSize;
-    __m512i dot[R];
-    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+    I16 dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = izero();
     if constexpr (kBits != 8) {
       const uint8_t* lines = weights + g * kGroupSize * kCols * kBits / 8;
       for (int c = 0; c < 4; ++c) {
-        __m512i line = _mm512_loadu_si512(lines + 64 * c);
-        __m512i lo = _mm512_and_si512(line, low_nibbles);
-        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(line, 4), low_nibbles);
+        const Line line = load_line(lines + 64 * c);
+        Line lo = low_nibbles(line), hi = high_nibbles(line);
         if constexpr (kBits == 5) {  // the fifth bits: 16 added where the mask has them
           uint64_t lo_fifth, hi_fifth;
           std::memcpy(&lo_fifth, lines + 256 + 8 * c, 8);
           std::memcpy(&hi_fifth, lines + 256 + 8 * (c + 4), 8);
-          lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(lo_fifth), lo, sixteen);
-          hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(hi_fifth), hi, sixteen);
+          lo = add_fifth_bits(lo, lo_fifth);
+          hi = add_fifth_bits(hi, hi_fifth);
         }
         for (int r = 0; r < R; ++r) {
           int32_t a_lo, a_hi;
           std::memcpy(&a_lo, rows[r].q + k0 + 4 * c, 4);
           std::memcpy(&a_hi, rows[r].q + k0 + 16 + 4 * c, 4);
-          dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_set1_epi32(a_lo));
-          dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(a_hi));
+          dot[r] = dot_small(dot_small(dot[r], lo, a_lo), hi, a_hi);
         }
       }
     } else {
       const uint8_t* lines = weights + g * kGroupSize * kCols;
       for (int c = 0; c < kLines; ++c) {
-        __m512i line = _mm512_loadu_si512(lines + 64 * c);
+        const Line line = load_line(lines + 64 * c);
         for (int r = 0; r < R; ++r) {
           int32_t a;
           std::memcpy(&a, rows[r].q + k0 + 4 * c, 4);
-          dot[r] = _mm512_dpbusd_epi32(dot[r], line, _mm512_set1_epi32(a));
+          dot[r] = dot_q8(dot[r], line, a);
         }
       }
     }
-    const __m512 scale = _mm512_loadu_ps(w_scales + g * kCols);
-    __m512 min;
-    if constexpr (kMins) min = _mm512_loadu_ps(w_mins + g * kCols);
+    const F16 scale = fload(w_scales + g * kCols);
+    F16 min;
+    if constexpr (kMins) min = fload(w_mins + g * kCols);
     for (int r = 0; r < R; ++r) {
       const int64_t first_sum = k0 / kSumGroup;
       int32_t sum = rows[r].sums[first_sum];
       if constexpr (kGroupSize == 32) sum += rows[r].sums[first_sum + 1];
-      if constexpr (kBits == 8) {  // the codes are values + 128
-        dot[r] = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(128 * sum));
-      }
+      if constexpr (kBits == 8 && kQ8Biased) dot[r] = isub(dot[r], 128 * sum);
       const float a_scale = rows[r].scales[k0 / kGroup];
-      __m512 term = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r]), scale);
-      term = _mm512_mul_ps(term, _mm512_set1_ps(a_scale));
-      acc[r] = _mm512_add_ps(acc[r], term);
+      const F16 term = fmul(fmul(to_float(dot[r]), scale), fset(a_scale));
+      acc[r] = fadd(acc[r], term);
       if constexpr (kMins) {
         const float a_sum = a_scale * static_cast<float>(sum);
-        acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(min, _mm512_set1_ps(a_sum)));
+        acc[r] = fadd(acc[r], fmul(min, fset(a_sum)));
       }
     }
   }
-  alignas(64) float values[kCols];
+  float values[kCols];
   for (int r = 0; r < R; ++r) {
-    _mm512_store_ps(values, acc[r]);
+    fstore(values, acc[r]);
     store(out + r * out_stride, values, bias, cols);
   }
 }
