@@ -152,7 +152,7 @@ def test_offline_generate_queues_a_batch_beyond_the_servers_token_bound(tokenize
     # tokens waiting > the 8,192 the bound never goes below); a batch is submitted at once
     # and must all be queued. The prompts share all but their last block, so that after the
     # first the prefix cache prefills each in a few tokens (the bound counts whole prompts).
-    llm = LLM(dtype="bfloat16", device="cpu", max_num_seqs=1, max_queued_tokens=1)
+    llm = LLM(dtype="float32", device="cpu", max_num_seqs=1, max_queued_tokens=1)
     shared = [tokenizer.bos_token_id or 1] + [100] * 2983
     prompts = [shared + [100 + i] * 16 for i in range(4)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=1, sampling=ARGMAX))

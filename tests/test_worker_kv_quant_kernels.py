@@ -11,6 +11,7 @@ import torch
 from gpu_worker import native
 from gpu_worker.kv_quant import KV_CACHE_DTYPES, dequantize, is_quantized, quantize_rows
 from tests.test_worker_native import random_decode_case, random_prefill_case
+from tests.worker_fixtures import needs_bf16_prefill_kernel
 
 CACHE_DTYPES = list(KV_CACHE_DTYPES.values())
 MODEL_DTYPES = [torch.float32, torch.bfloat16]
@@ -305,6 +306,7 @@ PREFILL_CASES = [
 @pytest.mark.parametrize(
     ("num_queries", "start", "group_size", "head_dim", "block_size"), PREFILL_CASES
 )
+@needs_bf16_prefill_kernel
 def test_prefill_on_8_bit_caches_is_prefill_on_their_values_and_decode(
     kernels, cache_dtype, num_queries, start, group_size, head_dim, block_size
 ):
@@ -374,6 +376,7 @@ def test_decode_rejects_scales_for_a_plain_cache(kernels, int8_decode_case):
         kernels.paged_decode_attention(q, k_codes, plain, tables, lens, 0.125, scales)
 
 
+@needs_bf16_prefill_kernel
 def test_prefill_needs_the_scales_of_an_8_bit_cache(kernels):
     q, table, k_codes, k_scales, v_codes, _ = quantized_prefill_case(
         5, 3, 3, 64, 16, torch.float8_e4m3fn

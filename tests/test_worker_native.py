@@ -11,6 +11,7 @@ import torch
 from gpu_worker import attention, native
 from gpu_worker.attention import torch_backend
 from gpu_worker.kv_cache import LayerKV
+from tests.worker_fixtures import HAS_BF16_PREFILL_KERNEL, needs_bf16_prefill_kernel
 
 
 def test_the_kernel_builds_here() -> None:
@@ -143,10 +144,10 @@ def random_prefill_case(
     return q, k, v, k_cache, v_cache, chunk
 
 
-def test_the_prefill_kernel_serves_bfloat16_on_this_cpu():
-    # The suite's machines have AVX512-BF16 (the kernel is registered only where they do).
+def test_the_prefill_kernel_serves_bfloat16_where_the_cpu_has_avx512_bf16():
+    # the kernel is registered only where it does
     cpu = torch.device("cpu")
-    assert attention.NativeAttention.serves(cpu, torch.bfloat16, 64)
+    assert attention.NativeAttention.serves(cpu, torch.bfloat16, 64) == HAS_BF16_PREFILL_KERNEL
     assert not attention.NativeAttention.serves(cpu, torch.float32, 64)
     assert not attention.NativeAttention.serves(cpu, torch.bfloat16, 40)
 
@@ -163,6 +164,7 @@ def test_the_prefill_kernel_serves_bfloat16_on_this_cpu():
         (300, 900, 3, 64, 16),  # several query blocks over a long cached prefix
     ],
 )
+@needs_bf16_prefill_kernel
 def test_prefill_kernel_matches_the_pytorch_path(
     num_queries, start, group_size, head_dim, block_size
 ):
@@ -176,6 +178,7 @@ def test_prefill_kernel_matches_the_pytorch_path(
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
+@needs_bf16_prefill_kernel
 def test_prefill_kernel_rejects_a_block_outside_the_cache():
     q, _, _, k_cache, v_cache, chunk = random_prefill_case(20, 10, 3, 64, 16, seed=1)
     table = chunk.block_table.clone()

@@ -53,6 +53,25 @@ void norm_row(T* x, const T* delta, const T* weight, T* out, int64_t n, float ep
     acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
   }
   sum = _mm512_reduce_add_ps(acc);
+#else
+  // 16 partial sums, as the AVX-512 loop's lanes (and PyTorch's vectorized sum) keep them:
+  // one running sum would round differently, a few ulps of the norm away
+  constexpr int64_t kLanes = 16;
+  float lanes[kLanes] = {};
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int64_t j = 0; j < kLanes; ++j) {
+      float v = static_cast<float>(x[i + j]);
+      if (delta != nullptr) {
+        v = rounded<T>(v + static_cast<float>(delta[i + j]));
+        x[i + j] = static_cast<T>(v);
+      }
+      lanes[j] += v * v;
+    }
+  }
+  for (int64_t width = kLanes / 2; width > 0; width /= 2) {
+    for (int64_t j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+  }
+  sum = lanes[0];
 #endif
   for (; i < n; ++i) {
     float v = static_cast<float>(x[i]);
