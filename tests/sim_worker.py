@@ -106,6 +106,7 @@ class SimWorker:
     per_seq_ms: float = 0.2
     per_pair_ms: float = 0.0
     memory_bound_tokens: int = 0  # a step of fewer tokens costs as much as one of this many
+    draft_model_share: float = 0.1  # what its draft model costs, as a share of its own cost
     period: int | None = None  # the model copies its sequence from this many tokens back
     device: str = "cpu"  # as reported in the handshake
     device_warning: str | None = None  # likewise
@@ -204,14 +205,14 @@ class SimWorker:
 
     def _draft_model_ms(self, plan: BatchPlan) -> float:
         """A draft model's passes (one per draft of the longest row's) and context tokens:
-        a model DRAFT_MODEL_SHARE as costly as this one, each pass a step of its rows."""
+        a model `draft_model_share` as costly as this one, each pass a step of its rows."""
         passes = max((d.count(DRAFT_MODEL_TOKEN) for d in plan.draft_tokens), default=0)
         context = sum(map(len, plan.draft_context))
         if not passes and not context:
             return 0.0
         step = self.base_ms + self.per_token_ms * self.memory_bound_tokens
         context_ms = self.per_token_ms * max(context - self.memory_bound_tokens, 0)
-        return DRAFT_MODEL_SHARE * (max(passes, 1) * step + context_ms)
+        return self.draft_model_share * (max(passes, 1) * step + context_ms)
 
     def _drafted_by_model(self, plan: BatchPlan) -> BatchPlan:
         """`plan` with its DRAFT_MODEL_TOKEN drafts chosen by a draft model that is always
@@ -361,10 +362,6 @@ class SimWorker:
             if pos >= 0:
                 h = (h * 1000003 + self._read(table, seq_id, pos)) % 1_000_000_007
         return 97 + h % 26  # a..z
-
-
-# what the simulated draft model costs, as a share of the model's cost
-DRAFT_MODEL_SHARE = 0.1
 
 
 def constrained_choice(bitmask: str) -> int:

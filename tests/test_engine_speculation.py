@@ -4,6 +4,7 @@ proposer, a request's acceptance record, and the allowance a step's drafts get."
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 
 import pytest
@@ -270,3 +271,32 @@ def test_prefill_steps_do_not_teach_the_decode_model():
     for _ in range(10):
         speculator.observe([1, 5], [10, 20], [0, 4], 10.0)
     assert speculator.decode_cost.estimate() is not None
+
+
+# ---- a draft model's measured payoff ------------------------------------------------------
+
+
+def run_payoff(drafting_ms: float, plain_ms: float, steps: int) -> list[bool]:
+    """Whether each of `steps` steps of one row drafts, drafts costing `drafting_ms` a step
+    (one accepted: two tokens) and a plain step `plain_ms`."""
+    payoff, chosen = speculation.Payoff(), []
+    for _ in range(steps):
+        drafts = payoff.drafts()
+        chosen.append(drafts)
+        step_ms = drafting_ms if drafts else plain_ms
+        payoff.record(1, drafts, 1 if drafts else 0, step_ms)
+    return chosen
+
+
+def test_drafts_that_pay_go_on_and_the_plain_way_is_probed_now_and_then():
+    chosen = run_payoff(drafting_ms=15.0, plain_ms=10.0, steps=60)  # 7.5 ms a token drafting
+    assert chosen[:_PROBE_EVERY] == [True] * _PROBE_EVERY
+    plain = [i for i, drafts in enumerate(chosen) if not drafts]
+    assert plain and all(b - a == _PROBE_EVERY + 1 for a, b in itertools.pairwise(plain))
+
+
+def test_drafts_that_cost_more_than_they_bring_stop_but_for_probes():
+    chosen = run_payoff(drafting_ms=25.0, plain_ms=10.0, steps=60)  # 12.5 ms a token drafting
+    assert chosen[:_PROBE_EVERY] == [True] * _PROBE_EVERY
+    later = chosen[_PROBE_EVERY:]
+    assert 0 < sum(later) <= len(later) // _PROBE_EVERY

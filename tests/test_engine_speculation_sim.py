@@ -148,6 +148,23 @@ async def test_a_few_streams_draft_fully_and_finish_sooner(autojump_clock, spec)
         assert decode_gap(drafted) <= decode_gap(plain) * bound
 
 
+async def test_a_draft_model_dearer_than_the_model_soon_stops_drafting(autojump_clock):
+    """Its drafts are all right, but each costs more than a step: the measured payoff
+    stops them."""
+    spans = {}
+    for spec in (None, DRAFT_SPEC):
+        observer = RecordingObserver()
+        worker = cpu_worker(draft_model_share=1.5)
+        async with running_engine(sim_config(speculative_config=spec), worker) as engine:
+            engine.add_observer(observer)
+            (result,) = await run_all(engine, [repeating(0)], 256)
+        spans[spec] = result.times[-1] - result.times[0]
+        decodes = [s for s in observer.iterations if not s.prefill_tokens]
+    drafting = [s for s in decodes if s.draft_tokens]
+    assert drafting and len(drafting) < len(decodes) / 4  # the first 16, then probes
+    assert spans[DRAFT_SPEC] <= spans[None] * 1.3
+
+
 async def test_a_stop_string_inside_an_accepted_run_ends_the_text_there(autojump_clock):
     prompt = TOK.encode("hello world. hello world. hello")
     period = len("hello world. ")

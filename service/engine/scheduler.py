@@ -523,6 +523,7 @@ class Scheduler:
                     and request.num_computed_tokens >= request.prompt_len
                 ):
                     outcomes.append(self._pooled_outcome(request))
+        self._observe_payoff(out, result.step_ms)
         sampled = [item.request for item in out.scheduled if item.samples]
         row = 0  # result.logprobs has a row per token, in the order of result.tokens
         for request, tokens in zip(sampled, result.tokens, strict=True):
@@ -797,7 +798,9 @@ class Scheduler:
         proposals = self._self_paid_proposals(out, decodes)
         requests = [item.request for item in decodes]
         self_paid = speculator.self_paid(requests, proposals) if proposals else 0.0
-        if not self_paid and not speculator.others_may_pay:
+        if not speculator.others_may_pay and not (
+            self_paid and speculator.draft_model_pays(len(decodes))
+        ):
             return
         allowance = speculator.allowance(self.step_cost, num_tokens, starts, left, self_paid)
         for index, item in enumerate(decodes):
@@ -814,6 +817,13 @@ class Scheduler:
                 item.drafts = drafts
                 out.drafting_seqs += 1
                 out.draft_tokens += len(drafts)
+
+    def _observe_payoff(self, out: ScheduleOutput, step_ms: float) -> None:
+        """A step of decodes alone, each sampling: what its tokens cost (Payoff)."""
+        if self.speculator is None or not all(_decodes(item) for item in out.scheduled):
+            return
+        drafted = any(item.drafts or item.draft_context for item in out.scheduled)
+        self.speculator.observe_payoff(len(out.scheduled), drafted, out.accepted_tokens, step_ms)
 
     def _self_paid_proposals(
         self, out: ScheduleOutput, decodes: list[Scheduled]

@@ -62,7 +62,10 @@ drafts only in steps whose drafts pay for themselves (every row of a step of at 
 `_SELF_PAID_SEQS` decodes drafts): each of its passes costs the same whether one row drafts
 or all do, a fixed cost that the per-token price of the tolerance bound cannot bound. So
 beside a prefill or in a larger batch nothing drafts, nothing is sent, and the draft model
-does not run.
+does not run. Nor is the allowance, whose prices are fitted to steps, trusted to say that
+a draft model's drafts pay: Payoff measures what each stream's tokens cost with drafts
+and without, and a step drafts while drafts measure cheaper (a draft model nearly as
+costly as the model, or rejected, stops drafting but for a probe now and then).
 
 Overlap (Config.overlap) does not stop drafting: the overlapped loop schedules step k+1
 only after update() has committed step k's tokens (only their text goes out later), so the
@@ -358,6 +361,42 @@ class Drafted:
     context_start: int = 0
 
 
+@dataclass(slots=True)
+class Payoff:
+    """What a draft model's drafts buy, measured: for decode steps of one number of rows,
+    the milliseconds per token each stream takes with drafts and without (exponential
+    averages). A step drafts while that is less than without, and every `_PROBE_EVERY`
+    steps the other way is measured again, since both change with the text and the load."""
+
+    drafting_ms: float | None = None
+    plain_ms: float | None = None
+    since_other: int = 0  # steps since the way that is not chosen was measured
+
+    def drafts(self) -> bool:
+        """Whether the next such step drafts: at first it does, until the first probe."""
+        return self._drafting_is_better() != (self.since_other >= _PROBE_EVERY)
+
+    def record(self, rows: int, drafted: bool, accepted: int, step_ms: float) -> None:
+        """A decode step of `rows` streams: with drafts (or the draft model's context) or
+        without, `accepted` drafts kept over all its rows."""
+        per_token = step_ms * rows / (rows + accepted)
+        probed = drafted != self._drafting_is_better()
+        if drafted:
+            self.drafting_ms = _averaged(self.drafting_ms, per_token)
+        else:
+            self.plain_ms = _averaged(self.plain_ms, per_token)
+        self.since_other = 0 if probed else self.since_other + 1
+
+    def _drafting_is_better(self) -> bool:
+        if self.drafting_ms is None or self.plain_ms is None:
+            return True  # unmeasured: drafting, until the first probe
+        return self.drafting_ms < self.plain_ms
+
+
+def _averaged(average: float | None, value: float) -> float:
+    return value if average is None else (1 - _RATE_WEIGHT) * average + _RATE_WEIGHT * value
+
+
 class Speculator:
     """Drafts for the decoding sequences of one step, within its allowance."""
 
@@ -365,6 +404,8 @@ class Speculator:
         self.config = config
         self.decode_cost = StepCostModel()  # fitted to decode-only steps (module docstring)
         self.widest = 0  # the most tokens of a decode-only step measured
+        # a draft model's, per number of rows of a step whose drafts pay for themselves
+        self.payoffs = {rows: Payoff() for rows in range(1, _SELF_PAID_SEQS + 1)}
 
     def observe(
         self, num_tokens: list[int], start_pos: list[int], drafted: list[int], step_ms: float
@@ -458,6 +499,16 @@ class Speculator:
         few rows draft, which a price per token cannot bound: it drafts only where every
         row does (module docstring)."""
         return self.config.method == NGRAM
+
+    def draft_model_pays(self, rows: int) -> bool:
+        """Whether a decode step of `rows` rows, all drafting, drafts: always for n-gram
+        drafts, for a draft model's while they measure to pay (Payoff)."""
+        return self.others_may_pay or self.payoffs[rows].drafts()
+
+    def observe_payoff(self, rows: int, drafted: bool, accepted: int, step_ms: float) -> None:
+        """A decode-only step of `rows` rows, each sampling, ran (a draft model's record)."""
+        if not self.others_may_pay and rows in self.payoffs:
+            self.payoffs[rows].record(rows, drafted, accepted, step_ms)
 
     def self_paid_size(self, rows: int) -> bool:
         """Whether a decode-only step of `rows` rows may have drafts that pay for themselves."""
