@@ -149,17 +149,18 @@ def test_a_draft_model_changes_no_answer_and_drafts_free_text_too(
 ) -> None:
     greedy = {"temperature": 0, "logprobs": True}
     seeded = {"temperature": 0.8, "seed": 7}
+    # the model's own argmax, whatever the text: nearly every draft is right (how many it
+    # drafts is the measured payoff's: a draft as costly as the model soon stops)
+    before = [accepted_tokens(draft_model_server, c) for c in ("accepted", "draft")]
     for messages, options in [(FREE, greedy), (task_messages("edit", 2), greedy), (FREE, seeded)]:
-        before = [accepted_tokens(draft_model_server, c) for c in ("accepted", "draft")]
         drafted = chat(draft_model_server, messages, **options)
         plain = chat(cadence_server_bf16, messages, **options)
         assert answer(drafted) == answer(plain)
         if options is greedy:
             logprobs = [t.logprob for t in drafted.choices[0].logprobs.content]
             assert logprobs == [t.logprob for t in plain.choices[0].logprobs.content]
-            # the model's own argmax, whatever the text: nearly every draft is right
-            after = [accepted_tokens(draft_model_server, c) for c in ("accepted", "draft")]
-            accepted, drafts = (a - b for a, b in zip(after, before, strict=True))
-            assert drafts > 0 and accepted >= 0.9 * drafts
+    after = [accepted_tokens(draft_model_server, c) for c in ("accepted", "draft")]
+    accepted, drafts = (a - b for a, b in zip(after, before, strict=True))
+    assert drafts > 0 and accepted >= 0.9 * drafts
     log = draft_model_server.log_file.read_text().splitlines()
     assert not [e for e in map(json.loads, log) if e.get("level") == "error"]
