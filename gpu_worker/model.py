@@ -53,7 +53,7 @@ class Model:
         quantization: str = "none",
         quantized: dict[str, QuantWeight] | None = None,
     ) -> None:
-        """`quantization` (gpu_worker.quant.QUANTIZATIONS): int8 and int4 quantize the
+        """`quantization` (gpu_worker.protocol.QUANTIZATIONS): int8 and int4 quantize the
         matmuls' weights here; gguf serves the `quantized` ones (a GGUF conversion's)."""
         self.config = config
         self.dtype = dtype

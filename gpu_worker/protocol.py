@@ -56,6 +56,8 @@ POOL_LAST, POOL_SUM = "last", "sum"  # BatchPlan.pooling's kinds
 # Beside model.safetensors in a GGUF conversion: each matmul weight as the file quantized it,
 # <name>.values (int8: q8, uint8: q4 or q5), <name>.scales and <name>.mins (gpu_worker.quant)
 QUANTIZED_WEIGHTS = "quantized.safetensors"
+# WorkerConfig.quantization's values (gpu_worker.quant)
+QUANTIZATIONS = ("none", "int8", "int4", "gguf")
 # A drafted token the worker's draft model is to choose (BatchPlan.draft_tokens)
 DRAFT_MODEL_TOKEN = -1
 

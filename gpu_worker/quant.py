@@ -30,7 +30,6 @@ import torch.nn.functional as F
 
 from gpu_worker.linear import ROW_SIZES, Linear, RowSizes, SizedCalls, agreeing_sizes
 
-QUANTIZATIONS = ("none", "int8", "int4", "gguf")  # WorkerConfig.quantization
 ACTIVATION_GROUP = 32  # activation values per int8 scale
 BLOCK_COLUMNS = 16  # output columns per block of the packed layout
 

@@ -34,8 +34,7 @@ from gpu_worker.kv_cache import KVCache
 from gpu_worker.kv_groups import KVGroups
 from gpu_worker.model import Model
 from gpu_worker.model_config import ModelConfig
-from gpu_worker.protocol import Handshake, WorkerConfig, parse_kernel_pins
-from gpu_worker.quant import QUANTIZATIONS
+from gpu_worker.protocol import QUANTIZATIONS, Handshake, WorkerConfig, parse_kernel_pins
 from gpu_worker.runner import ModelRunner
 from gpu_worker.sampler import Sampler
 from gpu_worker.step_inputs import PlanLimits
@@ -77,7 +76,9 @@ def start(config: WorkerConfig) -> ModelRunner:
     with clock.step("kernels"):
         choice = _choose_kernels(config, model_config, dtype, device, cache_dtype)
     with clock.step("weights"):
-        model = _load_model(config, model_dir, config.quantization, dtype, device, choice.kernels)
+        model = _load_model(
+            config, model_dir, model_config, config.quantization, dtype, device, choice.kernels
+        )
     draft = None
     if config.draft_model_dir is not None:
         with clock.step("draft model"):
@@ -112,8 +113,7 @@ def start(config: WorkerConfig) -> ModelRunner:
         graphs = decode_runner.capture_all()
         memory.release_cached(device)
     # A sequence can never outgrow the whole cache.
-    limits_of = [model_config] if draft is None else [model_config, draft.config]
-    max_model_len = min(*(c.context_limit for c in limits_of), num_blocks * config.block_size)
+    max_model_len = min(*(c.context_limit for c in configs), num_blocks * config.block_size)
     limits = PlanLimits(
         config.block_size, num_blocks, model_config.vocab_size, max_model_len, groups.num_groups
     )
@@ -181,6 +181,7 @@ def _choose_kernels(
 def _load_model(
     config: WorkerConfig,
     model_dir: Path,
+    model_config: ModelConfig,
     quantization: str,
     dtype: torch.dtype,
     device: torch.device,
@@ -190,7 +191,6 @@ def _load_model(
     recalled from the kernel cache, and the new ones recorded there."""
     cache_file = Path(config.kernel_cache) if config.kernel_cache else None
     linear.recall_checked_sizes(kernel_choice.recall(cache_file, ROW_SIZES_SECTION))
-    model_config = ModelConfig.from_dir(model_dir)
     weights = load_weights(model_dir, dtype, device)
     quantized = load_quantized(model_dir, device) if quantization == "gguf" else None
     if quantization != "none":
@@ -232,7 +232,7 @@ def _load_draft(
         )
     if KVGroups.of(draft).num_groups > 1 or KVGroups.of(target).num_groups > 1:
         raise ValueError("a draft model needs both models to attend over one KV group")
-    return _load_model(config, model_dir, config.draft_quantization, dtype, device, kernels)
+    return _load_model(config, model_dir, draft, config.draft_quantization, dtype, device, kernels)
 
 
 def _count_blocks(

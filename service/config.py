@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpu_worker.protocol import WorkerConfig
+from gpu_worker.protocol import QUANTIZATIONS, WorkerConfig
 from service.engine.request import POOLING_TYPES
 from service.engine.speculation import SpeculativeConfig
 from service.flag_types import (
@@ -105,7 +105,7 @@ class Config:
         _WORKER.quantization,
         "the matmuls' weights: none (--dtype), int8 or int4 (quantized at load, groups of "
         "32), gguf (a .gguf model's own quantized weights)",
-        choices=("none", "int8", "int4", "gguf"),
+        choices=QUANTIZATIONS,
     )
     block_size: int = flag(_WORKER.block_size, "tokens per KV block", type=positive_int)
     cache_dir: Path = flag(

@@ -81,7 +81,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gpu_worker.protocol import DRAFT_MODEL_TOKEN
+from gpu_worker.protocol import DRAFT_MODEL_TOKEN, QUANTIZATIONS
 from policies.base import StepCost
 from service.engine.step_cost import StepCostModel, plan_terms
 
@@ -112,7 +112,6 @@ _FIELDS = (
 )
 NGRAM, DRAFT_MODEL = "ngram", "draft_model"
 _MODEL_FIELDS = ("model", "quantization")
-_QUANTIZATIONS = ("none", "int8", "int4", "gguf")  # gpu_worker.quant.QUANTIZATIONS
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,9 +184,9 @@ def _draft_model_config(raw: dict[str, Any]) -> SpeculativeConfig:
     if not isinstance(model, str) or not model:
         raise ValueError("speculative config: method 'draft_model' needs a model (a path)")
     quantization = raw.get("quantization", "none")
-    if quantization not in _QUANTIZATIONS:
+    if quantization not in QUANTIZATIONS:
         raise ValueError(
-            f"speculative config: quantization must be one of {', '.join(_QUANTIZATIONS)}, "
+            f"speculative config: quantization must be one of {', '.join(QUANTIZATIONS)}, "
             f"got {quantization!r}"
         )
     if "num_speculative_tokens" not in raw:
