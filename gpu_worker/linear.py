@@ -19,6 +19,8 @@ step can give the kernel is thus a shape that was checked.
 from __future__ import annotations
 
 import bisect
+import copy
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -119,8 +121,11 @@ class Linear(SizedCalls):
 # By kernel, weight shape, dtype, device, bias, threads and the sizes offered: a library
 # chooses its kernel by these, never by the weight's values. Those of the library's kernels
 # (Linear's own) are recorded per machine by their text (gpu_worker.runtime), so that the
-# next start skips the probes.
+# next start skips the probes; the text names the probe too (a better one checks again).
 _CHECKED: dict[tuple[type, str], RowSizes] = {}
+_PROBE = "stand-in weight, cancelling rows, every position"
+# The stand-in weight's big columns and the probe rows' values there (_with_cancelling_pairs)
+_BIG = 2.0**10
 
 
 def _checked_sizes(linear: Linear, weight: torch.Tensor, sizes: tuple[int, ...]) -> RowSizes:
@@ -133,12 +138,57 @@ def _checked_sizes(linear: Linear, weight: torch.Tensor, sizes: tuple[int, ...])
             linear.kind,
             torch.get_num_threads(),
             sizes,
+            _PROBE,
         )
     )
     key = (type(linear), described)
     if key not in _CHECKED:
-        _CHECKED[key] = agreeing_sizes(linear.kernel, weight.shape[1], sizes, weight)
+        kernel = _stand_in(linear, weight)
+        _CHECKED[key] = agreeing_sizes(kernel, weight.shape[1], sizes, weight, cancelling=True)
     return _CHECKED[key]
+
+
+def _stand_in(linear: Linear, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`linear`'s kernel on a stand-in of its weight: random values of its shape (and
+    bias), a few columns BIG (agreeing_sizes' cancelling probe rows). The library picks
+    its kernel by the shape, so the sizes found hold for every weight of it, whichever
+    loads first; and a model's weights can hide an order of summation changed, which at
+    bfloat16's precision shows in about one output in 50,000 (an Intel AMX machine's
+    256-row calls passed a probe of the model's down projection, and not a test's)."""
+    generator = torch.Generator().manual_seed(1)
+    values = torch.randn(weight.shape, generator=generator)
+    values[:, _big_columns(weight.shape[1])] = _BIG
+    values = values.to(weight.device, weight.dtype)
+    bias = linear.bias
+    if bias is not None:
+        bias = torch.randn(bias.shape, generator=generator).to(bias.device, bias.dtype)
+    stand_in = copy.copy(linear)
+    stand_in.bias = bias
+    stand_in.kind, stand_in.weight = _in_layout(values, bias, linear.kind)
+    return stand_in.kernel
+
+
+def _big_columns(in_features: int) -> list[int]:
+    return sorted({0, in_features // 3, 2 * in_features // 3, in_features - 1})
+
+
+def _with_cancelling_pairs(rows: torch.Tensor) -> torch.Tensor:
+    """`rows` with +BIG and -BIG at two of the big columns of each (another pair in each
+    row) and 0 at the others. Against a stand-in weight the two products cancel exactly,
+    but between them a row's running sum is about BIG^2, where each product added rounds
+    at float32's step there (1/8): the result, of the size of the small products' sum,
+    then carries rounding errors that any other order of summation changes, and bfloat16
+    shows them too."""
+    columns = _big_columns(rows.shape[1])
+    pairs = list(itertools.permutations(columns, 2))
+    if not pairs:  # one column: nothing to cancel
+        return rows
+    rows = rows.clone()
+    rows[:, columns] = 0
+    for i, (plus, minus) in enumerate(pairs):
+        rows[i :: len(pairs), plus] = _BIG
+        rows[i :: len(pairs), minus] = -_BIG
+    return rows
 
 
 def checked_sizes() -> dict[str, list[int]]:
@@ -159,13 +209,17 @@ def agreeing_sizes(
     in_features: int,
     sizes: tuple[int, ...],
     like: torch.Tensor,
+    *,
+    cancelling: bool = False,
 ) -> RowSizes:
-    """The largest set of `sizes` whose calls give every probe row the same bits.
+    """The largest set of `sizes` whose calls give every probe row the same bits;
+    `cancelling`: the probe rows are _with_cancelling_pairs' (for _stand_in's kernel).
 
-    Each size computes the probe rows twice: from the first position of its calls, and
-    at their ends behind other rows (where a kernel's row tail is). A size whose two passes
-    differ depends on its company and is out. On a CPU, so is a size whose bits change on
-    one thread (a kernel that splits a row's sum between threads), unless every size does.
+    Each size computes the probe rows at every position of its calls: from their first
+    position on, at each later offset behind other rows, and at their ends (where a
+    kernel's row tail is). A size whose passes differ depends on its company and is out.
+    On a CPU, so is a size whose bits change on one thread (a kernel that splits a row's
+    sum between threads), unless every size does.
     The rest fall into classes by their bits; the class with the most sizes is used (ties:
     the one reaching the largest size). One row alone has no company, so the set is never
     empty.
@@ -174,11 +228,15 @@ def agreeing_sizes(
     probes = min(MAX_PROBE_ROWS, max(4, -(-PROBE_OUTPUTS // out_features.shape[1])))
     generator = torch.Generator().manual_seed(0)
     rows = torch.randn(probes + max(sizes), in_features, generator=generator)
+    if cancelling:
+        rows = _with_cancelling_pairs(rows)
     rows = rows.to(like.device, like.dtype)
     alike: dict[int, torch.Tensor] = {}
     for size in sizes:
-        first, second = (_probe_pass(kernel, rows, probes, size, at_end) for at_end in (0, 1))
-        if torch.equal(first, second):
+        first, *others = (
+            _probe_pass(kernel, rows, probes, size, lead) for lead in _leads(size, probes)
+        )
+        if all(torch.equal(first, other) for other in others):
             alike[size] = first
     if like.device.type == "cpu" and torch.get_num_threads() > 1:
         alike = _on_one_thread_too(kernel, rows, probes, alike) or alike
@@ -212,21 +270,28 @@ def _on_one_thread_too(
         torch.set_num_threads(threads)
 
 
+def _leads(size: int, probes: int) -> list[int]:
+    """Where a size's probe passes put the probe rows: behind this many other rows, so
+    that every position of a call holds a probe row in some pass, the last one included."""
+    if size == 1:
+        return [0]
+    return sorted({*range(0, size, probes), size - min(size - 1, probes)})
+
+
 def _probe_pass(
     kernel: Callable[[torch.Tensor], torch.Tensor],
     rows: torch.Tensor,
     probes: int,
     size: int,
-    at_end: int,
+    lead: int,
 ) -> torch.Tensor:
-    """The first `probes` rows' outputs from calls of `size` rows: from each call's first
-    position on, or (at_end) in its last positions, behind at least one other row."""
+    """The first `probes` rows' outputs from calls of `size` rows, each call's probe rows
+    behind `lead` other rows."""
     probe_rows, filler = rows[:probes], rows[probes:]
-    per_call = size if not at_end or size == 1 else min(size - 1, probes)
+    per_call = min(size - lead, probes)
     outputs = []
     for start in range(0, probes, per_call):
         part = probe_rows[start : start + per_call]
-        lead = size - part.shape[0] if at_end else 0
         after = size - lead - part.shape[0]
         call = torch.cat((filler[:lead], part, filler[lead : lead + after]))
         outputs.append(kernel(call)[lead : lead + part.shape[0]])

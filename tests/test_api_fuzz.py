@@ -10,15 +10,22 @@ The server is its own (the fuzzer swaps policies at random) with a small context
 API keys on (the admin token is also its one key, since schemathesis sends one bearer), and
 this module is also schemathesis' hooks module (SCHEMATHESIS_HOOKS): `before_call` keeps
 generations a few tokens long, so the run explores requests rather than waiting on output.
+There ast.parse is made one thread at a time: hypothesis parses its lambdas' source while
+it generates, on the run's two workers, and CPython's AST constructor keeps its recursion
+count where threads share it (see python/cpython#106905), which failed a run on 3.11.7 with
+"SystemError: AST constructor recursion depth mismatch".
 """
 
 from __future__ import annotations
 
+import ast
 import collections
+import functools
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,6 +56,21 @@ CHECKS = (
     "content_type_conformance",
     "response_schema_conformance",
 )
+
+
+def parsing_one_thread_at_a_time() -> None:
+    parse, lock = ast.parse, threading.Lock()
+
+    @functools.wraps(parse)
+    def locked(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            return parse(*args, **kwargs)
+
+    ast.parse = locked
+
+
+if os.environ.get("SCHEMATHESIS_HOOKS") == __name__:
+    parsing_one_thread_at_a_time()  # in schemathesis' process (module docstring)
 
 
 @schemathesis.hook

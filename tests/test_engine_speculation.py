@@ -300,3 +300,16 @@ def test_drafts_that_cost_more_than_they_bring_stop_but_for_probes():
     assert chosen[:_PROBE_EVERY] == [True] * _PROBE_EVERY
     later = chosen[_PROBE_EVERY:]
     assert 0 < sum(later) <= len(later) // _PROBE_EVERY
+
+
+def test_only_a_probe_of_dearer_drafts_is_a_probe_that_drafts():
+    """Payoff.probing: the steps whose drafts the allowance must not bound (speculation's
+    module docstring), and no others."""
+    payoff, probes = speculation.Payoff(), []
+    for _ in range(60):
+        drafts, probing = payoff.drafts(), payoff.probing()
+        assert not probing or drafts
+        probes.append(probing)
+        payoff.record(1, drafts, 1 if drafts else 0, 25.0 if drafts else 10.0)
+    assert not any(probes[:_PROBE_EVERY])
+    assert 0 < sum(probes) <= 60 // _PROBE_EVERY

@@ -165,6 +165,21 @@ async def test_a_draft_model_dearer_than_the_model_soon_stops_drafting(autojump_
     assert spans[DRAFT_SPEC] <= spans[None] * 1.3
 
 
+async def test_a_draft_model_that_turns_cheap_is_measured_again_and_drafts(autojump_clock):
+    """Dearer than the model during a first request, cheap during a second: the probes,
+    which the allowance fitted to the dear steps does not bound, find that it pays."""
+    observer = RecordingObserver()
+    worker = cpu_worker(draft_model_share=1.5)
+    async with running_engine(sim_config(speculative_config=DRAFT_SPEC), worker) as engine:
+        engine.add_observer(observer)
+        await run_all(engine, [repeating(0)], 256)
+        first = len(observer.iterations)
+        worker.draft_model_share = 0.05
+        await run_all(engine, [repeating(1)], 256)
+    later = [s for s in observer.iterations[first:] if not s.prefill_tokens]
+    assert sum(1 for s in later if s.draft_tokens) > len(later) / 2
+
+
 async def test_a_stop_string_inside_an_accepted_run_ends_the_text_there(autojump_clock):
     prompt = TOK.encode("hello world. hello world. hello")
     period = len("hello world. ")

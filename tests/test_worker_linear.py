@@ -222,3 +222,31 @@ def test_the_native_kernel_gives_way_where_it_cannot_take_the_weight():
     """float32 weights go to oneDNN (or F.linear where oneDNN is missing)."""
     linear = Linear(weight_of(96, 64, torch.float32), kernel="native")
     assert linear.kind == ("onednn" if torch.backends.mkldnn.is_available() else "aten")
+
+
+def rounded_to_bf16_in_halves_at(size: int):
+    """Sums rounded to bfloat16 (summed in float64: no order shows), but in calls of
+    `size` rows each half of a row's products is first rounded to float32, as a kernel
+    that splits the reduction does: a change bfloat16's rounding hides in most outputs."""
+
+    def kernel(x, weight):
+        x, weight = x.double(), weight.double()
+        if x.shape[0] != size:
+            return F.linear(x, weight).bfloat16()
+        half = x.shape[1] // 2
+        first = F.linear(x[:, :half], weight[:, :half]).float()
+        return (first + F.linear(x[:, half:], weight[:, half:]).float()).bfloat16()
+
+    return kernel
+
+
+def test_an_order_of_summation_that_bfloat16_hides_is_found_whatever_the_weight():
+    """Random probe rows against a model-like weight miss it; the stand-in weight's
+    cancelling probe rows (gpu_worker.linear) do not."""
+    weight = weight_of(576, 1536, torch.bfloat16)
+    kernel = rounded_to_bf16_in_halves_at(256)
+    missed = agreeing_sizes(lambda x: kernel(x, weight), 1536, ROW_SIZES, weight)
+    assert 256 in missed.sizes  # what the probe of the weight itself found
+    linear = fake_linear(kernel, weight)
+    assert 256 not in linear.row_sizes.sizes
+    assert row_bits_at_every_count(linear, 1536, torch.bfloat16) == []

@@ -65,7 +65,10 @@ beside a prefill or in a larger batch nothing drafts, nothing is sent, and the d
 does not run. Nor is the allowance, whose prices are fitted to steps, trusted to say that
 a draft model's drafts pay: Payoff measures what each stream's tokens cost with drafts
 and without, and a step drafts while drafts measure cheaper (a draft model nearly as
-costly as the model, or rejected, stops drafting but for a probe now and then).
+costly as the model, or rejected, stops drafting but for a probe now and then). A probe
+that drafts again is bounded by the step's token budget alone: the allowance, fitted to
+the steps that made drafting stop, would give it no drafts, and a text that starts to
+pay (or a machine that frees up) would never be measured again.
 
 Overlap (Config.overlap) does not stop drafting: the overlapped loop schedules step k+1
 only after update() has committed step k's tokens (only their text goes out later), so the
@@ -375,6 +378,11 @@ class Payoff:
         """Whether the next such step drafts: at first it does, until the first probe."""
         return self._drafting_is_better() != (self.since_other >= _PROBE_EVERY)
 
+    def probing(self) -> bool:
+        """Whether the next such step drafts to measure drafts again, drafting being the
+        dearer way so far."""
+        return self.since_other >= _PROBE_EVERY and not self._drafting_is_better()
+
     def record(self, rows: int, drafted: bool, accepted: int, step_ms: float) -> None:
         """A decode step of `rows` streams: with drafts (or the draft model's context) or
         without, `accepted` drafts kept over all its rows."""
@@ -428,6 +436,8 @@ class Speculator:
         fewest tokens any row's drafts are expected to add, where every row drafts (module
         docstring); 0 where others would pay."""
         decode_only = all(n == 1 for n in num_tokens)
+        if self_paid and self._probes_drafts(len(num_tokens)):
+            return DraftAllowance(max(0, tokens_left), math.inf, None)  # module docstring
         # the engine's model prices a decode-only step's drafts only past what was measured
         engines = step_cost.recent() if decode_only else step_cost.estimate()
         cost = self.decode_cost.estimate() if decode_only else engines
@@ -503,6 +513,9 @@ class Speculator:
         """Whether a decode step of `rows` rows, all drafting, drafts: always for n-gram
         drafts, for a draft model's while they measure to pay (Payoff)."""
         return self.others_may_pay or self.payoffs[rows].drafts()
+
+    def _probes_drafts(self, rows: int) -> bool:
+        return not self.others_may_pay and rows in self.payoffs and self.payoffs[rows].probing()
 
     def observe_payoff(self, rows: int, drafted: bool, accepted: int, step_ms: float) -> None:
         """A decode-only step of `rows` rows, each sampling, ran (a draft model's record)."""
