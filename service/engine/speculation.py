@@ -515,7 +515,7 @@ class Speculator:
         return self.others_may_pay or self.payoffs[rows].drafts()
 
     def _probes_drafts(self, rows: int) -> bool:
-        return not self.others_may_pay and rows in self.payoffs and self.payoffs[rows].probing()
+        return not self.others_may_pay and self.payoffs[rows].probing()  # rows: self-paid
 
     def observe_payoff(self, rows: int, drafted: bool, accepted: int, step_ms: float) -> None:
         """A decode-only step of `rows` rows, each sampling, ran (a draft model's record)."""
