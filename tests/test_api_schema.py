@@ -229,6 +229,25 @@ def test_unknown_fields_are_ignored_and_named_and_known_ones_honoured() -> None:
     assert parse_completion_request({"prompt": "x"}, None).ignored == ()
 
 
+@pytest.mark.parametrize("field", ["bootstrap_host", "bootstrap_port", "bootstrap_room"])
+def test_a_prefill_decode_handover_is_refused_and_its_null_accepted(field: str) -> None:
+    """sglang-router in PD mode sends bootstrap_* to both halves: cadence would compute each
+    request twice in full, so a value is a 400 that says why; null asks for nothing."""
+    assert parse_chat_request({**CHAT, field: None}, None).ignored == ()
+    for value in (7, "10.0.0.2", 0):
+        with pytest.raises(APIError) as refused:
+            parse_chat_request({**CHAT, field: value}, None)
+        assert refused.value.status == 400 and refused.value.param == field
+        assert "prefill/decode handover" in refused.value.message
+    with pytest.raises(APIError, match="only None is accepted"):
+        parse_completion_request({"prompt": "x", field: 1234}, None)
+
+
+def test_a_known_field_at_a_value_asking_for_more_is_a_400_naming_it() -> None:
+    with pytest.raises(APIError, match="'use_beam_search' is not supported by this server"):
+        parse_completion_request({"prompt": "x", "use_beam_search": True}, None)
+
+
 BOUND = PromptBound(max_tokens=8, max_token_chars=4)  # texts of more than 32 characters
 
 

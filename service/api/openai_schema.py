@@ -73,11 +73,20 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "request_id": (),
     "rid": (),
     "session_params": (),
-    "bootstrap_host": (),
-    "bootstrap_port": (),
-    "bootstrap_room": (),
+    # SGLang's prefill/decode handover: sglang-router in PD mode sends them to both halves,
+    # and two cadence servers would each compute every request in full
+    "bootstrap_host": (None,),
+    "bootstrap_port": (None,),
+    "bootstrap_room": (None,),
     "vllm_xargs": (),
 }
+# Why a field's other values are refused, where "not supported" would not tell the client
+# what to change.
+UNSUPPORTED_WHY = dict.fromkeys(
+    ("bootstrap_host", "bootstrap_port", "bootstrap_room"),
+    "is not supported: cadence serves each request whole and takes no part in a "
+    "prefill/decode handover, so route to it as a regular worker, not a prefill or decode one",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,10 +200,8 @@ class _Fields:
                 continue
             allowed = NEUTRAL_VALUES[name]
             if allowed and self.body[name] not in allowed and self.body[name] != {}:
-                raise bad_request(
-                    f"'{name}' is not supported by this server (only {allowed[0]!r} is accepted)",
-                    name,
-                )
+                why = UNSUPPORTED_WHY.get(name, "is not supported by this server")
+                raise bad_request(f"'{name}' {why} (only {allowed[0]!r} is accepted)", name)
 
 
 def parse_completion_request(
