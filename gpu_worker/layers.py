@@ -7,7 +7,8 @@ part leaving the checkpoint's dict as it is taken (see WeightTaker). Gemma's nor
 are stored as 1 + w in float32, the form layer_ops.gemma_rms_norm takes. With a
 quantization (gpu_worker.quant) the attention and MLP matmuls are QuantLinears, their
 weights quantized here or taken quantized from a GGUF conversion; a mixture of experts'
-matmuls stay dense.
+matmuls stay dense. Under tensor parallelism (gpu_worker.tensor_parallel) each rank takes
+only its slice of each weight, cut as the Split the loader names for it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from gpu_worker.linear import ROW_SIZES, Linear
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.moe import MoEMLP, load_moe
 from gpu_worker.quant import Matmul, Quantizer, QuantLinear, QuantWeight
+from gpu_worker.tensor_parallel import COLUMNS, NO_SHARD, ROWS, WHOLE, Shard, Split, fused_rows
 
 
 class MissingWeights(ValueError):
@@ -57,7 +59,8 @@ class WeightTaker:
     `quantizer` (gpu_worker.quant.QUANTIZERS) quantizes the matmuls' weights as they are
     taken; `quantized` holds weights already quantized (a GGUF file's), by name, which
     `matmul` serves in their own formats; `quant_kernels` is the quantized kernel's
-    namespace, or None for the reference.
+    namespace, or None for the reference. `shard` is the rank's part of a tensor-parallel
+    model: each weight's shape is checked whole, then only the rank's slice is kept.
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class WeightTaker:
         quantizer: Quantizer | None = None,
         quantized: dict[str, QuantWeight] | None = None,
         quant_kernels: Any | None = None,
+        shard: Shard = NO_SHARD,
     ):
         for name in [n for n in weights if n.startswith(text_prefixes)]:
             prefix = next(p for p in text_prefixes if name.startswith(p))
@@ -86,14 +90,16 @@ class WeightTaker:
         self.quantizer = quantizer
         self.quantized = {} if quantized is None else quantized
         self.quant_kernels = quant_kernels
+        self.shard = shard
 
-    def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def __call__(self, name: str, shape: tuple[int, ...], split: Split = WHOLE) -> torch.Tensor:
+        """The tensor `name` of the checkpoint's `shape`: the rank's part of it (`split`)."""
         tensor = self.weights.pop(name, None)
         if tensor is None:
             raise MissingWeights(f"checkpoint lacks the tensor {name}")
         if tuple(tensor.shape) != shape:
             raise MissingWeights(f"{name} has shape {tuple(tensor.shape)}, expected {shape}")
-        return tensor.to(self.device, self.dtype).contiguous()
+        return self.shard.slice(tensor, split).to(self.device, self.dtype).contiguous()
 
     def norm(self, name: str, size: int) -> torch.Tensor:
         """An RMSNorm's weight; Gemma's as 1 + w in float32."""
@@ -104,8 +110,10 @@ class WeightTaker:
         assert weight is not None
         return (1.0 + weight.to(self.device, torch.float32)).contiguous()
 
-    def fused(self, names: list[str], shapes: Sequence[tuple[int, ...]]) -> torch.Tensor:
-        parts = [self(n, s) for n, s in zip(names, shapes, strict=True)]
+    def fused(
+        self, names: list[str], shapes: Sequence[tuple[int, ...]], split: Split = WHOLE
+    ) -> torch.Tensor:
+        parts = [self(n, s, split) for n, s in zip(names, shapes, strict=True)]
         return torch.cat(parts).contiguous()
 
     def linear(self, name: str, shape: tuple[int, int]) -> Linear:
@@ -122,20 +130,24 @@ class WeightTaker:
         bias: torch.Tensor | None = None,
         sizes: tuple[int, ...] = ROW_SIZES,
         dense: torch.Tensor | None = None,
+        split: Split = WHOLE,
     ) -> Matmul:
         """The matmul of the weights `names` fused (a tied LM head: `dense`, the embedding
         already taken), quantized where the taker quantizes or holds them quantized; dense
         where it holds none of them quantized and quantizes nothing (a GGUF file's float
-        tensors)."""
+        tensors). Each weight is cut by `split` before the fusing (`dense` is cut already)."""
         if not any(self.quantizes(n) for n in names):
-            weight = self.fused(names, shapes) if dense is None else dense
+            weight = self.fused(names, shapes, split) if dense is None else dense
             return Linear(weight, bias, kernel=self.matmul_kernel, sizes=sizes)
-        parts = [self._quantized(n, s, dense) for n, s in zip(names, shapes, strict=True)]
+        parts = [self._quantized(n, s, dense, split) for n, s in zip(names, shapes, strict=True)]
         return QuantLinear(parts, bias, native=self.quant_kernels, dtype=self.dtype, sizes=sizes)
 
     def _quantized(
-        self, name: str, shape: tuple[int, int], dense: torch.Tensor | None
+        self, name: str, shape: tuple[int, int], dense: torch.Tensor | None, split: Split
     ) -> QuantWeight:
+        """A stored quantized weight whole (Model refuses them under tensor parallelism), or
+        the taker's quantizer on the rank's slice: rows quantize alike whole or sliced, and
+        check_shardable keeps the columns' slices in whole groups."""
         stored = self.quantized.pop(name, None)
         if stored is not None:
             self.weights.pop(name, None)  # its dequantized copy
@@ -146,7 +158,7 @@ class WeightTaker:
             raise MissingWeights(
                 f"{name} is stored unquantized beside quantized weights it is fused with"
             )
-        return self.quantizer(self(name, shape) if dense is None else dense)
+        return self.quantizer(self(name, shape, split) if dense is None else dense)
 
     def gated_mlp(self, names: Sequence[str], hidden: int, inter: int) -> tuple[Linear, Linear]:
         """(gate_up, down) of a gated MLP whose gate, up and down weights are `names`: a
@@ -170,7 +182,7 @@ def load_layer(
     layer = Layer(
         input_norm=take.norm(prefix + "input_layernorm.weight", hidden),
         qkv=_qkv(take, cfg, attn),
-        o_proj=take.matmul([attn + "o_proj.weight"], [(hidden, heads * head_dim)]),
+        o_proj=take.matmul([attn + "o_proj.weight"], [(hidden, heads * head_dim)], split=COLUMNS),
         mlp_norm=take.norm(
             prefix
             + ("pre_feedforward_layernorm" if family.gemma else "post_attention_layernorm")
@@ -186,7 +198,10 @@ def load_layer(
     if family.qk_norm:
         q_norm = take.norm(attn + "q_norm.weight", head_dim)
         k_norm = take.norm(attn + "k_norm.weight", head_dim)
-        layer.qk_norm = torch.cat([q_norm.expand(heads, -1), k_norm.expand(kv_heads, -1)])
+        local_heads, local_kv_heads = take.shard.local(heads), take.shard.local(kv_heads)
+        layer.qk_norm = torch.cat(
+            [q_norm.expand(local_heads, -1), k_norm.expand(local_kv_heads, -1)]
+        )
     if family.gemma:
         layer.attn_out_norm = take.norm(prefix + "post_attention_layernorm.weight", hidden)
         layer.mlp_out_norm = take.norm(prefix + "post_feedforward_layernorm.weight", hidden)
@@ -194,13 +209,19 @@ def load_layer(
         layer.moe = load_moe(take, cfg, prefix)
     elif family.fused_projections:
         inter = cfg.intermediate_size
-        layer.gate_up = take.matmul([prefix + "mlp.gate_up_proj.weight"], [(2 * inter, hidden)])
-        layer.down = take.matmul([prefix + "mlp.down_proj.weight"], [(hidden, inter)])
+        layer.gate_up = take.matmul(
+            [prefix + "mlp.gate_up_proj.weight"],
+            [(2 * inter, hidden)],
+            split=fused_rows(inter, inter),
+        )
+        layer.down = take.matmul(
+            [prefix + "mlp.down_proj.weight"], [(hidden, inter)], split=COLUMNS
+        )
     else:
         mlp, inter = prefix + "mlp.", cfg.intermediate_size
         names = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
-        layer.gate_up = take.matmul(names, [(inter, hidden)] * 2)
-        layer.down = take.matmul([mlp + "down_proj.weight"], [(hidden, inter)])
+        layer.gate_up = take.matmul(names, [(inter, hidden)] * 2, split=ROWS)
+        layer.down = take.matmul([mlp + "down_proj.weight"], [(hidden, inter)], split=COLUMNS)
     return layer
 
 
@@ -210,10 +231,12 @@ def _qkv(take: WeightTaker, cfg: ModelConfig, attn: str) -> Matmul:
     kv_rows = cfg.num_key_value_heads * head_dim
     qkv_rows = [q_rows, kv_rows, kv_rows]
     if cfg.family.fused_projections:
-        return take.matmul([attn + "qkv_proj.weight"], [(sum(qkv_rows), hidden)])
+        fused = [attn + "qkv_proj.weight"]
+        return take.matmul(fused, [(sum(qkv_rows), hidden)], split=fused_rows(*qkv_rows))
     qkv_names = [f"{attn}{p}_proj" for p in ("q", "k", "v")]
     qkv_bias = None
     if cfg.attention_bias:
-        qkv_bias = take.fused([n + ".bias" for n in qkv_names], [(r,) for r in qkv_rows])
+        biases = [n + ".bias" for n in qkv_names]
+        qkv_bias = take.fused(biases, [(r,) for r in qkv_rows], split=ROWS)
     qkv_weights = [n + ".weight" for n in qkv_names]
-    return take.matmul(qkv_weights, [(r, hidden) for r in qkv_rows], qkv_bias)
+    return take.matmul(qkv_weights, [(r, hidden) for r in qkv_rows], qkv_bias, split=ROWS)

@@ -14,6 +14,9 @@ of attention records per step, one set per KV group (gpu_worker.kv_groups: the l
 share block tables); a Llama model has one set for all its layers.
 Which kernels run the attention, the small layer ops and the matmuls is the worker's
 choice (gpu_worker.kernels), made once before the model loads.
+Under tensor parallelism (gpu_worker.tensor_parallel) the model is one rank's: its
+slices of the weights, its heads (its `config` counts only those, and so does the KV
+cache allocated from it), and the collectives that join the ranks' results.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from gpu_worker.model_config import ModelConfig
 from gpu_worker.quant import QUANTIZERS, QuantLinear, QuantWeight
 from gpu_worker.rope import rope_tables
 from gpu_worker.sampler import Logits
+from gpu_worker.tensor_parallel import NO_SHARD, VOCAB, Shard, check_shardable
 
 REFINED_LOGITS = 8  # top logits per row recomputed in float32 when the model runs in bfloat16
 
@@ -52,10 +56,15 @@ class Model:
         kernels: Kernels,
         quantization: str = "none",
         quantized: dict[str, QuantWeight] | None = None,
+        shard: Shard = NO_SHARD,
     ) -> None:
         """`quantization` (gpu_worker.protocol.QUANTIZATIONS): int8 and int4 quantize the
-        matmuls' weights here; gguf serves the `quantized` ones (a GGUF conversion's)."""
-        self.config = config
+        matmuls' weights here; gguf serves the `quantized` ones (a GGUF conversion's).
+        `shard`: the rank this model is of a tensor-parallel group; ValueError where the
+        group cannot split it (check_shardable)."""
+        check_shardable(config, shard.world_size, quantization)
+        self.config = shard.local_config(config)
+        self.shard = shard
         self.dtype = dtype
         self.device = device
         self.kernels = kernels
@@ -73,8 +82,11 @@ class Model:
             quantizer=QUANTIZERS.get(quantization),
             quantized=quantized,
             quant_kernels=kernels.quant_matmul,
+            shard=shard,
         )
-        self.embed = take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
+        self.vocab_start, self.vocab_rows = shard.vocab_slice(config.vocab_size)
+        head_shape = (config.vocab_size, config.hidden_size)
+        self.embed = take("model.embed_tokens.weight", head_shape, VOCAB)
         # Gemma scales its embeddings by sqrt(hidden), rounded to the model's dtype.
         self.embed_scale = (
             torch.tensor(config.hidden_size**0.5).to(device, dtype) if gemma else None
@@ -90,12 +102,15 @@ class Model:
                 ropes[rope] = rope_tables(config.head_dim, rope, max_positions, dtype, device)
             self.layers.append(load_layer(take, config, i, ropes[rope], groups.group_of(i)))
         self.norm = take.norm("model.norm.weight", config.hidden_size)
-        head_shape = (config.vocab_size, config.hidden_size)
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
         # Tied, the embedding stays dense for its lookups and a quantized head is a copy.
         name = "model.embed_tokens.weight" if tied else "lm_head.weight"
-        dense = self.embed if tied else None if take.quantizes(name) else take(name, head_shape)
-        self.lm_head = take.matmul([name], [head_shape], sizes=LM_HEAD_ROW_SIZES, dense=dense)
+        dense: torch.Tensor | None = self.embed
+        if not tied:
+            dense = None if take.quantizes(name) else take(name, head_shape, VOCAB)
+        self.lm_head = take.matmul(
+            [name], [head_shape], sizes=LM_HEAD_ROW_SIZES, dense=dense, split=VOCAB
+        )
         # for recomputing single logits: the served rows (a quantized head dequantizes its own)
         self.lm_head_rows = dense if isinstance(self.lm_head, Linear) else None
         self.capturable = config.moe is None  # see gpu_worker.moe
@@ -126,7 +141,7 @@ class Model:
         q_width, kv_width = heads * head_dim, kv_heads * head_dim
         num_tokens = input_ids.shape[0]
         # The residual stream, updated in place; each norm comes fused with the add before it.
-        x = F.embedding(input_ids, self.embed)
+        x = self._embedding(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
         h = norm(x, self.layers[0].input_norm, eps)
@@ -144,6 +159,7 @@ class Model:
             k = qkv[:, q_width : q_width + kv_width].view(num_tokens, kv_heads, head_dim)
             v = qkv[:, q_width + kv_width :].view(num_tokens, kv_heads, head_dim)
             attn = layer.o_proj(paged_attention(q, k, v, kv, meta))
+            self.shard.all_reduce(attn)  # the ranks' partial sums, as down's below
             if layer.attn_out_norm is not None:
                 attn = norm(attn, layer.attn_out_norm, eps)
             h = add_norm_(x, attn, layer.mlp_norm, eps)
@@ -151,10 +167,21 @@ class Model:
                 mlp = layer.moe(h, self.act_and_mul)
             else:
                 mlp = layer.down(self.act_and_mul(layer.gate_up(h)))  # type: ignore[misc]
+                self.shard.all_reduce(mlp)
             if layer.mlp_out_norm is not None:
                 mlp = norm(mlp, layer.mlp_out_norm, eps)
             h = add_norm_(x, mlp, next_norm, eps)
         return h
+
+    def _embedding(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The ids' embedding rows; under tensor parallelism each rank looks up the ids of
+        its vocabulary slice, zeros for the others', and the all-reduce joins them."""
+        if self.shard.world_size == 1:
+            return F.embedding(input_ids, self.embed)
+        ids = input_ids - self.vocab_start
+        elsewhere = (ids < 0) | (ids >= self.vocab_rows)
+        rows = F.embedding(ids.masked_fill(elsewhere, 0), self.embed)
+        return self.shard.all_reduce(rows.masked_fill_(elsewhere.unsqueeze(1), 0))
 
     def logits(self, h: torch.Tensor) -> Logits:
         """The LM head for the final-normed rows that sample: [S, hidden] -> [S, vocab].
@@ -163,12 +190,51 @@ class Model:
         so the best tokens often tie and greedy decoding would choose among them by token
         id (SmolLM2 then answers "L'Étoile" instead of "Paris"). The few highest logits of
         each row are therefore recomputed in float32 from the same hidden state.
+
+        Under tensor parallelism rank 0 returns these logits, by the same rule
+        (_sharded_logits); every rank must call it, and the others get their own slice's.
         """
+        if self.shard.world_size > 1:
+            return self._sharded_logits(h)
         logits = self._capped(self.lm_head(h))
         if logits.dtype == torch.float32:
             return Logits(logits)
         top = self.ops.top_k_ids(logits, min(REFINED_LOGITS, logits.shape[1]))
         return Logits(logits, top, self._capped(self._exact_logits(h, top)))
+
+    def _sharded_logits(self, h: torch.Tensor) -> Logits:
+        """logits' rule over the ranks' vocabulary slices: rank 0 gathers the whole rows,
+        picks each row's top ids from them with the op TP=1 uses, and broadcasts them;
+        each id's float32 logit is computed, as _exact_logits computes it at TP=1, by the
+        rank holding its row, and gathered. The other ranks get [S, their rows] logits,
+        which they compute only for rank 0."""
+        local = self.lm_head(h)
+        gathered = self.shard.gather_vocab(local, self.config.vocab_size)
+        logits = None if gathered is None else self._capped(gathered)
+        if local.dtype == torch.float32:
+            return Logits(local if logits is None else logits)
+        top = self._broadcast_top_ids(logits, h.shape[0])
+        exact = self.shard.gather_held(self._held_exact_logits(h, top), top, self.config.vocab_size)
+        if logits is None or exact is None:  # not rank 0: its part is done
+            return Logits(local)
+        return Logits(logits, top, self._capped(exact))
+
+    def _broadcast_top_ids(self, logits: torch.Tensor | None, rows: int) -> torch.Tensor:
+        """Rank 0's top ids of each of `rows` rows (its `logits`; None elsewhere), on every
+        rank."""
+        k = min(REFINED_LOGITS, self.config.vocab_size)
+        if logits is None:
+            top = torch.empty((rows, k), dtype=torch.long, device=self.device)
+        else:
+            top = self.ops.top_k_ids(logits, k)
+        return self.shard.broadcast(top)
+
+    def _held_exact_logits(self, h: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+        """_exact_logits of the `top` ids this rank's vocabulary slice holds; those of the
+        others' ids are of its first row, and gather_held drops them."""
+        ids = top - self.vocab_start
+        elsewhere = (ids < 0) | (ids >= self.vocab_rows)
+        return self._exact_logits(h, ids.masked_fill(elsewhere, 0))
 
     def _capped(self, logits: torch.Tensor) -> torch.Tensor:
         """Gemma's final soft-capping, cap * tanh(logit / cap), where the config sets it."""

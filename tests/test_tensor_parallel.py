@@ -1,0 +1,400 @@
+"""Tensor parallelism on the CPU (gpu_worker.tensor_parallel): tiny models split over two
+gloo ranks give TP=1's float32 logits on a prefill, a prefill chunk, a decode batch and a
+mixed batch, TP=1's greedy tokens, and in bfloat16 TP=1's rule for the refined logits;
+each step makes exactly the collectives the split promises, and TP=1 none.
+
+The models: a Llama; a Qwen2 with q/k/v biases, tied embeddings and a vocabulary of 251
+(padded to 252 for two ranks); Gemma 3 (q/k norms, Gemma's norms, embedding scale, soft
+capping, three KV groups); Phi-3 (q/k/v and gate/up fused in the checkpoint). The ranks
+are spawned once for all of them, and compared with the TP=1 runs made here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections import Counter
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from gpu_worker import kv_cache, runtime
+from gpu_worker.checkpoint import load_weights
+from gpu_worker.kernels import Kernels, candidates, quant_kernels, reference
+from gpu_worker.model import REFINED_LOGITS, Model
+from gpu_worker.model_config import ModelConfig
+from gpu_worker.protocol import WorkerConfig
+from gpu_worker.quant import QuantLinear
+from gpu_worker.runner import ModelRunner
+from gpu_worker.tensor_parallel import (
+    NO_SHARD,
+    VOCAB,
+    Shard,
+    check_shardable,
+    fused_rows,
+)
+from tests.worker_fixtures import BLOCK_SIZE, Chunk, blocks_for, max_diff, plan_for
+
+WORLD = 2
+CPU = torch.device("cpu")
+# name: (kind, overrides, quantization)
+MODELS = {
+    "llama": ("llama", {}, "none"),
+    "llama-int8": ("llama", {}, "int8"),
+    "qwen2-tied-padded": ("qwen2", {"tie_word_embeddings": True, "vocab_size": 251}, "none"),
+    "gemma3": ("gemma3", {}, "none"),
+    "phi3": ("phi3", {}, "none"),
+}
+NUM_BLOCKS = 256  # Gemma 3's three KV groups spread each table's blocks three ways
+GREEDY_STEPS = 8
+COLLECTIVES = ("all_reduce", "broadcast", "gather", "all_gather", "reduce", "scatter")
+COLLECTIVE_TIMEOUT_S = 60
+RANKS_TIMEOUT_S = 300
+SMOLLM2_135M = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+}
+
+
+# ---- what the parent (TP=1) and each rank (TP=2) run alike ---------------------------------
+
+
+def token_ids(length: int, seed: int, vocab: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (length,), generator=generator).tolist()
+
+
+def kernels_for(config: ModelConfig, dtype: torch.dtype) -> Kernels:
+    """The last candidate of each seam (the native CPU kernels where they build), so
+    that the parent and the ranks run the same ones without measuring."""
+    offered = candidates(CPU, dtype, config.head_dim)
+    return Kernels(offered["attention"][-1], offered["layer_ops"][-1], offered["matmul"][-1])
+
+
+def build_runner(
+    model_dir: Path, dtype: torch.dtype, shard: Shard, quantization: str = "none"
+) -> ModelRunner:
+    config = ModelConfig.from_dir(model_dir)
+    kernels = kernels_for(config, dtype)
+    if quantization != "none":
+        kernels = dataclasses.replace(kernels, quant_matmul=quant_kernels(CPU))
+    model = Model(
+        config,
+        load_weights(model_dir, dtype),
+        max_positions=config.context_limit,
+        dtype=dtype,
+        device=CPU,
+        kernels=kernels,
+        quantization=quantization,
+        shard=shard,
+    )
+    # The rank's KV cache, from its view of the config: its KV heads only.
+    cache = kv_cache.allocate(model.config, NUM_BLOCKS, BLOCK_SIZE, dtype, CPU)
+    worker = WorkerConfig(model_dir=str(model_dir), max_num_seqs=8, use_cuda_graphs=False)
+    return runtime.runner_on(model, cache, worker)
+
+
+def planned_steps(vocab: int) -> list[tuple[str, list[Chunk], bool]]:
+    """(name, the step's sequences, whether every row's logits are read: a prompt's
+    log-probabilities read them so)."""
+    first, second, third = (token_ids(n, seed=n, vocab=vocab) for n in (37, 20, 15))
+    tables = [blocks_for(16 * seq, 64) for seq in range(3)]
+    return [
+        ("prefill", [Chunk(0, first, 0, tables[0])], True),
+        ("prefill beside", [Chunk(1, second, 0, tables[1])], False),
+        ("decode batch", [Chunk(0, [5], 37, tables[0]), Chunk(1, [6], 20, tables[1])], False),
+        (
+            "mixed batch",
+            [
+                Chunk(0, [7], 38, tables[0]),
+                Chunk(1, [8], 21, tables[1]),
+                Chunk(2, third[:9], 0, tables[2]),
+            ],
+            False,
+        ),
+        ("prefill chunk", [Chunk(2, third[9:], 9, tables[2])], True),
+    ]
+
+
+def step_logits(runner: ModelRunner, seqs: list[Chunk], every_row: bool) -> torch.Tensor:
+    """float32 logits of the sampling rows, or of every row."""
+    plan = plan_for(runner, seqs)
+    if not every_row:
+        return runner.step_logits(plan)
+    return runner.model.logits(runner.forward(runner.inputs(plan))).dense()
+
+
+def greedy_tokens(runner: ModelRunner, forced: list[int] | None) -> list[int]:
+    """A sequence's greedy tokens, each step fed the last one chosen, or `forced`'s: the
+    ranks are fed TP=1's, so that each of their choices is made on TP=1's inputs."""
+    vocab = runner.model.config.vocab_size
+    table = blocks_for(48, 12 + GREEDY_STEPS)
+    tokens, start, chosen = token_ids(12, seed=7, vocab=vocab), 0, []
+    for step in range(GREEDY_STEPS):
+        result = runner.execute(plan_for(runner, [Chunk(3, tokens, start, table)], step))
+        assert result.error is None, result.error
+        chosen.append(result.tokens[0][0])
+        start += len(tokens)
+        tokens = [chosen[-1] if forced is None else forced[step]]
+    return chosen
+
+
+def float32_results(
+    runner: ModelRunner, counts: Counter[str], forced: list[int] | None
+) -> dict[str, Any]:
+    """Each step's logits and collectives, the KV heads the cache holds, greedy tokens."""
+    logits, made = {}, {}
+    for name, seqs, every_row in planned_steps(runner.model.config.vocab_size):
+        before = Counter(counts)
+        logits[name] = step_logits(runner, seqs, every_row)
+        made[name] = dict(counts - before)
+    kv_heads = runner.cache.like.shape[0]
+    return {
+        "logits": logits,
+        "counts": made,
+        "kv_heads": kv_heads,
+        "greedy": greedy_tokens(runner, forced),
+    }
+
+
+def bfloat16_results(runner: ModelRunner, counts: Counter[str]) -> dict[str, Any]:
+    """A bfloat16 prefill's hidden states and what logits made of them, with the
+    collectives of the forward pass and the logits."""
+    prompt = token_ids(23, seed=5, vocab=runner.model.config.vocab_size)
+    plan = plan_for(runner, [Chunk(0, prompt, 0, blocks_for(0, len(prompt)))])
+    before = Counter(counts)
+    hidden = runner.forward(runner.inputs(plan))
+    logits = runner.model.logits(hidden)
+    return {
+        "hidden": hidden,
+        "values": logits.values,
+        "top": logits.top,
+        "top_values": logits.top_values,
+        "counts": dict(counts - before),
+    }
+
+
+def model_results(
+    served: tuple[str, str], shard: Shard, counts: Counter[str], forced: list[int] | None
+) -> dict[str, Any]:
+    """`served`: (model directory, quantization)."""
+    model_dir, quantization = Path(served[0]), served[1]
+    runner = build_runner(model_dir, torch.float32, shard, quantization)
+    results = float32_results(runner, counts, forced)
+    runner = build_runner(model_dir, torch.bfloat16, shard, quantization)
+    results["bfloat16"] = bfloat16_results(runner, counts)
+    return results
+
+
+def count_collectives(patch: Callable[[str, Any], Any]) -> Counter[str]:
+    """Counts each torch.distributed collective's calls from here on; `patch(name, f)`
+    puts f in place of torch.distributed's `name`."""
+    counts: Counter[str] = Counter()
+    for name in COLLECTIVES:
+        patch(name, _counted(getattr(dist, name), name, counts))
+    return counts
+
+
+def _counted(collective: Callable[..., Any], name: str, counts: Counter[str]) -> Callable:
+    @functools.wraps(collective)
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        counts[name] += 1
+        return collective(*args, **kwargs)
+
+    return counted
+
+
+# ---- the ranks ------------------------------------------------------------------------------
+
+
+def rank_main(
+    rank: int,
+    models: dict[str, tuple[str, str]],
+    forced: dict[str, list[int]],
+    rendezvous: str,
+    out: str,
+) -> None:
+    """One spawned rank: every model's results; rank 0 saves them to `out`."""
+    torch.set_num_threads(1)  # two ranks share the machine's cores
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{rendezvous}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+    try:
+        counts = count_collectives(functools.partial(setattr, dist))
+        shard = Shard.of()
+        results = {
+            name: model_results(served, shard, counts, forced[name])
+            for name, served in models.items()
+        }
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        torch.save(results, out)
+
+
+def run_ranks(
+    models: dict[str, tuple[str, str]], forced: dict[str, list[int]], workdir: Path
+) -> dict:
+    """Rank 0's results of WORLD spawned ranks, which are killed if they overrun."""
+    out = workdir / "rank0.pt"
+    args = (models, forced, str(workdir / "rendezvous"), str(out))
+    ranks = mp.start_processes(rank_main, args=args, nprocs=WORLD, join=False, start_method="spawn")
+    deadline = time.monotonic() + RANKS_TIMEOUT_S
+    while not ranks.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail(f"the ranks did not finish within {RANKS_TIMEOUT_S} s")
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_models, tmp_path_factory) -> dict[str, dict[str, Any]]:
+    """Each model's directory, its TP=1 results (made here, where no collective may run)
+    and TP=2's."""
+    models = {
+        name: (str(tiny_models(kind, **overrides)), quantization)
+        for name, (kind, overrides, quantization) in MODELS.items()
+    }
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            counts = count_collectives(functools.partial(monkeypatch.setattr, dist))
+            single = {
+                name: model_results(served, NO_SHARD, counts, None)
+                for name, served in models.items()
+            }
+    finally:
+        torch.set_num_threads(threads)
+    assert not counts, f"TP=1 ran collectives: {dict(counts)}"
+    forced = {name: results["greedy"] for name, results in single.items()}
+    split = run_ranks(models, forced, tmp_path_factory.mktemp("ranks"))
+    return {
+        name: {"served": models[name], "tp1": single[name], "tp2": split[name]} for name in MODELS
+    }
+
+
+# ---- the checks -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_float32_logits_equal_tp1(runs, name):
+    tp1, tp2 = runs[name]["tp1"], runs[name]["tp2"]
+    for step, reference_logits in tp1["logits"].items():
+        logits = tp2["logits"][step]
+        assert logits.shape == reference_logits.shape, step
+        assert max_diff(logits, reference_logits) < 1e-5, step
+        assert torch.equal(logits.argmax(-1), reference_logits.argmax(-1)), step
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_greedy_steps_equal_tp1(runs, name):
+    assert runs[name]["tp2"]["greedy"] == runs[name]["tp1"]["greedy"]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_each_rank_caches_its_kv_heads(runs, name):
+    assert runs[name]["tp2"]["kv_heads"] * WORLD == runs[name]["tp1"]["kv_heads"]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_step_makes_2l_plus_1_all_reduces_and_one_gather(runs, name):
+    layers = ModelConfig.from_dir(runs[name]["served"][0]).num_hidden_layers
+    for step, made in runs[name]["tp2"]["counts"].items():
+        assert made == {"all_reduce": 2 * layers + 1, "gather": 1}, step
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_bfloat16_refined_logits_follow_tp1s_rule(runs, name):
+    """Rank 0's top ids are those TP=1's op picks from the gathered logits, and their
+    float32 logits are TP=1's: the float64 dot products of the head's rows (served in
+    bfloat16) with the same hidden states, soft-capped where the model caps."""
+    model_dir, quantization = runs[name]["served"]
+    tp1 = build_runner(Path(model_dir), torch.bfloat16, NO_SHARD, quantization).model
+    got = runs[name]["tp2"]["bfloat16"]
+    hidden, top = got["hidden"], got["top"]
+    assert got["values"].shape == (hidden.shape[0], tp1.config.vocab_size)
+    assert torch.equal(top, tp1.ops.top_k_ids(got["values"], REFINED_LOGITS))
+    exact = (served_rows(tp1, top).double() * hidden.double().unsqueeze(1)).sum(-1).float()
+    cap = tp1.config.final_logit_softcapping
+    expected = exact if cap is None else torch.tanh(exact / cap) * cap
+    assert torch.equal(got["top_values"], expected)
+    reference_values = tp1.logits(hidden).values
+    assert max_diff(got["values"], reference_values) <= 2**-6 * reference_values.abs().max()
+    layers = tp1.config.num_hidden_layers
+    assert got["counts"] == {"all_reduce": 2 * layers + 1, "gather": 2, "broadcast": 1}
+
+
+def served_rows(model: Model, ids: torch.Tensor) -> torch.Tensor:
+    """The LM head's rows `ids` as TP=1 serves them: a quantized head's dequantized."""
+    if isinstance(model.lm_head, QuantLinear):
+        return model.lm_head.dequantized_rows(ids)
+    assert model.lm_head_rows is not None
+    return model.lm_head_rows[ids]
+
+
+# ---- refused at start, and the slicing rules ------------------------------------------------
+
+
+def test_tp2_is_refused_for_9_heads_and_3_kv_heads():
+    config = ModelConfig.from_dict(SMOLLM2_135M)
+    message = (
+        "tensor parallel size 2 does not divide the model's 9 attention heads, "
+        "3 key/value heads: .* sizes that fit this model: 1, 3"
+    )
+    with pytest.raises(ValueError, match=message):
+        Model(
+            config,
+            {},
+            max_positions=16,
+            dtype=torch.float32,
+            device=CPU,
+            kernels=reference(),
+            shard=Shard(rank=0, world_size=2),
+        )
+    check_shardable(config, 3)
+
+
+def test_mixtures_of_experts_and_gguf_weights_are_refused():
+    mixtral = {
+        **SMOLLM2_135M,
+        "architectures": ["MixtralForCausalLM"],
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+    }
+    with pytest.raises(ValueError, match="does not split a mixture of experts"):
+        check_shardable(ModelConfig.from_dict(mixtral), 2)
+    llama = ModelConfig.from_dict(
+        {**SMOLLM2_135M, "num_attention_heads": 8, "num_key_value_heads": 4}
+    )
+    with pytest.raises(ValueError, match="GGUF"):
+        check_shardable(llama, 2, "gguf")
+    check_shardable(llama, 2, "int8")
+
+
+def test_fused_parts_are_each_sliced_and_the_vocabulary_padded():
+    qkv = torch.arange(8.0).repeat_interleave(2).view(8, 2)  # q rows 0..3, k 4..5, v 6..7
+    second = Shard(rank=1, world_size=2)
+    assert second.slice(qkv, fused_rows(4, 2, 2))[:, 0].tolist() == [2, 3, 5, 7]
+    vocab = torch.arange(5.0).view(5, 1)
+    assert second.slice(vocab, VOCAB)[:, 0].tolist() == [3, 4, 0]
+    assert Shard(rank=0, world_size=2).slice(vocab, VOCAB)[:, 0].tolist() == [0, 1, 2]
