@@ -11,26 +11,19 @@ are spawned once for all of them, and compared with the TP=1 runs made here.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import time
 from collections import Counter
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from gpu_worker import kv_cache, runtime
-from gpu_worker.checkpoint import load_weights
-from gpu_worker.kernels import Kernels, candidates, quant_kernels, reference
+from gpu_worker.kernels import reference
 from gpu_worker.model import REFINED_LOGITS, Model
 from gpu_worker.model_config import ModelConfig
-from gpu_worker.protocol import WorkerConfig
 from gpu_worker.quant import QuantLinear
 from gpu_worker.runner import ModelRunner
 from gpu_worker.tensor_parallel import (
@@ -40,10 +33,10 @@ from gpu_worker.tensor_parallel import (
     check_shardable,
     fused_rows,
 )
-from tests.worker_fixtures import BLOCK_SIZE, Chunk, blocks_for, max_diff, plan_for
+from tests.tensor_parallel_helpers import CPU, build_runner, run_ranks
+from tests.worker_fixtures import Chunk, blocks_for, max_diff, plan_for
 
 WORLD = 2
-CPU = torch.device("cpu")
 # name: (kind, overrides, quantization)
 MODELS = {
     "llama": ("llama", {}, "none"),
@@ -52,11 +45,8 @@ MODELS = {
     "gemma3": ("gemma3", {}, "none"),
     "phi3": ("phi3", {}, "none"),
 }
-NUM_BLOCKS = 256  # Gemma 3's three KV groups spread each table's blocks three ways
 GREEDY_STEPS = 8
 COLLECTIVES = ("all_reduce", "broadcast", "gather", "all_gather", "reduce", "scatter")
-COLLECTIVE_TIMEOUT_S = 60
-RANKS_TIMEOUT_S = 300
 SMOLLM2_135M = {
     "architectures": ["LlamaForCausalLM"],
     "hidden_size": 576,
@@ -74,36 +64,6 @@ SMOLLM2_135M = {
 def token_ids(length: int, seed: int, vocab: int) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (length,), generator=generator).tolist()
-
-
-def kernels_for(config: ModelConfig, dtype: torch.dtype) -> Kernels:
-    """The last candidate of each seam (the native CPU kernels where they build), so
-    that the parent and the ranks run the same ones without measuring."""
-    offered = candidates(CPU, dtype, config.head_dim)
-    return Kernels(offered["attention"][-1], offered["layer_ops"][-1], offered["matmul"][-1])
-
-
-def build_runner(
-    model_dir: Path, dtype: torch.dtype, shard: Shard, quantization: str = "none"
-) -> ModelRunner:
-    config = ModelConfig.from_dir(model_dir)
-    kernels = kernels_for(config, dtype)
-    if quantization != "none":
-        kernels = dataclasses.replace(kernels, quant_matmul=quant_kernels(CPU))
-    model = Model(
-        config,
-        load_weights(model_dir, dtype),
-        max_positions=config.context_limit,
-        dtype=dtype,
-        device=CPU,
-        kernels=kernels,
-        quantization=quantization,
-        shard=shard,
-    )
-    # The rank's KV cache, from its view of the config: its KV heads only.
-    cache = kv_cache.allocate(model.config, NUM_BLOCKS, BLOCK_SIZE, dtype, CPU)
-    worker = WorkerConfig(model_dir=str(model_dir), max_num_seqs=8, use_cuda_graphs=False)
-    return runtime.runner_on(model, cache, worker)
 
 
 def planned_steps(vocab: int) -> list[tuple[str, list[Chunk], bool]]:
@@ -219,49 +179,14 @@ def _counted(collective: Callable[..., Any], name: str, counts: Counter[str]) ->
 # ---- the ranks ------------------------------------------------------------------------------
 
 
-def rank_main(
-    rank: int,
-    models: dict[str, tuple[str, str]],
-    forced: dict[str, list[int]],
-    rendezvous: str,
-    out: str,
-) -> None:
-    """One spawned rank: every model's results; rank 0 saves them to `out`."""
-    torch.set_num_threads(1)  # two ranks share the machine's cores
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{rendezvous}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-    )
-    try:
-        counts = count_collectives(functools.partial(setattr, dist))
-        shard = Shard.of()
-        results = {
-            name: model_results(served, shard, counts, forced[name])
-            for name, served in models.items()
-        }
-    finally:
-        dist.destroy_process_group()
-    if rank == 0:
-        torch.save(results, out)
-
-
-def run_ranks(
-    models: dict[str, tuple[str, str]], forced: dict[str, list[int]], workdir: Path
-) -> dict:
-    """Rank 0's results of WORLD spawned ranks, which are killed if they overrun."""
-    out = workdir / "rank0.pt"
-    args = (models, forced, str(workdir / "rendezvous"), str(out))
-    ranks = mp.start_processes(rank_main, args=args, nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + RANKS_TIMEOUT_S
-    while not ranks.join(timeout=max(0.1, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for process in ranks.processes:
-                process.kill()
-            pytest.fail(f"the ranks did not finish within {RANKS_TIMEOUT_S} s")
-    return torch.load(out)
+def split_results(
+    shard: Shard, models: dict[str, tuple[str, str]], forced: dict[str, list[int]]
+) -> dict[str, dict[str, Any]]:
+    """One spawned rank's results of every model (tensor_parallel_helpers.run_ranks)."""
+    counts = count_collectives(functools.partial(setattr, dist))
+    return {
+        name: model_results(served, shard, counts, forced[name]) for name, served in models.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -285,7 +210,7 @@ def runs(tiny_models, tmp_path_factory) -> dict[str, dict[str, Any]]:
         torch.set_num_threads(threads)
     assert not counts, f"TP=1 ran collectives: {dict(counts)}"
     forced = {name: results["greedy"] for name, results in single.items()}
-    split = run_ranks(models, forced, tmp_path_factory.mktemp("ranks"))
+    split = run_ranks(split_results, (models, forced), WORLD, tmp_path_factory.mktemp("ranks"))
     return {
         name: {"served": models[name], "tp1": single[name], "tp2": split[name]} for name in MODELS
     }
