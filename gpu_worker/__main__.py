@@ -6,21 +6,24 @@ an event loop. Each result says how long the worker waited for its plan (`idle_m
 time the device sat idle while the service prepared the step. It exits 0 on "shutdown" or
 when the socket closes, 1 when init fails, 3 after a step left the device unusable
 (gpu_worker.faults): it reports "fatal" first, and the service starts a fresh process.
+
+With tensor_parallel_size N > 1 in its init this process is rank 0 of a group
+(gpu_worker.worker_group): it starts the N - 1 followers, hands each message it receives
+to them before it handles it, and alone samples and answers. A rank lost is "fatal" too.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import socket
 import sys
 import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
-from gpu_worker.faults import DeviceFault
+from gpu_worker.faults import DeviceFault, GroupFault
+from gpu_worker.process import EXIT_DEVICE_FAULT, keep_freed_memory, log
 from gpu_worker.protocol import (
-    DEVICE_ERROR,
     MAX_IDLE_GAP_S,
     FrameDecoder,
     StepResult,
@@ -33,21 +36,16 @@ from gpu_worker.protocol import (
 
 if TYPE_CHECKING:
     from gpu_worker.runner import ModelRunner
+    from gpu_worker.worker_group import Group
 
 RECEIVE_BYTES = 1 << 20
-_M_TRIM_THRESHOLD = -1  # glibc mallopt parameters
-_M_MMAP_THRESHOLD = -3
-EXIT_DEVICE_FAULT = 3
-
-
-def log(message: str) -> None:
-    print(f"gpu_worker: {message}", file=sys.stderr, flush=True)
 
 
 class WorkerLoop:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.runner: ModelRunner | None = None  # once "init" succeeded
+        self.group: Group | None = None  # the tensor-parallel group this process leads
         self.answered_at: float | None = None  # when the last step's result went out
         self.received_at = 0.0  # when the bytes of the messages being handled arrived
 
@@ -56,6 +54,13 @@ class WorkerLoop:
 
     def serve(self) -> int:
         """Answers messages until shutdown or end of stream; returns the exit status."""
+        try:
+            return self._serve()
+        finally:
+            if self.group is not None:
+                self.group.close()
+
+    def _serve(self) -> int:
         decoder = FrameDecoder()
         while True:
             data = self.sock.recv(RECEIVE_BYTES)
@@ -72,9 +77,10 @@ class WorkerLoop:
         kind = msg.get("type")
         if kind == "step":
             try:
+                self.hand_on(msg)
                 result = self.step(msg)
             except DeviceFault as fault:
-                return self.give_up(msg.get("step_id", -1), fault)
+                return self.give_up(f"step {msg.get('step_id', -1)}", fault)
             result.idle_ms = self.idle_ms()
             # Stamped before the send: waking the service may preempt this process inside
             # sendall, and the wait for the next plan starts when the result is ready.
@@ -82,22 +88,47 @@ class WorkerLoop:
             self.send(to_message("result", result))
         elif kind == "ping":
             self.answered_at = None  # the service pings only when it has nothing to run
+            try:
+                self.hand_on(msg)
+                if self.group is not None:
+                    self.group.heartbeat()
+            except DeviceFault as fault:
+                return self.give_up("a heartbeat", fault)
             self.send({"type": "pong"})
         elif kind == "init":
             return self.init(msg)
         elif kind == "shutdown":
             log("shutdown requested; exiting")
-            return 0
+            return 0  # serve's end tells the followers
         else:
             log(f"ignoring a message of unknown type {kind!r}")
         return None
 
-    def give_up(self, step_id: int, fault: DeviceFault) -> int:
-        """A sticky device error: every later step would fail too, so say why and exit."""
-        log(f"step {step_id} left the device unusable; exiting: {fault}")
+    def hand_on(self, msg: dict[str, Any]) -> None:
+        """The followers get each message rank 0 handles, before it handles it."""
+        if self.group is None:
+            return
+        try:
+            self.group.send(msg)
+        except RuntimeError as exc:
+            raise GroupFault(f"handing a message to the followers failed: {exc}") from exc
+
+    def followers_seen(self) -> str:
+        """ " (what went wrong with the followers)", where something shows; the group is
+        then marked broken, so that the end of serve does not wait on it."""
+        if self.group is None:
+            return ""
+        self.group.broken = True
+        seen = self.group.failures()
+        return f" ({seen})" if seen else ""
+
+    def give_up(self, what: str, fault: DeviceFault) -> int:
+        """A sticky device error or a lost rank: every later step would fail too, so say
+        why and exit."""
+        message = f"{what}: {fault}{self.followers_seen()}"
+        log(f"the worker is unusable; exiting: {message}")
         traceback.print_exception(fault.__cause__ or fault, file=sys.stderr)
-        message = f"step {step_id}: {fault}"
-        self.send({"type": "fatal", "reason": DEVICE_ERROR, "message": message})
+        self.send({"type": "fatal", "reason": fault.reason, "message": message})
         return EXIT_DEVICE_FAULT
 
     def idle_ms(self) -> float | None:
@@ -118,9 +149,12 @@ class WorkerLoop:
         if device_warning is not None:
             log(f"WARNING: {device_warning}")  # before loading, which may take minutes
         try:
-            runner = runtime.start(config)
+            runtime.check(config)  # its refusals before any follower starts
+            self.group = _lead_group(config)
+            self.hand_on(msg)
+            runner = runtime.start(config, self.group)
         except Exception as exc:
-            message = f"{type(exc).__name__}: {exc}"
+            message = f"{type(exc).__name__}: {exc}{self.followers_seen()}"
             log(f"init failed: {message}")
             self.send({"type": "fatal", "message": message})
             return 1
@@ -150,16 +184,16 @@ class WorkerLoop:
         return result
 
 
-def keep_freed_memory() -> None:
-    """Every step allocates and frees the same large tensors (logits, gather buffers). By
-    default glibc gives such blocks back to the kernel, so every step pays page faults for
-    them again (sampling's cost roughly triples). Keep them in the heap."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return  # not glibc: nothing to tune
-    libc.mallopt(_M_MMAP_THRESHOLD, 32 * 1024 * 1024)  # glibc's largest accepted value
-    libc.mallopt(_M_TRIM_THRESHOLD, 1024 * 1024 * 1024)
+def _lead_group(config: WorkerConfig) -> Group | None:
+    """The group this worker leads at tensor_parallel_size > 1 (its followers started and
+    joined); None for a worker of its own."""
+    if config.tensor_parallel_size <= 1:
+        return None
+    from gpu_worker.device import resolve_device
+    from gpu_worker.worker_group import Group, data_backend
+
+    backend = data_backend(resolve_device(config.device))
+    return Group.lead(config.tensor_parallel_size, backend, config.collective_timeout)
 
 
 def _steps(startup: dict[str, float]) -> str:

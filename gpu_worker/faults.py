@@ -8,6 +8,9 @@ service restarts it, failing only the requests of that step (service.engine.engi
 Kernels run asynchronously, so the error may surface at a later call of the step (the
 sampler's copy to the host) than the kernel that faulted: the whole step is judged.
 
+A tensor-parallel group's lost rank is one too (GroupFault): a rank that died or stopped
+leaves its peers' collectives failing or timing out, and only a new group serves again.
+
 Out of memory is not such an error: the caching allocator raises it before any kernel runs,
 the context stays valid, and a smaller step fits again; a restart would reload the weights
 only to meet the same memory. It stays a step error, like a bad plan.
@@ -16,6 +19,8 @@ only to meet the same memory. It stays a step error, like a bad plan.
 from __future__ import annotations
 
 import torch
+
+from gpu_worker.protocol import DEVICE_ERROR, RANK_HUNG, RANK_LOST
 
 # Messages of the RuntimeErrors that CUDA, cuBLAS and cuDNN failures surface as, in torch
 # builds whose errors have no type of their own.
@@ -30,6 +35,20 @@ DEVICE_ERROR_MARKERS = (
 
 class DeviceFault(RuntimeError):
     """A step failed in a way that leaves the device unusable; the worker must exit."""
+
+    @property
+    def reason(self) -> str:
+        """The "fatal" message's reason (gpu_worker.protocol)."""
+        return DEVICE_ERROR
+
+
+class GroupFault(DeviceFault):
+    """A collective across the tensor-parallel ranks failed: a rank exited (its peers see
+    the connection close) or stopped answering (the collective timed out)."""
+
+    @property
+    def reason(self) -> str:
+        return RANK_HUNG if "timed out" in str(self).lower() else RANK_LOST
 
 
 def device_error_types() -> tuple[type[BaseException], ...]:

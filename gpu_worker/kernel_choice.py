@@ -191,9 +191,7 @@ def choose(shapes: Shapes, pins: dict[str, str], cache_file: Path | None) -> Cho
     recorded = None if cache_file is None else _read_cache(cache_file).get(key)
     if recorded is not None:
         try:
-            chosen = kernel_set.by_names(
-                recorded["names"], shapes.device, shapes.dtype, shapes.head_dim, shapes.layers
-            )
+            chosen = named(shapes, recorded["names"])
         except KeyError:  # a kernel no longer offered here: measure again
             pass
         else:
@@ -206,6 +204,12 @@ def choose(shapes: Shapes, pins: dict[str, str], cache_file: Path | None) -> Cho
     if cache_file is not None:
         _write_cache(cache_file, key, choice)
     return choice
+
+
+def named(shapes: Shapes, names: dict[str, str]) -> Kernels:
+    """The kernels `names` names (a recorded choice, or rank 0's of a tensor-parallel
+    group) for these shapes; KeyError where one is not offered here."""
+    return kernel_set.by_names(names, shapes.device, shapes.dtype, shapes.head_dim, shapes.layers)
 
 
 def measure_all(shapes: Shapes, pins: dict[str, str]) -> Choice:

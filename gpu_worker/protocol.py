@@ -9,15 +9,19 @@ Conversation:
     worker  -> service  {"type": "ready", **Handshake}        or {"type": "fatal", "message": ...}
     service -> worker   {"type": "step", **BatchPlan}         (repeated)
     worker  -> service  {"type": "result", **StepResult}      (one per step, in order)
-                     or {"type": "fatal", "reason": DEVICE_ERROR, "message": ...}, then exits
+                     or {"type": "fatal", "reason": ..., "message": ...}, then exits
+                        (reason: DEVICE_ERROR, RANK_LOST or RANK_HUNG)
     service -> worker   {"type": "ping"}                      (only while no step is out)
     worker  -> service  {"type": "pong"}
     service -> worker   {"type": "shutdown"}                  worker exits 0
 
 An exception inside a step is reported as a StepResult with `error` set; the worker
 keeps serving. Only a failure that leaves the worker unusable is "fatal": at init, or a
-step's device error (gpu_worker.faults), after which the worker exits and the service
-starts a new one.
+step's device error or a tensor-parallel rank lost (gpu_worker.faults), after which the
+worker exits and the service starts a new one.
+
+With --tensor-parallel-size N the worker is rank 0 of a group (gpu_worker.worker_group);
+the service sees one worker and this one conversation.
 
 The service sends the next step as soon as it has the previous result (at most one step
 is out at a time), so the worker idles only for the gap between the two; each result
@@ -51,6 +55,8 @@ MAX_FRAME_BYTES = 256 * 1024 * 1024
 # A longer wait for a plan is the service having no work, not the cost of preparing a step.
 MAX_IDLE_GAP_S = 1.0
 DEVICE_ERROR = "device_error"  # a step's "fatal" reason: the device is unusable
+# a tensor-parallel group's "fatal" reasons: a rank exited, or stopped answering
+RANK_LOST, RANK_HUNG = "rank_lost", "rank_hung"
 KERNEL_SEAMS = ("attention", "layer_ops", "matmul")  # see gpu_worker.kernels
 POOL_LAST, POOL_SUM = "last", "sum"  # BatchPlan.pooling's kinds
 # Beside model.safetensors in a GGUF conversion: each matmul weight as the file quantized it,
@@ -86,6 +92,10 @@ class WorkerConfig:
     # its weights' quantization (as `quantization`, but never "gguf" unless it has them)
     draft_model_dir: str | None = None
     draft_quantization: str = "none"
+    # ranks splitting the model (gpu_worker.worker_group), and how long one rank's collective
+    # may wait for the others before the group is put down (under the service's step timeout)
+    tensor_parallel_size: int = 1
+    collective_timeout: float = 15.0
 
 
 def parse_kernel_pins(text: str) -> dict[str, str]:
@@ -140,6 +150,9 @@ class Handshake:
     quantization: str = "none"
     # the draft model's directory name (WorkerConfig.draft_model_dir), None without one
     draft_model: str | None = None
+    # each rank of the group, rank 0 first: {"rank", "pid", "device", "kv_bytes"} (one entry
+    # without tensor parallelism); kv_bytes above is their sum
+    ranks: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

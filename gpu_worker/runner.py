@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -53,12 +54,28 @@ class ModelRunner:
         try:
             result = self.run(plan)
         except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            if is_device_fault(exc):
-                raise DeviceFault(error) from exc
-            return StepResult(step_id=plan.step_id, error=error)
+            return StepResult(step_id=plan.step_id, error=_step_error(exc))
         result.step_ms = (time.perf_counter() - started) * 1000
         return result
+
+    def follow(self, plan: BatchPlan) -> str | None:
+        """A follower rank's part of a step (gpu_worker.follower): every collective `run`
+        makes on rank 0, in its order (the forward's, the sampled rows' logits', each
+        prompt-logprob chunk's), and nothing sampled. The step's error, as `execute`
+        reports it; None when it ran."""
+        try:
+            inputs = self.inputs(plan)
+            verification = Verification.of(inputs) if plan.draft_tokens else None
+            if plan.prompt_targets or plan.pooling or verification is not None:
+                hidden = self.forward(inputs)
+                self._sampled_logits(inputs, hidden, verification)
+                for _ in self._prompt_logit_chunks(inputs, hidden):
+                    pass
+            else:
+                self.logits(inputs)
+        except Exception as exc:
+            return _step_error(exc)
+        return None
 
     def run(self, plan: BatchPlan) -> StepResult:
         """One step; raises where execute reports."""
@@ -186,25 +203,32 @@ class ModelRunner:
         self, inputs: StepInputs, hidden: torch.Tensor
     ) -> list[TokenLogprobs | None]:
         """Each prompt target's log-probability (and alternatives) from the position before
-        it, PROMPT_ROWS positions at a time: a whole chunk's float32 logits would take
-        chunk x vocab x 4 bytes at once."""
+        it (_prompt_logit_chunks)."""
         plan = inputs.plan
-        results: list[TokenLogprobs | None] = []
-        for i, targets in enumerate(plan.prompt_targets):
-            if not targets:
-                results.append(None)
-                continue
+        results: list[TokenLogprobs | None] = [
+            TokenLogprobs() if targets else None for targets in plan.prompt_targets
+        ]
+        for i, part, logits in self._prompt_logit_chunks(inputs, hidden):
             top = plan.sampling[i].prompt_logprobs or 0
-            found = TokenLogprobs()
+            wanted = torch.tensor(part, device=logits.device)
+            found = results[i]
+            assert found is not None
+            found.extend(token_logprobs(logits, wanted, [top] * len(part)))
+        return results
+
+    def _prompt_logit_chunks(
+        self, inputs: StepInputs, hidden: torch.Tensor
+    ) -> Iterator[tuple[int, list[int], torch.Tensor]]:
+        """(sequence, targets, their dense logits), PROMPT_ROWS positions at a time: a whole
+        chunk's float32 logits would take chunk x vocab x 4 bytes at once. On a follower
+        rank the logits are of its vocabulary slice, computed for rank 0."""
+        plan = inputs.plan
+        for i, targets in enumerate(plan.prompt_targets):
             first = int(inputs.first_rows[i])
             for offset in range(0, len(targets), PROMPT_ROWS):
                 part = targets[offset : offset + PROMPT_ROWS]
                 rows = hidden[first + offset : first + offset + len(part)]
-                logits = self.model.logits(rows).dense()
-                wanted = torch.tensor(part, device=logits.device)
-                found.extend(token_logprobs(logits, wanted, [top] * len(part)))
-            results.append(found)
-        return results
+                yield i, part, self.model.logits(rows).dense()
 
     def _pooled(self, inputs: StepInputs, hidden: torch.Tensor) -> list[str | None]:
         """Each pooled sequence's vector (BatchPlan.pooling) in float64: sums of float32
@@ -221,6 +245,17 @@ class ModelRunner:
             data = vector.cpu().numpy().astype("<f8").tobytes()
             results.append(base64.b64encode(data).decode())
         return results
+
+
+def _step_error(exc: Exception) -> str:
+    """The text a failed step reports; raises DeviceFault instead where the failure leaves
+    the worker unusable (a sticky device error, a lost tensor-parallel rank)."""
+    if isinstance(exc, DeviceFault):
+        raise exc
+    error = f"{type(exc).__name__}: {exc}"
+    if is_device_fault(exc):
+        raise DeviceFault(error) from exc
+    return error
 
 
 def _bitmasks(plan: BatchPlan, sampled: list[int]) -> list[torch.Tensor | None] | None:

@@ -10,6 +10,10 @@
     graphs    CUDA only: every decode graph captured
 
 The handshake's `startup` gives each step's seconds, so a slow start says where it went.
+
+Each rank of a tensor-parallel group (gpu_worker.worker_group) runs these steps on its
+shard: rank 0 chooses the kernels and every rank takes its choice, the block count is the
+least any rank can hold, and rank 0's handshake lists every rank.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,6 +43,10 @@ from gpu_worker.protocol import QUANTIZATIONS, Handshake, WorkerConfig, parse_ke
 from gpu_worker.runner import ModelRunner
 from gpu_worker.sampler import Sampler
 from gpu_worker.step_inputs import PlanLimits
+from gpu_worker.tensor_parallel import NO_SHARD, check_shardable
+
+if TYPE_CHECKING:
+    from gpu_worker.worker_group import Group
 
 
 class Stopwatch:
@@ -64,20 +73,38 @@ class Stopwatch:
 ROW_SIZES_SECTION = "row_sizes"
 
 
-def start(config: WorkerConfig) -> ModelRunner:
-    """The worker's runner, its handshake attached; raises when the worker cannot serve."""
+def check(config: WorkerConfig) -> ModelConfig:
+    """The model's config, after the refusals that need no weights: ValueError, saying
+    why, where this worker config cannot serve it."""
+    _check_worker_config(config)
+    model_config = ModelConfig.from_dir(Path(config.model_dir))
+    check_shardable(model_config, config.tensor_parallel_size, config.quantization)
+    return model_config
+
+
+def start(config: WorkerConfig, group: Group | None = None) -> ModelRunner:
+    """The worker's runner, its handshake attached (rank 0's), or this rank's of `group`;
+    raises when the worker cannot serve."""
     clock = Stopwatch()
     with clock.step("config"):
-        _check_worker_config(config)
+        model_config = check(config)
         device, dtype = resolve_device(config.device), resolve_dtype(config.dtype)
+        if group is not None:
+            device = group.place(device)
         model_dir = Path(config.model_dir)
-        model_config = ModelConfig.from_dir(model_dir)
         cache_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, dtype)
     with clock.step("kernels"):
-        choice = _choose_kernels(config, model_config, dtype, device, cache_dtype)
+        choice = _choose_kernels(config, model_config, dtype, device, cache_dtype, group)
     with clock.step("weights"):
         model = _load_model(
-            config, model_dir, model_config, config.quantization, dtype, device, choice.kernels
+            config,
+            model_dir,
+            model_config,
+            config.quantization,
+            dtype,
+            device,
+            choice.kernels,
+            group,
         )
     draft = None
     if config.draft_model_dir is not None:
@@ -90,11 +117,17 @@ def start(config: WorkerConfig) -> ModelRunner:
         with clock.step("profile"):
             reserved = _activation_reserve(model, config, cache_dtype, max_blocks_per_seq)
     with clock.step("cache"):
-        configs = [model_config] if draft is None else [model_config, draft.config]
+        # A rank's cache holds its KV heads (model.config is its view). On a CPU the ranks
+        # share the host's memory: sized by the whole model's block, the group's caches
+        # take together what one worker's would. A GPU's memory is its rank's own.
+        sizing = model_config if device.type == "cpu" else model.config
+        configs = [sizing] if draft is None else [sizing, draft.config]
         num_blocks = _count_blocks(
             config, configs, device, cache_dtype, reserved, max_blocks_per_seq * groups.num_groups
         )
-        cache = kv_cache.allocate(model_config, num_blocks, config.block_size, cache_dtype, device)
+        if group is not None:
+            num_blocks = group.least(num_blocks)
+        cache = kv_cache.allocate(model.config, num_blocks, config.block_size, cache_dtype, device)
         drafter = None
         if draft is not None:
             draft_cache = kv_cache.allocate(
@@ -112,6 +145,7 @@ def start(config: WorkerConfig) -> ModelRunner:
     with clock.step("graphs"):
         graphs = decode_runner.capture_all()
         memory.release_cached(device)
+    ranks = _ranks(group, device, cache.bytes)
     # A sequence can never outgrow the whole cache.
     max_model_len = min(*(c.context_limit for c in configs), num_blocks * config.block_size)
     limits = PlanLimits(
@@ -129,7 +163,7 @@ def start(config: WorkerConfig) -> ModelRunner:
         device=str(device),
         block_size=config.block_size,
         num_blocks=num_blocks,
-        kv_bytes=cache.bytes,
+        kv_bytes=sum(rank["kv_bytes"] for rank in ranks),
         kv_cache_dtype=str(cache_dtype).removeprefix("torch."),
         decode_buckets=decode_runner.buckets,
         pid=os.getpid(),
@@ -140,9 +174,18 @@ def start(config: WorkerConfig) -> ModelRunner:
         kv_group_windows=list(groups.windows),
         quantization=_quantization_text(config.quantization, model),
         draft_model=None if draft is None else Path(str(config.draft_model_dir)).resolve().name,
+        ranks=ranks,
     )
     sampler = Sampler(config.seed, device)
     return ModelRunner(model, cache, decode_runner, sampler, limits, handshake, drafter)
+
+
+def _ranks(group: Group | None, device: torch.device, kv_bytes: int) -> list[dict]:
+    """Each rank's facts for the handshake, on rank 0 ([] on the others)."""
+    mine = {"rank": 0, "pid": os.getpid(), "device": str(device), "kv_bytes": kv_bytes}
+    if group is None:
+        return [mine]
+    return group.gather({**mine, "rank": group.rank})
 
 
 def _check_worker_config(config: WorkerConfig) -> None:
@@ -154,6 +197,13 @@ def _check_worker_config(config: WorkerConfig) -> None:
         value = getattr(config, name)
         if value not in QUANTIZATIONS:
             raise ValueError(f"{name} must be one of {', '.join(QUANTIZATIONS)}, not {value!r}")
+    if config.tensor_parallel_size > 1 and config.draft_model_dir is not None:
+        raise ValueError(
+            "a draft model is not split across ranks: speculate with a draft model at "
+            "tensor parallel size 1, or with n-gram drafts at any size"
+        )
+    if config.collective_timeout <= 0:
+        raise ValueError(f"collective_timeout must be positive, got {config.collective_timeout}")
 
 
 def _quantization_text(quantization: str, model: Model) -> str:
@@ -170,12 +220,20 @@ def _choose_kernels(
     dtype: torch.dtype,
     device: torch.device,
     cache_dtype: torch.dtype,
+    group: Group | None,
 ) -> kernel_choice.Choice:
+    """Measured (or recalled) on rank 0; the other ranks take its choice, so that every
+    rank runs the same kernels."""
     shapes = kernel_choice.Shapes.of(model_config, config.block_size, dtype, device, cache_dtype)
+    if group is not None and group.rank > 0:
+        return kernel_choice.Choice(kernel_choice.named(shapes, group.share(None)))
     cache_file = config.kernel_cache
-    return kernel_choice.choose(
+    choice = kernel_choice.choose(
         shapes, parse_kernel_pins(config.kernels), Path(cache_file) if cache_file else None
     )
+    if group is not None:
+        group.share(choice.kernels.names())
+    return choice
 
 
 def _load_model(
@@ -186,9 +244,11 @@ def _load_model(
     dtype: torch.dtype,
     device: torch.device,
     kernels: Kernels,
+    group: Group | None = None,
 ) -> Model:
-    """The model on its device; the matmul call sizes this machine checked before are
-    recalled from the kernel cache, and the new ones recorded there."""
+    """The model (this rank's shard of it) on its device; the matmul call sizes this
+    machine checked before are recalled from the kernel cache, and the new ones recorded
+    there (by rank 0 alone: the ranks' shapes are alike)."""
     cache_file = Path(config.kernel_cache) if config.kernel_cache else None
     linear.recall_checked_sizes(kernel_choice.recall(cache_file, ROW_SIZES_SECTION))
     weights = load_weights(model_dir, dtype, device)
@@ -205,10 +265,12 @@ def _load_model(
         kernels=kernels,
         quantization=quantization,
         quantized=quantized,
+        shard=NO_SHARD if group is None else group.shard,
     )
     del weights
     gc.collect()
-    kernel_choice.record(cache_file, ROW_SIZES_SECTION, linear.checked_sizes())
+    if group is None or group.rank == 0:
+        kernel_choice.record(cache_file, ROW_SIZES_SECTION, linear.checked_sizes())
     return model
 
 

@@ -12,8 +12,11 @@ Megatron-LM's split, as vLLM and nano-vllm make it, for N ranks:
   id another rank holds gives zeros, and an all-reduce puts each row together (exactly: a
   row plus zeros); the LM head's logits are gathered to rank 0, which alone samples.
 - norms (Gemma's included) whole on every rank.
-A forward pass thus makes 2L + 1 all-reduces; the logits one gather (float32), or in
+A forward pass thus makes 2L + 1 all-reduces (each an all-gather summed in rank order,
+Shard.all_reduce says why); the logits one gather (float32), or in
 bfloat16 a gather, the broadcast of rank 0's top ids and a gather of their exact logits.
+A collective that fails (a rank exited, or did not answer within the group's timeout)
+raises GroupFault: the group is unusable, and the worker exits (gpu_worker.faults).
 
 The vocabulary is padded to a multiple of N, as vLLM's VocabParallelEmbedding pads it,
 rather than required to divide: a gather takes slices of one shape, and a vocabulary of
@@ -26,11 +29,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from gpu_worker.faults import GroupFault
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.quant import ACTIVATION_GROUP
 
@@ -115,15 +121,30 @@ class Shard:
         return torch.cat((held, padding))
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """`tensor` summed over the ranks, in place; returned for chaining."""
-        if self.world_size > 1:
-            dist.all_reduce(tensor, group=self.group)
-        return tensor
+        """`tensor` summed over the ranks, in place; returned for chaining.
+
+        Summed here, in rank order in float32, from an all-gather of the parts, rather than
+        by torch.distributed's all_reduce: a ring all-reduce (gloo's, NCCL's) sums each
+        chunk of the flat tensor starting at another rank, so from three ranks on an
+        element's order of summation follows its place in the tensor, and a row's bits
+        would depend on its batch company (seen in bfloat16 at 3 ranks: 0.03 apart). The
+        parts are rounded once, as TP=1's matmul rounds its sum once."""
+        if self.world_size == 1:
+            return tensor
+        parts = tensor.new_empty((self.world_size * tensor.shape[0], *tensor.shape[1:]))
+        with _collective("all-reduce"):
+            dist.all_gather_into_tensor(parts, tensor.contiguous(), group=self.group)
+        parts = parts.view(self.world_size, *tensor.shape)
+        total = parts[0].float()  # a float32 part is itself: the gathered copy, summed into
+        for part in parts[1:]:
+            total += part
+        return tensor.copy_(total)
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """Rank 0's `tensor`, in place on every rank; returned for chaining."""
         if self.world_size > 1:
-            dist.broadcast(tensor, group=self.group, group_src=0)
+            with _collective("broadcast"):
+                dist.broadcast(tensor, group=self.group, group_src=0)
         return tensor
 
     def gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -132,7 +153,8 @@ class Shard:
         if self.world_size == 1:
             return [tensor]
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)] if self.rank == 0 else []
-        dist.gather(tensor, parts or None, group=self.group, group_dst=0)
+        with _collective("gather"):
+            dist.gather(tensor, parts or None, group=self.group, group_dst=0)
         return parts
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
@@ -157,6 +179,14 @@ class Shard:
 
 
 NO_SHARD = Shard()
+
+
+@contextmanager
+def _collective(name: str) -> Iterator[None]:
+    try:
+        yield
+    except RuntimeError as exc:
+        raise GroupFault(f"a tensor-parallel {name} failed: {exc}") from exc
 
 
 def check_shardable(config: ModelConfig, world_size: int, quantization: str = "none") -> None:

@@ -108,6 +108,12 @@ class Config:
         choices=QUANTIZATIONS,
     )
     block_size: int = flag(_WORKER.block_size, "tokens per KV block", type=positive_int)
+    tensor_parallel_size: int = flag(
+        _WORKER.tensor_parallel_size,
+        "ranks splitting the model, each with its share of the heads and its own process "
+        "(one GPU each, or a share of the CPU's cores); README: when it helps",
+        type=positive_int,
+    )
     cache_dir: Path = flag(
         help="converted models and measured kernel choices (default: $CADENCE_CACHE, "
         "$XDG_CACHE_HOME/cadence or ~/.cache/cadence)",

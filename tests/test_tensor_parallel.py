@@ -46,7 +46,16 @@ MODELS = {
     "phi3": ("phi3", {}, "none"),
 }
 GREEDY_STEPS = 8
-COLLECTIVES = ("all_reduce", "broadcast", "gather", "all_gather", "reduce", "scatter")
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather_into_tensor",
+    "broadcast",
+    "gather",
+    "all_gather",
+    "reduce",
+    "scatter",
+)
+ALL_REDUCE = "all_gather_into_tensor"  # Shard.all_reduce: an all-gather summed in rank order
 SMOLLM2_135M = {
     "architectures": ["LlamaForCausalLM"],
     "hidden_size": 576,
@@ -243,7 +252,7 @@ def test_each_rank_caches_its_kv_heads(runs, name):
 def test_a_step_makes_2l_plus_1_all_reduces_and_one_gather(runs, name):
     layers = ModelConfig.from_dir(runs[name]["served"][0]).num_hidden_layers
     for step, made in runs[name]["tp2"]["counts"].items():
-        assert made == {"all_reduce": 2 * layers + 1, "gather": 1}, step
+        assert made == {ALL_REDUCE: 2 * layers + 1, "gather": 1}, step
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -264,7 +273,7 @@ def test_bfloat16_refined_logits_follow_tp1s_rule(runs, name):
     reference_values = tp1.logits(hidden).values
     assert max_diff(got["values"], reference_values) <= 2**-6 * reference_values.abs().max()
     layers = tp1.config.num_hidden_layers
-    assert got["counts"] == {"all_reduce": 2 * layers + 1, "gather": 2, "broadcast": 1}
+    assert got["counts"] == {ALL_REDUCE: 2 * layers + 1, "gather": 2, "broadcast": 1}
 
 
 def served_rows(model: Model, ids: torch.Tensor) -> torch.Tensor:
@@ -323,3 +332,28 @@ def test_fused_parts_are_each_sliced_and_the_vocabulary_padded():
     vocab = torch.arange(5.0).view(5, 1)
     assert second.slice(vocab, VOCAB)[:, 0].tolist() == [3, 4, 0]
     assert Shard(rank=0, world_size=2).slice(vocab, VOCAB)[:, 0].tolist() == [0, 1, 2]
+
+
+def summed_rows(shard: Shard, rows: int, width: int) -> dict[str, torch.Tensor]:
+    """One spawned rank's bfloat16 partial sums of `rows` rows, all-reduced whole and
+    each row alone; and torch.distributed's ring all-reduce of the same, for contrast."""
+    parts = torch.randn(rows, width, generator=torch.Generator().manual_seed(shard.rank))
+    parts = parts.bfloat16()
+    ring = parts.clone()
+    dist.all_reduce(ring)
+    return {
+        "whole": shard.all_reduce(parts.clone()),
+        "alone": torch.cat([shard.all_reduce(parts[i : i + 1].clone()) for i in range(rows)]),
+        "ring": ring,
+        "parts": torch.stack([p.float() for p in shard.gather(parts)] or [parts.float()]),
+    }
+
+
+def test_an_all_reduced_row_does_not_depend_on_its_batch_at_3_ranks(tmp_path):
+    """Three ranks: a row summed within 64 rows has the bits it has summed alone, the
+    float32 sum of its parts in rank order rounded once; a ring all-reduce's does not."""
+    got = run_ranks(summed_rows, (64, 576), 3, tmp_path)
+    assert torch.equal(got["whole"], got["alone"])
+    in_order = (got["parts"][0] + got["parts"][1] + got["parts"][2]).bfloat16()
+    assert torch.equal(got["whole"], in_order)
+    print("ring all-reduce, most apart from the ordered sum:", max_diff(got["ring"], in_order))

@@ -63,6 +63,8 @@ async def get_state() -> Response:
     body = dict(engine.state())
     handshake = engine.handshake
     body["worker_pid"] = handshake.pid if handshake is not None else None
+    # Each rank of a tensor-parallel worker, rank 0 first: its pid, device and KV bytes.
+    body["worker_ranks"] = handshake.ranks if handshake is not None else None
     # The kernels the worker chose at its start, with every candidate's measured time.
     body["kernels"] = handshake.kernels if handshake is not None else None
     body["quantization"] = handshake.quantization if handshake is not None else None

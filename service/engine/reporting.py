@@ -29,6 +29,7 @@ class Reporter:
         log.info(
             "worker.started",
             pid=handshake.pid,
+            ranks=handshake.ranks,
             num_blocks=handshake.num_blocks,
             load_seconds=handshake.load_seconds,
             startup=handshake.startup,

@@ -24,6 +24,7 @@ import trio
 
 from gpu_worker.protocol import (
     DEVICE_ERROR,
+    RANK_HUNG,
     BatchPlan,
     FrameDecoder,
     Handshake,
@@ -82,6 +83,8 @@ def worker_config_for(config: Config, model_dir: Path | str) -> WorkerConfig:
         kernel_cache=str(config.cache_dir / "kernels.json"),
         draft_model_dir=draft_dir,
         draft_quantization="none" if spec is None else spec.quantization,
+        # a rank lost mid-step is reported by rank 0 before the step's watchdog fires
+        collective_timeout=config.step_timeout / 2,
         **shared,
     )
 
@@ -196,8 +199,7 @@ class WorkerLink:
         reply = await self._receive_answer()
         kind = reply.get("type")
         if kind == "fatal":
-            fault = WorkerDeviceFault if reply.get("reason") == DEVICE_ERROR else WorkerDied
-            raise fault(f"the worker reported a fatal error: {reply.get('message')}")
+            raise _fatal(reply)
         if kind != "result":
             raise WorkerDied(f"unexpected message from the worker: {kind!r:.200}")
         result = _result_of(reply)
@@ -211,6 +213,8 @@ class WorkerLink:
         self._pongs_owed += 1  # after the send: a send cancelled at its start sent nothing
         while self._pongs_owed:
             reply = await self._receive()
+            if reply.get("type") == "fatal":  # a rank of its group lost (gpu_worker.faults)
+                raise _fatal(reply)
             if reply.get("type") != "pong":
                 raise WorkerDied(f"unexpected message from the idle worker: {reply!r:.200}")
             self._pongs_owed -= 1
@@ -320,6 +324,14 @@ def _with_huge_pages(tunables: str) -> str:
     if HUGE_PAGES_TUNABLE + "=" in tunables:
         return tunables
     return ":".join(filter(None, (tunables, HUGE_PAGES_TUNABLE + "=1")))
+
+
+def _fatal(reply: dict[str, Any]) -> WorkerDied:
+    """What a "fatal" message says of the worker: its device unusable, a rank of its group
+    stopped answering (hung), or any other end (died)."""
+    kinds = {DEVICE_ERROR: WorkerDeviceFault, RANK_HUNG: WorkerHung}
+    fault = kinds.get(reply.get("reason"), WorkerDied)
+    return fault(f"the worker reported a fatal error: {reply.get('message')}")
 
 
 def _result_of(reply: dict[str, Any]) -> StepResult:

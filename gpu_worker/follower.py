@@ -1,0 +1,105 @@
+"""A follower rank of a tensor-parallel worker group (gpu_worker.worker_group):
+
+    python -m gpu_worker.follower --store HOST:PORT --rank R --world-size N
+        --backend gloo|nccl --collective-timeout S --parent PID
+
+Rank 0 starts it; it dies with rank 0 (`--parent`). It receives every message rank 0
+receives, in order: the init, from which it builds its shard of the model as rank 0 does
+(gpu_worker.runtime), then each plan, whose step it runs as far as the collectives reach
+(ModelRunner.follow: the forward and the logits, nothing sampled); each ping becomes a
+heartbeat. It answers nobody: rank 0 alone samples and speaks to the service. A step
+error here is rank 0's error too (the same plan fails the same way before any
+collective), so it is only logged; a lost rank ends this process as it ends rank 0's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING
+
+from gpu_worker.faults import DeviceFault
+from gpu_worker.process import EXIT_DEVICE_FAULT, die_with_parent, keep_freed_memory, log
+from gpu_worker.protocol import WorkerConfig, batch_plan_from_message, record_from_message
+
+if TYPE_CHECKING:
+    from gpu_worker.runner import ModelRunner
+    from gpu_worker.worker_group import Group
+
+
+def follow(group: Group, runner: ModelRunner) -> int:
+    """Runs rank 0's messages until its shutdown; returns the exit status."""
+    while True:
+        try:
+            msg = group.receive()
+        except RuntimeError as exc:  # rank 0 went away; its death signal may be on its way
+            log(f"rank 0 is gone; exiting: {exc}", group.rank)
+            return 0
+        kind = msg.get("type")
+        if kind == "step":
+            status = follow_step(group, runner, msg)
+            if status is not None:
+                return status
+        elif kind == "ping":
+            try:
+                group.heartbeat()
+            except DeviceFault as fault:
+                log(f"a heartbeat failed; exiting: {fault}", group.rank)
+                return EXIT_DEVICE_FAULT
+        elif kind == "shutdown":
+            return 0
+
+
+def follow_step(group: Group, runner: ModelRunner, msg: dict) -> int | None:
+    """One plan's step; the exit status where it left this rank unusable."""
+    try:
+        plan = batch_plan_from_message(msg)
+    except Exception:
+        return None  # rank 0 answers the malformed message; no collective ran
+    try:
+        error = runner.follow(plan)
+    except DeviceFault as fault:
+        log(f"step {plan.step_id} left this rank unusable; exiting: {fault}", group.rank)
+        return EXIT_DEVICE_FAULT
+    if error is not None:
+        log(f"step {plan.step_id} failed: {error}", group.rank)
+    return None
+
+
+def start(group: Group) -> ModelRunner | None:
+    """This rank's runner, from rank 0's init; None where it cannot serve (rank 0 is
+    told why through the store)."""
+    from gpu_worker import runtime
+
+    try:
+        config = record_from_message(WorkerConfig, group.receive())
+        return runtime.start(config, group)
+    except Exception as exc:
+        message = f"{type(exc).__name__}: {exc}"
+        log(f"init failed: {message}", group.rank)
+        group.report_failure(message)
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gpu_worker.follower", description=__doc__)
+    parser.add_argument("--store", required=True, help="rank 0's store, HOST:PORT")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--backend", choices=("gloo", "nccl"), required=True)
+    parser.add_argument("--collective-timeout", type=float, required=True)
+    parser.add_argument("--parent", type=int, required=True, help="rank 0's pid")
+    args = parser.parse_args(argv)
+    die_with_parent(args.parent)
+    keep_freed_memory()
+    from gpu_worker.worker_group import Group
+
+    group = Group.join(
+        args.store, args.rank, args.world_size, args.backend, args.collective_timeout
+    )
+    runner = start(group)
+    return 1 if runner is None else follow(group, runner)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
