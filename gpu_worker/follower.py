@@ -9,16 +9,19 @@ receives, in order: the init, from which it builds its shard of the model as ran
 (ModelRunner.follow: the forward and the logits, nothing sampled); each ping becomes a
 heartbeat. It answers nobody: rank 0 alone samples and speaks to the service. A step
 error here is rank 0's error too (the same plan fails the same way before any
-collective), so it is only logged; a lost rank ends this process as it ends rank 0's.
+collective), so it is only logged. When a collective fails here (another rank lost) it
+waits for rank 0's end, which ends it: exiting would show rank 0 a rank lost where a rank
+had stopped, and rank 0 alone tells the service which.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
-from gpu_worker.faults import DeviceFault
+from gpu_worker.faults import DeviceFault, GroupFault
 from gpu_worker.process import EXIT_DEVICE_FAULT, die_with_parent, keep_freed_memory, log
 from gpu_worker.protocol import WorkerConfig, batch_plan_from_message, record_from_message
 
@@ -43,9 +46,8 @@ def follow(group: Group, runner: ModelRunner) -> int:
         elif kind == "ping":
             try:
                 group.heartbeat()
-            except DeviceFault as fault:
-                log(f"a heartbeat failed; exiting: {fault}", group.rank)
-                return EXIT_DEVICE_FAULT
+            except GroupFault as fault:
+                return await_rank_0(group, f"a heartbeat failed: {fault}")
         elif kind == "shutdown":
             return 0
 
@@ -58,12 +60,22 @@ def follow_step(group: Group, runner: ModelRunner, msg: dict) -> int | None:
         return None  # rank 0 answers the malformed message; no collective ran
     try:
         error = runner.follow(plan)
+    except GroupFault as fault:
+        return await_rank_0(group, f"step {plan.step_id} failed: {fault}")
     except DeviceFault as fault:
         log(f"step {plan.step_id} left this rank unusable; exiting: {fault}", group.rank)
         return EXIT_DEVICE_FAULT
     if error is not None:
         log(f"step {plan.step_id} failed: {error}", group.rank)
     return None
+
+
+def await_rank_0(group: Group, why: str) -> NoReturn:
+    """Wait for rank 0, which saw the group fail too, to report it and end: its end ends
+    this process (die_with_parent)."""
+    log(f"{why}; waiting for rank 0 to end the group", group.rank)
+    while True:
+        signal.pause()
 
 
 def start(group: Group) -> ModelRunner | None:

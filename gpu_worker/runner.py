@@ -224,6 +224,8 @@ class ModelRunner:
         rank the logits are of its vocabulary slice, computed for rank 0."""
         plan = inputs.plan
         for i, targets in enumerate(plan.prompt_targets):
+            if not targets:
+                continue
             first = int(inputs.first_rows[i])
             for offset in range(0, len(targets), PROMPT_ROWS):
                 part = targets[offset : offset + PROMPT_ROWS]

@@ -1,6 +1,9 @@
 """The engine on the real default model (CPU, in float32 and in bfloat16, the default dtype):
 greedy outputs do not depend on batch company, prefill chunk size, or a preemption and
-recompute. In bfloat16 on CPUs with AVX512-BF16 this runs the C++ prefill kernel."""
+recompute. In bfloat16 on CPUs with AVX512-BF16 this runs the C++ prefill kernel. Each
+holds for a worker of its own and for a tensor-parallel group of three ranks (the
+model's 3 KV heads, one each): the group's all-reduce sums in rank order, so a row's bits
+do not depend on its company there either."""
 
 from __future__ import annotations
 
@@ -31,6 +34,9 @@ DTYPES = ("float32", "bfloat16")
 # independence of its company and of its chunks, which these outputs rest on, is checked in
 # both dtypes by tests/test_worker_batch_invariance.py, and above)
 USERS_DTYPE = ("bfloat16",)
+# (dtype, tensor parallel size): one worker in each dtype, and the group in the users'
+ALONE_AND_GROUPED = [(d, 1) for d in DTYPES] + [(d, 3) for d in USERS_DTYPE]
+USERS_ALONE_AND_GROUPED = [(d, tp) for d in USERS_DTYPE for tp in (1, 3)]
 PREEMPTED = "request.preempted"
 
 
@@ -70,9 +76,11 @@ ARGMAX = SamplingSpec(temperature=0.0)
 GREEDY = SamplingParams(max_tokens=16, sampling=ARGMAX)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-async def test_greedy_same_alone_together_and_with_chunk_16_or_512(model_dir, tokenizer, dtype):
-    config = Config(dtype=dtype, device="cpu", kv_memory=0.05, use_cuda_graphs=False)
+@pytest.mark.parametrize(("dtype", "tp"), ALONE_AND_GROUPED)
+async def test_greedy_same_alone_together_and_with_chunk_16_or_512(model_dir, tokenizer, dtype, tp):
+    config = Config(
+        dtype=dtype, device="cpu", kv_memory=0.05, use_cuda_graphs=False, tensor_parallel_size=tp
+    )
     config.policy_params = {"token_budget": 512, "chunk_size": 512}
     token_lists = prompts(tokenizer)
     async with started(config, model_dir, tokenizer) as (engine, _):
@@ -94,8 +102,8 @@ async def test_greedy_same_alone_together_and_with_chunk_16_or_512(model_dir, to
     assert "Paris" in tokenizer.decode(alone[0])
 
 
-@pytest.mark.parametrize("dtype", USERS_DTYPE)
-async def test_greedy_same_after_forced_preemption(model_dir, tokenizer, dtype):
+@pytest.mark.parametrize(("dtype", "tp"), USERS_ALONE_AND_GROUPED)
+async def test_greedy_same_after_forced_preemption(model_dir, tokenizer, dtype, tp):
     params = SamplingParams(max_tokens=40, ignore_eos=True, sampling=ARGMAX)
     token_lists = prompts(tokenizer)
     # room for 10 blocks: each request alone fits, all three together do not
@@ -105,6 +113,7 @@ async def test_greedy_same_after_forced_preemption(model_dir, tokenizer, dtype):
         kv_memory=11 * block_bytes(dtype),
         use_cuda_graphs=False,
         watermark=0.0,
+        tensor_parallel_size=tp,
     )
     async with started(tight, model_dir, tokenizer) as (engine, observer):
         print("tight KV blocks:", engine.handshake.num_blocks)
@@ -182,14 +191,20 @@ def shared_prompts(tokenizer) -> list[list[int]]:
     ]
 
 
-@pytest.mark.parametrize("dtype", USERS_DTYPE)
-async def test_greedy_same_with_the_prefix_cache_on_and_off(model_dir, tokenizer, dtype):
+@pytest.mark.parametrize(("dtype", "tp"), USERS_ALONE_AND_GROUPED)
+async def test_greedy_same_with_the_prefix_cache_on_and_off(model_dir, tokenizer, dtype, tp):
     """Alone, again (the whole prompt but its last block cached), together, and on a
     cache so tight that sequences are preempted and cached blocks evicted: every output
     equals the one computed with the prefix cache off."""
     params = SamplingParams(max_tokens=24, ignore_eos=True, sampling=ARGMAX)
     token_lists = shared_prompts(tokenizer)
-    base = {"dtype": dtype, "device": "cpu", "use_cuda_graphs": False, "watermark": 0.0}
+    base = {
+        "dtype": dtype,
+        "device": "cpu",
+        "use_cuda_graphs": False,
+        "watermark": 0.0,
+        "tensor_parallel_size": tp,
+    }
     off = Config(**base, kv_memory=0.05, enable_prefix_caching=False)
     async with started(off, model_dir, tokenizer) as (engine, _):
         reference = [
