@@ -1,10 +1,15 @@
 """Read a model's weights from model.safetensors or a sharded safetensors index, and a GGUF
-conversion's quantized weights from quantized.safetensors."""
+conversion's quantized weights from quantized.safetensors.
+
+A tensor-parallel rank reads its weights as StoredTensors: each is read only when the
+model takes it, and then only the rank's slice of it, so that a rank's memory (its GPU's
+included) never holds the whole checkpoint of a model split because one device cannot."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -34,13 +39,47 @@ def weight_files(model_dir: str | Path) -> list[Path]:
     raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {root}")
 
 
+class StoredTensor:
+    """A checkpoint tensor not read yet: its shape, and what of it the model takes (the
+    few tensor methods gpu_worker.tensor_parallel.Shard.slice and the WeightTaker call),
+    each read from the file when called."""
+
+    __slots__ = ("_handle", "_stored", "shape")
+
+    def __init__(self, handle: Any, name: str) -> None:
+        self._handle = handle  # the open file, which the slice reads from
+        self._stored = handle.get_slice(name)
+        self.shape = torch.Size(self._stored.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self._stored[(slice(None),) * dim + (slice(start, start + length),)]
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        return self._stored[rows]
+
+    def new_zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        return self._stored[0:0].new_zeros(shape)
+
+    def to(self, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+        return self._stored[:].to(device=device, dtype=dtype)
+
+
 def load_weights(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu"
-) -> dict[str, torch.Tensor]:
-    """All tensors of the checkpoint, converted to `dtype` and placed on `device`."""
-    weights: dict[str, torch.Tensor] = {}
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    *,
+    on_use: bool = False,
+) -> dict[str, Any]:
+    """All tensors of the checkpoint, converted to `dtype` and placed on `device`; with
+    `on_use`, StoredTensors, read (and converted by the taker) as the model takes them."""
+    weights: dict[str, Any] = {}
     for path in weight_files(model_dir):
         try:
+            if on_use:
+                handle = safe_open(str(path), framework="pt", device="cpu")
+                weights.update({name: StoredTensor(handle, name) for name in handle.keys()})  # noqa: SIM118
+                continue
             with safe_open(str(path), framework="pt", device="cpu") as handle:
                 for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
                     tensor = handle.get_tensor(name)

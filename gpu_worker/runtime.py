@@ -251,7 +251,8 @@ def _load_model(
     there (by rank 0 alone: the ranks' shapes are alike)."""
     cache_file = Path(config.kernel_cache) if config.kernel_cache else None
     linear.recall_checked_sizes(kernel_choice.recall(cache_file, ROW_SIZES_SECTION))
-    weights = load_weights(model_dir, dtype, device)
+    # A rank of a group reads its slices only, as the model takes them.
+    weights = load_weights(model_dir, dtype, device, on_use=group is not None)
     quantized = load_quantized(model_dir, device) if quantization == "gguf" else None
     if quantization != "none":
         kernels = dataclasses.replace(kernels, quant_matmul=quant_kernels(device))

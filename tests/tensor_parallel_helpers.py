@@ -49,7 +49,7 @@ def build_runner(
         kernels = dataclasses.replace(kernels, quant_matmul=quant_kernels(CPU))
     model = Model(
         config,
-        load_weights(model_dir, dtype),
+        load_weights(model_dir, dtype, on_use=shard.world_size > 1),  # as runtime reads
         max_positions=config.context_limit,
         dtype=dtype,
         device=CPU,

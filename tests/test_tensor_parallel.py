@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from gpu_worker.checkpoint import StoredTensor, load_weights
 from gpu_worker.kernels import reference
 from gpu_worker.model import REFINED_LOGITS, Model
 from gpu_worker.model_config import ModelConfig
@@ -332,6 +333,67 @@ def test_fused_parts_are_each_sliced_and_the_vocabulary_padded():
     vocab = torch.arange(5.0).view(5, 1)
     assert second.slice(vocab, VOCAB)[:, 0].tolist() == [3, 4, 0]
     assert Shard(rank=0, world_size=2).slice(vocab, VOCAB)[:, 0].tolist() == [0, 1, 2]
+
+
+def test_a_rank_reads_only_its_slices_of_the_split_weights(tiny_models, monkeypatch):
+    """Built from weights read on use, rank 1 of 2 reads whole only the weights every
+    rank keeps whole (the norms), and keeps what it keeps from eagerly read weights."""
+    model_dir = tiny_models("qwen2")  # biases, sliced as their weights
+    config = ModelConfig.from_dir(model_dir)
+    read_whole: list[tuple[int, ...]] = []
+    whole_read = StoredTensor.to
+
+    def recorded(self, device, dtype):
+        read_whole.append(tuple(self.shape))
+        return whole_read(self, device, dtype)
+
+    monkeypatch.setattr(StoredTensor, "to", recorded)
+    shard = Shard(rank=1, world_size=2)
+
+    def built(on_use: bool) -> dict[str, torch.Tensor]:
+        weights = load_weights(model_dir, torch.float32, on_use=on_use)
+        model = Model(
+            config,
+            weights,
+            max_positions=32,
+            dtype=torch.float32,
+            device=CPU,
+            kernels=reference(),
+            shard=shard,
+        )
+        return tensors_of(model)
+
+    on_use, eager = built(True), built(False)
+    assert read_whole and all(shape == (config.hidden_size,) for shape in read_whole)
+    assert on_use.keys() == eager.keys()
+    assert all(torch.equal(on_use[name], eager[name]) for name in eager)
+
+
+def tensors_of(root: Any) -> dict[str, torch.Tensor]:
+    """Every tensor reachable from `root`'s attributes, lists and dicts, by path."""
+    found: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+
+    def visit(value: Any, path: str) -> None:
+        if id(value) in seen:
+            return
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            found[path] = value
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                visit(item, f"{path}[{i}]")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                visit(item, f"{path}[{key!r}]")
+        elif hasattr(value, "__dict__") or hasattr(value, "__slots__"):
+            names = list(getattr(value, "__dict__", {})) + list(getattr(value, "__slots__", ()))
+            for name in names:
+                if hasattr(value, name):
+                    visit(getattr(value, name), f"{path}.{name}")
+
+    visit(root, "model")
+    return found
 
 
 def summed_rows(shard: Shard, rows: int, width: int) -> dict[str, torch.Tensor]:
