@@ -32,6 +32,7 @@ import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -133,7 +134,7 @@ class Shard:
             return tensor
         parts = tensor.new_empty((self.world_size * tensor.shape[0], *tensor.shape[1:]))
         with _collective("all-reduce"):
-            dist.all_gather_into_tensor(parts, tensor.contiguous(), group=self.group)
+            _all_gather_single(parts, tensor.contiguous(), group=self.group)
         parts = parts.view(self.world_size, *tensor.shape)
         total = parts[0].float()  # a float32 part is itself: the gathered copy, summed into
         for part in parts[1:]:
@@ -179,6 +180,13 @@ class Shard:
 
 
 NO_SHARD = Shard()
+
+
+def _all_gather_single(output: torch.Tensor, tensor: torch.Tensor, group: Any) -> None:
+    """torch 2.13's all_gather_single; all_gather_into_tensor, its older name, warns there
+    at every call."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, tensor, group=group)
 
 
 @contextmanager

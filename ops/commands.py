@@ -9,7 +9,8 @@ import sys
 
 def bench(argv: list[str] | None = None) -> int:
     """`cadence bench SCENARIO | compare | capacity | chat | prefix | structured | engine |
-    sampler | processors | roofline | kv-accuracy | weight-accuracy | speculation`."""
+    sampler | processors | roofline | kv-accuracy | weight-accuracy | speculation |
+    tensor-parallel`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command, rest = (argv[0], argv[1:]) if argv else ("", argv)
     if command == "compare":
@@ -36,6 +37,8 @@ def bench(argv: list[str] | None = None) -> int:
         from ops.structured_bench import main
     elif command == "speculation":
         from ops.spec_bench import main
+    elif command == "tensor-parallel":
+        from ops.tp_bench import main
     else:
         from ops.bench import main
 

@@ -49,6 +49,7 @@ MODELS = {
 GREEDY_STEPS = 8
 COLLECTIVES = (
     "all_reduce",
+    "all_gather_single",
     "all_gather_into_tensor",
     "broadcast",
     "gather",
@@ -56,7 +57,8 @@ COLLECTIVES = (
     "reduce",
     "scatter",
 )
-ALL_REDUCE = "all_gather_into_tensor"  # Shard.all_reduce: an all-gather summed in rank order
+# Shard.all_reduce: an all-gather summed in rank order
+ALL_REDUCE = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 SMOLLM2_135M = {
     "architectures": ["LlamaForCausalLM"],
     "hidden_size": 576,
