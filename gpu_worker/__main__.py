@@ -190,10 +190,11 @@ def _lead_group(config: WorkerConfig) -> Group | None:
     if config.tensor_parallel_size <= 1:
         return None
     from gpu_worker.device import resolve_device
-    from gpu_worker.worker_group import Group, data_backend
+    from gpu_worker.worker_group import Group, GroupSpec, data_backend
 
     backend = data_backend(resolve_device(config.device))
-    return Group.lead(config.tensor_parallel_size, backend, config.collective_timeout)
+    spec = GroupSpec(config.tensor_parallel_size, backend, config.collective_timeout)
+    return Group.lead(spec, config.tensor_parallel_address, config.tensor_parallel_size_local)
 
 
 def _steps(startup: dict[str, float]) -> str:

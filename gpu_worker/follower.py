@@ -1,9 +1,14 @@
 """A follower rank of a tensor-parallel worker group (gpu_worker.worker_group):
 
-    python -m gpu_worker.follower --store HOST:PORT --rank R --world-size N
-        --backend gloo|nccl --collective-timeout S --parent PID
+    python -m gpu_worker.follower --store HOST:PORT --rank R [--local-rank L --local-size K]
 
-Rank 0 starts it; it dies with rank 0 (`--parent`). It receives every message rank 0
+Rank 0 starts those on its own host, with `--parent` (its pid): they die with it. Ranks on
+another host (vLLM's headless mode, rank 0 started with --tensor-parallel-size-local) are
+started by hand or by a supervisor there, against the address rank 0's store listens on
+(--tensor-parallel-address); the group's size, backend and collective timeout come from
+the store. `--local-rank` (default: the rank) picks the GPU on that host and `--local-size`
+(default: the group's size) the share of its cores. Such a follower exits when rank 0's
+group goes away. It receives every message rank 0
 receives, in order: the init, from which it builds its shard of the model as rank 0 does
 (gpu_worker.runtime), then each plan, whose step it runs as far as the collectives reach
 (ModelRunner.follow: the forward and the logits, nothing sampled); each ping becomes a
@@ -97,18 +102,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gpu_worker.follower", description=__doc__)
     parser.add_argument("--store", required=True, help="rank 0's store, HOST:PORT")
     parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--backend", choices=("gloo", "nccl"), required=True)
-    parser.add_argument("--collective-timeout", type=float, required=True)
-    parser.add_argument("--parent", type=int, required=True, help="rank 0's pid")
+    parser.add_argument("--local-rank", type=int, help="among this host's ranks (its GPU)")
+    parser.add_argument("--local-size", type=int, help="ranks on this host (its cores)")
+    parser.add_argument("--parent", type=int, help="rank 0's pid, to die with it")
     args = parser.parse_args(argv)
-    die_with_parent(args.parent)
+    if args.parent is not None:
+        die_with_parent(args.parent)
     keep_freed_memory()
     from gpu_worker.worker_group import Group
 
-    group = Group.join(
-        args.store, args.rank, args.world_size, args.backend, args.collective_timeout
-    )
+    group = Group.join(args.store, args.rank, args.local_rank, args.local_size)
     runner = start(group)
     return 1 if runner is None else follow(group, runner)
 

@@ -96,6 +96,10 @@ class WorkerConfig:
     # may wait for the others before the group is put down (under the service's step timeout)
     tensor_parallel_size: int = 1
     collective_timeout: float = 15.0
+    # where the group's store listens (HOST:PORT; None: loopback, any free port), and how
+    # many ranks rank 0 starts on its host (None: all); the others join from elsewhere
+    tensor_parallel_address: str | None = None
+    tensor_parallel_size_local: int | None = None
 
 
 def parse_kernel_pins(text: str) -> dict[str, str]:

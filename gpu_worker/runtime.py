@@ -202,6 +202,11 @@ def _check_worker_config(config: WorkerConfig) -> None:
             "a draft model is not split across ranks: speculate with a draft model at "
             "tensor parallel size 1, or with n-gram drafts at any size"
         )
+    local = config.tensor_parallel_size_local
+    if local is not None and not 1 <= local <= config.tensor_parallel_size:
+        raise ValueError(
+            f"tensor_parallel_size_local must be 1 to {config.tensor_parallel_size}, got {local}"
+        )
     if config.collective_timeout <= 0:
         raise ValueError(f"collective_timeout must be positive, got {config.collective_timeout}")
 

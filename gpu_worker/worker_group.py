@@ -16,13 +16,15 @@ process groups:
 The service pings an idle worker every second (service.engine.supervision); rank 0 turns
 each ping into a heartbeat on the data group, so a rank lost while idle is found as soon.
 
-Followers die with rank 0 (PR_SET_PDEATHSIG, gpu_worker.process), however it ends, and
-rank 0 reaps them when it exits. A follower can also be started by hand against a
-leader's store (vLLM's headless mode); this file starts them on rank 0's host.
+Followers rank 0 starts die with it (PR_SET_PDEATHSIG, gpu_worker.process), however it
+ends, and rank 0 reaps them when it exits. With tensor_parallel_size_local K < N it starts
+only ranks 1..K-1; the others are started on their own hosts against the store's address
+(vLLM's headless mode), and learn the group's GroupSpec from the store.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -45,6 +47,16 @@ CONTROL_TIMEOUT = timedelta(days=1)
 JOIN_TIMEOUT = timedelta(minutes=5)  # a follower's start: importing torch, connecting
 FOLLOWER_STOP_TIMEOUT_S = 5.0
 FAILURE_KEY = "failed/{rank}"  # a follower's start-up error, for rank 0's message
+SPEC_KEY = "group"  # the GroupSpec, as JSON
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSpec:
+    """What every rank must agree on before it joins; rank 0 puts it in the store."""
+
+    world_size: int
+    backend: str  # the data group's: "gloo" or "nccl"
+    collective_timeout: float  # seconds
 
 
 @dataclass(slots=True)
@@ -54,6 +66,8 @@ class Group:
 
     shard: Shard  # the data group's: what the model's collectives run on
     store: dist.Store
+    local_rank: int = 0  # among the ranks on this host: its GPU, its share of the cores
+    local_size: int = 1
     device: torch.device = CPU  # this rank's (place)
     followers: list[subprocess.Popen[bytes]] = field(default_factory=list)
     broken: bool = False  # rank 0 saw the group fail: nothing more is sent on it
@@ -67,25 +81,26 @@ class Group:
         return self.shard.world_size
 
     @classmethod
-    def lead(cls, world_size: int, backend: str, collective_timeout: float) -> Group:
-        """Rank 0: the store, the followers spawned, both process groups joined."""
+    def lead(
+        cls, spec: GroupSpec, address: str | None = None, local_size: int | None = None
+    ) -> Group:
+        """Rank 0: the store (at `address`, HOST:PORT; None: loopback, a port the system
+        picks), ranks 1..local_size-1 spawned here (None: every rank), both process groups
+        joined once every rank has, those from elsewhere included."""
+        host, port = _host_port(address) if address else (STORE_HOST, 0)
         store = dist.TCPStore(
-            STORE_HOST,
-            0,
-            world_size,
-            is_master=True,
-            timeout=JOIN_TIMEOUT,
+            host, port, spec.world_size, is_master=True, timeout=JOIN_TIMEOUT,
             wait_for_workers=False,
-        )
-        address = f"{STORE_HOST}:{store.port}"
+        )  # fmt: skip
+        store.set(SPEC_KEY, orjson.dumps(dataclasses.asdict(spec)).decode())
+        local_size = spec.world_size if local_size is None else local_size
+        reachable = f"{STORE_HOST if address is None else host}:{store.port}"
         followers = [
-            subprocess.Popen(
-                follower_command(address, rank, world_size, backend, collective_timeout)
-            )
-            for rank in range(1, world_size)
+            subprocess.Popen(follower_command(reachable, rank, local_size))
+            for rank in range(1, local_size)
         ]
         try:
-            group = cls._joined(store, 0, world_size, backend, collective_timeout)
+            group = cls._joined(store, 0, spec, 0, local_size)
         except BaseException:
             _end(followers)
             raise
@@ -94,37 +109,35 @@ class Group:
 
     @classmethod
     def join(
-        cls, address: str, rank: int, world_size: int, backend: str, collective_timeout: float
+        cls, address: str, rank: int, local_rank: int | None = None, local_size: int | None = None
     ) -> Group:
-        """A follower: rank `rank` of the group whose store listens at `address`."""
-        host, _, port = address.rpartition(":")
-        store = dist.TCPStore(host, int(port), world_size, is_master=False, timeout=JOIN_TIMEOUT)
-        return cls._joined(store, rank, world_size, backend, collective_timeout)
+        """A follower: rank `rank` of the group whose store listens at `address`;
+        `local_rank` among `local_size` ranks on this host (None: as if every rank were)."""
+        host, port = _host_port(address)
+        store = dist.TCPStore(host, port, is_master=False, timeout=JOIN_TIMEOUT)
+        spec = GroupSpec(**orjson.loads(store.get(SPEC_KEY)))
+        local = spec.world_size if local_size is None else local_size
+        return cls._joined(store, rank, spec, rank if local_rank is None else local_rank, local)
 
     @classmethod
     def _joined(
-        cls,
-        store: dist.Store,
-        rank: int,
-        world_size: int,
-        backend: str,
-        collective_timeout: float,
+        cls, store: dist.Store, rank: int, spec: GroupSpec, local_rank: int, local_size: int
     ) -> Group:
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=CONTROL_TIMEOUT
+            "gloo", store=store, rank=rank, world_size=spec.world_size, timeout=CONTROL_TIMEOUT
         )
-        data = dist.new_group(backend=backend, timeout=timedelta(seconds=collective_timeout))
-        return cls(Shard.of(data), store)
+        timeout = timedelta(seconds=spec.collective_timeout)
+        data = dist.new_group(backend=spec.backend, timeout=timeout)
+        return cls(Shard.of(data), store, local_rank, local_size)
 
     def place(self, device: torch.device) -> torch.device:
-        """This rank's device: on CUDA the device `rank` places after `device`; on a CPU
-        the same one, with this rank's share of the cores for its threads (the ranks
-        share the host's)."""
+        """This rank's device: on CUDA the GPU `local_rank` places after `device`; on a
+        CPU the same one, with this rank's share of the host's cores for its threads."""
         if device.type == "cuda":
-            device = torch.device("cuda", (device.index or 0) + self.rank)
+            device = torch.device("cuda", (device.index or 0) + self.local_rank)
             torch.cuda.set_device(device)
         else:
-            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // self.world_size))
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // self.local_size))
         self.device = device
         return device
 
@@ -176,13 +189,14 @@ class Group:
 
     def failures(self) -> str:
         """Rank 0: what went wrong with the followers, as far as it shows: the start-up
-        errors they reported, and which of them exited."""
+        errors they reported, and which of those it started exited."""
+        started = dict(enumerate(self.followers, start=1))
         found = []
-        for rank, process in enumerate(self.followers, start=1):
-            key = FAILURE_KEY.format(rank=rank)
+        for rank in range(1, self.world_size):
+            key, process = FAILURE_KEY.format(rank=rank), started.get(rank)
             if self.store.check([key]):
                 found.append(f"rank {rank}: {self.store.get(key).decode()}")
-            elif process.poll() is not None:
+            elif process is not None and process.poll() is not None:
                 found.append(f"rank {rank} (pid {process.pid}) exited with {process.returncode}")
         return "; ".join(found)
 
@@ -199,20 +213,25 @@ class Group:
             dist.destroy_process_group()
 
 
-def follower_command(
-    address: str, rank: int, world_size: int, backend: str, collective_timeout: float
-) -> list[str]:
+def follower_command(address: str, rank: int, local_size: int) -> list[str]:
+    """A follower rank 0 starts on its own host: it dies with rank 0."""
     return [
         sys.executable,
         "-m",
         "gpu_worker.follower",
         f"--store={address}",
         f"--rank={rank}",
-        f"--world-size={world_size}",
-        f"--backend={backend}",
-        f"--collective-timeout={collective_timeout}",
+        f"--local-size={local_size}",
         f"--parent={os.getpid()}",
     ]
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    """ "HOST:PORT" -> (HOST, PORT); ValueError, saying so, for anything else."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"a group's store address is HOST:PORT, not {address!r}")
+    return host, int(port)
 
 
 def data_backend(device: torch.device) -> str:

@@ -29,7 +29,7 @@ from gpu_worker import runtime
 from gpu_worker.protocol import BatchPlan, WorkerConfig, to_message
 from gpu_worker.runner import ModelRunner
 from gpu_worker.tensor_parallel import Shard
-from gpu_worker.worker_group import Group, data_backend
+from gpu_worker.worker_group import Group, GroupSpec, data_backend
 from ops.gpu_smoke import Seq, plan_of
 from ops.summary import format_table
 from service.config import default_cache_dir
@@ -139,7 +139,8 @@ def bench_size(args: argparse.Namespace, size: int, clock: CollectiveClock) -> l
     )
     group = None
     if size > 1:
-        group = Group.lead(size, data_backend(torch.device("cpu")), config.collective_timeout)
+        spec = GroupSpec(size, data_backend(torch.device("cpu")), config.collective_timeout)
+        group = Group.lead(spec)
         group.send(to_message("init", config))
     try:
         runner = runtime.start(config, group)

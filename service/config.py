@@ -114,6 +114,17 @@ class Config:
         "(one GPU each, or a share of the CPU's cores); README: when it helps",
         type=positive_int,
     )
+    tensor_parallel_size_local: int | None = flag(
+        _WORKER.tensor_parallel_size_local,
+        "of those, how many this host runs (default: all); the others are started on their "
+        "hosts with `python -m gpu_worker.follower --store ADDRESS --rank R` (README)",
+        type=positive_int,
+    )
+    tensor_parallel_address: str | None = flag(
+        _WORKER.tensor_parallel_address,
+        "HOST:PORT the group's rendezvous store listens on, for ranks on other hosts "
+        "(default: loopback, a free port)",
+    )
     cache_dir: Path = flag(
         help="converted models and measured kernel choices (default: $CADENCE_CACHE, "
         "$XDG_CACHE_HOME/cadence or ~/.cache/cadence)",

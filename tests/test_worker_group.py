@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,6 +19,7 @@ import pytest
 import trio
 
 from tests.server_fixtures import (
+    REPO_ROOT,
     RunningServer,
     StreamResult,
     start_server,
@@ -207,3 +211,42 @@ def test_a_size_that_does_not_divide_the_model_is_refused_at_start(tmp_path: Pat
     assert code == 1
     assert "tensor parallel size 2 does not divide the model's 9 attention heads" in stderr
     assert "sizes that fit this model: 1, 3" in stderr
+
+
+def test_a_rank_started_elsewhere_joins_rank_0s_store_and_the_group_serves(
+    tmp_path: Path, cadence_server: RunningServer
+) -> None:
+    """vLLM's headless mode on one host: rank 0 starts ranks 0 and 1 only; rank 2 is
+    started by hand against the store's address, learns the group from it, serves, and
+    exits when the server stops."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    server = start_server(
+        tmp_path,
+        "--tensor-parallel-size", str(WORLD), "--tensor-parallel-size-local", "2",
+        "--tensor-parallel-address", address,
+        wait=False,
+    )  # fmt: skip
+    with open(tmp_path / "rank2.stderr", "wb") as stderr:
+        elsewhere = subprocess.Popen(
+            [sys.executable, "-m", "gpu_worker.follower", "--store", address, "--rank", "2",
+             "--local-rank", "0", "--local-size", "1"],
+            cwd=REPO_ROOT, stderr=stderr,
+        )  # fmt: skip
+    try:
+        server.wait_healthy()
+        group = ranks(server)
+        assert [r["pid"] for r in group][2] == elsewhere.pid
+        assert parent_of(elsewhere.pid) != group[0]["pid"]
+        assert parent_of(group[1]["pid"]) == group[0]["pid"]
+        for prompt in PROMPTS[:2]:
+            assert complete(server, prompt) == complete(cadence_server, prompt)
+    finally:
+        stop_server(server)
+        try:
+            code = elsewhere.wait(30)
+        finally:
+            elsewhere.kill()
+    assert code == 0, (tmp_path / "rank2.stderr").read_text()[-2000:]

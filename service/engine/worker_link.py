@@ -330,7 +330,7 @@ def _fatal(reply: dict[str, Any]) -> WorkerDied:
     """What a "fatal" message says of the worker: its device unusable, a rank of its group
     stopped answering (hung), or any other end (died)."""
     kinds = {DEVICE_ERROR: WorkerDeviceFault, RANK_HUNG: WorkerHung}
-    fault = kinds.get(reply.get("reason"), WorkerDied)
+    fault = kinds.get(str(reply.get("reason")), WorkerDied)
     return fault(f"the worker reported a fatal error: {reply.get('message')}")
 
 
