@@ -137,6 +137,14 @@ class Choice:
         return {**self.kernels.names(), "measured": measured, "cached": self.cached}
 
 
+def device_sync(device: torch.device) -> Callable[[], None]:
+    """What waits for `device`'s queued work: torch.cuda.synchronize on a GPU; nothing on
+    a CPU, whose kernels have finished when they return."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
 class NoCorrectKernel(RuntimeError):
     """Every candidate of a seam failed its check."""
 
@@ -155,9 +163,14 @@ def pick(
     workload: Callable[[C], object],
     preferred: Callable[[C], bool] = lambda candidate: True,
     clock: Callable[[], float] = time.perf_counter,
+    sync: Callable[[], None] = lambda: None,
 ) -> tuple[C, list[Trial]]:
     """The fastest preferred candidate whose check passes (returns None); the fastest
     passing one only when no preferred one passes.
+
+    `sync` waits for the device (device_sync): a GPU's kernels run after their launch
+    returns, so without it a timing reads the launches alone, and the previous
+    candidate's queued work lands in the next one's time.
 
     Candidates are timed in turns, one run each per round, so that a change in the
     machine's load (a neighbour on a shared host) weighs on all of them alike; each gets
@@ -171,8 +184,10 @@ def pick(
         workload(candidate)  # first-call allocations and lazy initialisation
     for _ in range(REPEATS):
         for candidate in passing:
+            sync()
             started = clock()
             workload(candidate)
+            sync()
             times[id(candidate)].append(clock() - started)
     trials = [_trial(name(c), failures[id(c)], times.get(id(c), [])) for c in candidates]
     if not passing:
@@ -403,6 +418,7 @@ def choose_attention(
         lambda backend: check_attention(backend, case, expected, other_shapes),
         workload,
         preferred=attention_preference(candidates),
+        sync=device_sync(shapes.device),
     )
 
 
@@ -464,6 +480,7 @@ def choose_layer_ops(
         lambda ops: ops.name,
         check,
         lambda ops: run_layer_ops(ops, shapes),
+        sync=device_sync(shapes.device),
     )
 
 
@@ -532,7 +549,8 @@ def choose_matmul(candidates: Sequence[str], shapes: Shapes) -> tuple[str, list[
     scores = dict.fromkeys(passing, 0.0)
     for rows in MATMUL_ROWS:
         workload = functools.partial(run, rows=rows)
-        timed = {t.name: t.ms or 0.0 for t in pick(passing, str, lambda kind: None, workload)[1]}
+        found = pick(passing, str, lambda kind: None, workload, sync=device_sync(shapes.device))
+        timed = {t.name: t.ms or 0.0 for t in found[1]}
         fastest = max(min(timed.values()), 1e-3)
         for kind in passing:
             summed[kind] += timed[kind]

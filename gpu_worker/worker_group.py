@@ -66,6 +66,7 @@ class Group:
 
     shard: Shard  # the data group's: what the model's collectives run on
     store: dist.Store
+    spec: GroupSpec
     local_rank: int = 0  # among the ranks on this host: its GPU, its share of the cores
     local_size: int = 1
     device: torch.device = CPU  # this rank's (place)
@@ -128,7 +129,7 @@ class Group:
         )
         timeout = timedelta(seconds=spec.collective_timeout)
         data = dist.new_group(backend=spec.backend, timeout=timeout)
-        return cls(Shard.of(data), store, local_rank, local_size)
+        return cls(Shard.of(data), store, spec, local_rank, local_size)
 
     def place(self, device: torch.device) -> torch.device:
         """This rank's device: on CUDA the GPU `local_rank` places after `device`; on a
@@ -144,10 +145,16 @@ class Group:
     # ---- the control group: messages and agreements --------------------------------------
 
     def send(self, message: dict[str, Any]) -> None:
-        """Rank 0: `message` to every follower (each receives it)."""
+        """Rank 0: `message` to every follower (each receives it). Bounded by the
+        collective timeout, unlike the control group's other calls: gloo's send waits
+        for the receiver to be ready, and a follower stopped between two plans would
+        hold rank 0 here for the control group's day."""
         data = orjson.dumps(message)
-        dist.broadcast(torch.tensor([len(data)], dtype=torch.long), src=0)
-        dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0)
+        timeout = timedelta(seconds=self.spec.collective_timeout)
+        size = torch.tensor([len(data)], dtype=torch.long)
+        body = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        for tensor in (size, body):
+            dist.broadcast(tensor, src=0, async_op=True).wait(timeout=timeout)
 
     def receive(self) -> dict[str, Any]:
         """A follower: the next message rank 0 sends."""

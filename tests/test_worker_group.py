@@ -190,6 +190,24 @@ async def test_a_stopped_follower_times_out_and_the_group_restarts(
     assert group_server.wait_idle()["kv_blocks_used"] == 0
 
 
+def test_a_follower_stopped_while_idle_is_found_by_the_next_ping(
+    group_server: RunningServer,
+) -> None:
+    """Rank 0 hands each idle ping on; a follower stopped between plans makes that hand-on
+    time out after the collective timeout (gloo's send waits for a ready receiver), and
+    rank 0 says so, before the service's own ping deadline."""
+    old = ranks(group_server)
+    os.kill(old[2]["pid"], signal.SIGSTOP)
+    found = wait_for_health(group_server, 503, 30)
+    print(f"the stopped follower was found {found:.2f} s after it stopped")
+    assert found < STEP_TIMEOUT
+    replaced_group(group_server, old)
+    failure = group_server.admin_state()["last_worker_failure"]
+    assert failure["reason"] == "worker_hung"
+    assert "handing a message to the followers failed" in failure["error"], failure
+    assert complete(group_server, PROMPTS[0], 4)
+
+
 def test_rank_0_killed_leaves_no_follower_and_the_group_restarts(
     group_server: RunningServer,
 ) -> None:

@@ -193,6 +193,26 @@ def test_the_chooser_skips_the_fastest_candidate_when_it_fails_its_check(monkeyp
     assert choice.report()["measured"]["attention"]["zeros"].startswith("failed: decode differs")
 
 
+def test_pick_waits_for_the_device_around_each_timing():
+    """A device that runs work after the launch returns (CUDA): a candidate's time is its
+    work's, finished, and not the previous candidate's queue."""
+    costs = {"slow": 3.0, "fast": 1.0}
+    now, queued = [0.0], [0.0]
+
+    def launch(candidate):  # returns at once; the work waits on the device
+        queued[0] += costs[candidate]
+
+    def sync():
+        now[0] += queued[0]
+        queued[0] = 0.0
+
+    chosen, trials = pick(list(costs), str, lambda c: None, launch, clock=lambda: now[0], sync=sync)
+    assert chosen == "fast"
+    assert trials == [Trial("slow", 3000.0), Trial("fast", 1000.0)]
+    unsynced = pick(list(costs), str, lambda c: None, launch, clock=lambda: now[0])
+    assert {t.ms for t in unsynced[1]} == {0.0}  # what a timing without the sync reads
+
+
 def test_pick_takes_the_fastest_passing_candidate_and_preferred_ones_first():
     times = {"a": 3.0, "b": 1.0, "c": 2.0, "d": 0.5}
     failing = {"d"}
