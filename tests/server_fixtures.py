@@ -99,6 +99,16 @@ def wait_for_health(server: RunningServer, status: int, timeout: float) -> float
     raise TimeoutError(f"/health never answered {status} within {timeout} s")
 
 
+def seconds_until(condition, timeout: float) -> float:
+    """Seconds until `condition()` holds (polling every 20 ms); TimeoutError after `timeout`."""
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > timeout:
+            raise TimeoutError(f"not within {timeout} s")
+        time.sleep(0.02)
+    return time.monotonic() - started
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

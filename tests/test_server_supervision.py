@@ -24,6 +24,7 @@ from tests.server_fixtures import (
     RunningServer,
     alive,
     cache_dir,
+    seconds_until,
     start_server,
     stop_server,
     stream_completion,
@@ -31,15 +32,6 @@ from tests.server_fixtures import (
 )
 
 pytestmark = pytest.mark.real_model
-
-
-def seconds_until(condition, timeout: float) -> float:
-    started = time.monotonic()
-    while not condition():
-        if time.monotonic() - started > timeout:
-            raise TimeoutError(f"not within {timeout} s")
-        time.sleep(0.02)
-    return time.monotonic() - started
 
 
 def replaced_worker(server: RunningServer, old_pid: int) -> int:

@@ -22,6 +22,7 @@ from tests.server_fixtures import (
     REPO_ROOT,
     RunningServer,
     StreamResult,
+    seconds_until,
     start_server,
     stop_server,
     stream_completion,
@@ -68,15 +69,6 @@ def parent_of(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
 
 
-def seconds_until(condition, timeout: float) -> float:
-    started = time.monotonic()
-    while not condition():
-        if time.monotonic() - started > timeout:
-            raise TimeoutError(f"not within {timeout} s")
-        time.sleep(0.02)
-    return time.monotonic() - started
-
-
 def complete(server: RunningServer, prompt: str, max_tokens: int = 24) -> str:
     response = httpx.post(
         f"{server.url}/v1/completions",
@@ -121,6 +113,24 @@ async def streams_while(server: RunningServer, count: int, act) -> tuple[list[St
     return results, acted_at
 
 
+def ended_with(results: list[StreamResult], code: str, since: float, within: float) -> None:
+    """Every stream ended, with error `code`, within `within` seconds of `since`."""
+    for result in results:
+        assert result.done and result.error is not None
+        assert result.error["code"] == code, result.error
+        assert result.arrivals[-1] - since < within
+    print(f"streams ended {max(r.arrivals[-1] for r in results) - since:.2f} s after")
+
+
+def served_by_a_new_group(server: RunningServer, old: list[dict]) -> dict:
+    """The group replaced (replaced_group), a request served, no KV block left held; the
+    failure the server recorded."""
+    replaced_group(server, old)
+    assert complete(server, PROMPTS[1], 4)
+    assert server.wait_idle()["kv_blocks_used"] == 0
+    return server.admin_state()["last_worker_failure"]
+
+
 def test_admin_state_lists_three_ranks_with_a_third_of_the_kv_each(
     group_server: RunningServer, cadence_server: RunningServer
 ) -> None:
@@ -160,16 +170,9 @@ async def test_a_follower_killed_mid_stream_ends_the_streams_at_once_and_the_gro
     results, killed_at = await streams_while(
         group_server, 3, lambda: os.kill(old[2]["pid"], signal.SIGKILL)
     )
-    for result in results:
-        assert result.done and result.error is not None
-        assert result.error["code"] == "worker_died", result.error
-        assert result.arrivals[-1] - killed_at < 2.0
-    print(f"streams ended {max(r.arrivals[-1] for r in results) - killed_at:.2f} s after")
-    await trio.to_thread.run_sync(replaced_group, group_server, old)
-    failure = group_server.admin_state()["last_worker_failure"]
+    ended_with(results, "worker_died", killed_at, 2.0)
+    failure = await trio.to_thread.run_sync(served_by_a_new_group, group_server, old)
     assert failure["reason"] == "worker_died" and "rank 2" in failure["error"]
-    assert complete(group_server, PROMPTS[1], 4)
-    assert group_server.wait_idle()["kv_blocks_used"] == 0
 
 
 async def test_a_stopped_follower_times_out_and_the_group_restarts(
@@ -179,15 +182,9 @@ async def test_a_stopped_follower_times_out_and_the_group_restarts(
     results, stopped_at = await streams_while(
         group_server, 2, lambda: os.kill(old[1]["pid"], signal.SIGSTOP)
     )
-    for result in results:
-        assert result.done and result.error is not None
-        assert result.error["code"] == "worker_hung", result.error
-        # the collective's timeout, before the step's watchdog
-        assert result.arrivals[-1] - stopped_at < STEP_TIMEOUT
-    await trio.to_thread.run_sync(replaced_group, group_server, old)
-    assert group_server.admin_state()["last_worker_failure"]["reason"] == "worker_hung"
-    assert complete(group_server, PROMPTS[2], 4)
-    assert group_server.wait_idle()["kv_blocks_used"] == 0
+    ended_with(results, "worker_hung", stopped_at, STEP_TIMEOUT)  # before the watchdog
+    failure = await trio.to_thread.run_sync(served_by_a_new_group, group_server, old)
+    assert failure["reason"] == "worker_hung"
 
 
 def test_a_follower_stopped_while_idle_is_found_by_the_next_ping(
