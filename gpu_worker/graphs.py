@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import torch
 
 from gpu_worker.attention import AttentionMetadata, DecodeGroup
+from gpu_worker.buckets import batch_buckets, smallest_fitting
 from gpu_worker.faults import is_device_fault
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.model import Model
@@ -39,20 +40,7 @@ from gpu_worker.step_inputs import StepInputs, padding_tensors
 
 log = logging.getLogger(__name__)
 
-_SMALL_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 GRAPH_CONTEXT_TOKENS = 8192  # the longest context a captured graph covers
-
-
-def batch_buckets(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, ... ending at max_num_seqs."""
-    buckets = [b for b in _SMALL_BUCKETS if b < max_num_seqs]
-    size = _SMALL_BUCKETS[-1]
-    while True:
-        is_power_of_two = size & (size - 1) == 0
-        size = size * 3 // 2 if is_power_of_two else size * 4 // 3
-        if size >= max_num_seqs:
-            return [*buckets, max_num_seqs]
-        buckets.append(size)
 
 
 def width_buckets(max_width: int) -> list[int]:
@@ -70,10 +58,6 @@ def graph_widths(
 ) -> list[int]:
     """The block-table widths captured: width_buckets up to max_tokens of context."""
     return width_buckets(min(max_width, -(-max_tokens // block_size)))
-
-
-def smallest_fitting(n: int, buckets: list[int]) -> int | None:
-    return next((b for b in buckets if b >= n), None)
 
 
 def decode_forward(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounter
 from torch.nn.attention.flex_attention import create_mask
 
 from gpu_worker import kernel_choice, kernels
@@ -17,6 +18,7 @@ from gpu_worker.attention import (
     LayerAttention,
     TorchAttention,
     build_metadata,
+    flex_backend,
     torch_backend,
 )
 from gpu_worker.kernel_choice import Shapes, attention_case, run_decode, run_prefill
@@ -170,11 +172,14 @@ def test_decode_block_lists_cover_exactly_what_each_row_sees():
         case.group_size,
         FlexAttention(),
     )
-    mask = meta.decode.prepared
+    padded = meta.decode.prepared
+    assert padded.batch == 8  # 6 rows padded to the ladder's rung; the 2 extra see nothing
+    mask = padded.mask
     assert_blocks_match_the_mask(mask)
     # One row sees ceil(len / block_size) blocks, all but a partial last one whole.
     assert mask.full_kv_num_blocks[:2, 0, 0].tolist() == [3, 0]
     assert mask.kv_num_blocks[:2, 0, 0].tolist() == [0, 1]
+    assert mask.full_kv_num_blocks[6:].sum() == mask.kv_num_blocks[6:].sum() == 0
 
 
 @pytest.mark.parametrize("window", [None, 9, 150])
@@ -211,7 +216,7 @@ def test_decode_block_lists_start_where_each_rows_window_does():
         FlexAttention(),
         LayerAttention(window=6),
     )
-    mask = meta.decode.prepared
+    mask = meta.decode.prepared.mask
     assert_blocks_match_the_mask(mask)
     # Positions 6..11 (blocks 1 and 2) for a context of 12; position 0 for a context of 1.
     assert mask.kv_num_blocks[:2, 0, 0].tolist() == [2, 1]
@@ -250,3 +255,75 @@ def test_a_mixed_step_of_the_model_matches_the_reference(tiny_llama_dir, monkeyp
         logits[name] = torch.cat([runner.step_logits(plan), runner.step_logits(decodes)])
     assert logits["flex"].isfinite().all()
     assert max_diff(logits["flex"], logits["torch"]) < 1e-4
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo keeps compiled graphs per code object for the whole process: counts start at 0."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_decode_compiles_once_per_rung_of_the_ladder_whatever_the_contexts():
+    """Its batch is static (the decoding kernel needs that), so rows are padded to a rung;
+    the tables' width is dynamic, so one graph serves every context."""
+    counter = CompileCounter()
+    compiled = FlexAttention(compiler=counter)
+    case = attention_case(shapes(), batch=8, chunk=8, start=40)
+    for rows, lens in [(3, [1, 5, 9]), (4, [40, 2, 7, 13]), (3, [33, 20, 1]), (8, [40] * 8)]:
+        case.lens[:rows] = lens
+        seqs = list(range(rows))
+        got = run_decode(compiled, case, seqs)
+        assert got.shape == (rows, 6, 64)
+        assert max_diff(got, run_decode(TorchAttention(), case, seqs)) < TOLERANCE
+    assert counter.frame_count == 2  # rungs 4 and 8: tables 1 to 10 blocks wide in both
+    assert flex_backend.compile_count() == 2
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_prefill_compiles_once_per_tile_count_class_for_any_chunk_length():
+    """Chunks of 2-127 tokens (those Inductor's decoding kernel cannot take) and longer ones,
+    at cached offsets: lengths are dynamic. Three graphs: the first length dynamo sees
+    (a constant of the block mask, specialised until a second one turns it dynamic), then
+    one for a single query tile and one for several."""
+    counter = CompileCounter()
+    compiled = FlexAttention(compiler=counter)
+    for start, chunk in [
+        (0, 2),
+        (0, 3),
+        (21, 17),
+        (5, 33),
+        (0, 127),
+        (40, 128),
+        (3, 129),
+        (9, 300),
+    ]:
+        case = attention_case(shapes(), batch=1, chunk=chunk, start=start)
+        got = run_prefill(compiled, case)
+        assert max_diff(got, run_prefill(TorchAttention(), case)) < TOLERANCE, (start, chunk)
+    assert counter.frame_count == 3
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_shape_past_the_compile_limit_fails_loudly_instead_of_running_densely(monkeypatch):
+    monkeypatch.setattr(flex_backend, "COMPILE_LIMIT", 1)
+    compiled = FlexAttention(compiler=CompileCounter())
+    case = attention_case(shapes(), batch=8, chunk=8, start=40)
+    run_decode(compiled, case, [0, 1, 2, 3])
+    with pytest.raises(RuntimeError, match="decode compiled 1 graphs"):
+        run_decode(compiled, case, list(range(8)))
+
+
+def test_kernel_options_force_the_main_kernel_for_chunks_and_pipeline_decode(monkeypatch):
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert flex_backend.kernel_options("prefill", 64, cuda) == {
+        "BLOCK_N": 64,
+        "FORCE_USE_FLEX_ATTENTION": True,
+    }
+    assert flex_backend.kernel_options("decode", 64, cuda) == {"BLOCK_N": 64, "num_stages": 3}
+    assert flex_backend.kernel_options("decode", 16, cpu) == {"BLOCK_N": 16}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert flex_backend.kernel_options("decode", 48, cuda) == {"BLOCK_N": 16}

@@ -6,13 +6,12 @@ from __future__ import annotations
 import pytest
 
 import gpu_worker.runtime
+from gpu_worker.buckets import batch_buckets, on_ladder, smallest_fitting
 from gpu_worker.graphs import (
     DecodeRunner,
-    batch_buckets,
     decode_forward,
     graph_capturer,
     graph_widths,
-    smallest_fitting,
     width_buckets,
 )
 from tests.worker_fixtures import (
@@ -35,6 +34,9 @@ def test_batch_buckets_follow_the_documented_ladder():
     assert smallest_fitting(5, batch_buckets(64)) == 8
     assert smallest_fitting(65, batch_buckets(64)) is None
     assert width_buckets(20) == [1, 2, 4, 8, 16, 20]
+    # The ladder itself, for kernels compiled per static batch: a worker's last bucket
+    # (100 here) is padded on to the next rung.
+    assert [on_ladder(n) for n in (1, 3, 24, 100, 129, 300)] == [1, 4, 24, 128, 192, 384]
 
 
 def _prefill(runner, seq_id: int, prompt: list[int], table: list[int]) -> int:

@@ -7,15 +7,34 @@ byte once per query tile, and nothing is gathered: no temporary outside the KV b
 Blocks every query of a tile sees whole skip the mask; in the others a mask_mod maps a
 cache slot back to its position in the sequence. On a CPU FlexAttention runs eagerly,
 densely over every cache slot: a reference that tests the masks, not a kernel to serve with.
+
+What is compiled, and how often (Inductor picks its kernel by shape, see `_kernel_options`):
+- decode: one graph per static batch of the bucket ladder (gpu_worker.buckets) and kind of
+  layer. Rows are padded to the ladder (padding rows see no key), so Inductor's
+  flex-decoding kernel serves every decode step, in CUDA graphs, eager and mixed steps
+  alike, and what the kernel chooser timed is what serves. Only the table width varies,
+  marked dynamic: one graph covers every context;
+- prefill: a few graphs per kind of layer, every length dynamic: the first length seen
+  (the block mask's constant, specialised until a second turns it dynamic), one query
+  tile or several, and Inductor's guards of its kernel choice (below 128 queries or not). A chunk forces the main
+  kernel: the decoding kernel's tiles (BLOCK_M = next_pow2(chunk * group)) fit no config
+  for a chunk of 2-127 tokens of a model whose query heads per KV head are a power of two
+  (NoValidChoicesError), and a chunk has the rows to fill the main kernel's tiles anyway.
+Past COMPILE_LIMIT graphs of either, dynamo would fall back to running FlexAttention
+eagerly, densely over the whole cache (out of memory on a real one): it fails the step
+instead, saying so.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from gpu_worker.attention.base import (
@@ -25,7 +44,21 @@ from gpu_worker.attention.base import (
     LayerAttention,
     PrefillChunk,
 )
+from gpu_worker.buckets import on_ladder
 from gpu_worker.kv_cache import LayerKV
+
+# Graphs per compiled function: the ladder's rungs up to 256 rows (13), for each kind of
+# layer (Gemma's 2) and cache shape (the chooser's, the profile's, the worker's) fit.
+COMPILE_LIMIT = 96
+MIN_WIDTH = 2  # a table one block wide would be specialised, a graph of its own
+
+
+@dataclass(slots=True)
+class PaddedDecode:
+    """The decode rows' mask, over a batch padded to the ladder."""
+
+    mask: BlockMask
+    batch: int
 
 
 class FlexAttention(AttentionBackend):
@@ -34,20 +67,29 @@ class FlexAttention(AttentionBackend):
     windows = True
     softcap = True
 
+    def __init__(self, compiler: Any = None) -> None:
+        """`compiler`: torch.compile's backend, so that a test can run the compiled path on
+        a CPU; by default the path is compiled with Inductor on CUDA and eager elsewhere."""
+        self.compiler = compiler
+
     def decode_group(
         self, group: DecodeGroup, cache_like: torch.Tensor, group_size: int
     ) -> DecodeGroup:
-        block_size = cache_like.shape[2]
-        lens = group.context_lens[:, None]
-        group.prepared = paged_block_mask(
-            group.block_tables,
-            group.context_lens - 1,
+        block_size, cache_blocks = cache_like.shape[2], cache_like.shape[1]
+        batch = on_ladder(group.context_lens.shape[0])
+        tables = padded_tables(group.block_tables, batch, cache_blocks)
+        # A padding row's context is empty: it sees nothing, and no block is listed for it.
+        lens = F.pad(group.context_lens, (0, batch - group.context_lens.shape[0]))[:, None]
+        mask = paged_block_mask(
+            tables,
+            lens[:, 0] - 1,
             (lens + block_size - 1) // block_size,
             lens // block_size,
             1,
             cache_like,
             group.layer.window,
         )
+        group.prepared = PaddedDecode(mask, batch)
         return group
 
     def prefill_chunk(
@@ -59,7 +101,7 @@ class FlexAttention(AttentionBackend):
         firsts = chunk.start + torch.arange(0, count, QUERY_BLOCK)
         lasts = torch.clamp(firsts + QUERY_BLOCK, max=chunk.context_len) - 1
         chunk.prepared = paged_block_mask(
-            table[None].to(device, non_blocking=True),
+            padded_tables(table[None].to(device, non_blocking=True), 1, cache_like.shape[1]),
             torch.tensor([chunk.start], device=device),
             (lasts // block_size + 1)[None].to(device, non_blocking=True),
             ((firsts + 1) // block_size)[None].to(device, non_blocking=True),
@@ -70,14 +112,31 @@ class FlexAttention(AttentionBackend):
         return chunk
 
     def decode(self, q: torch.Tensor, kv: LayerKV, group: DecodeGroup) -> torch.Tensor:
-        return _flex(q[:, :, None], kv, group.prepared, group.layer)[:, :, 0]
+        padded: PaddedDecode = group.prepared
+        rows = q.shape[0]
+        queries = F.pad(q, (0, 0, 0, 0, 0, padded.batch - rows))[:, :, None]
+        attend = self._attend("decode", q.device)
+        return _flex(attend, queries, kv, padded.mask, group.layer, "decode")[:rows, :, 0]
 
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, chunk: PrefillChunk
     ) -> torch.Tensor:
         """The chunk's own K/V are read back from the cache, where they already are."""
         queries = q.transpose(0, 1)[None]
-        return _flex(queries, kv, chunk.prepared, chunk.layer)[0].transpose(0, 1)
+        attend = self._attend("prefill", q.device)
+        return _flex(attend, queries, kv, chunk.prepared, chunk.layer, "prefill")[0].transpose(0, 1)
+
+    def _attend(self, kind: str, device: torch.device) -> Callable[..., torch.Tensor]:
+        if self.compiler is None and device.type != "cuda":
+            return flex_attention
+        return compiled(kind, self.compiler or "inductor")
+
+
+def padded_tables(tables: torch.Tensor, batch: int, cache_blocks: int) -> torch.Tensor:
+    """tables [B, W] -> [batch, max(W, MIN_WIDTH)], padded with `cache_blocks`, a block
+    that is in no cache: the mask places it at no position, so no query sees it."""
+    rows, width = tables.shape
+    return F.pad(tables, (0, max(0, MIN_WIDTH - width), 0, batch - rows), value=cache_blocks)
 
 
 def paged_block_mask(
@@ -95,6 +154,8 @@ def paged_block_mask(
     first query (query i sits at q_first + i and sees positions up to it); counts and full
     [B, tiles]: how many of its blocks query tile m sees at all, and how many whole (the
     first ones). Tensor ops only, so that a CUDA graph can capture it.
+
+    Every table must be at least MIN_WIDTH wide (`padded_tables`).
 
     The mask_mod finds a cache slot's position through the block's index in the tables:
     a block sits at one index in every table that holds it (its keys are rotated for those
@@ -136,7 +197,7 @@ def paged_block_mask(
             return seen
         return seen & (position > q_first[b] + q_idx - window)
 
-    return BlockMask.from_kv_blocks(
+    mask = BlockMask.from_kv_blocks(
         _per_tile(counts - first),
         _per_tile(partial),
         _per_tile(full),
@@ -146,6 +207,10 @@ def paged_block_mask(
         seq_lengths=(q_len, cache_blocks * block_size),
         compute_q_blocks=False,
     )
+    # The tables' width shapes only these: marked dynamic, one compiled graph serves them all.
+    for table in (tables, mask.kv_indices, mask.full_kv_indices):
+        torch._dynamo.mark_dynamic(table, table.dim() - 1)
+    return mask
 
 
 def _per_tile(t: torch.Tensor) -> torch.Tensor:
@@ -153,7 +218,14 @@ def _per_tile(t: torch.Tensor) -> torch.Tensor:
     return t[:, None].to(torch.int32).contiguous()
 
 
-def _flex(q: torch.Tensor, kv: LayerKV, mask: BlockMask, layer: LayerAttention) -> torch.Tensor:
+def _flex(
+    attend: Callable[..., torch.Tensor],
+    q: torch.Tensor,
+    kv: LayerKV,
+    mask: BlockMask,
+    layer: LayerAttention,
+    kind: str,
+) -> torch.Tensor:
     """q [B, heads, n, d] over the whole cache under `mask` -> [B, heads, n, d]."""
     if kv.quantized:
         raise RuntimeError("FlexAttention reads a cache of the model's dtype, not 8-bit codes")
@@ -162,17 +234,25 @@ def _flex(q: torch.Tensor, kv: LayerKV, mask: BlockMask, layer: LayerAttention) 
     if on_cuda and block_size % 16:
         raise RuntimeError("FlexAttention on CUDA needs a block size that is a multiple of 16")
     keys, values = (t.view(1, kv_heads, -1, head_dim) for t in (kv.k, kv.v))
-    attend = _compiled_flex() if on_cuda else flex_attention
-    return attend(
-        q,
-        keys,
-        values,
-        block_mask=mask,
-        score_mod=None if layer.softcap is None else _softcap_mod(layer.softcap),
-        scale=layer.scale_for(head_dim),
-        enable_gqa=q.shape[1] != kv_heads,
-        kernel_options=_kernel_options(mask) if on_cuda else None,
-    )
+    with torch._dynamo.config.patch(
+        recompile_limit=COMPILE_LIMIT, fail_on_recompile_limit_hit=True
+    ):
+        try:
+            return attend(
+                q,
+                keys,
+                values,
+                block_mask=mask,
+                score_mod=None if layer.softcap is None else _softcap_mod(layer.softcap),
+                scale=layer.scale_for(head_dim),
+                enable_gqa=q.shape[1] != kv_heads,
+                kernel_options=kernel_options(kind, block_size, q.device) if on_cuda else None,
+            )
+        except torch._dynamo.exc.FailOnRecompileLimitHit as exc:
+            raise RuntimeError(
+                f"FlexAttention's {kind} compiled {COMPILE_LIMIT} graphs: a shape the "
+                "worker does not bound reached it"
+            ) from exc
 
 
 @functools.cache
@@ -187,17 +267,42 @@ def _softcap_mod(cap: float) -> Any:
     return capped
 
 
+# One function per kind: dynamo keeps its graphs, and counts them, per code object.
+def _decode_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
+    return flex_attention(*args, **kwargs)
+
+
+def _prefill_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
+    return flex_attention(*args, **kwargs)
+
+
 @functools.cache
-def _compiled_flex() -> Any:
-    # Shapes vary by batch, table width and chunk length: dynamic after the first recompile.
-    # Batch 1 and query length 1 are graphs of their own, as is each dtype and model shape
-    # in one process (the smoke run's several models), and past dynamo's recompile limit
-    # (8) it would run FlexAttention eagerly: densely over every slot of the cache.
-    dynamo = torch._dynamo.config
-    dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
-    return torch.compile(flex_attention, fullgraph=True)
+def compiled(kind: str, compiler: Any) -> Callable[..., torch.Tensor]:
+    """The compiled FlexAttention of `kind`: decode static but for the tables' width (its
+    batch is a rung of the ladder), prefill dynamic (its chunks have any length)."""
+    function = _decode_attention if kind == "decode" else _prefill_attention
+    return torch.compile(function, backend=compiler, fullgraph=True, dynamic=kind == "prefill")
 
 
-def _kernel_options(mask: BlockMask) -> dict[str, int]:
-    """A key tile must divide a cache block (Triton's tiles are 16 wide at least)."""
-    return {"BLOCK_N": math.gcd(64, mask.BLOCK_SIZE[1])}
+def compile_count() -> int:
+    """How many graphs dynamo has compiled for FlexAttention in this process, so far."""
+    return sum(
+        len(torch._dynamo.eval_frame._debug_get_cache_entry_list(function.__code__))
+        for function in (_decode_attention, _prefill_attention)
+    )
+
+
+def kernel_options(kind: str, block_size: int, device: torch.device) -> dict[str, Any]:
+    """What Inductor is told beyond its defaults.
+
+    A key tile must divide a cache block (Triton's tiles are 16 wide at least). A prefill
+    chunk forces the main kernel (see the module's doc). The decoding kernel's loads are
+    pipelined in 3 stages on GPUs with asynchronous copies (sm_80 on): PyTorch 2.13 means
+    to on sm_90 but its heuristic overwrites that with 1 stage for every GPU but sm_110.
+    """
+    options: dict[str, Any] = {"BLOCK_N": math.gcd(64, block_size)}
+    if kind == "prefill":
+        options["FORCE_USE_FLEX_ATTENTION"] = True
+    elif device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0):
+        options["num_stages"] = 3
+    return options
