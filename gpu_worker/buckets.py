@@ -21,7 +21,7 @@ def ladder() -> Iterator[int]:
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
     """The ladder's sizes below max_num_seqs, then max_num_seqs itself."""
-    buckets = []
+    buckets: list[int] = []
     for size in ladder():
         if size >= max_num_seqs:
             return [*buckets, max_num_seqs]

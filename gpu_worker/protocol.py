@@ -68,6 +68,19 @@ QUANTIZATIONS = ("none", "int8", "int4", "gguf")
 DRAFT_MODEL_TOKEN = -1
 
 
+BLOCK_SIZE = 16
+# FlexAttention's key tiles are one block wide at most: a block of 16 makes 16-key tiles,
+# too short to keep a GPU's loads in flight.
+CUDA_BLOCK_SIZE = 64
+
+
+def block_size_for(requested: int | None, device_type: str) -> int:
+    """The KV block size a worker on `device_type` uses: the one asked for, or its default."""
+    if requested is not None:
+        return requested
+    return CUDA_BLOCK_SIZE if device_type == "cuda" else BLOCK_SIZE
+
+
 @dataclass(slots=True)
 class WorkerConfig:
     """What a worker is started with. Its defaults are the server's (service.config.Config
@@ -76,7 +89,7 @@ class WorkerConfig:
     model_dir: str  # a Hugging Face style directory (GGUF files are converted to one first)
     dtype: str = "bfloat16"  # "float32" | "bfloat16"
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
-    block_size: int = 16
+    block_size: int | None = None  # None: the device's (block_size_for)
     kv_memory: float = 0.25  # <= 1.0: fraction of free device memory; > 1.0: bytes
     max_num_seqs: int = 128  # largest decode batch; bounds the graph buckets
     max_num_batched_tokens: int = 512  # largest flattened step the worker must accept

@@ -39,7 +39,13 @@ from gpu_worker.kv_cache import KVCache
 from gpu_worker.kv_groups import KVGroups
 from gpu_worker.model import Model
 from gpu_worker.model_config import ModelConfig
-from gpu_worker.protocol import QUANTIZATIONS, Handshake, WorkerConfig, parse_kernel_pins
+from gpu_worker.protocol import (
+    QUANTIZATIONS,
+    Handshake,
+    WorkerConfig,
+    block_size_for,
+    parse_kernel_pins,
+)
 from gpu_worker.runner import ModelRunner
 from gpu_worker.sampler import Sampler
 from gpu_worker.step_inputs import PlanLimits
@@ -91,10 +97,14 @@ def start(config: WorkerConfig, group: Group | None = None) -> ModelRunner:
         device, dtype = resolve_device(config.device), resolve_dtype(config.dtype)
         if group is not None:
             device = group.place(device)
+        block_size = block_size_for(config.block_size, device.type)
+        config = dataclasses.replace(config, block_size=block_size)
         model_dir = Path(config.model_dir)
         cache_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, dtype)
     with clock.step("kernels"):
-        choice = _choose_kernels(config, model_config, dtype, device, cache_dtype, group)
+        choice = _choose_kernels(
+            config, model_config, block_size, dtype, device, cache_dtype, group
+        )
     with clock.step("weights"):
         model = _load_model(
             config,
@@ -111,11 +121,13 @@ def start(config: WorkerConfig, group: Group | None = None) -> ModelRunner:
         with clock.step("draft model"):
             draft = _load_draft(config, model_config, dtype, device, choice.kernels)
     groups = KVGroups.of(model_config)
-    max_blocks_per_seq = -(-model_config.context_limit // config.block_size)
+    max_blocks_per_seq = -(-model_config.context_limit // block_size)
     reserved = 0
     if device.type == "cuda":
         with clock.step("profile"):
-            reserved = _activation_reserve(model, config, cache_dtype, max_blocks_per_seq)
+            reserved = _activation_reserve(
+                model, config, block_size, cache_dtype, max_blocks_per_seq
+            )
     with clock.step("cache"):
         # A rank's cache holds its KV heads (model.config is its view). On a CPU the ranks
         # share the host's memory: sized by the whole model's block, the group's caches
@@ -123,15 +135,21 @@ def start(config: WorkerConfig, group: Group | None = None) -> ModelRunner:
         sizing = model_config if device.type == "cpu" else model.config
         configs = [sizing] if draft is None else [sizing, draft.config]
         num_blocks = _count_blocks(
-            config, configs, device, cache_dtype, reserved, max_blocks_per_seq * groups.num_groups
+            config,
+            block_size,
+            configs,
+            device,
+            cache_dtype,
+            reserved,
+            max_blocks_per_seq * groups.num_groups,
         )
         if group is not None:
             num_blocks = group.least(num_blocks)
-        cache = kv_cache.allocate(model.config, num_blocks, config.block_size, cache_dtype, device)
+        cache = kv_cache.allocate(model.config, num_blocks, block_size, cache_dtype, device)
         drafter = None
         if draft is not None:
             draft_cache = kv_cache.allocate(
-                draft.config, num_blocks, config.block_size, cache_dtype, device
+                draft.config, num_blocks, block_size, cache_dtype, device
             )
             drafter = Drafter(runner_on(draft, draft_cache, config))
     decode_runner = DecodeRunner(
@@ -147,9 +165,9 @@ def start(config: WorkerConfig, group: Group | None = None) -> ModelRunner:
         memory.release_cached(device)
     ranks = _ranks(group, device, cache.bytes)
     # A sequence can never outgrow the whole cache.
-    max_model_len = min(*(c.context_limit for c in configs), num_blocks * config.block_size)
+    max_model_len = min(*(c.context_limit for c in configs), num_blocks * block_size)
     limits = PlanLimits(
-        config.block_size, num_blocks, model_config.vocab_size, max_model_len, groups.num_groups
+        block_size, num_blocks, model_config.vocab_size, max_model_len, groups.num_groups
     )
     handshake = Handshake(
         model_name=model_dir.resolve().name,
@@ -161,7 +179,7 @@ def start(config: WorkerConfig, group: Group | None = None) -> ModelRunner:
         head_dim=model_config.head_dim,
         dtype=config.dtype,
         device=str(device),
-        block_size=config.block_size,
+        block_size=block_size,
         num_blocks=num_blocks,
         kv_bytes=sum(rank["kv_bytes"] for rank in ranks),
         kv_cache_dtype=str(cache_dtype).removeprefix("torch."),
@@ -189,7 +207,7 @@ def _ranks(group: Group | None, device: torch.device, kv_bytes: int) -> list[dic
 
 
 def _check_worker_config(config: WorkerConfig) -> None:
-    if config.block_size < 1:
+    if config.block_size is not None and config.block_size < 1:
         raise ValueError(f"block_size must be at least 1, got {config.block_size}")
     if config.max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be at least 1, got {config.max_num_seqs}")
@@ -222,6 +240,7 @@ def _quantization_text(quantization: str, model: Model) -> str:
 def _choose_kernels(
     config: WorkerConfig,
     model_config: ModelConfig,
+    block_size: int,
     dtype: torch.dtype,
     device: torch.device,
     cache_dtype: torch.dtype,
@@ -229,7 +248,7 @@ def _choose_kernels(
 ) -> kernel_choice.Choice:
     """Measured (or recalled) on rank 0; the other ranks take its choice, so that every
     rank runs the same kernels."""
-    shapes = kernel_choice.Shapes.of(model_config, config.block_size, dtype, device, cache_dtype)
+    shapes = kernel_choice.Shapes.of(model_config, block_size, dtype, device, cache_dtype)
     if group is not None and group.rank > 0:
         return kernel_choice.Choice(kernel_choice.named(shapes, group.share(None)))
     cache_file = config.kernel_cache
@@ -305,6 +324,7 @@ def _load_draft(
 
 def _count_blocks(
     config: WorkerConfig,
+    block_size: int,
     model_configs: list[ModelConfig],
     device: torch.device,
     cache_dtype: torch.dtype,
@@ -318,21 +338,25 @@ def _count_blocks(
     return kv_cache.count_blocks(
         config.kv_memory,
         free,
-        sum(kv_cache.block_bytes(c, config.block_size, cache_dtype) for c in model_configs),
+        sum(kv_cache.block_bytes(c, block_size, cache_dtype) for c in model_configs),
         max_useful_blocks=max_blocks_per_seq * config.max_num_seqs,
         reserved_bytes=reserved,
     )
 
 
 def _activation_reserve(
-    model: Model, config: WorkerConfig, cache_dtype: torch.dtype, max_blocks_per_seq: int
+    model: Model,
+    config: WorkerConfig,
+    block_size: int,
+    cache_dtype: torch.dtype,
+    max_blocks_per_seq: int,
 ) -> int:
     """The activations to keep out of the cache on CUDA (see gpu_worker.memory): the peaks
     of the largest mixed step and of the largest captured decode step, run on a one-block
     cache that is gone when this returns."""
-    cache = kv_cache.allocate(model.config, 1, config.block_size, cache_dtype, model.device)
+    cache = kv_cache.allocate(model.config, 1, block_size, cache_dtype, model.device)
     probe = runner_on(model, cache, config)
-    width = graph_widths(max_blocks_per_seq, config.block_size)[-1]
+    width = graph_widths(max_blocks_per_seq, block_size)[-1]
     mixed = memory.peak_bytes(model.device, lambda: profile_mixed(probe, config))
     decode = memory.peak_bytes(model.device, lambda: profile_decode(probe, config, width))
     return kv_cache.activation_reserve(mixed, decode, graphs=config.use_cuda_graphs)

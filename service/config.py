@@ -107,7 +107,11 @@ class Config:
         "32), gguf (a .gguf model's own quantized weights)",
         choices=QUANTIZATIONS,
     )
-    block_size: int = flag(_WORKER.block_size, "tokens per KV block", type=positive_int)
+    block_size: int | None = flag(
+        _WORKER.block_size,
+        "tokens per KV block (default: 64 on CUDA, 16 elsewhere)",
+        type=positive_int,
+    )
     tensor_parallel_size: int = flag(
         _WORKER.tensor_parallel_size,
         "ranks splitting the model, each with its share of the heads and its own process "

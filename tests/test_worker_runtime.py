@@ -10,7 +10,7 @@ import pytest
 from gpu_worker import kernel_choice, kv_cache, linear, memory, runtime
 from gpu_worker.checkpoint import CheckpointError, load_weights
 from gpu_worker.model_config import ConfigError, ModelConfig, UnsupportedModel
-from gpu_worker.protocol import WorkerConfig
+from gpu_worker.protocol import WorkerConfig, block_size_for
 from tests.worker_fixtures import (
     BLOCK_SIZE,
     Chunk,
@@ -308,6 +308,13 @@ def test_handshake_reports_the_cache_and_caps_the_context_by_it(tiny_llama_dir):
     steps = ["config", "kernels", "weights", "cache", "graphs"]  # no profile on a CPU
     assert list(handshake.startup) == steps
     assert sum(handshake.startup.values()) <= handshake.load_seconds + 0.01
+
+
+def test_the_block_size_is_the_devices_unless_one_is_asked_for(tiny_llama_dir):
+    assert block_size_for(None, "cuda") == 64  # FlexAttention's 64-key tiles
+    assert block_size_for(None, "cpu") == 16
+    assert block_size_for(32, "cuda") == 32
+    assert make_runner(tiny_llama_dir, block_size=None).handshake.block_size == 16
 
 
 BAD_PLANS = {

@@ -16,10 +16,11 @@ What is compiled, and how often (Inductor picks its kernel by shape, see `_kerne
   marked dynamic: one graph covers every context;
 - prefill: a few graphs per kind of layer, every length dynamic: the first length seen
   (the block mask's constant, specialised until a second turns it dynamic), one query
-  tile or several, and Inductor's guards of its kernel choice (below 128 queries or not). A chunk forces the main
-  kernel: the decoding kernel's tiles (BLOCK_M = next_pow2(chunk * group)) fit no config
-  for a chunk of 2-127 tokens of a model whose query heads per KV head are a power of two
-  (NoValidChoicesError), and a chunk has the rows to fill the main kernel's tiles anyway.
+  tile or several, and Inductor's guards of its kernel choice (below 128 queries or not).
+  A chunk forces the main kernel: the decoding kernel's tiles (BLOCK_M =
+  next_pow2(chunk * group)) fit no config for a chunk of 2-127 tokens of a model whose
+  query heads per KV head are a power of two (NoValidChoicesError), and a chunk has the
+  rows to fill the main kernel's tiles anyway.
 Past COMPILE_LIMIT graphs of either, dynamo would fall back to running FlexAttention
 eagerly, densely over the whole cache (out of memory on a real one): it fails the step
 instead, saying so.
@@ -209,7 +210,8 @@ def paged_block_mask(
     )
     # The tables' width shapes only these: marked dynamic, one compiled graph serves them all.
     for table in (tables, mask.kv_indices, mask.full_kv_indices):
-        torch._dynamo.mark_dynamic(table, table.dim() - 1)
+        if table is not None:  # BlockMask's full lists are optional; given here
+            torch._dynamo.mark_dynamic(table, table.dim() - 1)
     return mask
 
 

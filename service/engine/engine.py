@@ -42,7 +42,7 @@ from typing import Any, Protocol
 import structlog
 import trio
 
-from gpu_worker.protocol import BatchPlan, Handshake, StepResult, TokenLogprobs
+from gpu_worker.protocol import BLOCK_SIZE, BatchPlan, Handshake, StepResult, TokenLogprobs
 from policies.registry import make_policy
 from service.config import Config
 from service.engine.admission import (
@@ -713,7 +713,7 @@ class Engine:
         (none before a worker answers)."""
         return BlockManager(
             0 if handshake is None else handshake.num_blocks,
-            self.config.block_size if handshake is None else handshake.block_size,
+            BLOCK_SIZE if handshake is None else handshake.block_size,  # no blocks before
             self.config.watermark,
             enable_caching=self.config.enable_prefix_caching,
             windows=(None,) if handshake is None else handshake.kv_group_windows,
