@@ -155,6 +155,8 @@ class Handshake:
     # gpu_worker.graphs' start-up capture: graphs captured, shapes that failed (served
     # eagerly), seconds taken, and the block-table widths covered.
     graphs: dict[str, Any] = field(default_factory=dict)
+    # the steps run before the handshake to compile every shape class (gpu_worker.warm_up)
+    warm_up: dict[str, Any] | None = None
     # why the worker serves on the CPU although a GPU is visible (gpu_worker.device)
     device_warning: str | None = None
     # seconds per start-up step, in order (gpu_worker.runtime); load_seconds is their sum

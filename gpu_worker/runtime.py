@@ -50,6 +50,7 @@ from gpu_worker.runner import ModelRunner
 from gpu_worker.sampler import Sampler
 from gpu_worker.step_inputs import PlanLimits
 from gpu_worker.tensor_parallel import NO_SHARD, check_shardable
+from gpu_worker.warm_up import warm_up
 
 if TYPE_CHECKING:
     from gpu_worker.worker_group import Group
@@ -169,6 +170,12 @@ def start(config: WorkerConfig, group: Group | None = None) -> ModelRunner:
     limits = PlanLimits(
         block_size, num_blocks, model_config.vocab_size, max_model_len, groups.num_groups
     )
+    sampler = Sampler(config.seed, device)
+    runner = ModelRunner(model, cache, decode_runner, sampler, limits, drafter=drafter)
+    warmed = None
+    if model.kernels.attention.compiles(device):
+        with clock.step("warm-up"):  # compiles before serving, as the captures
+            warmed = warm_up(runner, config.max_num_batched_tokens)
     handshake = Handshake(
         model_name=model_dir.resolve().name,
         architecture=model_config.architecture,
@@ -188,14 +195,15 @@ def start(config: WorkerConfig, group: Group | None = None) -> ModelRunner:
         load_seconds=clock.total(),
         kernels=choice.report(),
         graphs=graphs,
+        warm_up=warmed,
         startup=clock.steps,
         kv_group_windows=list(groups.windows),
         quantization=_quantization_text(config.quantization, model),
         draft_model=None if draft is None else Path(str(config.draft_model_dir)).resolve().name,
         ranks=ranks,
     )
-    sampler = Sampler(config.seed, device)
-    return ModelRunner(model, cache, decode_runner, sampler, limits, handshake, drafter)
+    runner.handshake = handshake
+    return runner
 
 
 def _ranks(group: Group | None, device: torch.device, kv_bytes: int) -> list[dict]:

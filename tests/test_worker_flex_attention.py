@@ -24,6 +24,7 @@ from gpu_worker.attention import (
 from gpu_worker.kernel_choice import Shapes, attention_case, run_decode, run_prefill
 from tests.worker_fixtures import (
     Chunk,
+    blocks_for,
     make_plan,
     make_runner,
     max_diff,
@@ -327,3 +328,38 @@ def test_kernel_options_force_the_main_kernel_for_chunks_and_pipeline_decode(mon
     assert flex_backend.kernel_options("decode", 16, cpu) == {"BLOCK_N": 16}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     assert flex_backend.kernel_options("decode", 48, cuda) == {"BLOCK_N": 16}
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_the_warm_up_compiles_every_shape_serving_reaches_before_the_handshake(
+    tiny_llama_dir, monkeypatch
+):
+    counter = CompileCounter()
+    offered = kernels.attention_candidates
+
+    def with_compiled_flex(device, dtype, head_dim, layers=(FULL,)):
+        return [*offered(device, dtype, head_dim, layers), FlexAttention(compiler=counter)]
+
+    monkeypatch.setattr(kernels, "attention_candidates", with_compiled_flex)
+    runner = make_runner(
+        tiny_llama_dir,
+        kernels="attention=flex,layer_ops=torch,matmul=aten",
+        kernel_cache="",
+        max_num_batched_tokens=200,
+    )
+    assert "warm-up" in runner.handshake.startup
+    # Chunks of 2, 3, 127, 128, 129 and 200 tokens, one mixed step, a decode step per bucket.
+    assert runner.handshake.warm_up["steps"] == 7 + len(runner.decode_runner.buckets)
+    compiled_at_start = counter.frame_count
+    # Chunks of other lengths at other offsets, decode batches of every size, mixed steps.
+    first, table = random_prompt(150, seed=4), blocks_for(0, 151)
+    steps = [
+        [Chunk(0, first[:40], 0, table)],
+        [Chunk(0, first[40:], 40, table), Chunk(1, random_prompt(70, 5), 0, blocks_for(40, 70))],
+        [Chunk(i, [3], 10 + i, blocks_for(60 + 10 * i, 30)) for i in range(5)],
+        [Chunk(i, [3], 20 + i, blocks_for(60 + 10 * i, 30)) for i in range(11)],
+        [Chunk(0, [7], 150, table), Chunk(12, random_prompt(9, 6), 0, blocks_for(180, 9))],
+    ]
+    for seqs in steps:
+        assert runner.step_logits(make_plan(seqs)).isfinite().all()
+    assert counter.frame_count == compiled_at_start

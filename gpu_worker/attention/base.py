@@ -69,6 +69,11 @@ class AttentionBackend:
     windows: bool = False  # serves sliding windows (LayerAttention.window)
     softcap: bool = False  # serves soft-capped scores (LayerAttention.softcap)
 
+    def compiles(self, device: torch.device) -> bool:
+        """Whether it compiles per shape on `device`: the worker warms it up then
+        (gpu_worker.warm_up)."""
+        return False
+
     def serves_layers(self, layers: list[LayerAttention]) -> bool:
         """Whether it computes every one of a model's kinds of attention layer."""
         return all(

@@ -73,6 +73,9 @@ class FlexAttention(AttentionBackend):
         a CPU; by default the path is compiled with Inductor on CUDA and eager elsewhere."""
         self.compiler = compiler
 
+    def compiles(self, device: torch.device) -> bool:
+        return self.compiler is not None or device.type == "cuda"
+
     def decode_group(
         self, group: DecodeGroup, cache_like: torch.Tensor, group_size: int
     ) -> DecodeGroup:
@@ -115,15 +118,18 @@ class FlexAttention(AttentionBackend):
     def decode(self, q: torch.Tensor, kv: LayerKV, group: DecodeGroup) -> torch.Tensor:
         padded: PaddedDecode = group.prepared
         rows = q.shape[0]
-        queries = F.pad(q, (0, 0, 0, 0, 0, padded.batch - rows))[:, :, None]
+        # A new tensor: a view's strides (a mixed step's rows of q) would be a graph apiece.
+        queries = q.new_zeros((padded.batch, *q.shape[1:]))
+        queries[:rows] = q
         attend = self._attend("decode", q.device)
-        return _flex(attend, queries, kv, padded.mask, group.layer, "decode")[:rows, :, 0]
+        out = _flex(attend, queries[:, :, None], kv, padded.mask, group.layer, "decode")
+        return out[:rows, :, 0]
 
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, chunk: PrefillChunk
     ) -> torch.Tensor:
         """The chunk's own K/V are read back from the cache, where they already are."""
-        queries = q.transpose(0, 1)[None]
+        queries = q.transpose(0, 1).contiguous()[None]
         attend = self._attend("prefill", q.device)
         return _flex(attend, queries, kv, chunk.prepared, chunk.layer, "prefill")[0].transpose(0, 1)
 
