@@ -17,6 +17,12 @@ short; at longer contexts the step reads so much KV that the launches hide behin
 wider tables run eagerly rather than multiplying the graphs (and start-up time) by up to
 14 widths for a 128k-token model.
 
+A backend whose cost does not grow with the tables' width (AttentionBackend.any_width:
+FlexAttention walks each row's block list, as long as its context) is given every table
+at the longest width instead: one graph per batch bucket covers every context, so no
+decode step runs eagerly however long its context, and start-up captures a few graphs
+rather than buckets x widths.
+
 Elsewhere the same padding runs eagerly, at the exact table width (no capture needs a
 fixed one), which keeps the padding logic exercised by the CPU tests; the capture
 bookkeeping runs there too with a fake GraphCapturer.
@@ -109,7 +115,10 @@ class DecodeRunner:
         self.model = model
         self.cache = cache
         self.buckets = batch_buckets(max_num_seqs)
-        self.widths = graph_widths(max_blocks_per_seq, cache.block_size, graph_context_tokens)
+        if model.kernels.attention.any_width:
+            self.widths = [max_blocks_per_seq]
+        else:
+            self.widths = graph_widths(max_blocks_per_seq, cache.block_size, graph_context_tokens)
         self.capturer = capturer
         self._graphs: dict[tuple[int, int], DecodeGraph] = {}
         self.failed: list[tuple[int, int]] = []  # shapes that failed to capture: eager

@@ -33,7 +33,7 @@ from gpu_worker import kernel_choice, kv_cache, linear, memory
 from gpu_worker.checkpoint import load_quantized, load_weights
 from gpu_worker.device import free_memory_bytes, resolve_device, resolve_dtype
 from gpu_worker.draft_model import Drafter
-from gpu_worker.graphs import DecodeRunner, graph_capturer, graph_widths
+from gpu_worker.graphs import DecodeRunner, graph_capturer
 from gpu_worker.kernels import Kernels, quant_kernels
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.kv_groups import KVGroups
@@ -173,7 +173,7 @@ def start(config: WorkerConfig, group: Group | None = None) -> ModelRunner:
     sampler = Sampler(config.seed, device)
     runner = ModelRunner(model, cache, decode_runner, sampler, limits, drafter=drafter)
     warmed = None
-    if model.kernels.attention.compiles(device):
+    if model.kernels.attention.compiles(device) or model.kernels.layer_ops.compiles(device):
         with clock.step("warm-up"):  # compiles before serving, as the captures
             warmed = warm_up(runner, config.max_num_batched_tokens)
     handshake = Handshake(
@@ -364,7 +364,7 @@ def _activation_reserve(
     cache that is gone when this returns."""
     cache = kv_cache.allocate(model.config, 1, block_size, cache_dtype, model.device)
     probe = runner_on(model, cache, config)
-    width = graph_widths(max_blocks_per_seq, block_size)[-1]
+    width = probe.decode_runner.widths[-1]  # the widest table a captured graph reads
     mixed = memory.peak_bytes(model.device, lambda: profile_mixed(probe, config))
     decode = memory.peak_bytes(model.device, lambda: profile_decode(probe, config, width))
     return kv_cache.activation_reserve(mixed, decode, graphs=config.use_cuda_graphs)

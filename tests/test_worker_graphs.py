@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 
 import gpu_worker.runtime
+from gpu_worker import kernels
+from gpu_worker.attention import FULL, FlexAttention
 from gpu_worker.buckets import batch_buckets, on_ladder, smallest_fitting
 from gpu_worker.graphs import (
     DecodeRunner,
@@ -168,6 +170,29 @@ def test_capture_all_takes_every_shape_largest_batch_first_in_one_pool(tiny_llam
     assert len(fake.pools) == 1 and all(pool is fake.pools[0] for _, _, pool in fake.captures)
     assert report["captured"] == len(shapes) and report["failed"] == []
     assert report["widths"] == width_buckets(64)
+
+
+def test_a_backend_whose_cost_ignores_the_width_gets_one_graph_per_bucket(
+    tiny_llama_dir, monkeypatch
+):
+    """FlexAttention walks each row's block list: tables padded to the longest cost it
+    nothing, so one graph per bucket covers every context, the longest included."""
+    offered = kernels.attention_candidates
+
+    def with_flex(device, dtype, head_dim, layers=(FULL,)):
+        return [*offered(device, dtype, head_dim, layers), FlexAttention()]
+
+    monkeypatch.setattr(kernels, "attention_candidates", with_flex)
+    runner = make_runner(tiny_llama_dir, kernels="attention=flex", kernel_cache="")
+    fake = FakeCapturer(runner.model, runner.cache)
+    decode = _decode_runner(runner, fake)
+    report = decode.capture_all()
+    assert [(b, w) for b, w, _ in fake.captures] == [(b, 64) for b in reversed(batch_buckets(16))]
+    assert report["widths"] == [64]
+    tables = [blocks_for(4 * i, 16) for i in range(3)]
+    firsts = [_prefill(runner, i, random_prompt(10, seed=i), tables[i]) for i in range(3)]
+    decode.run(decode_inputs(runner, firsts, [10] * 3, tables))  # 3 blocks of context
+    assert fake.replays == [(4, 64)]
 
 
 def test_a_failed_capture_runs_eagerly_and_is_never_retried(tiny_llama_dir):

@@ -1,14 +1,16 @@
-"""The fused C++ layer ops against the PyTorch reference ops they replace on CPU."""
+"""The fused C++ layer ops against the PyTorch reference ops they replace on CPU, and the
+compiled ones CUDA is offered."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounter
 
-from gpu_worker import kernels, native
+from gpu_worker import kernel_choice, kernels, native
 from gpu_worker.kv_cache import LayerKV
 from gpu_worker.kv_quant import KV_CACHE_DTYPES, as_bytes, quantize_rows
-from gpu_worker.layer_ops import NativeLayerOps, TorchLayerOps
+from gpu_worker.layer_ops import CompiledLayerOps, NativeLayerOps, TorchLayerOps
 from gpu_worker.model_config import Rope
 from gpu_worker.rope import rope_tables
 
@@ -150,3 +152,29 @@ def test_top_k_ids_break_ties_by_the_lower_id(fused):
     logits = torch.zeros(1, 40)
     logits[0, [30, 4, 17]] = 2.0
     assert fused.top_k_ids(logits, 4).tolist() == [[4, 17, 30, 0]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_compiled_ops_trace_to_the_reference_with_lengths_dynamic(dtype):
+    """Through dynamo with the eager backend (Inductor's fusion is CUDA's, checked there by
+    the kernel chooser): the same values, a few graphs for any number of tokens."""
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = CompiledLayerOps(compiler=counter)
+    shapes = kernel_choice.Shapes(6, 2, 16, 64, 96, 4, dtype, torch.device("cpu"), dtype)
+    for count in (1, 5, 64, 100):
+        got = kernel_choice.run_layer_ops(compiled, shapes, rows=count)
+        want = kernel_choice.run_layer_ops(TorchLayerOps(), shapes, rows=count)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b), count
+    # Per function (4): one token (specialised), then every other length in one graph.
+    assert counter.frame_count == 8
+    torch._dynamo.reset()
+
+
+def test_the_compiled_ops_are_offered_on_cuda_only():
+    assert [ops.name for ops in kernels.layer_ops_candidates(torch.device("cuda"))] == [
+        "torch",
+        "compiled",
+    ]
+    assert "compiled" not in [ops.name for ops in kernels.layer_ops_candidates(torch.device("cpu"))]

@@ -68,6 +68,9 @@ class AttentionBackend:
     paged: bool = True  # reads K/V in place through the block tables, copying no context
     windows: bool = False  # serves sliding windows (LayerAttention.window)
     softcap: bool = False  # serves soft-capped scores (LayerAttention.softcap)
+    # its cost does not grow with the block tables' width, only with the contexts: decode
+    # steps pad every table to the longest (gpu_worker.graphs)
+    any_width: bool = False
 
     def compiles(self, device: torch.device) -> bool:
         """Whether it compiles per shape on `device`: the worker warms it up then

@@ -67,6 +67,7 @@ class FlexAttention(AttentionBackend):
     row_invariant = False
     windows = True
     softcap = True
+    any_width = True
 
     def __init__(self, compiler: Any = None) -> None:
         """`compiler`: torch.compile's backend, so that a test can run the compiled path on
