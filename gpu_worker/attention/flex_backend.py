@@ -215,10 +215,12 @@ def paged_block_mask(
         seq_lengths=(q_len, cache_blocks * block_size),
         compute_q_blocks=False,
     )
-    # The tables' width shapes only these: marked dynamic, one compiled graph serves them all.
+    # The tables' width shapes only these: marked dynamic, one compiled graph serves them
+    # all. Softly ("maybe"): were a lowering to need a width's value, that width would be
+    # compiled on its own (counted against COMPILE_LIMIT) instead of failing the compile.
     for table in (tables, mask.kv_indices, mask.full_kv_indices):
         if table is not None:  # BlockMask's full lists are optional; given here
-            torch._dynamo.mark_dynamic(table, table.dim() - 1)
+            torch._dynamo.maybe_mark_dynamic(table, table.dim() - 1)
     return mask
 
 
