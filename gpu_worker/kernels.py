@@ -3,7 +3,7 @@
 Three seams, each with its candidates:
 - attention: NativeAttention, NativeRowsAttention, HybridAttention, FlexAttention,
   TorchAttention (gpu_worker.attention);
-- layer ops: NativeLayerOps, TorchLayerOps (gpu_worker.layer_ops);
+- layer ops: NativeLayerOps, CompiledLayerOps (CUDA), TorchLayerOps (gpu_worker.layer_ops);
 - matmul: "native" (cadence's bfloat16 kernel), "onednn" (weights prepacked once) or
   "aten" (F.linear); see gpu_worker.linear.Linear.
 
@@ -38,7 +38,7 @@ from gpu_worker.attention import (
     NativeRowsAttention,
     TorchAttention,
 )
-from gpu_worker.layer_ops import LayerOps, NativeLayerOps, TorchLayerOps
+from gpu_worker.layer_ops import CompiledLayerOps, LayerOps, NativeLayerOps, TorchLayerOps
 from gpu_worker.protocol import KERNEL_SEAMS
 
 SEAMS = KERNEL_SEAMS
@@ -77,6 +77,12 @@ def attention_candidates(
     found: list[AttentionBackend] = [TorchAttention()]
     if device.type == "cuda":
         found.append(FlexAttention())
+        try:  # imported here: the CPU worker runs without triton
+            from gpu_worker.attention.triton_backend import TritonAttention
+        except ImportError:
+            pass
+        else:
+            found.append(TritonAttention())
     if kernels is not None:
         found += [NativeRowsAttention(kernels), HybridAttention(kernels)]
         if NativeAttention.serves(device, dtype, head_dim):
@@ -86,7 +92,8 @@ def attention_candidates(
 
 def layer_ops_candidates(device: torch.device) -> list[LayerOps]:
     kernels = native.kernels() if device.type == "cpu" else None
-    return [TorchLayerOps()] + ([] if kernels is None else [NativeLayerOps(kernels)])
+    compiled = [CompiledLayerOps()] if device.type == "cuda" else []
+    return [TorchLayerOps(), *compiled] + ([] if kernels is None else [NativeLayerOps(kernels)])
 
 
 def matmul_candidates(device: torch.device, dtype: torch.dtype) -> list[str]:

@@ -104,7 +104,7 @@ def test_an_8_bit_cache_is_refused_so_the_chooser_passes_over_it():
 
 def test_it_is_offered_on_cuda_only_beside_the_reference():
     cuda = kernels.attention_candidates(torch.device("cuda"), torch.bfloat16, 64)
-    assert [c.name for c in cuda] == ["torch", "flex"]
+    assert [c.name for c in cuda][:2] == ["torch", "flex"]  # TritonAttention may follow
     cpu = kernels.attention_candidates(CPU, torch.bfloat16, 64)
     assert "flex" not in [c.name for c in cpu]
 

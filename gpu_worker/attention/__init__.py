@@ -13,7 +13,10 @@ by measuring):
 - TorchAttention (torch_backend): PyTorch ops on any device, the reference;
 - NativeAttention and NativeRowsAttention (native_backend): the C++ kernels, row invariant;
 - HybridAttention (hybrid_backend): the C++ decode kernel beside PyTorch's prefill;
-- FlexAttention (flex_backend): CUDA's, FlexAttention compiled through Triton.
+- FlexAttention (flex_backend): CUDA's, FlexAttention compiled through Triton;
+- TritonAttention (triton_backend): cadence's paged decode kernel in Triton beside
+  FlexAttention's prefill, on CUDA (gpu_worker.kernels imports it there alone: the CPU
+  worker runs without triton).
 Each keeps what it prepares for a step in the records' `prepared` field, its own type.
 """
 

@@ -1,0 +1,91 @@
+"""TritonAttention's decode kernel compiled for a CUDA device: the chooser's own check
+against the PyTorch reference, a row's bits whatever its batch and table width, and a
+capture in a CUDA graph replayed over other contexts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.attention import FULL, DecodeGroup, LayerAttention, TorchAttention
+from gpu_worker.kernel_choice import (
+    Shapes,
+    attention_case,
+    check_attention,
+    run_decode,
+    run_prefill,
+)
+
+pytestmark = pytest.mark.cuda
+
+CUDA = torch.device("cuda")
+LAYERS = [FULL, LayerAttention(window=700), LayerAttention(scale=0.3, window=50, softcap=1.5)]
+
+
+def backend():
+    from gpu_worker.attention.triton_backend import TritonAttention
+
+    return TritonAttention()
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("start", [100, 2500])  # one partition, five
+def test_it_passes_the_choosers_check(block_size, dtype, start):
+    # 3 query heads per key/value head; 32 decode rows over shuffled tables.
+    shapes = Shapes(24, 8, 64, 1536, 4096, block_size, dtype, CUDA, dtype)
+    case = attention_case(shapes, batch=32, chunk=200, start=start)
+    reference = TorchAttention()
+    expected = run_decode(reference, case), run_prefill(reference, case)
+    assert check_attention(backend(), case, expected) is None
+
+
+@pytest.mark.parametrize("layer", LAYERS, ids=["full", "window", "window-softcap"])
+@pytest.mark.parametrize("group", [1, 4, 7])
+@pytest.mark.parametrize("head_dim", [64, 256])  # Gemma's 256: half the key tile
+def test_decode_matches_the_reference_in_every_kind_of_layer(layer, group, head_dim):
+    bf16 = torch.bfloat16
+    shapes = Shapes(2 * group, 2, head_dim, 1536, 4096, 64, bf16, CUDA, bf16)
+    case = attention_case(shapes, batch=9, chunk=8, start=1500)
+    case.layer = layer
+    got, want = run_decode(backend(), case), run_decode(TorchAttention(), case)
+    assert (got.float() - want.float()).abs().max().item() < 2e-2
+
+
+def test_a_rows_bits_depend_on_neither_its_batch_nor_its_table_width():
+    shapes = Shapes(32, 8, 128, 1536, 4096, 16, torch.bfloat16, CUDA, torch.bfloat16)
+    case = attention_case(shapes, batch=16, chunk=8, start=300)  # one partition or two
+    attention = backend()
+    batch = run_decode(attention, case)
+    for row in (0, 7, 15):
+        assert torch.equal(run_decode(attention, case, [row])[0], batch[row])
+    lens = torch.tensor(case.lens, device=CUDA)
+    tables = case.tables[:, : -(-max(case.lens) // 16)].to(CUDA)
+    for width in (64, 300):
+        group = DecodeGroup(slice(None), F.pad(tables, (0, width - tables.shape[1])), lens)
+        assert torch.equal(attention.decode(case.q_decode, case.kv, group), batch)
+
+
+def test_a_captured_decode_replays_over_other_contexts():
+    shapes = Shapes(32, 8, 128, 1536, 4096, 16, torch.bfloat16, CUDA, torch.bfloat16)
+    case = attention_case(shapes, batch=8, chunk=8, start=1000)
+    attention, width = backend(), case.tables.shape[1]
+    q = case.q_decode.clone()
+    tables = case.tables.to(CUDA).clone()
+    lens = torch.ones(8, dtype=torch.long, device=CUDA)  # captured over one-token contexts
+    group = DecodeGroup(slice(None), tables, lens)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiles and warms up outside the graph
+        attention.decode(q, case.kv, group)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attention.decode(q, case.kv, group)
+    lens.copy_(torch.tensor(case.lens))
+    graph.replay()
+    eager = DecodeGroup(slice(None), case.tables[:, :width].to(CUDA), lens.clone())
+    assert torch.equal(out, attention.decode(q, case.kv, eager))
+    reference = run_decode(TorchAttention(), case)
+    assert (out.float() - reference.float()).abs().max().item() < 2e-2
