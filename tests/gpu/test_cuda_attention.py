@@ -37,3 +37,15 @@ def test_compiled_flex_attention_matches_the_reference(block_size, dtype, start,
 def test_flex_attention_is_offered_on_cuda():
     names = [c.name for c in kernels.attention_candidates(CUDA, torch.bfloat16, 64)]
     assert names == ["torch", "flex", "triton"]
+
+
+@pytest.mark.parametrize("group", [2, 4, 8])
+@pytest.mark.parametrize("chunk", [2, 17, 33, 64, 127])
+def test_short_chunks_of_power_of_two_groups_compile_and_match(group, chunk):
+    """Inductor's flex-decoding lowering takes no config for these (BLOCK_M = next_pow2(
+    chunk * group) > 128 or not dividing it): a chunk forces the main kernel."""
+    shapes = Shapes(8 * group, 8, 64, 1536, 4096, 64, torch.bfloat16, CUDA, torch.bfloat16)
+    case = attention_case(shapes, batch=4, chunk=chunk, start=100)
+    reference = TorchAttention()
+    expected = run_decode(reference, case), run_prefill(reference, case)
+    assert check_attention(FlexAttention(), case, expected) is None
