@@ -28,6 +28,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -46,6 +47,7 @@ CPU = torch.device("cpu")
 CONTROL_TIMEOUT = timedelta(days=1)
 JOIN_TIMEOUT = timedelta(minutes=5)  # a follower's start: importing torch, connecting
 FOLLOWER_STOP_TIMEOUT_S = 5.0
+EXIT_SETTLE_S = 0.5  # how long a failing rank 0 waits to see a killed follower exit
 FAILURE_KEY = "failed/{rank}"  # a follower's start-up error, for rank 0's message
 SPEC_KEY = "group"  # the GroupSpec, as JSON
 
@@ -196,7 +198,15 @@ class Group:
 
     def failures(self) -> str:
         """Rank 0: what went wrong with the followers, as far as it shows: the start-up
-        errors they reported, and which of those it started exited."""
+        errors they reported, and which of those it started exited. A killed follower's
+        sockets close before it can be reaped, so rank 0's collective may fail first:
+        nothing showing yet, it looks again for up to EXIT_SETTLE_S."""
+        deadline = time.monotonic() + EXIT_SETTLE_S
+        while not (found := self._failures_now()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return found
+
+    def _failures_now(self) -> str:
         started = dict(enumerate(self.followers, start=1))
         found = []
         for rank in range(1, self.world_size):
