@@ -381,8 +381,8 @@ def step_result_from_message(msg: dict[str, Any]) -> StepResult:
 
 
 def encode_frame(msg: dict[str, Any]) -> bytes:
-    # Imported where frames are made, not with the module: the GPU smoke run
-    # (ops/gpu_smoke.py) uses the worker's records on hosts that have no orjson.
+    # Imported where frames are made, not with the module: the device check
+    # (ops/device_check.py) uses the worker's records on hosts that have no orjson.
     import orjson
 
     body = orjson.dumps(msg)

@@ -26,7 +26,7 @@ from gpu_worker.logit_processors import apply_min_p
 from gpu_worker.protocol import BatchPlan, History, SamplingSpec, WorkerConfig
 from gpu_worker.runner import ModelRunner
 from gpu_worker.sampler import Logits, with_processors
-from ops.gpu_smoke import Seq, plan_of, tokens_of
+from ops.worker_steps import Seq, plan_of, tokens_of
 from service.config import default_cache_dir
 from service.model_files.resolve import resolve_model
 

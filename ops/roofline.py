@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +41,8 @@ class ModelCost:
     attention_flops_per_pair: float  # per (query token, context token) pair, all layers
 
     @classmethod
-    def of(cls, config: ModelConfig) -> ModelCost:
+    def of(cls, config: ModelConfig, dtype_bytes: int = BF16_BYTES) -> ModelCost:
+        """The cost of `config` with weights and KV of `dtype_bytes` bytes per element."""
         h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
         q_dim = config.num_attention_heads * config.head_dim
         kv_dim = config.num_key_value_heads * config.head_dim
@@ -48,20 +50,28 @@ class ModelCost:
         lm_head = config.vocab_size * h
         params = layers * per_layer + lm_head  # the embedding lookup reads one row per token
         return cls(
-            weight_bytes=params * BF16_BYTES,
+            weight_bytes=params * dtype_bytes,
             flops_per_token=2 * params,
-            kv_bytes_per_token=2 * layers * kv_dim * BF16_BYTES,
+            kv_bytes_per_token=2 * layers * kv_dim * dtype_bytes,
             attention_flops_per_pair=4 * layers * q_dim,
         )
+
+
+def step_times(
+    cost: ModelCost, machine: Machine, tokens: int, kv_tokens_read: int, attention_pairs: int
+) -> tuple[float, float]:
+    """Seconds one step needs to read its bytes (every weight, and the KV it attends
+    over), and to do its flops (the matmuls', and attention's per query-key pair)."""
+    moved = cost.weight_bytes + kv_tokens_read * cost.kv_bytes_per_token
+    flops = tokens * cost.flops_per_token + attention_pairs * cost.attention_flops_per_pair
+    return moved / machine.bandwidth, flops / machine.matmul_flops
 
 
 def step_floor(
     cost: ModelCost, machine: Machine, tokens: int, kv_tokens_read: int, attention_pairs: int
 ) -> float:
     """Seconds one step needs at least: its bytes or its flops, whichever takes longer."""
-    moved = cost.weight_bytes + kv_tokens_read * cost.kv_bytes_per_token
-    flops = tokens * cost.flops_per_token + attention_pairs * cost.attention_flops_per_pair
-    return max(moved / machine.bandwidth, flops / machine.matmul_flops)
+    return max(step_times(cost, machine, tokens, kv_tokens_read, attention_pairs))
 
 
 def decode_floor(cost: ModelCost, machine: Machine, batch: int, context: int) -> float:
@@ -80,29 +90,34 @@ def w1_floor(cost: ModelCost, machine: Machine) -> float:
     return prefill + decode
 
 
-def measure_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
-    """Bytes per second of a large copy (each byte read once and written once)."""
-    src = torch.ones(megabytes * 1024 * 1024 // 4)
+def measure_bandwidth(megabytes: int = 512, repeats: int = 5, device: str = "cpu") -> float:
+    """Bytes per second of a large copy on `device` (each byte read once and written once)."""
+    src = torch.ones(megabytes * 1024 * 1024 // 4, device=device)
     dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - started)
-    return 2 * src.numel() * src.element_size() / best
+    dst.copy_(src)  # warm-up: the pages touched, the kernel loaded
+    seconds = _best_seconds(lambda: dst.copy_(src), repeats, device)
+    return 2 * src.numel() * src.element_size() / seconds
 
 
-def measure_matmul(size: int = 2048, repeats: int = 5) -> float:
-    """bfloat16 flops per second of square matmuls."""
-    a = torch.randn(size, size).to(torch.bfloat16)
-    b = torch.randn(size, size).to(torch.bfloat16)
-    a @ b  # warm-up: oneDNN picks and caches its kernel
+def measure_matmul(size: int = 2048, repeats: int = 5, device: str = "cpu") -> float:
+    """bfloat16 flops per second of square matmuls on `device`."""
+    a = torch.randn(size, size, device=device).to(torch.bfloat16)
+    b = torch.randn(size, size, device=device).to(torch.bfloat16)
+    a @ b  # warm-up: oneDNN or cuBLAS picks and caches its kernel
+    return 2 * size**3 / _best_seconds(lambda: a @ b, repeats, device)
+
+
+def _best_seconds(work: Callable[[], object], repeats: int, device: str) -> float:
+    """The fastest of `repeats` runs of `work`, each waited for on the device."""
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     best = float("inf")
     for _ in range(repeats):
+        sync()
         started = time.perf_counter()
-        a @ b
+        work()
+        sync()
         best = min(best, time.perf_counter() - started)
-    return 2 * size**3 / best
+    return best
 
 
 def report(

@@ -30,8 +30,8 @@ from gpu_worker.protocol import BatchPlan, WorkerConfig, to_message
 from gpu_worker.runner import ModelRunner
 from gpu_worker.tensor_parallel import Shard
 from gpu_worker.worker_group import Group, GroupSpec, data_backend
-from ops.gpu_smoke import Seq, plan_of
 from ops.summary import format_table
+from ops.worker_steps import Seq, plan_of
 from service.config import default_cache_dir
 from service.model_files.resolve import resolve_model
 

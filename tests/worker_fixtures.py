@@ -1,7 +1,7 @@
 """Tiny random Hugging Face models and plan helpers for the worker tests (the fixtures are
 registered in tests/conftest.py; a module that wants one torch thread says
 `pytestmark = pytest.mark.usefixtures("one_torch_thread")`);
-steps are planned with the GPU smoke run's own records (ops.gpu_smoke.Seq, plan_of)."""
+steps are planned with the device check's own records (ops.worker_steps.Seq, plan_of)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 from gpu_worker import native, runtime
 from gpu_worker.protocol import BatchPlan, SamplingSpec, StepResult, WorkerConfig
 from gpu_worker.runner import ModelRunner
-from ops.gpu_smoke import Seq as Chunk
-from ops.gpu_smoke import plan_of as make_plan
+from ops.worker_steps import Seq as Chunk
+from ops.worker_steps import plan_of as make_plan
 from service.config import default_cache_dir
 
 VOCAB = 256
