@@ -269,8 +269,11 @@ def _partition_kernel(
     if DIRECT:
         tl.store(out_rows, result.to(out_ptr.dtype.element_ty), mask=out_ok)
     else:  # a partition past a short row's keys writes nothing: the merge reads none such
-        tl.store(out_rows, result, mask=out_ok & (start < end))
-        tl.store(lse_ptr + at, top + tl.log2(total), mask=head_ok & (start < end))
+        # (A block, not a scalar, beside the masks: Triton 3.9's interpreter refuses the
+        # mask a block and a scalar make.)
+        live = (start + tl.zeros_like(g)) < end
+        tl.store(out_rows, result, mask=out_ok & live[:, None])
+        tl.store(lse_ptr + at, top + tl.log2(total), mask=head_ok & live)
 
 
 @triton.jit
