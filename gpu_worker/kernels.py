@@ -1,8 +1,9 @@
 """The kernel backend: which implementation of each hot operation a worker runs.
 
 Three seams, each with its candidates:
-- attention: NativeAttention, NativeRowsAttention, HybridAttention, FlexAttention,
-  TorchAttention (gpu_worker.attention);
+- attention: NativeAttention, NativeRowsAttention, HybridAttention (CPU), FlexAttention,
+  TritonAttention (CUDA; the latter where triton imports), TorchAttention
+  (gpu_worker.attention);
 - layer ops: NativeLayerOps, CompiledLayerOps (CUDA), TorchLayerOps (gpu_worker.layer_ops);
 - matmul: "native" (cadence's bfloat16 kernel), "onednn" (weights prepacked once) or
   "aten" (F.linear); see gpu_worker.linear.Linear.
