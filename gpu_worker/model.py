@@ -133,45 +133,79 @@ class Model:
         """[T] token ids at [T] positions -> final-normed hidden states [T, hidden].
 
         `metas` holds a step's attention records for each KV group (`group_attention`).
-        Writes the tokens' K/V into their cache slots on the way.
+        Writes the tokens' K/V into their cache slots on the way. The pieces between the
+        attentions (`embedded`, `before_attention`, `after_attention`) are what a mixed step's
+        graphs capture (gpu_worker.piecewise).
         """
-        cfg, ops, eps = self.config, self.ops, self.config.rms_norm_eps
-        norm, add_norm_ = self.rms_norm, self.add_rms_norm_
-        heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q_width, kv_width = heads * head_dim, kv_heads * head_dim
-        num_tokens = input_ids.shape[0]
-        # The residual stream, updated in place; each norm comes fused with the add before it.
+        x, h = self.embedded(input_ids)
+        for index, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            meta = metas[layer.attention]
+            qkv = self.before_attention(index, h, positions, kv, meta.slots)
+            h = self.after_attention(index, x, self.attend(qkv, kv, meta))
+        return h
+
+    def embedded(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream x [T, hidden] and its first norm. x is updated in place from
+        then on; each norm comes fused with the add before it."""
         x = self._embedding(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        h = norm(x, self.layers[0].input_norm, eps)
-        next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
-        for layer, next_norm, kv in zip(self.layers, next_norms, kv_caches, strict=True):
-            qkv = layer.qkv(h)
-            if layer.qk_norm is not None:
-                qk = qkv[:, : q_width + kv_width].view(num_tokens, heads + kv_heads, head_dim)
-                qk.copy_(self.qk_norm(qk, layer.qk_norm, eps))
-            meta = metas[layer.attention]
-            ops.rope_and_cache_(
-                qkv, positions, layer.cos, layer.signed_sin, kv, meta.slots, heads, kv_heads
-            )
-            q = qkv[:, :q_width].view(num_tokens, heads, head_dim)
-            k = qkv[:, q_width : q_width + kv_width].view(num_tokens, kv_heads, head_dim)
-            v = qkv[:, q_width + kv_width :].view(num_tokens, kv_heads, head_dim)
-            attn = layer.o_proj(paged_attention(q, k, v, kv, meta))
-            self.shard.all_reduce(attn)  # the ranks' partial sums, as down's below
-            if layer.attn_out_norm is not None:
-                attn = norm(attn, layer.attn_out_norm, eps)
-            h = add_norm_(x, attn, layer.mlp_norm, eps)
-            if layer.moe is not None:
-                mlp = layer.moe(h, self.act_and_mul)
-            else:
-                mlp = layer.down(self.act_and_mul(layer.gate_up(h)))  # type: ignore[misc]
-                self.shard.all_reduce(mlp)
-            if layer.mlp_out_norm is not None:
-                mlp = norm(mlp, layer.mlp_out_norm, eps)
-            h = add_norm_(x, mlp, next_norm, eps)
-        return h
+        return x, self.rms_norm(x, self.layers[0].input_norm, self.config.rms_norm_eps)
+
+    def before_attention(
+        self,
+        index: int,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        kv: LayerKV,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """Layer `index`'s qkv [T, (heads + 2 kv_heads) * d], rotated, its k/v in the cache."""
+        cfg, layer = self.config, self.layers[index]
+        heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        qkv = layer.qkv(h)
+        if layer.qk_norm is not None:
+            qk = qkv[:, : (heads + kv_heads) * head_dim].view(-1, heads + kv_heads, head_dim)
+            qk.copy_(self.qk_norm(qk, layer.qk_norm, cfg.rms_norm_eps))
+        self.ops.rope_and_cache_(
+            qkv, positions, layer.cos, layer.signed_sin, kv, slots, heads, kv_heads
+        )
+        return qkv
+
+    def attend(self, qkv: torch.Tensor, kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
+        """The attention output [T, heads * d] of a layer's qkv."""
+        cfg = self.config
+        heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_width, kv_width = heads * head_dim, kv_heads * head_dim
+        q = qkv[:, :q_width].view(-1, heads, head_dim)
+        k = qkv[:, q_width : q_width + kv_width].view(-1, kv_heads, head_dim)
+        v = qkv[:, q_width + kv_width :].view(-1, kv_heads, head_dim)
+        return paged_attention(q, k, v, kv, meta)
+
+    def after_attention(self, index: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Layer `index` from its attention output on (x updated in place) -> the next
+        layer's normed input, or the final norm's after the last layer."""
+        layer, eps, norm, add_norm_ = (
+            self.layers[index],
+            self.config.rms_norm_eps,
+            self.rms_norm,
+            self.add_rms_norm_,
+        )
+        last = index == len(self.layers) - 1
+        next_norm = self.norm if last else self.layers[index + 1].input_norm
+        attn = layer.o_proj(attn)
+        self.shard.all_reduce(attn)  # the ranks' partial sums, as down's below
+        if layer.attn_out_norm is not None:
+            attn = norm(attn, layer.attn_out_norm, eps)
+        h = add_norm_(x, attn, layer.mlp_norm, eps)
+        if layer.moe is not None:
+            mlp = layer.moe(h, self.act_and_mul)
+        else:
+            mlp = layer.down(self.act_and_mul(layer.gate_up(h)))  # type: ignore[misc]
+            self.shard.all_reduce(mlp)
+        if layer.mlp_out_norm is not None:
+            mlp = norm(mlp, layer.mlp_out_norm, eps)
+        return add_norm_(x, mlp, next_norm, eps)
 
     def _embedding(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The ids' embedding rows; under tensor parallelism each rank looks up the ids of

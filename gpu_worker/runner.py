@@ -19,6 +19,7 @@ from gpu_worker.graphs import DecodeRunner
 from gpu_worker.histories import Histories
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.model import Model
+from gpu_worker.piecewise import MixedGraphs
 from gpu_worker.protocol import POOL_LAST, BatchPlan, Handshake, StepResult, TokenLogprobs
 from gpu_worker.sampler import Logits, Sampler, decode_bitmask, token_logprobs
 from gpu_worker.speculation import Verification
@@ -37,6 +38,7 @@ class ModelRunner:
         limits: PlanLimits,
         handshake: Handshake | None = None,
         drafter: Drafter | None = None,
+        mixed: MixedGraphs | None = None,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -46,6 +48,7 @@ class ModelRunner:
         self.handshake = handshake  # what the worker answered at init (gpu_worker.runtime)
         self.histories = Histories(limits.vocab_size, model.device)
         self.drafter = drafter  # speculative decoding with a draft model (its drafts)
+        self.mixed = mixed  # mixed steps from graphs, piecewise (CUDA)
 
     def execute(self, plan: BatchPlan) -> StepResult:
         """Runs one step; a failure comes back as a result with `error` set, except one
@@ -167,7 +170,8 @@ class ModelRunner:
         return self._sampled_logits(inputs, self.forward(inputs))
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """The final hidden state of every row of a step, eagerly (any mix of rows)."""
+        """The final hidden state of every row of a step (any mix of rows): eagerly, or from
+        the mixed steps' graphs where they were captured."""
         device, cache = self.model.device, self.cache
         plan = inputs.plan
         slots = inputs.slots.to(device, non_blocking=True)
@@ -184,12 +188,11 @@ class ModelRunner:
             )
             for group, kind in enumerate(self.model.group_attention)
         ]
-        return self.model.forward(
-            torch.tensor(plan.input_ids, device=device),
-            inputs.positions.to(device, non_blocking=True),
-            cache.layers,
-            metas,
-        )
+        input_ids = torch.tensor(plan.input_ids, device=device)
+        positions = inputs.positions.to(device, non_blocking=True)
+        if self.mixed is not None:
+            return self.mixed.forward(input_ids, positions, slots, metas)
+        return self.model.forward(input_ids, positions, cache.layers, metas)
 
     def _sampled_logits(
         self, inputs: StepInputs, hidden: torch.Tensor, verification: Verification | None = None

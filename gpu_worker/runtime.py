@@ -39,6 +39,7 @@ from gpu_worker.kv_cache import KVCache
 from gpu_worker.kv_groups import KVGroups
 from gpu_worker.model import Model
 from gpu_worker.model_config import ModelConfig
+from gpu_worker.piecewise import MixedGraphs, piece_capturer
 from gpu_worker.protocol import (
     QUANTIZATIONS,
     Handshake,
@@ -160,9 +161,16 @@ def start(config: WorkerConfig, group: Group | None = None) -> ModelRunner:
         max_blocks_per_seq=max_blocks_per_seq,
         capturer=graph_capturer(model, cache, config.use_cuda_graphs),
     )
+    mixed = MixedGraphs(
+        model,
+        cache,
+        config.max_num_batched_tokens,
+        piece_capturer(model, config.use_cuda_graphs),
+    )
     # Before the handshake: a capture while serving would stall the steps around it.
     with clock.step("graphs"):
         graphs = decode_runner.capture_all()
+        graphs["mixed"] = mixed.capture_all()
         memory.release_cached(device)
     ranks = _ranks(group, device, cache.bytes)
     # A sequence can never outgrow the whole cache.
@@ -171,7 +179,7 @@ def start(config: WorkerConfig, group: Group | None = None) -> ModelRunner:
         block_size, num_blocks, model_config.vocab_size, max_model_len, groups.num_groups
     )
     sampler = Sampler(config.seed, device)
-    runner = ModelRunner(model, cache, decode_runner, sampler, limits, drafter=drafter)
+    runner = ModelRunner(model, cache, decode_runner, sampler, limits, drafter=drafter, mixed=mixed)
     warmed = None
     if model.kernels.attention.compiles(device) or model.kernels.layer_ops.compiles(device):
         with clock.step("warm-up"):  # compiles before serving, as the captures

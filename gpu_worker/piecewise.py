@@ -1,0 +1,221 @@
+"""Mixed steps (prefill chunks beside decode rows) from CUDA graphs, piecewise.
+
+A mixed step's attention cannot be captured whole: its chunks are attended one at a time,
+each with its own lengths. Everything between two attentions can: a step's tokens are
+padded to a token bucket (`token_buckets`), and for each bucket the pieces
+    embedded + before_attention(0), after_attention(i - 1) + before_attention(i), ...,
+    after_attention(L - 1)
+(gpu_worker.model) are captured at start-up, each reading and writing static buffers: the
+token ids, positions and cache slots, the residual stream, the layer's qkv and its
+attention output. A step copies its inputs in, replays piece 0, attends eagerly over the
+real rows, copies the output in, replays piece 1, and so on: the launches of everything
+but attention come from graphs, as in vLLM's piecewise CUDA graphs. Padding tokens sit at
+position 0 and write their K/V into the scratch block only; no real row reads them.
+
+On CUDA with graphs on, for a model whose steps read no value on the host (not a mixture
+of experts) in a single-rank worker. Elsewhere `forward` is the model's own; the capture
+bookkeeping runs on a CPU with a fake PieceCapturer in the tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from gpu_worker.attention import AttentionMetadata
+from gpu_worker.buckets import smallest_fitting
+from gpu_worker.faults import is_device_fault
+from gpu_worker.kv_cache import KVCache
+from gpu_worker.model import Model
+
+log = logging.getLogger(__name__)
+
+SMALLEST_BUCKET = 16
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """16, 32, 64, ... below max_tokens, then max_tokens itself."""
+    buckets = []
+    size = SMALLEST_BUCKET
+    while size < max_tokens:
+        buckets.append(size)
+        size *= 2
+    return [*buckets, max_tokens]
+
+
+class Replayable(Protocol):
+    def replay(self) -> None: ...
+
+
+class PieceCapturer(Protocol):
+    """Captures a function of static buffers: CUDA graphs, or a fake in tests."""
+
+    def new_pool(self) -> Any: ...
+
+    def capture(self, piece: Callable[[], None], pool: Any) -> Replayable: ...
+
+
+@dataclass(slots=True)
+class _Buffers:
+    """One bucket's static tensors: every piece reads and writes these only."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slots: torch.Tensor  # [KV groups, T]
+    x: torch.Tensor  # [T, hidden], the residual stream
+    qkv: torch.Tensor  # [T, qkv width]
+    attn: torch.Tensor  # [T, heads * head_dim]
+    hidden: torch.Tensor  # [T, hidden], the last piece's output
+
+
+class MixedGraphs:
+    def __init__(
+        self,
+        model: Model,
+        cache: KVCache,
+        max_tokens: int,
+        capturer: PieceCapturer | None = None,
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.buckets = token_buckets(max_tokens)
+        self.capturer = capturer
+        self._buffers: dict[int, _Buffers] = {}
+        self._pieces: dict[int, list[Replayable]] = {}
+        self.failed: list[int] = []  # buckets that failed to capture: eager
+
+    def capture_all(self) -> dict[str, Any]:
+        """Captures every bucket's pieces, largest first, into one pool; the handshake's report."""
+        started = time.perf_counter()
+        if self.capturer is not None:
+            pool = self.capturer.new_pool()
+            for tokens in reversed(self.buckets):
+                self._capture(self.capturer, tokens, pool)
+        return {
+            "buckets": sorted(self._pieces),
+            "failed": self.failed,
+            "seconds": round(time.perf_counter() - started, 3),
+        }
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        metas: Sequence[AttentionMetadata],
+    ) -> torch.Tensor:
+        """The model's forward pass over a mixed step; `slots` [KV groups, T]. The result
+        is valid until the next step."""
+        model, tokens = self.model, input_ids.shape[0]
+        bucket = smallest_fitting(tokens, self.buckets) or 0
+        pieces = self._pieces.get(bucket)
+        if pieces is None or all(meta.decode_only for meta in metas):
+            return model.forward(input_ids, positions, self.cache.layers, metas)
+        buffers = self._buffers[bucket]
+        self._fill(buffers, input_ids, positions, slots)
+        for index, (layer, kv) in enumerate(zip(model.layers, self.cache.layers, strict=True)):
+            pieces[index].replay()
+            buffers.attn[:tokens] = model.attend(buffers.qkv[:tokens], kv, metas[layer.attention])
+        pieces[-1].replay()
+        return buffers.hidden[:tokens]
+
+    def _fill(
+        self,
+        buffers: _Buffers,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        tokens = input_ids.shape[0]
+        buffers.input_ids[:tokens] = input_ids
+        buffers.positions[:tokens] = positions
+        buffers.slots[:, :tokens] = slots
+        buffers.input_ids[tokens:] = 0
+        buffers.positions[tokens:] = 0
+        buffers.slots[:, tokens:] = self.cache.scratch_block * self.cache.block_size
+
+    def _capture(self, capturer: PieceCapturer, tokens: int, pool: Any) -> None:
+        try:
+            buffers = self._buffers_for(tokens)
+            pieces = [capturer.capture(piece, pool) for piece in self._piece_functions(buffers)]
+        except Exception as exc:
+            if is_device_fault(exc):
+                raise
+            self.failed.append(tokens)
+            log.warning("mixed steps of up to %d tokens run eagerly: %s", tokens, exc)
+            return
+        self._buffers[tokens] = buffers
+        self._pieces[tokens] = pieces
+
+    def _buffers_for(self, tokens: int) -> _Buffers:
+        model, device = self.model, self.model.device
+        cfg, dtype = model.config, model.dtype
+        heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        groups = len(model.group_attention)
+        scratch_slot = self.cache.scratch_block * self.cache.block_size
+        return _Buffers(
+            input_ids=torch.zeros(tokens, dtype=torch.long, device=device),
+            positions=torch.zeros(tokens, dtype=torch.long, device=device),
+            slots=torch.full((groups, tokens), scratch_slot, dtype=torch.long, device=device),
+            x=torch.zeros(tokens, cfg.hidden_size, dtype=dtype, device=device),
+            qkv=torch.zeros(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, device=device),
+            attn=torch.zeros(tokens, heads * head_dim, dtype=dtype, device=device),
+            hidden=torch.zeros(tokens, cfg.hidden_size, dtype=dtype, device=device),
+        )
+
+    def _piece_functions(self, buffers: _Buffers) -> list[Callable[[], None]]:
+        """Piece i ends with layer i's qkv (the last piece: the final hidden state)."""
+        model, layers, caches = self.model, self.model.layers, self.cache.layers
+
+        def before(index: int, h: torch.Tensor) -> None:
+            slots = buffers.slots[layers[index].attention]
+            qkv = model.before_attention(index, h, buffers.positions, caches[index], slots)
+            buffers.qkv.copy_(qkv)
+
+        def first() -> None:
+            x, h = model.embedded(buffers.input_ids)
+            buffers.x.copy_(x)
+            before(0, h)
+
+        def between(index: int) -> Callable[[], None]:
+            def piece() -> None:
+                before(index, model.after_attention(index - 1, buffers.x, buffers.attn))
+
+            return piece
+
+        def last() -> None:
+            buffers.hidden.copy_(model.after_attention(len(layers) - 1, buffers.x, buffers.attn))
+
+        return [first, *(between(i) for i in range(1, len(layers))), last]
+
+
+class CudaPieceCapturer:
+    def new_pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def capture(self, piece: Callable[[], None], pool: Any) -> Replayable:
+        # Twice on a side stream first, as capture requires (lazy initialisation, autotuning).
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                piece()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            piece()
+        return graph
+
+
+def piece_capturer(model: Model, use_cuda_graphs: bool) -> PieceCapturer | None:
+    """The capturer where mixed steps are captured: CUDA with graphs on, a model that reads
+    no value on the host, one rank (a group's followers run the model eagerly)."""
+    capturable = model.capturable and model.shard.world_size == 1
+    if not use_cuda_graphs or model.device.type != "cuda" or not capturable:
+        return None
+    return CudaPieceCapturer()

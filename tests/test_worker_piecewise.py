@@ -1,0 +1,84 @@
+"""Mixed steps from graphs, piecewise (gpu_worker.piecewise), with a fake capturer that
+replays each piece eagerly: the static buffers, the padding to a token bucket and the
+eager attention between pieces must give the model's own forward pass, bit for bit, and
+leave the same K/V for later steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_worker.piecewise import MixedGraphs, token_buckets
+from tests.worker_fixtures import (
+    Chunk,
+    blocks_for,
+    make_plan,
+    make_runner,
+    random_prompt,
+)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+class Replay:
+    def __init__(self, piece) -> None:
+        self.piece = piece
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.piece()
+
+
+class FakeCapturer:
+    def __init__(self) -> None:
+        self.captured: list[Replay] = []
+        self.pools: list[object] = []
+
+    def new_pool(self) -> object:
+        self.pools.append(object())
+        return self.pools[-1]
+
+    def capture(self, piece, pool) -> Replay:
+        assert pool is self.pools[-1]
+        self.captured.append(Replay(piece))
+        return self.captured[-1]
+
+
+def test_token_buckets_double_from_16_to_the_step_budget():
+    assert token_buckets(512) == [16, 32, 64, 128, 256, 512]
+    assert token_buckets(100) == [16, 32, 64, 100]
+    assert token_buckets(8) == [8]
+
+
+def steps() -> list[list[Chunk]]:
+    first, second = random_prompt(30, seed=1), random_prompt(50, seed=2)
+    return [
+        [Chunk(0, first[:20], 0, blocks_for(0, 31))],  # 20 tokens: bucket 32
+        [  # a chunk beside decode rows: 10 + 1 + 1 tokens, bucket 16
+            Chunk(0, first[20:], 20, blocks_for(0, 31)),
+            Chunk(1, [7], 0, blocks_for(10, 52)),
+            Chunk(2, [9], 0, blocks_for(30, 2)),
+        ],
+        [Chunk(1, second, 1, blocks_for(10, 52)), Chunk(0, [4], 30, blocks_for(0, 31))],
+        [Chunk(3, random_prompt(70, seed=3), 0, blocks_for(40, 70))],  # past 64: eager
+        [Chunk(i, [5], start, blocks_for(b, 52)) for i, start, b in [(0, 31, 0), (1, 51, 10)]],
+    ]
+
+
+def test_piecewise_mixed_steps_equal_the_eager_forward_bit_for_bit(tiny_llama_dir):
+    eager = make_runner(tiny_llama_dir, max_num_batched_tokens=64)
+    graphed = make_runner(tiny_llama_dir, max_num_batched_tokens=64)
+    fake = FakeCapturer()
+    graphed.mixed = MixedGraphs(graphed.model, graphed.cache, 64, fake)
+    report = graphed.mixed.capture_all()
+    assert report["buckets"] == [16, 32, 64] and report["failed"] == []
+    # Each bucket: a piece before the first attention, one between each two, one after.
+    assert len(fake.captured) == 3 * (graphed.model.config.num_hidden_layers + 1)
+    for seqs in steps():
+        want = eager.step_logits(make_plan(seqs))
+        got = graphed.step_logits(make_plan(seqs))
+        assert torch.equal(got, want)
+    # Every bucket served a step (the first pieces of 64, 32 and 16 replayed).
+    layers = graphed.model.config.num_hidden_layers + 1
+    assert [fake.captured[i * layers].replays for i in range(3)] == [1, 1, 1]
