@@ -8,7 +8,7 @@
 - `NativeLayerOps`: the fused C++ kernels of csrc/layer_ops.cpp, on CPUs where they
   build. One pass per operation instead of dozens of small kernels per layer.
 
-Both have one interface, so the model's forward pass is written once:
+All three have one interface, so the model's forward pass is written once:
     rms_norm(x, weight, eps) -> normed x
     add_rms_norm_(x, delta, weight, eps) -> normed x, after x += delta in place
     silu_and_mul(gate_up [T, 2I]) -> silu(gate) * up [T, I]

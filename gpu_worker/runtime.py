@@ -100,7 +100,6 @@ def start(config: WorkerConfig, group: Group | None = None) -> ModelRunner:
         if group is not None:
             device = group.place(device)
         block_size = block_size_for(config.block_size, device.type)
-        config = dataclasses.replace(config, block_size=block_size)
         model_dir = Path(config.model_dir)
         cache_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, dtype)
     with clock.step("kernels"):
@@ -127,9 +126,7 @@ def start(config: WorkerConfig, group: Group | None = None) -> ModelRunner:
     reserved = 0
     if device.type == "cuda":
         with clock.step("profile"):
-            reserved = _activation_reserve(
-                model, config, block_size, cache_dtype, max_blocks_per_seq
-            )
+            reserved = _activation_reserve(model, config, block_size, cache_dtype)
     with clock.step("cache"):
         # A rank's cache holds its KV heads (model.config is its view). On a CPU the ranks
         # share the host's memory: sized by the whole model's block, the group's caches
@@ -365,7 +362,6 @@ def _activation_reserve(
     config: WorkerConfig,
     block_size: int,
     cache_dtype: torch.dtype,
-    max_blocks_per_seq: int,
 ) -> int:
     """The activations to keep out of the cache on CUDA (see gpu_worker.memory): the peaks
     of the largest mixed step and of the largest captured decode step, run on a one-block

@@ -354,8 +354,9 @@ def test_the_warm_up_compiles_every_shape_serving_reaches_before_the_handshake(
     # Chunks of other lengths at other offsets, decode batches of every size, mixed steps.
     first, table = random_prompt(150, seed=4), blocks_for(0, 151)
     steps = [
-        [Chunk(0, first[:40], 0, table)],
-        [Chunk(0, first[40:], 40, table), Chunk(1, random_prompt(70, 5), 0, blocks_for(40, 70))],
+        [Chunk(0, first[:10], 0, table)],
+        # 140 tokens (two query tiles) beside 50
+        [Chunk(0, first[10:], 10, table), Chunk(1, random_prompt(50, 5), 0, blocks_for(40, 50))],
         [Chunk(i, [3], 10 + i, blocks_for(60 + 10 * i, 30)) for i in range(5)],
         [Chunk(i, [3], 20 + i, blocks_for(60 + 10 * i, 30)) for i in range(11)],
         [Chunk(0, [7], 150, table), Chunk(12, random_prompt(9, 6), 0, blocks_for(180, 9))],

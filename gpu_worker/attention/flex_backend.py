@@ -8,7 +8,7 @@ Blocks every query of a tile sees whole skip the mask; in the others a mask_mod 
 cache slot back to its position in the sequence. On a CPU FlexAttention runs eagerly,
 densely over every cache slot: a reference that tests the masks, not a kernel to serve with.
 
-What is compiled, and how often (Inductor picks its kernel by shape, see `_kernel_options`):
+What is compiled, and how often (Inductor picks its kernel by shape, see `kernel_options`):
 - decode: one graph per static batch of the bucket ladder (gpu_worker.buckets) and kind of
   layer. Rows are padded to the ladder (padding rows see no key), so Inductor's
   flex-decoding kernel serves every decode step, in CUDA graphs, eager and mixed steps
