@@ -28,9 +28,9 @@ from gpu_worker.protocol import (
     FrameDecoder,
     StepResult,
     WorkerConfig,
-    batch_plan_from_message,
     encode_frame,
     record_from_message,
+    step_plan_from_message,
     to_message,
 )
 
@@ -175,7 +175,7 @@ class WorkerLoop:
         if self.runner is None:
             return StepResult(step_id=step_id, error="step received before a successful init")
         try:
-            plan = batch_plan_from_message(msg)
+            plan = step_plan_from_message(msg)
         except Exception as exc:  # any malformed message is the sender's error, not fatal
             return StepResult(step_id=step_id, error=f"malformed step message: {exc!r}")
         result = self.runner.execute(plan)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from gpu_worker.faults import DeviceFault, GroupFault
 from gpu_worker.process import EXIT_DEVICE_FAULT, die_with_parent, keep_freed_memory, log
-from gpu_worker.protocol import WorkerConfig, batch_plan_from_message, record_from_message
+from gpu_worker.protocol import WorkerConfig, record_from_message, step_plan_from_message
 
 if TYPE_CHECKING:
     from gpu_worker.runner import ModelRunner
@@ -60,7 +60,7 @@ def follow(group: Group, runner: ModelRunner) -> int:
 def follow_step(group: Group, runner: ModelRunner, msg: dict) -> int | None:
     """One plan's step; the exit status where it left this rank unusable."""
     try:
-        plan = batch_plan_from_message(msg)
+        plan = step_plan_from_message(msg)
     except Exception:
         return None  # rank 0 answers the malformed message; no collective ran
     try:

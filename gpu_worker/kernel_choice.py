@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from gpu_worker import kernels as kernel_set
 from gpu_worker import native
-from gpu_worker.attention import FULL, AttentionBackend, LayerAttention, build_metadata
+from gpu_worker.attention import FULL, AttentionBackend, LayerAttention, metadata_for
 from gpu_worker.kernels import Kernels
 from gpu_worker.kv_cache import LayerKV
 from gpu_worker.kv_quant import quantize_rows
@@ -308,7 +308,7 @@ def run_decode(
     seqs = range(len(case.lens)) if seqs is None else seqs
     lens = [case.lens[s] for s in seqs]
     device = case.kv.k.device
-    meta = build_metadata(
+    meta = metadata_for(
         [1] * len(seqs),
         [n - 1 for n in lens],
         case.tables[list(seqs)],
@@ -324,7 +324,7 @@ def run_decode(
 
 def run_prefill(backend: AttentionBackend, case: AttentionCase) -> torch.Tensor:
     n, device = case.q_chunk.shape[0], case.kv.k.device
-    meta = build_metadata(
+    meta = metadata_for(
         [n],
         [case.chunk_start],
         case.chunk_table[None],
@@ -343,7 +343,7 @@ def decode_chunk_rows(
 ) -> torch.Tensor:
     """The chunk's `rows` as decode tokens, each over its own context."""
     start, device = case.chunk_start, case.kv.k.device
-    meta = build_metadata(
+    meta = metadata_for(
         [1] * len(rows),
         [start + r for r in rows],
         case.chunk_table.expand(len(rows), -1),

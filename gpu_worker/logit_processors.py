@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.histories import RowTokens
 from gpu_worker.protocol import SamplingSpec
+from gpu_worker.seq_table import RowTokens
 
 _INF = float("inf")
 

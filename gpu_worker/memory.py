@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from gpu_worker.device import free_memory_bytes
-from gpu_worker.protocol import BatchPlan, SamplingSpec
+from gpu_worker.protocol import NewSeq, Row, SamplingSpec, StepPlan
 
 # The costliest sampling path: a full sort for top-p, and float32 log-probabilities.
 PROFILE_SAMPLING = SamplingSpec(temperature=1.0, top_p=0.9, logprobs=True, top_logprobs=20)
@@ -39,45 +39,45 @@ def profile_lengths(max_tokens: int, max_seqs: int, context_limit: int) -> list[
 
 def profile_plan(
     lengths: list[int], block_size: int, context_limit: int, num_groups: int = 1
-) -> BatchPlan:
+) -> StepPlan:
     """A plan of sequences of `lengths` tokens whose tables (in each of `num_groups` KV
     groups) all name block 0: activations depend on shapes, not on which blocks hold the
     data, so one block serves them all. Chunks end at context_limit, where their attention
     reads the most."""
     starts = [context_limit - n if n > 1 else 0 for n in lengths]
     tables = [[0] * -(-(s + n) // block_size) for s, n in zip(starts, lengths, strict=True)]
-    return BatchPlan(
-        step_id=-1,
-        seq_ids=list(range(len(lengths))),
-        num_tokens=lengths,
-        start_pos=starts,
-        input_ids=[0] * sum(lengths),
-        block_tables=tables,
-        group_tables=_other_groups(tables, num_groups),
-        sample=[True] * len(lengths),
-        sampling=[PROFILE_SAMPLING] * len(lengths),
-    )
+    return trial_plan(lengths, starts, tables, PROFILE_SAMPLING, num_groups)
 
 
-def decode_profile_plan(batch: int, position: int, width: int, num_groups: int = 1) -> BatchPlan:
+def decode_profile_plan(batch: int, position: int, width: int, num_groups: int = 1) -> StepPlan:
     """`batch` decode rows at `position`, each reading a table of `width` blocks (in each
     of `num_groups` KV groups), all block 0."""
-    return BatchPlan(
-        step_id=-1,
-        seq_ids=list(range(batch)),
-        num_tokens=[1] * batch,
-        start_pos=[position] * batch,
-        input_ids=[0] * batch,
-        block_tables=[[0] * width] * batch,
-        group_tables=_other_groups([[0] * width] * batch, num_groups),
-        sample=[True] * batch,
-        sampling=[SamplingSpec()] * batch,
+    return trial_plan(
+        [1] * batch, [position] * batch, [[0] * width] * batch, SamplingSpec(), num_groups
     )
 
 
-def _other_groups(tables: list[list[int]], num_groups: int) -> list[list[list[int]]]:
-    """BatchPlan.group_tables that repeat each sequence's first table."""
-    return [[table] * (num_groups - 1) for table in tables] if num_groups > 1 else []
+def trial_plan(
+    lengths: list[int],
+    starts: list[int],
+    tables: list[list[int]],
+    sampling: SamplingSpec,
+    num_groups: int = 1,
+) -> StepPlan:
+    """A plan that stands alone: sequences 0, 1, ... introduced afresh (whatever the worker
+    held of those ids before), each sampling after `lengths[i]` tokens from starts[i] over
+    tables[i] in every KV group. The start-up's trial steps; the worker forgets them
+    before serving (SeqTable.clear)."""
+    ids = list(range(len(lengths)))
+    rows = [
+        Row(i, n, start, blocks=[table] * num_groups, blocks_at=0)
+        for i, n, start, table in zip(ids, lengths, starts, tables, strict=True)
+    ]
+    new = [
+        NewSeq(i, sampling, prompt_len=start + n)
+        for i, n, start in zip(ids, lengths, starts, strict=True)
+    ]
+    return StepPlan(-1, rows, [0] * sum(lengths), new=new, finished=ids)
 
 
 def peak_bytes(device: torch.device, step: Callable[[], object]) -> int:

@@ -7,7 +7,7 @@ over one stream socket (a socketpair created by the service).
 Conversation:
     service -> worker   {"type": "init", **WorkerConfig}
     worker  -> service  {"type": "ready", **Handshake}        or {"type": "fatal", "message": ...}
-    service -> worker   {"type": "step", **BatchPlan}         (repeated)
+    service -> worker   {"type": "step", **StepPlan}          (repeated)
     worker  -> service  {"type": "result", **StepResult}      (one per step, in order)
                      or {"type": "fatal", "reason": ..., "message": ...}, then exits
                         (reason: DEVICE_ERROR, RANK_LOST or RANK_HUNG)
@@ -58,13 +58,13 @@ DEVICE_ERROR = "device_error"  # a step's "fatal" reason: the device is unusable
 # a tensor-parallel group's "fatal" reasons: a rank exited, or stopped answering
 RANK_LOST, RANK_HUNG = "rank_lost", "rank_hung"
 KERNEL_SEAMS = ("attention", "layer_ops", "matmul")  # see gpu_worker.kernels
-POOL_LAST, POOL_SUM = "last", "sum"  # BatchPlan.pooling's kinds
+POOL_LAST, POOL_SUM = "last", "sum"  # NewSeq.pooling's kinds
 # Beside model.safetensors in a GGUF conversion: each matmul weight as the file quantized it,
 # <name>.values (int8: q8, uint8: q4 or q5), <name>.scales and <name>.mins (gpu_worker.quant)
 QUANTIZED_WEIGHTS = "quantized.safetensors"
 # WorkerConfig.quantization's values (gpu_worker.quant)
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")
-# A drafted token the worker's draft model is to choose (BatchPlan.draft_tokens)
+# A drafted token the worker's draft model is to choose (Row.drafts)
 DRAFT_MODEL_TOKEN = -1
 
 
@@ -203,7 +203,7 @@ class SamplingSpec:
     @property
     def reads_history(self) -> bool:
         """Whether sampling depends on the sequence's tokens so far: the worker then keeps
-        them (BatchPlan.histories)."""
+        them (NewSeq.prefix)."""
         return bool(
             self.presence_penalty
             or self.frequency_penalty
@@ -216,16 +216,6 @@ class SamplingSpec:
     def adjusts_logits(self) -> bool:
         """Whether a processor before temperature (all but min_p) applies to this row."""
         return self.allowed_token_ids is not None or bool(self.logit_bias) or self.reads_history
-
-
-@dataclass(slots=True)
-class History:
-    """Where a sequence's tokens begin on the worker, for a sampling that reads them (its
-    first step, and its first after each preemption): the worker counts every token a step
-    computes from then on, so later steps carry no history."""
-
-    prompt_len: int  # tokens at positions from here on are generated
-    prefix: list[int] = field(default_factory=list)  # tokens before start_pos (cache hits)
 
 
 @dataclass(slots=True)
@@ -248,81 +238,103 @@ class TokenLogprobs:
 
 
 @dataclass(slots=True)
-class BatchPlan:
-    """One forward pass over a mixed batch: prefill chunks and decode tokens together.
+class NewSeq:
+    """A sequence the worker does not hold yet, sent once: with the first plan that runs it,
+    and again after each preemption (the plan that preempted it lists it in `finished`) or
+    on a new worker. The worker keeps these facts (gpu_worker.seq_table) until a plan's
+    `finished` names the sequence."""
 
-    Sequence i contributes `num_tokens[i]` consecutive tokens of `input_ids` (flattened in
-    sequence order) at absolute positions start_pos[i] .. start_pos[i] + num_tokens[i] - 1.
-    Its K/V for those positions is written into the slots given by its block table, and
-    its attention covers positions 0 .. start_pos[i] + num_tokens[i] - 1 (the cached
-    prefix plus the new tokens, causally). A sequence with sample[i] true gets one token
-    sampled from the logits of its last position with sampling[i].
+    seq_id: int
+    sampling: SamplingSpec
+    prompt_len: int  # tokens at positions from here on are generated
+    # the tokens before its first row's start_pos (a prefix-cache hit), sent only when its
+    # sampling reads its history (SamplingSpec.reads_history): the worker counts every
+    # token a row computes from then on, so no later plan carries a token twice
+    prefix: list[int] = field(default_factory=list)
+    # embeddings: POOL_LAST (the final hidden state of the prompt's last row) or POOL_SUM
+    # (the sum of its rows'), None for a sequence that samples. A pooled sequence never
+    # samples; each row of it pools (POOL_SUM) or the row that ends its prompt does
+    # (POOL_LAST), and StepResult.pooled has the vector.
+    pooling: str | None = None
 
-    KV groups (Handshake.kv_group_windows): a hybrid model's cache has a table per group
-    of layers; block_tables[i] is group 0's, and group_tables[i] lists the others', each
-    as long. `group_tables` is empty for a model of one group.
 
-    Structured output: `token_bitmasks` is empty when no sequence of the step is
-    constrained; otherwise it is aligned with seq_ids, and token_bitmasks[i] is, for a
-    constrained sequence that samples, the tokens its grammar allows, as base64 of
-    little-endian int32 words (bit j of word w allows token 32 * w + j; the words cover
-    the vocabulary, rounded up to 32), and None for every other sequence. Disallowed
-    tokens are never sampled; logprobs stay those of the unmasked logits.
+@dataclass(slots=True)
+class Row:
+    """One sequence's part of a step: `num_tokens` consecutive tokens of the plan's
+    input_ids (rows are flattened in order) at absolute positions start_pos ..
+    start_pos + num_tokens - 1. Their K/V is written into the slots its block tables give,
+    and its attention covers positions 0 .. start_pos + num_tokens - 1 (the cached prefix
+    and the new tokens, causally). A row that samples takes one token from the logits of
+    its last position, with its sequence's SamplingSpec."""
 
-    Histories (SamplingSpec.reads_history): `histories` is empty when no sequence of the
-    step starts one; otherwise aligned with seq_ids, a History for a sequence whose
-    history begins with this step, None for the others. `released` lists sequences whose
-    histories the worker drops before this step (finished, aborted, preempted); unknown
-    ids are ignored.
+    seq_id: int
+    num_tokens: int
+    start_pos: int
+    # the block ids added to its table in each KV group since its last row (a hybrid
+    # model's cache has a table per group of layers, Handshake.kv_group_windows; every
+    # group's table is as long), written from entry `blocks_at` on: the table then holds
+    # blocks_at + len(blocks[g]) entries. [] adds none. blocks_at is the table's length
+    # unless entries were given back (rejected drafts' blocks, BlockManager.trim).
+    blocks: list[list[int]] = field(default_factory=list)
+    blocks_at: int | None = None  # None: the table's length
+    sample: bool = True
+    # speculative decoding: the k >= 0 drafted tokens, the last k of the row's tokens (a
+    # decoding sequence's chunk is its last sampled token and the drafts). The row samples
+    # at its last k + 1 positions and keeps the drafts up to the first it rejects:
+    # StepResult.tokens has the j <= k accepted drafts and one token sampled after them
+    # (greedy: the argmax, the tokens of decoding without drafts; sampled: rejection
+    # sampling, so their distribution too). The cache then holds valid K/V for the
+    # chunk's first 1 + j positions; the rest is overwritten by the steps that follow.
+    # A draft of DRAFT_MODEL_TOKEN (in drafts and input_ids) is the worker's draft model's
+    # to choose, greedily (gpu_worker.draft_model).
+    drafts: list[int] = field(default_factory=list)
+    # the draft model's cache (WorkerConfig.draft_model_dir) shares the block tables and
+    # computes only what a plan asks: the tokens at positions draft_start ..
+    # draft_start + len(draft_context) - 1 whose K/V it computes first (the service tracks
+    # what it holds). A row with DRAFT_MODEL_TOKEN drafts has context reaching its first
+    # position.
+    draft_context: list[int] = field(default_factory=list)
+    draft_start: int = 0
+    # structured output: the tokens its grammar allows at the position it samples, as
+    # base64 of little-endian int32 words (bit j of word w allows token 32 * w + j; the
+    # words cover the vocabulary, rounded up to 32); None: unconstrained. Disallowed
+    # tokens are never sampled; logprobs stay those of the unmasked logits.
+    bitmask: str | None = None
+    # `echo`: the prompt tokens its positions predict (at most num_tokens), whose
+    # log-probabilities StepResult.prompt_logprobs has, each with its sequence's
+    # SamplingSpec.prompt_logprobs alternatives; None: none wanted
+    prompt_targets: list[int] | None = None
 
-    Pooling (embeddings): `pooling` is empty when no sequence of the step is pooled;
-    otherwise aligned with seq_ids, POOL_LAST (the final hidden state of the chunk's last
-    row) or POOL_SUM (the sum of its rows' final hidden states) for a sequence that does
-    not sample, None for the others. StepResult.pooled then has each one's vector.
 
-    Speculative decoding: `draft_tokens` is empty when no sequence of the step has drafted
-    tokens; otherwise aligned with seq_ids, the k >= 0 tokens drafted for sequence i, which
-    are the last k of its num_tokens[i] input tokens (a decoding sequence's chunk is then
-    its last sampled token and the drafts, at consecutive positions); such a sequence
-    samples. The worker samples at each of the chunk's last k + 1 positions and keeps the
-    drafts up to the first it rejects: StepResult.tokens[i] is the j <= k accepted drafts
-    and one token sampled after them (greedy: the argmax, so the tokens are those of
-    decoding without drafts; sampled: rejection sampling, so their distribution is too).
-    The cache then holds valid K/V for the chunk's first 1 + j positions; the rest is
-    overwritten by the steps that follow.
-
-    Draft model (WorkerConfig.draft_model_dir): a draft of DRAFT_MODEL_TOKEN, in both
-    draft_tokens and input_ids, is the worker's to choose, with its draft model, greedily
-    (gpu_worker.draft_model); the rule above then verifies it. The draft model has its own
-    cache, over the same block tables, and computes only what a plan asks: `draft_context`
-    is empty or aligned with seq_ids, the tokens at positions draft_start[i] ..
-    draft_start[i] + len(draft_context[i]) - 1 whose K/V the draft model is to compute
-    first (the service keeps track of what it holds). A sequence with DRAFT_MODEL_TOKEN
-    drafts has context reaching its chunk's first position; the draft model reads that
-    position's token too.
-    """
+@dataclass(slots=True)
+class StepPlan:
+    """One forward pass over a mixed batch (prefill chunks and decode tokens together),
+    carrying only what changed: `finished` are dropped first (unknown ids are ignored),
+    then `new` are introduced, then each row runs. A row's sequence is one the worker
+    holds or one of `new`."""
 
     step_id: int
-    seq_ids: list[int]
-    num_tokens: list[int]
-    start_pos: list[int]
+    rows: list[Row]
     input_ids: list[int]
-    block_tables: list[list[int]]
-    sample: list[bool]
-    sampling: list[SamplingSpec]
-    group_tables: list[list[list[int]]] = field(default_factory=list)
-    prompt_targets: list[list[int] | None] = field(default_factory=list)
-    token_bitmasks: list[str | None] = field(default_factory=list)
-    histories: list[History | None] = field(default_factory=list)
-    released: list[int] = field(default_factory=list)
-    pooling: list[str | None] = field(default_factory=list)
-    draft_tokens: list[list[int]] = field(default_factory=list)
-    draft_context: list[list[int]] = field(default_factory=list)
-    draft_start: list[int] = field(default_factory=list)
+    new: list[NewSeq] = field(default_factory=list)
+    finished: list[int] = field(default_factory=list)  # sequences the worker forgets
 
     @property
-    def is_decode_only(self) -> bool:
-        return all(n == 1 for n in self.num_tokens)
+    def seq_ids(self) -> list[int]:
+        return [row.seq_id for row in self.rows]
+
+    @property
+    def num_tokens(self) -> list[int]:
+        return [row.num_tokens for row in self.rows]
+
+    @property
+    def start_pos(self) -> list[int]:
+        return [row.start_pos for row in self.rows]
+
+    @property
+    def sampled_ids(self) -> list[int]:
+        """The sequences that sample, in row order: those StepResult.seq_ids answers."""
+        return [row.seq_id for row in self.rows if row.sample]
 
     @property
     def total_tokens(self) -> int:
@@ -334,7 +346,7 @@ class StepResult:
     step_id: int
     seq_ids: list[int] = field(default_factory=list)  # the sampled sequences, in plan order
     # per sampled sequence, the tokens it takes this step, in order: one, or with k drafts
-    # (BatchPlan.draft_tokens) the j <= k it accepted and the token sampled after them
+    # (Row.drafts) the j <= k it accepted and the token sampled after them
     tokens: list[list[int]] = field(default_factory=list)
     # of the sampled tokens, when any sequence asked for them; a row per token, in the
     # order of `tokens` flattened
@@ -358,11 +370,10 @@ def to_message(kind: str, record: Any) -> dict[str, Any]:
     return {"type": kind, **fields}
 
 
-def batch_plan_from_message(msg: dict[str, Any]) -> BatchPlan:
-    fields = {k: v for k, v in msg.items() if k != "type"}
-    fields["sampling"] = [SamplingSpec(**s) for s in fields["sampling"]]
-    fields["histories"] = [None if h is None else History(**h) for h in fields.get("histories", [])]
-    return BatchPlan(**fields)
+def step_plan_from_message(msg: dict[str, Any]) -> StepPlan:
+    new = [NewSeq(**{**n, "sampling": SamplingSpec(**n["sampling"])}) for n in msg.get("new", [])]
+    rows = [Row(**row) for row in msg["rows"]]
+    return StepPlan(msg["step_id"], rows, msg["input_ids"], new, msg.get("finished", []))
 
 
 def record_from_message(cls: type, msg: dict[str, Any]) -> Any:

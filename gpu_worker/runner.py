@@ -1,4 +1,5 @@
-"""The worker's step: a BatchPlan's inputs, the forward pass, sampling, the result.
+"""The worker's step: a StepPlan applied to the sequences' table, its inputs, the forward
+pass, sampling, the result.
 
 The parts it runs with (model, cache, decode graphs, sampler) are built once by
 gpu_worker.runtime, which starts the worker; a runner only runs steps.
@@ -16,14 +17,14 @@ from gpu_worker.attention import build_metadata
 from gpu_worker.draft_model import Drafter, asks_draft_model
 from gpu_worker.faults import DeviceFault, is_device_fault
 from gpu_worker.graphs import DecodeRunner
-from gpu_worker.histories import Histories
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.model import Model
 from gpu_worker.piecewise import MixedGraphs
-from gpu_worker.protocol import POOL_LAST, BatchPlan, Handshake, StepResult, TokenLogprobs
+from gpu_worker.protocol import POOL_LAST, Handshake, StepPlan, StepResult, TokenLogprobs
 from gpu_worker.sampler import Logits, Sampler, decode_bitmask, token_logprobs
+from gpu_worker.seq_table import PlanLimits, SeqTable
 from gpu_worker.speculation import Verification
-from gpu_worker.step_inputs import PlanLimits, StepInputs
+from gpu_worker.step_inputs import StepInputs
 
 PROMPT_ROWS = 64  # prompt positions whose log-probabilities are computed at once
 
@@ -46,11 +47,13 @@ class ModelRunner:
         self.sampler = sampler
         self.limits = limits
         self.handshake = handshake  # what the worker answered at init (gpu_worker.runtime)
-        self.histories = Histories(limits.vocab_size, model.device)
+        self.table = SeqTable(limits, model.device)  # what the worker holds of each sequence
         self.drafter = drafter  # speculative decoding with a draft model (its drafts)
+        if drafter is not None:  # its cache is laid out as this one: the same tables
+            drafter.runner.table = self.table
         self.mixed = mixed  # mixed steps from graphs, piecewise (CUDA)
 
-    def execute(self, plan: BatchPlan) -> StepResult:
+    def execute(self, plan: StepPlan) -> StepResult:
         """Runs one step; a failure comes back as a result with `error` set, except one
         that leaves the device unusable: that raises DeviceFault (gpu_worker.faults)."""
         started = time.perf_counter()
@@ -61,46 +64,39 @@ class ModelRunner:
         result.step_ms = (time.perf_counter() - started) * 1000
         return result
 
-    def follow(self, plan: BatchPlan) -> str | None:
-        """A follower rank's part of a step (gpu_worker.follower): every collective `run`
-        makes on rank 0, in its order (the forward's, the sampled rows' logits', each
-        prompt-logprob chunk's), and nothing sampled. The step's error, as `execute`
+    def follow(self, plan: StepPlan) -> str | None:
+        """A follower rank's part of a step (gpu_worker.follower): the plan applied to its
+        table as rank 0 applies it, every collective `run` makes on rank 0, in its order
+        (_forward_and_logits), and nothing sampled. The step's error, as `execute`
         reports it; None when it ran."""
         try:
             inputs = self.inputs(plan)
-            verification = Verification.of(inputs) if plan.draft_tokens else None
-            if plan.prompt_targets or plan.pooling or verification is not None:
-                hidden = self.forward(inputs)
-                self._sampled_logits(inputs, hidden, verification)
+            _, hidden = self._forward_and_logits(inputs, Verification.of(inputs))
+            if hidden is not None:
                 for _ in self._prompt_logit_chunks(inputs, hidden):
                     pass
-            else:
-                self.logits(inputs)
         except Exception as exc:
             return _step_error(exc)
         return None
 
-    def run(self, plan: BatchPlan) -> StepResult:
+    def run(self, plan: StepPlan) -> StepResult:
         """One step; raises where execute reports."""
+        inputs = self.inputs(plan)
         if asks_draft_model(plan):
             if self.drafter is None:
                 raise ValueError("the plan asks for a draft model's drafts; this worker has none")
             plan = self.drafter.fill(plan)
-        inputs = self.inputs(plan)
-        verification = Verification.of(inputs) if plan.draft_tokens else None
-        self.histories.update(plan)
+            inputs = StepInputs.of(plan, self.table)
+        verification = Verification.of(inputs)
+        self.table.histories.count_step(plan)
+        logits, hidden = self._forward_and_logits(inputs, verification)
         prompt_logprobs: list[TokenLogprobs | None] = []
         pooled: list[str | None] = []
-        if plan.prompt_targets or plan.pooling or verification is not None:
-            hidden = self.forward(inputs)
-            logits = self._sampled_logits(inputs, hidden, verification)
-            if plan.prompt_targets:
-                prompt_logprobs = self._prompt_logprobs(inputs, hidden)
-            if plan.pooling:
-                pooled = self._pooled(inputs, hidden)
-        else:
-            logits = self.logits(inputs)
-        seq_ids = [plan.seq_ids[i] for i in inputs.sampled]
+        if hidden is not None and any(row.prompt_targets for row in plan.rows):
+            prompt_logprobs = self._prompt_logprobs(inputs, hidden)
+        if hidden is not None and any(inputs.pooling()):
+            pooled = self._pooled(inputs, hidden)
+        seq_ids = [plan.rows[i].seq_id for i in inputs.sampled]
         tokens, logprobs = self._sample(inputs, logits, seq_ids, verification)
         return StepResult(
             step_id=plan.step_id,
@@ -124,7 +120,8 @@ class ModelRunner:
         bitmasks = _bitmasks(inputs.plan, sampled)
         if verification is not None:
             return self._verify(inputs, logits, seq_ids, verification, bitmasks)
-        history = self.histories.rows(seq_ids) if len(self.histories) else None
+        histories = self.table.histories
+        history = histories.rows(seq_ids) if len(histories) else None
         output = self.sampler.sample(
             logits, inputs.sampling(), inputs.ends(sampled), bitmasks, history
         )
@@ -139,25 +136,45 @@ class ModelRunner:
         bitmasks: list[torch.Tensor | None] | None,
     ) -> tuple[list[list[int]], TokenLogprobs | None]:
         """_sample's tokens for a step with drafts; the histories count the kept drafts."""
-        tracking = len(self.histories) > 0
+        histories = self.table.histories
+        tracking = len(histories) > 0
         drafts = verification.drafts
-        history = self.histories.drafted_rows(seq_ids, drafts) if tracking else None
+        history = histories.drafted_rows(seq_ids, drafts) if tracking else None
         tokens, logprobs = verification.sample(
             self.sampler, logits, inputs.sampling(), bitmasks, history
         )
         if tracking:
             kept = [row[:-1] for row in tokens]
-            self.histories.keep(seq_ids, kept, verification.draft_starts)
+            histories.keep(seq_ids, kept, verification.draft_starts)
         return tokens, logprobs
 
-    def step_logits(self, plan: BatchPlan) -> torch.Tensor:
+    def _forward_and_logits(
+        self, inputs: StepInputs, verification: Verification | None
+    ) -> tuple[Logits, torch.Tensor | None]:
+        """The sampling rows' logits, and the final hidden state of every token where a
+        row reads more than its sampling rows (prompt logprobs, pooling, drafts), as rank
+        0 and its followers compute them: the collectives' order (the forward's, the
+        sampled rows' logits'; then each prompt-logprob chunk's) is this one."""
+        plan = inputs.plan
+        wants_prompt = any(row.prompt_targets for row in plan.rows)
+        if not (wants_prompt or any(inputs.pooling()) or verification is not None):
+            return self.logits(inputs), None
+        hidden = self.forward(inputs)
+        return self._sampled_logits(inputs, hidden, verification), hidden
+
+    def step_logits(self, plan: StepPlan) -> torch.Tensor:
         """Runs one step without sampling: float32 logits of the sampling sequences."""
         logits = self.logits(self.inputs(plan))
         # A float32 graph's dense logits are its output buffer, which the next step rewrites.
         return logits.dense().clone()
 
-    def inputs(self, plan: BatchPlan) -> StepInputs:
-        return StepInputs.of(plan, self.limits, self.cache.scratch_block)
+    def inputs(self, plan: StepPlan) -> StepInputs:
+        """The plan applied to the table (ValueError for one that does not fit it), and its
+        facts."""
+        self.table.apply(plan)
+        inputs = StepInputs.of(plan, self.table)
+        inputs.check()
+        return inputs
 
     def logits(self, inputs: StepInputs) -> Logits:
         """The sampling sequences' logits."""
@@ -173,14 +190,10 @@ class ModelRunner:
         """The final hidden state of every row of a step (any mix of rows): eagerly, or from
         the mixed steps' graphs where they were captured."""
         device, cache = self.model.device, self.cache
-        plan = inputs.plan
-        slots = inputs.slots.to(device, non_blocking=True)
         metas = [
             build_metadata(
-                plan.num_tokens,
-                plan.start_pos,
-                inputs.tables[group],
-                slots[group],
+                inputs,
+                group,
                 cache.like,
                 self.model.config.group_size,
                 self.model.kernels.attention,
@@ -188,10 +201,10 @@ class ModelRunner:
             )
             for group, kind in enumerate(self.model.group_attention)
         ]
-        input_ids = torch.tensor(plan.input_ids, device=device)
+        input_ids = torch.tensor(inputs.plan.input_ids, device=device)
         positions = inputs.positions.to(device, non_blocking=True)
         if self.mixed is not None:
-            return self.mixed.forward(input_ids, positions, slots, metas)
+            return self.mixed.forward(input_ids, positions, inputs.slots, metas)
         return self.model.forward(input_ids, positions, cache.layers, metas)
 
     def _sampled_logits(
@@ -207,12 +220,11 @@ class ModelRunner:
     ) -> list[TokenLogprobs | None]:
         """Each prompt target's log-probability (and alternatives) from the position before
         it (_prompt_logit_chunks)."""
-        plan = inputs.plan
         results: list[TokenLogprobs | None] = [
-            TokenLogprobs() if targets else None for targets in plan.prompt_targets
+            TokenLogprobs() if row.prompt_targets else None for row in inputs.plan.rows
         ]
         for i, part, logits in self._prompt_logit_chunks(inputs, hidden):
-            top = plan.sampling[i].prompt_logprobs or 0
+            top = inputs.seqs[i].sampling.prompt_logprobs or 0
             wanted = torch.tensor(part, device=logits.device)
             found = results[i]
             assert found is not None
@@ -225,8 +237,8 @@ class ModelRunner:
         """(sequence, targets, their dense logits), PROMPT_ROWS positions at a time: a whole
         chunk's float32 logits would take chunk x vocab x 4 bytes at once. On a follower
         rank the logits are of its vocabulary slice, computed for rank 0."""
-        plan = inputs.plan
-        for i, targets in enumerate(plan.prompt_targets):
+        for i, row in enumerate(inputs.plan.rows):
+            targets = row.prompt_targets
             if not targets:
                 continue
             first = int(inputs.first_rows[i])
@@ -236,16 +248,15 @@ class ModelRunner:
                 yield i, part, self.model.logits(rows).dense()
 
     def _pooled(self, inputs: StepInputs, hidden: torch.Tensor) -> list[str | None]:
-        """Each pooled sequence's vector (BatchPlan.pooling) in float64: sums of float32
+        """Each pooling row's vector (StepInputs.pooling) in float64: sums of float32
         values in float64 keep the same bits however the prompt was cut into chunks."""
-        plan = inputs.plan
         results: list[str | None] = []
-        for i, kind in enumerate(plan.pooling):
+        for i, kind in enumerate(inputs.pooling()):
             if kind is None:
                 results.append(None)
                 continue
             first = int(inputs.first_rows[i])
-            rows = hidden[first : first + plan.num_tokens[i]].double()
+            rows = hidden[first : first + inputs.plan.rows[i].num_tokens].double()
             vector = rows[-1] if kind == POOL_LAST else rows.sum(0)
             data = vector.cpu().numpy().astype("<f8").tobytes()
             results.append(base64.b64encode(data).decode())
@@ -263,9 +274,9 @@ def _step_error(exc: Exception) -> str:
     return error
 
 
-def _bitmasks(plan: BatchPlan, sampled: list[int]) -> list[torch.Tensor | None] | None:
+def _bitmasks(plan: StepPlan, sampled: list[int]) -> list[torch.Tensor | None] | None:
     """The sampled rows' grammar masks (structured output); None when no row has one."""
-    if not plan.token_bitmasks:
+    masks = [plan.rows[i].bitmask for i in sampled]
+    if all(mask is None for mask in masks):
         return None
-    masks = [plan.token_bitmasks[i] for i in sampled]
     return [None if text is None else decode_bitmask(text) for text in masks]

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu_worker.histories import RowTokens
 from gpu_worker.logit_processors import adjust_logits, apply_min_p
 from gpu_worker.protocol import SamplingSpec, TokenLogprobs
+from gpu_worker.seq_table import RowTokens
 
 _MASK64 = (1 << 64) - 1
 MIN_LOGPROB = -9999.0  # what vLLM reports for a token its grammar rules out
@@ -95,8 +95,8 @@ class Sampler:
         history: RowTokens | None = None,
     ) -> SampleOutput:
         """positions[i] is where row i's token will sit; bitmasks[i], if given and not
-        None, the int32 words of the tokens row i may take (see BatchPlan.token_bitmasks);
-        `history`, the tokens so far of the rows whose specs read them (gpu_worker.histories)."""
+        None, the int32 words of the tokens row i may take (see Row.bitmask);
+        `history`, the tokens so far of the rows whose specs read them (gpu_worker.seq_table)."""
         if isinstance(logits, torch.Tensor):
             logits = Logits(logits)
         if logits.num_rows != len(specs) or len(specs) != len(positions):

@@ -1,6 +1,6 @@
 """Speculative decoding, the worker's part: which drafted tokens a step keeps (issue 32).
 
-A sequence with k drafted tokens d_1 .. d_k (BatchPlan.draft_tokens) samples at its chunk's
+A sequence with k drafted tokens d_1 .. d_k (Row.drafts) samples at its chunk's
 last k + 1 rows: row t's logits give p_t, the distribution of the token at d_{t+1}'s
 position (of the token after the drafts, for t = k). The rule is Leviathan et al.'s (Fast
 Inference from Transformers via Speculative Decoding, 2023), as vLLM's rejection sampler
@@ -27,7 +27,7 @@ above with a uniform and a residual draw with another: a rule of its own.)
 Supported: every sampling setting but a grammar: greedy, temperature, top_k, top_p, min_p,
 seed, logprobs and top_logprobs, allowed_token_ids, logit_bias, and those that read the
 sequence's history (penalties, bad_words, min_tokens: the row after draft t sees the drafts
-up to t, and the history keeps the drafts kept; gpu_worker.histories). Refused (the step
+up to t, and the history keeps the drafts kept; gpu_worker.seq_table). Refused (the step
 fails with an error): drafts on a sequence with a grammar's token bitmask, since a plan
 carries its grammar's mask for one position only.
 """
@@ -39,9 +39,9 @@ from typing import TypeVar
 
 import torch
 
-from gpu_worker.histories import RowTokens
-from gpu_worker.protocol import BatchPlan, SamplingSpec, TokenLogprobs
+from gpu_worker.protocol import SamplingSpec, StepPlan, TokenLogprobs
 from gpu_worker.sampler import Logits, Sampler
+from gpu_worker.seq_table import RowTokens
 from gpu_worker.step_inputs import StepInputs
 
 T = TypeVar("T")
@@ -62,10 +62,10 @@ class Verification:
         """None when no sequence has a draft; ValueError for drafts the step cannot verify."""
         plan = inputs.plan
         check_drafts(plan)
-        if not any(plan.draft_tokens):
+        if not any(row.drafts for row in plan.rows):
             return None
         sampled = inputs.sampled
-        drafts = [plan.draft_tokens[i] for i in sampled]
+        drafts = [plan.rows[i].drafts for i in sampled]
         rows: list[int] = []
         positions: list[int] = []
         first: list[int] = []
@@ -134,28 +134,25 @@ def accepted(draft: list[int], drawn: list[int]) -> int:
     return count
 
 
-def check_drafts(plan: BatchPlan) -> None:
+def check_drafts(plan: StepPlan) -> None:
     """ValueError, saying why, for drafts that are not their chunk's last tokens, or on a
-    sequence that does not sample or has a grammar."""
-    if len(plan.draft_tokens) != len(plan.seq_ids):
-        raise ValueError(
-            f"plan has {len(plan.seq_ids)} seq_ids but {len(plan.draft_tokens)} draft_tokens"
-        )
+    row that does not sample or has a grammar."""
     end = 0
-    for i, draft in enumerate(plan.draft_tokens):
-        end += plan.num_tokens[i]
+    for row in plan.rows:
+        end += row.num_tokens
+        draft = row.drafts
         if not draft:
             continue
-        seq_id = plan.seq_ids[i]
-        if len(draft) >= plan.num_tokens[i]:
+        seq_id = row.seq_id
+        if len(draft) >= row.num_tokens:
             raise ValueError(
-                f"sequence {seq_id} has {len(draft)} drafts in a chunk of {plan.num_tokens[i]}"
+                f"sequence {seq_id} has {len(draft)} drafts in a chunk of {row.num_tokens}"
             )
         if plan.input_ids[end - len(draft) : end] != draft:
             raise ValueError(f"sequence {seq_id}'s drafts are not its chunk's last tokens")
-        if not plan.sample[i]:
+        if not row.sample:
             raise ValueError(f"sequence {seq_id} has drafts but does not sample")
-        if plan.token_bitmasks and plan.token_bitmasks[i] is not None:
+        if row.bitmask is not None:
             raise ValueError(f"sequence {seq_id} has drafts and a grammar: not verifiable")
 
 

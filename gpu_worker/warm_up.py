@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from gpu_worker.memory import decode_profile_plan, profile_plan
-from gpu_worker.protocol import BatchPlan
+from gpu_worker.protocol import StepPlan
 from gpu_worker.runner import ModelRunner
 
 CHUNK_LENGTHS = (2, 3, 127, 128, 129)
@@ -30,10 +30,11 @@ def warm_up(runner: ModelRunner, max_batched_tokens: int) -> dict[str, Any]:
     plans = warm_up_plans(runner, max_batched_tokens)
     for plan in plans:
         runner.logits(runner.inputs(plan))
+    runner.table.clear()
     return {"steps": len(plans), "seconds": round(time.perf_counter() - started, 3)}
 
 
-def warm_up_plans(runner: ModelRunner, max_batched_tokens: int) -> list[BatchPlan]:
+def warm_up_plans(runner: ModelRunner, max_batched_tokens: int) -> list[StepPlan]:
     limits, block_size = runner.limits, runner.cache.block_size
     limit = limits.max_model_len
     longest = min(max_batched_tokens, limit)

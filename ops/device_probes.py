@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from gpu_worker.attention import FlexAttention, TorchAttention, build_metadata, flex_backend
+from gpu_worker.attention import FlexAttention, TorchAttention, flex_backend, metadata_for
 from gpu_worker.kernel_choice import TOLERANCE, AttentionCase, Shapes, attention_case, run_prefill
 from ops.device_report import say
 from ops.device_sections import Context
@@ -153,7 +153,7 @@ def graph_replay(ctx: Context, context: int, dtype: torch.dtype) -> dict[str, An
 def decode_call(backend: Any, case: AttentionCase) -> Callable[[], torch.Tensor]:
     """The decode attention of every row of `case`, its metadata built once."""
     rows, device = len(case.lens), case.kv.k.device
-    meta = build_metadata(
+    meta = metadata_for(
         [1] * rows,
         [n - 1 for n in case.lens],
         case.tables,

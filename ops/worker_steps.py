@@ -4,18 +4,19 @@ and comparisons made of them. It imports torch and gpu_worker only."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from gpu_worker.protocol import BatchPlan, SamplingSpec
+from gpu_worker.protocol import NewSeq, Row, SamplingSpec, StepPlan
 from gpu_worker.runner import ModelRunner
 
 
 @dataclass(slots=True)
 class Seq:
-    """One sequence's part of a step."""
+    """One sequence's part of a step, described whole: its table is every block it has."""
 
     seq_id: int
     tokens: list[int]
@@ -23,28 +24,91 @@ class Seq:
     table: list[int]
     sample: bool = True
     spec: SamplingSpec = field(default_factory=SamplingSpec)
+    prompt_len: int | None = None  # None: its tokens to the end of this part are prompt
+    prefix: list[int] = field(default_factory=list)  # NewSeq.prefix, when it is introduced
+    drafts: list[int] = field(default_factory=list)  # the last of `tokens` (Row.drafts)
+    bitmask: str | None = None
+    prompt_targets: list[int] | None = None
 
 
-def plan_of(seqs: list[Seq], step_id: int = 0, num_groups: int = 1) -> BatchPlan:
-    """The step of `seqs`. On a cache of `num_groups` KV groups (a hybrid model's), entry
-    b of a table is block b x num_groups + g in group g: no two groups share a block."""
+@dataclass(slots=True)
+class _Held:
+    spec: SamplingSpec
+    table: list[int]
 
-    def spread(table: list[int], group: int) -> list[int]:
-        return [block * num_groups + group for block in table]
 
-    return BatchPlan(
-        step_id=step_id,
-        seq_ids=[s.seq_id for s in seqs],
-        num_tokens=[len(s.tokens) for s in seqs],
-        start_pos=[s.start for s in seqs],
-        input_ids=[t for s in seqs for t in s.tokens],
-        block_tables=[spread(s.table, 0) for s in seqs],
-        group_tables=[[spread(s.table, g) for g in range(1, num_groups)] for s in seqs]
-        if num_groups > 1
-        else [],
-        sample=[s.sample for s in seqs],
-        sampling=[s.spec for s in seqs],
-    )
+class Steps:
+    """Plans for one worker from whole descriptions of its sequences, as the service's
+    PlanBuilder writes them: a sequence is introduced when it is new to the worker, has
+    other sampling settings, or starts again at position 0 (then finished first), and
+    otherwise its row carries the blocks its table gained (or from where it changed)."""
+
+    def __init__(self, num_groups: int = 1) -> None:
+        self.num_groups = num_groups
+        self._held: dict[int, _Held] = {}
+
+    def plan(self, seqs: list[Seq], step_id: int = 0, standalone: bool = False) -> StepPlan:
+        """The step of `seqs`; `standalone`: every one introduced afresh, so that the plan
+        does not depend on what the worker held before."""
+        new, finished, rows = [], [], []
+        for seq in seqs:
+            held = None if standalone else self._held.get(seq.seq_id)
+            if held is None or held.spec != seq.spec or seq.start == 0:
+                finished.append(seq.seq_id)
+                prompt_len = (
+                    seq.start + len(seq.tokens) if seq.prompt_len is None else seq.prompt_len
+                )
+                new.append(NewSeq(seq.seq_id, seq.spec, prompt_len, list(seq.prefix)))
+                held = _Held(seq.spec, [])
+            at = _common_prefix(held.table, seq.table)
+            added = seq.table[at:]
+            blocks = [self._spread(added, g) for g in range(self.num_groups)] if added else []
+            rows.append(
+                Row(
+                    seq.seq_id,
+                    len(seq.tokens),
+                    seq.start,
+                    blocks=blocks,
+                    blocks_at=at,
+                    sample=seq.sample,
+                    drafts=list(seq.drafts),
+                    bitmask=seq.bitmask,
+                    prompt_targets=seq.prompt_targets,
+                )
+            )
+            self._held[seq.seq_id] = _Held(seq.spec, list(seq.table))
+        input_ids = [t for s in seqs for t in s.tokens]
+        return StepPlan(step_id, rows, input_ids, new=new, finished=finished)
+
+    def _spread(self, table: list[int], group: int) -> list[int]:
+        """On a cache of several KV groups (a hybrid model's), entry b of a table is block
+        b x num_groups + g in group g: no two groups share a block."""
+        return [block * self.num_groups + group for block in table]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    count = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        count += 1
+    return count
+
+
+_STEPS: weakref.WeakKeyDictionary[ModelRunner, Steps] = weakref.WeakKeyDictionary()
+
+
+def steps_for(runner: ModelRunner) -> Steps:
+    """The plans `runner` is sent here (tests, benches, the device check), which remember
+    what it holds."""
+    if runner not in _STEPS:
+        _STEPS[runner] = Steps(runner.limits.num_groups)
+    return _STEPS[runner]
+
+
+def plan_of(seqs: list[Seq], step_id: int = 0, num_groups: int = 1) -> StepPlan:
+    """The step of `seqs`, standing alone: every sequence introduced afresh."""
+    return Steps(num_groups).plan(seqs, step_id, standalone=True)
 
 
 class Blocks:
@@ -66,7 +130,7 @@ def tokens_of(count: int, seed: int, vocab: int) -> list[int]:
 
 
 def execute(runner: ModelRunner, seqs: list[Seq]) -> list[int]:
-    result = runner.execute(plan_of(seqs))
+    result = runner.execute(steps_for(runner).plan(seqs))
     if result.error is not None:
         raise RuntimeError(result.error)
     return [row[0] for row in result.tokens]  # one token per sampled sequence
@@ -77,8 +141,8 @@ def prefill(runner: ModelRunner, seq: Seq, chunk: int) -> torch.Tensor:
     for first in range(0, len(seq.tokens), chunk):
         part = seq.tokens[first : first + chunk]
         last = first + chunk >= len(seq.tokens)
-        plan = plan_of([Seq(seq.seq_id, part, seq.start + first, seq.table, sample=last)])
-        logits = runner.step_logits(plan)
+        step = Seq(seq.seq_id, part, seq.start + first, seq.table, sample=last)
+        logits = runner.step_logits(steps_for(runner).plan([step]))
     return logits[0]
 
 

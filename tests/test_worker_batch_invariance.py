@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from gpu_worker import runtime
-from gpu_worker.protocol import History, SamplingSpec, WorkerConfig
+from gpu_worker.protocol import SamplingSpec, StepPlan, WorkerConfig
 from gpu_worker.runner import ModelRunner
 from service.config import default_cache_dir
 from service.model_files.resolve import resolve_model
-from tests.worker_fixtures import Chunk, make_plan, sampled
+from tests.worker_fixtures import Chunk, make_plan, plan_for, sampled
 
 pytestmark = pytest.mark.real_model
 
@@ -186,20 +186,20 @@ def generate_beside(
     ]
     tokens: list[list[int]] = [[] for _ in specs]
     for _ in range(GENERATED):
-        plan = make_plan(chunks)
-        plan.histories = [
-            History(len(p)) if c.start == 0 and c.spec.reads_history else None
-            for c, p in zip(chunks, prompts, strict=True)
-        ]
-        for row, token in enumerate(sampled(runner.execute(plan))):
+        for row, token in enumerate(sampled(runner.execute(plan_for(runner, chunks)))):
             tokens[row].append(token)
         chunks = [
-            Chunk(c.seq_id, [found[-1]], c.start + len(c.tokens), c.table, spec=c.spec)
-            for c, found in zip(chunks, tokens, strict=True)
+            Chunk(
+                c.seq_id,
+                [found[-1]],
+                c.start + len(c.tokens),
+                c.table,
+                spec=c.spec,
+                prompt_len=len(p),
+            )
+            for c, found, p in zip(chunks, tokens, prompts, strict=True)
         ]
-    ended = make_plan([])
-    ended.released = seq_ids
-    runner.execute(ended)
+    runner.execute(StepPlan(-1, [], [], finished=seq_ids))
     return tokens
 
 
@@ -209,4 +209,4 @@ def test_a_free_row_samples_the_same_tokens_beside_processed_rows(runner):
     beside = generate_beside(runner, blocks, PROCESSED)
     assert beside[: len(FREE)] == alone
     assert set(beside[len(FREE) + 1]) <= {11, 12, 13}  # the processors did run in that batch
-    assert len(runner.histories) == 0
+    assert len(runner.table) == 0 and len(runner.table.histories) == 0

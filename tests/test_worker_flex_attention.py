@@ -17,8 +17,8 @@ from gpu_worker.attention import (
     HybridAttention,
     LayerAttention,
     TorchAttention,
-    build_metadata,
     flex_backend,
+    metadata_for,
     torch_backend,
 )
 from gpu_worker.kernel_choice import Shapes, attention_case, run_decode, run_prefill
@@ -164,7 +164,7 @@ def test_decode_block_lists_cover_exactly_what_each_row_sees():
     case = attention_case(shapes(), batch=6, chunk=8, start=20)
     case.lens[:2] = [12, 1]
     seqs = list(range(6))
-    meta = build_metadata(
+    meta = metadata_for(
         [1] * 6,
         [case.lens[s] - 1 for s in seqs],
         case.tables,
@@ -187,7 +187,7 @@ def test_decode_block_lists_cover_exactly_what_each_row_sees():
 @pytest.mark.parametrize(("start", "chunk"), [(0, 130), (21, 300)])
 def test_prefill_block_lists_cover_exactly_what_each_query_tile_sees(start, chunk, window):
     case = attention_case(shapes(), batch=1, chunk=chunk, start=start)
-    meta = build_metadata(
+    meta = metadata_for(
         [chunk],
         [start],
         case.chunk_table[None],
@@ -207,7 +207,7 @@ def test_prefill_block_lists_cover_exactly_what_each_query_tile_sees(start, chun
 def test_decode_block_lists_start_where_each_rows_window_does():
     case = attention_case(shapes(), batch=6, chunk=8, start=20)
     case.lens[:2] = [12, 1]
-    meta = build_metadata(
+    meta = metadata_for(
         [1] * 6,
         [n - 1 for n in case.lens],
         case.tables,

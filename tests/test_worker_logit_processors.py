@@ -8,18 +8,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.histories import Histories, RowTokens
 from gpu_worker.logit_processors import adjust_logits
 from gpu_worker.protocol import (
-    BatchPlan,
     FrameDecoder,
-    History,
+    NewSeq,
+    Row,
     SamplingSpec,
-    batch_plan_from_message,
+    StepPlan,
     encode_frame,
+    step_plan_from_message,
     to_message,
 )
 from gpu_worker.sampler import Sampler
+from gpu_worker.seq_table import Histories, PlanLimits, RowTokens, SeqTable
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -198,25 +199,33 @@ def test_bans_that_leave_no_token_yield_to_the_grammar():
 PENALISED = SamplingSpec(presence_penalty=1.0)
 
 
+LIMITS = PlanLimits(block_size=4, num_blocks=8, vocab_size=VOCAB, max_model_len=32)
+
+
 def plan(
     chunks: list[tuple[int, list[int], int]],
-    histories: list[History | None] | None = None,
-    released: list[int] | None = None,
+    new: list[tuple[int, int, list[int]]] | None = None,
+    finished: list[int] | None = None,
     spec: SamplingSpec = PENALISED,
-) -> BatchPlan:
-    """(seq_id, tokens, start) chunks; block tables are no business of the histories."""
-    return BatchPlan(
-        step_id=0,
-        seq_ids=[c[0] for c in chunks],
-        num_tokens=[len(c[1]) for c in chunks],
-        start_pos=[c[2] for c in chunks],
-        input_ids=[t for c in chunks for t in c[1]],
-        block_tables=[[] for _ in chunks],
-        sample=[True for _ in chunks],
-        sampling=[spec for _ in chunks],
-        histories=histories or [],
-        released=released or [],
-    )
+) -> StepPlan:
+    """(seq_id, tokens, start) chunks, each with block 0 wherever its table reaches (block
+    ids are no business of the histories); `new`: (seq_id, prompt_len, prefix)."""
+    rows = [
+        Row(seq_id, len(tokens), start, blocks=[[0] * -(-(start + len(tokens)) // 4)], blocks_at=0)
+        for seq_id, tokens, start in chunks
+    ]
+    introduced = [
+        NewSeq(seq_id, spec, prompt_len, prefix) for seq_id, prompt_len, prefix in new or []
+    ]
+    input_ids = [t for c in chunks for t in c[1]]
+    return StepPlan(0, rows, input_ids, new=introduced, finished=finished or [])
+
+
+def step(table: SeqTable, plan: StepPlan) -> Histories:
+    """The plan applied and its tokens counted, as a runner's step does."""
+    table.apply(plan)
+    table.histories.count_step(plan)
+    return table.histories
 
 
 def counts_of(tokens: list[int]) -> list[int]:
@@ -224,13 +233,13 @@ def counts_of(tokens: list[int]) -> list[int]:
 
 
 def test_histories_count_prompt_and_generated_tokens_across_steps():
-    histories = Histories(VOCAB, CPU)
+    table = SeqTable(LIMITS, CPU)
     prompt = [1, 2, 2, 3, 4, 5]
     # a cache hit of 2 tokens, the rest of the prompt in two chunks, then two decode steps
-    histories.update(plan([(7, prompt[2:4], 2)], [History(6, prompt[:2])]))
-    histories.update(plan([(7, prompt[4:], 4)]))
-    histories.update(plan([(7, [9], 6)]))
-    histories.update(plan([(7, [9], 7), (8, [3, 3], 0)], [None, History(1)]))
+    step(table, plan([(7, prompt[2:4], 2)], [(7, 6, prompt[:2])]))
+    step(table, plan([(7, prompt[4:], 4)]))
+    step(table, plan([(7, [9], 6)]))
+    histories = step(table, plan([(7, [9], 7), (8, [3, 3], 0)], [(8, 1, [])]))
     found = histories.rows([8, 7])
     assert found is not None and found.rows == [0, 1]
     eight, seven = found.slots.tolist()
@@ -241,26 +250,27 @@ def test_histories_count_prompt_and_generated_tokens_across_steps():
 
 
 def test_a_released_or_restarted_sequence_starts_afresh():
-    histories = Histories(VOCAB, CPU)
-    histories.update(plan([(1, [4, 5, 6], 0)], [History(2)]))
+    table = SeqTable(LIMITS, CPU)
+    step(table, plan([(1, [4, 5, 6], 0)], [(1, 2, [])]))
     # preempted, then recomputed from the start: its history begins again
-    histories.update(plan([(1, [4, 5, 6, 7], 0)], [History(2)], released=[1]))
+    histories = step(table, plan([(1, [4, 5, 6, 7], 0)], [(1, 2, [])], finished=[1]))
     found = histories.rows([1])
     assert found is not None and found.generated == [[6, 7]]
     assert found.output_counts[found.slots[0]].tolist() == counts_of([6, 7])
-    histories.update(plan([], released=[1, 99]))  # an unknown id is no error
-    assert histories.rows([1]) is None and len(histories) == 0
+    step(table, plan([], finished=[1, 99]))  # an unknown id is no error
+    assert histories.rows([1]) is None and len(histories) == 0 and len(table) == 0
 
 
-def test_a_sequence_reading_a_history_never_begun_is_an_error():
-    with pytest.raises(ValueError, match="never begun"):
-        Histories(VOCAB, CPU).update(plan([(3, [1], 0)]))
+def test_a_sequence_never_introduced_is_an_error():
+    with pytest.raises(ValueError, match="never introduced"):
+        SeqTable(LIMITS, CPU).apply(plan([(3, [1], 0)]))
 
 
 def test_histories_grow_past_their_first_rows():
-    histories = Histories(VOCAB, CPU)
     seqs = range(20)
-    histories.update(plan([(s, [s], 0) for s in seqs], [History(0) for _ in seqs]))
+    histories = step(
+        SeqTable(LIMITS, CPU), plan([(s, [s], 0) for s in seqs], [(s, 0, []) for s in seqs])
+    )
     found = histories.rows(list(seqs))
     assert found is not None
     counts = found.output_counts[found.slots]
@@ -271,12 +281,12 @@ def test_a_plan_with_histories_crosses_the_wire_unchanged():
     spec = SamplingSpec(
         logit_bias=[(3, 1.5)], bad_words=[[1, 2]], min_tokens=2, min_tokens_stop_ids=[0]
     )
-    sent = plan([(4, [1, 2], 3), (5, [6], 0)], [History(3, [7, 8, 9]), History(1)], [2], spec)
+    sent = plan([(4, [1, 2], 3), (5, [6], 0)], [(4, 3, [7, 8, 9]), (5, 1, [])], [2], spec)
     decoded = FrameDecoder().feed(encode_frame(to_message("step", sent)))[0]
-    received = batch_plan_from_message(decoded)
-    assert (received.histories, received.released) == (sent.histories, sent.released)
-    assert received.sampling[0].logit_bias == [[3, 1.5]]  # JSON's pairs: lists, read alike
-    histories = Histories(VOCAB, CPU)
-    histories.update(received)
+    received = step_plan_from_message(decoded)
+    assert (received.new[0].prefix, received.finished) == ([7, 8, 9], [2])
+    assert received.rows == sent.rows
+    assert received.new[0].sampling.logit_bias == [[3, 1.5]]  # JSON's pairs: lists, read alike
+    histories = step(SeqTable(LIMITS, CPU), received)
     found = histories.rows([4])
     assert found is not None and found.generated == [[1, 2]]

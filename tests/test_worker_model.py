@@ -342,18 +342,26 @@ def test_prompt_logprobs_over_chunks_equal_transformers_log_softmax(tiny_llama_d
     found: list[float] = []
     top_ids: list[list[int]] = []
     for start, end in ((0, 100), (100, 150)):
+        targets = prompt[start + 1 : min(end + 1, len(prompt))]
         plan = plan_for(
             runner,
             [
-                Chunk(0, prompt[start:end], start, table, sample=end == len(prompt), spec=spec),
+                Chunk(
+                    0,
+                    prompt[start:end],
+                    start,
+                    table,
+                    sample=end == len(prompt),
+                    spec=spec,
+                    prompt_targets=targets,
+                ),
                 Chunk(9, neighbour, 0, blocks_for(60, 20)),
             ],
         )
-        plan.prompt_targets = [prompt[start + 1 : min(end + 1, len(prompt))], None]
         result = runner.execute(plan)
         assert result.error is None and result.prompt_logprobs[1] is None
         chunk = result.prompt_logprobs[0]
-        assert chunk is not None and len(chunk) == len(plan.prompt_targets[0])
+        assert chunk is not None and len(chunk) == len(targets)
         found += chunk.logprobs
         top_ids += chunk.top_ids
         assert sampled(result)[-1] == int(alone.argmax())  # the neighbour samples as alone

@@ -253,8 +253,8 @@ def test_profile_plan_is_the_largest_step_on_one_block():
     assert sum(memory.profile_lengths(8192, 1, 2048)) == 8192
     plan = memory.profile_plan([7, 1, 1], block_size=4, context_limit=32)
     assert plan.start_pos == [25, 0, 0]  # the chunk ends at the context limit
-    assert plan.block_tables == [[0] * 8, [0], [0]]
-    assert plan.total_tokens == 9 and all(plan.sample)
+    assert [row.blocks for row in plan.rows] == [[[0] * 8], [[0]], [[0]]]
+    assert plan.total_tokens == 9 and all(row.sample for row in plan.rows)
 
 
 def test_profiling_steps_run_on_a_one_block_cache(tiny_llama_dir):

@@ -12,8 +12,8 @@ import torch
 from gpu_worker.protocol import (
     FrameDecoder,
     SamplingSpec,
-    batch_plan_from_message,
     encode_frame,
+    step_plan_from_message,
     to_message,
 )
 from gpu_worker.sampler import MIN_LOGPROB, Logits, Sampler, allowed_tokens, decode_bitmask
@@ -130,9 +130,9 @@ def test_a_plan_carries_masks_to_the_runner_through_the_wire(tiny_llama_dir, dty
     free = sampled(runner.execute(make_plan(chunks)))
     runner = make_runner(tiny_llama_dir, dtype=dtype)  # a fresh cache: the same prefill again
     allowed = set(range(100, 256, 7)) - {free[1]}
+    chunks[1].bitmask = as_text(words_allowing(allowed, 256))
     plan = make_plan(chunks)
-    plan.token_bitmasks = [None, as_text(words_allowing(allowed, 256))]
     decoded = FrameDecoder().feed(encode_frame(to_message("step", plan)))[0]
-    result = runner.execute(batch_plan_from_message(decoded))
+    result = runner.execute(step_plan_from_message(decoded))
     tokens = sampled(result)
     assert tokens[0] == free[0] and tokens[1] in allowed

@@ -1,5 +1,5 @@
 """Speculative decoding in the worker: a step verifies a sequence's drafted tokens
-(BatchPlan.draft_tokens; gpu_worker.speculation).
+(Row.drafts; gpu_worker.speculation).
 
 Greedy: whatever the drafts, right, wrong or some of each, a sequence takes the tokens it
 takes decoding one per step, beside prefilling and decoding sequences, and the cache after
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from gpu_worker import runtime
-from gpu_worker.protocol import BatchPlan, History, SamplingSpec, TokenLogprobs, WorkerConfig
+from gpu_worker.protocol import SamplingSpec, StepPlan, TokenLogprobs, WorkerConfig
 from gpu_worker.runner import ModelRunner
 from gpu_worker.sampler import apply_top_k
 from service.config import default_cache_dir
@@ -68,10 +68,29 @@ class Lane:
         if self.computed < len(self.prompt):
             part = self.prompt[self.computed : self.computed + self.chunk]
             last = self.computed + len(part) == len(self.prompt)
-            return Chunk(self.seq_id, part, self.computed, self.table, last, self.spec), []
+            chunk = Chunk(
+                self.seq_id,
+                part,
+                self.computed,
+                self.table,
+                last,
+                self.spec,
+                prompt_len=len(self.prompt),
+            )
+            return chunk, []
         drafts = self.drafter(len(self.tokens)) if self.drafter else []
         tokens = [self.tokens[-1], *drafts]
-        return Chunk(self.seq_id, tokens, self.computed, self.table, True, self.spec), drafts
+        chunk = Chunk(
+            self.seq_id,
+            tokens,
+            self.computed,
+            self.table,
+            True,
+            self.spec,
+            prompt_len=len(self.prompt),
+            drafts=drafts,
+        )
+        return chunk, drafts
 
     def take(self, chunk: Chunk, drafts: list[int], tokens: list[int] | None) -> None:
         """The step's result: the cache holds the chunk's positions up to the last kept."""
@@ -90,13 +109,6 @@ def run_lanes(runner: ModelRunner, lanes: list[Lane], wanted: int) -> None:
     while active := [lane for lane in lanes if len(lane.tokens) < wanted]:
         parts = [lane.step() for lane in active]
         plan = plan_for(runner, [chunk for chunk, _ in parts], step_id)
-        if any(drafts for _, drafts in parts):
-            plan.draft_tokens = [drafts for _, drafts in parts]
-        if any(lane.spec.reads_history and not lane.computed for lane in active):
-            plan.histories = [
-                History(len(lane.prompt)) if lane.spec.reads_history and not lane.computed else None
-                for lane in active
-            ]
         result = runner.execute(plan)
         assert result.error is None, result.error
         got = dict(zip(result.seq_ids, result.tokens, strict=True))
@@ -328,12 +340,17 @@ def trials(runner: ModelRunner, last: int, drafts: list[int]) -> list[list[int]]
     for first in range(0, TRIALS, TRIALS_PER_STEP):
         chunks = [
             Chunk(
-                1 + i, [last, *drafts], len(PREFIX), [0, 1, 2 + i], True, _seeded(spec, first + i)
+                1 + i,
+                [last, *drafts],
+                len(PREFIX),
+                [0, 1, 2 + i],
+                True,
+                _seeded(spec, first + i),
+                drafts=drafts,
             )
             for i in range(TRIALS_PER_STEP)
         ]
         plan = plan_for(runner, chunks, first)
-        plan.draft_tokens = [drafts] * len(chunks)
         result = runner.execute(plan)
         assert result.error is None, result.error
         found += result.tokens
@@ -377,14 +394,13 @@ def test_the_chi_square_check_rejects_a_wrong_distribution():
     )
 
 
-def drafted_plan(runner: ModelRunner, spec: SamplingSpec = GREEDY) -> BatchPlan:
+def drafted_plan(runner: ModelRunner, spec: SamplingSpec = GREEDY) -> StepPlan:
     tokens = PROMPT[:4]
-    plan = plan_for(runner, [Chunk(0, tokens, 0, [0, 1], True, spec), Chunk(1, [5], 0, [2])])
-    plan.draft_tokens = [tokens[1:], []]
-    return plan
+    drafting = Chunk(0, tokens, 0, [0, 1], True, spec, drafts=tokens[1:])
+    return plan_for(runner, [drafting, Chunk(1, [5], 0, [2])])
 
 
-def refused(plan: BatchPlan, runner: ModelRunner) -> str:
+def refused(plan: StepPlan, runner: ModelRunner) -> str:
     result = runner.execute(plan)
     assert result.error is not None and not result.tokens
     return result.error
@@ -392,20 +408,17 @@ def refused(plan: BatchPlan, runner: ModelRunner) -> str:
 
 def test_drafts_the_worker_cannot_verify_fail_the_step(runner):
     with_grammar = drafted_plan(runner)
-    with_grammar.token_bitmasks = [base64.b64encode(bytes(VOCAB // 8)).decode(), None]
+    with_grammar.rows[0].bitmask = base64.b64encode(bytes(VOCAB // 8)).decode()
     assert "grammar" in refused(with_grammar, runner)
     not_the_inputs = drafted_plan(runner)
-    not_the_inputs.draft_tokens[0] = [7, 7, 7]
+    not_the_inputs.rows[0].drafts = [7, 7, 7]
     assert "last tokens" in refused(not_the_inputs, runner)
     too_many = drafted_plan(runner)
-    too_many.draft_tokens[0] = PROMPT[:4]
+    too_many.rows[0].drafts = PROMPT[:4]
     assert "4 drafts in a chunk of 4" in refused(too_many, runner)
     unsampled = drafted_plan(runner)
-    unsampled.sample[0] = False
+    unsampled.rows[0].sample = False
     assert "does not sample" in refused(unsampled, runner)
-    misaligned = drafted_plan(runner)
-    misaligned.draft_tokens.pop()
-    assert "draft_tokens" in refused(misaligned, runner)
     result = runner.execute(drafted_plan(runner))  # the same plan, as it came
     assert result.error is None and 1 <= len(result.tokens[0]) <= 4 and len(result.tokens[1]) == 1
 
@@ -415,7 +428,7 @@ def test_a_grammar_beside_drafts_holds(runner):
     plan = drafted_plan(runner)
     only_5 = torch.zeros(VOCAB // 32, dtype=torch.int32)
     only_5[0] = 1 << 5
-    plan.token_bitmasks = [None, base64.b64encode(only_5.numpy().tobytes()).decode()]
+    plan.rows[1].bitmask = base64.b64encode(only_5.numpy().tobytes()).decode()
     result = runner.execute(plan)
     assert result.error is None and result.tokens[1] == [5]
 
@@ -425,7 +438,7 @@ def test_empty_drafts_are_a_plain_step(runner, reference):
     table = blocks_for(0, 16)
     assert sampled(runner.execute(plan_for(runner, [Chunk(0, PROMPT, 0, table)]))) == reference[:1]
     plan = plan_for(runner, [Chunk(0, reference[:1], len(PROMPT), table)])
-    plan.draft_tokens = [[]]
+    assert not plan.rows[0].drafts
     assert sampled(runner.execute(plan)) == reference[1:2]
 
 

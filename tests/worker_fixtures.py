@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from gpu_worker import native, runtime
-from gpu_worker.protocol import BatchPlan, SamplingSpec, StepResult, WorkerConfig
+from gpu_worker.protocol import SamplingSpec, StepPlan, StepResult, WorkerConfig
 from gpu_worker.runner import ModelRunner
 from ops.worker_steps import Seq as Chunk
-from ops.worker_steps import plan_of as make_plan
+from ops.worker_steps import plan_of as make_plan  # noqa: F401  (standalone plans, for the tests)
+from ops.worker_steps import steps_for
 from service.config import default_cache_dir
 
 VOCAB = 256
@@ -200,9 +201,10 @@ def make_runner(model_dir: Path, **overrides) -> ModelRunner:
     return runtime.start(WorkerConfig(**settings))
 
 
-def plan_for(runner: ModelRunner, seqs: list[Chunk], step_id: int = 0) -> BatchPlan:
-    """The step of `seqs` on `runner`'s cache, with a table for each of its KV groups."""
-    return make_plan(seqs, step_id, runner.limits.num_groups)
+def plan_for(runner: ModelRunner, seqs: list[Chunk], step_id: int = 0) -> StepPlan:
+    """The step of `seqs` on `runner`'s cache, with a table for each of its KV groups, as
+    the service would send it after the plans sent to `runner` before."""
+    return steps_for(runner).plan(seqs, step_id)
 
 
 def sampled(result: StepResult) -> list[int]:

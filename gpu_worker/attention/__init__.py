@@ -29,6 +29,7 @@ from gpu_worker.attention.base import (
     LayerAttention,
     PrefillChunk,
     build_metadata,
+    metadata_for,
     paged_attention,
 )
 from gpu_worker.attention.flex_backend import FlexAttention
@@ -50,5 +51,6 @@ __all__ = [
     "PrefillChunk",
     "TorchAttention",
     "build_metadata",
+    "metadata_for",
     "paged_attention",
 ]

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from gpu_worker.kv_cache import LayerKV
+from gpu_worker.step_inputs import StepInputs
 
 QUERY_BLOCK = 128  # prefill queries per attention block
 
@@ -141,6 +142,28 @@ def paged_attention(
 
 
 def build_metadata(
+    inputs: StepInputs,
+    group: int,
+    cache_like: torch.Tensor,
+    group_size: int,
+    backend: AttentionBackend,
+    layer: LayerAttention = FULL,
+) -> AttentionMetadata:
+    """A step's records in KV group `group`, from its facts (metadata_for)."""
+    plan = inputs.plan
+    return metadata_for(
+        plan.num_tokens,
+        plan.start_pos,
+        inputs.tables[group],
+        inputs.slots[group],
+        cache_like,
+        group_size,
+        backend,
+        layer,
+    )
+
+
+def metadata_for(
     num_tokens: list[int],
     start_pos: list[int],
     block_tables: torch.Tensor,
@@ -150,11 +173,12 @@ def build_metadata(
     backend: AttentionBackend,
     layer: LayerAttention = FULL,
 ) -> AttentionMetadata:
-    """Index tensors of one mixed step, shared by every layer of kind `layer`.
+    """Index tensors of one mixed step, shared by every layer of kind `layer`, from its
+    rows' token counts and start positions (a decode row is one of a single token).
 
-    `block_tables` is the plan's tables padded to a common width ([S, W], on the host);
-    `slots` the flat cache slot of each new token, already on the device; `cache_like`
-    any layer's K cache; `group_size` the query heads per key/value head.
+    `block_tables` is the rows' tables padded to a common width ([S, W]); `slots` the
+    flat cache slot of each new token, on the device; `cache_like` any layer's K cache;
+    `group_size` the query heads per key/value head.
     """
     prefills: list[PrefillChunk] = []
     decode_seqs: list[int] = []

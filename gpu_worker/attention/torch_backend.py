@@ -99,7 +99,7 @@ class TorchAttention(AttentionBackend):
         # values later steps will see.
         cache_rows = None
         if chunk.start > 0 or cache_like.dtype in KV_CACHE_DTYPES.values():
-            heads = torch.arange(kv_heads)[:, None] * cache_blocks
+            heads = torch.arange(kv_heads, device=table.device)[:, None] * cache_blocks
             rows = (heads + table[first_block:]).reshape(-1)
             cache_rows = rows.to(cache_like.device, non_blocking=True)
         dtype = _score_dtype(cache_like)
