@@ -332,6 +332,10 @@ class StepPlan:
         return [row.start_pos for row in self.rows]
 
     @property
+    def sample(self) -> list[bool]:
+        return [row.sample for row in self.rows]
+
+    @property
     def sampled_ids(self) -> list[int]:
         """The sequences that sample, in row order: those StepResult.seq_ids answers."""
         return [row.seq_id for row in self.rows if row.sample]

@@ -82,6 +82,8 @@ class ModelRunner:
     def run(self, plan: StepPlan) -> StepResult:
         """One step; raises where execute reports."""
         inputs = self.inputs(plan)
+        if not plan.rows:  # it only told the worker what to forget
+            return StepResult(step_id=plan.step_id)
         if asks_draft_model(plan):
             if self.drafter is None:
                 raise ValueError("the plan asks for a draft model's drafts; this worker has none")

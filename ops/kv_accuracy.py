@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 
 from gpu_worker import runtime
-from gpu_worker.protocol import BatchPlan, SamplingSpec, WorkerConfig
+from gpu_worker.protocol import WorkerConfig
 from gpu_worker.runner import ModelRunner
 from ops.corpus import full_text
+from ops.worker_steps import Seq, steps_for
 from service.config import default_cache_dir
 from service.model_files.resolve import resolve_model
 from service.tokenizer import Tokenizer
@@ -96,17 +97,7 @@ def row_logits(runner: ModelRunner, tokens: list[int], prompt_len: int) -> torch
 
 
 def _step(runner: ModelRunner, tokens: list[int], start: int, table: list[int]) -> torch.Tensor:
-    plan = BatchPlan(
-        step_id=0,
-        seq_ids=[0],
-        input_ids=tokens,
-        num_tokens=[len(tokens)],
-        start_pos=[start],
-        block_tables=[table],
-        sample=[True],
-        sampling=[SamplingSpec()],
-    )
-    return runner.step_logits(plan)[0]
+    return runner.step_logits(steps_for(runner).plan([Seq(0, tokens, start, table)]))[0]
 
 
 def greedy_answer(

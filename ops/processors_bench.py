@@ -23,10 +23,10 @@ import torch
 
 from gpu_worker import runtime
 from gpu_worker.logit_processors import apply_min_p
-from gpu_worker.protocol import BatchPlan, History, SamplingSpec, WorkerConfig
+from gpu_worker.protocol import SamplingSpec, StepPlan, WorkerConfig
 from gpu_worker.runner import ModelRunner
 from gpu_worker.sampler import Logits, with_processors
-from ops.worker_steps import Seq, plan_of, tokens_of
+from ops.worker_steps import Seq, plan_of, steps_for, tokens_of
 from service.config import default_cache_dir
 from service.model_files.resolve import resolve_model
 
@@ -46,7 +46,14 @@ class Batch:
         self.runner, self.specs = runner, specs
         vocab = runner.limits.vocab_size
         self.seqs = [
-            Seq(seq0 + i, tokens_of(prompt, seed=seq0 + i, vocab=vocab), 0, [], spec=spec)
+            Seq(
+                seq0 + i,
+                tokens_of(prompt, seed=seq0 + i, vocab=vocab),
+                0,
+                [],
+                spec=spec,
+                prompt_len=prompt,
+            )
             for i, spec in enumerate(specs)
         ]
 
@@ -58,16 +65,16 @@ class Batch:
             seq.table = list(range(first_block + i * per_seq, first_block + (i + 1) * per_seq))
         for first in range(0, len(self.seqs), chunk_rows):
             part = self.seqs[first : first + chunk_rows]
-            self._advance(part, _with_histories(plan_of(part), part))
+            self._advance(part, steps_for(self.runner).plan(part))
         return first_block + len(self.seqs) * per_seq
 
     def decode(self) -> float:
         """One decode step of every row; its ms."""
         started = time.perf_counter()
-        self._advance(self.seqs, plan_of(self.seqs))
+        self._advance(self.seqs, steps_for(self.runner).plan(self.seqs))
         return (time.perf_counter() - started) * 1000
 
-    def _advance(self, seqs: list[Seq], plan: BatchPlan) -> None:
+    def _advance(self, seqs: list[Seq], plan: StepPlan) -> None:
         result = self.runner.execute(plan)
         assert result.error is None, result.error
         for seq, tokens in zip(seqs, result.tokens, strict=True):
@@ -75,15 +82,9 @@ class Batch:
             seq.tokens = tokens
 
 
-def _with_histories(plan: BatchPlan, seqs: list[Seq]) -> BatchPlan:
-    histories = [History(len(s.tokens)) if s.spec.reads_history else None for s in seqs]
-    plan.histories = histories if any(histories) else []
-    return plan
-
-
 def processors_us(runner: ModelRunner, free: Batch, quarter: Batch, repeats: int = 100):
     """Median µs of the processors' own work on one step of each batch, alternating: the
-    histories' update from its plan, then the logit processors (with_processors) on its
+    histories' count of its plan, then the logit processors (with_processors) on its
     logits. For the free batch that is only the checks that find nothing to do."""
     rows = len(free.seqs)
     generator = torch.Generator().manual_seed(0)
@@ -92,11 +93,12 @@ def processors_us(runner: ModelRunner, free: Batch, quarter: Batch, repeats: int
     times: dict[str, list[float]] = {"free": [], "quarter": []}
     for _ in range(repeats):
         for name, batch in (("free", free), ("quarter", quarter)):
-            plan = plan_of(batch.seqs)
+            plan = plan_of(batch.seqs)  # counted, not run: what the worker holds is unchanged
             seq_ids = [seq.seq_id for seq in batch.seqs]
+            histories = runner.table.histories
             started = time.perf_counter()
-            runner.histories.update(plan)
-            history = runner.histories.rows(seq_ids)
+            histories.count_step(plan)
+            history = histories.rows(seq_ids)
             with_processors(logits, None, batch.specs, history)
             apply_min_p(values, [spec.min_p for spec in batch.specs])
             times[name].append((time.perf_counter() - started) * 1e6)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gpu_worker import runtime
-from gpu_worker.protocol import BatchPlan, WorkerConfig, to_message
+from gpu_worker.protocol import StepPlan, WorkerConfig, to_message
 from gpu_worker.runner import ModelRunner
 from gpu_worker.tensor_parallel import Shard
 from gpu_worker.worker_group import Group, GroupSpec, data_backend
@@ -59,7 +59,7 @@ class CollectiveClock:
         return timed
 
 
-def decode_plan(runner: ModelRunner, batch: int, context: int, step_id: int) -> BatchPlan:
+def decode_plan(runner: ModelRunner, batch: int, context: int, step_id: int) -> StepPlan:
     """`batch` sequences each adding one token at position `context`, own blocks each."""
     block_size = runner.cache.block_size
     width = context // block_size + 1
@@ -70,7 +70,7 @@ def decode_plan(runner: ModelRunner, batch: int, context: int, step_id: int) -> 
 
 
 def timed_steps(
-    runner: ModelRunner, group: Group | None, plan: BatchPlan, steps: int, clock: CollectiveClock
+    runner: ModelRunner, group: Group | None, plan: StepPlan, steps: int, clock: CollectiveClock
 ) -> tuple[float, float]:
     """Median step ms and median collectives ms over `steps` steps (after two warm-ups)."""
     step_ms, collective_ms = [], []

@@ -29,6 +29,7 @@ class Seq:
     drafts: list[int] = field(default_factory=list)  # the last of `tokens` (Row.drafts)
     bitmask: str | None = None
     prompt_targets: list[int] | None = None
+    pooling: str | None = None  # NewSeq.pooling, when it is introduced
 
 
 @dataclass(slots=True)
@@ -58,7 +59,7 @@ class Steps:
                 prompt_len = (
                     seq.start + len(seq.tokens) if seq.prompt_len is None else seq.prompt_len
                 )
-                new.append(NewSeq(seq.seq_id, seq.spec, prompt_len, list(seq.prefix)))
+                new.append(NewSeq(seq.seq_id, seq.spec, prompt_len, list(seq.prefix), seq.pooling))
                 held = _Held(seq.spec, [])
             at = _common_prefix(held.table, seq.table)
             added = seq.table[at:]

@@ -83,7 +83,7 @@ def main() -> int:
                     fatal = {"type": "fatal", "reason": DEVICE_ERROR, "message": "CUDA error"}
                     sock.sendall(encode_frame(fatal))
                     return 3
-                sampled = [s for s, flag in zip(msg["seq_ids"], msg["sample"], strict=True) if flag]
+                sampled = [row["seq_id"] for row in msg["rows"] if row["sample"]]
                 result = {
                     "type": "result",
                     "step_id": msg["step_id"],

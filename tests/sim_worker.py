@@ -11,6 +11,10 @@ a MockClock makes timing exact and instant. Like the real worker it reports, in
 records, in order, when plans arrive and when the engine takes their results, so tests
 can see it overlap its own work with a step.
 
+Like the real worker it holds each sequence's block table from the plan that introduces
+it to the plan that finishes it, and checks that every row's sequence was introduced and
+that its blocks go where its table ends (or where the service gave entries back).
+
 It keeps a fake KV cache (each slot remembers the token at its position and a digest of
 every token up to it) and checks every plan against it: a chunk must continue where the
 cache ends, block tables must cover the positions, a block a step writes is in no other
@@ -23,7 +27,7 @@ the real model must have under greedy sampling.
 
 The "model" is that function, or with `period` a copying one: the token after position q
 is the one at q + 1 - period, so a prompt's text comes back and n-gram drafts are right.
-Drafted tokens (BatchPlan.draft_tokens) are verified as the real worker does under greedy
+Drafted tokens (Row.drafts) are verified as the real worker does under greedy
 sampling: the token after each position of the chunk's last k + 1 is computed, and the
 drafts are kept up to the first that differs from it, so acceptance is predictable.
 
@@ -46,8 +50,8 @@ import trio
 from gpu_worker.protocol import (
     DRAFT_MODEL_TOKEN,
     MAX_IDLE_GAP_S,
-    BatchPlan,
     Handshake,
+    StepPlan,
     StepResult,
 )
 from policies.base import attention_pairs
@@ -120,15 +124,16 @@ class SimWorker:
     hang_at_start: int | None = None  # the n-th start() call never returns
     blocks_after_restart: int | None = None  # a restarted worker's (different) KV size
     hung: bool = False  # pings and steps never answer, like a SIGSTOPped process
-    on_plan: Callable[[BatchPlan], None] | None = None  # called as each plan arrives
+    on_plan: Callable[[StepPlan], None] | None = None  # called as each plan arrives
     honour_bitmasks: bool = True  # False: sample as if no token bitmask came
     kills: int = 0
-    plans: list[BatchPlan] = field(default_factory=list)  # as they arrived
+    plans: list[StepPlan] = field(default_factory=list)  # as they arrived
     # ("plan", step_id) when a plan arrives, ("result", step_id) when the engine takes its
     # result; tests may add their own entries to see what the engine did in between
     events: list[tuple[str, int]] = field(default_factory=list)
     starts: int = 0
     stopped: bool = False
+    tables: dict[int, list[int]] = field(default_factory=dict)  # what it holds, by seq_id
     _kv: dict[int, list[tuple[int, int, int] | None]] = field(default_factory=dict)
     _digests: dict[int, dict[int, int]] = field(default_factory=dict)  # seq -> pos -> digest
     _calls: int = 0
@@ -149,6 +154,7 @@ class SimWorker:
         self.starts += 1
         self.hung = False
         self._gone = trio.Event()
+        self.tables.clear()
         self._kv.clear()
         self._digests.clear()
         self._in_flight = None
@@ -194,7 +200,7 @@ class SimWorker:
         """As if the process died on its own between steps."""
         self._gone.set()
 
-    def cost_ms(self, plan: BatchPlan) -> float:
+    def cost_ms(self, plan: StepPlan) -> float:
         return (
             self.base_ms
             + self.per_token_ms * max(plan.total_tokens, self.memory_bound_tokens)
@@ -203,38 +209,43 @@ class SimWorker:
             + self._draft_model_ms(plan)
         )
 
-    def _draft_model_ms(self, plan: BatchPlan) -> float:
+    def _draft_model_ms(self, plan: StepPlan) -> float:
         """A draft model's passes (one per draft of the longest row's) and context tokens:
         a model `draft_model_share` as costly as this one, each pass a step of its rows."""
-        passes = max((d.count(DRAFT_MODEL_TOKEN) for d in plan.draft_tokens), default=0)
-        context = sum(map(len, plan.draft_context))
+        passes = max((row.drafts.count(DRAFT_MODEL_TOKEN) for row in plan.rows), default=0)
+        context = sum(len(row.draft_context) for row in plan.rows)
         if not passes and not context:
             return 0.0
         step = self.base_ms + self.per_token_ms * self.memory_bound_tokens
         context_ms = self.per_token_ms * max(context - self.memory_bound_tokens, 0)
         return self.draft_model_share * (max(passes, 1) * step + context_ms)
 
-    def _drafted_by_model(self, plan: BatchPlan) -> BatchPlan:
+    def _drafted_by_model(self, plan: StepPlan) -> StepPlan:
         """`plan` with its DRAFT_MODEL_TOKEN drafts chosen by a draft model that is always
         right (the model itself), as the real worker fills them (gpu_worker.draft_model)."""
-        if not any(DRAFT_MODEL_TOKEN in d for d in plan.draft_tokens):
+        if not any(DRAFT_MODEL_TOKEN in row.drafts for row in plan.rows):
             return plan
-        input_ids, drafts, offset = list(plan.input_ids), [], 0
-        for i, seq_id in enumerate(plan.seq_ids):
-            n, start, draft = plan.num_tokens[i], plan.start_pos[i], plan.draft_tokens[i]
+        input_ids, rows, offset = list(plan.input_ids), [], 0
+        for row in plan.rows:
+            n, start, draft, table = (
+                row.num_tokens,
+                row.start_pos,
+                row.drafts,
+                self.tables[row.seq_id],
+            )
             for k in range(n - len(draft)):
-                self._write(plan.block_tables[i], seq_id, start + k, input_ids[offset + k])
+                self._write(table, row.seq_id, start + k, input_ids[offset + k])
             chosen = []
             for k in range(n - len(draft), n):
-                token = self._next_token(plan.block_tables[i], seq_id, start + k - 1)
-                self._write(plan.block_tables[i], seq_id, start + k, token)
+                token = self._next_token(table, row.seq_id, start + k - 1)
+                self._write(table, row.seq_id, start + k, token)
                 chosen.append(token)
             input_ids[offset + n - len(draft) : offset + n] = chosen
-            drafts.append(chosen)
+            rows.append(dataclasses.replace(row, drafts=chosen))
             offset += n
-        return dataclasses.replace(plan, input_ids=input_ids, draft_tokens=drafts)
+        return dataclasses.replace(plan, input_ids=input_ids, rows=rows)
 
-    async def send_step(self, plan: BatchPlan) -> None:
+    async def send_step(self, plan: StepPlan) -> None:
         await trio.lowlevel.checkpoint()  # a real send is one: aborts and arrivals land here
         assert self._in_flight is None, "a plan sent before the previous result was taken"
         now = trio.current_time()
@@ -273,22 +284,26 @@ class SimWorker:
             return None
         return (now - self._answered_at) * 1000
 
-    def _compute(self, plan: BatchPlan) -> StepResult:
+    def _compute(self, plan: StepPlan) -> StepResult:
         result = StepResult(step_id=plan.step_id, step_ms=self.cost_ms(plan))
         plan = self._drafted_by_model(plan)
         offset = 0
-        for i, seq_id in enumerate(plan.seq_ids):
-            n, start, table = plan.num_tokens[i], plan.start_pos[i], plan.block_tables[i]
+        for row in plan.rows:
+            n, start, table, seq_id = (
+                row.num_tokens,
+                row.start_pos,
+                self.tables[row.seq_id],
+                row.seq_id,
+            )
             for k in range(n):
                 self._write(table, seq_id, start + k, plan.input_ids[offset + k])
             offset += n
-            if plan.sample[i]:
-                drafts = plan.draft_tokens[i] if plan.draft_tokens else []
+            if row.sample:
+                drafts = row.drafts
                 tokens = self._verify(table, seq_id, start + n - 1 - len(drafts), drafts)
-                mask = plan.token_bitmasks[i] if plan.token_bitmasks else None
-                if mask is not None and self.honour_bitmasks:
+                if row.bitmask is not None and self.honour_bitmasks:
                     assert not drafts, "a constrained sequence drafted"
-                    tokens = [constrained_choice(mask)]
+                    tokens = [constrained_choice(row.bitmask)]
                 result.seq_ids.append(seq_id)
                 result.tokens.append(tokens)
         return result
@@ -303,31 +318,46 @@ class SimWorker:
                 break
         return taken
 
-    def check_plan(self, plan: BatchPlan) -> None:
-        n = len(plan.seq_ids)
-        lengths = {
-            len(x) for x in (plan.num_tokens, plan.start_pos, plan.block_tables, plan.sample)
-        }
-        assert lengths == {n}, "plan fields disagree in length"
-        assert len(set(plan.seq_ids)) == n, "a sequence appears twice in one step"
+    def check_plan(self, plan: StepPlan) -> None:
+        """The plan against what this worker holds, which it then applies."""
+        self._apply(plan)
+        seq_ids = plan.seq_ids
+        assert len(set(seq_ids)) == len(seq_ids), "a sequence appears twice in one step"
         assert sum(plan.num_tokens) == len(plan.input_ids), "input ids do not match num_tokens"
         assert plan.total_tokens <= self.max_batched_tokens, "step larger than the worker allows"
+        tables = [self.tables[seq_id] for seq_id in seq_ids]
         written: set[int] = set()
-        for i in range(n):
-            table = plan.block_tables[i]
-            end = plan.start_pos[i] + plan.num_tokens[i]
-            assert plan.num_tokens[i] >= 1
+        for row, table in zip(plan.rows, tables, strict=True):
+            end = row.start_pos + row.num_tokens
+            assert row.num_tokens >= 1
             assert end <= len(table) * self.block_size, "block table too short for positions"
             assert end <= self.max_model_len
             assert len(set(table)) == len(table), "a block twice in one table"
             for block in table:
                 assert 0 <= block < self.num_blocks, f"block {block} out of range"
-            for block in table[plan.start_pos[i] // self.block_size :]:
+            for block in table[row.start_pos // self.block_size :]:
                 assert block not in written, f"block {block} written by two sequences"
                 written.add(block)
-        for i in range(n):
-            read = plan.block_tables[i][: plan.start_pos[i] // self.block_size]
+        for row, table in zip(plan.rows, tables, strict=True):
+            read = table[: row.start_pos // self.block_size]
             assert not written & set(read), "a step writes a block another sequence reads"
+
+    def _apply(self, plan: StepPlan) -> None:
+        """`finished`, then `new`, then each row's blocks, as gpu_worker.seq_table does."""
+        for seq_id in plan.finished:
+            self.tables.pop(seq_id, None)
+        for new in plan.new:
+            assert new.seq_id not in self.tables, f"sequence {new.seq_id} introduced twice"
+            self.tables[new.seq_id] = []
+        for row in plan.rows:
+            assert row.seq_id in self.tables, f"sequence {row.seq_id} was never introduced"
+            table = self.tables[row.seq_id]
+            at = len(table) if row.blocks_at is None else row.blocks_at
+            assert at <= len(table), f"sequence {row.seq_id}'s blocks leave a gap in its table"
+            del table[at:]
+            if row.blocks:
+                assert len(row.blocks) == 1, "the simulated cache has one KV group"
+                table += row.blocks[0]
 
     def _write(self, table: list[int], seq_id: int, pos: int, token: int) -> None:
         # a chunk must continue the cached prefix

@@ -16,7 +16,7 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpu_worker.protocol import BatchPlan
+from gpu_worker.protocol import StepPlan
 from service.config import Config
 from service.engine.engine import CPU_OVERLAP_SEQS, Engine
 from service.engine.request import SamplingParams, SamplingSpec
@@ -170,7 +170,7 @@ class TraceRun:
         await trio.sleep(after)
         self.abort(name)
 
-    def abort_as_plan_arrives(self, plan: BatchPlan) -> None:
+    def abort_as_plan_arrives(self, plan: StepPlan) -> None:
         for name in self.abort_at_step.pop(plan.step_id, []):
             self.abort(name)
 

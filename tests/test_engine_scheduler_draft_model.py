@@ -10,6 +10,7 @@ from policies.base import Decision
 from service.engine.request import Request, SamplingParams
 from service.engine.scheduler import ScheduleOutput, Scheduler
 from service.engine.speculation import DRAFT_MODEL, SpeculativeConfig
+from tests.plan_columns import column
 from tests.scheduler_helpers import make_request, make_scheduler
 
 K = 3
@@ -38,7 +39,9 @@ def decoding(sched: Scheduler, seq_id: int = 0, prompt: int = 9) -> Request:
     request.params = SamplingParams(max_tokens=32)
     sched.add(request)
     out = plan(sched, [(seq_id, prompt)])
-    assert out.plan is not None and not out.plan.draft_context  # a prefill sends it nothing
+    assert out.plan is not None and not column(
+        out.plan, "draft_context"
+    )  # a prefill sends it nothing
     sched.update(out, answer(out, {seq_id: [7]}))
     return request
 
@@ -48,10 +51,10 @@ def test_a_first_draft_sends_the_whole_context_and_asks_for_k_drafts():
     request = decoding(sched)
     out = plan(sched, [(0, 1)])
     assert out.plan is not None
-    assert out.plan.draft_tokens == [[DRAFT_MODEL_TOKEN] * K]
+    assert column(out.plan, "drafts") == [[DRAFT_MODEL_TOKEN] * K]
     assert out.plan.input_ids == [7] + [DRAFT_MODEL_TOKEN] * K
-    assert out.plan.draft_context == [request.token_ids[:9]]
-    assert out.plan.draft_start == [0]
+    assert column(out.plan, "draft_context") == [request.token_ids[:9]]
+    assert [row.draft_start for row in out.plan.rows] == [0]
 
 
 def test_what_the_draft_model_holds_follows_the_verdicts():
@@ -62,13 +65,15 @@ def test_what_the_draft_model_holds_follows_the_verdicts():
     # its cache took positions 9 (the token 7) and 10, 11 (drafts 1 and 2): all kept
     assert request.num_computed_tokens == 12 and request.draft_synced == 12
     out = plan(sched, [(0, 1)])
-    assert out.plan is not None and not out.plan.draft_context  # nothing is missing
+    assert out.plan is not None and not column(out.plan, "draft_context")  # nothing is missing
     sched.update(out, answer(out, {0: [21, 22, 23, 24]}))  # all 3 kept, then 24
     # the last draft (23, at 15) was never read by the draft model: it is sent next
     assert request.num_computed_tokens == 16 and request.draft_synced == 15
     out = plan(sched, [(0, 1)])
     assert out.plan is not None
-    assert out.plan.draft_context == [[23]] and out.plan.draft_start == [15]
+    assert column(out.plan, "draft_context") == [[23]] and [
+        row.draft_start for row in out.plan.rows
+    ] == [15]
     sched.update(out, answer(out, {0: [31]}))  # every draft rejected
     assert request.draft_synced == 17
     sched.check_invariants()
@@ -92,16 +97,18 @@ def test_a_context_too_long_for_one_step_goes_in_pieces_before_any_draft():
     for _ in range(3):
         out = plan(sched, [(0, 1)])
         assert out.plan is not None
-        if out.plan.draft_tokens:
+        if column(out.plan, "drafts"):
             break
-        (context,) = out.plan.draft_context
-        assert out.plan.draft_start == [len(sent)] and 0 < len(context) <= 16
+        (context,) = column(out.plan, "draft_context")
+        assert [row.draft_start for row in out.plan.rows] == [len(sent)] and 0 < len(context) <= 16
         sent += context
         sched.update(out, answer(out, {0: [9]}))
         assert request.draft_synced == len(sent)
     else:
         raise AssertionError("the context never arrived")
-    assert out.plan.draft_context == [request.token_ids[len(sent) : request.num_computed_tokens]]
+    assert column(out.plan, "draft_context") == [
+        request.token_ids[len(sent) : request.num_computed_tokens]
+    ]
     assert sent == request.token_ids[: len(sent)]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from policies.base import Decision
 from service.engine.request import Status
+from tests.plan_columns import column
 from tests.scheduler_helpers import SAMPLED, make_request, make_scheduler, sampled_result
 
 
@@ -44,7 +45,7 @@ def test_a_row_without_its_mask_never_samples_and_the_free_row_runs() -> None:
         (0, 4, True),
         (1, 3, False),
     ]
-    assert out.plan is not None and out.plan.token_bitmasks == []
+    assert out.plan is not None and column(out.plan, "bitmask") == []
     sched.update(out, sampled_result(out))
     assert sched.waits_for_masks()
 
@@ -59,7 +60,7 @@ def test_a_row_without_its_mask_never_samples_and_the_free_row_runs() -> None:
     out = sched.schedule(2.0)
     assert out.plan is not None
     assert [s.samples for s in out.scheduled] == [True, True]
-    assert out.plan.token_bitmasks == [None, "mask-of-state-3"]
+    assert column(out.plan, "bitmask") == [None, "mask-of-state-3"]
     sched.update(out, sampled_result(out))
     assert bound.grammar.accepted == [SAMPLED] and bound.grammar.mask is None
     assert sched.unmasked() == [bound] and sched.waits_for_masks()

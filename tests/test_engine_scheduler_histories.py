@@ -1,7 +1,7 @@
 """The engine's half of the worker's histories, and of the sampling facts it adds.
 
-A sequence whose sampling reads its tokens gets a History with its first plan after each
-admission (the prompt length, and the tokens a prefix-cache hit skips) and is released by
+A sequence whose sampling reads its tokens is introduced with its first plan after each
+admission (the prompt length, and the tokens a prefix-cache hit skips) and is finished by
 the first plan after it ends or is preempted; a sequence that reads none never appears in
 either. stop_token_ids finish a sequence; min_tokens holds back EOS and those tokens
 (unless ignore_eos), and bad words reach the worker as token sequences.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from gpu_worker.protocol import History, SamplingSpec
+from gpu_worker.protocol import SamplingSpec
 from policies.base import Decision
 from service.engine.request import Request, SamplingParams, Status
 from service.engine.sampling import worker_sampling
@@ -43,12 +43,14 @@ def test_a_history_begins_with_the_first_plan_and_is_released_after_the_end():
     sched.add(free)
     sched.add(penalised)
     first = step(sched, [(0, 4), (1, 5)]).plan
-    assert first is not None and first.histories == [None, History(5, [])]
+    assert first is not None
+    assert [(n.seq_id, n.prompt_len, n.prefix) for n in first.new] == [(0, 4, []), (1, 5, [])]
+    assert first.new[1].sampling.reads_history
     second = step(sched, [(0, 1), (1, 1)]).plan  # penalised reaches max_tokens
-    assert second is not None and (second.histories, second.released) == ([], [])
+    assert second is not None and (second.new, second.finished) == ([], [])
     third = step(sched, [(0, 1)]).plan
-    assert third is not None and third.released == [1]
-    assert step(sched, [(0, 1)]).plan.released == []  # type: ignore[union-attr]
+    assert third is not None and third.finished == [1]
+    assert step(sched, [(0, 1)]).plan.finished == []  # type: ignore[union-attr]
 
 
 def test_a_prefix_cache_hit_sends_the_tokens_it_skips():
@@ -59,7 +61,7 @@ def test_a_prefix_cache_hit_sends_the_tokens_it_skips():
     sched.add(later)
     plan = step(sched, [(1, 9)]).plan
     assert plan is not None and plan.start_pos == [8]
-    assert plan.histories == [History(9, later.token_ids[:8])]
+    assert [(n.prompt_len, n.prefix) for n in plan.new] == [(9, later.token_ids[:8])]
 
 
 def test_a_preempted_sequence_is_released_and_begins_again_on_readmission():
@@ -72,10 +74,11 @@ def test_a_preempted_sequence_is_released_and_begins_again_on_readmission():
         step(sched, [(1, 1)])  # b: 7 tokens in 2 blocks, none free
     out = step(sched, [(0, 1)])  # a needs a third block: b is preempted
     assert [r.seq_id for r in out.preempted] == [1]
-    assert out.plan is not None and out.plan.released == [1]  # the same step's plan
+    assert out.plan is not None and out.plan.finished == [1]  # the same step's plan
     sched.remove(a)
     plan = step(sched, [(1, 8)]).plan
-    assert plan is not None and (plan.histories, plan.released) == ([History(4, [])], [])
+    assert plan is not None and [(n.seq_id, n.prefix) for n in plan.new] == [(1, [])]
+    assert plan.finished == [0]
 
 
 def test_a_stop_token_finishes_the_sequence():

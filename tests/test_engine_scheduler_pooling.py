@@ -10,7 +10,7 @@ import dataclasses
 
 import numpy as np
 
-from gpu_worker.protocol import POOL_LAST, POOL_SUM, BatchPlan, SamplingSpec, StepResult
+from gpu_worker.protocol import POOL_LAST, POOL_SUM, SamplingSpec, StepPlan, StepResult
 from policies.base import Decision
 from service.engine.request import LAST_POOLING, MEAN_POOLING, Request, Status
 from service.engine.scheduler import POOLED, Outcome, ScheduleOutput, Scheduler
@@ -30,12 +30,11 @@ def worker_answer(out: ScheduleOutput) -> StepResult:
     assert out.plan is not None
     result = sampled_result(out)
     plan = out.plan
-    if plan.pooling:
+    pooled = [item.request.params.pooling is not None for item in out.scheduled]
+    if any(pooled):
         result.pooled = [
-            None if kind is None else _encoded([float(start), float(count)])
-            for kind, start, count in zip(
-                plan.pooling, plan.start_pos, plan.num_tokens, strict=True
-            )
+            _encoded([float(start), float(count)]) if pools else None
+            for pools, start, count in zip(pooled, plan.start_pos, plan.num_tokens, strict=True)
         ]
     return result
 
@@ -46,7 +45,7 @@ def _encoded(values: list[float]) -> str:
 
 def step(
     sched: Scheduler, schedule: list[tuple[int, int]], preempt: tuple[int, ...] = ()
-) -> tuple[BatchPlan, list[Outcome]]:
+) -> tuple[StepPlan, list[Outcome]]:
     sched.policy.next = Decision(schedule, list(preempt))  # type: ignore[attr-defined]
     out = sched.schedule(now=0.0)
     assert out.plan is not None
@@ -62,7 +61,7 @@ def test_a_mean_pools_every_chunk_samples_nothing_and_ends_with_its_last_chunk()
     request = pooled(make_request(0, 10), MEAN_POOLING)
     sched.add(request)
     plan, outcomes = step(sched, [(0, 4)])
-    assert (plan.pooling, plan.sample, outcomes) == ([POOL_SUM], [False], [])
+    assert ([n.pooling for n in plan.new], plan.sample, outcomes) == ([POOL_SUM], [False], [])
     assert step(sched, [(0, 4)])[1] == []
     _, [outcome] = step(sched, [(0, 2)])
     assert outcome.finish == POOLED and outcome.token is None
@@ -78,7 +77,7 @@ def test_a_last_token_pool_is_asked_of_the_final_chunk_only_and_takes_the_cache_
     last = pooled(make_request(1, 11, family=1), LAST_POOLING)
     sched.add(last)
     plan, [outcome] = step(sched, [(1, 3)])  # the hit covers 8 of its 11 tokens
-    assert plan.pooling == [POOL_LAST]
+    assert [n.pooling for n in plan.new] == [POOL_LAST]
     assert last.num_cached_tokens == 8 and last.pooled == [8.0, 3.0]
     assert outcome.finish == POOLED
     mean = pooled(make_request(2, 11, family=1), MEAN_POOLING)

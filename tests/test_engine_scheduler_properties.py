@@ -12,6 +12,7 @@ below pin the individual rules the properties cannot state exactly.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import pytest
@@ -22,6 +23,7 @@ from policies.base import Decision, View
 from service.engine.block_manager import BlockManager
 from service.engine.request import Request, Status
 from service.engine.scheduler import ScheduleOutput, Scheduler
+from tests.plan_columns import HeldTables
 from tests.scheduler_helpers import (
     SAMPLED,
     make_request,
@@ -77,6 +79,16 @@ def decisions(draw: st.DrawFn, known: list[int]) -> Decision:
     )
 
 
+_HELD: weakref.WeakKeyDictionary[Scheduler, HeldTables] = weakref.WeakKeyDictionary()
+
+
+def _held_by_worker(sched: Scheduler) -> HeldTables:
+    """What the worker of `sched` holds: the plans checked so far, applied."""
+    if sched not in _HELD:
+        _HELD[sched] = HeldTables(sched.blocks.num_groups)
+    return _HELD[sched]
+
+
 def check_step(
     sched: Scheduler, out: ScheduleOutput, before: dict[int, Before], block_size: int
 ) -> None:
@@ -85,6 +97,8 @@ def check_step(
         assert plan is None
         return
     assert plan is not None
+    held = _held_by_worker(sched)
+    held.apply(plan)
     assert plan.total_tokens == sum(plan.num_tokens) <= sched.max_batched_tokens
     assert len(plan.seq_ids) <= sched.max_num_seqs
     assert len(set(plan.seq_ids)) == len(plan.seq_ids)
@@ -103,7 +117,7 @@ def check_step(
             assert start == 0 or sched.blocks.enable_caching
         else:  # a chunk continues where the cache ends
             assert start == was.num_computed
-        tables = [plan.block_tables[i], *(plan.group_tables[i] if plan.group_tables else [])]
+        tables = held.tables[seq_id]
         written = [b for table in tables for b in table[start // block_size :]]
         assert all(sched.blocks.refcount(b) == 1 for b in written), "writes a shared block"
         assert start + n <= was.num_tokens
@@ -113,10 +127,10 @@ def check_step(
         assert plan.input_ids[offset : offset + n] == was.token_ids[start : start + n]
         offset += n
         # the table covers exactly the tokens computed so far
-        assert len(plan.block_tables[i]) == -(-(start + n) // block_size)
+        assert len(tables[0]) == -(-(start + n) // block_size)
         assert tables == [sched.blocks.table(seq_id, g) for g in range(sched.blocks.num_groups)]
         assert request.status is Status.RUNNING
-        assert plan.sampling[i] is request.params.sampling
+        assert held.introduced[seq_id].sampling is request.params.sampling
         assert request not in out.preempted
     assert offset == plan.total_tokens
 
@@ -608,8 +622,8 @@ def test_plan_carries_step_id_positions_tokens_and_sampling():
     out = sched.schedule(now=0.0)
     assert out.plan.step_id == out.iteration == 1
     assert out.plan.input_ids == a.token_ids
-    assert out.plan.block_tables == [sched.blocks.table(0)]
-    assert out.plan.sampling == [a.params.sampling]
+    assert [row.blocks for row in out.plan.rows] == [[sched.blocks.table(0)]]
+    assert [new.sampling for new in out.plan.new] == [a.params.sampling]
 
 
 @pytest.mark.parametrize("tokens", [0, -1, -100])

@@ -46,7 +46,7 @@ def test_a_long_sequence_holds_its_window_and_its_table_keeps_every_position():
     most = -(-WINDOW // BLOCK) + 1  # the window's blocks, and the one its start cuts
     for _ in range(30):
         plan = step(sched, [(0, 1)]).plan
-        assert plan is not None and len(plan.block_tables[0]) * BLOCK > plan.start_pos[0]
+        assert plan is not None and len(sched.blocks.table(0)) * BLOCK > plan.start_pos[0]
         assert sched.blocks.num_held(0) <= most
     # without the window it would hold 13 blocks by now
     assert sched.blocks.blocks_to_hold(request.num_tokens) == 13

@@ -14,6 +14,7 @@ from service.engine.block_manager import BlockManager, chain_hashes
 from service.engine.request import Request, SamplingParams, SamplingSpec, Status
 from service.engine.scheduler import ScheduleOutput, Scheduler
 from service.engine.speculation import DRAFT_MODEL, SpeculativeConfig
+from tests.plan_columns import column
 from tests.scheduler_helpers import make_request, make_scheduler
 from tests.sim_worker import EOS
 from tests.test_engine_scheduler_properties import decisions
@@ -47,7 +48,7 @@ def decoding(sched: Scheduler, seq_id: int = 0, *, max_tokens: int = 16, **param
     request.params = SamplingParams(max_tokens=max_tokens, **params)
     sched.add(request)
     out = plan(sched, [(seq_id, 9)])
-    assert out.plan is not None and not out.plan.draft_tokens  # a prefill chunk drafts not
+    assert out.plan is not None and not column(out.plan, "drafts")  # a prefill chunk drafts not
     sched.update(out, answer(out, {seq_id: [1]}))
     return request
 
@@ -57,10 +58,10 @@ def test_a_decode_carries_its_drafts_at_the_positions_after_its_token():
     request = decoding(sched)
     out = plan(sched, [(0, 1)])
     assert out.plan is not None
-    assert out.plan.draft_tokens == [[2, 3, 1, 2]]
+    assert column(out.plan, "drafts") == [[2, 3, 1, 2]]
     assert out.plan.num_tokens == [5] and out.plan.start_pos == [9]
     assert out.plan.input_ids == [1, 2, 3, 1, 2]  # its last token, then the drafts
-    assert len(out.plan.block_tables[0]) == 4  # positions 9..13
+    assert len(sched.blocks.table(0)) == 4  # positions 9..13
     assert (out.drafting_seqs, out.draft_tokens) == (1, 4)
     assert request.num_computed_tokens == 9  # nothing committed before the result
 
@@ -88,7 +89,7 @@ def test_eos_among_the_accepted_drafts_ends_the_sequence_there():
     out = plan(sched, [(0, 9)])
     sched.update(out, answer(out, {0: [1]}))
     out = plan(sched, [(0, 1)])
-    assert out.plan is not None and out.plan.draft_tokens == [[2, EOS, 1, 2]]
+    assert out.plan is not None and column(out.plan, "drafts") == [[2, EOS, 1, 2]]
     outcomes = sched.update(out, answer(out, {0: [2, EOS, 1, 2, 9]}))
     assert [(o.token, o.finish) for o in outcomes] == [(2, None), (EOS, ("stop", "eos"))]
     assert request.token_ids[-3:] == [1, 2, EOS]  # what followed EOS is dropped
@@ -108,7 +109,7 @@ def test_drafts_never_run_past_max_tokens():
     sched = scheduler()
     request = decoding(sched, max_tokens=3)  # one generated: two to go
     out = plan(sched, [(0, 1)])
-    assert out.plan is not None and out.plan.draft_tokens == [[2]]  # and the one after it
+    assert out.plan is not None and column(out.plan, "drafts") == [[2]]  # and the one after it
     outcomes = sched.update(out, answer(out, {0: [2, 3]}))
     assert [o.finish for o in outcomes] == [None, ("length", "max_tokens")]
     assert request.num_generated == 3
@@ -118,7 +119,7 @@ def test_a_request_at_its_last_token_drafts_nothing():
     sched = scheduler()
     decoding(sched, max_tokens=2)
     out = plan(sched, [(0, 1)])
-    assert out.plan is not None and out.plan.draft_tokens == [] and out.plan.num_tokens == [1]
+    assert out.plan is not None and column(out.plan, "drafts") == [] and out.plan.num_tokens == [1]
 
 
 def test_drafts_take_only_the_budget_the_engine_and_the_policy_leave():
@@ -127,14 +128,14 @@ def test_drafts_take_only_the_budget_the_engine_and_the_policy_leave():
         decoding(sched, seq_id)
     out = plan(sched, [(0, 1), (1, 1), (2, 1)])
     assert out.plan is not None and out.plan.total_tokens == 9
-    assert out.plan.draft_tokens == [[2, 3, 1, 2], [2, 3], []]  # the most accepted first
+    assert column(out.plan, "drafts") == [[2, 3, 1, 2], [2, 3], []]  # the most accepted first
     sched.update(out, answer(out, {0: [5], 1: [5], 2: [5]}))
     sched = scheduler()
     for seq_id in range(3):
         decoding(sched, seq_id)
     out = plan(sched, [(0, 1), (1, 1), (2, 1)], token_budget=5)
     assert out.plan is not None and out.plan.total_tokens == 5
-    assert out.plan.draft_tokens == [[2, 3], [], []]
+    assert column(out.plan, "drafts") == [[2, 3], [], []]
     sched.update(out, answer(out, {0: [2, 3, 1], 1: [2], 2: [2]}))
     out = plan(sched, [(0, 1), (1, 1), (2, 1)], token_budget="wrong")
     assert out.plan is not None  # a policy's bad budget: the engine's cap alone
@@ -146,7 +147,7 @@ def test_drafts_take_no_block_promised_to_a_prefill_or_kept_by_the_watermark():
     sched = scheduler(num_blocks=3)
     decoding(sched)
     out = plan(sched, [(0, 1)])
-    assert out.plan is not None and out.plan.draft_tokens == [[2, 3]]  # its block's room
+    assert out.plan is not None and column(out.plan, "drafts") == [[2, 3]]  # its block's room
     sched.update(out, answer(out, {0: [2, 3, 1]}))
     sched = scheduler(num_blocks=8)
     for tokens in range(1, 11):  # steps whose rows cost nearly nothing: drafts fit anywhere
@@ -156,14 +157,14 @@ def test_drafts_take_no_block_promised_to_a_prefill_or_kept_by_the_watermark():
     sched.add(waiting)
     out = plan(sched, [(0, 1), (1, 4)])  # admitted: 5 blocks promised, 1 allocated
     assert out.plan is not None and sched.blocks.num_available == 0
-    assert out.plan.draft_tokens == [[2, 3], []]
+    assert column(out.plan, "drafts") == [[2, 3], []]
 
 
 def test_a_request_whose_sampling_reads_its_history_never_drafts():
     sched = scheduler()
     decoding(sched, sampling=SamplingSpec(repetition_penalty=1.2))
     out = plan(sched, [(0, 1)])
-    assert out.plan is not None and out.plan.draft_tokens == [] and out.draft_tokens == 0
+    assert out.plan is not None and column(out.plan, "drafts") == [] and out.draft_tokens == 0
 
 
 def test_rejections_make_a_request_draft_less():
@@ -191,9 +192,9 @@ def check_drafts(sched: Scheduler, out: ScheduleOutput, budget: object, before: 
         cap = min(cap, budget)
     own = sum(item.num_tokens for item in out.scheduled)
     assert plan.total_tokens <= sched.max_batched_tokens
-    context = sum(map(len, plan.draft_context))  # a draft model's: budgeted as drafts
+    context = sum(map(len, column(plan, "draft_context")))  # a draft model's: budgeted as drafts
     assert out.draft_tokens + context <= max(0, cap - own), "drafts past the budget"
-    assert out.draft_tokens == sum(map(len, plan.draft_tokens))
+    assert out.draft_tokens == sum(map(len, column(plan, "drafts")))
     if out.draft_tokens or context:  # the cost model is never fitted here (no step times)
         assert own == len(plan.seq_ids) and plan.total_tokens + context <= 16  # a small step
     offset = 0
@@ -201,7 +202,7 @@ def check_drafts(sched: Scheduler, out: ScheduleOutput, budget: object, before: 
         request, drafts = item.request, item.drafts
         n, start = plan.num_tokens[i], plan.start_pos[i]
         if item.draft_context:  # what the draft model lacks, from where it stopped
-            assert plan.draft_context[i] == item.draft_context
+            assert column(plan, "draft_context")[i] == item.draft_context
             assert (
                 item.draft_context
                 == request.token_ids[item.draft_start : start][: len(item.draft_context)]
@@ -209,14 +210,17 @@ def check_drafts(sched: Scheduler, out: ScheduleOutput, budget: object, before: 
             assert not drafts or item.draft_start + len(item.draft_context) == start
         if drafts:
             assert item.samples and item.num_tokens == 1 and n == 1 + len(drafts)
-            assert plan.draft_tokens[i] == drafts and len(drafts) <= SPEC.num_speculative_tokens
+            assert (
+                column(plan, "drafts")[i] == drafts and len(drafts) <= SPEC.num_speculative_tokens
+            )
             if DRAFT_MODEL_TOKEN in drafts:
                 assert set(drafts) == {DRAFT_MODEL_TOKEN}
                 assert request.draft_synced + len(item.draft_context) == start
             generated = before[request.seq_id][1] - request.prompt_len
             assert generated + len(drafts) + 1 <= request.params.max_tokens  # type: ignore[operator]
             assert plan.input_ids[offset : offset + n] == [request.token_ids[start], *drafts]
-        assert len(plan.block_tables[i]) == -(-(start + n) // sched.blocks.block_size)
+        table = sched.blocks.table(request.seq_id)
+        assert len(table) == -(-(start + n) // sched.blocks.block_size)
         offset += n
 
 

@@ -15,6 +15,7 @@ from service.engine.block_manager import BlockManager
 from service.engine.request import Request, SamplingParams, SamplingSpec
 from service.engine.scheduler import ScheduleOutput, Scheduler
 from service.engine.speculation import SpeculativeConfig, Speculator
+from tests.plan_columns import column
 from tests.scheduler_helpers import Scripted, make_request
 from tests.sim_worker import EOS
 
@@ -104,7 +105,7 @@ def test_several_tokens_of_one_step_append_in_order_until_the_sequence_finishes(
     out = planned(sched, Decision(schedule=[(0, 1), (1, 1)]))
     assert out.plan is not None
     # one draft for `short` (its max_tokens leaves room for one and the token after it)
-    assert out.plan.draft_tokens == [[1], [4, 5, 6, 4]]
+    assert column(out.plan, "drafts") == [[1], [4, 5, 6, 4]]
     assert sched.blocks.num_held(1) == 4  # positions up to 12: its last draft's
     rows = TokenLogprobs([-0.1, -0.2, -0.3, -0.4, -0.5], [[]] * 5, [[]] * 5)
     outcomes = sched.update(out, StepResult(out.iteration, [0, 1], [[1, 2], [4, 5, 7]], rows))
@@ -151,7 +152,9 @@ def fake_prompt_logprobs(targets: list[int]) -> TokenLogprobs:
 def run_chunk(sched: Scheduler, seq_id: int, tokens: int, sampled: list[int]) -> ScheduleOutput:
     out = planned(sched, Decision(schedule=[(seq_id, tokens)]))
     assert out.plan is not None
-    found = [None if t is None else fake_prompt_logprobs(t) for t in out.plan.prompt_targets]
+    found = [
+        None if t is None else fake_prompt_logprobs(t) for t in column(out.plan, "prompt_targets")
+    ]
     sched.update(out, result(out, sampled, prompt_logprobs=found))
     return out
 
@@ -162,12 +165,14 @@ def test_prompt_targets_follow_the_chunks_and_stop_before_the_sampled_position()
     sched.add(request)
     prompt = list(request.token_ids)
     first = run_chunk(sched, 0, 4, [])
-    assert first.plan is not None and first.plan.prompt_targets == [prompt[1:5]]
+    assert first.plan is not None and column(first.plan, "prompt_targets") == [prompt[1:5]]
     last = run_chunk(sched, 0, 6, [7])
-    assert last.plan is not None and last.plan.prompt_targets == [prompt[5:10]]
+    assert last.plan is not None and column(last.plan, "prompt_targets") == [prompt[5:10]]
     assert request.prompt_logprobs == fake_prompt_logprobs(prompt[1:])
     decode = planned(sched, Decision(schedule=[(0, 1)]))
-    assert decode.plan is not None and decode.plan.prompt_targets == []  # nobody wants any
+    assert (
+        decode.plan is not None and column(decode.plan, "prompt_targets") == []
+    )  # nobody wants any
 
 
 def test_a_preempted_echo_request_keeps_each_prompt_logprob_once():
@@ -192,7 +197,7 @@ def test_an_echo_request_computes_its_prompt_even_when_it_is_cached():
     out = planned(sched, Decision(schedule=[(1, 12)]))
     assert echo.num_cached_tokens == 0
     assert out.plan is not None and out.plan.start_pos == [0]
-    assert out.plan.prompt_targets == [echo.token_ids[1:12]]
+    assert column(out.plan, "prompt_targets") == [echo.token_ids[1:12]]
     later = make_request(2, 12, family=0)  # asks for no logprobs: it takes the hit
     sched.add(later)
     out = planned(sched, Decision(schedule=[(2, 12)]))

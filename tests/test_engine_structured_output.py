@@ -16,6 +16,7 @@ import trio
 
 from service.engine import masks
 from service.engine.grammar import GrammarCompiler, ResponseFormat
+from tests.plan_columns import column
 from tests.sim_worker import (
     EOS,
     SimTokenizer,
@@ -69,10 +70,10 @@ async def test_a_constrained_request_gets_json_beside_an_unchanged_free_one(
     assert structured.token_ids[-1] == EOS
     chunks = [plan for plan in worker.plans if 1 in plan.seq_ids]
     assert not chunks[0].sample[chunks[0].seq_ids.index(1)]  # a chunk that does not sample
-    masked = [plan for plan in worker.plans if plan.token_bitmasks]
+    masked = [plan for plan in worker.plans if column(plan, "bitmask")]
     assert masked, "no plan carried a bitmask"
     for plan in masked:
-        rows = [i for i, mask in enumerate(plan.token_bitmasks) if mask is not None]
+        rows = [i for i, mask in enumerate(column(plan, "bitmask")) if mask is not None]
         assert [plan.seq_ids[i] for i in rows] == [1] and all(plan.sample[i] for i in rows)
     assert len(masked) == len(structured.token_ids)  # one mask per token sampled
 

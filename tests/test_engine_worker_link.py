@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from gpu_worker.protocol import BatchPlan, SamplingSpec, WorkerConfig
+from gpu_worker.protocol import NewSeq, Row, SamplingSpec, StepPlan, WorkerConfig
 from service.engine.worker_link import (
     WorkerDeviceFault,
     WorkerDied,
@@ -28,16 +28,13 @@ def link(mode: str, **kw) -> WorkerLink:
     )
 
 
-def plan(step_id: int) -> BatchPlan:
-    return BatchPlan(
-        step_id=step_id,
-        seq_ids=[1, 2],
-        num_tokens=[3, 1],
-        start_pos=[0, 7],
-        input_ids=[5, 6, 7, 8],
-        block_tables=[[0], [1]],
-        sample=[True, False],
-        sampling=[SamplingSpec(), SamplingSpec()],
+def plan(step_id: int) -> StepPlan:
+    return StepPlan(
+        step_id,
+        [Row(1, 3, 0, blocks=[[0]]), Row(2, 1, 7, blocks=[[1]], sample=False)],
+        [5, 6, 7, 8],
+        new=[NewSeq(1, SamplingSpec(), 3), NewSeq(2, SamplingSpec(), 7)],
+        finished=[1, 2],
     )
 
 

@@ -138,7 +138,7 @@ def test_a_broken_rule_is_reported(module, source, complaint):
 
 
 def test_allowed_imports_are_not_reported():
-    source = "from gpu_worker.protocol import BatchPlan\nfrom policies.base import View\n"
+    source = "from gpu_worker.protocol import StepPlan\nfrom policies.base import View\n"
     assert violations("service.engine.scheduler", imports_of(source)) == []
     assert violations("ops.bench", imports_of("from service.config import Config")) == []
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gpu_worker.protocol import POOL_LAST, BatchPlan, SamplingSpec, StepResult
+from gpu_worker.protocol import POOL_LAST, SamplingSpec, StepPlan, StepResult
 from gpu_worker.runner import PROMPT_ROWS, ModelRunner
 from gpu_worker.tensor_parallel import NO_SHARD, Shard
 from tests.tensor_parallel_helpers import NUM_BLOCKS, build_runner, run_ranks
@@ -28,7 +28,7 @@ POOLED = random_prompt(21, seed=32)
 ECHO = SamplingSpec(prompt_logprobs=2, logprobs=True, top_logprobs=2)
 
 
-def plans(runner: ModelRunner) -> list[BatchPlan]:
+def plans(runner: ModelRunner) -> list[StepPlan]:
     """A prefill with prompt log-probabilities beside a pooled prompt; the first
     sequence's decode with two n-gram drafts; a decode batch of it and a new one; a plan
     whose block lies beyond the cache."""
@@ -36,18 +36,19 @@ def plans(runner: ModelRunner) -> list[BatchPlan]:
     first = plan_for(
         runner,
         [
-            Chunk(0, PROMPT, 0, echo_table, spec=ECHO),
-            Chunk(1, POOLED, 0, blocks_for(80, len(POOLED)), sample=False),
+            Chunk(0, PROMPT, 0, echo_table, spec=ECHO, prompt_targets=PROMPT[1:]),
+            Chunk(1, POOLED, 0, blocks_for(80, len(POOLED)), sample=False, pooling=POOL_LAST),
         ],
         0,
     )
-    first.prompt_targets = [PROMPT[1:], None]
-    first.pooling = [None, POOL_LAST]
-    drafted = plan_for(runner, [Chunk(0, [5, 9, 11], len(PROMPT), echo_table)], 1)
-    drafted.draft_tokens = [[9, 11]]
+    drafting = Chunk(0, [5, 9, 11], len(PROMPT), echo_table, spec=ECHO, drafts=[9, 11])
+    drafted = plan_for(runner, [drafting], 1)
     batch = plan_for(
         runner,
-        [Chunk(0, [3], len(PROMPT) + 3, echo_table), Chunk(2, POOLED[:5], 0, other, spec=ECHO)],
+        [
+            Chunk(0, [3], len(PROMPT) + 3, echo_table, spec=ECHO),
+            Chunk(2, POOLED[:5], 0, other, spec=ECHO),
+        ],
         2,
     )
     beyond = plan_for(runner, [Chunk(3, [4, 4], 0, [NUM_BLOCKS + 5])], 3)
@@ -75,7 +76,19 @@ def followed(shard: Shard, model_dir: str) -> dict[str, Any]:
             errors.append(runner.follow(plan))
     every = [None] * shard.world_size if shard.rank == 0 else None
     dist.gather_object(errors, every, dst=0)
-    return {"results": results, "errors": every}
+    tables = [None] * shard.world_size if shard.rank == 0 else None
+    dist.gather_object(held(runner), tables, dst=0)
+    return {"results": results, "errors": every, "tables": tables}
+
+
+def held(runner: ModelRunner) -> dict[int, Any]:
+    """What a rank holds of each sequence: its facts and its block table's ids."""
+    table = runner.table
+    return {
+        seq_id: (dataclasses.asdict(table.seq(seq_id)), table.table(seq_id))
+        for seq_id in range(4)
+        if seq_id in table
+    }
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +121,13 @@ def test_drafts_are_verified_and_the_pooled_vector_matches(runs):
     assert pooled is not None and expected is not None
     got, want = (vector(text) for text in (pooled, expected))
     assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_followers_hold_the_same_table_as_rank_0(runs):
+    rank0, rank1 = runs["tables"]
+    assert sorted(rank0) == [0, 1, 2]  # the plan beyond the cache introduced nobody
+    assert rank0 == rank1
+    assert rank0[0][1] == blocks_for(0, len(PROMPT) + 8)
 
 
 def test_a_plan_both_reject_fails_on_both_and_the_group_serves_on(runs):

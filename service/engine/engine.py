@@ -42,7 +42,7 @@ from typing import Any, Protocol
 import structlog
 import trio
 
-from gpu_worker.protocol import BLOCK_SIZE, BatchPlan, Handshake, StepResult, TokenLogprobs
+from gpu_worker.protocol import BLOCK_SIZE, Handshake, StepResult, TokenLogprobs
 from policies.registry import make_policy
 from service.config import Config
 from service.engine.admission import (
@@ -583,13 +583,11 @@ class Engine:
         if result is None:
             raise WorkerHung(f"a step took longer than {self.config.step_timeout} s")
         plan = step.out.plan
-        if result.error is None and result.seq_ids != [
-            s for s, samples in zip(plan.seq_ids, plan.sample, strict=True) if samples
-        ]:
+        if result.error is None and result.seq_ids != plan.sampled_ids:
             raise WorkerDied("the worker's result does not answer its plan's sampling sequences")
         started = time.perf_counter()
         if self.config.debug_invariants:
-            _check_blocks_kept(sched, step.out.plan)
+            _check_blocks_kept(sched, step.out)
         step.result = result
         step.outcomes = sched.update(step.out, result)
         self._masks.kick()  # the next masks fill while this step's text goes out
@@ -768,19 +766,18 @@ def sibling_params(params: SamplingParams, index: int) -> SamplingParams:
     return dataclasses.replace(params, sampling=sampling)
 
 
-def _check_blocks_kept(sched: Scheduler, plan: BatchPlan) -> None:
-    """No block the plan just computed wrote went to another sequence while the worker ran
+def _check_blocks_kept(sched: Scheduler, out: ScheduleOutput) -> None:
+    """No block the step just computed wrote went to another sequence while the worker ran
     it: blocks freed meanwhile (stop string, abort) wait for the next schedule(). (The
     blocks it only read may be shared: cached prefixes are.)"""
     holders: dict[int, set[int]] = {}
     for request in (*sched.running, *sched.waiting):
         for block in sched.blocks.held(request.seq_id):
             holders.setdefault(block, set()).add(request.seq_id)
-    size = sched.blocks.block_size
-    for seq_id, start, table in zip(plan.seq_ids, plan.start_pos, plan.block_tables, strict=True):
-        written = table[start // size :]
+    for item, written in zip(out.scheduled, out.written, strict=True):
+        seq_id = item.request.seq_id
         taken = [block for block in written if holders.get(block, {seq_id}) != {seq_id}]
-        assert not taken, f"step {plan.step_id}: blocks {taken} of seq {seq_id} reallocated"
+        assert not taken, f"step {out.iteration}: blocks {taken} of seq {seq_id} reallocated"
 
 
 def _drop_unsent(request: Request) -> None:

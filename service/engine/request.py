@@ -166,9 +166,6 @@ class Request:
     pooled: list[float] | None = None
     admitted_order: int = -1  # increasing each time it is admitted, for "most recently admitted"
     preemptions: int = 0
-    # the worker keeps its history (SamplingSpec.reads_history) from a plan's History on,
-    # until a plan releases it
-    history_on_worker: bool = False
     deadline: float | None = None  # engine clock: not started by then, it is refused
     acceptance: Acceptance = field(default_factory=Acceptance)  # of its drafted tokens
     # positions 0 .. draft_synced - 1 have their K/V in the draft model's cache

@@ -1,6 +1,7 @@
 """The owner of the iteration: `schedule()` decides a step, `update()` applies its result.
 
-schedule(): view -> policy decision -> core validation -> blocks -> BatchPlan. The policy
+schedule(): view -> policy decision -> core validation -> blocks -> step plan (written by
+service.engine.plan's PlanBuilder, the mirror of what the worker holds). The policy
 proposes; this module disposes. Whatever the decision says, a step never holds more than
 `max_batched_tokens` tokens or `max_num_seqs` sequences, a decoding sequence computes
 exactly one token, a prefill chunk never runs past its sequence, and blocks come from free
@@ -56,11 +57,6 @@ a prefill chunk stops a token short; counted as `grammar_mask_pending`). Text
 (detokenization, stop strings) and streams are the engine's business, which is what keeps
 this module free of I/O: a whole iteration runs without trio or a worker.
 
-Histories. A sequence whose sampling reads its tokens (penalties, bad words, min_tokens)
-has them counted by the worker: its first plan after each admission carries a History (its
-prompt length, and the tokens a prefix-cache hit skips), and the first plan after it ends
-or is preempted releases it, so no plan carries a sequence's tokens twice.
-
 Sliding windows. The blocks of layers that attend within a window (every layer of a
 Mistral; 15 of 18 layers of Gemma 3 270M, a KV group of their own: BlockManager) are
 released by update() once wholly behind a sequence's window (drop_behind_window), so such
@@ -81,15 +77,14 @@ stop token, max_tokens: the rest are dropped). A block is registered in the pref
 only once its positions are computed and their tokens appended, so a block that held a
 rejected draft's K/V is never found as if it held the token that replaced it.
 
-Pooling (embeddings). A pooled request never samples: its chunks carry what the worker
-pools of them (BatchPlan.pooling), and update() finishes it (POOLED) with the step that
+Pooling (embeddings). A pooled request never samples: the worker pools its chunks
+(NewSeq.pooling), and update() finishes it (POOLED) with the step that
 computes its prompt's last token. A mean-pooled one takes no prefix-cache hit, since every
 row's state is summed, so its sum starts again at 0 after a preemption.
 """
 
 from __future__ import annotations
 
-import base64
 import bisect
 import collections
 import dataclasses
@@ -97,19 +92,10 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-import numpy as np
-
-from gpu_worker.protocol import (
-    DRAFT_MODEL_TOKEN,
-    POOL_LAST,
-    POOL_SUM,
-    BatchPlan,
-    History,
-    StepResult,
-    TokenLogprobs,
-)
+from gpu_worker.protocol import DRAFT_MODEL_TOKEN, StepPlan, StepResult, TokenLogprobs
 from policies.base import Decision, Policy, SeqView, View
 from service.engine.block_manager import BlockManager, PrefixHit, chain_hashes
+from service.engine.plan import PlanBuilder
 from service.engine.request import MEAN_POOLING, Request, Status, account_of
 from service.engine.speculation import Speculator, may_draft
 from service.engine.step_cost import StepCostModel
@@ -123,6 +109,7 @@ class Scheduled:
     request: Request
     num_tokens: int  # of its own tokens (a decode's: 1)
     samples: bool
+    start: int = 0  # its first position: the tokens it had computed
     drafts: list[int] = field(default_factory=list)  # drafted tokens it verifies after them
     # a draft model's (Drafted): what it computes first, from position draft_start
     draft_context: list[int] = field(default_factory=list)
@@ -138,8 +125,9 @@ class Scheduled:
 class ScheduleOutput:
     iteration: int
     policy: str  # the policy that decided this step
-    plan: BatchPlan | None
+    plan: StepPlan | None
     scheduled: list[Scheduled] = field(default_factory=list)
+    written: list[list[int]] = field(default_factory=list)  # each row's blocks it writes
     preempted: list[Request] = field(default_factory=list)
     started: list[Request] = field(default_factory=list)  # scheduled for the first time
     prefill_tokens: int = 0
@@ -248,7 +236,7 @@ class Scheduler:
         # computed the prompt they share: they then find it in the prefix cache
         self._held: dict[str, list[Request]] = {}
         self._constrained: dict[int, Request] = {}  # those with a grammar, by seq_id
-        self._released: list[int] = []  # histories the next plan tells the worker to drop
+        self.plans = PlanBuilder(blocks)  # what the worker holds; the steps' plans
         self._admissions = 0
         self._last_step_ms: float | None = None
         self._last_step_tokens = 0
@@ -299,7 +287,7 @@ class Scheduler:
         if self._by_seq.pop(request.seq_id, None) is None:
             return
         self._constrained.pop(request.seq_id, None)
-        self._release_history(request)
+        self.plans.forget(request.seq_id)
         self.blocks.free(request.seq_id)
         if request.status is Status.RUNNING:
             self._leave_running(request)
@@ -460,7 +448,7 @@ class Scheduler:
         assert not self.running, "blocks replaced under running sequences"
         self.blocks = blocks
         self._last_step_ms = None
-        self._released.clear()  # a new worker holds no history
+        self.plans.reset(blocks)
 
     # ---- the iteration ----------------------------------------------------------------
 
@@ -490,7 +478,8 @@ class Scheduler:
                 item.request.first_scheduled = now
                 out.started.append(item.request)
         if out.scheduled:
-            out.plan = self._build_plan(out.scheduled, out.iteration)
+            out.plan = self.plans.build(out.scheduled, out.iteration)
+            out.written = [self.plans.written(item) for item in out.scheduled]
         return out
 
     def update(self, out: ScheduleOutput, result: StepResult) -> list[Outcome]:
@@ -502,20 +491,17 @@ class Scheduler:
         self._last_step_ms = result.step_ms
         self._last_step_tokens = out.plan.total_tokens
         drafted = [len(item.drafts) for item in out.scheduled]
-        plan = out.plan
-        self.step_cost.observe_plan(plan.num_tokens, plan.start_pos, result.step_ms, drafted)
+        num_tokens, start_pos = out.plan.num_tokens, out.plan.start_pos
+        self.step_cost.observe_plan(num_tokens, start_pos, result.step_ms, drafted)
         if self.speculator is not None:
-            self.speculator.observe(plan.num_tokens, plan.start_pos, drafted, result.step_ms)
+            self.speculator.observe(num_tokens, start_pos, drafted, result.step_ms)
         taken = dict(zip(_sampled_ids(out), result.tokens, strict=True))
         outcomes = []
         for i, item in enumerate(out.scheduled):
             request = item.request
             if not request.is_finished:  # not aborted while the step ran
-                if result.prompt_logprobs:
-                    _keep_prompt_logprobs(request, result.prompt_logprobs[i])
-                if result.pooled:
-                    _keep_pooled(request, out.plan.start_pos[i], result.pooled[i])
-                self._commit(item, out, taken.get(request.seq_id, []))
+                accepted = self._commit(item, out, taken.get(request.seq_id, []))
+                self.plans.fold(item, i, result, accepted)
                 self._register_blocks(request)
                 self._drop_behind_window(request)
                 if (
@@ -540,11 +526,11 @@ class Scheduler:
                     break
         return outcomes
 
-    def _commit(self, item: Scheduled, out: ScheduleOutput, tokens: list[int]) -> None:
+    def _commit(self, item: Scheduled, out: ScheduleOutput, tokens: list[int]) -> int:
         """The step's tokens of `item` are computed: its own, and the drafts accepted (all
-        but the last of the tokens it takes); the blocks past them are given back."""
+        but the last of the tokens it takes); the blocks past them are given back. Returns
+        how many drafts it accepted."""
         request, accepted = item.request, max(0, len(tokens) - 1)
-        _sync_draft_model(item, accepted)
         request.num_computed_tokens += item.num_tokens + accepted
         if item.drafts:
             self.blocks.trim(request.seq_id, request.num_computed_tokens)
@@ -553,6 +539,7 @@ class Scheduler:
             self.accepted_tokens += accepted
         if item.samples and item.num_tokens == 1:  # a decode: drafts or not, its record
             request.acceptance.record(len(item.drafts), accepted)
+        return accepted
 
     def _drop_behind_window(self, request: Request) -> None:
         """The next query of `request` is at its first uncomputed position: the blocks of
@@ -768,7 +755,8 @@ class Scheduler:
         self.blocks.allocate(request.seq_id, request.num_computed_tokens + tokens)
         ends_prompt = request.num_computed_tokens + tokens >= request.num_tokens
         samples = ends_prompt and request.params.pooling is None
-        draft.out.scheduled.append(Scheduled(request, tokens, samples))
+        start = request.num_computed_tokens
+        draft.out.scheduled.append(Scheduled(request, tokens, samples, start))
         draft.chosen.add(request.seq_id)
         draft.budget -= tokens
         if request.remaining == 1:
@@ -972,17 +960,12 @@ class Scheduler:
 
     def _preempt(self, victim: Request, out: ScheduleOutput, *, pause: bool = True) -> None:
         self.blocks.free(victim.seq_id)
-        self._release_history(victim)
+        self.plans.forget(victim.seq_id)
         self._leave_running(victim)
         victim.reset_for_recompute()
         self._join_waiting(victim)
         out.preempted.append(victim)
         self.admission_paused = self.admission_paused or pause
-
-    def _release_history(self, request: Request) -> None:
-        if request.history_on_worker:
-            request.history_on_worker = False
-            self._released.append(request.seq_id)
 
     # ---- tenants' slots (module docstring) ---------------------------------------------
 
@@ -1061,73 +1044,6 @@ class Scheduler:
         schedule += [(r.seq_id, r.remaining) for r in self.waiting]
         return Decision(schedule=schedule)
 
-    # ---- plan -------------------------------------------------------------------------
-
-    def _build_plan(self, scheduled: list[Scheduled], step_id: int) -> BatchPlan:
-        seq_ids, num_tokens, start_pos, input_ids = [], [], [], []
-        tables, sample, sampling, bitmasks = [], [], [], []
-        prompt_targets: list[list[int] | None] = []
-        histories: list[History | None] = []
-        pooling: list[str | None] = []
-        drafts: list[list[int]] = []
-        draft_context: list[list[int]] = []
-        draft_start: list[int] = []
-        table_of = self.blocks.table
-        groups = range(1, self.blocks.num_groups)  # a hybrid model's: the plan's group_tables
-        group_tables: list[list[list[int]]] = []
-        for item in scheduled:
-            request = item.request
-            start = request.num_computed_tokens
-            seq_ids.append(request.seq_id)
-            num_tokens.append(item.chunk)
-            start_pos.append(start)
-            input_ids.extend(request.token_ids[start : start + item.num_tokens])
-            input_ids.extend(item.drafts)
-            drafts.append(item.drafts)
-            draft_context.append(item.draft_context)
-            draft_start.append(item.draft_start)
-            tables.append(list(table_of(request.seq_id)))
-            if groups:
-                group_tables.append([list(table_of(request.seq_id, g)) for g in groups])
-            sample.append(item.samples)
-            sampling.append(request.params.sampling)
-            prompt_targets.append(_prompt_targets(request, item.num_tokens))
-            grammar = request.grammar if item.samples else None
-            bitmasks.append(None if grammar is None else grammar.mask)
-            histories.append(_history(request, start))
-            pooling.append(_pooling(request, item.num_tokens))
-        released, self._released = self._released, []
-        return BatchPlan(
-            step_id=step_id,
-            seq_ids=seq_ids,
-            num_tokens=num_tokens,
-            start_pos=start_pos,
-            input_ids=input_ids,
-            block_tables=tables,
-            group_tables=group_tables,
-            sample=sample,
-            sampling=sampling,
-            prompt_targets=prompt_targets if any(prompt_targets) else [],
-            token_bitmasks=bitmasks if any(m is not None for m in bitmasks) else [],
-            histories=histories if any(h is not None for h in histories) else [],
-            released=released,
-            pooling=pooling if any(p is not None for p in pooling) else [],
-            draft_tokens=drafts if any(drafts) else [],
-            draft_context=draft_context if any(draft_context) else [],
-            draft_start=draft_start if any(draft_context) else [],
-        )
-
-
-def _sync_draft_model(item: Scheduled, accepted: int) -> None:
-    """What the draft model's cache holds once the step ran: the context sent, and the
-    rows it drafted from that the sequence keeps (gpu_worker.draft_model)."""
-    request = item.request
-    if item.drafts and item.drafts[0] == DRAFT_MODEL_TOKEN:
-        kept = min(accepted, len(item.drafts) - 1)
-        request.draft_synced = request.num_computed_tokens + 1 + kept
-    elif item.draft_context:
-        request.draft_synced = item.draft_start + len(item.draft_context)
-
 
 def _sampled_ids(out: ScheduleOutput) -> list[int]:
     return [item.request.seq_id for item in out.scheduled if item.samples]
@@ -1136,61 +1052,6 @@ def _sampled_ids(out: ScheduleOutput) -> list[int]:
 def _decodes(item: Scheduled) -> bool:
     """A step's row computes one token and samples after it: it may draft."""
     return item.samples and item.num_tokens == 1
-
-
-def _pooling(request: Request, num_tokens: int) -> str | None:
-    """What the worker pools of a chunk (BatchPlan.pooling): every chunk's rows for a mean,
-    the last row of the chunk that ends the prompt for the last token's state."""
-    kind = request.params.pooling
-    if kind is None:
-        return None
-    if kind == MEAN_POOLING:
-        return POOL_SUM
-    ends_prompt = request.num_computed_tokens + num_tokens >= request.prompt_len
-    return POOL_LAST if ends_prompt else None
-
-
-def _keep_pooled(request: Request, start: int, found: str | None) -> None:
-    """Adds a chunk's pooled vector to what `request` has. A mean pooled request takes no
-    prefix-cache hit, so its computation (again, after a preemption) starts at 0."""
-    if found is None:
-        return
-    vector = np.frombuffer(base64.b64decode(found), dtype="<f8")
-    if start == 0 or request.pooled is None or request.params.pooling != MEAN_POOLING:
-        request.pooled = vector.tolist()
-    else:
-        request.pooled = (np.asarray(request.pooled) + vector).tolist()
-
-
-def _history(request: Request, start: int) -> History | None:
-    """The History a plan begins `request`'s with, if the worker has none yet and it reads one."""
-    if request.history_on_worker or not request.params.sampling.reads_history:
-        return None
-    request.history_on_worker = True
-    return History(request.prompt_len, request.token_ids[:start])
-
-
-def _prompt_targets(request: Request, num_tokens: int) -> list[int] | None:
-    """The prompt tokens a chunk's positions predict, when the request wants them."""
-    if not request.needs_prompt_logprobs:
-        return None
-    start = request.num_computed_tokens
-    return request.token_ids[start + 1 : min(start + 1 + num_tokens, request.prompt_len)] or None
-
-
-def _keep_prompt_logprobs(request: Request, found: TokenLogprobs | None) -> None:
-    """Adds a chunk's prompt log-probabilities to what `request` has, once each: a request
-    recomputed after a preemption computes some again."""
-    if found is None or request.prompt_logprobs is None:
-        return
-    first = request.num_computed_tokens  # the target of the chunk's first position, minus 1
-    known = len(request.prompt_logprobs)
-    if first > known:
-        return  # cannot happen: such a request takes no prefix-cache hit
-    skip = known - first
-    request.prompt_logprobs.extend(
-        TokenLogprobs(found.logprobs[skip:], found.top_ids[skip:], found.top_logprobs[skip:])
-    )
 
 
 def _row(logprobs: TokenLogprobs, i: int) -> TokenLogprobs:

@@ -1,5 +1,5 @@
 """Speculative decoding, the service's part: which tokens a decoding sequence drafts, and
-how many drafted tokens a step may carry (the worker verifies them: BatchPlan.draft_tokens).
+how many drafted tokens a step may carry (the worker verifies them: Row.drafts).
 
 Drafting is n-gram prompt lookup, as vLLM's NgramProposer: the sequence's last n tokens (n
 from prompt_lookup_max down to prompt_lookup_min) are looked up in its prompt and output,
@@ -417,7 +417,7 @@ class Speculator:
     def observe(
         self, num_tokens: list[int], start_pos: list[int], drafted: list[int], step_ms: float
     ) -> None:
-        """A measured step (BatchPlan's rows, each one's drafts): the decode model learns
+        """A measured step (a plan's rows, each one's drafts): the decode model learns
         from those without prefill chunks."""
         if all(n == 1 or k for n, k in zip(num_tokens, drafted, strict=True)):
             self.decode_cost.observe_plan(num_tokens, start_pos, step_ms, drafted)

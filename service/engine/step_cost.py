@@ -66,7 +66,7 @@ class StepCostModel:
         step_ms: float,
         drafted: list[int] | None = None,
     ) -> None:
-        """A measured plan; `drafted`: each row's drafted tokens (BatchPlan.draft_tokens)."""
+        """A measured plan; `drafted`: each row's drafted tokens (Row.drafts)."""
         self.observe(*plan_terms(num_tokens, start_pos, drafted), step_ms)
 
     def estimate(self) -> StepCost | None:

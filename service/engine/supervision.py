@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import structlog
 import trio
 
-from gpu_worker.protocol import BatchPlan, Handshake, StepResult
+from gpu_worker.protocol import Handshake, StepPlan, StepResult
 from service.engine.worker_link import (
     WorkerDeviceFault,
     WorkerDied,
@@ -37,7 +37,7 @@ class Worker(Protocol):
     is in flight at most: the next is sent after the previous one's result is received."""
 
     async def start(self) -> Handshake: ...
-    async def send_step(self, plan: BatchPlan) -> None: ...
+    async def send_step(self, plan: StepPlan) -> None: ...
     async def receive_result(self, step_id: int) -> StepResult: ...
     async def ping(self) -> None: ...  # only while no plan is in flight
     async def wait_closed(self) -> None: ...  # returns when the worker is gone (between steps)

@@ -25,10 +25,12 @@ import trio
 from gpu_worker.protocol import (
     DEVICE_ERROR,
     RANK_HUNG,
-    BatchPlan,
     FrameDecoder,
     Handshake,
+    NewSeq,
+    Row,
     SamplingSpec,
+    StepPlan,
     StepResult,
     WorkerConfig,
     encode_frame,
@@ -162,20 +164,20 @@ class WorkerLink:
         chunks = [(-1, length, 0)]  # (step id, tokens, first position)
         if length < handshake.block_size:
             chunks.append((-2, 1, length))
-        for step_id, count, start in chunks:
-            plan = BatchPlan(
-                step_id=step_id,
-                seq_ids=[0],
-                num_tokens=[count],
-                start_pos=[start],
-                input_ids=[token] * count,
-                block_tables=[[0]],  # nothing owns a block yet: the engine allocates later
-                group_tables=[[[0]] * (len(handshake.kv_group_windows) - 1)]
-                if len(handshake.kv_group_windows) > 1
-                else [],
-                sample=[True],
-                sampling=[SamplingSpec()],
+        groups = len(handshake.kv_group_windows)
+        plans = [
+            StepPlan(
+                step_id,
+                # nothing owns a block yet (the engine allocates later): block 0 serves
+                [Row(0, count, start, blocks=[[0]] * groups, blocks_at=0)],
+                [token] * count,
+                new=[NewSeq(0, SamplingSpec(), prompt_len=length)],
+                finished=[0],
             )
+            for step_id, count, start in chunks
+        ]
+        plans.append(StepPlan(-len(plans) - 1, [], [], finished=[0]))  # the worker forgets it
+        for plan in plans:
             try:
                 result = await self.step(plan)
             except WorkerDied as exc:
@@ -185,12 +187,12 @@ class WorkerLink:
                 await self._discard_process()
                 raise WorkerStartError(f"the worker failed its warm-up step: {result.error}")
 
-    async def step(self, plan: BatchPlan) -> StepResult:
+    async def step(self, plan: StepPlan) -> StepResult:
         """One plan and its result, when there is nothing to do meanwhile (the warm-up)."""
         await self.send_step(plan)
         return await self.receive_result(plan.step_id)
 
-    async def send_step(self, plan: BatchPlan) -> None:
+    async def send_step(self, plan: StepPlan) -> None:
         """Hand the worker its next plan; send one only after the previous one's result."""
         await self._send(to_message("step", plan))
 
