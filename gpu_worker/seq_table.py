@@ -219,7 +219,9 @@ def _entries_after(row: Row, held: int, limits: PlanLimits) -> int:
 
 def _check_row(row: Row, entries: int, limits: PlanLimits) -> None:
     if row.num_tokens < 1:
-        raise ValueError(f"sequence {row.seq_id} has {row.num_tokens} tokens; each needs one")
+        raise ValueError(
+            f"sequence {row.seq_id} has {row.num_tokens} tokens; each needs at least one"
+        )
     if row.start_pos < 0:
         raise ValueError(f"sequence {row.seq_id} starts at negative position {row.start_pos}")
     end = row.start_pos + row.num_tokens

@@ -192,8 +192,9 @@ async def test_the_worker_asks_glibc_for_huge_pages(given, expected, monkeypatch
 
 
 async def test_start_warms_the_worker_up_with_a_prefill_and_a_decode_step():
+    """Then a plan that only finishes the warm-up's sequence: the worker holds nothing."""
     worker = link("ok")
     await worker.start()
     await worker._send({"type": "warm_ups"})
-    assert (await worker._receive())["count"] == 2
+    assert (await worker._receive())["count"] == 3
     await worker.stop()

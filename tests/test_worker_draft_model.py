@@ -10,13 +10,12 @@ worker cannot serve fails its step, saying why.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from gpu_worker.protocol import DRAFT_MODEL_TOKEN, BatchPlan, SamplingSpec
+from gpu_worker.protocol import DRAFT_MODEL_TOKEN, SamplingSpec, StepPlan
 from gpu_worker.runner import ModelRunner
 from tests.worker_fixtures import (
     Chunk,
@@ -119,15 +118,11 @@ def run_lanes(runner: ModelRunner, lanes: list[Lane], wanted: int) -> None:
         step_id += 1
 
 
-def with_draft_fields(plan: BatchPlan, parts: list, synced: list[int]) -> BatchPlan:
-    drafts = [d for _, d, _ in parts]
-    context = [c for _, _, c in parts]
-    return dataclasses.replace(
-        plan,
-        draft_tokens=drafts if any(drafts) else [],
-        draft_context=context if any(context) else [],
-        draft_start=synced if any(context) else [],
-    )
+def with_draft_fields(plan: StepPlan, parts: list, synced: list[int]) -> StepPlan:
+    for row, (_, drafts, context), start in zip(plan.rows, parts, synced, strict=True):
+        row.drafts, row.draft_context = drafts, context
+        row.draft_start = start if context else 0
+    return plan
 
 
 def decoded(runner: ModelRunner, prompt: list[int], wanted: int, **lane) -> Lane:
@@ -190,7 +185,7 @@ def test_a_draft_model_of_another_vocabulary_is_refused(tiny_llama_dir, tmp_path
         make_runner(tiny_llama_dir, draft_model_dir=str(other))
 
 
-def step_error(runner: ModelRunner, plan: BatchPlan) -> str:
+def step_error(runner: ModelRunner, plan: StepPlan) -> str:
     result = runner.execute(plan)
     assert result.error is not None and not result.tokens
     return result.error
@@ -198,16 +193,13 @@ def step_error(runner: ModelRunner, plan: BatchPlan) -> str:
 
 def test_a_worker_without_a_draft_model_says_so(plain):
     chunk = Chunk(0, [5, DRAFT_MODEL_TOKEN], 4, blocks_for(0, 8))
-    plan = dataclasses.replace(plan_for(plain, [chunk]), draft_tokens=[[DRAFT_MODEL_TOKEN]])
+    plan = plan_for(plain, [chunk])
+    plan.rows[0].drafts = [DRAFT_MODEL_TOKEN]
     assert "has none" in step_error(plain, plan)
 
 
 def test_context_that_does_not_reach_the_chunk_fails_the_step(runners):
     chunk = Chunk(0, [5, DRAFT_MODEL_TOKEN], 4, blocks_for(0, 8))
-    plan = dataclasses.replace(
-        plan_for(runners["itself"], [chunk]),
-        draft_tokens=[[DRAFT_MODEL_TOKEN]],
-        draft_context=[[1, 2]],
-        draft_start=[0],
-    )
+    plan = plan_for(runners["itself"], [chunk])
+    plan.rows[0].drafts, plan.rows[0].draft_context = [DRAFT_MODEL_TOKEN], [1, 2]
     assert "does not reach its chunk" in step_error(runners["itself"], plan)

@@ -76,6 +76,6 @@ def test_a_hybrid_models_plan_must_name_a_table_for_every_group(tiny_models):
     missing = runner.execute(make_plan([chunk]))
     assert "3 KV groups" in (missing.error or "")
     short = plan_for(runner, [chunk])
-    short.group_tables[0][1] = short.group_tables[0][1][:1]
-    assert "2 more tables as long as its first" in (runner.execute(short).error or "")
+    short.rows[0].blocks[2] = short.rows[0].blocks[2][:1]
+    assert "tables grow together" in (runner.execute(short).error or "")
     assert runner.execute(plan_for(runner, [chunk])).error is None

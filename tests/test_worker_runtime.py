@@ -319,15 +319,16 @@ def test_the_block_size_is_the_devices_unless_one_is_asked_for(tiny_llama_dir):
 
 
 BAD_PLANS = {
-    "lengths": (lambda p: p.start_pos.append(0), "start_pos"),
+    "never introduced": (lambda p: p.new.pop(), "finished and runs"),
     "token count": (lambda p: p.input_ids.pop(), "add up to"),
-    "duplicate": (lambda p: p.seq_ids.__setitem__(1, p.seq_ids[0]), "more than once"),
-    "block id": (lambda p: p.block_tables[0].__setitem__(0, 10_000), "block ids"),
-    "short table": (lambda p: p.block_tables[1].pop(), "blocks for"),
+    "duplicate": (lambda p: setattr(p.rows[1], "seq_id", p.rows[0].seq_id), "more than once"),
+    "block id": (lambda p: p.rows[0].blocks[0].__setitem__(0, 10_000), "block ids"),
+    "short table": (lambda p: p.rows[1].blocks[0].pop(), "blocks for"),
+    "gap in a table": (lambda p: setattr(p.rows[0], "blocks_at", 5), "go at entry"),
     "token id": (lambda p: p.input_ids.__setitem__(0, 256), "token ids"),
-    "negative start": (lambda p: p.start_pos.__setitem__(0, -1), "negative"),
-    "past context": (lambda p: p.start_pos.__setitem__(0, 10_000), "max_model_len"),
-    "zero tokens": (lambda p: p.num_tokens.__setitem__(0, 0), "at least one"),
+    "negative start": (lambda p: setattr(p.rows[0], "start_pos", -1), "negative"),
+    "past context": (lambda p: setattr(p.rows[0], "start_pos", 10_000), "max_model_len"),
+    "zero tokens": (lambda p: setattr(p.rows[0], "num_tokens", 0), "at least one"),
 }
 
 
