@@ -40,8 +40,8 @@ a lone stream's step of 1 + 4 rows costs about 25% more than one row in bfloat16
 strict bound would never allow.
 
 A request drafts fewer tokens when its drafts are rejected: each keeps an exponential
-average of accepted / drafted (Acceptance), and drafts round(num_speculative_tokens x
-that average); at 0 it probes with one token every `_PROBE_EVERY` decode steps, so a text
+average of accepted / drafted (acceptance.Acceptance), and drafts round(num_speculative_tokens x
+that average); at 0 it probes with one token every `PROBE_EVERY` decode steps, so a text
 that starts repeating itself is found again. Requests whose next token's distribution
 reads their history (penalties, bad words, min_tokens), structured output (a plan carries
 a grammar's mask for one position) and prompt log-probabilities still in flight never
@@ -80,23 +80,18 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from gpu_worker.protocol import DRAFT_MODEL_TOKEN, QUANTIZATIONS
 from policies.base import StepCost
+from service.engine.acceptance import PROBE_EVERY, RATE_WEIGHT
+from service.engine.request import Request
 from service.engine.step_cost import StepCostModel, plan_terms
-
-if TYPE_CHECKING:
-    from service.engine.request import Request
 
 # The lookup reads this many of a sequence's last tokens: its cost per step stays bounded.
 _WINDOW = 1024
-# How much the latest step weighs in a request's average acceptance.
-_RATE_WEIGHT = 0.25
-# A request that drafts nothing (poor acceptance) tries one token after this many decodes.
-_PROBE_EVERY = 16
 # Before the step-cost model is fitted: the largest decode-only step that drafts.
 _UNFITTED_STEP_TOKENS = 16
 # The most sequences of a decode-only step whose drafts pay for themselves (module docstring)
@@ -246,37 +241,6 @@ def _repeat(copied: list[int], period: int, k: int) -> list[int]:
     return copied
 
 
-@dataclass(slots=True)
-class Acceptance:
-    """One request's record of its drafts: how many to draft next, and its totals."""
-
-    rate: float = 1.0  # exponential average of accepted / drafted; optimistic at first
-    quiet: int = 0  # decode steps since it last drafted
-    drafted: int = 0  # tokens drafted over its life
-    accepted: int = 0  # of those, accepted by the worker
-
-    def wanted(self, most: int) -> int:
-        """Tokens to draft this step, at most `most` (0 when its drafts keep failing,
-        except for a probe of one token now and then)."""
-        k = min(most, math.floor(most * self.rate + 0.5))
-        return min(most, 1) if k < 1 and self.quiet >= _PROBE_EVERY else k
-
-    def expected(self, k: int) -> float:
-        """Drafted tokens a step of `k` drafts is expected to accept: a + ... + a^k, for
-        each accepted with the request's average rate a once those before it were."""
-        return sum(self.rate**i for i in range(1, k + 1))
-
-    def record(self, drafted: int, accepted: int) -> None:
-        """A decode step's outcome: `drafted` tokens verified, `accepted` of them kept."""
-        if not drafted:
-            self.quiet += 1
-            return
-        self.rate = (1 - _RATE_WEIGHT) * self.rate + _RATE_WEIGHT * accepted / drafted
-        self.quiet = 0
-        self.drafted += drafted
-        self.accepted += accepted
-
-
 def may_draft(request: Request) -> bool:
     """Whether drafting can change neither the request's tokens nor their distribution
     (module docstring)."""
@@ -367,7 +331,7 @@ class Drafted:
 class Payoff:
     """What a draft model's drafts buy, measured: for decode steps of one number of rows,
     the milliseconds per token each stream takes with drafts and without (exponential
-    averages). A step drafts while that is less than without, and every `_PROBE_EVERY`
+    averages). A step drafts while that is less than without, and every `PROBE_EVERY`
     steps the other way is measured again, since both change with the text and the load."""
 
     drafting_ms: float | None = None
@@ -376,12 +340,12 @@ class Payoff:
 
     def drafts(self) -> bool:
         """Whether the next such step drafts: at first it does, until the first probe."""
-        return self._drafting_is_better() != (self.since_other >= _PROBE_EVERY)
+        return self._drafting_is_better() != (self.since_other >= PROBE_EVERY)
 
     def probing(self) -> bool:
         """Whether the next such step drafts to measure drafts again, drafting being the
         dearer way so far."""
-        return self.since_other >= _PROBE_EVERY and not self._drafting_is_better()
+        return self.since_other >= PROBE_EVERY and not self._drafting_is_better()
 
     def record(self, rows: int, drafted: bool, accepted: int, step_ms: float) -> None:
         """A decode step of `rows` streams: with drafts (or the draft model's context) or
@@ -401,7 +365,7 @@ class Payoff:
 
 
 def _averaged(average: float | None, value: float) -> float:
-    return value if average is None else (1 - _RATE_WEIGHT) * average + _RATE_WEIGHT * value
+    return value if average is None else (1 - RATE_WEIGHT) * average + RATE_WEIGHT * value
 
 
 class Speculator:
