@@ -1,4 +1,4 @@
-"""Tenants' slots in the scheduler's core (service/engine/scheduler.py): with a tenant share
+"""Tenants' slots in the scheduler's core (service/engine/tenants.py): with a tenant share
 below 1, a tenant's flood of sequences does not keep another tenant's sequence waiting for a
 running slot until the flood drains, whatever the policy decides; with no other tenant
 waiting, the flood uses every slot (work-conserving)."""

@@ -29,15 +29,8 @@ ones only. Every fix is counted in `corrections` so tests can see it. The rules 
   cap) hold enough blocks to make room, so some sequence always runs and every request
   finishes, each preempted at most `max_preemptions` times.
 
-Tenants' slots. With a `tenant_share` below 1 (--tenant-quota), a tenant past its share of
-the running slots (`max_num_seqs` x share, at least 1) takes only slots that no other tenant
-below its share waits for: when a step begins, the core preempts sequences of tenants past
-their share (least progress lost, never one at the cap) until a slot is free for each
-sequence such a tenant still wants; admission keeps those slots; and after the policy's
-decision the core admits the wanted sequences the policy did not name (its view shows only
-the first `waiting_view`). With no other tenant waiting, a tenant may use every slot. Each
-tenant's running count and waiting list are kept as they change, so this costs a step work
-in the tenants and the running, not in the queue.
+Tenants' slots (--tenant-quota): service.engine.tenants says which slots a tenant past its
+share may take; the core preempts and admits as it says.
 
 Prefix caching. A waiting sequence starts with its longest cached prefix of full blocks
 (never the whole of its tokens: the step must compute at least the last one to sample):
@@ -113,6 +106,7 @@ from service.engine.block_manager import BlockManager, PrefixHit, chain_hashes
 from service.engine.request import MEAN_POOLING, Request, Status, account_of
 from service.engine.speculation import Speculator, may_draft
 from service.engine.step_cost import StepCostModel
+from service.engine.tenants import TenantSlots
 
 STOP_TOKEN = ("stop", "stop_token")  # a stop_token_ids token finished the sequence
 POOLED = ("stop", "pooled")  # a pooled request (an embedding) computed its prompt
@@ -237,9 +231,7 @@ class Scheduler:
         self.waiting_view = waiting_view  # policies see this many of the waiting, in order
         self.running: list[Request] = []  # admission order
         self.waiting: list[Request] = []  # arrival order (seq_id)
-        self.tenant_share = tenant_share  # of the running slots, while other tenants wait
-        self._running_of: collections.Counter[str] = collections.Counter()  # by account
-        self._waiting_of: dict[str, list[Request]] = {}  # by account, arrival order
+        self.tenants = TenantSlots(max_num_seqs, tenant_share)
         self.corrections: collections.Counter[str] = collections.Counter()
         self.iteration = 0  # the last one scheduled
         self._pending_policy: Policy | None = None
@@ -309,26 +301,19 @@ class Scheduler:
 
     def _join_waiting(self, request: Request) -> None:
         bisect.insort(self.waiting, request, key=_seq_key)
-        queue = self._waiting_of.setdefault(account_of(request.tenant), [])
-        bisect.insort(queue, request, key=_seq_key)
+        self.tenants.join_waiting(request)
 
     def _leave_waiting(self, request: Request) -> None:
         self.waiting.remove(request)
-        tenant = account_of(request.tenant)
-        self._waiting_of[tenant].remove(request)
-        if not self._waiting_of[tenant]:
-            del self._waiting_of[tenant]
+        self.tenants.leave_waiting(request)
 
     def _join_running(self, request: Request) -> None:
         self.running.append(request)
-        self._running_of[account_of(request.tenant)] += 1
+        self.tenants.join_running(request)
 
     def _leave_running(self, request: Request) -> None:
         self.running.remove(request)
-        tenant = account_of(request.tenant)
-        self._running_of[tenant] -= 1
-        if not self._running_of[tenant]:
-            del self._running_of[tenant]
+        self.tenants.leave_running(request)
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
@@ -452,8 +437,7 @@ class Scheduler:
         assert self.blocks.num_promised == running_promises, "a promise outlived its sequence"
         assert self.running or not self.admission_paused, "paused with nothing left to resume it"
         assert all(r.preemptions <= self.max_preemptions for r in self._by_seq.values())
-        assert self._running_of == collections.Counter(account_of(r.tenant) for r in self.running)
-        assert sum(map(len, self._waiting_of.values())) == len(self.waiting), "a lost waiter"
+        self.tenants.check_invariants(self.running, self.waiting)
 
     def replace_blocks(self, blocks: BlockManager) -> None:
         """A restarted worker's fresh cache; only while nothing runs."""
@@ -909,7 +893,7 @@ class Scheduler:
         if self.admission_paused:
             self.corrections["admission_paused"] += 1
             return False
-        if not self._leaves_wanted_slots(request):
+        if not self.tenants.leaves_wanted(request, self.running):
             self.corrections["tenant_slots"] += 1
             return False
         hit = self._prefix_hit(request)
@@ -984,66 +968,25 @@ class Scheduler:
             request.history_on_worker = False
             self._released.append(request.seq_id)
 
-    # ---- tenants' slots (module docstring) ---------------------------------------------
-
-    @property
-    def tenant_slots(self) -> int:
-        """The running slots a tenant may hold while another tenant below them waits."""
-        return max(1, int(self.max_num_seqs * self.tenant_share))
-
-    def _wanted_slots(self, but: str | None = None) -> dict[str, int]:
-        """Slots each tenant (other than `but`) below its share wants for its waiting
-        sequences, the tenant waiting longest first; empty without tenant quotas."""
-        if self.tenant_share >= 1:
-            return {}
-        cap, wanted = self.tenant_slots, {}
-        for tenant, queue in self._waiting_of.items():
-            if tenant != but and self._running_of[tenant] < cap:
-                wanted[tenant] = min(len(queue), cap - self._running_of[tenant])
-        return dict(sorted(wanted.items(), key=lambda item: self._waiting_of[item[0]][0].seq_id))
-
-    def _free_slots(self) -> int:
-        return self.max_num_seqs - len(self.running)
+    # ---- tenants' slots (service.engine.tenants) ----------------------------------------
 
     def _yield_slots(self, out: ScheduleOutput) -> None:
-        """Preempt sequences of tenants past their share until the free slots cover what
-        the tenants below theirs want. Not a block shortage: admission is not paused."""
+        """Preempt sequences of tenants past their share, least progress lost first and
+        never one at the cap, until the free slots cover what the tenants below theirs
+        want. Not a block shortage: admission is not paused."""
         if self.admission_paused:
             return  # nobody could take the slot
-        short = sum(self._wanted_slots().values()) - self._free_slots()
-        for _ in range(short):
-            victim = self._slot_victim()
+        for _ in range(self.tenants.short(self.running)):
+            over = [r for r in self.tenants.past_share(self.running) if not self._at_cap(r)]
+            victim = min(over, key=_progress_lost, default=None)
             if victim is None:
                 return
             self._preempt(victim, out, pause=False)
             self.corrections["tenant_slots_preempted"] += 1
 
-    def _slot_victim(self) -> Request | None:
-        """The running sequence of a tenant past its share whose preemption loses least."""
-        cap = self.tenant_slots
-        over = [
-            r
-            for r in self.running
-            if self._running_of[account_of(r.tenant)] > cap and not self._at_cap(r)
-        ]
-        return min(over, key=_progress_lost, default=None)
-
-    def _leaves_wanted_slots(self, request: Request) -> bool:
-        """Whether admitting `request` leaves the slots other tenants below their share
-        want: at its share, a tenant takes only slots nobody else waits for."""
-        tenant = account_of(request.tenant)
-        if self.tenant_share >= 1 or self._running_of[tenant] < self.tenant_slots:
-            return True
-        return self._free_slots() > sum(self._wanted_slots(but=tenant).values())
-
     def _admit_wanted(self, out: ScheduleOutput) -> None:
-        """Admit the sequences tenants below their share want that the policy left
-        waiting, in each tenant's arrival order, as many as the free slots hold."""
-        schedule: list[tuple[int, int]] = []
-        free = self._free_slots()
-        for tenant, count in self._wanted_slots().items():
-            taken = self._waiting_of[tenant][: max(0, min(count, free - len(schedule)))]
-            schedule += [(r.seq_id, r.remaining) for r in taken]
+        """Admit the sequences tenants below their share want that the policy left waiting."""
+        schedule = self.tenants.wanted_schedule(self.running)
         if not schedule:
             return
         before = len(out.scheduled)
