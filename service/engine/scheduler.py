@@ -62,17 +62,15 @@ prompt holds at its peak: all its blocks in a full group, a windowed group's up 
 (the window's blocks and a chunk's), so a prompt longer than the cache may still fit on a
 model whose every layer is windowed.
 
-Speculative decoding (--speculative-config; service.engine.speculation says what is
-drafted, and how much a step may carry). Once the decision is applied, each decoding
-sequence may append drafted tokens to its one token, from the budget the step leaves and
-from free blocks that are neither promised nor in the watermark, so drafts never preempt
-nor delay an admission. The worker accepts j of a sequence's k drafts and samples one
-token after them: update() counts 1 + j tokens computed, gives back the blocks past them
-(BlockManager.trim: between steps a sequence holds the blocks of its computed tokens,
-drafts or not), and appends the tokens one by one, any of which may finish it (EOS, a
-stop token, max_tokens: the rest are dropped). A block is registered in the prefix cache
-only once its positions are computed and their tokens appended, so a block that held a
-rejected draft's K/V is never found as if it held the token that replaced it.
+Speculative decoding (--speculative-config). Once the decision is applied, each decoding
+sequence may append drafted tokens to its one token (service.engine.speculation: what is
+drafted, and from which tokens and blocks of the step). The worker accepts j of a sequence's
+k drafts and samples one token after them: update() counts 1 + j tokens computed, gives back
+the blocks past them (BlockManager.trim: between steps a sequence holds the blocks of its
+computed tokens, drafts or not), and appends the tokens one by one, any of which may finish
+it (EOS, a stop token, max_tokens: the rest are dropped). A block is registered in the
+prefix cache only once its positions are computed and their tokens appended, so a block that
+held a rejected draft's K/V is never found as if it held the token that replaced it.
 
 Pooling (embeddings). A pooled request never samples: its chunks carry what the worker
 pools of them (BatchPlan.pooling), and update() finishes it (POOLED) with the step that
@@ -104,7 +102,7 @@ from gpu_worker.protocol import (
 from policies.base import Decision, Policy, SeqView, View
 from service.engine.block_manager import BlockManager, PrefixHit, chain_hashes
 from service.engine.request import MEAN_POOLING, Request, Status, account_of
-from service.engine.speculation import Speculator, may_draft
+from service.engine.speculation import Speculator
 from service.engine.step_cost import StepCostModel
 from service.engine.tenants import TenantSlots
 
@@ -760,80 +758,24 @@ class Scheduler:
         else:
             draft.out.prefill_tokens += tokens
 
-    # ---- drafts (speculative decoding; module docstring) --------------------------------
+    # ---- drafts (speculative decoding: service.engine.speculation) --------------------
 
     def _add_drafts(self, out: ScheduleOutput, token_budget: int | None) -> None:
-        """Drafted tokens for the step's decodes, within what the step leaves of the token
-        budget (the engine's and the policy's) and of the time the cost model allows;
-        the sequences whose drafts were accepted most first."""
-        speculator = self.speculator
-        if speculator is None:
-            return
-        decodes = [i for i in out.scheduled if _decodes(i) and may_draft(i.request)]
-        if not decodes:
+        """Drafted tokens for the step's decodes, within the engine's and the policy's
+        token budget."""
+        if self.speculator is None:
             return
         cap = self.max_batched_tokens
         if isinstance(token_budget, int):  # a policy's, however wrong
             cap = min(cap, token_budget)
-        num_tokens = [item.num_tokens for item in out.scheduled]
-        starts = [item.request.num_computed_tokens for item in out.scheduled]
-        left = cap - sum(num_tokens)
-        decodes.sort(key=lambda item: (-item.request.acceptance.rate, item.request.seq_id))
-        proposals = self._self_paid_proposals(out, decodes)
-        requests = [item.request for item in decodes]
-        self_paid = speculator.self_paid(requests, proposals) if proposals else 0.0
-        if not speculator.others_may_pay and not (
-            self_paid and speculator.draft_model_pays(len(decodes))
-        ):
-            return
-        allowance = speculator.allowance(self.step_cost, num_tokens, starts, left, self_paid)
-        for index, item in enumerate(decodes):
-            request = item.request
-            if self_paid:  # the blocks earlier rows' drafts took are no longer free
-                proposal = proposals[index][: self._draft_room(request)]
-                drafted = speculator.take(request, allowance, proposal)
-            else:
-                drafted = speculator.draft(request, allowance, self._draft_room(request))
-            item.draft_context, item.draft_start = drafted.context, drafted.context_start
-            drafts = drafted.tokens
-            if drafts:
-                self.blocks.allocate(request.seq_id, request.num_computed_tokens + 1 + len(drafts))
-                item.drafts = drafts
-                out.drafting_seqs += 1
-                out.draft_tokens += len(drafts)
+        self.speculator.draft_step(out.scheduled, self.blocks, self.step_cost, cap)
+        drafting = [item for item in out.scheduled if item.drafts]
+        out.drafting_seqs = len(drafting)
+        out.draft_tokens = sum(len(item.drafts) for item in drafting)
 
     def _observe_payoff(self, out: ScheduleOutput, step_ms: float) -> None:
-        """A step of decodes alone, each sampling: what its tokens cost (Payoff)."""
-        if self.speculator is None or not all(_decodes(item) for item in out.scheduled):
-            return
-        drafted = any(item.drafts or item.draft_context for item in out.scheduled)
-        self.speculator.observe_payoff(len(out.scheduled), drafted, out.accepted_tokens, step_ms)
-
-    def _self_paid_proposals(
-        self, out: ScheduleOutput, decodes: list[Scheduled]
-    ) -> list[list[int]]:
-        """Where the step is a few decodes that may all draft, each one's proposal (the
-        lookups cost little there); [] otherwise."""
-        speculator = self.speculator
-        assert speculator is not None
-        if len(decodes) != len(out.scheduled) or not speculator.self_paid_size(len(decodes)):
-            return []
-        proposals = []
-        for item in decodes:
-            k = speculator.wanted(item.request, self._draft_room(item.request))
-            proposals.append(speculator.propose(item.request, k) if k else [])
-        return proposals
-
-    def _draft_room(self, request: Request) -> int:
-        """The most drafts `request` may append whose blocks are free, unpromised and
-        above the watermark: drafts never preempt, nor take what admission counts on."""
-        assert self.speculator is not None
-        blocks, start = self.blocks, request.num_computed_tokens + 1
-        spare = max(0, blocks.num_admittable)
-        room = self.speculator.config.num_speculative_tokens
-        while room and blocks.extra_blocks(request.seq_id, start + room) > spare:
-            room -= 1
-        return room
+        if self.speculator is not None:
+            self.speculator.observe_step(out.scheduled, out.accepted_tokens, step_ms)
 
     def _policy_victims(self, decision: Decision) -> list[Request]:
         victims: list[Request] = []
@@ -1074,11 +1016,6 @@ def _sync_draft_model(item: Scheduled, accepted: int) -> None:
 
 def _sampled_ids(out: ScheduleOutput) -> list[int]:
     return [item.request.seq_id for item in out.scheduled if item.samples]
-
-
-def _decodes(item: Scheduled) -> bool:
-    """A step's row computes one token and samples after it: it may draft."""
-    return item.samples and item.num_tokens == 1
 
 
 def _pooling(request: Request, num_tokens: int) -> str | None:

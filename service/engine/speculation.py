@@ -11,24 +11,25 @@ per decoding sequence and step is bounded whatever the sequence's length.
 No stream's ITL gets worse. Drafts are what a step adds last: the scheduler first places
 every decoding sequence's own token and the policy's prefill chunks, and drafts take only
 the token budget left after them (the engine's cap and the policy's own, Decision's
-token_budget). They also take only time the step-cost model says is nearly free: the step
-with its drafts may be predicted to cost at most (1 + step_cost_tolerance) x the step
-without them. On a CPU at low batch a step reads the weights once whatever its rows, so a
-few rows more cost little and sequences draft their full k; at batch 64 each row is paid
-for, the allowance is a handful of tokens, and drafting stops. The engine's model
-(service.engine.step_cost) is linear in tokens: fitted to prefill chunks, which are
-compute-bound, it would price a decode's extra rows at a chunk's rate and forbid the drafts
-that are nearly free. So a decode-only step is priced by a model of the same form fitted
-to decode-only steps alone (drafts included: their rows teach it what rows cost there),
-and a step with prefill chunks by the engine's. Past the most tokens a decode-only step
-has been measured with, the decode model extrapolates (with every step of one batch size
-alike, it cannot tell a row's cost from the base's): there a draft is priced at the dearer
-of the two models, the engine's being the compute-bound price no row exceeds, so that a
-step that tries more rows than ever stays within the tolerance too. Before the model in
-use has measured enough steps, only a decode-only step of at most `_UNFITTED_STEP_TOKENS`
-tokens (drafts included) whose every row drafts (below) drafts. A step with drafts costs
-up to the tolerance more, and in exchange a sequence whose drafts are accepted advances
-several tokens in it.
+token_budget) and blocks that are free, neither promised nor in the watermark, so drafts
+never preempt nor delay an admission. They also take only time the step-cost model says is
+nearly free: the step with its drafts may be predicted to cost at most
+(1 + step_cost_tolerance) x the step without them. On a CPU at low batch a step reads the
+weights once whatever its rows, so a few rows more cost little and sequences draft their
+full k; at batch 64 each row is paid for, the allowance is a handful of tokens, and drafting
+stops. The engine's model (service.engine.step_cost) is linear in tokens: fitted to prefill
+chunks, which are compute-bound, it would price a decode's extra rows at a chunk's rate and
+forbid the drafts that are nearly free. So a decode-only step is priced by a model of the
+same form fitted to decode-only steps alone (drafts included: their rows teach it what rows
+cost there), and a step with prefill chunks by the engine's. Past the most tokens a
+decode-only step has been measured with, the decode model extrapolates (with every step of
+one batch size alike, it cannot tell a row's cost from the base's): there a draft is priced
+at the dearer of the two models, the engine's being the compute-bound price no row exceeds,
+so that a step that tries more rows than ever stays within the tolerance too. Before the
+model in use has measured enough steps, only a decode-only step of at most
+`_UNFITTED_STEP_TOKENS` tokens (drafts included) whose every row drafts (below) drafts. A
+step with drafts costs up to the tolerance more, and in exchange a sequence whose drafts are
+accepted advances several tokens in it.
 
 That bound is what others pay for a sequence's drafts. Where nobody else pays, because
 every row of a small decode-only step (at most `_SELF_PAID_SEQS` sequences: the machine is
@@ -79,14 +80,16 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from gpu_worker.protocol import DRAFT_MODEL_TOKEN, QUANTIZATIONS
 from policies.base import StepCost
 from service.engine.acceptance import PROBE_EVERY, RATE_WEIGHT
+from service.engine.block_manager import BlockManager
 from service.engine.request import Request
 from service.engine.step_cost import StepCostModel, plan_terms
 
@@ -253,6 +256,22 @@ def may_draft(request: Request) -> bool:
     )
 
 
+class DraftRow(Protocol):
+    """A row of a step, as the speculator reads it and gives it drafts (scheduler.Scheduled)."""
+
+    request: Request
+    num_tokens: int  # of its own tokens (a decode's: 1)
+    samples: bool
+    drafts: list[int]
+    draft_context: list[int]
+    draft_start: int
+
+
+def decodes(row: DraftRow) -> bool:
+    """A step's row computes one token and samples after it: it may draft."""
+    return row.samples and row.num_tokens == 1
+
+
 def _dearer(cost: StepCost, other: StepCost | None) -> StepCost:
     """`cost` with the dearer of the two prices of a row and of a key read."""
     if other is None:
@@ -417,6 +436,61 @@ class Speculator:
             allowance.measured = max(0, self.widest - sum(num_tokens))
         return allowance
 
+    def draft_step(
+        self, rows: Sequence[DraftRow], blocks: BlockManager, step_cost: StepCostModel, cap: int
+    ) -> None:
+        """Drafted tokens for the decodes of a step of `rows`, within what the rows leave of
+        `cap` tokens and of the time the cost model allows, the sequences whose drafts were
+        accepted most first; their blocks allocated (`_draft_room`)."""
+        decoding = [row for row in rows if decodes(row) and may_draft(row.request)]
+        if not decoding:
+            return
+        num_tokens = [row.num_tokens for row in rows]
+        starts = [row.request.num_computed_tokens for row in rows]
+        left = cap - sum(num_tokens)
+        decoding.sort(key=lambda row: (-row.request.acceptance.rate, row.request.seq_id))
+        proposals = self._self_paid_proposals(len(rows), decoding, blocks)
+        requests = [row.request for row in decoding]
+        self_paid = self.self_paid(requests, proposals) if proposals else 0.0
+        if not self.others_may_pay and not (self_paid and self.draft_model_pays(len(decoding))):
+            return
+        allowance = self.allowance(step_cost, num_tokens, starts, left, self_paid)
+        for index, row in enumerate(decoding):
+            request = row.request
+            if self_paid:  # the blocks earlier rows' drafts took are no longer free
+                proposal = proposals[index][: self._draft_room(request, blocks)]
+                drafted = self.take(request, allowance, proposal)
+            else:
+                drafted = self.draft(request, allowance, self._draft_room(request, blocks))
+            row.draft_context, row.draft_start = drafted.context, drafted.context_start
+            drafts = drafted.tokens
+            if drafts:
+                blocks.allocate(request.seq_id, request.num_computed_tokens + 1 + len(drafts))
+                row.drafts = drafts
+
+    def _self_paid_proposals(
+        self, num_rows: int, decoding: list[DraftRow], blocks: BlockManager
+    ) -> list[list[int]]:
+        """Where the step of `num_rows` rows is a few decodes that may all draft, each one's
+        proposal (the lookups cost little there); [] otherwise."""
+        if len(decoding) != num_rows or not self.self_paid_size(len(decoding)):
+            return []
+        proposals = []
+        for row in decoding:
+            k = self.wanted(row.request, self._draft_room(row.request, blocks))
+            proposals.append(self.propose(row.request, k) if k else [])
+        return proposals
+
+    def _draft_room(self, request: Request, blocks: BlockManager) -> int:
+        """The most drafts `request` may append whose blocks are free, unpromised and
+        above the watermark: drafts never preempt, nor take what admission counts on."""
+        start = request.num_computed_tokens + 1
+        spare = max(0, blocks.num_admittable)
+        room = self.config.num_speculative_tokens
+        while room and blocks.extra_blocks(request.seq_id, start + room) > spare:
+            room -= 1
+        return room
+
     def draft(self, request: Request, allowance: DraftAllowance, room: int) -> Drafted:
         """What `request` (decoding, may_draft) drafts this step: at most `room` tokens
         (its blocks' and its max_tokens' bound), as many as its acceptance wants and the
@@ -481,10 +555,14 @@ class Speculator:
     def _probes_drafts(self, rows: int) -> bool:
         return not self.others_may_pay and self.payoffs[rows].probing()  # rows: self-paid
 
-    def observe_payoff(self, rows: int, drafted: bool, accepted: int, step_ms: float) -> None:
-        """A decode-only step of `rows` rows, each sampling, ran (a draft model's record)."""
-        if not self.others_may_pay and rows in self.payoffs:
-            self.payoffs[rows].record(rows, drafted, accepted, step_ms)
+    def observe_step(self, rows: Sequence[DraftRow], accepted: int, step_ms: float) -> None:
+        """A step of `rows` ran, `accepted` drafts kept: if its rows are decodes alone, each
+        sampling, what its tokens cost (a draft model's Payoff)."""
+        if self.others_may_pay or not all(decodes(row) for row in rows):
+            return
+        drafted = any(row.drafts or row.draft_context for row in rows)
+        if len(rows) in self.payoffs:
+            self.payoffs[len(rows)].record(len(rows), drafted, accepted, step_ms)
 
     def self_paid_size(self, rows: int) -> bool:
         """Whether a decode-only step of `rows` rows may have drafts that pay for themselves."""
