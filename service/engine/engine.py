@@ -42,7 +42,7 @@ from typing import Any, Protocol
 import structlog
 import trio
 
-from gpu_worker.protocol import BLOCK_SIZE, BatchPlan, Handshake, StepResult, TokenLogprobs
+from gpu_worker.protocol import BLOCK_SIZE, Handshake, StepResult, TokenLogprobs
 from policies.registry import make_policy
 from service.config import Config
 from service.engine.admission import (
@@ -55,6 +55,7 @@ from service.engine.admission import (
 from service.engine.block_manager import BlockManager
 from service.engine.detokenizer import Decoder, Delta, Detokenizer
 from service.engine.grammar import Matcher
+from service.engine.invariants import check_blocks_kept, check_invariants
 from service.engine.masks import MaskFiller
 from service.engine.reporting import Reporter, since_received
 from service.engine.request import (
@@ -589,7 +590,7 @@ class Engine:
             raise WorkerDied("the worker's result does not answer its plan's sampling sequences")
         started = time.perf_counter()
         if self.config.debug_invariants:
-            _check_blocks_kept(sched, step.out.plan)
+            check_blocks_kept(sched, step.out.plan)
         step.result = result
         step.outcomes = sched.update(step.out, result)
         self._masks.kick()  # the next masks fill while this step's text goes out
@@ -606,7 +607,7 @@ class Engine:
         for outcome in step.outcomes:
             self._emit(outcome, now)
         if self.config.debug_invariants:
-            sched.check_invariants()
+            check_invariants(sched)
         step.service_s += time.perf_counter() - started
         assert step.result is not None
         self._report.iteration(step.out, step.result, sched.stats(), step.service_s)
@@ -766,21 +767,6 @@ def sibling_params(params: SamplingParams, index: int) -> SamplingParams:
         return params
     sampling = dataclasses.replace(params.sampling, seed=seed + index)
     return dataclasses.replace(params, sampling=sampling)
-
-
-def _check_blocks_kept(sched: Scheduler, plan: BatchPlan) -> None:
-    """No block the plan just computed wrote went to another sequence while the worker ran
-    it: blocks freed meanwhile (stop string, abort) wait for the next schedule(). (The
-    blocks it only read may be shared: cached prefixes are.)"""
-    holders: dict[int, set[int]] = {}
-    for request in (*sched.running, *sched.waiting):
-        for block in sched.blocks.held(request.seq_id):
-            holders.setdefault(block, set()).add(request.seq_id)
-    size = sched.blocks.block_size
-    for seq_id, start, table in zip(plan.seq_ids, plan.start_pos, plan.block_tables, strict=True):
-        written = table[start // size :]
-        taken = [block for block in written if holders.get(block, {seq_id}) != {seq_id}]
-        assert not taken, f"step {plan.step_id}: blocks {taken} of seq {seq_id} reallocated"
 
 
 def _drop_unsent(request: Request) -> None:

@@ -313,6 +313,11 @@ class Scheduler:
         self.running.remove(request)
         self.tenants.leave_running(request)
 
+    @property
+    def sequences(self) -> Collection[Request]:
+        """Every sequence it holds, waiting or running."""
+        return self._by_seq.values()
+
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
@@ -401,41 +406,6 @@ class Scheduler:
     @property
     def admission_watermark_blocks(self) -> int:
         return int(self.admission_watermark * self.blocks.num_blocks)
-
-    def check_invariants(self) -> None:
-        """Block accounting is exact, every block and promise belongs to a sequence it
-        knows, and no request is preempted beyond the cap."""
-        self.blocks.check_invariants()
-        held = {seq_id for seq_id in self._by_seq if self.blocks.num_held(seq_id)}
-        if None in self.blocks.windows:  # all-windowed tables may drop every block held
-            computed = {r.seq_id for r in self.running if r.num_computed_tokens}
-            assert held >= computed, "lost blocks"
-        tables = [self.blocks.held(s) for s in self._by_seq]
-        assert self.blocks.num_used == len({b for table in tables for b in table}), "stray block"
-        windowed = any(self.blocks.windows)
-        for r in self.running:
-            owed = self.blocks.num_promised_to(r.seq_id)
-            # a prefill is owed the rest of its prompt (a windowed group's up to its cap);
-            # after it samples, nothing
-            rest = self.blocks.extra_blocks(r.seq_id, r.num_tokens)
-            assert owed == rest or (owed == 0 and r.remaining == 1) or (windowed and owed < rest), (
-                f"sequence {r.seq_id}: promised {owed} blocks"
-            )
-        for r in self.running:
-            first = r.num_computed_tokens // self.blocks.block_size
-            written = [
-                block
-                for g in range(self.blocks.num_groups)
-                for block in self.blocks.table(r.seq_id, g)[first:]
-            ]
-            assert all(self.blocks.refcount(b) == 1 for b in written), "a shared block is written"
-            assert not any(map(self.blocks.is_cached, written)), "a cached block is written"
-            assert r.num_computed_tokens < r.num_tokens or r.num_generated, "nothing to sample"
-        running_promises = sum(self.blocks.num_promised_to(r.seq_id) for r in self.running)
-        assert self.blocks.num_promised == running_promises, "a promise outlived its sequence"
-        assert self.running or not self.admission_paused, "paused with nothing left to resume it"
-        assert all(r.preemptions <= self.max_preemptions for r in self._by_seq.values())
-        self.tenants.check_invariants(self.running, self.waiting)
 
     def replace_blocks(self, blocks: BlockManager) -> None:
         """A restarted worker's fresh cache; only while nothing runs."""
