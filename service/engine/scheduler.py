@@ -83,7 +83,6 @@ from __future__ import annotations
 import base64
 import bisect
 import collections
-import dataclasses
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -99,12 +98,13 @@ from gpu_worker.protocol import (
     StepResult,
     TokenLogprobs,
 )
-from policies.base import Decision, Policy, SeqView, View
+from policies.base import Decision, Policy, View
 from service.engine.block_manager import BlockManager, PrefixHit, chain_hashes
-from service.engine.request import MEAN_POOLING, Request, Status, account_of
+from service.engine.request import MEAN_POOLING, Request, Status
 from service.engine.speculation import Speculator
 from service.engine.step_cost import StepCostModel
 from service.engine.tenants import TenantSlots
+from service.engine.views import seq_view, waiting_view
 
 STOP_TOKEN = ("stop", "stop_token")  # a stop_token_ids token finished the sequence
 POOLED = ("stop", "pooled")  # a pooled request (an embedding) computed its prompt
@@ -540,12 +540,14 @@ class Scheduler:
         return chain_hashes(request.token_ids, size, request.block_hashes, salt)
 
     def build_view(self, now: float) -> View:
+        """What the policy decides from (service.engine.views)."""
         blocks = self.blocks
+        waiting = self.waiting[: self.waiting_view]
         return View(
             iteration=self.iteration,
             now=now,
-            running=tuple(self._seq_view(r) for r in self.running),
-            waiting=tuple(self._waiting_view(r) for r in self.waiting[: self.waiting_view]),
+            running=tuple(seq_view(r, blocks) for r in self.running),
+            waiting=tuple(waiting_view(r, blocks, self._prefix_hit(r)) for r in waiting),
             num_waiting=len(self.waiting),
             free_blocks=blocks.num_free,
             admit_blocks=0 if self.admission_paused else blocks.num_admittable,
@@ -557,35 +559,6 @@ class Scheduler:
             last_step_tokens=self._last_step_tokens,
             step_cost=self.step_cost.estimate(),
             kv_caps=blocks.caps,
-        )
-
-    def _seq_view(self, r: Request) -> SeqView:
-        return SeqView(
-            seq_id=r.seq_id,
-            tenant=account_of(r.tenant),  # sub-tenants share their tenant's fair share
-            priority=r.priority,
-            arrival=r.received,
-            prompt_len=r.prompt_len,
-            num_generated=len(r.token_ids) - r.prompt_len,
-            num_computed_tokens=r.num_computed_tokens,
-            num_blocks=self.blocks.num_held(r.seq_id),
-            preempted=r.preemptions,
-            deadline=r.deadline if r.first_scheduled is None else None,
-            num_cached_tokens=r.num_cached_tokens,
-        )
-
-    def _waiting_view(self, r: Request) -> SeqView:
-        """As admission would take it: its cache hit computed already, the hit blocks that
-        others hold counted as its own (they cost it nothing)."""
-        hit = self._prefix_hit(r)
-        hit_tokens = hit.num_blocks * self.blocks.block_size
-        return dataclasses.replace(
-            self._seq_view(r),
-            num_computed_tokens=hit_tokens,
-            num_blocks=self.blocks.blocks_to_hold(r.num_tokens)
-            - self.blocks.admission_cost(r.num_tokens, hit),
-            num_cached_tokens=min(hit_tokens, r.prompt_len),
-            waiting=True,
         )
 
     # ---- results ----------------------------------------------------------------------
