@@ -56,7 +56,7 @@ from service.engine.block_manager import BlockManager
 from service.engine.detokenizer import Decoder, Delta, Detokenizer
 from service.engine.grammar import Matcher
 from service.engine.invariants import check_blocks_kept, check_invariants
-from service.engine.masks import MaskFiller
+from service.engine.masks import MaskFiller, unmasked, waits_for_masks
 from service.engine.reporting import Reporter, since_received
 from service.engine.request import (
     FinishEvent,
@@ -529,7 +529,11 @@ class Engine:
 
     async def _mask_task(self) -> None:
         sched = self._scheduler
-        await self._masks.run(sched.unmasked, lambda: self._wakeup.set(), self._fail_masks)
+        await self._masks.run(
+            lambda: unmasked(sched.constrained, sched.max_num_seqs),
+            lambda: self._wakeup.set(),
+            self._fail_masks,
+        )
 
     def _fail_masks(self, requests: list[Request], error: str) -> None:
         for request in requests:
@@ -560,7 +564,7 @@ class Engine:
         self._masks.worker_waits()  # no plan is in flight here
         if not sched.has_work():
             return None
-        await self._masks.settle(sched.waits_for_masks)
+        await self._masks.settle(lambda: waits_for_masks(sched.constrained))
         started = time.perf_counter()
         out = sched.schedule(trio.current_time())
         self._report.scheduled(out, trio.current_time())

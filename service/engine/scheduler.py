@@ -318,25 +318,13 @@ class Scheduler:
         """Every sequence it holds, waiting or running."""
         return self._by_seq.values()
 
+    @property
+    def constrained(self) -> Collection[Request]:
+        """The sequences it holds that have a grammar (their masks: service.engine.masks)."""
+        return self._constrained.values()
+
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
-
-    # ---- grammar masks (filled by the engine, off the loop) ------------------------------
-
-    def unmasked(self) -> list[Request]:
-        """Constrained sequences whose next mask is neither filled nor being filled, the
-        running first, at most a step's worth."""
-        lacking = [r for r in self._constrained.values() if r.grammar and r.grammar.needs_mask]
-        lacking.sort(key=lambda r: r.status is not Status.RUNNING)
-        return lacking[: self.max_num_seqs]
-
-    def waits_for_masks(self) -> bool:
-        """A running constrained sequence would sample next and has no mask yet."""
-        return any(
-            r.status is Status.RUNNING and r.remaining == 1 and r.grammar.mask is None
-            for r in self._constrained.values()
-            if r.grammar is not None
-        )
 
     # ---- policy -----------------------------------------------------------------------
 
