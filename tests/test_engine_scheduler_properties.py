@@ -156,6 +156,7 @@ def check_membership(sched: Scheduler, live: dict[int, Request]) -> None:
     assert sched.has_work() == bool(live)
 
 
+# Long on purpose (PLR0915): one trace, every promise after every step
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     data=st.data(),
@@ -171,7 +172,7 @@ def check_membership(sched: Scheduler, live: dict[int, Request]) -> None:
     groups=st.sampled_from([("full",), ("full",), ("full", "w", "w"), ("w",)]),
     window=st.integers(1, 12),
 )
-def test_every_step_keeps_the_core_promises_whatever_the_policy_decides(
+def test_every_step_keeps_the_core_promises_whatever_the_policy_decides(  # noqa: PLR0915
     data: st.DataObject,
     num_blocks: int,
     block_size: int,

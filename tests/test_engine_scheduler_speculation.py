@@ -253,6 +253,7 @@ def check_cache(sched: Scheduler, live: dict[int, Request]) -> None:
                 assert blocks._hash_of[block][1] == hashes[index], "a block's hash lies"
 
 
+# Long on purpose (PLR0915): one trace, every promise after every step
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     data=st.data(),
@@ -267,7 +268,7 @@ def check_cache(sched: Scheduler, live: dict[int, Request]) -> None:
     window=st.integers(1, 12),
     spec=st.sampled_from([SPEC, DRAFT_SPEC]),
 )
-def test_drafts_keep_every_promise_whatever_the_policy_and_the_verdicts(
+def test_drafts_keep_every_promise_whatever_the_policy_and_the_verdicts(  # noqa: PLR0915
     data: st.DataObject,
     num_blocks: int,
     block_size: int,
