@@ -363,28 +363,6 @@ class Scheduler:
         how many blocks were cached."""
         return self.blocks.reset_cache()
 
-    def queued_prompt_tokens(self) -> int:
-        """Tokens the waiting sequences must compute before they can sample."""
-        return sum(r.remaining for r in self.waiting)
-
-    def predicted_prefill_ms(self, new_prompt: int = 0) -> float | None:
-        """How long the prefill now pending (running prompts' rest, then the waiting) and a
-        new prompt of `new_prompt` tokens would take at the measured step costs; None until
-        the cost model is fitted. Chunking changes neither a prompt's tokens nor its
-        attention pairs, only the number of steps, each of which also carries the decodes."""
-        cost = self.step_cost.estimate()
-        if cost is None:
-            return None
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
-        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        prefills = [*prefilling, *self.waiting]
-        work_ms = cost.chunk_ms(0, new_prompt) if new_prompt else 0.0
-        work_ms += sum(cost.chunk_ms(r.num_computed_tokens, r.remaining) for r in prefills)
-        tokens = new_prompt + sum(r.remaining for r in prefills)
-        step_ms = cost.decode_ms([r.num_computed_tokens for r in decoding])
-        steps = -(-tokens // max(1, self.max_batched_tokens - len(decoding)))
-        return work_ms + steps * step_ms
-
     @property
     def capacity_tokens(self) -> int:
         """The most tokens one sequence can hold (admission keeps the watermark free)."""
@@ -707,6 +685,8 @@ class Scheduler:
     def _observe_payoff(self, out: ScheduleOutput, step_ms: float) -> None:
         if self.speculator is not None:
             self.speculator.observe_step(out.scheduled, out.accepted_tokens, step_ms)
+
+    # ---- blocks: admission, growth, preemption (module docstring) ------------------------
 
     def _policy_victims(self, decision: Decision) -> list[Request]:
         victims: list[Request] = []
