@@ -683,6 +683,7 @@ class Scheduler:
         out.draft_tokens = sum(len(item.drafts) for item in drafting)
 
     def _observe_payoff(self, out: ScheduleOutput, step_ms: float) -> None:
+        """A step ran: what its drafts paid, where a draft model measures it."""
         if self.speculator is not None:
             self.speculator.observe_step(out.scheduled, out.accepted_tokens, step_ms)
 

@@ -13,6 +13,7 @@ from service.engine.request import Request, account_of
 
 
 def seq_view(r: Request, blocks: BlockManager) -> SeqView:
+    """A sequence as it stands."""
     return SeqView(
         seq_id=r.seq_id,
         tenant=account_of(r.tenant),  # sub-tenants share their tenant's fair share
