@@ -31,13 +31,14 @@ from gpu_worker.kernels import Kernels
 from gpu_worker.kv_cache import LayerKV
 from gpu_worker.kv_groups import KVGroups
 from gpu_worker.layer_ops import add_gemma_rms_norm_, gelu_tanh_and_mul, gemma_rms_norm, rms_norm
-from gpu_worker.layers import MissingWeights, WeightTaker, load_layer
+from gpu_worker.layers import load_layer
 from gpu_worker.linear import LM_HEAD_ROW_SIZES, Linear
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.quant import QUANTIZERS, QuantLinear, QuantWeight
 from gpu_worker.rope import rope_tables
 from gpu_worker.sampler import Logits
 from gpu_worker.tensor_parallel import NO_SHARD, VOCAB, Shard, check_shardable
+from gpu_worker.weights import MissingWeights, WeightTaker
 
 REFINED_LOGITS = 8  # top logits per row recomputed in float32 when the model runs in bfloat16
 

@@ -18,15 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from gpu_worker.linear import Linear
 from gpu_worker.model_config import ModelConfig, MoE
-
-if TYPE_CHECKING:
-    from gpu_worker.layers import WeightTaker
+from gpu_worker.weights import WeightTaker
 
 Activation = Callable[[torch.Tensor], torch.Tensor]  # gate_up [T, 2I] -> [T, I]
 

@@ -24,8 +24,9 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -95,67 +96,123 @@ def start(config: WorkerConfig, group: Group | None = None) -> ModelRunner:
     raises when the worker cannot serve."""
     clock = Stopwatch()
     with clock.step("config"):
-        model_config = check(config)
-        device, dtype = resolve_device(config.device), resolve_dtype(config.dtype)
-        if group is not None:
-            device = group.place(device)
-        block_size = block_size_for(config.block_size, device.type)
-        model_dir = Path(config.model_dir)
-        cache_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, dtype)
+        place = _place(config, group)
     with clock.step("kernels"):
-        choice = _choose_kernels(
-            config, model_config, block_size, dtype, device, cache_dtype, group
-        )
+        choice = _choose_kernels(config, place, group)
     with clock.step("weights"):
+        model_dir, quantization = Path(config.model_dir), config.quantization
         model = _load_model(
-            config,
-            model_dir,
-            model_config,
-            config.quantization,
-            dtype,
-            device,
-            choice.kernels,
-            group,
+            config, model_dir, place.model_config, quantization, place, choice.kernels, group
         )
     draft = None
     if config.draft_model_dir is not None:
         with clock.step("draft model"):
-            draft = _load_draft(config, model_config, dtype, device, choice.kernels)
-    groups = KVGroups.of(model_config)
-    max_blocks_per_seq = -(-model_config.context_limit // block_size)
+            draft = _load_draft(config, place, choice.kernels)
     reserved = 0
-    if device.type == "cuda":
+    if place.device.type == "cuda":
         with clock.step("profile"):
-            reserved = _activation_reserve(model, config, block_size, cache_dtype)
+            reserved = _activation_reserve(model, config, place.block_size, place.cache_dtype)
     with clock.step("cache"):
-        # A rank's cache holds its KV heads (model.config is its view). On a CPU the ranks
-        # share the host's memory: sized by the whole model's block, the group's caches
-        # take together what one worker's would. A GPU's memory is its rank's own.
-        sizing = model_config if device.type == "cpu" else model.config
-        configs = [sizing] if draft is None else [sizing, draft.config]
-        num_blocks = _count_blocks(
-            config,
-            block_size,
-            configs,
-            device,
-            cache_dtype,
-            reserved,
-            max_blocks_per_seq * groups.num_groups,
-        )
-        if group is not None:
-            num_blocks = group.least(num_blocks)
-        cache = kv_cache.allocate(model.config, num_blocks, block_size, cache_dtype, device)
-        drafter = None
-        if draft is not None:
-            draft_cache = kv_cache.allocate(
-                draft.config, num_blocks, block_size, cache_dtype, device
-            )
-            drafter = Drafter(runner_on(draft, draft_cache, config))
+        caches = _allocate_caches(config, place, model, draft, reserved, group)
+    decode_runner, mixed = _graph_runners(config, place, model, caches.cache)
+    # Before the handshake: a capture while serving would stall the steps around it.
+    with clock.step("graphs"):
+        graphs = decode_runner.capture_all()
+        graphs["mixed"] = mixed.capture_all()
+        memory.release_cached(place.device)
+    ranks = _ranks(group, place.device, caches.cache.bytes)
+    runner = _runner(config, place, model, caches, decode_runner, mixed)
+    warmed = None
+    kernels, device = model.kernels, place.device
+    if kernels.attention.compiles(device) or kernels.layer_ops.compiles(device):
+        with clock.step("warm-up"):  # compiles before serving, as the captures
+            warmed = warm_up(runner, config.max_num_batched_tokens)
+    runner.handshake = _handshake(config, place, runner, clock, choice, graphs, warmed, ranks)
+    return runner
+
+
+@dataclass(frozen=True, slots=True)
+class _Placement:
+    """What the config step resolves: the model's config, where the worker computes, and
+    its cache's block size and dtype."""
+
+    model_config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int
+    cache_dtype: torch.dtype
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """A table's blocks for the model's whole context (one KV group's)."""
+        return -(-self.model_config.context_limit // self.block_size)
+
+
+@dataclass(slots=True)
+class _Caches:
+    """What the cache step allocates."""
+
+    cache: KVCache
+    drafter: Drafter | None  # with the draft model's cache, over the same blocks
+    max_model_len: int  # a sequence can never outgrow the whole cache
+
+
+def _place(config: WorkerConfig, group: Group | None) -> _Placement:
+    """The model's config, once this worker config is known to serve it, and where."""
+    model_config = check(config)
+    device, dtype = resolve_device(config.device), resolve_dtype(config.dtype)
+    if group is not None:
+        device = group.place(device)
+    block_size = block_size_for(config.block_size, device.type)
+    cache_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, dtype)
+    return _Placement(model_config, device, dtype, block_size, cache_dtype)
+
+
+def _allocate_caches(
+    config: WorkerConfig,
+    place: _Placement,
+    model: Model,
+    draft: Model | None,
+    reserved: int,
+    group: Group | None,
+) -> _Caches:
+    """The KV cache of as many blocks as the memory left holds (on a group, the least any
+    rank's holds), and the draft model's beside it."""
+    # A rank's cache holds its KV heads (model.config is its view). On a CPU the ranks
+    # share the host's memory: sized by the whole model's block, the group's caches
+    # take together what one worker's would. A GPU's memory is its rank's own.
+    sizing = place.model_config if place.device.type == "cpu" else model.config
+    configs = [sizing] if draft is None else [sizing, draft.config]
+    groups = KVGroups.of(place.model_config)
+    num_blocks = _count_blocks(
+        config,
+        place.block_size,
+        configs,
+        place.device,
+        place.cache_dtype,
+        reserved,
+        place.max_blocks_per_seq * groups.num_groups,
+    )
+    if group is not None:
+        num_blocks = group.least(num_blocks)
+    shape = (num_blocks, place.block_size, place.cache_dtype, place.device)
+    cache = kv_cache.allocate(model.config, *shape)
+    drafter = None
+    if draft is not None:
+        drafter = Drafter(runner_on(draft, kv_cache.allocate(draft.config, *shape), config))
+    max_model_len = min(*(c.context_limit for c in configs), num_blocks * place.block_size)
+    return _Caches(cache, drafter, max_model_len)
+
+
+def _graph_runners(
+    config: WorkerConfig, place: _Placement, model: Model, cache: KVCache
+) -> tuple[DecodeRunner, MixedGraphs]:
+    """The decode steps' runner and the mixed steps' pieces, their graphs not captured yet."""
     decode_runner = DecodeRunner(
         model,
         cache,
         max_num_seqs=config.max_num_seqs,
-        max_blocks_per_seq=max_blocks_per_seq,
+        max_blocks_per_seq=place.max_blocks_per_seq,
         capturer=graph_capturer(model, cache, config.use_cuda_graphs),
     )
     mixed = MixedGraphs(
@@ -164,51 +221,66 @@ def start(config: WorkerConfig, group: Group | None = None) -> ModelRunner:
         config.max_num_batched_tokens,
         piece_capturer(model, config.use_cuda_graphs),
     )
-    # Before the handshake: a capture while serving would stall the steps around it.
-    with clock.step("graphs"):
-        graphs = decode_runner.capture_all()
-        graphs["mixed"] = mixed.capture_all()
-        memory.release_cached(device)
-    ranks = _ranks(group, device, cache.bytes)
-    # A sequence can never outgrow the whole cache.
-    max_model_len = min(*(c.context_limit for c in configs), num_blocks * block_size)
+    return decode_runner, mixed
+
+
+def _runner(
+    config: WorkerConfig,
+    place: _Placement,
+    model: Model,
+    caches: _Caches,
+    decode_runner: DecodeRunner,
+    mixed: MixedGraphs,
+) -> ModelRunner:
+    model_config, cache = place.model_config, caches.cache
+    groups = KVGroups.of(model_config).num_groups
     limits = PlanLimits(
-        block_size, num_blocks, model_config.vocab_size, max_model_len, groups.num_groups
+        place.block_size, cache.num_blocks, model_config.vocab_size, caches.max_model_len, groups
     )
-    sampler = Sampler(config.seed, device)
-    runner = ModelRunner(model, cache, decode_runner, sampler, limits, drafter=drafter, mixed=mixed)
-    warmed = None
-    if model.kernels.attention.compiles(device) or model.kernels.layer_ops.compiles(device):
-        with clock.step("warm-up"):  # compiles before serving, as the captures
-            warmed = warm_up(runner, config.max_num_batched_tokens)
-    handshake = Handshake(
-        model_name=model_dir.resolve().name,
+    sampler = Sampler(config.seed, place.device)
+    return ModelRunner(
+        model, cache, decode_runner, sampler, limits, drafter=caches.drafter, mixed=mixed
+    )
+
+
+def _handshake(
+    config: WorkerConfig,
+    place: _Placement,
+    runner: ModelRunner,
+    clock: Stopwatch,
+    choice: kernel_choice.Choice,
+    graphs: dict[str, Any],
+    warmed: dict[str, Any] | None,
+    ranks: list[dict[str, Any]],
+) -> Handshake:
+    """What the worker answers at init: the model, its cache, and how start-up went."""
+    model_config, draft_dir = place.model_config, config.draft_model_dir
+    return Handshake(
+        model_name=Path(config.model_dir).resolve().name,
         architecture=model_config.architecture,
         vocab_size=model_config.vocab_size,
-        max_model_len=max_model_len,
+        max_model_len=runner.limits.max_model_len,
         num_layers=model_config.num_hidden_layers,
         num_kv_heads=model_config.num_key_value_heads,
         head_dim=model_config.head_dim,
         dtype=config.dtype,
-        device=str(device),
-        block_size=block_size,
-        num_blocks=num_blocks,
+        device=str(place.device),
+        block_size=place.block_size,
+        num_blocks=runner.cache.num_blocks,
         kv_bytes=sum(rank["kv_bytes"] for rank in ranks),
-        kv_cache_dtype=str(cache_dtype).removeprefix("torch."),
-        decode_buckets=decode_runner.buckets,
+        kv_cache_dtype=str(place.cache_dtype).removeprefix("torch."),
+        decode_buckets=runner.decode_runner.buckets,
         pid=os.getpid(),
         load_seconds=clock.total(),
         kernels=choice.report(),
         graphs=graphs,
         warm_up=warmed,
         startup=clock.steps,
-        kv_group_windows=list(groups.windows),
-        quantization=_quantization_text(config.quantization, model),
-        draft_model=None if draft is None else Path(str(config.draft_model_dir)).resolve().name,
+        kv_group_windows=list(KVGroups.of(model_config).windows),
+        quantization=_quantization_text(config.quantization, runner.model),
+        draft_model=None if draft_dir is None else Path(draft_dir).resolve().name,
         ranks=ranks,
     )
-    runner.handshake = handshake
-    return runner
 
 
 def _ranks(group: Group | None, device: torch.device, kv_bytes: int) -> list[dict]:
@@ -251,17 +323,13 @@ def _quantization_text(quantization: str, model: Model) -> str:
 
 
 def _choose_kernels(
-    config: WorkerConfig,
-    model_config: ModelConfig,
-    block_size: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    cache_dtype: torch.dtype,
-    group: Group | None,
+    config: WorkerConfig, place: _Placement, group: Group | None
 ) -> kernel_choice.Choice:
     """Measured (or recalled) on rank 0; the other ranks take its choice, so that every
     rank runs the same kernels."""
-    shapes = kernel_choice.Shapes.of(model_config, block_size, dtype, device, cache_dtype)
+    shapes = kernel_choice.Shapes.of(
+        place.model_config, place.block_size, place.dtype, place.device, place.cache_dtype
+    )
     if group is not None and group.rank > 0:
         return kernel_choice.Choice(kernel_choice.named(shapes, group.share(None)))
     cache_file = config.kernel_cache
@@ -278,8 +346,7 @@ def _load_model(
     model_dir: Path,
     model_config: ModelConfig,
     quantization: str,
-    dtype: torch.dtype,
-    device: torch.device,
+    place: _Placement,
     kernels: Kernels,
     group: Group | None = None,
 ) -> Model:
@@ -289,6 +356,7 @@ def _load_model(
     cache_file = Path(config.kernel_cache) if config.kernel_cache else None
     linear.recall_checked_sizes(kernel_choice.recall(cache_file, ROW_SIZES_SECTION))
     # A rank of a group reads its slices only, as the model takes them.
+    dtype, device = place.dtype, place.device
     weights = load_weights(model_dir, dtype, device, on_use=group is not None)
     quantized = load_quantized(model_dir, device) if quantization == "gguf" else None
     if quantization != "none":
@@ -312,18 +380,12 @@ def _load_model(
     return model
 
 
-def _load_draft(
-    config: WorkerConfig,
-    target: ModelConfig,
-    dtype: torch.dtype,
-    device: torch.device,
-    kernels: Kernels,
-) -> Model:
+def _load_draft(config: WorkerConfig, place: _Placement, kernels: Kernels) -> Model:
     """The draft model (gpu_worker.draft_model); ValueError where it cannot draft for the
     target: another vocabulary, or a cache of several KV groups (its tables are the
     target's group 0's)."""
     assert config.draft_model_dir is not None
-    model_dir = Path(config.draft_model_dir)
+    model_dir, target = Path(config.draft_model_dir), place.model_config
     draft = ModelConfig.from_dir(model_dir)
     if draft.vocab_size != target.vocab_size:
         raise ValueError(
@@ -332,7 +394,7 @@ def _load_draft(
         )
     if KVGroups.of(draft).num_groups > 1 or KVGroups.of(target).num_groups > 1:
         raise ValueError("a draft model needs both models to attend over one KV group")
-    return _load_model(config, model_dir, draft, config.draft_quantization, dtype, device, kernels)
+    return _load_model(config, model_dir, draft, config.draft_quantization, place, kernels)
 
 
 def _count_blocks(

@@ -42,6 +42,7 @@ operations = st.lists(
 GROUPS = [("full",), ("w",), ("full", "w"), ("full", "w", "w")]
 
 
+# Long on purpose (PLR0915): one trace, each operation beside its model
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     num_blocks=st.integers(1, 30),
@@ -52,7 +53,7 @@ GROUPS = [("full",), ("w",), ("full", "w"), ("full", "w", "w")]
     max_chunk=st.integers(1, 16),
     ops=operations,
 )
-def test_random_allocations_and_frees_match_the_model(
+def test_random_allocations_and_frees_match_the_model(  # noqa: PLR0915
     num_blocks: int,
     block_size: int,
     watermark: float,

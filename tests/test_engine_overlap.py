@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from gpu_worker.protocol import StepPlan
 from service.config import Config
 from service.engine.engine import CPU_OVERLAP_SEQS, Engine
+from service.engine.invariants import check_invariants
 from service.engine.request import SamplingParams, SamplingSpec
 from service.engine.stats import IterationStats
 from tests.sim_worker import (
@@ -141,7 +142,7 @@ class TraceRun:
                     await trio.sleep(delay)
                     await self.submit(clients, i, *request)
             assert engine.state()["kv_blocks_used"] == 0
-            engine.scheduler.check_invariants()
+            check_invariants(engine.scheduler)
             nursery.cancel_scope.cancel()
 
     async def submit(self, clients, i, prompt_len, max_tokens, cut, abort_at) -> None:

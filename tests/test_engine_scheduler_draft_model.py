@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from gpu_worker.protocol import DRAFT_MODEL_TOKEN, StepResult
 from policies.base import Decision
+from service.engine.invariants import check_invariants
 from service.engine.request import Request, SamplingParams
 from service.engine.scheduler import ScheduleOutput, Scheduler
 from service.engine.speculation import DRAFT_MODEL, SpeculativeConfig
@@ -76,7 +77,7 @@ def test_what_the_draft_model_holds_follows_the_verdicts():
     ] == [15]
     sched.update(out, answer(out, {0: [31]}))  # every draft rejected
     assert request.draft_synced == 17
-    sched.check_invariants()
+    check_invariants(sched)
 
 
 def test_an_accepted_draft_is_the_worker_s_choice():

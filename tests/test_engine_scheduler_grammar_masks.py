@@ -6,9 +6,16 @@ the mask, and the accepted token empties it."""
 from __future__ import annotations
 
 from policies.base import Decision
-from service.engine.request import Status
+from service.engine.masks import unmasked, waits_for_masks
+from service.engine.request import Request, Status
+from service.engine.scheduler import Scheduler
 from tests.plan_columns import column
 from tests.scheduler_helpers import SAMPLED, make_request, make_scheduler, sampled_result
+
+
+def lacking(sched: Scheduler) -> list[Request]:
+    """The masks the filler takes next: a step's worth (max_num_seqs)."""
+    return unmasked(sched.constrained, sched.max_num_seqs)
 
 
 class StubGrammar:
@@ -36,7 +43,7 @@ def test_a_row_without_its_mask_never_samples_and_the_free_row_runs() -> None:
     bound.grammar = StubGrammar()
     sched.add(free)
     sched.add(bound)
-    assert sched.unmasked() == [bound]
+    assert lacking(sched) == [bound]
 
     policy.next = Decision(schedule=[(0, 4), (1, 4)])
     out = sched.schedule(0.0)
@@ -47,7 +54,7 @@ def test_a_row_without_its_mask_never_samples_and_the_free_row_runs() -> None:
     ]
     assert out.plan is not None and column(out.plan, "bitmask") == []
     sched.update(out, sampled_result(out))
-    assert sched.waits_for_masks()
+    assert waits_for_masks(sched.constrained)
 
     policy.next = Decision(schedule=[(0, 1), (1, 1)])
     out = sched.schedule(1.0)
@@ -56,14 +63,14 @@ def test_a_row_without_its_mask_never_samples_and_the_free_row_runs() -> None:
     assert sched.corrections["grammar_mask_pending"] == 2
 
     bound.grammar.mask = "mask-of-state-3"
-    assert not sched.waits_for_masks() and sched.unmasked() == []
+    assert not waits_for_masks(sched.constrained) and lacking(sched) == []
     out = sched.schedule(2.0)
     assert out.plan is not None
     assert [s.samples for s in out.scheduled] == [True, True]
     assert column(out.plan, "bitmask") == [None, "mask-of-state-3"]
     sched.update(out, sampled_result(out))
     assert bound.grammar.accepted == [SAMPLED] and bound.grammar.mask is None
-    assert sched.unmasked() == [bound] and sched.waits_for_masks()
+    assert lacking(sched) == [bound] and waits_for_masks(sched.constrained)
 
 
 def test_masks_are_wanted_for_the_running_first_and_not_twice() -> None:
@@ -75,8 +82,11 @@ def test_masks_are_wanted_for_the_running_first_and_not_twice() -> None:
     policy.next = Decision(schedule=[(3, 3)])  # admitted, prefilling short of sampling
     sched.update(out := sched.schedule(0.0), sampled_result(out))
     assert requests[3].status is Status.RUNNING
-    assert sched.unmasked() == [requests[3], requests[0]]  # a step's worth: max_num_seqs
+    assert lacking(sched) == [
+        requests[3],
+        requests[0],
+    ]  # a step's worth: max_num_seqs
     requests[3].grammar.filling = True  # in a batch now
-    assert sched.unmasked() == [requests[0], requests[1]]
+    assert lacking(sched) == [requests[0], requests[1]]
     sched.remove(requests[0])
-    assert requests[0] not in sched.unmasked()
+    assert requests[0] not in lacking(sched)

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from policies.base import Decision
 from policies.registry import POLICIES, make_policy
+from service.engine.invariants import check_invariants
 from service.engine.request import Request, Status
 from service.engine.scheduler import ScheduleOutput, Scheduler
 from tests.scheduler_helpers import SAMPLED, make_request, make_scheduler, sampled_result
@@ -30,7 +31,7 @@ def step(sched: Scheduler, decision: Decision) -> ScheduleOutput:
         for outcome in sched.update(out, sampled_result(out)):
             if outcome.finish is not None:
                 outcome.request.status = Status.FINISHED
-    sched.check_invariants()
+    check_invariants(sched)
     return out
 
 
@@ -283,7 +284,7 @@ def test_random_traces_finish_without_storm_or_deadlock(
             if outcome.finish is not None:
                 assert outcome.finish == ("length", "max_tokens")
                 outcome.request.status = Status.FINISHED
-        sched.check_invariants()
+        check_invariants(sched)
         assert max(preemptions.values()) <= max_preemptions
     else:
         raise AssertionError(f"not done after {bound} steps")

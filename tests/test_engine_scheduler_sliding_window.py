@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from policies.base import Decision
 from service.engine.block_manager import BlockManager
+from service.engine.invariants import check_invariants
 from service.engine.request import Status
 from service.engine.scheduler import ScheduleOutput, Scheduler
 from tests.scheduler_helpers import make_request, make_scheduler, sampled_result
@@ -20,7 +21,7 @@ def step(sched: Scheduler, schedule: list[tuple[int, int]]) -> ScheduleOutput:
     for outcome in sched.update(out, sampled_result(out)):
         if outcome.finish is not None:
             outcome.request.status = Status.FINISHED
-    sched.check_invariants()
+    check_invariants(sched)
     return out
 
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from gpu_worker.protocol import DRAFT_MODEL_TOKEN, StepResult
 from policies.base import Decision
 from service.engine.block_manager import BlockManager, chain_hashes
+from service.engine.invariants import check_invariants
 from service.engine.request import Request, SamplingParams, SamplingSpec, Status
 from service.engine.scheduler import ScheduleOutput, Scheduler
 from service.engine.speculation import DRAFT_MODEL, SpeculativeConfig
@@ -77,7 +78,7 @@ def test_a_result_commits_its_token_and_the_accepted_drafts_only():
     assert sched.blocks.num_held(0) == 3  # the 4th block held only rejected drafts
     assert (request.acceptance.drafted, request.acceptance.accepted) == (4, 2)
     assert (out.accepted_tokens, sched.draft_tokens, sched.accepted_tokens) == (2, 4, 2)
-    sched.check_invariants()
+    check_invariants(sched)
 
 
 def test_eos_among_the_accepted_drafts_ends_the_sequence_there():
@@ -256,6 +257,7 @@ def check_cache(sched: Scheduler, live: dict[int, Request]) -> None:
                 assert blocks._hash_of[block][1] == hashes[index], "a block's hash lies"
 
 
+# Long on purpose (PLR0915): one trace, every promise after every step
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     data=st.data(),
@@ -270,7 +272,7 @@ def check_cache(sched: Scheduler, live: dict[int, Request]) -> None:
     window=st.integers(1, 12),
     spec=st.sampled_from([SPEC, DRAFT_SPEC]),
 )
-def test_drafts_keep_every_promise_whatever_the_policy_and_the_verdicts(
+def test_drafts_keep_every_promise_whatever_the_policy_and_the_verdicts(  # noqa: PLR0915
     data: st.DataObject,
     num_blocks: int,
     block_size: int,
@@ -330,7 +332,7 @@ def test_drafts_keep_every_promise_whatever_the_policy_and_the_verdicts(
         before = {s: (r.num_computed_tokens, r.num_tokens) for s, r in live.items()}
         out = sched.schedule(now=float(iteration))
         check_drafts(sched, out, decision.token_budget, before)
-        sched.check_invariants()
+        check_invariants(sched)
         if out.plan is None:
             continue
         outcomes = sched.update(out, verdicts(data.draw, out))
@@ -349,7 +351,7 @@ def test_drafts_keep_every_promise_whatever_the_policy_and_the_verdicts(
             entries = -(-request.num_computed_tokens // block_size)
             assert len(sched.blocks.table(request.seq_id)) == entries, "draft blocks kept"
         check_cache(sched, live)
-        sched.check_invariants()
+        check_invariants(sched)
     for request in list(live.values()):
         sched.remove(request)
     assert sched.blocks.num_free == num_blocks and not sched.has_work()

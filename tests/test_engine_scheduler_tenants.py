@@ -1,4 +1,4 @@
-"""Tenants' slots in the scheduler's core (service/engine/scheduler.py): with a tenant share
+"""Tenants' slots in the scheduler's core (service/engine/tenants.py): with a tenant share
 below 1, a tenant's flood of sequences does not keep another tenant's sequence waiting for a
 running slot until the flood drains, whatever the policy decides; with no other tenant
 waiting, the flood uses every slot (work-conserving)."""
@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from policies.base import Decision
 from policies.registry import make_policy
+from service.engine.invariants import check_invariants
 from service.engine.request import Request, Status
 from service.engine.scheduler import Scheduler
 from tests.scheduler_helpers import make_request, make_scheduler, sampled_result
@@ -32,7 +33,7 @@ def step(sched: Scheduler) -> None:
     out = sched.schedule(now=0.0)
     if out.plan is not None:
         sched.update(out, sampled_result(out))
-    sched.check_invariants()
+    check_invariants(sched)
 
 
 def flood(sched: Scheduler, tenant: str, count: int, first_id: int = 0) -> list[Request]:

@@ -12,6 +12,7 @@ import pytest
 from gpu_worker.protocol import StepResult, TokenLogprobs
 from policies.base import Decision
 from service.engine.block_manager import BlockManager
+from service.engine.invariants import check_invariants
 from service.engine.request import Request, SamplingParams, SamplingSpec
 from service.engine.scheduler import ScheduleOutput, Scheduler
 from service.engine.speculation import SpeculativeConfig, Speculator
@@ -122,7 +123,7 @@ def test_several_tokens_of_one_step_append_in_order_until_the_sequence_finishes(
     assert longer.num_computed_tokens == 11  # its prompt's 8, its token, 2 drafts accepted
     assert sched.blocks.num_held(1) == 3  # the block of its rejected drafts went back
     assert (out.draft_tokens, out.accepted_tokens) == (5, 3)
-    sched.check_invariants()
+    check_invariants(sched)
 
 
 def test_more_tokens_than_a_rows_drafts_fail_the_step():

@@ -13,12 +13,11 @@ from gpu_worker.protocol import TokenLogprobs
 from policies.base import StepCost
 from service.cli import add_serve_args, config_from_args
 from service.engine import speculation
+from service.engine.acceptance import PROBE_EVERY, Acceptance
 from service.engine.request import SamplingParams, SamplingSpec
 from service.engine.speculation import (
-    _PROBE_EVERY,
     _UNFITTED_STEP_TOKENS,
     _WINDOW,
-    Acceptance,
     DraftAllowance,
     SpeculativeConfig,
     Speculator,
@@ -151,7 +150,7 @@ def test_rejected_drafts_lower_k_to_zero_then_a_probe_comes_and_success_raises_i
         ks.append(record.wanted(4))
         record.record(ks[-1], 0)
     assert ks[0] == 4 and ks == sorted(ks, reverse=True) and len(ks) < 12
-    for _ in range(_PROBE_EVERY - 2):  # one decode without drafts is counted already
+    for _ in range(PROBE_EVERY - 2):  # one decode without drafts is counted already
         record.record(0, 0)
     assert record.wanted(4) == 0
     record.record(0, 0)
@@ -290,16 +289,16 @@ def run_payoff(drafting_ms: float, plain_ms: float, steps: int) -> list[bool]:
 
 def test_drafts_that_pay_go_on_and_the_plain_way_is_probed_now_and_then():
     chosen = run_payoff(drafting_ms=15.0, plain_ms=10.0, steps=60)  # 7.5 ms a token drafting
-    assert chosen[:_PROBE_EVERY] == [True] * _PROBE_EVERY
+    assert chosen[:PROBE_EVERY] == [True] * PROBE_EVERY
     plain = [i for i, drafts in enumerate(chosen) if not drafts]
-    assert plain and all(b - a == _PROBE_EVERY + 1 for a, b in itertools.pairwise(plain))
+    assert plain and all(b - a == PROBE_EVERY + 1 for a, b in itertools.pairwise(plain))
 
 
 def test_drafts_that_cost_more_than_they_bring_stop_but_for_probes():
     chosen = run_payoff(drafting_ms=25.0, plain_ms=10.0, steps=60)  # 12.5 ms a token drafting
-    assert chosen[:_PROBE_EVERY] == [True] * _PROBE_EVERY
-    later = chosen[_PROBE_EVERY:]
-    assert 0 < sum(later) <= len(later) // _PROBE_EVERY
+    assert chosen[:PROBE_EVERY] == [True] * PROBE_EVERY
+    later = chosen[PROBE_EVERY:]
+    assert 0 < sum(later) <= len(later) // PROBE_EVERY
 
 
 def test_only_a_probe_of_dearer_drafts_is_a_probe_that_drafts():
@@ -311,5 +310,5 @@ def test_only_a_probe_of_dearer_drafts_is_a_probe_that_drafts():
         assert not probing or drafts
         probes.append(probing)
         payoff.record(1, drafts, 1 if drafts else 0, 25.0 if drafts else 10.0)
-    assert not any(probes[:_PROBE_EVERY])
-    assert 0 < sum(probes) <= 60 // _PROBE_EVERY
+    assert not any(probes[:PROBE_EVERY])
+    assert 0 < sum(probes) <= 60 // PROBE_EVERY

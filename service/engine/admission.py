@@ -106,7 +106,7 @@ class AdmissionControl:
         waiting = sched.queued_sequences()
         if waiting + sequences > self.config.max_queue:
             raise Overloaded(f"{waiting} sequences are waiting; try again later", "queue_full")
-        queued = sched.queued_prompt_tokens()
+        queued = sum(r.remaining for r in sched.waiting)  # to compute before they sample
         if queued + prompt_len > max(self.config.max_queued_tokens, max_model_len):
             raise Overloaded(
                 f"{queued} prompt tokens are waiting; try again later", "queued_tokens"
@@ -114,11 +114,11 @@ class AdmissionControl:
         target = self.config.max_predicted_ttft
         if target is None and deadline is None:
             return
-        ahead_ms = sched.predicted_prefill_ms()
+        ahead_ms = predicted_prefill_ms(sched)
         if ahead_ms is None:
             return  # no step measured yet: nothing to predict from
         if target is not None:
-            ttft_ms = sched.predicted_prefill_ms(prompt_len) or 0.0
+            ttft_ms = predicted_prefill_ms(sched, prompt_len) or 0.0
             if ttft_ms > target * 1000:
                 raise Overloaded(
                     f"its predicted time to first token, {ttft_ms / 1000:.1f} s, exceeds "
@@ -184,3 +184,22 @@ class AdmissionControl:
                     f"({int(share * limit)}); try again later",
                     f"tenant_{reason}",
                 )
+
+
+def predicted_prefill_ms(sched: Scheduler, new_prompt: int = 0) -> float | None:
+    """How long the prefill now pending (running prompts' rest, then the waiting) and a
+    new prompt of `new_prompt` tokens would take at the measured step costs; None until
+    the cost model is fitted. Chunking changes neither a prompt's tokens nor its
+    attention pairs, only the number of steps, each of which also carries the decodes."""
+    cost = sched.step_cost.estimate()
+    if cost is None:
+        return None
+    decoding = [r for r in sched.running if r.num_tokens - r.num_computed_tokens <= 1]
+    prefilling = [r for r in sched.running if r.num_tokens - r.num_computed_tokens > 1]
+    prefills = [*prefilling, *sched.waiting]
+    work_ms = cost.chunk_ms(0, new_prompt) if new_prompt else 0.0
+    work_ms += sum(cost.chunk_ms(r.num_computed_tokens, r.remaining) for r in prefills)
+    tokens = new_prompt + sum(r.remaining for r in prefills)
+    step_ms = cost.decode_ms([r.num_computed_tokens for r in decoding])
+    steps = -(-tokens // max(1, sched.max_batched_tokens - len(decoding)))
+    return work_ms + steps * step_ms

@@ -55,7 +55,8 @@ from service.engine.admission import (
 from service.engine.block_manager import BlockManager
 from service.engine.detokenizer import Decoder, Delta, Detokenizer
 from service.engine.grammar import Matcher
-from service.engine.masks import MaskFiller
+from service.engine.invariants import check_blocks_kept, check_invariants
+from service.engine.masks import MaskFiller, unmasked, waits_for_masks
 from service.engine.reporting import Reporter, since_received
 from service.engine.request import (
     FinishEvent,
@@ -528,7 +529,11 @@ class Engine:
 
     async def _mask_task(self) -> None:
         sched = self._scheduler
-        await self._masks.run(sched.unmasked, lambda: self._wakeup.set(), self._fail_masks)
+        await self._masks.run(
+            lambda: unmasked(sched.constrained, sched.max_num_seqs),
+            lambda: self._wakeup.set(),
+            self._fail_masks,
+        )
 
     def _fail_masks(self, requests: list[Request], error: str) -> None:
         for request in requests:
@@ -559,7 +564,7 @@ class Engine:
         self._masks.worker_waits()  # no plan is in flight here
         if not sched.has_work():
             return None
-        await self._masks.settle(sched.waits_for_masks)
+        await self._masks.settle(lambda: waits_for_masks(sched.constrained))
         started = time.perf_counter()
         out = sched.schedule(trio.current_time())
         self._report.scheduled(out, trio.current_time())
@@ -587,7 +592,7 @@ class Engine:
             raise WorkerDied("the worker's result does not answer its plan's sampling sequences")
         started = time.perf_counter()
         if self.config.debug_invariants:
-            _check_blocks_kept(sched, step.out)
+            check_blocks_kept(sched, step.out)
         step.result = result
         step.outcomes = sched.update(step.out, result)
         self._masks.kick()  # the next masks fill while this step's text goes out
@@ -604,7 +609,7 @@ class Engine:
         for outcome in step.outcomes:
             self._emit(outcome, now)
         if self.config.debug_invariants:
-            sched.check_invariants()
+            check_invariants(sched)
         step.service_s += time.perf_counter() - started
         assert step.result is not None
         self._report.iteration(step.out, step.result, sched.stats(), step.service_s)
@@ -764,20 +769,6 @@ def sibling_params(params: SamplingParams, index: int) -> SamplingParams:
         return params
     sampling = dataclasses.replace(params.sampling, seed=seed + index)
     return dataclasses.replace(params, sampling=sampling)
-
-
-def _check_blocks_kept(sched: Scheduler, out: ScheduleOutput) -> None:
-    """No block the step just computed wrote went to another sequence while the worker ran
-    it: blocks freed meanwhile (stop string, abort) wait for the next schedule(). (The
-    blocks it only read may be shared: cached prefixes are.)"""
-    holders: dict[int, set[int]] = {}
-    for request in (*sched.running, *sched.waiting):
-        for block in sched.blocks.held(request.seq_id):
-            holders.setdefault(block, set()).add(request.seq_id)
-    for item, written in zip(out.scheduled, out.written, strict=True):
-        seq_id = item.request.seq_id
-        taken = [block for block in written if holders.get(block, {seq_id}) != {seq_id}]
-        assert not taken, f"step {out.iteration}: blocks {taken} of seq {seq_id} reallocated"
 
 
 def _drop_unsent(request: Request) -> None:

@@ -27,15 +27,32 @@ the next gap between steps.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import structlog
 import trio
 
 from service.engine.grammar import CORES, fill_masks
-from service.engine.request import Request
+from service.engine.request import Request, Status
 
 log = structlog.get_logger()
+
+
+def unmasked(constrained: Iterable[Request], most: int) -> list[Request]:
+    """Constrained sequences whose next mask is neither filled nor being filled, the
+    running first, at most `most` (a step's worth)."""
+    lacking = [r for r in constrained if r.grammar and r.grammar.needs_mask]
+    lacking.sort(key=lambda r: r.status is not Status.RUNNING)
+    return lacking[:most]
+
+
+def waits_for_masks(constrained: Iterable[Request]) -> bool:
+    """A running constrained sequence would sample next and has no mask yet."""
+    return any(
+        r.status is Status.RUNNING and r.remaining == 1 and r.grammar.mask is None
+        for r in constrained
+        if r.grammar is not None
+    )
 
 
 class MaskFiller:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from gpu_worker.protocol import SamplingSpec, TokenLogprobs
-from service.engine.speculation import Acceptance
+from service.engine.acceptance import Acceptance
 
 if TYPE_CHECKING:
     from service.engine.detokenizer import Detokenizer

@@ -30,15 +30,8 @@ ones only. Every fix is counted in `corrections` so tests can see it. The rules 
   cap) hold enough blocks to make room, so some sequence always runs and every request
   finishes, each preempted at most `max_preemptions` times.
 
-Tenants' slots. With a `tenant_share` below 1 (--tenant-quota), a tenant past its share of
-the running slots (`max_num_seqs` x share, at least 1) takes only slots that no other tenant
-below its share waits for: when a step begins, the core preempts sequences of tenants past
-their share (least progress lost, never one at the cap) until a slot is free for each
-sequence such a tenant still wants; admission keeps those slots; and after the policy's
-decision the core admits the wanted sequences the policy did not name (its view shows only
-the first `waiting_view`). With no other tenant waiting, a tenant may use every slot. Each
-tenant's running count and waiting list are kept as they change, so this costs a step work
-in the tenants and the running, not in the queue.
+Tenants' slots (--tenant-quota): service.engine.tenants says which slots a tenant past its
+share may take; the core preempts and admits as it says.
 
 Prefix caching. A waiting sequence starts with its longest cached prefix of full blocks
 (never the whole of its tokens: the step must compute at least the last one to sample):
@@ -65,17 +58,15 @@ prompt holds at its peak: all its blocks in a full group, a windowed group's up 
 (the window's blocks and a chunk's), so a prompt longer than the cache may still fit on a
 model whose every layer is windowed.
 
-Speculative decoding (--speculative-config; service.engine.speculation says what is
-drafted, and how much a step may carry). Once the decision is applied, each decoding
-sequence may append drafted tokens to its one token, from the budget the step leaves and
-from free blocks that are neither promised nor in the watermark, so drafts never preempt
-nor delay an admission. The worker accepts j of a sequence's k drafts and samples one
-token after them: update() counts 1 + j tokens computed, gives back the blocks past them
-(BlockManager.trim: between steps a sequence holds the blocks of its computed tokens,
-drafts or not), and appends the tokens one by one, any of which may finish it (EOS, a
-stop token, max_tokens: the rest are dropped). A block is registered in the prefix cache
-only once its positions are computed and their tokens appended, so a block that held a
-rejected draft's K/V is never found as if it held the token that replaced it.
+Speculative decoding (--speculative-config). Once the decision is applied, each decoding
+sequence may append drafted tokens to its one token (service.engine.speculation: what is
+drafted, and from which tokens and blocks of the step). The worker accepts j of a sequence's
+k drafts and samples one token after them: update() counts 1 + j tokens computed, gives back
+the blocks past them (BlockManager.trim: between steps a sequence holds the blocks of its
+computed tokens, drafts or not), and appends the tokens one by one, any of which may finish
+it (EOS, a stop token, max_tokens: the rest are dropped). A block is registered in the
+prefix cache only once its positions are computed and their tokens appended, so a block that
+held a rejected draft's K/V is never found as if it held the token that replaced it.
 
 Pooling (embeddings). A pooled request never samples: the worker pools its chunks
 (NewSeq.pooling), and update() finishes it (POOLED) with the step that
@@ -87,18 +78,19 @@ from __future__ import annotations
 
 import bisect
 import collections
-import dataclasses
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 from gpu_worker.protocol import DRAFT_MODEL_TOKEN, StepPlan, StepResult, TokenLogprobs
-from policies.base import Decision, Policy, SeqView, View
+from policies.base import Decision, Policy, View
 from service.engine.block_manager import BlockManager, PrefixHit, chain_hashes
 from service.engine.plan import PlanBuilder
-from service.engine.request import MEAN_POOLING, Request, Status, account_of
-from service.engine.speculation import Speculator, may_draft
+from service.engine.request import MEAN_POOLING, Request, Status
+from service.engine.speculation import Speculator
 from service.engine.step_cost import StepCostModel
+from service.engine.tenants import TenantSlots
+from service.engine.views import seq_view, waiting_view
 
 STOP_TOKEN = ("stop", "stop_token")  # a stop_token_ids token finished the sequence
 POOLED = ("stop", "pooled")  # a pooled request (an embedding) computed its prompt
@@ -225,9 +217,7 @@ class Scheduler:
         self.waiting_view = waiting_view  # policies see this many of the waiting, in order
         self.running: list[Request] = []  # admission order
         self.waiting: list[Request] = []  # arrival order (seq_id)
-        self.tenant_share = tenant_share  # of the running slots, while other tenants wait
-        self._running_of: collections.Counter[str] = collections.Counter()  # by account
-        self._waiting_of: dict[str, list[Request]] = {}  # by account, arrival order
+        self.tenants = TenantSlots(max_num_seqs, tenant_share)
         self.corrections: collections.Counter[str] = collections.Counter()
         self.iteration = 0  # the last one scheduled
         self._pending_policy: Policy | None = None
@@ -297,46 +287,32 @@ class Scheduler:
 
     def _join_waiting(self, request: Request) -> None:
         bisect.insort(self.waiting, request, key=_seq_key)
-        queue = self._waiting_of.setdefault(account_of(request.tenant), [])
-        bisect.insort(queue, request, key=_seq_key)
+        self.tenants.join_waiting(request)
 
     def _leave_waiting(self, request: Request) -> None:
         self.waiting.remove(request)
-        tenant = account_of(request.tenant)
-        self._waiting_of[tenant].remove(request)
-        if not self._waiting_of[tenant]:
-            del self._waiting_of[tenant]
+        self.tenants.leave_waiting(request)
 
     def _join_running(self, request: Request) -> None:
         self.running.append(request)
-        self._running_of[account_of(request.tenant)] += 1
+        self.tenants.join_running(request)
 
     def _leave_running(self, request: Request) -> None:
         self.running.remove(request)
-        tenant = account_of(request.tenant)
-        self._running_of[tenant] -= 1
-        if not self._running_of[tenant]:
-            del self._running_of[tenant]
+        self.tenants.leave_running(request)
+
+    @property
+    def sequences(self) -> Collection[Request]:
+        """Every sequence it holds, waiting or running."""
+        return self._by_seq.values()
+
+    @property
+    def constrained(self) -> Collection[Request]:
+        """The sequences it holds that have a grammar (their masks: service.engine.masks)."""
+        return self._constrained.values()
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
-
-    # ---- grammar masks (filled by the engine, off the loop) ------------------------------
-
-    def unmasked(self) -> list[Request]:
-        """Constrained sequences whose next mask is neither filled nor being filled, the
-        running first, at most a step's worth."""
-        lacking = [r for r in self._constrained.values() if r.grammar and r.grammar.needs_mask]
-        lacking.sort(key=lambda r: r.status is not Status.RUNNING)
-        return lacking[: self.max_num_seqs]
-
-    def waits_for_masks(self) -> bool:
-        """A running constrained sequence would sample next and has no mask yet."""
-        return any(
-            r.status is Status.RUNNING and r.remaining == 1 and r.grammar.mask is None
-            for r in self._constrained.values()
-            if r.grammar is not None
-        )
 
     # ---- policy -----------------------------------------------------------------------
 
@@ -375,28 +351,6 @@ class Scheduler:
         how many blocks were cached."""
         return self.blocks.reset_cache()
 
-    def queued_prompt_tokens(self) -> int:
-        """Tokens the waiting sequences must compute before they can sample."""
-        return sum(r.remaining for r in self.waiting)
-
-    def predicted_prefill_ms(self, new_prompt: int = 0) -> float | None:
-        """How long the prefill now pending (running prompts' rest, then the waiting) and a
-        new prompt of `new_prompt` tokens would take at the measured step costs; None until
-        the cost model is fitted. Chunking changes neither a prompt's tokens nor its
-        attention pairs, only the number of steps, each of which also carries the decodes."""
-        cost = self.step_cost.estimate()
-        if cost is None:
-            return None
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
-        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        prefills = [*prefilling, *self.waiting]
-        work_ms = cost.chunk_ms(0, new_prompt) if new_prompt else 0.0
-        work_ms += sum(cost.chunk_ms(r.num_computed_tokens, r.remaining) for r in prefills)
-        tokens = new_prompt + sum(r.remaining for r in prefills)
-        step_ms = cost.decode_ms([r.num_computed_tokens for r in decoding])
-        steps = -(-tokens // max(1, self.max_batched_tokens - len(decoding)))
-        return work_ms + steps * step_ms
-
     @property
     def capacity_tokens(self) -> int:
         """The most tokens one sequence can hold (admission keeps the watermark free)."""
@@ -406,42 +360,6 @@ class Scheduler:
     @property
     def admission_watermark_blocks(self) -> int:
         return int(self.admission_watermark * self.blocks.num_blocks)
-
-    def check_invariants(self) -> None:
-        """Block accounting is exact, every block and promise belongs to a sequence it
-        knows, and no request is preempted beyond the cap."""
-        self.blocks.check_invariants()
-        held = {seq_id for seq_id in self._by_seq if self.blocks.num_held(seq_id)}
-        if None in self.blocks.windows:  # all-windowed tables may drop every block held
-            computed = {r.seq_id for r in self.running if r.num_computed_tokens}
-            assert held >= computed, "lost blocks"
-        tables = [self.blocks.held(s) for s in self._by_seq]
-        assert self.blocks.num_used == len({b for table in tables for b in table}), "stray block"
-        windowed = any(self.blocks.windows)
-        for r in self.running:
-            owed = self.blocks.num_promised_to(r.seq_id)
-            # a prefill is owed the rest of its prompt (a windowed group's up to its cap);
-            # after it samples, nothing
-            rest = self.blocks.extra_blocks(r.seq_id, r.num_tokens)
-            assert owed == rest or (owed == 0 and r.remaining == 1) or (windowed and owed < rest), (
-                f"sequence {r.seq_id}: promised {owed} blocks"
-            )
-        for r in self.running:
-            first = r.num_computed_tokens // self.blocks.block_size
-            written = [
-                block
-                for g in range(self.blocks.num_groups)
-                for block in self.blocks.table(r.seq_id, g)[first:]
-            ]
-            assert all(self.blocks.refcount(b) == 1 for b in written), "a shared block is written"
-            assert not any(map(self.blocks.is_cached, written)), "a cached block is written"
-            assert r.num_computed_tokens < r.num_tokens or r.num_generated, "nothing to sample"
-        running_promises = sum(self.blocks.num_promised_to(r.seq_id) for r in self.running)
-        assert self.blocks.num_promised == running_promises, "a promise outlived its sequence"
-        assert self.running or not self.admission_paused, "paused with nothing left to resume it"
-        assert all(r.preemptions <= self.max_preemptions for r in self._by_seq.values())
-        assert self._running_of == collections.Counter(account_of(r.tenant) for r in self.running)
-        assert sum(map(len, self._waiting_of.values())) == len(self.waiting), "a lost waiter"
 
     def replace_blocks(self, blocks: BlockManager) -> None:
         """A restarted worker's fresh cache; only while nothing runs."""
@@ -575,12 +493,14 @@ class Scheduler:
         return chain_hashes(request.token_ids, size, request.block_hashes, salt)
 
     def build_view(self, now: float) -> View:
+        """What the policy decides from (service.engine.views)."""
         blocks = self.blocks
+        waiting = self.waiting[: self.waiting_view]
         return View(
             iteration=self.iteration,
             now=now,
-            running=tuple(self._seq_view(r) for r in self.running),
-            waiting=tuple(self._waiting_view(r) for r in self.waiting[: self.waiting_view]),
+            running=tuple(seq_view(r, blocks) for r in self.running),
+            waiting=tuple(waiting_view(r, blocks, self._prefix_hit(r)) for r in waiting),
             num_waiting=len(self.waiting),
             free_blocks=blocks.num_free,
             admit_blocks=0 if self.admission_paused else blocks.num_admittable,
@@ -592,35 +512,6 @@ class Scheduler:
             last_step_tokens=self._last_step_tokens,
             step_cost=self.step_cost.estimate(),
             kv_caps=blocks.caps,
-        )
-
-    def _seq_view(self, r: Request) -> SeqView:
-        return SeqView(
-            seq_id=r.seq_id,
-            tenant=account_of(r.tenant),  # sub-tenants share their tenant's fair share
-            priority=r.priority,
-            arrival=r.received,
-            prompt_len=r.prompt_len,
-            num_generated=len(r.token_ids) - r.prompt_len,
-            num_computed_tokens=r.num_computed_tokens,
-            num_blocks=self.blocks.num_held(r.seq_id),
-            preempted=r.preemptions,
-            deadline=r.deadline if r.first_scheduled is None else None,
-            num_cached_tokens=r.num_cached_tokens,
-        )
-
-    def _waiting_view(self, r: Request) -> SeqView:
-        """As admission would take it: its cache hit computed already, the hit blocks that
-        others hold counted as its own (they cost it nothing)."""
-        hit = self._prefix_hit(r)
-        hit_tokens = hit.num_blocks * self.blocks.block_size
-        return dataclasses.replace(
-            self._seq_view(r),
-            num_computed_tokens=hit_tokens,
-            num_blocks=self.blocks.blocks_to_hold(r.num_tokens)
-            - self.blocks.admission_cost(r.num_tokens, hit),
-            num_cached_tokens=min(hit_tokens, r.prompt_len),
-            waiting=True,
         )
 
     # ---- results ----------------------------------------------------------------------
@@ -764,80 +655,27 @@ class Scheduler:
         else:
             draft.out.prefill_tokens += tokens
 
-    # ---- drafts (speculative decoding; module docstring) --------------------------------
+    # ---- drafts (speculative decoding: service.engine.speculation) --------------------
 
     def _add_drafts(self, out: ScheduleOutput, token_budget: int | None) -> None:
-        """Drafted tokens for the step's decodes, within what the step leaves of the token
-        budget (the engine's and the policy's) and of the time the cost model allows;
-        the sequences whose drafts were accepted most first."""
-        speculator = self.speculator
-        if speculator is None:
-            return
-        decodes = [i for i in out.scheduled if _decodes(i) and may_draft(i.request)]
-        if not decodes:
+        """Drafted tokens for the step's decodes, within the engine's and the policy's
+        token budget."""
+        if self.speculator is None:
             return
         cap = self.max_batched_tokens
         if isinstance(token_budget, int):  # a policy's, however wrong
             cap = min(cap, token_budget)
-        num_tokens = [item.num_tokens for item in out.scheduled]
-        starts = [item.request.num_computed_tokens for item in out.scheduled]
-        left = cap - sum(num_tokens)
-        decodes.sort(key=lambda item: (-item.request.acceptance.rate, item.request.seq_id))
-        proposals = self._self_paid_proposals(out, decodes)
-        requests = [item.request for item in decodes]
-        self_paid = speculator.self_paid(requests, proposals) if proposals else 0.0
-        if not speculator.others_may_pay and not (
-            self_paid and speculator.draft_model_pays(len(decodes))
-        ):
-            return
-        allowance = speculator.allowance(self.step_cost, num_tokens, starts, left, self_paid)
-        for index, item in enumerate(decodes):
-            request = item.request
-            if self_paid:  # the blocks earlier rows' drafts took are no longer free
-                proposal = proposals[index][: self._draft_room(request)]
-                drafted = speculator.take(request, allowance, proposal)
-            else:
-                drafted = speculator.draft(request, allowance, self._draft_room(request))
-            item.draft_context, item.draft_start = drafted.context, drafted.context_start
-            drafts = drafted.tokens
-            if drafts:
-                self.blocks.allocate(request.seq_id, request.num_computed_tokens + 1 + len(drafts))
-                item.drafts = drafts
-                out.drafting_seqs += 1
-                out.draft_tokens += len(drafts)
+        self.speculator.draft_step(out.scheduled, self.blocks, self.step_cost, cap)
+        drafting = [item for item in out.scheduled if item.drafts]
+        out.drafting_seqs = len(drafting)
+        out.draft_tokens = sum(len(item.drafts) for item in drafting)
 
     def _observe_payoff(self, out: ScheduleOutput, step_ms: float) -> None:
-        """A step of decodes alone, each sampling: what its tokens cost (Payoff)."""
-        if self.speculator is None or not all(_decodes(item) for item in out.scheduled):
-            return
-        drafted = any(item.drafts or item.draft_context for item in out.scheduled)
-        self.speculator.observe_payoff(len(out.scheduled), drafted, out.accepted_tokens, step_ms)
+        """A step ran: what its drafts paid, where a draft model measures it."""
+        if self.speculator is not None:
+            self.speculator.observe_step(out.scheduled, out.accepted_tokens, step_ms)
 
-    def _self_paid_proposals(
-        self, out: ScheduleOutput, decodes: list[Scheduled]
-    ) -> list[list[int]]:
-        """Where the step is a few decodes that may all draft, each one's proposal (the
-        lookups cost little there); [] otherwise."""
-        speculator = self.speculator
-        assert speculator is not None
-        if len(decodes) != len(out.scheduled) or not speculator.self_paid_size(len(decodes)):
-            return []
-        proposals = []
-        for item in decodes:
-            k = speculator.wanted(item.request, self._draft_room(item.request))
-            proposals.append(speculator.propose(item.request, k) if k else [])
-        return proposals
-
-    def _draft_room(self, request: Request) -> int:
-        """The most drafts `request` may append whose blocks are free, unpromised and
-        above the watermark: drafts never preempt, nor take what admission counts on."""
-        assert self.speculator is not None
-        blocks, start = self.blocks, request.num_computed_tokens + 1
-        spare = max(0, blocks.num_admittable)
-        room = self.speculator.config.num_speculative_tokens
-        while room and blocks.extra_blocks(request.seq_id, start + room) > spare:
-            room -= 1
-        return room
+    # ---- blocks: admission, growth, preemption (module docstring) ------------------------
 
     def _policy_victims(self, decision: Decision) -> list[Request]:
         victims: list[Request] = []
@@ -897,7 +735,7 @@ class Scheduler:
         if self.admission_paused:
             self.corrections["admission_paused"] += 1
             return False
-        if not self._leaves_wanted_slots(request):
+        if not self.tenants.leaves_wanted(request, self.running):
             self.corrections["tenant_slots"] += 1
             return False
         hit = self._prefix_hit(request)
@@ -967,66 +805,25 @@ class Scheduler:
         out.preempted.append(victim)
         self.admission_paused = self.admission_paused or pause
 
-    # ---- tenants' slots (module docstring) ---------------------------------------------
-
-    @property
-    def tenant_slots(self) -> int:
-        """The running slots a tenant may hold while another tenant below them waits."""
-        return max(1, int(self.max_num_seqs * self.tenant_share))
-
-    def _wanted_slots(self, but: str | None = None) -> dict[str, int]:
-        """Slots each tenant (other than `but`) below its share wants for its waiting
-        sequences, the tenant waiting longest first; empty without tenant quotas."""
-        if self.tenant_share >= 1:
-            return {}
-        cap, wanted = self.tenant_slots, {}
-        for tenant, queue in self._waiting_of.items():
-            if tenant != but and self._running_of[tenant] < cap:
-                wanted[tenant] = min(len(queue), cap - self._running_of[tenant])
-        return dict(sorted(wanted.items(), key=lambda item: self._waiting_of[item[0]][0].seq_id))
-
-    def _free_slots(self) -> int:
-        return self.max_num_seqs - len(self.running)
+    # ---- tenants' slots (service.engine.tenants) ----------------------------------------
 
     def _yield_slots(self, out: ScheduleOutput) -> None:
-        """Preempt sequences of tenants past their share until the free slots cover what
-        the tenants below theirs want. Not a block shortage: admission is not paused."""
+        """Preempt sequences of tenants past their share, least progress lost first and
+        never one at the cap, until the free slots cover what the tenants below theirs
+        want. Not a block shortage: admission is not paused."""
         if self.admission_paused:
             return  # nobody could take the slot
-        short = sum(self._wanted_slots().values()) - self._free_slots()
-        for _ in range(short):
-            victim = self._slot_victim()
+        for _ in range(self.tenants.short(self.running)):
+            over = [r for r in self.tenants.past_share(self.running) if not self._at_cap(r)]
+            victim = min(over, key=_progress_lost, default=None)
             if victim is None:
                 return
             self._preempt(victim, out, pause=False)
             self.corrections["tenant_slots_preempted"] += 1
 
-    def _slot_victim(self) -> Request | None:
-        """The running sequence of a tenant past its share whose preemption loses least."""
-        cap = self.tenant_slots
-        over = [
-            r
-            for r in self.running
-            if self._running_of[account_of(r.tenant)] > cap and not self._at_cap(r)
-        ]
-        return min(over, key=_progress_lost, default=None)
-
-    def _leaves_wanted_slots(self, request: Request) -> bool:
-        """Whether admitting `request` leaves the slots other tenants below their share
-        want: at its share, a tenant takes only slots nobody else waits for."""
-        tenant = account_of(request.tenant)
-        if self.tenant_share >= 1 or self._running_of[tenant] < self.tenant_slots:
-            return True
-        return self._free_slots() > sum(self._wanted_slots(but=tenant).values())
-
     def _admit_wanted(self, out: ScheduleOutput) -> None:
-        """Admit the sequences tenants below their share want that the policy left
-        waiting, in each tenant's arrival order, as many as the free slots hold."""
-        schedule: list[tuple[int, int]] = []
-        free = self._free_slots()
-        for tenant, count in self._wanted_slots().items():
-            taken = self._waiting_of[tenant][: max(0, min(count, free - len(schedule)))]
-            schedule += [(r.seq_id, r.remaining) for r in taken]
+        """Admit the sequences tenants below their share want that the policy left waiting."""
+        schedule = self.tenants.wanted_schedule(self.running)
         if not schedule:
             return
         before = len(out.scheduled)
@@ -1048,10 +845,7 @@ class Scheduler:
 def _sampled_ids(out: ScheduleOutput) -> list[int]:
     return [item.request.seq_id for item in out.scheduled if item.samples]
 
-
-def _decodes(item: Scheduled) -> bool:
-    """A step's row computes one token and samples after it: it may draft."""
-    return item.samples and item.num_tokens == 1
+    # ---- tenants' slots (service.engine.tenants) ----------------------------------------
 
 
 def _row(logprobs: TokenLogprobs, i: int) -> TokenLogprobs:

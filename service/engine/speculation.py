@@ -11,24 +11,25 @@ per decoding sequence and step is bounded whatever the sequence's length.
 No stream's ITL gets worse. Drafts are what a step adds last: the scheduler first places
 every decoding sequence's own token and the policy's prefill chunks, and drafts take only
 the token budget left after them (the engine's cap and the policy's own, Decision's
-token_budget). They also take only time the step-cost model says is nearly free: the step
-with its drafts may be predicted to cost at most (1 + step_cost_tolerance) x the step
-without them. On a CPU at low batch a step reads the weights once whatever its rows, so a
-few rows more cost little and sequences draft their full k; at batch 64 each row is paid
-for, the allowance is a handful of tokens, and drafting stops. The engine's model
-(service.engine.step_cost) is linear in tokens: fitted to prefill chunks, which are
-compute-bound, it would price a decode's extra rows at a chunk's rate and forbid the drafts
-that are nearly free. So a decode-only step is priced by a model of the same form fitted
-to decode-only steps alone (drafts included: their rows teach it what rows cost there),
-and a step with prefill chunks by the engine's. Past the most tokens a decode-only step
-has been measured with, the decode model extrapolates (with every step of one batch size
-alike, it cannot tell a row's cost from the base's): there a draft is priced at the dearer
-of the two models, the engine's being the compute-bound price no row exceeds, so that a
-step that tries more rows than ever stays within the tolerance too. Before the model in
-use has measured enough steps, only a decode-only step of at most `_UNFITTED_STEP_TOKENS`
-tokens (drafts included) whose every row drafts (below) drafts. A step with drafts costs
-up to the tolerance more, and in exchange a sequence whose drafts are accepted advances
-several tokens in it.
+token_budget) and blocks that are free, neither promised nor in the watermark, so drafts
+never preempt nor delay an admission. They also take only time the step-cost model says is
+nearly free: the step with its drafts may be predicted to cost at most
+(1 + step_cost_tolerance) x the step without them. On a CPU at low batch a step reads the
+weights once whatever its rows, so a few rows more cost little and sequences draft their
+full k; at batch 64 each row is paid for, the allowance is a handful of tokens, and drafting
+stops. The engine's model (service.engine.step_cost) is linear in tokens: fitted to prefill
+chunks, which are compute-bound, it would price a decode's extra rows at a chunk's rate and
+forbid the drafts that are nearly free. So a decode-only step is priced by a model of the
+same form fitted to decode-only steps alone (drafts included: their rows teach it what rows
+cost there), and a step with prefill chunks by the engine's. Past the most tokens a
+decode-only step has been measured with, the decode model extrapolates (with every step of
+one batch size alike, it cannot tell a row's cost from the base's): there a draft is priced
+at the dearer of the two models, the engine's being the compute-bound price no row exceeds,
+so that a step that tries more rows than ever stays within the tolerance too. Before the
+model in use has measured enough steps, only a decode-only step of at most
+`_UNFITTED_STEP_TOKENS` tokens (drafts included) whose every row drafts (below) drafts. A
+step with drafts costs up to the tolerance more, and in exchange a sequence whose drafts are
+accepted advances several tokens in it.
 
 That bound is what others pay for a sequence's drafts. Where nobody else pays, because
 every row of a small decode-only step (at most `_SELF_PAID_SEQS` sequences: the machine is
@@ -40,8 +41,8 @@ a lone stream's step of 1 + 4 rows costs about 25% more than one row in bfloat16
 strict bound would never allow.
 
 A request drafts fewer tokens when its drafts are rejected: each keeps an exponential
-average of accepted / drafted (Acceptance), and drafts round(num_speculative_tokens x
-that average); at 0 it probes with one token every `_PROBE_EVERY` decode steps, so a text
+average of accepted / drafted (acceptance.Acceptance), and drafts round(num_speculative_tokens x
+that average); at 0 it probes with one token every `PROBE_EVERY` decode steps, so a text
 that starts repeating itself is found again. Requests whose next token's distribution
 reads their history (penalties, bad words, min_tokens), structured output (a plan carries
 a grammar's mask for one position) and prompt log-probabilities still in flight never
@@ -79,24 +80,21 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from gpu_worker.protocol import DRAFT_MODEL_TOKEN, QUANTIZATIONS
 from policies.base import StepCost
+from service.engine.acceptance import PROBE_EVERY, RATE_WEIGHT
+from service.engine.block_manager import BlockManager
+from service.engine.request import Request
 from service.engine.step_cost import StepCostModel, plan_terms
-
-if TYPE_CHECKING:
-    from service.engine.request import Request
 
 # The lookup reads this many of a sequence's last tokens: its cost per step stays bounded.
 _WINDOW = 1024
-# How much the latest step weighs in a request's average acceptance.
-_RATE_WEIGHT = 0.25
-# A request that drafts nothing (poor acceptance) tries one token after this many decodes.
-_PROBE_EVERY = 16
 # Before the step-cost model is fitted: the largest decode-only step that drafts.
 _UNFITTED_STEP_TOKENS = 16
 # The most sequences of a decode-only step whose drafts pay for themselves (module docstring)
@@ -246,37 +244,6 @@ def _repeat(copied: list[int], period: int, k: int) -> list[int]:
     return copied
 
 
-@dataclass(slots=True)
-class Acceptance:
-    """One request's record of its drafts: how many to draft next, and its totals."""
-
-    rate: float = 1.0  # exponential average of accepted / drafted; optimistic at first
-    quiet: int = 0  # decode steps since it last drafted
-    drafted: int = 0  # tokens drafted over its life
-    accepted: int = 0  # of those, accepted by the worker
-
-    def wanted(self, most: int) -> int:
-        """Tokens to draft this step, at most `most` (0 when its drafts keep failing,
-        except for a probe of one token now and then)."""
-        k = min(most, math.floor(most * self.rate + 0.5))
-        return min(most, 1) if k < 1 and self.quiet >= _PROBE_EVERY else k
-
-    def expected(self, k: int) -> float:
-        """Drafted tokens a step of `k` drafts is expected to accept: a + ... + a^k, for
-        each accepted with the request's average rate a once those before it were."""
-        return sum(self.rate**i for i in range(1, k + 1))
-
-    def record(self, drafted: int, accepted: int) -> None:
-        """A decode step's outcome: `drafted` tokens verified, `accepted` of them kept."""
-        if not drafted:
-            self.quiet += 1
-            return
-        self.rate = (1 - _RATE_WEIGHT) * self.rate + _RATE_WEIGHT * accepted / drafted
-        self.quiet = 0
-        self.drafted += drafted
-        self.accepted += accepted
-
-
 def may_draft(request: Request) -> bool:
     """Whether drafting can change neither the request's tokens nor their distribution
     (module docstring)."""
@@ -287,6 +254,22 @@ def may_draft(request: Request) -> bool:
         or params.pooling is not None
         or request.needs_prompt_logprobs
     )
+
+
+class DraftRow(Protocol):
+    """A row of a step, as the speculator reads it and gives it drafts (scheduler.Scheduled)."""
+
+    request: Request
+    num_tokens: int  # of its own tokens (a decode's: 1)
+    samples: bool
+    drafts: list[int]
+    draft_context: list[int]
+    draft_start: int
+
+
+def decodes(row: DraftRow) -> bool:
+    """A step's row computes one token and samples after it: it may draft."""
+    return row.samples and row.num_tokens == 1
 
 
 def _dearer(cost: StepCost, other: StepCost | None) -> StepCost:
@@ -367,7 +350,7 @@ class Drafted:
 class Payoff:
     """What a draft model's drafts buy, measured: for decode steps of one number of rows,
     the milliseconds per token each stream takes with drafts and without (exponential
-    averages). A step drafts while that is less than without, and every `_PROBE_EVERY`
+    averages). A step drafts while that is less than without, and every `PROBE_EVERY`
     steps the other way is measured again, since both change with the text and the load."""
 
     drafting_ms: float | None = None
@@ -376,12 +359,12 @@ class Payoff:
 
     def drafts(self) -> bool:
         """Whether the next such step drafts: at first it does, until the first probe."""
-        return self._drafting_is_better() != (self.since_other >= _PROBE_EVERY)
+        return self._drafting_is_better() != (self.since_other >= PROBE_EVERY)
 
     def probing(self) -> bool:
         """Whether the next such step drafts to measure drafts again, drafting being the
         dearer way so far."""
-        return self.since_other >= _PROBE_EVERY and not self._drafting_is_better()
+        return self.since_other >= PROBE_EVERY and not self._drafting_is_better()
 
     def record(self, rows: int, drafted: bool, accepted: int, step_ms: float) -> None:
         """A decode step of `rows` streams: with drafts (or the draft model's context) or
@@ -401,7 +384,7 @@ class Payoff:
 
 
 def _averaged(average: float | None, value: float) -> float:
-    return value if average is None else (1 - _RATE_WEIGHT) * average + _RATE_WEIGHT * value
+    return value if average is None else (1 - RATE_WEIGHT) * average + RATE_WEIGHT * value
 
 
 class Speculator:
@@ -452,6 +435,61 @@ class Speculator:
             allowance.beyond = _dearer(cost, engines)
             allowance.measured = max(0, self.widest - sum(num_tokens))
         return allowance
+
+    def draft_step(
+        self, rows: Sequence[DraftRow], blocks: BlockManager, step_cost: StepCostModel, cap: int
+    ) -> None:
+        """Drafted tokens for the decodes of a step of `rows`, within what the rows leave of
+        `cap` tokens and of the time the cost model allows, the sequences whose drafts were
+        accepted most first; their blocks allocated (`_draft_room`)."""
+        decoding = [row for row in rows if decodes(row) and may_draft(row.request)]
+        if not decoding:
+            return
+        num_tokens = [row.num_tokens for row in rows]
+        starts = [row.request.num_computed_tokens for row in rows]
+        left = cap - sum(num_tokens)
+        decoding.sort(key=lambda row: (-row.request.acceptance.rate, row.request.seq_id))
+        proposals = self._self_paid_proposals(len(rows), decoding, blocks)
+        requests = [row.request for row in decoding]
+        self_paid = self.self_paid(requests, proposals) if proposals else 0.0
+        if not self.others_may_pay and not (self_paid and self.draft_model_pays(len(decoding))):
+            return
+        allowance = self.allowance(step_cost, num_tokens, starts, left, self_paid)
+        for index, row in enumerate(decoding):
+            request = row.request
+            if self_paid:  # the blocks earlier rows' drafts took are no longer free
+                proposal = proposals[index][: self._draft_room(request, blocks)]
+                drafted = self.take(request, allowance, proposal)
+            else:
+                drafted = self.draft(request, allowance, self._draft_room(request, blocks))
+            row.draft_context, row.draft_start = drafted.context, drafted.context_start
+            drafts = drafted.tokens
+            if drafts:
+                blocks.allocate(request.seq_id, request.num_computed_tokens + 1 + len(drafts))
+                row.drafts = drafts
+
+    def _self_paid_proposals(
+        self, num_rows: int, decoding: list[DraftRow], blocks: BlockManager
+    ) -> list[list[int]]:
+        """Where the step of `num_rows` rows is a few decodes that may all draft, each one's
+        proposal (the lookups cost little there); [] otherwise."""
+        if len(decoding) != num_rows or not self.self_paid_size(len(decoding)):
+            return []
+        proposals = []
+        for row in decoding:
+            k = self.wanted(row.request, self._draft_room(row.request, blocks))
+            proposals.append(self.propose(row.request, k) if k else [])
+        return proposals
+
+    def _draft_room(self, request: Request, blocks: BlockManager) -> int:
+        """The most drafts `request` may append whose blocks are free, unpromised and
+        above the watermark: drafts never preempt, nor take what admission counts on."""
+        start = request.num_computed_tokens + 1
+        spare = max(0, blocks.num_admittable)
+        room = self.config.num_speculative_tokens
+        while room and blocks.extra_blocks(request.seq_id, start + room) > spare:
+            room -= 1
+        return room
 
     def draft(self, request: Request, allowance: DraftAllowance, room: int) -> Drafted:
         """What `request` (decoding, may_draft) drafts this step: at most `room` tokens
@@ -517,10 +555,14 @@ class Speculator:
     def _probes_drafts(self, rows: int) -> bool:
         return not self.others_may_pay and self.payoffs[rows].probing()  # rows: self-paid
 
-    def observe_payoff(self, rows: int, drafted: bool, accepted: int, step_ms: float) -> None:
-        """A decode-only step of `rows` rows, each sampling, ran (a draft model's record)."""
-        if not self.others_may_pay and rows in self.payoffs:
-            self.payoffs[rows].record(rows, drafted, accepted, step_ms)
+    def observe_step(self, rows: Sequence[DraftRow], accepted: int, step_ms: float) -> None:
+        """A step of `rows` ran, `accepted` drafts kept: if its rows are decodes alone, each
+        sampling, what its tokens cost (a draft model's Payoff)."""
+        if self.others_may_pay or not all(decodes(row) for row in rows):
+            return
+        drafted = any(row.drafts or row.draft_context for row in rows)
+        if len(rows) in self.payoffs:
+            self.payoffs[len(rows)].record(len(rows), drafted, accepted, step_ms)
 
     def self_paid_size(self, rows: int) -> bool:
         """Whether a decode-only step of `rows` rows may have drafts that pay for themselves."""
