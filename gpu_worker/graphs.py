@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 import torch
 
-from gpu_worker.attention import AttentionMetadata, DecodeGroup
+from gpu_worker.attention import AttentionMetadata, decode_records
 from gpu_worker.buckets import batch_buckets, smallest_fitting
 from gpu_worker.faults import is_device_fault
 from gpu_worker.kv_cache import KVCache
@@ -80,8 +80,10 @@ def decode_forward(
     backend, group_size = model.kernels.attention, model.config.group_size
     metas = []
     for g, kind in enumerate(model.group_attention):
-        rows = DecodeGroup(slice(None), block_tables[g], context_lens, layer=kind)
-        group = backend.decode_group(rows, cache.like, group_size)
+        rows = slice(None)
+        group = decode_records(
+            rows, block_tables[g], context_lens, cache.like, group_size, backend, kind
+        )
         metas.append(AttentionMetadata(slots[g], group, [], input_ids.shape[0], backend))
     return model.logits(model.forward(input_ids, positions, cache.layers, metas))
 

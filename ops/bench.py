@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
         "processors", help="vLLM's sampling parameters: their cost in a step", add_help=False
     )
     subs.add_parser(
+        "plan", help="the host's work from a decode step's plan to its forward", add_help=False
+    )
+    subs.add_parser(
         "speculation",
         help="one stream on repetitive and free text: drafts accepted",
         add_help=False,

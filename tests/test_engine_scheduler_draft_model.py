@@ -64,19 +64,19 @@ def test_what_the_draft_model_holds_follows_the_verdicts():
     out = plan(sched, [(0, 1)])
     sched.update(out, answer(out, {0: [11, 12, 13]}))  # 2 of 3 drafts kept, then 13
     # its cache took positions 9 (the token 7) and 10, 11 (drafts 1 and 2): all kept
-    assert request.num_computed_tokens == 12 and request.draft_synced == 12
+    assert request.num_computed_tokens == 12 and sched.plans.draft_synced(request.seq_id) == 12
     out = plan(sched, [(0, 1)])
     assert out.plan is not None and not column(out.plan, "draft_context")  # nothing is missing
     sched.update(out, answer(out, {0: [21, 22, 23, 24]}))  # all 3 kept, then 24
     # the last draft (23, at 15) was never read by the draft model: it is sent next
-    assert request.num_computed_tokens == 16 and request.draft_synced == 15
+    assert request.num_computed_tokens == 16 and sched.plans.draft_synced(request.seq_id) == 15
     out = plan(sched, [(0, 1)])
     assert out.plan is not None
     assert column(out.plan, "draft_context") == [[23]] and [
         row.draft_start for row in out.plan.rows
     ] == [15]
     sched.update(out, answer(out, {0: [31]}))  # every draft rejected
-    assert request.draft_synced == 17
+    assert sched.plans.draft_synced(request.seq_id) == 17
     check_invariants(sched)
 
 
@@ -104,7 +104,7 @@ def test_a_context_too_long_for_one_step_goes_in_pieces_before_any_draft():
         assert [row.draft_start for row in out.plan.rows] == [len(sent)] and 0 < len(context) <= 16
         sent += context
         sched.update(out, answer(out, {0: [9]}))
-        assert request.draft_synced == len(sent)
+        assert sched.plans.draft_synced(request.seq_id) == len(sent)
     else:
         raise AssertionError("the context never arrived")
     assert column(out.plan, "draft_context") == [
@@ -118,6 +118,6 @@ def test_a_preempted_request_sends_its_context_again():
     request = decoding(sched)
     out = plan(sched, [(0, 1)])
     sched.update(out, answer(out, {0: [1]}))
-    assert request.draft_synced == 10
-    request.reset_for_recompute()
-    assert request.draft_synced == 0
+    assert sched.plans.draft_synced(request.seq_id) == 10
+    sched._preempt(request, ScheduleOutput(0, "test", None))
+    assert sched.plans.draft_synced(request.seq_id) == 0

@@ -216,7 +216,7 @@ def check_drafts(sched: Scheduler, out: ScheduleOutput, budget: object, before: 
             )
             if DRAFT_MODEL_TOKEN in drafts:
                 assert set(drafts) == {DRAFT_MODEL_TOKEN}
-                assert request.draft_synced + len(item.draft_context) == start
+                assert sched.plans.draft_synced(request.seq_id) + len(item.draft_context) == start
             generated = before[request.seq_id][1] - request.prompt_len
             assert generated + len(drafts) + 1 <= request.params.max_tokens  # type: ignore[operator]
             assert plan.input_ids[offset : offset + n] == [request.token_ids[start], *drafts]

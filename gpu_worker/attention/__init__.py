@@ -29,6 +29,7 @@ from gpu_worker.attention.base import (
     LayerAttention,
     PrefillChunk,
     build_metadata,
+    decode_records,
     metadata_for,
     paged_attention,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "PrefillChunk",
     "TorchAttention",
     "build_metadata",
+    "decode_records",
     "metadata_for",
     "paged_attention",
 ]

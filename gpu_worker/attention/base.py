@@ -229,5 +229,19 @@ def _decode_group_for(
     lens = torch.tensor(context_lens, device=device)
     contiguous = rows[-1] - rows[0] == len(rows) - 1
     row_index = slice(rows[0], rows[-1] + 1) if contiguous else torch.tensor(rows, device=device)
-    group = DecodeGroup(row_index, tables, lens, layer=layer)
+    return decode_records(row_index, tables, lens, cache_like, group_size, backend, layer)
+
+
+def decode_records(
+    rows: slice | torch.Tensor,
+    tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    cache_like: torch.Tensor,
+    group_size: int,
+    backend: AttentionBackend,
+    layer: LayerAttention,
+) -> DecodeGroup:
+    """The decode rows' record, with what `backend` adds to it: the one builder of it, for
+    a mixed step's decode rows and a decode step's padded batch (graphs.decode_forward)."""
+    group = DecodeGroup(rows, tables, context_lens, layer=layer)
     return backend.decode_group(group, cache_like, group_size)

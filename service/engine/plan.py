@@ -13,12 +13,13 @@ nothing: `reset` on every worker start.
 Blocks. The builder remembers how many table entries the worker holds of each sequence;
 a row sends the entries from there on. Entries are given back only after a step with
 drafts (BlockManager.trim: a sequence keeps the blocks of its computed tokens); `fold`
-reads the table after the step's result, so the next row writes from where the trimmed
-table ends, over whatever the worker held past it.
+reads the table after the step's result, and the next row says where the trimmed table
+ends (Row.blocks_at), so the worker writes over whatever it held past it.
 
 Results. `fold` also takes what a step returned beside its tokens: a chunk's prompt
 log-probabilities (once each: a recomputed chunk computes some again), a chunk's pooled
-vector (embeddings), and what the draft model's cache now holds.
+vector (embeddings), and what the worker's draft model now holds K/V for: a mirror of the
+worker's cache too, so a preempted sequence's starts again at 0.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ class _Held:
 
     entries: int = 0
     table: list[int] = field(default_factory=list)
+    # entries were given back since its last row: the worker holds more than `entries`
+    rewound: bool = False
+    draft_synced: int = 0  # positions 0 .. draft_synced - 1 have K/V in the draft model's cache
 
 
 class PlanBuilder:
@@ -69,6 +73,12 @@ class PlanBuilder:
 
     def holds(self, seq_id: int) -> bool:
         return seq_id in self._held
+
+    def draft_synced(self, seq_id: int) -> int:
+        """The positions the worker's draft model holds K/V for (speculative decoding with
+        a draft model: service.engine.speculation sends it the rest first)."""
+        held = self._held.get(seq_id)
+        return 0 if held is None else held.draft_synced
 
     def forget(self, seq_id: int) -> None:
         """The sequence ended, or was preempted: the next plan tells the worker."""
@@ -106,11 +116,14 @@ class PlanBuilder:
             _keep_prompt_logprobs(request, start, result.prompt_logprobs[row])
         if result.pooled:
             _keep_pooled(request, start, result.pooled[row])
-        _sync_draft_model(item, start, accepted)
         held = self._held.get(request.seq_id)
+        if held is not None:
+            held.draft_synced = _draft_synced(item, start, accepted, held.draft_synced)
         if held is not None and item.drafts:  # blocks past the kept drafts were given back
-            held.entries = min(held.entries, len(self.blocks.table(request.seq_id)))
-            del held.table[held.entries :]
+            entries = len(self.blocks.table(request.seq_id))
+            if entries < held.entries:
+                held.entries, held.rewound = entries, True
+                del held.table[entries:]
 
     def _row(self, item: Scheduled, start: int) -> Row:
         request = item.request
@@ -118,6 +131,7 @@ class PlanBuilder:
         tables = [self.blocks.table(request.seq_id, g) for g in range(self.blocks.num_groups)]
         at = held.entries
         added = [table[at:] for table in tables] if len(tables[0]) > at else []
+        rewound, held.rewound = held.rewound, False
         if added:
             held.table += added[0]
             held.entries = len(tables[0])
@@ -127,7 +141,7 @@ class PlanBuilder:
             item.chunk,
             start,
             blocks=added,
-            blocks_at=at,
+            blocks_at=at if rewound else None,  # None: where the worker's table ends
             sample=item.samples,
             drafts=item.drafts,
             draft_context=item.draft_context,
@@ -161,15 +175,14 @@ def _prompt_targets(request: Request, num_tokens: int) -> list[int] | None:
     return request.token_ids[start + 1 : min(start + 1 + num_tokens, request.prompt_len)] or None
 
 
-def _sync_draft_model(item: Scheduled, start: int, accepted: int) -> None:
-    """What the draft model's cache holds once the step ran: the context sent, and the
-    rows it drafted from that the sequence keeps (gpu_worker.draft_model)."""
-    request = item.request
+def _draft_synced(item: Scheduled, start: int, accepted: int, synced: int) -> int:
+    """What the draft model's cache holds once the step ran (it held `synced`): the context
+    sent, and the rows it drafted from that the sequence keeps (gpu_worker.draft_model)."""
     if item.drafts and item.drafts[0] == DRAFT_MODEL_TOKEN:
-        kept = min(accepted, len(item.drafts) - 1)
-        request.draft_synced = start + 1 + kept
-    elif item.draft_context:
-        request.draft_synced = item.draft_start + len(item.draft_context)
+        return start + 1 + min(accepted, len(item.drafts) - 1)
+    if item.draft_context:
+        return item.draft_start + len(item.draft_context)
+    return synced
 
 
 def _keep_pooled(request: Request, start: int, found: str | None) -> None:

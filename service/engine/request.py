@@ -168,9 +168,6 @@ class Request:
     preemptions: int = 0
     deadline: float | None = None  # engine clock: not started by then, it is refused
     acceptance: Acceptance = field(default_factory=Acceptance)  # of its drafted tokens
-    # positions 0 .. draft_synced - 1 have their K/V in the draft model's cache
-    # (speculative decoding with a draft model; service.engine.speculation)
-    draft_synced: int = 0
     first_scheduled: float | None = None
     first_token: float | None = None
     token_times: list[float] = field(default_factory=list)
@@ -210,6 +207,5 @@ class Request:
     def reset_for_recompute(self) -> None:
         """Preemption by recompute: the cache is gone, the tokens are kept."""
         self.num_computed_tokens = 0
-        self.draft_synced = 0
         self.status = Status.WAITING
         self.preemptions += 1

@@ -665,7 +665,9 @@ class Scheduler:
         cap = self.max_batched_tokens
         if isinstance(token_budget, int):  # a policy's, however wrong
             cap = min(cap, token_budget)
-        self.speculator.draft_step(out.scheduled, self.blocks, self.step_cost, cap)
+        self.speculator.draft_step(
+            out.scheduled, self.blocks, self.step_cost, cap, self.plans.draft_synced
+        )
         drafting = [item for item in out.scheduled if item.drafts]
         out.drafting_seqs = len(drafting)
         out.draft_tokens = sum(len(item.drafts) for item in drafting)

@@ -53,7 +53,7 @@ request's tokens are the same, whatever the load let it draft).
 A draft model (method draft_model) drafts in the worker: a sequence asks for k drafts as
 DRAFT_MODEL_TOKEN placeholders (gpu_worker.draft_model), priced and budgeted as any k
 drafts. The draft model has its own cache over the sequence's blocks and runs only where
-asked, so the service tracks what it holds (Request.draft_synced: the positions before it
+asked, so the service tracks what it holds (PlanBuilder.draft_synced: the positions before it
 have K/V there) and sends what it lacks first (`missing_context`): the prompt, on a first
 draft, or the tokens of the steps a sequence decoded without drafting. Those are a
 prefill for the draft model, priced at the engine's per-token cost of a prefill chunk
@@ -80,7 +80,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -437,11 +437,17 @@ class Speculator:
         return allowance
 
     def draft_step(
-        self, rows: Sequence[DraftRow], blocks: BlockManager, step_cost: StepCostModel, cap: int
+        self,
+        rows: Sequence[DraftRow],
+        blocks: BlockManager,
+        step_cost: StepCostModel,
+        cap: int,
+        synced: Callable[[int], int],
     ) -> None:
         """Drafted tokens for the decodes of a step of `rows`, within what the rows leave of
         `cap` tokens and of the time the cost model allows, the sequences whose drafts were
-        accepted most first; their blocks allocated (`_draft_room`)."""
+        accepted most first; their blocks allocated (`_draft_room`). `synced(seq_id)`: the
+        positions the worker's draft model holds K/V for (PlanBuilder.draft_synced)."""
         decoding = [row for row in rows if decodes(row) and may_draft(row.request)]
         if not decoding:
             return
@@ -457,11 +463,13 @@ class Speculator:
         allowance = self.allowance(step_cost, num_tokens, starts, left, self_paid)
         for index, row in enumerate(decoding):
             request = row.request
+            held = synced(request.seq_id)
             if self_paid:  # the blocks earlier rows' drafts took are no longer free
                 proposal = proposals[index][: self._draft_room(request, blocks)]
-                drafted = self.take(request, allowance, proposal)
+                drafted = self.take(request, allowance, proposal, held)
             else:
-                drafted = self.draft(request, allowance, self._draft_room(request, blocks))
+                room = self._draft_room(request, blocks)
+                drafted = self.draft(request, allowance, room, held)
             row.draft_context, row.draft_start = drafted.context, drafted.context_start
             drafts = drafted.tokens
             if drafts:
@@ -491,14 +499,16 @@ class Speculator:
             room -= 1
         return room
 
-    def draft(self, request: Request, allowance: DraftAllowance, room: int) -> Drafted:
+    def draft(
+        self, request: Request, allowance: DraftAllowance, room: int, synced: int = 0
+    ) -> Drafted:
         """What `request` (decoding, may_draft) drafts this step: at most `room` tokens
         (its blocks' and its max_tokens' bound), as many as its acceptance wants and the
-        allowance takes."""
+        allowance takes; `synced`: the positions its draft model holds K/V for."""
         k = allowance.room(request.num_computed_tokens, self.wanted(request, room))
         if k < 1:  # before the lookup: a full step costs no lookups
             return Drafted()
-        return self.take(request, allowance, self.propose(request, k))
+        return self.take(request, allowance, self.propose(request, k), synced)
 
     def wanted(self, request: Request, room: int) -> int:
         """How many tokens `request` would draft, its allowance aside."""
@@ -516,28 +526,29 @@ class Speculator:
             request.token_ids, k, config.prompt_lookup_min, config.prompt_lookup_max
         )
 
-    def take(self, request: Request, allowance: DraftAllowance, proposal: list[int]) -> Drafted:
+    def take(
+        self, request: Request, allowance: DraftAllowance, proposal: list[int], synced: int = 0
+    ) -> Drafted:
         """Of a proposal, the drafts the allowance takes. A draft model first computes the
         context it lacks (module docstring): until all of it fits in a step, the step
         sends it what fits, and no drafts."""
-        context = self.missing_context(request)
+        context = self.missing_context(request, synced)
         if context:
             sent = allowance.take_context(len(context))
-            start = request.draft_synced
             if sent < len(context):
-                return Drafted([], context[:sent], start)
-            return Drafted(self._taken(request, allowance, proposal), context, start)
+                return Drafted([], context[:sent], synced)
+            return Drafted(self._taken(request, allowance, proposal), context, synced)
         return Drafted(self._taken(request, allowance, proposal))
 
     def _taken(self, request: Request, allowance: DraftAllowance, proposal: list[int]) -> list[int]:
         return proposal[: allowance.take(request.num_computed_tokens, len(proposal))]
 
-    def missing_context(self, request: Request) -> list[int]:
+    def missing_context(self, request: Request, synced: int) -> list[int]:
         """The tokens before `request`'s next position that its draft model has no K/V
-        for ([] without a draft model)."""
+        for, those from `synced` on ([] without a draft model)."""
         if self.config.method != DRAFT_MODEL:
             return []
-        return request.token_ids[request.draft_synced : request.num_computed_tokens]
+        return request.token_ids[synced : request.num_computed_tokens]
 
     @property
     def others_may_pay(self) -> bool:
