@@ -256,6 +256,7 @@ class NewSeq:
     # samples; each row of it pools (POOL_SUM) or the row that ends its prompt does
     # (POOL_LAST), and StepResult.pooled has the vector.
     pooling: str | None = None
+    adapter: str | None = None  # its LoRA adapter's name: carried, applied once they load
 
 
 @dataclass(slots=True)

@@ -70,6 +70,7 @@ class Seq:
     sampling: SamplingSpec
     prompt_len: int
     pooling: str | None
+    adapter: str | None
     num_blocks: int = 0  # entries of its tables in use (every group's are as long)
 
 
@@ -154,7 +155,8 @@ class SeqTable:
         self._forget(new.seq_id)
         if not self._free:
             self._grow()
-        self._seqs[new.seq_id] = Seq(self._free.pop(), new.sampling, new.prompt_len, new.pooling)
+        slot = self._free.pop()
+        self._seqs[new.seq_id] = Seq(slot, new.sampling, new.prompt_len, new.pooling, new.adapter)
         if new.sampling.reads_history:
             self.histories.begin(new.seq_id, new.prompt_len, new.prefix)
 

@@ -5,7 +5,12 @@ size does not grow with the contexts."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import torch
+
 from gpu_worker.protocol import encode_frame, to_message
+from gpu_worker.seq_table import PlanLimits, SeqTable
 from policies.base import Decision
 from service.engine.block_manager import BlockManager
 from service.engine.request import SamplingParams
@@ -144,3 +149,15 @@ def test_a_decode_plan_does_not_grow_with_the_contexts():
     # at 256 each row's position has one digit fewer: nothing else differs
     assert at_8k - at_256 == 64
     assert at_8k < 64 * 512  # less than a byte per block id of the tables the worker holds
+
+
+def test_a_sequences_adapter_reaches_the_workers_table():
+    """A per-sequence fact written once: its field of NewSeq, the table's column."""
+    sched, _ = make_scheduler(num_blocks=16, block_size=4, max_tokens=16)
+    request = make_request(0, 6)
+    request.params = dataclasses.replace(request.params, adapter="support-bot")
+    sched.add(request)
+    out = planned(sched, [(0, 6)])
+    table = SeqTable(PlanLimits(4, 16, vocab_size=256, max_model_len=64), torch.device("cpu"))
+    table.apply(out.plan)  # type: ignore[arg-type]
+    assert table.seq(0).adapter == "support-bot"

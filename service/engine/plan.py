@@ -155,7 +155,14 @@ def _introduction(request: Request, start: int) -> NewSeq:
     """A sequence's first plan on the worker: from `start` (past a prefix-cache hit)."""
     sampling = request.params.sampling
     prefix = request.token_ids[:start] if sampling.reads_history else []
-    return NewSeq(request.seq_id, sampling, request.prompt_len, prefix, _pooling(request))
+    return NewSeq(
+        request.seq_id,
+        sampling,
+        request.prompt_len,
+        prefix,
+        _pooling(request),
+        request.params.adapter,
+    )
 
 
 def _pooling(request: Request) -> str | None:

@@ -61,6 +61,9 @@ class SamplingParams:
     # an embedding, not a completion (POOLING_TYPES; then max_tokens is 0): the prompt's
     # final hidden states pooled, in the FinishEvent
     pooling: str | None = None
+    # the LoRA adapter the request runs with (issue 54 names it from the request's `model`):
+    # carried to the worker's table, applied once adapters load
+    adapter: str | None = None
 
 
 @dataclass(slots=True)
