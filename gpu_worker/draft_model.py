@@ -25,12 +25,27 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
+
+import torch
 
 from gpu_worker.protocol import DRAFT_MODEL_TOKEN, Row, StepPlan
+from gpu_worker.sampler import Logits
+from gpu_worker.seq_table import SeqTable
+from gpu_worker.step_inputs import StepInputs
 
-if TYPE_CHECKING:  # the runner holds a Drafter
-    from gpu_worker.runner import ModelRunner
+
+class DraftRunner(Protocol):
+    """What a Drafter needs of the draft model's runner (a ModelRunner, which holds the
+    Drafter of its target: this, not the runner's class, keeps the two modules apart)."""
+
+    table: SeqTable
+
+    def inputs(self, plan: StepPlan) -> StepInputs: ...
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor: ...
+
+    def logits(self, inputs: StepInputs) -> Logits: ...
 
 
 @dataclass(slots=True)
@@ -58,7 +73,7 @@ class _Rows:
 class Drafter:
     """The draft model's runner, over its own cache (gpu_worker.runtime builds both)."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: DraftRunner) -> None:
         self.runner = runner
 
     def fill(self, plan: StepPlan) -> StepPlan:
