@@ -18,7 +18,8 @@ from policies.base import Decision
 from policies.registry import POLICIES, make_policy
 from service.engine.invariants import check_invariants
 from service.engine.request import Request, Status
-from service.engine.scheduler import ScheduleOutput, Scheduler
+from service.engine.scheduler import Scheduler
+from service.engine.step import ScheduleOutput
 from tests.scheduler_helpers import SAMPLED, make_request, make_scheduler, sampled_result
 
 

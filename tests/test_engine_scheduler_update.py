@@ -14,8 +14,9 @@ from policies.base import Decision
 from service.engine.block_manager import BlockManager
 from service.engine.invariants import check_invariants
 from service.engine.request import Request, SamplingParams, SamplingSpec
-from service.engine.scheduler import ScheduleOutput, Scheduler
+from service.engine.scheduler import Scheduler
 from service.engine.speculation import SpeculativeConfig, Speculator
+from service.engine.step import ScheduleOutput
 from tests.plan_columns import column
 from tests.scheduler_helpers import Scripted, make_request
 from tests.sim_worker import EOS

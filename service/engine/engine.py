@@ -68,16 +68,10 @@ from service.engine.request import (
     event_bytes,
 )
 from service.engine.sampling import worker_sampling
-from service.engine.scheduler import (
-    POOLED,
-    STOP_TOKEN,
-    Outcome,
-    ScheduleOutput,
-    Scheduler,
-    SchedulerStats,
-)
+from service.engine.scheduler import Scheduler
 from service.engine.speculation import Speculator
 from service.engine.stats import Observer
+from service.engine.step import POOLED, STOP_TOKEN, Outcome, ScheduleOutput, SchedulerStats
 from service.engine.supervision import Supervisor, Worker
 from service.engine.validation import InvalidRequest, Limits
 from service.engine.worker_link import WorkerDied, WorkerHung

@@ -9,7 +9,8 @@ and no block a plan in flight writes goes to another sequence before its result 
 
 from __future__ import annotations
 
-from service.engine.scheduler import ScheduleOutput, Scheduler
+from service.engine.scheduler import Scheduler
+from service.engine.step import ScheduleOutput
 
 
 def check_invariants(sched: Scheduler) -> None:

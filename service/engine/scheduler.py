@@ -79,93 +79,26 @@ from __future__ import annotations
 import bisect
 import collections
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass, field
 from typing import Any, cast
 
-from gpu_worker.protocol import DRAFT_MODEL_TOKEN, StepPlan, StepResult, TokenLogprobs
+from gpu_worker.protocol import DRAFT_MODEL_TOKEN, StepResult, TokenLogprobs
 from policies.base import Decision, Policy, View
 from service.engine.block_manager import BlockManager, PrefixHit, chain_hashes
 from service.engine.plan import PlanBuilder
 from service.engine.request import MEAN_POOLING, Request, Status
 from service.engine.speculation import Speculator
+from service.engine.step import (
+    POOLED,
+    STOP_TOKEN,
+    Outcome,
+    Scheduled,
+    ScheduleOutput,
+    SchedulerStats,
+    StepDraft,
+)
 from service.engine.step_cost import StepCostModel
 from service.engine.tenants import TenantSlots
 from service.engine.views import seq_view, waiting_view
-
-STOP_TOKEN = ("stop", "stop_token")  # a stop_token_ids token finished the sequence
-POOLED = ("stop", "pooled")  # a pooled request (an embedding) computed its prompt
-
-
-@dataclass(slots=True)
-class Scheduled:
-    request: Request
-    num_tokens: int  # of its own tokens (a decode's: 1)
-    samples: bool
-    start: int = 0  # its first position: the tokens it had computed
-    drafts: list[int] = field(default_factory=list)  # drafted tokens it verifies after them
-    # a draft model's (Drafted): what it computes first, from position draft_start
-    draft_context: list[int] = field(default_factory=list)
-    draft_start: int = 0
-
-    @property
-    def chunk(self) -> int:
-        """Tokens it computes this step, drafts included."""
-        return self.num_tokens + len(self.drafts)
-
-
-@dataclass(slots=True)
-class ScheduleOutput:
-    iteration: int
-    policy: str  # the policy that decided this step
-    plan: StepPlan | None
-    scheduled: list[Scheduled] = field(default_factory=list)
-    written: list[list[int]] = field(default_factory=list)  # each row's blocks it writes
-    preempted: list[Request] = field(default_factory=list)
-    started: list[Request] = field(default_factory=list)  # scheduled for the first time
-    prefill_tokens: int = 0
-    decode_seqs: int = 0
-    drafting_seqs: int = 0  # sequences with drafted tokens
-    draft_tokens: int = 0  # drafted tokens, over all of them
-    accepted_tokens: int = 0  # of those, accepted (known once update() ran)
-
-
-@dataclass(slots=True)
-class Outcome:
-    """What one step did to one request."""
-
-    request: Request
-    token: int | None = None  # the sampled token, appended to request.token_ids
-    logprobs: TokenLogprobs | None = None  # of the token, if the request asked for them
-    finish: tuple[str, str] | None = None  # (reason, detail): finished and freed here
-    error: str | None = None
-
-
-@dataclass(slots=True)
-class _Draft:
-    """The step being assembled from one decision."""
-
-    out: ScheduleOutput
-    victims: list[Request]  # running sequences the policy offered, under the cap, in order
-    chosen: set[int]  # seq_ids already in the step
-    budget: int  # tokens still free in the step
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerStats:
-    iteration: int  # the last iteration scheduled
-    waiting: int
-    running: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    kv_blocks_promised: int  # to admitted sequences still prefilling, not yet allocated
-    admission_paused: bool  # since a preemption, until blocks exceed admission_watermark
-    kv_blocks_cached: int  # registered in the prefix cache, held or evictable
-    kv_blocks_evictable: int  # cached and held by nobody: free, until evicted
-    prefix_queries: int  # tokens of the sequences admitted, summed over admissions
-    prefix_hits: int  # of those, tokens found in the prefix cache
-    kv_blocks_evicted: int  # cached blocks reused for others since the worker started
-    draft_tokens: int = 0  # drafted tokens verified since the start (speculative decoding)
-    accepted_tokens: int = 0  # of those, accepted
 
 
 def _seq_key(request: Request) -> int:
@@ -413,7 +346,7 @@ class Scheduler:
         self.step_cost.observe_plan(num_tokens, start_pos, result.step_ms, drafted)
         if self.speculator is not None:
             self.speculator.observe(num_tokens, start_pos, drafted, result.step_ms)
-        taken = dict(zip(_sampled_ids(out), result.tokens, strict=True))
+        taken = dict(zip(out.sampled_ids(), result.tokens, strict=True))
         outcomes = []
         for i, item in enumerate(out.scheduled):
             request = item.request
@@ -519,7 +452,7 @@ class Scheduler:
     def _result_error(self, out: ScheduleOutput, result: StepResult) -> str | None:
         if result.error is not None:
             return result.error
-        expected = _sampled_ids(out)
+        expected = out.sampled_ids()
         if result.seq_ids != expected or len(result.tokens) != len(expected):
             return f"step {out.iteration}: the worker returned tokens for other sequences"
         sampled = (item for item in out.scheduled if item.samples)
@@ -559,7 +492,7 @@ class Scheduler:
     # ---- validation of a decision -------------------------------------------------------
 
     def _apply(self, decision: Decision, out: ScheduleOutput) -> None:
-        draft = _Draft(
+        draft = StepDraft(
             out,
             victims=self._policy_victims(decision),
             chosen={s.request.seq_id for s in out.scheduled},
@@ -586,7 +519,7 @@ class Scheduler:
                     continue
             self._add_to_step(request, tokens, draft)
 
-    def _pick(self, entry: object, draft: _Draft) -> tuple[Request, int] | None:
+    def _pick(self, entry: object, draft: StepDraft) -> tuple[Request, int] | None:
         """The request and token count of one decision entry, if the entry is acceptable."""
         try:
             given_seq, given_tokens = cast(tuple[Any, Any], entry)
@@ -610,7 +543,7 @@ class Scheduler:
             return None
         return request, tokens
 
-    def _legal_tokens(self, request: Request, tokens: int, draft: _Draft) -> int:
+    def _legal_tokens(self, request: Request, tokens: int, draft: StepDraft) -> int:
         remaining, budget = request.remaining, draft.budget
         if tokens < 1:
             self.corrections["nonpositive_tokens"] += 1
@@ -636,13 +569,13 @@ class Scheduler:
         self.corrections["grammar_mask_pending"] += 1
         return tokens - 1
 
-    def _make_room(self, request: Request, tokens: int, draft: _Draft) -> bool:
+    def _make_room(self, request: Request, tokens: int, draft: StepDraft) -> bool:
         if self._grow(request, tokens, draft):
             return True
         self.corrections["no_blocks"] += 1
         return False
 
-    def _add_to_step(self, request: Request, tokens: int, draft: _Draft) -> None:
+    def _add_to_step(self, request: Request, tokens: int, draft: StepDraft) -> None:
         self.blocks.allocate(request.seq_id, request.num_computed_tokens + tokens)
         ends_prompt = request.num_computed_tokens + tokens >= request.num_tokens
         samples = ends_prompt and request.params.pooling is None
@@ -695,7 +628,7 @@ class Scheduler:
     def _at_cap(self, request: Request) -> bool:
         return request.preemptions >= self.max_preemptions
 
-    def _grow(self, request: Request, tokens: int, draft: _Draft) -> bool:
+    def _grow(self, request: Request, tokens: int, draft: StepDraft) -> bool:
         """Blocks for a running sequence's next tokens: free ones, else victims'."""
         needed = request.num_computed_tokens + tokens
         short = self.blocks.extra_blocks(request.seq_id, needed) - self.blocks.num_free
@@ -708,7 +641,7 @@ class Scheduler:
             self._preempt(victim, draft.out)
         return True
 
-    def _growth_victims(self, request: Request, draft: _Draft) -> list[Request]:
+    def _growth_victims(self, request: Request, draft: StepDraft) -> list[Request]:
         """The policy's victims in its order, then the others by least progress lost."""
         named = self._named_victims(request, draft)
         taken = {r.seq_id for r in named} | draft.chosen
@@ -719,14 +652,14 @@ class Scheduler:
         ]
         return named + sorted(others, key=_progress_lost)
 
-    def _named_victims(self, request: Request, draft: _Draft) -> list[Request]:
+    def _named_victims(self, request: Request, draft: StepDraft) -> list[Request]:
         return [
             r
             for r in draft.victims
             if r is not request and r.status is Status.RUNNING and r.seq_id not in draft.chosen
         ]
 
-    def _admit(self, request: Request, draft: _Draft) -> bool:
+    def _admit(self, request: Request, draft: StepDraft) -> bool:
         """Admit a waiting sequence if blocks for its whole prompt fit (module docstring),
         starting from its cached prefix."""
         if len(self.running) >= self.max_num_seqs:
@@ -763,7 +696,7 @@ class Scheduler:
         self.prefix_hits += request.num_computed_tokens
 
     def _admission_victims(
-        self, request: Request, hit: PrefixHit, draft: _Draft
+        self, request: Request, hit: PrefixHit, draft: StepDraft
     ) -> list[Request] | None:
         """Who must go for `request` to fit (often nobody), or None if it cannot fit."""
         if self._at_cap(request) and not self._life_fits_beside_the_kept(request):
@@ -840,12 +773,6 @@ class Scheduler:
         schedule = [(r.seq_id, r.remaining) for r in self.running]
         schedule += [(r.seq_id, r.remaining) for r in self.waiting]
         return Decision(schedule=schedule)
-
-
-def _sampled_ids(out: ScheduleOutput) -> list[int]:
-    return [item.request.seq_id for item in out.scheduled if item.samples]
-
-    # ---- tenants' slots (service.engine.tenants) ----------------------------------------
 
 
 def _row(logprobs: TokenLogprobs, i: int) -> TokenLogprobs:
