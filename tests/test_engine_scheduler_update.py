@@ -183,7 +183,7 @@ def test_a_preempted_echo_request_keeps_each_prompt_logprob_once():
     sched.add(request)
     prompt = list(request.token_ids)
     run_chunk(sched, 0, 6, [])
-    sched._preempt(request, ScheduleOutput(0, "test", None))
+    sched.rules.preempt(request, ScheduleOutput(0, "test", None))
     run_chunk(sched, 0, 10, [7])
     assert request.prompt_logprobs == fake_prompt_logprobs(prompt[1:])
 
