@@ -3,7 +3,8 @@
 A request is checked (service.engine.validation), then weighed against the queue (too many
 sequences or prompt tokens waiting, a predicted TTFT or start past its limits) and against
 its tenant's share; it is refused whole, before anything is queued, with InvalidRequest
-(400) or Overloaded (429). The engine then makes its sequences and streams.
+(400) or Overloaded (429). The engine then makes its sequences and streams
+(service.engine.sequences).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """The engine: an admission task and a scheduling task in one trio nursery, and the worker.
 
-Admission validates each request, bounds the queue and hands the request to the scheduler.
-The scheduling task runs iterations: `Scheduler.schedule()` -> worker step ->
-`Scheduler.update()`, then the engine's own part: text (detokenizer, stop strings), stream
-events, observers. The worker's life (start, idle watch, restarts) is its Supervisor's
-(supervision.py). The front end talks to it only through submit() (a stream of events)
-and abort().
+Admission validates each request, bounds the queue, makes its sequences
+(service.engine.sequences) and hands them to the scheduler. The scheduling task runs
+iterations: `Scheduler.schedule()` -> worker step -> `Scheduler.update()`, then the
+engine's own part: text (detokenizer, stop strings), stream events, observers. The
+worker's life (start, idle watch, restarts) is its Supervisor's (supervision.py). The
+front end talks to it only through submit() (a stream of events) and abort().
 
 Overlap (Config.overlap: "on", "off", or "auto": on, except that where the worker computes
 on the CPU only a step of at most CPU_OVERLAP_SEQS sequences overlaps): as soon as result k
@@ -37,12 +37,12 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 import trio
 
-from gpu_worker.protocol import BLOCK_SIZE, Handshake, StepResult, TokenLogprobs
+from gpu_worker.protocol import BLOCK_SIZE, Handshake, StepResult
 from policies.registry import make_policy
 from service.config import Config
 from service.engine.admission import (
@@ -53,8 +53,7 @@ from service.engine.admission import (
     Ticket,
 )
 from service.engine.block_manager import BlockManager
-from service.engine.detokenizer import Decoder, Delta, Detokenizer
-from service.engine.grammar import Matcher
+from service.engine.detokenizer import Delta
 from service.engine.invariants import check_blocks_kept, check_invariants
 from service.engine.masks import MaskFiller, unmasked, waits_for_masks
 from service.engine.reporting import Reporter, since_received
@@ -64,11 +63,11 @@ from service.engine.request import (
     SamplingParams,
     Status,
     TokenEvent,
-    UnreadBytes,
     event_bytes,
 )
 from service.engine.sampling import worker_sampling
 from service.engine.scheduler import Scheduler
+from service.engine.sequences import Sequences, TokenizerLike, sequence_ids
 from service.engine.speculation import Speculator
 from service.engine.stats import Observer
 from service.engine.step import POOLED, STOP_TOKEN, Outcome, ScheduleOutput, SchedulerStats
@@ -80,16 +79,6 @@ log = structlog.get_logger()
 # With Config.overlap "auto" and the worker on the CPU, the most sequences a step may have
 # and overlap (module docstring)
 CPU_OVERLAP_SEQS = 4
-
-
-class TokenizerLike(Decoder, Protocol):
-    """What the engine needs of a tokenizer: decoding, which ids end a sequence, and
-    encoding (of bad words)."""
-
-    @property
-    def eos_token_ids(self) -> list[int]: ...
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
 
 
 class EngineUnavailable(Exception):
@@ -147,8 +136,7 @@ class Engine:
         )
         self._requests: dict[str, Request] = {}  # open streams, by request id
         self._admission = AdmissionControl(config, self._scheduler, self._requests)
-        # requests with n > 1 sequences: the first's id -> all of them, until all finish
-        self._groups: dict[str, list[Request]] = {}
+        self._sequences = Sequences(tokenizer, config.max_stream_buffer_bytes)
         self._report = Reporter(config.log_iterations)
         self._admit_send, self._admit_recv = trio.open_memory_channel[Ticket](config.max_queue)
         self._wakeup = trio.Event()
@@ -159,7 +147,6 @@ class Engine:
         # (Config.overlap, its device); 0: none does
         self._overlap_seqs = 0
         self._accepting = True
-        self._next_seq_id = 0
         self._unemitted: _Step | None = None  # its tokens are committed, not yet sent out
         self._stopped = trio.Event()
         self.failure: EngineFailed | None = None  # why the engine stopped on its own
@@ -272,7 +259,7 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """End a request, all its n sequences, now (synchronous, idempotent); its blocks
         are free at once."""
-        group: Sequence[Request | None] = self._groups.get(request_id) or [
+        group: Sequence[Request | None] = self._sequences.group(request_id) or [
             self._requests.get(request_id)
         ]
         for request in group:
@@ -397,80 +384,29 @@ class Engine:
 
     def _admit(self, ticket: Ticket) -> trio.MemoryReceiveChannel:
         """Validate, bound the queue, hand over to the scheduler; raises and queues nothing."""
-        sched = self._scheduler
         if not self._accepting:
             raise EngineUnavailable("the engine is shutting down")
-        ids = [ticket.request_id] + [sibling_id(ticket.request_id, i) for i in range(1, ticket.n)]
+        ids = sequence_ids(ticket.request_id, ticket.n)
         if any(request_id in self._requests for request_id in ids):
             raise InvalidRequest(
                 f"request id {ticket.request_id!r} is already in use", code="duplicate_id"
             )
         deadline = self._admission.check(ticket, self._cache_shape())
         params = worker_sampling(ticket.params, self.tokenizer.encode, self.tokenizer.eos_token_ids)
-        assert params.max_tokens is not None
-        # never blocks: a token event per output token, the finish event, and a spare, each
-        send, receive = trio.open_memory_channel(ticket.n * (params.max_tokens + 2))
-        unread = UnreadBytes(self.config.max_stream_buffer_bytes)
-        with send:
-            leader = self._new_request(ticket, ids[0], 0, params, send.clone(), unread, deadline)
-            # the others start once the first has computed the prompt: its blocks are then
-            # in the prefix cache, and theirs are shared, not computed again
-            siblings = [
-                self._new_request(
-                    ticket, ids[i], i, sibling_params(params, i), send.clone(), unread, None
-                )
-                for i in range(1, ticket.n)
-            ]
-        if siblings:
-            self._groups[leader.request_id] = [leader, *siblings]
-            if self.config.enable_prefix_caching:
-                sched.hold(leader, siblings)
-            else:
-                for sibling in siblings:
-                    sched.add(sibling)
+        made, receive = self._sequences.make(ticket, params, deadline)
+        for request in made:
+            self._requests[request.request_id] = request
+            self._report.received(request)
+        self._all_done = trio.Event()
+        sched, (leader, *siblings) = self._scheduler, made
+        if siblings and self.config.enable_prefix_caching:
+            sched.hold(leader, siblings)  # until it has computed the prompt they share
+        else:
+            for sibling in siblings:
+                sched.add(sibling)
         sched.add(leader)
         self._wakeup.set()
         return receive
-
-    def _new_request(
-        self,
-        ticket: Ticket,
-        request_id: str,
-        index: int,
-        params: SamplingParams,
-        stream: trio.MemorySendChannel,
-        unread: UnreadBytes,
-        deadline: float | None,
-    ) -> Request:
-        ids = list(ticket.prompt_token_ids)
-        request = Request(
-            request_id=request_id,
-            seq_id=self._next_seq_id,
-            prompt_len=len(ids),
-            token_ids=ids,
-            params=params,
-            tenant=ticket.tenant,
-            priority=ticket.priority,
-            received=ticket.received,
-            stream=stream,
-            unread=unread,
-            detokenizer=Detokenizer(
-                self.tokenizer,
-                ids,
-                params.stop,
-                params.skip_special_tokens,
-                params.sampling.min_tokens,
-            ),
-            grammar=None if params.grammar is None else Matcher(params.grammar),
-            deadline=deadline,
-            prompt_logprobs=None if params.sampling.prompt_logprobs is None else TokenLogprobs(),
-            index=index,
-        )
-        self._next_seq_id += 1
-        self._requests[request.request_id] = request
-        self._all_done = trio.Event()
-        self._report.received(request)
-        return request
 
     def _release_siblings(self, leader: Request) -> None:
         """The leader computed its prompt (or ended): its held siblings may start."""
@@ -654,8 +590,7 @@ class Engine:
         stream, so that the server holds no more for it (the reader gets the error last)."""
         limit = self.config.max_stream_buffer_bytes
         error = f"the client left more than {limit} bytes of this stream unread"
-        leader_id = leader_id_of(request.request_id, request.index)
-        for member in self._groups.get(leader_id) or [request]:
+        for member in self._sequences.members(request):
             self._finish(member, "error", "slow_reader", error)
 
     def _finish(self, request: Request, reason: str, detail: str, error: str | None = None) -> None:
@@ -676,16 +611,10 @@ class Engine:
         request.stream.close()
         self._requests.pop(request.request_id, None)
         self._release_siblings(request)
-        self._forget_group_of(request)
+        self._sequences.finished(request)
         if not self._requests:
             self._all_done.set()
         self._report.finished(request, self._scheduler.policy.name, self._scheduler.iteration)
-
-    def _forget_group_of(self, request: Request) -> None:
-        leader_id = leader_id_of(request.request_id, request.index)
-        group = self._groups.get(leader_id)
-        if group is not None and all(member.is_finished for member in group):
-            del self._groups[leader_id]
 
     def _finish_all(self, reason: str, detail: str) -> None:
         for request in list(self._requests.values()):
@@ -746,23 +675,6 @@ class Engine:
                 request, "error", "worker_unavailable", error="the model worker cannot be restarted"
             )
         raise EngineFailed(f"the worker failed to start {self.config.max_worker_restarts} times")
-
-
-def sibling_id(request_id: str, index: int) -> str:
-    return f"{request_id}-{index}"
-
-
-def leader_id_of(request_id: str, index: int) -> str:
-    return request_id.removesuffix(f"-{index}") if index else request_id
-
-
-def sibling_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Sequence `index` of n: its own seed stream when the request is seeded."""
-    seed = params.sampling.seed
-    if seed is None:
-        return params
-    sampling = dataclasses.replace(params.sampling, seed=seed + index)
-    return dataclasses.replace(params, sampling=sampling)
 
 
 def _drop_unsent(request: Request) -> None:
