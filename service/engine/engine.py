@@ -31,7 +31,6 @@ token-exact because:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
 import time
@@ -42,7 +41,7 @@ from typing import Any
 import structlog
 import trio
 
-from gpu_worker.protocol import BLOCK_SIZE, Handshake, StepResult
+from gpu_worker.protocol import BLOCK_SIZE, Handshake
 from policies.registry import make_policy
 from service.config import Config
 from service.engine.admission import (
@@ -54,23 +53,22 @@ from service.engine.admission import (
 )
 from service.engine.block_manager import BlockManager
 from service.engine.detokenizer import Delta
+from service.engine.engine_state import (
+    kv_cache_state,
+    prefix_cache_state,
+    speculative_state,
+    step_cost_state,
+)
 from service.engine.invariants import check_blocks_kept, check_invariants
 from service.engine.masks import MaskFiller, unmasked, waits_for_masks
 from service.engine.reporting import Reporter, since_received
-from service.engine.request import (
-    FinishEvent,
-    Request,
-    SamplingParams,
-    Status,
-    TokenEvent,
-    event_bytes,
-)
+from service.engine.request import FinishEvent, Request, SamplingParams, Status, TokenEvent
 from service.engine.sampling import worker_sampling
 from service.engine.scheduler import Scheduler
 from service.engine.sequences import Sequences, TokenizerLike, sequence_ids
 from service.engine.speculation import Speculator
 from service.engine.stats import Observer
-from service.engine.step import POOLED, STOP_TOKEN, Outcome, ScheduleOutput, SchedulerStats
+from service.engine.step import POOLED, STOP_TOKEN, Outcome, StepInFlight
 from service.engine.supervision import Supervisor, Worker
 from service.engine.validation import InvalidRequest, Limits
 from service.engine.worker_link import WorkerDied, WorkerHung
@@ -95,18 +93,6 @@ class PolicySwap:
     old: dict
     new: dict
     iteration: int  # the first iteration the new policy decides
-
-
-@dataclass(slots=True)
-class _Step:
-    """One step from its plan to its report; with overlap its report comes after the next
-    step's plan went out."""
-
-    out: ScheduleOutput
-    deadline: float  # engine clock: no result by then means a hung worker
-    service_s: float  # service time spent on it: scheduling, then its results
-    result: StepResult | None = None
-    outcomes: list[Outcome] = dataclasses.field(default_factory=list)
 
 
 class Engine:
@@ -147,7 +133,7 @@ class Engine:
         # (Config.overlap, its device); 0: none does
         self._overlap_seqs = 0
         self._accepting = True
-        self._unemitted: _Step | None = None  # its tokens are committed, not yet sent out
+        self._unemitted: StepInFlight | None = None  # its tokens are committed, not yet sent out
         self._stopped = trio.Event()
         self.failure: EngineFailed | None = None  # why the engine stopped on its own
 
@@ -297,66 +283,22 @@ class Engine:
             "worker_restarts": self._supervisor.restarts,
             "last_worker_failure": self.last_worker_failure,
             "max_model_len": self.max_model_len,
-            "kv_cache": self._kv_cache_config(),
+            "kv_cache": kv_cache_state(self.handshake),
             "overlap": {"setting": self.config.overlap, "max_seqs": self._overlap_limit()},
-            "step_cost": self._step_cost(),
-            "prefix_cache": self._prefix_cache_state(stats),
-            "speculative": self._speculative_state(stats),
+            "step_cost": step_cost_state(self._scheduler.step_cost),
+            "prefix_cache": prefix_cache_state(self.config.enable_prefix_caching, stats),
+            "speculative": speculative_state(
+                self.config.speculative_config, self._scheduler.speculator, stats
+            ),
         }
 
     def _overlap_limit(self) -> int | None:
         """The most sequences a step may have and overlap; None: every step does."""
         return None if self._overlap_seqs == sys.maxsize else self._overlap_seqs
 
-    def _speculative_state(self, stats: SchedulerStats) -> dict | None:
-        """The speculative config, and its drafted and accepted tokens since the start."""
-        spec = self.config.speculative_config
-        if spec is None:
-            return None
-        drafted, accepted = stats.draft_tokens, stats.accepted_tokens
-        speculator = self._scheduler.speculator
-        decode_cost = None if speculator is None else speculator.decode_cost.estimate()
-        return {
-            "config": spec.describe(),
-            "draft_tokens": drafted,
-            "accepted_tokens": accepted,
-            "acceptance_rate": accepted / drafted if drafted else None,
-            # what prices a decode-only step's drafts (service.engine.speculation)
-            "decode_step_cost": None if decode_cost is None else dataclasses.asdict(decode_cost),
-        }
-
-    def _prefix_cache_state(self, stats: SchedulerStats | None) -> dict:
-        """Cached and evictable blocks, and the hit rate in tokens since the start."""
-        queries, hits = (stats.prefix_queries, stats.prefix_hits) if stats else (0, 0)
-        return {
-            "enabled": self.config.enable_prefix_caching,
-            "cached_blocks": stats.kv_blocks_cached if stats else 0,
-            "evictable_blocks": stats.kv_blocks_evictable if stats else 0,
-            "queries_tokens": queries,
-            "hits_tokens": hits,
-            "hit_rate": hits / queries if queries else None,
-            "evicted_blocks": stats.kv_blocks_evicted if stats else 0,
-        }
-
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix now; returns how many blocks were cached."""
         return self._scheduler.reset_prefix_cache()
-
-    def _step_cost(self) -> dict | None:
-        """The fitted model of a step's time that policies and admission use, if fitted yet."""
-        cost = self._scheduler.step_cost.estimate()
-        return None if cost is None else dataclasses.asdict(cost)
-
-    def _kv_cache_config(self) -> dict | None:
-        """The worker's KV cache as it started: None before a worker has."""
-        handshake = self.handshake
-        if handshake is None:
-            return None
-        return {
-            "block_size": handshake.block_size,
-            "num_blocks": handshake.num_blocks,
-            "dtype": handshake.kv_cache_dtype,
-        }
 
     def begin_shutdown(self) -> None:
         self._accepting = False
@@ -489,7 +431,7 @@ class Engine:
             self._emit_unemitted(sched)
         return True
 
-    async def _send_next_step(self, sched: Scheduler) -> _Step | None:
+    async def _send_next_step(self, sched: Scheduler) -> StepInFlight | None:
         """Schedule a step and hand its plan to the worker; None if nothing can run."""
         self._masks.worker_waits()  # no plan is in flight here
         if not sched.has_work():
@@ -501,14 +443,14 @@ class Engine:
         if out.plan is None:
             return None
         deadline = trio.current_time() + self.config.step_timeout
-        step = _Step(out, deadline, service_s=time.perf_counter() - started)
+        step = StepInFlight(out, deadline, service_s=time.perf_counter() - started)
         self._masks.worker_computes()
         with trio.move_on_at(deadline):
             await self._worker.send_step(out.plan)
             return step
         raise WorkerHung(f"the worker took no plan for {self.config.step_timeout} s")
 
-    async def _take_result(self, sched: Scheduler, step: _Step) -> None:
+    async def _take_result(self, sched: Scheduler, step: StepInFlight) -> None:
         """Wait for the step's result and apply it: its tokens are committed from here."""
         assert step.out.plan is not None
         result = None
@@ -576,11 +518,11 @@ class Engine:
         text = delta.text
         if delta.stopped:
             finish = ("stop", "stop_string")
-            _drop_unsent(request)
+            request.drop_unsent()
         elif finish is not None:
             text += request.detokenizer.flush()
         event.text = text
-        if not _send(request, event):
+        if not request.send(event):
             self._end_slow_reader(request)
         elif finish is not None:
             self._finish(request, *finish)
@@ -607,7 +549,7 @@ class Engine:
         )
         if (reason, detail) == POOLED:
             event.embedding = request.pooled
-        _send(request, event)
+        request.send(event)
         request.stream.close()
         self._requests.pop(request.request_id, None)
         self._release_siblings(request)
@@ -675,25 +617,6 @@ class Engine:
                 request, "error", "worker_unavailable", error="the model worker cannot be restarted"
             )
         raise EngineFailed(f"the worker failed to start {self.config.max_worker_restarts} times")
-
-
-def _drop_unsent(request: Request) -> None:
-    """A stop string ended the text at the token just sent: the tokens update() appended
-    after it (the rest of a step's accepted drafts) are not the output's, nor its usage's."""
-    del request.token_ids[request.prompt_len + len(request.token_times) :]
-
-
-def _send(request: Request, event: TokenEvent | FinishEvent) -> bool:
-    """Never blocks (the channel holds max_tokens + 2 events); a gone reader is ignored.
-    False, sending nothing, if the token event would pass the stream's unread bytes."""
-    unread, finish = request.unread, isinstance(event, FinishEvent)
-    if unread is not None:
-        queued = request.stream.statistics().current_buffer_used
-        if not unread.take(event_bytes(event), queued, always=finish):
-            return False
-    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
-        request.stream.send_nowait(event)
-    return True
 
 
 def overlap_seqs(setting: str, device: str) -> int:

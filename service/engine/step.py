@@ -1,13 +1,14 @@
 """The records of one step: what schedule() decided (ScheduleOutput, a Scheduled item per
-row), what update() made of its result for each request (Outcome), and the scheduler's
-counters that the engine and the admin API read (SchedulerStats).
+row), what update() made of its result for each request (Outcome), the engine's step from
+its plan to its report (StepInFlight), and the scheduler's counters that the engine and the
+admin API read (SchedulerStats).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gpu_worker.protocol import StepPlan, TokenLogprobs
+from gpu_worker.protocol import StepPlan, StepResult, TokenLogprobs
 from service.engine.request import Request
 
 STOP_TOKEN = ("stop", "stop_token")  # a stop_token_ids token finished the sequence
@@ -70,6 +71,18 @@ class Outcome:
     logprobs: TokenLogprobs | None = None  # of the token, if the request asked for them
     finish: tuple[str, str] | None = None  # (reason, detail): finished and freed here
     error: str | None = None
+
+
+@dataclass(slots=True)
+class StepInFlight:
+    """One step from its plan to its report (the engine's); with overlap its report comes
+    after the next step's plan went out."""
+
+    out: ScheduleOutput
+    deadline: float  # engine clock: no result by then means a hung worker
+    service_s: float  # service time spent on it: scheduling, then its results
+    result: StepResult | None = None
+    outcomes: list[Outcome] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
