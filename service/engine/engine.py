@@ -46,8 +46,8 @@ from policies.registry import make_policy
 from service.config import Config
 from service.engine.admission import (
     AdmissionControl,
+    AdmissionQueue,
     CacheShape,
-    Overloaded,
     TenantLoad,
     Ticket,
 )
@@ -124,7 +124,7 @@ class Engine:
         self._admission = AdmissionControl(config, self._scheduler, self._requests)
         self._sequences = Sequences(tokenizer, config.max_stream_buffer_bytes)
         self._report = Reporter(config.log_iterations)
-        self._admit_send, self._admit_recv = trio.open_memory_channel[Ticket](config.max_queue)
+        self._queue = AdmissionQueue(config.max_queue, self._report.refused)
         self._wakeup = trio.Event()
         self._masks = MaskFiller(config.grammar_mask_wait_ms / 1000)
         self._all_done = trio.Event()
@@ -170,7 +170,9 @@ class Engine:
         try:
             await self._supervisor.start()
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._admission_task)
+                nursery.start_soon(
+                    self._queue.serve, self._admit, (InvalidRequest, EngineUnavailable)
+                )
                 nursery.start_soon(self._scheduling_task)
                 nursery.start_soon(self._mask_task)
                 task_status.started()
@@ -181,7 +183,7 @@ class Engine:
         finally:
             self._ready = False
             self._accepting = False
-            self._refuse_queued()
+            self._queue.refuse_queued(EngineUnavailable("the engine is shutting down"))
             self._finish_all("abort", "shutdown")
             await self._supervisor.stop()
             self._stopped.set()
@@ -225,22 +227,7 @@ class Engine:
             deadline_s,
             n,
         )
-        try:
-            self._admit_send.send_nowait(ticket)
-        except trio.WouldBlock:
-            self._report.refused(request_id, "queue_full")
-            raise Overloaded("the admission queue is full; try again later", "queue_full") from None
-        try:
-            await ticket.done.wait()
-        except BaseException:
-            ticket.withdrawn = True
-            if ticket.channel is not None:  # admitted just before the cancellation reached us
-                self.abort(request_id)
-            raise
-        if ticket.error is not None:
-            raise ticket.error
-        assert ticket.channel is not None
-        return ticket.channel
+        return await self._queue.submit(ticket, self.abort)
 
     def abort(self, request_id: str) -> None:
         """End a request, all its n sequences, now (synchronous, idempotent); its blocks
@@ -312,18 +299,6 @@ class Engine:
 
     # ---- admission --------------------------------------------------------------------
 
-    async def _admission_task(self) -> None:
-        async for ticket in self._admit_recv:
-            if not ticket.withdrawn:
-                try:
-                    ticket.channel = self._admit(ticket)
-                except Overloaded as exc:
-                    self._report.refused(ticket.request_id, exc.reason)
-                    ticket.error = exc
-                except (InvalidRequest, EngineUnavailable) as exc:
-                    ticket.error = exc
-            ticket.done.set()
-
     def _admit(self, ticket: Ticket) -> trio.MemoryReceiveChannel:
         """Validate, bound the queue, hand over to the scheduler; raises and queues nothing."""
         if not self._accepting:
@@ -376,15 +351,6 @@ class Engine:
             kv_capacity_tokens=self._scheduler.capacity_tokens,
         )
         return CacheShape(limits, self.handshake.num_blocks)
-
-    def _refuse_queued(self) -> None:
-        while True:
-            try:
-                ticket = self._admit_recv.receive_nowait()
-            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-                return
-            ticket.error = EngineUnavailable("the engine is shutting down")
-            ticket.done.set()
 
     # ---- the iteration ----------------------------------------------------------------
 
