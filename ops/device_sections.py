@@ -33,6 +33,7 @@ from ops.roofline import Machine, ModelCost, measure_bandwidth, measure_matmul, 
 from ops.worker_steps import (
     Blocks,
     Seq,
+    Steps,
     agreement,
     compare,
     execute,
@@ -557,8 +558,12 @@ class StepTimer:
         )  # fmt: skip
 
     def time(self, seqs: list[Seq]) -> float:
-        """The median ms of the step of `seqs`, after two warm-ups."""
-        plan, times = plan_of(seqs), []
+        """The median ms of the step of `seqs`, after two warm-ups, as served: the
+        sequences introduced by a first plan, so the timed ones carry no tables (a chunk
+        from position 0 starts a sequence each time, as a new prompt does)."""
+        steps = Steps(self.runner.limits.num_groups)
+        self.runner.execute(steps.plan(seqs))
+        plan, times = steps.plan(seqs), []
         for i in range(self.repeats + 2):
             _synchronize()
             started = time.perf_counter()

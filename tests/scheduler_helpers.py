@@ -10,8 +10,9 @@ from policies.base import Decision, Policy, View
 from service.engine.block_manager import BlockManager
 from service.engine.detokenizer import Detokenizer
 from service.engine.request import Request, SamplingParams
-from service.engine.scheduler import ScheduleOutput, Scheduler
+from service.engine.scheduler import Scheduler
 from service.engine.speculation import SpeculativeConfig, Speculator
+from service.engine.step import ScheduleOutput
 from tests.sim_worker import EOS, SimTokenizer
 
 SAMPLED = 7  # the token every simulated step samples

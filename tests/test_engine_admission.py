@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import trio
 
-from service.engine.engine import Engine, Overloaded
+from service.engine.admission import Overloaded
+from service.engine.engine import Engine
 from tests.sim_worker import (
     Collected,
     RecordingObserver,

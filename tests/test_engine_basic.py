@@ -8,7 +8,8 @@ import structlog.testing
 import trio
 
 from policies.base import PolicyError
-from service.engine.engine import EngineUnavailable, InvalidRequest, Overloaded
+from service.engine.admission import Overloaded
+from service.engine.engine import EngineUnavailable, InvalidRequest
 from service.engine.request import SamplingParams, SamplingSpec
 from tests.sim_worker import (
     EOS,

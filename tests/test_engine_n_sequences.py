@@ -11,8 +11,8 @@ import pytest
 import trio
 
 from gpu_worker.protocol import SamplingSpec
-from service.engine.engine import sibling_params
 from service.engine.request import FinishEvent, SamplingParams, TokenEvent
+from service.engine.sequences import sibling_params
 from tests.sim_worker import SimWorker, expected_tokens, greedy, running_engine, sim_config
 
 PROMPT = [(7 * i) % 90 + 32 for i in range(100)]  # six full blocks of 16, and 4 tokens

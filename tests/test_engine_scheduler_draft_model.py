@@ -9,8 +9,9 @@ from gpu_worker.protocol import DRAFT_MODEL_TOKEN, StepResult
 from policies.base import Decision
 from service.engine.invariants import check_invariants
 from service.engine.request import Request, SamplingParams
-from service.engine.scheduler import ScheduleOutput, Scheduler
+from service.engine.scheduler import Scheduler
 from service.engine.speculation import DRAFT_MODEL, SpeculativeConfig
+from service.engine.step import ScheduleOutput
 from tests.plan_columns import column
 from tests.scheduler_helpers import make_request, make_scheduler
 
@@ -119,5 +120,5 @@ def test_a_preempted_request_sends_its_context_again():
     out = plan(sched, [(0, 1)])
     sched.update(out, answer(out, {0: [1]}))
     assert sched.plans.draft_synced(request.seq_id) == 10
-    sched._preempt(request, ScheduleOutput(0, "test", None))
+    sched.rules.preempt(request, ScheduleOutput(0, "test", None))
     assert sched.plans.draft_synced(request.seq_id) == 0

@@ -15,7 +15,8 @@ from gpu_worker.protocol import SamplingSpec
 from policies.base import Decision
 from service.engine.request import Request, SamplingParams, Status
 from service.engine.sampling import worker_sampling
-from service.engine.scheduler import STOP_TOKEN, ScheduleOutput, Scheduler
+from service.engine.scheduler import Scheduler
+from service.engine.step import STOP_TOKEN, ScheduleOutput
 from tests.scheduler_helpers import SAMPLED, make_request, make_scheduler, sampled_result
 from tests.sim_worker import EOS, SimTokenizer
 

@@ -13,7 +13,8 @@ import numpy as np
 from gpu_worker.protocol import POOL_LAST, POOL_SUM, SamplingSpec, StepPlan, StepResult
 from policies.base import Decision
 from service.engine.request import LAST_POOLING, MEAN_POOLING, Request, Status
-from service.engine.scheduler import POOLED, Outcome, ScheduleOutput, Scheduler
+from service.engine.scheduler import Scheduler
+from service.engine.step import POOLED, Outcome, ScheduleOutput
 from tests.scheduler_helpers import make_request, make_scheduler, sampled_result
 
 

@@ -1,6 +1,6 @@
 """Admission that counts the whole prompt, and preemption that cannot storm.
 
-The rules are the scheduler's (service/engine/scheduler.py): a waiting sequence is admitted
+The rules are the scheduler's (service/engine/block_rules.py): a waiting sequence is admitted
 only if blocks for its whole prompt fit beside those promised to prefills still running;
 after a preemption nobody is admitted until the unpromised free blocks exceed
 `admission_watermark`; victims go by least progress lost and never beyond
@@ -18,7 +18,8 @@ from policies.base import Decision
 from policies.registry import POLICIES, make_policy
 from service.engine.invariants import check_invariants
 from service.engine.request import Request, Status
-from service.engine.scheduler import ScheduleOutput, Scheduler
+from service.engine.scheduler import Scheduler
+from service.engine.step import ScheduleOutput
 from tests.scheduler_helpers import SAMPLED, make_request, make_scheduler, sampled_result
 
 
@@ -107,22 +108,22 @@ def test_a_preempted_sequence_needs_room_for_its_prompt_and_its_generated_tokens
 def test_after_a_preemption_nobody_is_admitted_until_blocks_exceed_the_higher_watermark():
     # 12 blocks; admission resumes above 5 free and unpromised
     sched, _ = make_scheduler(num_blocks=12, block_size=4, max_tokens=64, admission_watermark=0.45)
-    assert sched.admission_watermark_blocks == 5
+    assert sched.rules.admission_watermark_blocks == 5
     a, b, c, e = (make_request(i, n, max_tokens=30) for i, n in enumerate((12, 11, 15, 7)))
     admit_all(sched, a, b, c, e)  # 3 + 3 + 4 + 2 blocks: none free
     out = step(sched, Decision(schedule=[(0, 1)]))  # a needs a fourth block: e goes
-    assert preempted(out) == [3] and sched.blocks.num_free == 1 and sched.admission_paused
+    assert preempted(out) == [3] and sched.blocks.num_free == 1 and sched.rules.admission_paused
     assert sched.build_view(0.0).admit_blocks == 0  # the policies see the pause too
     newcomer = make_request(4, 3)  # one block: it would fit
     sched.add(newcomer)
     out = step(sched, Decision(schedule=[(4, 3), (0, 1)]))
     assert scheduled(out) == [(0, 1)] and sched.corrections["admission_paused"] == 1
     sched.remove(c)
-    assert sched.blocks.num_available == 5 and sched.admission_paused  # at it, not above
+    assert sched.blocks.num_available == 5 and sched.rules.admission_paused  # at it, not above
     out = step(sched, Decision(schedule=[(4, 3), (0, 1)]))
     assert scheduled(out) == [(0, 1)] and sched.corrections["admission_paused"] == 2
     sched.remove(b)
-    assert sched.blocks.num_available == 8 and not sched.admission_paused
+    assert sched.blocks.num_available == 8 and not sched.rules.admission_paused
     assert sched.build_view(0.0).admit_blocks == 8 - sched.blocks.watermark_blocks
     out = step(sched, Decision(schedule=[(4, 3), (0, 1)]))
     assert scheduled(out) == [(4, 3), (0, 1)]
@@ -139,7 +140,7 @@ def test_the_pause_lasts_the_rest_of_the_step_and_ends_when_blocks_are_back():
     assert preempted(out) == [1] and scheduled(out) == [(0, 1)]
     assert sched.corrections["admission_paused"] == 1
     out = step(sched, Decision(schedule=[(3, 4)]))  # 2 > 1 at the next step: resumed
-    assert scheduled(out) == [(3, 4)] and not sched.admission_paused
+    assert scheduled(out) == [(3, 4)] and not sched.rules.admission_paused
 
 
 # ---- victims ----------------------------------------------------------------------------

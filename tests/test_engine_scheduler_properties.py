@@ -23,7 +23,8 @@ from policies.base import Decision, View
 from service.engine.block_manager import BlockManager
 from service.engine.invariants import check_invariants
 from service.engine.request import Request, Status
-from service.engine.scheduler import ScheduleOutput, Scheduler
+from service.engine.scheduler import Scheduler
+from service.engine.step import ScheduleOutput
 from tests.plan_columns import HeldTables
 from tests.scheduler_helpers import (
     SAMPLED,

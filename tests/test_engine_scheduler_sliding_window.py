@@ -8,7 +8,8 @@ from policies.base import Decision
 from service.engine.block_manager import BlockManager
 from service.engine.invariants import check_invariants
 from service.engine.request import Status
-from service.engine.scheduler import ScheduleOutput, Scheduler
+from service.engine.scheduler import Scheduler
+from service.engine.step import ScheduleOutput
 from tests.scheduler_helpers import make_request, make_scheduler, sampled_result
 
 WINDOW = 8

@@ -13,8 +13,9 @@ from policies.base import Decision
 from service.engine.block_manager import BlockManager, chain_hashes
 from service.engine.invariants import check_invariants
 from service.engine.request import Request, SamplingParams, SamplingSpec, Status
-from service.engine.scheduler import ScheduleOutput, Scheduler
+from service.engine.scheduler import Scheduler
 from service.engine.speculation import DRAFT_MODEL, SpeculativeConfig
+from service.engine.step import ScheduleOutput
 from tests.plan_columns import column
 from tests.scheduler_helpers import make_request, make_scheduler
 from tests.sim_worker import EOS

@@ -14,8 +14,9 @@ from policies.base import Decision
 from service.engine.block_manager import BlockManager
 from service.engine.invariants import check_invariants
 from service.engine.request import Request, SamplingParams, SamplingSpec
-from service.engine.scheduler import ScheduleOutput, Scheduler
+from service.engine.scheduler import Scheduler
 from service.engine.speculation import SpeculativeConfig, Speculator
+from service.engine.step import ScheduleOutput
 from tests.plan_columns import column
 from tests.scheduler_helpers import Scripted, make_request
 from tests.sim_worker import EOS
@@ -182,7 +183,7 @@ def test_a_preempted_echo_request_keeps_each_prompt_logprob_once():
     sched.add(request)
     prompt = list(request.token_ids)
     run_chunk(sched, 0, 6, [])
-    sched._preempt(request, ScheduleOutput(0, "test", None))
+    sched.rules.preempt(request, ScheduleOutput(0, "test", None))
     run_chunk(sched, 0, 10, [7])
     assert request.prompt_logprobs == fake_prompt_logprobs(prompt[1:])
 

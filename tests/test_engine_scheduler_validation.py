@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from policies.base import Decision
 from service.engine.request import Request, Status
-from service.engine.scheduler import ScheduleOutput, Scheduler
+from service.engine.scheduler import Scheduler
+from service.engine.step import ScheduleOutput
 from tests.scheduler_helpers import SAMPLED, make_request, make_scheduler, sampled_result
 
 

@@ -49,7 +49,8 @@ from service.api.openai_schema import (
 )
 from service.api.sse import DONE, HEARTBEAT, SSE_HEADERS, event_groups, sse_data
 from service.config import ApiKey
-from service.engine.engine import EngineUnavailable, Overloaded
+from service.engine.admission import Overloaded
+from service.engine.engine import EngineUnavailable
 from service.engine.grammar import GrammarUnavailable, InvalidGrammar, ResponseFormat
 from service.engine.request import (
     DEFAULT_TENANT,

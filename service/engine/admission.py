@@ -3,12 +3,15 @@
 A request is checked (service.engine.validation), then weighed against the queue (too many
 sequences or prompt tokens waiting, a predicted TTFT or start past its limits) and against
 its tenant's share; it is refused whole, before anything is queued, with InvalidRequest
-(400) or Overloaded (429). The engine then makes its sequences and streams.
+(400) or Overloaded (429). The engine then makes its sequences and streams
+(service.engine.sequences). Submitted requests wait for that verdict in an AdmissionQueue,
+which the engine's admission task serves in order.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
@@ -54,6 +57,65 @@ class Ticket:
     channel: trio.MemoryReceiveChannel | None = None  # the verdict: a stream, or
     error: Exception | None = None  # why not
     withdrawn: bool = False  # the submitter stopped waiting (cancelled)
+
+
+class AdmissionQueue:
+    """The tickets submitted and not yet judged, at most `max_queue`: the engine's admission
+    task judges them in order, one at a time, and each submitter waits for its verdict."""
+
+    def __init__(self, max_queue: int, refused: Callable[[str, str], None]) -> None:
+        self._send, self._receive = trio.open_memory_channel[Ticket](max_queue)
+        self._refused = refused  # (request id, reason): an Overloaded refusal, reported
+
+    async def submit(
+        self, ticket: Ticket, abort: Callable[[str], None]
+    ) -> trio.MemoryReceiveChannel:
+        """Queue `ticket` and wait for its verdict: its stream, or the error raised. If the
+        submitter is cancelled once its request is admitted, `abort` ends the request."""
+        try:
+            self._send.send_nowait(ticket)
+        except trio.WouldBlock:
+            self._refused(ticket.request_id, "queue_full")
+            raise Overloaded("the admission queue is full; try again later", "queue_full") from None
+        try:
+            await ticket.done.wait()
+        except BaseException:
+            ticket.withdrawn = True
+            if ticket.channel is not None:  # admitted just before the cancellation reached us
+                abort(ticket.request_id)
+            raise
+        if ticket.error is not None:
+            raise ticket.error
+        assert ticket.channel is not None
+        return ticket.channel
+
+    async def serve(
+        self,
+        admit: Callable[[Ticket], trio.MemoryReceiveChannel],
+        refusals: tuple[type[Exception], ...],
+    ) -> None:
+        """Forever: each ticket still waited for gets `admit`'s stream, or the refusal (one
+        of `refusals`, or Overloaded) it raised."""
+        async for ticket in self._receive:
+            if not ticket.withdrawn:
+                try:
+                    ticket.channel = admit(ticket)
+                except Overloaded as exc:
+                    self._refused(ticket.request_id, exc.reason)
+                    ticket.error = exc
+                except refusals as exc:
+                    ticket.error = exc
+            ticket.done.set()
+
+    def refuse_queued(self, error: Exception) -> None:
+        """Every ticket still queued gets `error` (the engine stops)."""
+        while True:
+            try:
+                ticket = self._receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                return
+            ticket.error = error
+            ticket.done.set()
 
 
 @dataclass(frozen=True, slots=True)

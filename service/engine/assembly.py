@@ -16,7 +16,8 @@ from pathlib import Path
 import trio
 
 from service.config import Config
-from service.engine.engine import Engine, TokenizerLike
+from service.engine.engine import Engine
+from service.engine.sequences import TokenizerLike
 from service.engine.supervision import Worker
 from service.engine.worker_link import WorkerLink, worker_config_for
 from service.model_files.resolve import resolve_model

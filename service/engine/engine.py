@@ -1,11 +1,11 @@
 """The engine: an admission task and a scheduling task in one trio nursery, and the worker.
 
-Admission validates each request, bounds the queue and hands the request to the scheduler.
-The scheduling task runs iterations: `Scheduler.schedule()` -> worker step ->
-`Scheduler.update()`, then the engine's own part: text (detokenizer, stop strings), stream
-events, observers. The worker's life (start, idle watch, restarts) is its Supervisor's
-(supervision.py). The front end talks to it only through submit() (a stream of events)
-and abort().
+Admission validates each request, bounds the queue, makes its sequences
+(service.engine.sequences) and hands them to the scheduler. The scheduling task runs
+iterations: `Scheduler.schedule()` -> worker step -> `Scheduler.update()`, then the
+engine's own part: text (detokenizer, stop strings), stream events, observers. The
+worker's life (start, idle watch, restarts) is its Supervisor's (supervision.py). The
+front end talks to it only through submit() (a stream of events) and abort().
 
 Overlap (Config.overlap: "on", "off", or "auto": on, except that where the worker computes
 on the CPU only a step of at most CPU_OVERLAP_SEQS sequences overlaps): as soon as result k
@@ -31,53 +31,44 @@ token-exact because:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 import trio
 
-from gpu_worker.protocol import BLOCK_SIZE, Handshake, StepResult, TokenLogprobs
+from gpu_worker.protocol import BLOCK_SIZE, Handshake
 from policies.registry import make_policy
 from service.config import Config
 from service.engine.admission import (
     AdmissionControl,
+    AdmissionQueue,
     CacheShape,
-    Overloaded,
     TenantLoad,
     Ticket,
 )
 from service.engine.block_manager import BlockManager
-from service.engine.detokenizer import Decoder, Delta, Detokenizer
-from service.engine.grammar import Matcher
+from service.engine.detokenizer import Delta
+from service.engine.engine_state import (
+    kv_cache_state,
+    prefix_cache_state,
+    speculative_state,
+    step_cost_state,
+)
 from service.engine.invariants import check_blocks_kept, check_invariants
 from service.engine.masks import MaskFiller, unmasked, waits_for_masks
 from service.engine.reporting import Reporter, since_received
-from service.engine.request import (
-    FinishEvent,
-    Request,
-    SamplingParams,
-    Status,
-    TokenEvent,
-    UnreadBytes,
-    event_bytes,
-)
+from service.engine.request import FinishEvent, Request, SamplingParams, Status, TokenEvent
 from service.engine.sampling import worker_sampling
-from service.engine.scheduler import (
-    POOLED,
-    STOP_TOKEN,
-    Outcome,
-    ScheduleOutput,
-    Scheduler,
-    SchedulerStats,
-)
+from service.engine.scheduler import Scheduler
+from service.engine.sequences import Sequences, TokenizerLike, sequence_ids
 from service.engine.speculation import Speculator
 from service.engine.stats import Observer
+from service.engine.step import POOLED, STOP_TOKEN, Outcome, StepInFlight
 from service.engine.supervision import Supervisor, Worker
 from service.engine.validation import InvalidRequest, Limits
 from service.engine.worker_link import WorkerDied, WorkerHung
@@ -86,16 +77,6 @@ log = structlog.get_logger()
 # With Config.overlap "auto" and the worker on the CPU, the most sequences a step may have
 # and overlap (module docstring)
 CPU_OVERLAP_SEQS = 4
-
-
-class TokenizerLike(Decoder, Protocol):
-    """What the engine needs of a tokenizer: decoding, which ids end a sequence, and
-    encoding (of bad words)."""
-
-    @property
-    def eos_token_ids(self) -> list[int]: ...
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
 
 
 class EngineUnavailable(Exception):
@@ -112,18 +93,6 @@ class PolicySwap:
     old: dict
     new: dict
     iteration: int  # the first iteration the new policy decides
-
-
-@dataclass(slots=True)
-class _Step:
-    """One step from its plan to its report; with overlap its report comes after the next
-    step's plan went out."""
-
-    out: ScheduleOutput
-    deadline: float  # engine clock: no result by then means a hung worker
-    service_s: float  # service time spent on it: scheduling, then its results
-    result: StepResult | None = None
-    outcomes: list[Outcome] = dataclasses.field(default_factory=list)
 
 
 class Engine:
@@ -153,10 +122,9 @@ class Engine:
         )
         self._requests: dict[str, Request] = {}  # open streams, by request id
         self._admission = AdmissionControl(config, self._scheduler, self._requests)
-        # requests with n > 1 sequences: the first's id -> all of them, until all finish
-        self._groups: dict[str, list[Request]] = {}
+        self._sequences = Sequences(tokenizer, config.max_stream_buffer_bytes)
         self._report = Reporter(config.log_iterations)
-        self._admit_send, self._admit_recv = trio.open_memory_channel[Ticket](config.max_queue)
+        self._queue = AdmissionQueue(config.max_queue, self._report.refused)
         self._wakeup = trio.Event()
         self._masks = MaskFiller(config.grammar_mask_wait_ms / 1000)
         self._all_done = trio.Event()
@@ -165,8 +133,7 @@ class Engine:
         # (Config.overlap, its device); 0: none does
         self._overlap_seqs = 0
         self._accepting = True
-        self._next_seq_id = 0
-        self._unemitted: _Step | None = None  # its tokens are committed, not yet sent out
+        self._unemitted: StepInFlight | None = None  # its tokens are committed, not yet sent out
         self._stopped = trio.Event()
         self.failure: EngineFailed | None = None  # why the engine stopped on its own
 
@@ -203,7 +170,9 @@ class Engine:
         try:
             await self._supervisor.start()
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._admission_task)
+                nursery.start_soon(
+                    self._queue.serve, self._admit, (InvalidRequest, EngineUnavailable)
+                )
                 nursery.start_soon(self._scheduling_task)
                 nursery.start_soon(self._mask_task)
                 task_status.started()
@@ -214,7 +183,7 @@ class Engine:
         finally:
             self._ready = False
             self._accepting = False
-            self._refuse_queued()
+            self._queue.refuse_queued(EngineUnavailable("the engine is shutting down"))
             self._finish_all("abort", "shutdown")
             await self._supervisor.stop()
             self._stopped.set()
@@ -258,27 +227,12 @@ class Engine:
             deadline_s,
             n,
         )
-        try:
-            self._admit_send.send_nowait(ticket)
-        except trio.WouldBlock:
-            self._report.refused(request_id, "queue_full")
-            raise Overloaded("the admission queue is full; try again later", "queue_full") from None
-        try:
-            await ticket.done.wait()
-        except BaseException:
-            ticket.withdrawn = True
-            if ticket.channel is not None:  # admitted just before the cancellation reached us
-                self.abort(request_id)
-            raise
-        if ticket.error is not None:
-            raise ticket.error
-        assert ticket.channel is not None
-        return ticket.channel
+        return await self._queue.submit(ticket, self.abort)
 
     def abort(self, request_id: str) -> None:
         """End a request, all its n sequences, now (synchronous, idempotent); its blocks
         are free at once."""
-        group: Sequence[Request | None] = self._groups.get(request_id) or [
+        group: Sequence[Request | None] = self._sequences.group(request_id) or [
             self._requests.get(request_id)
         ]
         for request in group:
@@ -316,66 +270,22 @@ class Engine:
             "worker_restarts": self._supervisor.restarts,
             "last_worker_failure": self.last_worker_failure,
             "max_model_len": self.max_model_len,
-            "kv_cache": self._kv_cache_config(),
+            "kv_cache": kv_cache_state(self.handshake),
             "overlap": {"setting": self.config.overlap, "max_seqs": self._overlap_limit()},
-            "step_cost": self._step_cost(),
-            "prefix_cache": self._prefix_cache_state(stats),
-            "speculative": self._speculative_state(stats),
+            "step_cost": step_cost_state(self._scheduler.step_cost),
+            "prefix_cache": prefix_cache_state(self.config.enable_prefix_caching, stats),
+            "speculative": speculative_state(
+                self.config.speculative_config, self._scheduler.speculator, stats
+            ),
         }
 
     def _overlap_limit(self) -> int | None:
         """The most sequences a step may have and overlap; None: every step does."""
         return None if self._overlap_seqs == sys.maxsize else self._overlap_seqs
 
-    def _speculative_state(self, stats: SchedulerStats) -> dict | None:
-        """The speculative config, and its drafted and accepted tokens since the start."""
-        spec = self.config.speculative_config
-        if spec is None:
-            return None
-        drafted, accepted = stats.draft_tokens, stats.accepted_tokens
-        speculator = self._scheduler.speculator
-        decode_cost = None if speculator is None else speculator.decode_cost.estimate()
-        return {
-            "config": spec.describe(),
-            "draft_tokens": drafted,
-            "accepted_tokens": accepted,
-            "acceptance_rate": accepted / drafted if drafted else None,
-            # what prices a decode-only step's drafts (service.engine.speculation)
-            "decode_step_cost": None if decode_cost is None else dataclasses.asdict(decode_cost),
-        }
-
-    def _prefix_cache_state(self, stats: SchedulerStats | None) -> dict:
-        """Cached and evictable blocks, and the hit rate in tokens since the start."""
-        queries, hits = (stats.prefix_queries, stats.prefix_hits) if stats else (0, 0)
-        return {
-            "enabled": self.config.enable_prefix_caching,
-            "cached_blocks": stats.kv_blocks_cached if stats else 0,
-            "evictable_blocks": stats.kv_blocks_evictable if stats else 0,
-            "queries_tokens": queries,
-            "hits_tokens": hits,
-            "hit_rate": hits / queries if queries else None,
-            "evicted_blocks": stats.kv_blocks_evicted if stats else 0,
-        }
-
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix now; returns how many blocks were cached."""
         return self._scheduler.reset_prefix_cache()
-
-    def _step_cost(self) -> dict | None:
-        """The fitted model of a step's time that policies and admission use, if fitted yet."""
-        cost = self._scheduler.step_cost.estimate()
-        return None if cost is None else dataclasses.asdict(cost)
-
-    def _kv_cache_config(self) -> dict | None:
-        """The worker's KV cache as it started: None before a worker has."""
-        handshake = self.handshake
-        if handshake is None:
-            return None
-        return {
-            "block_size": handshake.block_size,
-            "num_blocks": handshake.num_blocks,
-            "dtype": handshake.kv_cache_dtype,
-        }
 
     def begin_shutdown(self) -> None:
         self._accepting = False
@@ -389,94 +299,31 @@ class Engine:
 
     # ---- admission --------------------------------------------------------------------
 
-    async def _admission_task(self) -> None:
-        async for ticket in self._admit_recv:
-            if not ticket.withdrawn:
-                try:
-                    ticket.channel = self._admit(ticket)
-                except Overloaded as exc:
-                    self._report.refused(ticket.request_id, exc.reason)
-                    ticket.error = exc
-                except (InvalidRequest, EngineUnavailable) as exc:
-                    ticket.error = exc
-            ticket.done.set()
-
     def _admit(self, ticket: Ticket) -> trio.MemoryReceiveChannel:
         """Validate, bound the queue, hand over to the scheduler; raises and queues nothing."""
-        sched = self._scheduler
         if not self._accepting:
             raise EngineUnavailable("the engine is shutting down")
-        ids = [ticket.request_id] + [sibling_id(ticket.request_id, i) for i in range(1, ticket.n)]
+        ids = sequence_ids(ticket.request_id, ticket.n)
         if any(request_id in self._requests for request_id in ids):
             raise InvalidRequest(
                 f"request id {ticket.request_id!r} is already in use", code="duplicate_id"
             )
         deadline = self._admission.check(ticket, self._cache_shape())
         params = worker_sampling(ticket.params, self.tokenizer.encode, self.tokenizer.eos_token_ids)
-        assert params.max_tokens is not None
-        # never blocks: a token event per output token, the finish event, and a spare, each
-        send, receive = trio.open_memory_channel(ticket.n * (params.max_tokens + 2))
-        unread = UnreadBytes(self.config.max_stream_buffer_bytes)
-        with send:
-            leader = self._new_request(ticket, ids[0], 0, params, send.clone(), unread, deadline)
-            # the others start once the first has computed the prompt: its blocks are then
-            # in the prefix cache, and theirs are shared, not computed again
-            siblings = [
-                self._new_request(
-                    ticket, ids[i], i, sibling_params(params, i), send.clone(), unread, None
-                )
-                for i in range(1, ticket.n)
-            ]
-        if siblings:
-            self._groups[leader.request_id] = [leader, *siblings]
-            if self.config.enable_prefix_caching:
-                sched.hold(leader, siblings)
-            else:
-                for sibling in siblings:
-                    sched.add(sibling)
+        made, receive = self._sequences.make(ticket, params, deadline)
+        for request in made:
+            self._requests[request.request_id] = request
+            self._report.received(request)
+        self._all_done = trio.Event()
+        sched, (leader, *siblings) = self._scheduler, made
+        if siblings and self.config.enable_prefix_caching:
+            sched.hold(leader, siblings)  # until it has computed the prompt they share
+        else:
+            for sibling in siblings:
+                sched.add(sibling)
         sched.add(leader)
         self._wakeup.set()
         return receive
-
-    def _new_request(
-        self,
-        ticket: Ticket,
-        request_id: str,
-        index: int,
-        params: SamplingParams,
-        stream: trio.MemorySendChannel,
-        unread: UnreadBytes,
-        deadline: float | None,
-    ) -> Request:
-        ids = list(ticket.prompt_token_ids)
-        request = Request(
-            request_id=request_id,
-            seq_id=self._next_seq_id,
-            prompt_len=len(ids),
-            token_ids=ids,
-            params=params,
-            tenant=ticket.tenant,
-            priority=ticket.priority,
-            received=ticket.received,
-            stream=stream,
-            unread=unread,
-            detokenizer=Detokenizer(
-                self.tokenizer,
-                ids,
-                params.stop,
-                params.skip_special_tokens,
-                params.sampling.min_tokens,
-            ),
-            grammar=None if params.grammar is None else Matcher(params.grammar),
-            deadline=deadline,
-            prompt_logprobs=None if params.sampling.prompt_logprobs is None else TokenLogprobs(),
-            index=index,
-        )
-        self._next_seq_id += 1
-        self._requests[request.request_id] = request
-        self._all_done = trio.Event()
-        self._report.received(request)
-        return request
 
     def _release_siblings(self, leader: Request) -> None:
         """The leader computed its prompt (or ended): its held siblings may start."""
@@ -504,15 +351,6 @@ class Engine:
             kv_capacity_tokens=self._scheduler.capacity_tokens,
         )
         return CacheShape(limits, self.handshake.num_blocks)
-
-    def _refuse_queued(self) -> None:
-        while True:
-            try:
-                ticket = self._admit_recv.receive_nowait()
-            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-                return
-            ticket.error = EngineUnavailable("the engine is shutting down")
-            ticket.done.set()
 
     # ---- the iteration ----------------------------------------------------------------
 
@@ -559,7 +397,7 @@ class Engine:
             self._emit_unemitted(sched)
         return True
 
-    async def _send_next_step(self, sched: Scheduler) -> _Step | None:
+    async def _send_next_step(self, sched: Scheduler) -> StepInFlight | None:
         """Schedule a step and hand its plan to the worker; None if nothing can run."""
         self._masks.worker_waits()  # no plan is in flight here
         if not sched.has_work():
@@ -571,14 +409,14 @@ class Engine:
         if out.plan is None:
             return None
         deadline = trio.current_time() + self.config.step_timeout
-        step = _Step(out, deadline, service_s=time.perf_counter() - started)
+        step = StepInFlight(out, deadline, service_s=time.perf_counter() - started)
         self._masks.worker_computes()
         with trio.move_on_at(deadline):
             await self._worker.send_step(out.plan)
             return step
         raise WorkerHung(f"the worker took no plan for {self.config.step_timeout} s")
 
-    async def _take_result(self, sched: Scheduler, step: _Step) -> None:
+    async def _take_result(self, sched: Scheduler, step: StepInFlight) -> None:
         """Wait for the step's result and apply it: its tokens are committed from here."""
         assert step.out.plan is not None
         result = None
@@ -646,11 +484,11 @@ class Engine:
         text = delta.text
         if delta.stopped:
             finish = ("stop", "stop_string")
-            _drop_unsent(request)
+            request.drop_unsent()
         elif finish is not None:
             text += request.detokenizer.flush()
         event.text = text
-        if not _send(request, event):
+        if not request.send(event):
             self._end_slow_reader(request)
         elif finish is not None:
             self._finish(request, *finish)
@@ -660,8 +498,7 @@ class Engine:
         stream, so that the server holds no more for it (the reader gets the error last)."""
         limit = self.config.max_stream_buffer_bytes
         error = f"the client left more than {limit} bytes of this stream unread"
-        leader_id = leader_id_of(request.request_id, request.index)
-        for member in self._groups.get(leader_id) or [request]:
+        for member in self._sequences.members(request):
             self._finish(member, "error", "slow_reader", error)
 
     def _finish(self, request: Request, reason: str, detail: str, error: str | None = None) -> None:
@@ -678,20 +515,14 @@ class Engine:
         )
         if (reason, detail) == POOLED:
             event.embedding = request.pooled
-        _send(request, event)
+        request.send(event)
         request.stream.close()
         self._requests.pop(request.request_id, None)
         self._release_siblings(request)
-        self._forget_group_of(request)
+        self._sequences.finished(request)
         if not self._requests:
             self._all_done.set()
         self._report.finished(request, self._scheduler.policy.name, self._scheduler.iteration)
-
-    def _forget_group_of(self, request: Request) -> None:
-        leader_id = leader_id_of(request.request_id, request.index)
-        group = self._groups.get(leader_id)
-        if group is not None and all(member.is_finished for member in group):
-            del self._groups[leader_id]
 
     def _finish_all(self, reason: str, detail: str) -> None:
         for request in list(self._requests.values()):
@@ -752,42 +583,6 @@ class Engine:
                 request, "error", "worker_unavailable", error="the model worker cannot be restarted"
             )
         raise EngineFailed(f"the worker failed to start {self.config.max_worker_restarts} times")
-
-
-def sibling_id(request_id: str, index: int) -> str:
-    return f"{request_id}-{index}"
-
-
-def leader_id_of(request_id: str, index: int) -> str:
-    return request_id.removesuffix(f"-{index}") if index else request_id
-
-
-def sibling_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Sequence `index` of n: its own seed stream when the request is seeded."""
-    seed = params.sampling.seed
-    if seed is None:
-        return params
-    sampling = dataclasses.replace(params.sampling, seed=seed + index)
-    return dataclasses.replace(params, sampling=sampling)
-
-
-def _drop_unsent(request: Request) -> None:
-    """A stop string ended the text at the token just sent: the tokens update() appended
-    after it (the rest of a step's accepted drafts) are not the output's, nor its usage's."""
-    del request.token_ids[request.prompt_len + len(request.token_times) :]
-
-
-def _send(request: Request, event: TokenEvent | FinishEvent) -> bool:
-    """Never blocks (the channel holds max_tokens + 2 events); a gone reader is ignored.
-    False, sending nothing, if the token event would pass the stream's unread bytes."""
-    unread, finish = request.unread, isinstance(event, FinishEvent)
-    if unread is not None:
-        queued = request.stream.statistics().current_buffer_used
-        if not unread.take(event_bytes(event), queued, always=finish):
-            return False
-    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
-        request.stream.send_nowait(event)
-    return True
 
 
 def overlap_seqs(setting: str, device: str) -> int:

@@ -9,7 +9,8 @@ and no block a plan in flight writes goes to another sequence before its result 
 
 from __future__ import annotations
 
-from service.engine.scheduler import ScheduleOutput, Scheduler
+from service.engine.scheduler import Scheduler
+from service.engine.step import ScheduleOutput
 
 
 def check_invariants(sched: Scheduler) -> None:
@@ -22,8 +23,10 @@ def check_invariants(sched: Scheduler) -> None:
     blocks = sched.blocks
     running_promises = sum(blocks.num_promised_to(r.seq_id) for r in sched.running)
     assert blocks.num_promised == running_promises, "a promise outlived its sequence"
-    assert sched.running or not sched.admission_paused, "paused with nothing left to resume it"
-    assert all(r.preemptions <= sched.max_preemptions for r in sched.sequences)
+    assert sched.running or not sched.rules.admission_paused, (
+        "paused with nothing left to resume it"
+    )
+    assert all(r.preemptions <= sched.rules.max_preemptions for r in sched.sequences)
     sched.tenants.check_invariants(sched.running, sched.waiting)
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -42,9 +41,7 @@ from gpu_worker.protocol import (
 )
 from service.engine.block_manager import BlockManager
 from service.engine.request import MEAN_POOLING, Request
-
-if TYPE_CHECKING:  # the scheduler's record of a step's rows
-    from service.engine.scheduler import Scheduled
+from service.engine.step import Scheduled
 
 
 @dataclass(slots=True)

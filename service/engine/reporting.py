@@ -13,8 +13,8 @@ import structlog
 
 from gpu_worker.protocol import Handshake, StepResult
 from service.engine.request import Request
-from service.engine.scheduler import ScheduleOutput, SchedulerStats
 from service.engine.stats import IterationStats, Observer, RequestStats
+from service.engine.step import ScheduleOutput, SchedulerStats
 
 log = structlog.get_logger()
 

@@ -8,6 +8,7 @@ on the engine clock (trio.current_time()), so tests can drive them with a MockCl
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -212,3 +213,22 @@ class Request:
         self.num_computed_tokens = 0
         self.status = Status.WAITING
         self.preemptions += 1
+
+    def send(self, event: Event) -> bool:
+        """Never blocks (the channel holds max_tokens + 2 events); a gone reader is ignored.
+        False, sending nothing, if the token event would pass the stream's unread bytes."""
+        unread, finish = self.unread, isinstance(event, FinishEvent)
+        if unread is not None:
+            queued = self.stream.statistics().current_buffer_used
+            if not unread.take(event_bytes(event), queued, always=finish):
+                return False
+        with contextlib.suppress(
+            trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock
+        ):
+            self.stream.send_nowait(event)
+        return True
+
+    def drop_unsent(self) -> None:
+        """A stop string ended the text at the token just sent: the tokens update() appended
+        after it (the rest of a step's accepted drafts) are not the output's, nor its usage's."""
+        del self.token_ids[self.prompt_len + len(self.token_times) :]

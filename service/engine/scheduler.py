@@ -5,40 +5,10 @@ service.engine.plan's PlanBuilder, the mirror of what the worker holds). The pol
 proposes; this module disposes. Whatever the decision says, a step never holds more than
 `max_batched_tokens` tokens or `max_num_seqs` sequences, a decoding sequence computes
 exactly one token, a prefill chunk never runs past its sequence, and blocks come from free
-ones only. Every fix is counted in `corrections` so tests can see it. The rules for blocks:
-
-- Admission counts the whole prompt. A waiting sequence (new, or preempted: then with the
-  tokens it had generated) is admitted only if blocks for everything it computes before it
-  samples fit in the free blocks that are not promised to admitted sequences still
-  prefilling, minus the `watermark` kept for running ones to grow. Its blocks are allocated
-  chunk by chunk; the rest are promised to it (BlockManager.promise). Only victims the
-  policy named may be preempted to admit someone: the core never evicts for a newcomer.
-- Hysteresis. A preemption pauses admission for the rest of its step and after, until the
-  unpromised free blocks exceed `admission_watermark` (a fraction of the blocks, above the
-  watermark; checked when a step begins and when a sequence leaves), so admission does not
-  oscillate at the edge of the cache.
-- Growth. A running sequence may take any free block, into the watermark and even blocks
-  promised to a prefill (which then makes room the same way). If too few are free, it
-  preempts (recompute) the policy's named victims first, then the others by least progress
-  lost: fewest computed tokens, ties to the most recently admitted. A victim is never in
-  this step nor preempted `max_preemptions` times already (a named one at the cap counts a
-  correction). Preemption is all or nothing: if the allowed victims cannot free enough,
-  nobody is preempted and the sequence waits this step (`no_blocks`).
-- No deadlock. A request at the cap can never be a victim, so it is readmitted only if its
-  whole life (prompt + max_tokens) fits, with those of the other running requests at the
-  cap, in the whole cache. Then whenever none of those can grow, the rest (all under the
-  cap) hold enough blocks to make room, so some sequence always runs and every request
-  finishes, each preempted at most `max_preemptions` times.
-
-Tenants' slots (--tenant-quota): service.engine.tenants says which slots a tenant past its
-share may take; the core preempts and admits as it says.
-
-Prefix caching. A waiting sequence starts with its longest cached prefix of full blocks
-(never the whole of its tokens: the step must compute at least the last one to sample):
-admission shares those blocks and counts only what they do not cover, a hit block that
-others hold costing nothing; the policy's view shows the hit as computed already. A block
-is registered in the cache by update(), once the step that filled it has returned, so a
-hit never names a block a failed step left half-written.
+ones only. Every fix is counted in `corrections` so tests can see it. Blocks go as
+service.engine.block_rules says: whom admission takes, how a running sequence grows, whom
+either preempts (and tenants' slots); a waiting sequence starts from its cached prefix
+(service.engine.prefix_cache).
 
 update(): the scheduled tokens are now cached; each sampled token is appended; EOS, a
 stop_token_ids token and max_tokens finish a sequence and free its blocks. A request with
@@ -76,119 +46,30 @@ row's state is summed, so its sum starts again at 0 after a preemption.
 
 from __future__ import annotations
 
-import bisect
 import collections
-from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Collection
 from typing import Any, cast
 
-from gpu_worker.protocol import DRAFT_MODEL_TOKEN, StepPlan, StepResult, TokenLogprobs
+from gpu_worker.protocol import DRAFT_MODEL_TOKEN, StepResult, TokenLogprobs
 from policies.base import Decision, Policy, View
-from service.engine.block_manager import BlockManager, PrefixHit, chain_hashes
+from service.engine.block_manager import BlockManager
+from service.engine.block_rules import BlockRules
 from service.engine.plan import PlanBuilder
+from service.engine.prefix_cache import prefix_hit, register_blocks
 from service.engine.request import MEAN_POOLING, Request, Status
 from service.engine.speculation import Speculator
+from service.engine.step import (
+    POOLED,
+    STOP_TOKEN,
+    Outcome,
+    Scheduled,
+    ScheduleOutput,
+    SchedulerStats,
+    StepDraft,
+)
 from service.engine.step_cost import StepCostModel
 from service.engine.tenants import TenantSlots
 from service.engine.views import seq_view, waiting_view
-
-STOP_TOKEN = ("stop", "stop_token")  # a stop_token_ids token finished the sequence
-POOLED = ("stop", "pooled")  # a pooled request (an embedding) computed its prompt
-
-
-@dataclass(slots=True)
-class Scheduled:
-    request: Request
-    num_tokens: int  # of its own tokens (a decode's: 1)
-    samples: bool
-    start: int = 0  # its first position: the tokens it had computed
-    drafts: list[int] = field(default_factory=list)  # drafted tokens it verifies after them
-    # a draft model's (Drafted): what it computes first, from position draft_start
-    draft_context: list[int] = field(default_factory=list)
-    draft_start: int = 0
-
-    @property
-    def chunk(self) -> int:
-        """Tokens it computes this step, drafts included."""
-        return self.num_tokens + len(self.drafts)
-
-
-@dataclass(slots=True)
-class ScheduleOutput:
-    iteration: int
-    policy: str  # the policy that decided this step
-    plan: StepPlan | None
-    scheduled: list[Scheduled] = field(default_factory=list)
-    written: list[list[int]] = field(default_factory=list)  # each row's blocks it writes
-    preempted: list[Request] = field(default_factory=list)
-    started: list[Request] = field(default_factory=list)  # scheduled for the first time
-    prefill_tokens: int = 0
-    decode_seqs: int = 0
-    drafting_seqs: int = 0  # sequences with drafted tokens
-    draft_tokens: int = 0  # drafted tokens, over all of them
-    accepted_tokens: int = 0  # of those, accepted (known once update() ran)
-
-
-@dataclass(slots=True)
-class Outcome:
-    """What one step did to one request."""
-
-    request: Request
-    token: int | None = None  # the sampled token, appended to request.token_ids
-    logprobs: TokenLogprobs | None = None  # of the token, if the request asked for them
-    finish: tuple[str, str] | None = None  # (reason, detail): finished and freed here
-    error: str | None = None
-
-
-@dataclass(slots=True)
-class _Draft:
-    """The step being assembled from one decision."""
-
-    out: ScheduleOutput
-    victims: list[Request]  # running sequences the policy offered, under the cap, in order
-    chosen: set[int]  # seq_ids already in the step
-    budget: int  # tokens still free in the step
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerStats:
-    iteration: int  # the last iteration scheduled
-    waiting: int
-    running: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    kv_blocks_promised: int  # to admitted sequences still prefilling, not yet allocated
-    admission_paused: bool  # since a preemption, until blocks exceed admission_watermark
-    kv_blocks_cached: int  # registered in the prefix cache, held or evictable
-    kv_blocks_evictable: int  # cached and held by nobody: free, until evicted
-    prefix_queries: int  # tokens of the sequences admitted, summed over admissions
-    prefix_hits: int  # of those, tokens found in the prefix cache
-    kv_blocks_evicted: int  # cached blocks reused for others since the worker started
-    draft_tokens: int = 0  # drafted tokens verified since the start (speculative decoding)
-    accepted_tokens: int = 0  # of those, accepted
-
-
-def _seq_key(request: Request) -> int:
-    return request.seq_id
-
-
-def _progress_lost(request: Request) -> tuple[int, int]:
-    """Victim order: fewest computed tokens to recompute, then the most recently admitted."""
-    return request.num_computed_tokens, -request.admitted_order
-
-
-def _first_enough(
-    short: int, candidates: Iterable[Request], gain: Callable[[int], int]
-) -> list[Request] | None:
-    """The first candidates whose preemption gains `short` blocks, or None if all of them
-    together would not: a preemption that cannot make enough room is not made."""
-    victims = []
-    for victim in candidates:
-        if short <= 0:
-            break
-        victims.append(victim)
-        short -= gain(victim.seq_id)
-    return victims if short <= 0 else None
 
 
 class Scheduler:
@@ -210,9 +91,6 @@ class Scheduler:
         self.policy = policy
         self.max_batched_tokens = max_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.max_preemptions = max_preemptions  # a request preempted this often is kept
-        self.admission_watermark = admission_watermark  # fraction of the blocks
-        self.admission_paused = False
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting_view = waiting_view  # policies see this many of the waiting, in order
         self.running: list[Request] = []  # admission order
@@ -227,11 +105,18 @@ class Scheduler:
         self._held: dict[str, list[Request]] = {}
         self._constrained: dict[int, Request] = {}  # those with a grammar, by seq_id
         self.plans = PlanBuilder(blocks)  # what the worker holds; the steps' plans
-        self._admissions = 0
+        self.rules = BlockRules(
+            blocks,
+            (self.running, self.waiting),
+            self.tenants,
+            self.plans,
+            self.corrections,
+            max_num_seqs=max_num_seqs,
+            max_preemptions=max_preemptions,
+            admission_watermark=admission_watermark,
+        )
         self._last_step_ms: float | None = None
         self._last_step_tokens = 0
-        self.prefix_queries = 0
-        self.prefix_hits = 0
         self.step_cost = StepCostModel()  # fitted to every step's measured time
         self.speculator = speculator  # None: nothing is drafted
         self.draft_tokens = 0  # verified since the start
@@ -243,7 +128,7 @@ class Scheduler:
         self._by_seq[request.seq_id] = request
         if request.grammar is not None:
             self._constrained[request.seq_id] = request
-        self._join_waiting(request)
+        self.rules.join_waiting(request)
 
     def hold(self, leader: Request, siblings: list[Request]) -> None:
         """Queue `siblings` behind `leader`: they join the waiting once release_held(leader)."""
@@ -279,27 +164,7 @@ class Scheduler:
         self._constrained.pop(request.seq_id, None)
         self.plans.forget(request.seq_id)
         self.blocks.free(request.seq_id)
-        if request.status is Status.RUNNING:
-            self._leave_running(request)
-        else:
-            self._leave_waiting(request)
-        self._resume_admission_if_room()
-
-    def _join_waiting(self, request: Request) -> None:
-        bisect.insort(self.waiting, request, key=_seq_key)
-        self.tenants.join_waiting(request)
-
-    def _leave_waiting(self, request: Request) -> None:
-        self.waiting.remove(request)
-        self.tenants.leave_waiting(request)
-
-    def _join_running(self, request: Request) -> None:
-        self.running.append(request)
-        self.tenants.join_running(request)
-
-    def _leave_running(self, request: Request) -> None:
-        self.running.remove(request)
-        self.tenants.leave_running(request)
+        self.rules.leave(request)
 
     @property
     def sequences(self) -> Collection[Request]:
@@ -336,11 +201,11 @@ class Scheduler:
             kv_blocks_used=self.blocks.num_used,
             kv_blocks_total=self.blocks.num_blocks,
             kv_blocks_promised=self.blocks.num_promised,
-            admission_paused=self.admission_paused,
+            admission_paused=self.rules.admission_paused,
             kv_blocks_cached=self.blocks.num_cached,
             kv_blocks_evictable=self.blocks.num_evictable,
-            prefix_queries=self.prefix_queries,
-            prefix_hits=self.prefix_hits,
+            prefix_queries=self.rules.prefix_queries,
+            prefix_hits=self.rules.prefix_hits,
             kv_blocks_evicted=self.blocks.num_evicted,
             draft_tokens=self.draft_tokens,
             accepted_tokens=self.accepted_tokens,
@@ -357,14 +222,10 @@ class Scheduler:
         blocks = self.blocks
         return blocks.tokens_fitting(blocks.num_blocks - blocks.watermark_blocks)
 
-    @property
-    def admission_watermark_blocks(self) -> int:
-        return int(self.admission_watermark * self.blocks.num_blocks)
-
     def replace_blocks(self, blocks: BlockManager) -> None:
         """A restarted worker's fresh cache; only while nothing runs."""
         assert not self.running, "blocks replaced under running sequences"
-        self.blocks = blocks
+        self.blocks = self.rules.blocks = blocks
         self._last_step_ms = None
         self.plans.reset(blocks)
 
@@ -375,9 +236,9 @@ class Scheduler:
         if self._pending_policy is not None:
             self.policy, self._pending_policy = self._pending_policy, None
         self.iteration += 1
-        self._resume_admission_if_room()
+        self.rules.resume_admission_if_room()
         out = ScheduleOutput(iteration=self.iteration, policy=self.policy.name, plan=None)
-        self._yield_slots(out)
+        self.rules.yield_slots(out)
         view = self.build_view(now)
         try:
             decision = self.policy.decide(view)
@@ -413,14 +274,14 @@ class Scheduler:
         self.step_cost.observe_plan(num_tokens, start_pos, result.step_ms, drafted)
         if self.speculator is not None:
             self.speculator.observe(num_tokens, start_pos, drafted, result.step_ms)
-        taken = dict(zip(_sampled_ids(out), result.tokens, strict=True))
+        taken = dict(zip(out.sampled_ids(), result.tokens, strict=True))
         outcomes = []
         for i, item in enumerate(out.scheduled):
             request = item.request
             if not request.is_finished:  # not aborted while the step ran
                 accepted = self._commit(item, out, taken.get(request.seq_id, []))
                 self.plans.fold(item, i, result, accepted)
-                self._register_blocks(request)
+                register_blocks(self.blocks, request)
                 self._drop_behind_window(request)
                 if (
                     request.params.pooling is not None
@@ -472,26 +333,6 @@ class Scheduler:
         self.remove(request)
         return Outcome(request, finish=POOLED)
 
-    def _register_blocks(self, request: Request) -> None:
-        """Make the blocks `request` has filled and computed findable by later prompts."""
-        if not self.blocks.enable_caching:
-            return  # every step of every sequence: hash nothing nobody will look up
-        hashes = self._hashes(request)
-        self.blocks.register(request.seq_id, hashes, request.num_computed_tokens)
-
-    def _prefix_hit(self, request: Request) -> PrefixHit:
-        """The cached blocks a waiting request would start with; at least its last token
-        is left to compute, since the step must produce the logits it samples from."""
-        if not self.blocks.enable_caching or request.computes_whole_prompt:
-            return self.blocks.no_hit
-        hashes = self._hashes(request)
-        return self.blocks.match(hashes[: (request.num_tokens - 1) // self.blocks.block_size])
-
-    def _hashes(self, request: Request) -> list[bytes]:
-        """The chained hashes of `request`'s full blocks (computed once each)."""
-        size, salt = self.blocks.block_size, request.params.cache_salt
-        return chain_hashes(request.token_ids, size, request.block_hashes, salt)
-
     def build_view(self, now: float) -> View:
         """What the policy decides from (service.engine.views)."""
         blocks = self.blocks
@@ -500,10 +341,10 @@ class Scheduler:
             iteration=self.iteration,
             now=now,
             running=tuple(seq_view(r, blocks) for r in self.running),
-            waiting=tuple(waiting_view(r, blocks, self._prefix_hit(r)) for r in waiting),
+            waiting=tuple(waiting_view(r, blocks, prefix_hit(blocks, r)) for r in waiting),
             num_waiting=len(self.waiting),
             free_blocks=blocks.num_free,
-            admit_blocks=0 if self.admission_paused else blocks.num_admittable,
+            admit_blocks=0 if self.rules.admission_paused else blocks.num_admittable,
             total_blocks=blocks.num_blocks,
             block_size=blocks.block_size,
             max_batched_tokens=self.max_batched_tokens,
@@ -519,7 +360,7 @@ class Scheduler:
     def _result_error(self, out: ScheduleOutput, result: StepResult) -> str | None:
         if result.error is not None:
             return result.error
-        expected = _sampled_ids(out)
+        expected = out.sampled_ids()
         if result.seq_ids != expected or len(result.tokens) != len(expected):
             return f"step {out.iteration}: the worker returned tokens for other sequences"
         sampled = (item for item in out.scheduled if item.samples)
@@ -559,9 +400,9 @@ class Scheduler:
     # ---- validation of a decision -------------------------------------------------------
 
     def _apply(self, decision: Decision, out: ScheduleOutput) -> None:
-        draft = _Draft(
+        draft = StepDraft(
             out,
-            victims=self._policy_victims(decision),
+            victims=self.rules.policy_victims(decision),
             chosen={s.request.seq_id for s in out.scheduled},
             budget=self.max_batched_tokens - sum(s.num_tokens for s in out.scheduled),
         )
@@ -575,18 +416,18 @@ class Scheduler:
                 if tokens < 1 or draft.budget < 1:
                     self.corrections["nonpositive_tokens" if tokens < 1 else "token_budget"] += 1
                     continue
-                if not self._admit(request, draft):
+                if not self.rules.admit(request, draft):
                     continue
                 tokens = self._masked_tokens(request, self._legal_tokens(request, tokens, draft))
                 if tokens < 1:
                     continue
             else:
                 tokens = self._masked_tokens(request, self._legal_tokens(request, tokens, draft))
-                if tokens < 1 or not self._make_room(request, tokens, draft):
+                if tokens < 1 or not self.rules.make_room(request, tokens, draft):
                     continue
             self._add_to_step(request, tokens, draft)
 
-    def _pick(self, entry: object, draft: _Draft) -> tuple[Request, int] | None:
+    def _pick(self, entry: object, draft: StepDraft) -> tuple[Request, int] | None:
         """The request and token count of one decision entry, if the entry is acceptable."""
         try:
             given_seq, given_tokens = cast(tuple[Any, Any], entry)
@@ -610,7 +451,7 @@ class Scheduler:
             return None
         return request, tokens
 
-    def _legal_tokens(self, request: Request, tokens: int, draft: _Draft) -> int:
+    def _legal_tokens(self, request: Request, tokens: int, draft: StepDraft) -> int:
         remaining, budget = request.remaining, draft.budget
         if tokens < 1:
             self.corrections["nonpositive_tokens"] += 1
@@ -636,13 +477,7 @@ class Scheduler:
         self.corrections["grammar_mask_pending"] += 1
         return tokens - 1
 
-    def _make_room(self, request: Request, tokens: int, draft: _Draft) -> bool:
-        if self._grow(request, tokens, draft):
-            return True
-        self.corrections["no_blocks"] += 1
-        return False
-
-    def _add_to_step(self, request: Request, tokens: int, draft: _Draft) -> None:
+    def _add_to_step(self, request: Request, tokens: int, draft: StepDraft) -> None:
         self.blocks.allocate(request.seq_id, request.num_computed_tokens + tokens)
         ends_prompt = request.num_computed_tokens + tokens >= request.num_tokens
         samples = ends_prompt and request.params.pooling is None
@@ -677,151 +512,7 @@ class Scheduler:
         if self.speculator is not None:
             self.speculator.observe_step(out.scheduled, out.accepted_tokens, step_ms)
 
-    # ---- blocks: admission, growth, preemption (module docstring) ------------------------
-
-    def _policy_victims(self, decision: Decision) -> list[Request]:
-        victims: list[Request] = []
-        seen: set[int] = set()
-        for seq_id in decision.preempt:
-            request = self._by_seq.get(seq_id) if isinstance(seq_id, int) else None
-            if request is None or request.status is not Status.RUNNING or seq_id in seen:
-                self.corrections["bad_preempt_id"] += 1
-                continue
-            seen.add(seq_id)
-            if self._at_cap(request):
-                self.corrections["preempt_cap"] += 1
-                continue
-            victims.append(request)
-        return victims
-
-    def _at_cap(self, request: Request) -> bool:
-        return request.preemptions >= self.max_preemptions
-
-    def _grow(self, request: Request, tokens: int, draft: _Draft) -> bool:
-        """Blocks for a running sequence's next tokens: free ones, else victims'."""
-        needed = request.num_computed_tokens + tokens
-        short = self.blocks.extra_blocks(request.seq_id, needed) - self.blocks.num_free
-        if short <= 0:
-            return True
-        victims = _first_enough(short, self._growth_victims(request, draft), self.blocks.num_held)
-        if victims is None:
-            return False
-        for victim in victims:
-            self._preempt(victim, draft.out)
-        return True
-
-    def _growth_victims(self, request: Request, draft: _Draft) -> list[Request]:
-        """The policy's victims in its order, then the others by least progress lost."""
-        named = self._named_victims(request, draft)
-        taken = {r.seq_id for r in named} | draft.chosen
-        others = [
-            r
-            for r in self.running
-            if r is not request and r.seq_id not in taken and not self._at_cap(r)
-        ]
-        return named + sorted(others, key=_progress_lost)
-
-    def _named_victims(self, request: Request, draft: _Draft) -> list[Request]:
-        return [
-            r
-            for r in draft.victims
-            if r is not request and r.status is Status.RUNNING and r.seq_id not in draft.chosen
-        ]
-
-    def _admit(self, request: Request, draft: _Draft) -> bool:
-        """Admit a waiting sequence if blocks for its whole prompt fit (module docstring),
-        starting from its cached prefix."""
-        if len(self.running) >= self.max_num_seqs:
-            self.corrections["max_seqs"] += 1
-            return False
-        if self.admission_paused:
-            self.corrections["admission_paused"] += 1
-            return False
-        if not self.tenants.leaves_wanted(request, self.running):
-            self.corrections["tenant_slots"] += 1
-            return False
-        hit = self._prefix_hit(request)
-        victims = self._admission_victims(request, hit, draft)
-        if victims is None:
-            self.corrections["admission_deferred"] += 1
-            return False
-        for victim in victims:
-            self._preempt(victim, draft.out)
-        self._leave_waiting(request)
-        request.status = Status.RUNNING
-        request.admitted_order = self._admissions
-        self._admissions += 1
-        self._join_running(request)
-        self._start_from_cache(request, hit)
-        self.blocks.promise(request.seq_id, request.num_tokens)
-        return True
-
-    def _start_from_cache(self, request: Request, hit: PrefixHit) -> None:
-        self.blocks.share(request.seq_id, hit)
-        request.num_computed_tokens = hit.num_blocks * self.blocks.block_size
-        if request.first_scheduled is None:  # what its usage reports: the first admission
-            request.num_cached_tokens = min(request.num_computed_tokens, request.prompt_len)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += request.num_computed_tokens
-
-    def _admission_victims(
-        self, request: Request, hit: PrefixHit, draft: _Draft
-    ) -> list[Request] | None:
-        """Who must go for `request` to fit (often nobody), or None if it cannot fit."""
-        if self._at_cap(request) and not self._life_fits_beside_the_kept(request):
-            return None
-        short = self.blocks.admission_shortfall(request.num_tokens, hit)
-        if short <= 0:
-            return []
-        named = self._named_victims(request, draft)
-        hit_blocks = set(hit.blocks)
-
-        def gain(seq_id: int) -> int:
-            # a hit block only the victim holds turns evictable: freed, then taken back
-            lost = sum(
-                1
-                for b in self.blocks.held(seq_id)
-                if b in hit_blocks and self.blocks.refcount(b) == 1
-            )
-            return self.blocks.num_claimed(seq_id) - lost
-
-        return _first_enough(short, named, gain)
-
-    def _life_fits_beside_the_kept(self, request: Request) -> bool:
-        """A request that can no longer be preempted must be able to finish: its whole life,
-        with those of the running ones like it, fits in the cache (no deadlock)."""
-        kept = [r for r in self.running if self._at_cap(r)]
-        lives = sum(self._blocks_for_life(r) for r in [*kept, request])
-        return lives <= self.blocks.num_blocks
-
-    def _blocks_for_life(self, request: Request) -> int:
-        assert request.params.max_tokens is not None  # validation fills it
-        return self.blocks.blocks_to_hold(request.prompt_len + request.params.max_tokens)
-
-    def _preempt(self, victim: Request, out: ScheduleOutput, *, pause: bool = True) -> None:
-        self.blocks.free(victim.seq_id)
-        self.plans.forget(victim.seq_id)
-        self._leave_running(victim)
-        victim.reset_for_recompute()
-        self._join_waiting(victim)
-        out.preempted.append(victim)
-        self.admission_paused = self.admission_paused or pause
-
     # ---- tenants' slots (service.engine.tenants) ----------------------------------------
-
-    def _yield_slots(self, out: ScheduleOutput) -> None:
-        """Preempt sequences of tenants past their share, least progress lost first and
-        never one at the cap, until the free slots cover what the tenants below theirs
-        want. Not a block shortage: admission is not paused."""
-        if self.admission_paused:
-            return  # nobody could take the slot
-        for _ in range(self.tenants.short(self.running)):
-            over = [r for r in self.tenants.past_share(self.running) if not self._at_cap(r)]
-            victim = min(over, key=_progress_lost, default=None)
-            if victim is None:
-                return
-            self._preempt(victim, out, pause=False)
-            self.corrections["tenant_slots_preempted"] += 1
 
     def _admit_wanted(self, out: ScheduleOutput) -> None:
         """Admit the sequences tenants below their share want that the policy left waiting."""
@@ -832,22 +523,11 @@ class Scheduler:
         self._apply(Decision(schedule=schedule), out)
         self.corrections["tenant_slots_given"] += len(out.scheduled) - before
 
-    def _resume_admission_if_room(self) -> None:
-        """The end of the pause a preemption began: enough blocks are back (hysteresis)."""
-        if self.blocks.num_available > self.admission_watermark_blocks:
-            self.admission_paused = False
-
     def _fallback_decision(self) -> Decision:
         """Running sequences first, then waiting ones, as much of each as fits."""
         schedule = [(r.seq_id, r.remaining) for r in self.running]
         schedule += [(r.seq_id, r.remaining) for r in self.waiting]
         return Decision(schedule=schedule)
-
-
-def _sampled_ids(out: ScheduleOutput) -> list[int]:
-    return [item.request.seq_id for item in out.scheduled if item.samples]
-
-    # ---- tenants' slots (service.engine.tenants) ----------------------------------------
 
 
 def _row(logprobs: TokenLogprobs, i: int) -> TokenLogprobs:

@@ -257,7 +257,7 @@ def may_draft(request: Request) -> bool:
 
 
 class DraftRow(Protocol):
-    """A row of a step, as the speculator reads it and gives it drafts (scheduler.Scheduled)."""
+    """A row of a step, as the speculator reads it and gives it drafts (step.Scheduled)."""
 
     request: Request
     num_tokens: int  # of its own tokens (a decode's: 1)
