@@ -32,6 +32,7 @@ from gpu_worker.buckets import smallest_fitting
 from gpu_worker.faults import is_device_fault
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.model import Model
+from gpu_worker.step_inputs import padded_rows
 
 log = logging.getLogger(__name__)
 
@@ -131,13 +132,14 @@ class MixedGraphs:
         positions: torch.Tensor,
         slots: torch.Tensor,
     ) -> None:
-        tokens = input_ids.shape[0]
-        buffers.input_ids[:tokens] = input_ids
-        buffers.positions[:tokens] = positions
-        buffers.slots[:, :tokens] = slots
-        buffers.input_ids[tokens:] = 0
-        buffers.positions[tokens:] = 0
-        buffers.slots[:, tokens:] = self.cache.scratch_block * self.cache.block_size
+        cache, rows = self.cache, buffers.input_ids.shape[0]
+        padded = padded_rows(
+            input_ids, positions, slots, rows, cache.block_size, cache.scratch_block
+        )
+        for static, value in zip(
+            (buffers.input_ids, buffers.positions, buffers.slots), padded, strict=True
+        ):
+            static.copy_(value)
 
     def _capture(self, capturer: PieceCapturer, tokens: int, pool: Any) -> None:
         try:

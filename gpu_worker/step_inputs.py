@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from gpu_worker.protocol import POOL_LAST, POOL_SUM, SamplingSpec, StepPlan
 from gpu_worker.seq_table import PlanLimits, Seq, SeqTable
 
-__all__ = ["PlanLimits", "StepInputs", "padding_tensors"]
+__all__ = ["PlanLimits", "StepInputs", "padded_rows", "padding_tensors"]
 
 
 @dataclass(slots=True)
@@ -153,6 +153,25 @@ def padding_tensors(
     )
 
 
+def padded_rows(
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    rows: int,
+    block_size: int,
+    scratch: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The one padding rule: rows beyond the step's own are token 0 at position 0, and
+    write their K/V to the scratch block (slots [G, T]). Decode graphs and the mixed
+    steps' pieces (gpu_worker.piecewise) pad by it."""
+    pad = rows - input_ids.shape[0]
+    return (
+        F.pad(input_ids, (0, pad)),
+        F.pad(positions, (0, pad)),
+        F.pad(slots, (0, pad), value=scratch * block_size),
+    )
+
+
 def _padded(
     input_ids: torch.Tensor,
     positions: torch.Tensor,
@@ -163,13 +182,11 @@ def _padded(
     batch: int,
     width: int,
 ) -> tuple[torch.Tensor, ...]:
-    """The one padding rule: rows beyond the step's own, and table entries beyond a row's
-    own, point at the scratch block, with context length 1."""
+    """padded_rows, and a decode step's tables and contexts: table entries beyond a row's
+    own, and a padding row's, name the scratch block; a padding row's context is 1."""
     pad = batch - input_ids.shape[0]
     return (
-        F.pad(input_ids, (0, pad)),
-        F.pad(positions, (0, pad)),
-        F.pad(slots, (0, pad), value=scratch * block_size),
+        *padded_rows(input_ids, positions, slots, batch, block_size, scratch),
         F.pad(tables, (0, width - tables.shape[2], 0, pad), value=scratch),
         F.pad(positions + 1, (0, pad), value=1),
     )

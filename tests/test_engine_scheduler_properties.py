@@ -1,6 +1,6 @@
 """Property tests of the Scheduler under arbitrary policy decisions.
 
-The scheduler's promise (service/scheduler.py) is that whatever a policy returns, a step
+The scheduler's promise (service/engine/scheduler.py) is that whatever a policy returns, a step
 never holds more than `max_batched_tokens` tokens or `max_num_seqs` sequences, a decoding
 sequence computes exactly one token, a chunk continues at `num_computed`, blocks come from
 free ones only, and a preempted sequence goes back to waiting to be recomputed. Here

@@ -30,17 +30,17 @@ def step_cost_state(step_cost: StepCostModel) -> dict | None:
     return None if cost is None else dataclasses.asdict(cost)
 
 
-def prefix_cache_state(enabled: bool, stats: SchedulerStats | None) -> dict:
+def prefix_cache_state(enabled: bool, stats: SchedulerStats) -> dict:
     """Cached and evictable blocks, and the hit rate in tokens since the start."""
-    queries, hits = (stats.prefix_queries, stats.prefix_hits) if stats else (0, 0)
+    queries, hits = stats.prefix_queries, stats.prefix_hits
     return {
         "enabled": enabled,
-        "cached_blocks": stats.kv_blocks_cached if stats else 0,
-        "evictable_blocks": stats.kv_blocks_evictable if stats else 0,
+        "cached_blocks": stats.kv_blocks_cached,
+        "evictable_blocks": stats.kv_blocks_evictable,
         "queries_tokens": queries,
         "hits_tokens": hits,
         "hit_rate": hits / queries if queries else None,
-        "evicted_blocks": stats.kv_blocks_evicted if stats else 0,
+        "evicted_blocks": stats.kv_blocks_evicted,
     }
 
 
