@@ -16,6 +16,7 @@ from quart import Blueprint, Response
 from policies.registry import POLICIES
 from service.api.access import METRICS_PATH, needs_key
 from service.api.app_state import app_state
+from service.api.counts import count_schema
 from service.api.errors import json_response
 from service.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from service.api.openai_chat import CHAT_ROLES, REASONING_EFFORTS, TOOL_CHOICES
@@ -31,10 +32,7 @@ from service.engine.validation import (
     MAX_BAD_WORDS,
     MAX_DEADLINE_S,
     MAX_LOGIT_BIAS_TOKENS,
-    MAX_LOGPROBS,
     MAX_PENALTY,
-    MAX_PRIORITY,
-    MAX_SEED,
     MAX_SEQUENCES,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -227,7 +225,7 @@ def _embeddings(max_model_len: int | None) -> Schema:
             "add_special_tokens": {"type": ["boolean", "null"]},
             "truncate_prompt_tokens": {"type": ["integer", "null"], "minimum": -1},
             "user": {"type": ["string", "null"]},
-            "priority": {"type": ["integer", "null"]},
+            "priority": count_schema("priority", None),
         },
         ["input"],
     )
@@ -259,11 +257,7 @@ def _completion_request(max_model_len: int | None) -> Schema:
     return _request(
         {
             "prompt": prompt,
-            "logprobs": {
-                **_integer(0, MAX_LOGPROBS),
-                "description": "each token's log-probability and its k most likely "
-                "alternatives (with the chosen token: up to k + 1)",
-            },
+            "logprobs": count_schema("logprobs", max_model_len),
             "echo": {
                 "type": ["boolean", "null"],
                 "description": "the prompt comes back before the completion; with logprobs, "
@@ -307,12 +301,9 @@ def _chat_request(max_model_len: int | None) -> Schema:
                 "minItems": 1,
                 "maxItems": MAX_CHAT_MESSAGES,
             },
-            "max_completion_tokens": _max_tokens(max_model_len),
+            "max_completion_tokens": count_schema("max_completion_tokens", max_model_len),
             "logprobs": {"type": ["boolean", "null"]},
-            "top_logprobs": {
-                **_integer(0, MAX_LOGPROBS),
-                "description": "the k most likely alternatives of each token; needs logprobs",
-            },
+            "top_logprobs": count_schema("top_logprobs", max_model_len),
             **_tool_fields(),
         },
         ["messages"],
@@ -366,20 +357,13 @@ def _request(own: Schema, required: list[str], max_model_len: int | None) -> Sch
     stop_text = {"type": "string", "minLength": 1}
     shared = {
         "model": {"type": ["string", "null"]},
-        "max_tokens": _max_tokens(max_model_len),
+        "max_tokens": count_schema("max_tokens", max_model_len),
         "temperature": _number(0, MAX_TEMPERATURE),
         "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
         "top_k": {"type": ["integer", "null"], "minimum": -1},
-        "seed": _integer(0, MAX_SEED),
-        "n": {
-            **_integer(1, MAX_SEQUENCES),
-            "description": "choices to generate; they share the prompt's KV blocks",
-        },
-        "best_of": {
-            **_integer(1, MAX_SEQUENCES),
-            "description": "sequences to generate (at least n), of which the n of highest "
-            "cumulative log-probability are returned; more than n cannot be streamed",
-        },
+        "seed": count_schema("seed", max_model_len),
+        "n": count_schema("n", max_model_len),
+        "best_of": count_schema("best_of", max_model_len),
         "stop": {
             "oneOf": [
                 {"type": "null"},
@@ -398,7 +382,7 @@ def _request(own: Schema, required: list[str], max_model_len: int | None) -> Sch
         "stream": {"type": ["boolean", "null"]},
         "stream_options": _stream_options(),
         "response_format": _response_format(),
-        **_logit_processors(),
+        **_logit_processors(max_model_len),
         **_grammars(),
         **_routing(),
     }
@@ -416,10 +400,7 @@ def _routing() -> dict[str, Schema]:
     """Who a request is for and when it must start: tenant, priority, deadline."""
     return {
         "user": {"type": ["string", "null"], "maxLength": MAX_TENANT_CHARS},
-        "priority": {
-            **_integer(-MAX_PRIORITY, MAX_PRIORITY),
-            "description": "vLLM's: lower runs first (default 0), under the priority policy",
-        },
+        "priority": count_schema("priority", None),
         "deadline_ms": {
             "type": ["number", "null"],
             "exclusiveMinimum": 0,
@@ -430,7 +411,7 @@ def _routing() -> dict[str, Schema]:
     }
 
 
-def _logit_processors() -> dict[str, Schema]:
+def _logit_processors(max_model_len: int | None) -> dict[str, Schema]:
     """vLLM's sampling parameters beyond temperature, top-p and top-k (as vLLM defines them)."""
     ids: Schema = {"type": "array", "items": {"type": "integer", "minimum": 0}}
     return {
@@ -451,11 +432,7 @@ def _logit_processors() -> dict[str, Schema]:
         },
         "allowed_token_ids": {"oneOf": [{"type": "null"}, {**ids, "minItems": 1}]},
         "stop_token_ids": {"oneOf": [{"type": "null"}, {**ids, "maxItems": MAX_STOP_TOKEN_IDS}]},
-        "min_tokens": {
-            "type": ["integer", "null"],
-            "minimum": 0,
-            "description": "EOS and stop_token_ids cannot be sampled before this many tokens",
-        },
+        "min_tokens": count_schema("min_tokens", max_model_len),
         "bad_words": {
             "oneOf": [
                 {"type": "null"},
@@ -551,13 +528,6 @@ def _token_ids(max_model_len: int | None) -> Schema:
     if max_model_len is not None:
         ids["maxItems"] = max_model_len
     return ids
-
-
-def _max_tokens(max_model_len: int | None) -> Schema:
-    schema: Schema = {"type": ["integer", "null"], "minimum": 1}
-    if max_model_len is not None:
-        schema["maximum"] = max_model_len
-    return schema
 
 
 def _completion_response() -> Schema:
@@ -726,10 +696,6 @@ def _object(properties: Schema, required: list[str]) -> Schema:
 
 def _object_open(properties: Schema) -> Schema:
     return {"type": "object", "properties": properties, "required": list(properties)}
-
-
-def _integer(low: int, high: int) -> Schema:
-    return {"type": ["integer", "null"], "minimum": low, "maximum": high}
 
 
 def _number(low: float, high: float) -> Schema:

@@ -7,9 +7,11 @@ Nothing is stored: `previous_response_id` (a conversation kept by the server) is
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
-from service.api.errors import bad_request
+from service.api.errors import APIError, bad_request
 
 # Responses fields that are the chat's under the same name
 SAME_FIELDS = (
@@ -27,6 +29,13 @@ SAME_FIELDS = (
     "ignore_eos",
 )
 STORED_ONLY = ("previous_response_id", "conversation")  # a server-side conversation
+# The Responses field behind a chat field the chat's parser or the engine names in a 400
+RESPONSES_FIELDS = {
+    "max_tokens": "max_output_tokens",
+    "messages": "input",
+    "reasoning_effort": "reasoning",
+    "response_format": "text",
+}
 
 
 def chat_body_of(body: Any) -> dict[str, Any]:
@@ -48,6 +57,16 @@ def chat_body_of(body: Any) -> dict[str, Any]:
     if isinstance(reasoning, dict) and reasoning.get("effort") is not None:
         chat["reasoning_effort"] = reasoning["effort"]
     return chat
+
+
+@contextlib.contextmanager
+def responses_fields() -> Iterator[None]:
+    """Errors raised for the chat request name the Responses body's fields."""
+    try:
+        yield
+    except APIError as exc:
+        exc.param = RESPONSES_FIELDS.get(exc.param or "", exc.param)
+        raise
 
 
 def _instructions(value: Any) -> list[dict[str, Any]]:

@@ -17,7 +17,7 @@ from service.api.chat_output import MessageStream, OutputReader
 from service.api.errors import json_response
 from service.api.openai_responses import ResponseHeader, finish_reason_of, usage
 from service.api.openai_schema import GenerationRequest, parse_chat_request
-from service.api.responses_input import chat_body_of
+from service.api.responses_input import chat_body_of, responses_fields
 from service.api.responses_output import ResponseEvents, output_of, response_object
 from service.api.routes_openai import (
     abort,
@@ -39,11 +39,12 @@ blueprint = Blueprint("responses", __name__)
 async def responses() -> Response:
     body = await read_json_body()
     chat = chat_body_of(body)
-    req = parse_chat_request(chat, request.headers.get("X-Tenant"), prompt_bound())
     state = app_state()
-    await prepare(req, state)
     header = ResponseHeader("chat", f"resp_{uuid.uuid4().hex}", state.served_model_name)
-    _, channel = await submit_prompt(req, state, header.request_id)
+    with responses_fields():
+        req = parse_chat_request(chat, request.headers.get("X-Tenant"), prompt_bound())
+        await prepare(req, state)
+        _, channel = await submit_prompt(req, state, header.request_id)
     if req.stream:
         response = Response(
             event_stream(req, header, channel, state, body),
