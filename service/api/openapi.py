@@ -28,6 +28,8 @@ from service.api.openai_schema import (
     MAX_SCHEMA_BYTES,
     NEUTRAL_VALUES,
 )
+from service.api.responses_input import CHAT_ONLY
+from service.api.responses_options import LOGPROBS_INCLUDE, NEUTRAL, SUMMARIES
 from service.engine.validation import (
     MAX_BAD_WORDS,
     MAX_DEADLINE_S,
@@ -105,7 +107,7 @@ def _public_paths(max_model_len: int | None) -> Schema:
             "get": _get("The server's version", _open({"version": {"type": "string"}}, ["version"]))
         },
         "/tokenize": {"post": _tokenize()},
-        "/v1/responses": {"post": _responses()},
+        "/v1/responses": {"post": _responses(max_model_len)},
         "/v1/embeddings": {"post": _embeddings(max_model_len)},
         "/detokenize": {"post": _detokenize()},
         "/health": {
@@ -202,9 +204,47 @@ def _generation(summary: str, request_schema: Schema) -> Schema:
     }
 
 
-def _responses() -> Schema:
-    """OpenAI's Responses API, stateless (served as the chat it amounts to)."""
-    request = _open({"input": {}, "instructions": {"type": ["string", "null"]}}, ["input"])
+def _responses(max_model_len: int | None) -> Schema:
+    """OpenAI's Responses API, stateless (served as the chat it amounts to): its own fields,
+    and the chat's sampling fields but those with a Responses name or no Responses place."""
+    shared = _request({}, [], max_model_len)["properties"]
+    chat = {**shared, **_tool_fields()}
+    for name in (*CHAT_ONLY, "tools", "tool_choice"):
+        chat.pop(name, None)
+    item = {"type": "object"}
+    own = {
+        "input": {
+            "oneOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "items": item, "minItems": 1, "maxItems": MAX_CHAT_MESSAGES},
+            ]
+        },
+        "instructions": {"type": ["string", "null"]},
+        "max_output_tokens": count_schema("max_output_tokens", max_model_len),
+        "top_logprobs": count_schema("top_logprobs", max_model_len),
+        "tools": {"type": ["array", "null"], "items": item},
+        "tool_choice": {"oneOf": [{"type": "null"}, {"enum": list(TOOL_CHOICES)}, item]},
+        "text": _text_format(),
+        "reasoning": {
+            "oneOf": [
+                {"type": "null"},
+                _open(
+                    {
+                        "effort": {"oneOf": [{"type": "null"}, {"enum": list(REASONING_EFFORTS)}]},
+                        "summary": {"enum": list(SUMMARIES)},
+                    },
+                    [],
+                ),
+            ]
+        },
+        "include": {"type": ["array", "null"], "items": {"const": LOGPROBS_INCLUDE}},
+        "metadata": {"type": ["object", "null"], "additionalProperties": {"type": "string"}},
+        "prompt_cache_key": {"type": ["string", "null"]},
+        "safety_identifier": {"type": ["string", "null"], "maxLength": MAX_TENANT_CHARS},
+        **{name: {"enum": _distinct(values)} for name, (values, _) in NEUTRAL.items()},
+    }
+    request = _open({**chat, **own}, ["input"])
+    request["additionalProperties"] = True  # as the chat's: unknown fields are logged
     operation = _generation(
         "A response: input text or items (messages, function_call, function_call_output), "
         "instructions and function tools; stream=true: its typed events",
@@ -212,6 +252,27 @@ def _responses() -> Schema:
     )
     operation["responses"]["200"]["content"][JSON]["schema"] = {"type": "object"}
     return operation
+
+
+def _text_format() -> Schema:
+    """The Responses' `text`: its format (enforced as the chat's response_format)."""
+    json_schema = _open(
+        {
+            "type": {"const": "json_schema"},
+            "name": {"type": "string"},
+            "description": {"type": "string"},
+            "schema": {"type": "object"},
+            "strict": {"type": ["boolean", "null"]},
+        },
+        ["type", "name", "schema"],
+    )
+    kinds = _object({"type": {"enum": ["text", "json_object"]}}, ["type"])
+    return {
+        "oneOf": [
+            {"type": "null"},
+            _object({"format": {"oneOf": [{"type": "null"}, kinds, json_schema]}}, []),
+        ]
+    }
 
 
 def _embeddings(max_model_len: int | None) -> Schema:

@@ -15,6 +15,7 @@ from quart import Blueprint, Response, request
 from service.api.app_state import AppState, app_state
 from service.api.chat_output import MessageStream, OutputReader
 from service.api.errors import json_response
+from service.api.openai_logprobs import logprobs_of
 from service.api.openai_responses import ResponseHeader, finish_reason_of, usage
 from service.api.openai_schema import GenerationRequest, parse_chat_request
 from service.api.responses_input import chat_body_of, responses_fields
@@ -55,7 +56,7 @@ async def responses() -> Response:
         return response
     chat_body = await whole_body(req, header, channel, state, None)
     choice = chat_body["choices"][0]
-    output = output_of(choice["message"])
+    output = output_of(choice["message"], (choice["logprobs"] or {}).get("content"))
     answer = response_object(header, body, output, choice["finish_reason"], chat_body["usage"])
     return json_response(answer, 200, {"X-Request-Id": header.request_id})
 
@@ -81,8 +82,11 @@ async def event_stream(
             if not group:
                 yield HEARTBEAT
                 continue
-            text = "".join(e.text for e in group if isinstance(e, TokenEvent))
-            for event in events.deltas(stream.delta(text)) if text else ():
+            tokens = [e for e in group if isinstance(e, TokenEvent)]
+            text = "".join(e.text for e in tokens)
+            logprobs = logprobs_of(req, state.tokenizer.pieces, tokens, 0, None)
+            delta = stream.delta(text) if text else {}
+            for event in events.deltas(delta, (logprobs or {}).get("content") or []):
                 yield sse_event(event)
             finish = group[-1]
             if isinstance(finish, FinishEvent):
@@ -105,7 +109,7 @@ def closing_events(
     error = failure_of(finish)
     if error is not None:
         return [events.event("error", **error_fields(error.body()))]
-    last = events.deltas(stream.delta("", final=True))
+    last = events.deltas(stream.delta("", final=True), [])
     reason = finish_reason_of(finish.reason, stream.called)
     return last + events.finished(reason, usage([finish], state.config.reports_cached_tokens(), 1))
 
