@@ -239,7 +239,6 @@ def _responses(max_model_len: int | None) -> Schema:
         },
         "include": {"type": ["array", "null"], "items": {"const": LOGPROBS_INCLUDE}},
         "metadata": {"type": ["object", "null"], "additionalProperties": {"type": "string"}},
-        "prompt_cache_key": {"type": ["string", "null"]},
         "safety_identifier": {"type": ["string", "null"], "maxLength": MAX_TENANT_CHARS},
         **{name: {"enum": _distinct(values)} for name, (values, _) in NEUTRAL.items()},
     }

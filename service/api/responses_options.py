@@ -6,8 +6,8 @@ Each is honoured or refused, never dropped: `text.format` is the chat's response
 "message.output_text.logprobs" its logprobs (returned in the output_text parts),
 `safety_identifier` the tenant (as the chat's `user`). What needs a server that keeps
 responses (`store`, `background`, `previous_response_id`, `conversation`, a stored
-`prompt`), truncates (`truncation: auto`), counts calls (`max_tool_calls`), or summarizes
-reasoning is refused with a 400 naming the field.
+`prompt`), truncates (`truncation: auto`), counts calls (`max_tool_calls`), routes by a
+`prompt_cache_key`, or summarizes reasoning is refused with a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "previous_response_id": ((None,), "this server keeps no responses; send the whole input"),
     "conversation": ((None,), "this server keeps no conversations; send the whole input"),
     "prompt": ((None,), "this server keeps no prompt templates"),
+    # requests share cached prefixes by their tokens, whatever key they carry
+    "prompt_cache_key": ((None,), "the prefix cache is keyed by tokens, not by a key"),
 }
 TEXT_FORMATS = ("text", "json_object", "json_schema")
 SUMMARIES = (None, "auto")  # auto: the reasoning itself, as the model wrote it
