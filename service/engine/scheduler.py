@@ -11,7 +11,8 @@ ones only. Every fix is counted in `corrections` so tests can see it. The rules 
   samples fit in the free blocks that are not promised to admitted sequences still
   prefilling, minus the `watermark` kept for running ones to grow. Its blocks are allocated
   chunk by chunk; the rest are promised to it (BlockManager.promise). Only victims the
-  policy named may be preempted to admit someone: the core never evicts for a newcomer.
+  policy named may be preempted to admit someone (for blocks, or for a sequence slot at
+  `max_num_seqs`): the core never evicts for a newcomer.
 - Hysteresis. A preemption pauses admission for the rest of its step and after, until the
   unpromised free blocks exceed `admission_watermark` (a fraction of the blocks, above the
   watermark; checked when a step begins and when a sequence leaves), so admission does not
@@ -903,15 +904,21 @@ class Scheduler:
     def _admit(self, request: Request, draft: _Draft) -> bool:
         """Admit a waiting sequence if blocks for its whole prompt fit (module docstring),
         starting from its cached prefix."""
+        slot_victim = None
         if len(self.running) >= self.max_num_seqs:
-            self.corrections["max_seqs"] += 1
-            return False
+            # every slot taken: only a victim the policy named gives up its own
+            slot_victim = next(iter(self._named_victims(request, draft)), None)
+            if slot_victim is None:
+                self.corrections["max_seqs"] += 1
+                return False
         if self.admission_paused:
             self.corrections["admission_paused"] += 1
             return False
         if not self._leaves_wanted_slots(request):
             self.corrections["tenant_slots"] += 1
             return False
+        if slot_victim is not None:  # a slot, not blocks: no reason to pause admission
+            self._preempt(slot_victim, draft.out, pause=False)
         hit = self._prefix_hit(request)
         victims = self._admission_victims(request, hit, draft)
         if victims is None:
