@@ -353,6 +353,8 @@ ELSEWHERE = {
     "reasoning_effort": "test_api_chat_options::"
     "test_reasoning_effort_and_kwargs_are_template_variables",
     "reasoning": "test_api_chat_options::test_reasoning_effort_and_kwargs_are_template_variables",
+    "thinking_token_budget": "test_api_tools::"
+    "test_a_grammar_starts_after_the_reasoning_whole_and_streamed",
     "include_reasoning": "test_api_reasoning_parser::"
     "test_include_reasoning_false_leaves_the_reasoning_out_whole_and_streamed",
 }

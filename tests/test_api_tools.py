@@ -424,3 +424,27 @@ def test_responses_fields_it_cannot_honour_are_400s_naming_them(
     answer = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["param"] == param
+
+
+def test_a_grammar_starts_after_the_reasoning_whole_and_streamed(client: openai.OpenAI) -> None:
+    """The template opens `<think>` (enable_thinking): the reasoning is free, and the schema
+    binds the answer after it; a thinking_token_budget of 8 ends it (the marker forced)."""
+    fields: dict[str, Any] = {
+        "response_format": {"type": "json_schema", "json_schema": {**CITY_FORMAT}},
+        "max_tokens": 64,
+        "temperature": 0,
+        "extra_body": {
+            "chat_template_kwargs": {"enable_thinking": True},
+            "thinking_token_budget": 8,
+        },
+    }
+    fields["response_format"]["json_schema"].pop("type")
+    whole = ask(client, "Name a city and its country.", False, **fields).choices[0].message
+    thought = whole.model_extra["reasoning_content"]
+    assert thought and not thought.lstrip().startswith("{")  # free text, not the JSON
+    jsonschema.validate(json.loads(whole.content), CITY_FORMAT["schema"])
+    message, _ = streamed(ask(client, "Name a city and its country.", True, **fields))
+    assert message == comparable(whole.model_dump())
+    fields["extra_body"]["include_reasoning"] = False
+    hidden = ask(client, "Name a city and its country.", False, **fields).choices[0].message
+    assert hidden.content == whole.content and not hidden.model_extra.get("reasoning_content")

@@ -41,6 +41,12 @@ COUNTS: dict[str, Count] = {
     "min_tokens": Count(
         0, None, "EOS and stop_token_ids cannot be sampled before this many tokens"
     ),
+    "thinking_token_budget": Count(
+        1,
+        None,
+        "vLLM's: the most tokens the reasoning may have before its end marker is forced "
+        "(needs --reasoning-parser, a prompt that opens the reasoning, and a grammar)",
+    ),
     "logprobs": Count(
         0,
         MAX_LOGPROBS,

@@ -240,6 +240,7 @@ def parse_chat_request(
     request = _parse_common(fields, "chat", header_tenant, top_logprobs if logprobs else None)
     request.messages = messages
     request.chat = parse_chat_options(fields.raw)
+    request.chat.thinking_budget = fields.integer("thinking_token_budget", None)
     fields.check_leftovers()
     request.ignored = tuple(fields.ignored)
     return request

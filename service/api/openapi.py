@@ -364,6 +364,7 @@ def _chat_request(max_model_len: int | None) -> Schema:
             "max_completion_tokens": count_schema("max_completion_tokens", max_model_len),
             "logprobs": {"type": ["boolean", "null"]},
             "top_logprobs": count_schema("top_logprobs", max_model_len),
+            "thinking_token_budget": count_schema("thinking_token_budget", max_model_len),
             **_tool_fields(),
         },
         ["messages"],
