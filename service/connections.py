@@ -3,11 +3,13 @@
 Each connection holds a descriptor; past the cap (--max-connections) they would run out,
 and a worker restart needs two. Refusing the newcomer at the cap let a client that hoards
 idle sockets (5,000 sending a request head and no body) lock every other client out,
-/health included. So at the cap the connection that has stalled longest without asking
-for anything the server is answering is closed to make room: one idle between requests,
-or one still sending its request head or body (slow ones run out their timeouts anyway).
-A connection whose request is complete (a stream or a whole answer in flight) is never
-closed; only when every connection is such is the newcomer refused with a 503.
+/health included. So at the cap the connections that have stalled longest without asking
+for anything the server is answering are closed to make room (a sixteenth of the cap at
+once): ones idle between requests, or still sending a request head or body (slow ones run
+out their timeouts anyway). A connection whose request is complete (a stream or a whole
+answer in flight) is never closed; only when every connection is such is the newcomer
+refused with a 503. A body that stalls past --body-timeout is answered 408 by the app,
+and its connection closed here (close_stalled_bodies).
 """
 
 from __future__ import annotations
