@@ -6,10 +6,12 @@ where LOWER runs first. Effective priority = priority - aging_rate * seconds sin
 arrival, so a request of a large value that has waited long eventually outranks newer
 ones of smaller values; the smallest effective value goes first, among equals the earlier
 deadline, then the earlier arrival. Decodes and prefill chunks are ordered so and packed
-into the budget as under stall_free. With `preempt`, when KV blocks are short for a waiting
-request, running requests of a strictly higher base priority value (less important) are
-named for preemption (the least important first); the strict base-priority rule prevents
-two requests from evicting each other in turn.
+into the budget as under stall_free. With `preempt`, when a waiting request finds every
+sequence slot taken (--max-num-seqs) or KV blocks short, running requests of a strictly
+higher base priority value (less important) are named for preemption (the least important
+first), as vLLM's priority scheduling preempts; they are recomputed later with the same
+output. The strict base-priority rule prevents two requests from evicting each other in
+turn.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ class Priority(Policy):
         return decision
 
     def _victims(self, view: View, prefills: list[SeqView], decision: Decision, rank) -> list[int]:
-        """Running sequences to give up for the best waiting one that did not fit."""
+        """Running sequences to give up for the best waiting one that did not fit for want
+        of a sequence slot or of KV blocks."""
         scheduled = {seq_id for seq_id, _ in decision.schedule}
         waiting = {s.seq_id for s in view.waiting}
         candidates = (s for s in prefills if s.seq_id in waiting and s.seq_id not in scheduled)
@@ -69,21 +72,23 @@ class Priority(Policy):
             return []
         budget = min(self.params.token_budget, view.max_batched_tokens)
         chunk = min(blocked.remaining, budget, self.params.chunk_size)
+        slots_short = len(view.running) + 1 - view.max_seqs
         # the core admits a whole prompt's blocks, not a chunk's
-        short = view.blocks_for(blocked, blocked.remaining) - view.admittable_blocks
-        if short <= 0:
-            return []  # left out for the token budget or the sequence cap, not for blocks
+        blocks_short = view.blocks_for(blocked, blocked.remaining) - view.admittable_blocks
+        if slots_short <= 0 and blocks_short <= 0:
+            return []  # left out for the token budget alone: no one is in its way
         victims = []
         # the least important first: the largest effective value, latest deadline, arrival
         for seq in sorted(view.running, key=rank, reverse=True):
-            if short <= 0:
+            if slots_short <= 0 and blocks_short <= 0:
                 break
             if seq.priority > blocked.priority:  # strictly less important, by base value
                 victims.append(seq.seq_id)
-                short -= seq.num_blocks
+                slots_short -= 1
+                blocks_short -= seq.num_blocks
         kept = [e for e in decision.schedule if e[0] not in set(victims)]
         chunk = min(chunk, budget - sum(tokens for _, tokens in kept))
-        if short > 0 or chunk < 1:
+        if slots_short > 0 or blocks_short > 0 or chunk < 1:
             return []  # evicting them would not make room: keep everyone running
         decision.schedule = [*kept, (blocked.seq_id, chunk)]
         return victims

@@ -272,8 +272,20 @@ class Config:
     max_body_bytes: int = flag(4 * 1024 * 1024, "largest request body", type=positive_int)
     max_connections: int = flag(
         2048,
-        "client connections open at once; one more gets 503 and is closed",
+        "client connections open at once; at the cap the one stalled longest without a "
+        "request being answered is closed to make room (none such: the newcomer gets 503)",
         type=positive_int,
+    )
+    head_timeout: float = flag(
+        5.0,
+        "seconds a connection may sit without sending a whole request head (idle between "
+        "requests included) before it is closed",
+        type=positive_float,
+    )
+    body_timeout: float = flag(
+        10.0,
+        "seconds a request's body may take to arrive once its head has; later: 408, closed",
+        type=positive_float,
     )
     max_stream_buffer_bytes: int = flag(
         8 * 1024 * 1024,

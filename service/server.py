@@ -13,7 +13,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import orjson
 import structlog
 import trio
 from hypercorn.config import Config as HypercornConfig
@@ -22,8 +21,8 @@ from hypercorn.trio.tcp_server import TCPServer
 from quart_trio import QuartTrio
 
 from service.api.app import create_app
-from service.api.errors import error_body
 from service.config import Config
+from service.connections import Connections
 from service.engine.assembly import open_engine
 from service.engine.engine import Engine
 from service.logging import configure_logging
@@ -31,25 +30,10 @@ from service.model_files.resolve import print_progress, resolve_model, served_mo
 from service.tokenizer import Tokenizer
 
 CLOSE_GRACE_SECONDS = 2.0  # after the drain: for the last events to reach the clients
+# descriptors beside the connections: the listener, logs, the worker's channel and its
+# restart's socketpair, model files, tokenizer threads
+DESCRIPTOR_RESERVE = 64
 log = structlog.get_logger("cadence.server")
-
-
-class ConnectionCap:
-    """How many client connections are open, and how many may be: the next one past the cap
-    gets a 503 and is closed at once, so that a client holding thousands of idle sockets
-    cannot take every descriptor (the worker's restart needs two)."""
-
-    limit: int | None = None
-    open = 0
-
-
-OVER_CAP_BODY = orjson.dumps(
-    error_body("too many connections are open; retry later", 503, code="too_many_connections")
-)
-OVER_CAP_RESPONSE = (
-    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
-    b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(OVER_CAP_BODY), OVER_CAP_BODY)
-)
 
 
 def contain_connection_failures(max_connections: int | None = None) -> None:
@@ -62,8 +46,8 @@ def contain_connection_failures(max_connections: int | None = None) -> None:
     EOF without the lock the sends hold) and a KeyError for an HTTP/2 stream the closing
     connection had dropped. The connection's own cleanup (its `finally`) has run by then;
     the failure is logged and the server goes on. Cancellation still propagates.
-    The same wrapper keeps the ConnectionCap."""
-    ConnectionCap.limit = max_connections
+    The same wrapper keeps the open connections within the cap (service.connections)."""
+    Connections.limit = max_connections
     run = TCPServer.run
     if hasattr(run, "__wrapped__"):
         return  # done already
@@ -75,36 +59,17 @@ def contained(
 ) -> Callable[[TCPServer], Awaitable[None]]:
     @functools.wraps(run)
     async def run_one_connection(self: TCPServer) -> None:
-        limit = ConnectionCap.limit
-        if limit is not None and ConnectionCap.open >= limit:
-            await _refuse_connection(self.stream)
+        connection = await Connections.admit(self)
+        if connection is None:
             return
-        ConnectionCap.open += 1
         try:
             await run(self)
         except Exception as failure:  # one connection's: see contain_connection_failures
             log.warning("http.connection_failed", error=repr(failure))
         finally:
-            ConnectionCap.open -= 1
+            Connections.open.discard(connection)
 
     return run_one_connection
-
-
-async def _refuse_connection(stream: trio.abc.Stream) -> None:
-    log.warning("http.connection_refused", open=ConnectionCap.open, limit=ConnectionCap.limit)
-    with (
-        contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError),
-        trio.move_on_after(1),
-    ):
-        await stream.send_all(OVER_CAP_RESPONSE)
-        # Read what the client sent (for up to that second): closing on unread bytes would
-        # reset the connection and lose the answer before the client reads it.
-        if isinstance(stream, trio.abc.HalfCloseableStream):
-            await stream.send_eof()
-        while await stream.receive_some(4096):
-            pass
-    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-        await stream.aclose()
 
 
 @dataclass(slots=True)
@@ -145,8 +110,11 @@ class Server:
                     shutdown_trigger=lambda: self._shut_down_on_signal(engine, nursery),
                     task_status=task_status,
                 )
-                nursery.cancel_scope.cancel()  # ends the connection cutter, if it still waits
+                nursery.cancel_scope.cancel()  # ends the sweeper and the connection cutter
 
+            # a second past the 408, so that the answer is out before the connection closes
+            stalled_after = self.config.body_timeout + 1.0
+            nursery.start_soon(Connections.close_stalled_bodies, stalled_after)
             binds = await nursery.start(serve_until_shut_down)
             url = binds[0] if binds else f"http://{self.config.host}:{self.config.port}"
             print(f"cadence listening on {url}", flush=True)
@@ -160,6 +128,11 @@ class Server:
         hc.errorlog = "-"
         hc.loglevel = "WARNING"
         hc.graceful_timeout = CLOSE_GRACE_SECONDS
+        # Hypercorn's idle timer runs from a connection's start, and from the end of each
+        # answer, until a whole request head has arrived: the head's timeout
+        hc.keep_alive_timeout = self.config.head_timeout
+        # a burst of connections waits in the kernel's queue for accept, not in SYN retries
+        hc.backlog = self.config.max_connections
         return hc
 
     async def _shut_down_on_signal(self, engine: Engine, nursery: trio.Nursery) -> None:
@@ -231,24 +204,40 @@ def _has_peer(sock: socket.socket) -> bool:
     return True
 
 
-def raise_descriptor_limit() -> None:
-    """Take the hard limit of open files: each connection holds one, and a worker restart
-    needs a socketpair, which must not fail because clients took the last descriptors."""
+def raise_descriptor_limit() -> int:
+    """Take the hard limit of open files, and return the limit now in force: each
+    connection holds one, and a worker restart needs a socketpair, which must not fail
+    because clients took the last descriptors."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or soft < hard:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def report_descriptor_limit(limit: int, max_connections: int) -> None:
+    """Log the limit, and warn when the connection cap leaves the server too few beside it."""
+    log.info("server.descriptor_limit", open_files=limit, max_connections=max_connections)
+    if limit != resource.RLIM_INFINITY and max_connections + DESCRIPTOR_RESERVE > limit:
+        log.warning(
+            "server.descriptor_limit_low",
+            open_files=limit,
+            max_connections=max_connections,
+            reserve=DESCRIPTOR_RESERVE,
+            hint="lower --max-connections or raise the hard limit (ulimit -Hn)",
+        )
 
 
 def build_server(config: Config) -> Server:
     """Everything up to serving; raises ModelFileError for a model that cannot be served."""
-    raise_descriptor_limit()
+    limit = raise_descriptor_limit()
     configure_logging(
         config.log_file,
         config.log_level,
         max_bytes=config.log_max_bytes,
         backups=config.log_backups,
     )
+    report_descriptor_limit(limit, config.max_connections)
     model_dir = resolve_model(config.model, config.cache_dir, progress=print_progress)
     name = config.served_model_name or served_model_name(config.model)
     return Server(config, model_dir, Tokenizer.from_dir(model_dir, config.chat_template), name)

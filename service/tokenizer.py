@@ -18,6 +18,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Encoding
 from tokenizers import Tokenizer as RustTokenizer
 
+from service.chat_messages import for_template
+
 MAX_REQUEST_TEMPLATES = 16  # requests' own chat templates kept compiled
 # Private-use characters: one that no content and no template holds marks where a special
 # token's name stood in a message, from rendering to encoding
@@ -108,7 +110,7 @@ class Tokenizer:
         try:
             return compiled.render(
                 **extra,
-                messages=messages,
+                messages=for_template(messages, template or self._chat_source),
                 tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._bos_token or "",

@@ -210,6 +210,15 @@ def stop_server(server: RunningServer, timeout: float = 30.0) -> int:
     return server.process.returncode
 
 
+def served(
+    tmp_path_factory: pytest.TempPathFactory, name: str, *args: str
+) -> Iterator[RunningServer]:
+    """A module's own server (`yield from` it in a fixture), stopped when the module ends."""
+    server = start_server(tmp_path_factory.mktemp(name), *args)
+    yield server
+    stop_server(server)
+
+
 # Registered once, in tests/conftest.py: one server of each dtype for the whole run. (A
 # module's own alias of a session fixture is a fixture of its own: 18 aliases made 18
 # servers, all alive to the end of the run.)

@@ -223,11 +223,15 @@ def test_the_playground_page_cannot_be_framed(cadence_server: RunningServer) -> 
 
 @pytest.fixture(scope="module")
 def capped_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    """Started with a soft limit of 256 open files, and at most 3 connections."""
+    """Started with a soft limit of 256 open files, at most 3 connections, a request head
+    in 3 s and a body in 1 s."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))  # the child inherits
     try:
-        server = start_server(tmp_path_factory.mktemp("capped"), "--max-connections", "3")
+        server = start_server(
+            tmp_path_factory.mktemp("capped"),
+            "--max-connections", "3", "--head-timeout", "3", "--body-timeout", "1",
+        )  # fmt: skip
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     yield server
@@ -239,6 +243,8 @@ def test_the_server_takes_the_hard_limit_of_open_files(capped_server: RunningSer
     limits = Path(f"/proc/{capped_server.process.pid}/limits").read_text().splitlines()
     line = next(line for line in limits if line.startswith("Max open files"))
     assert line.split()[3:5] == [str(hard), str(hard)]
+    (reported,) = capped_server.log_events("server.descriptor_limit")
+    assert reported["open_files"] == hard and reported["max_connections"] == 3
 
 
 def test_cors_is_off_by_default(cadence_server: RunningServer) -> None:
@@ -305,31 +311,71 @@ def test_a_foreign_origin_gets_no_cors_beside_an_allowed_one(cors_server: Runnin
     assert "access-control-allow-origin" not in simple.headers
 
 
-def test_a_connection_past_the_cap_gets_503_and_the_others_are_served(
-    capped_server: RunningServer,
-) -> None:
-    server = capped_server
+HEALTH = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+
+
+def answer_of(sock: socket.socket, request: bytes, until_closed: bool) -> bytes:
+    sock.sendall(request)
+    data = b""
+    while (chunk := sock.recv(4096)) and (until_closed or b'"status"' not in data + chunk):
+        data += chunk
+    return data + chunk
+
+
+def connect(server: RunningServer) -> socket.socket:
     url = urlsplit(server.url)
-    health = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    return socket.create_connection((url.hostname, url.port), timeout=10)
 
-    def answer(sock: socket.socket, until_closed: bool) -> bytes:
-        sock.sendall(health)
-        data = b""
-        while (chunk := sock.recv(4096)) and (until_closed or b'"status"' not in data + chunk):
-            data += chunk
-        return data + chunk
 
+def test_at_the_cap_the_longest_idle_connection_gives_way(capped_server: RunningServer) -> None:
     time.sleep(1.0)  # the start-up's own health checks have closed their connections
-    held = [socket.create_connection((url.hostname, url.port), timeout=10) for _ in range(3)]
+    held = [connect(capped_server) for _ in range(3)]
     try:
-        for sock in held:  # served, and kept open (keep-alive)
-            assert answer(sock, until_closed=False).startswith(b"HTTP/1.1 200")
-        with socket.create_connection((url.hostname, url.port), timeout=10) as extra:
-            refused = answer(extra, until_closed=True)
-        assert refused.startswith(b"HTTP/1.1 503") and b"too_many_connections" in refused
-        held.pop().close()
-        time.sleep(0.5)
-        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        for sock in held:  # served, and kept open (keep-alive), the first idle longest
+            assert answer_of(sock, HEALTH, until_closed=False).startswith(b"HTTP/1.1 200")
+            time.sleep(0.1)
+        with connect(capped_server) as newcomer:
+            assert answer_of(newcomer, HEALTH, until_closed=False).startswith(b"HTTP/1.1 200")
+        assert held[0].recv(4096) == b""  # closed to make room
+        for sock in held[1:]:  # the others kept theirs
+            assert answer_of(sock, HEALTH, until_closed=False).startswith(b"HTTP/1.1 200")
     finally:
         for sock in held:
             sock.close()
+
+
+def test_at_the_cap_with_every_connection_answering_the_newcomer_gets_503(
+    capped_server: RunningServer,
+) -> None:
+    body = orjson.dumps({"prompt": "Hello", "max_tokens": 2000, "ignore_eos": True, "stream": True})
+    stream = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+        b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    time.sleep(1.0)
+    streams = [connect(capped_server) for _ in range(3)]
+    try:
+        for sock in streams:
+            sock.sendall(stream)
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")  # answering: may not give way
+        with connect(capped_server) as newcomer:
+            refused = answer_of(newcomer, HEALTH, until_closed=True)
+        assert refused.startswith(b"HTTP/1.1 503") and b"too_many_connections" in refused
+    finally:
+        for sock in streams:
+            sock.close()
+    capped_server.wait_idle()
+
+
+def test_a_request_head_or_body_that_does_not_come_is_closed(
+    capped_server: RunningServer,
+) -> None:
+    time.sleep(1.0)
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+        b"\r\nContent-Length: 100\r\n\r\n"
+    )
+    with connect(capped_server) as body_never_sent, connect(capped_server) as silent:
+        answer = answer_of(body_never_sent, head, until_closed=True)  # after --body-timeout 1
+        assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer
+        assert silent.recv(4096) == b""  # closed after --head-timeout 3

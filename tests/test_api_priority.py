@@ -48,3 +48,37 @@ def test_lower_priority_values_run_first_as_vllm_does(
     finished = [e["request_id"] for e in one_at_a_time.log_events("request.finished")]
     order = sorted(ids, key=lambda p: finished.index(ids[p]))
     assert order == [-5, 0, 9]
+
+
+def test_a_more_important_arrival_at_the_cap_preempts_and_outputs_stay_the_same(
+    one_at_a_time: RunningServer,
+) -> None:
+    """One slot, held by a priority-5 stream: a priority-0 request preempts it (as vLLM's
+    priority scheduling does), is answered before the stream ends, and both answers equal
+    their runs alone (the preempted one is recomputed, greedy)."""
+    client = openai.OpenAI(
+        base_url=f"{one_at_a_time.url}/v1", api_key="unused", max_retries=0, timeout=120
+    )
+
+    def create(priority: int, max_tokens: int, stream: bool) -> object:
+        return client.completions.create(
+            model=one_at_a_time.model, prompt=f"List {priority} fruits:", max_tokens=max_tokens,
+            temperature=0, stream=stream, extra_body={"priority": priority, "ignore_eos": True},
+        )  # fmt: skip
+
+    minor_alone = create(5, 48, False).choices[0].text  # type: ignore[attr-defined]
+    urgent_alone = create(0, 4, False).choices[0].text  # type: ignore[attr-defined]
+    stream = create(5, 48, True)
+    minor = iter(stream)  # type: ignore[call-overload]
+    first = next(minor)  # it holds the only slot now
+    texts = [first.choices[0].text]
+    urgent = create(0, 4, False).choices[0].text  # type: ignore[attr-defined]
+    answered_at = time.monotonic()
+    texts += [chunk.choices[0].text for chunk in minor]
+    ended_at = time.monotonic()
+    assert urgent == urgent_alone and "".join(texts) == minor_alone
+    assert answered_at < ended_at - 0.1  # the stream still had tokens to send
+    (finished,) = [
+        e for e in one_at_a_time.log_events("request.finished") if e["request_id"] == first.id
+    ]
+    assert finished["preemptions"] >= 1

@@ -368,3 +368,83 @@ def test_the_responses_api_calls_tools_and_takes_their_output(client: openai.Ope
         temperature=0,
     )
     assert second.output_text and second.usage.input_tokens > first.usage.input_tokens
+
+
+CITY_FORMAT = {
+    "type": "json_schema",
+    "name": "city",
+    "schema": {
+        "type": "object",
+        "properties": {"city": CITY, "country": CITY},
+        "required": ["city", "country"],
+        "additionalProperties": False,
+    },
+    "strict": True,
+}
+
+
+def test_the_responses_api_keeps_its_text_format_and_logprobs(client: openai.OpenAI) -> None:
+    fields: dict[str, Any] = {
+        "model": "SmolLM2-135M-Instruct",
+        "input": "Name a city and its country.",
+        "max_output_tokens": 48,
+        "temperature": 0,
+        "text": {"format": CITY_FORMAT},
+        "top_logprobs": 2,
+    }
+    whole = client.responses.create(**fields)
+    jsonschema.validate(json.loads(whole.output_text), CITY_FORMAT["schema"])
+    assert whole.text.format.type == "json_schema" and whole.text.format.name == "city"
+    part = whole.output[-1].content[0]
+    assert len(part.logprobs) == whole.usage.output_tokens
+    assert all(len(entry.top_logprobs) == 2 for entry in part.logprobs)
+    events = list(client.responses.create(**fields, stream=True))
+    assert events[-1].response.output_text == whole.output_text
+    streamed = [p for e in events if e.type == "response.output_text.delta" for p in e.logprobs]
+    assert [p.token for p in streamed] == [p.token for p in part.logprobs]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"store": True}, "store"),
+        ({"background": True}, "background"),
+        ({"truncation": "auto"}, "truncation"),
+        ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"text": {"format": {"type": "yaml"}}}, "text"),
+        ({"reasoning": {"summary": "detailed"}}, "reasoning"),
+        ({"n": 2}, "n"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+    ],
+)
+def test_responses_fields_it_cannot_honour_are_400s_naming_them(
+    server: RunningServer, fields: dict, param: str
+) -> None:
+    body = {"input": "hi", "max_output_tokens": 4, **fields}
+    answer = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == param
+
+
+def test_a_grammar_starts_after_the_reasoning_whole_and_streamed(client: openai.OpenAI) -> None:
+    """The template opens `<think>` (enable_thinking): the reasoning is free, and the schema
+    binds the answer after it; a thinking_token_budget of 8 ends it (the marker forced)."""
+    fields: dict[str, Any] = {
+        "response_format": {"type": "json_schema", "json_schema": {**CITY_FORMAT}},
+        "max_tokens": 64,
+        "temperature": 0,
+        "extra_body": {
+            "chat_template_kwargs": {"enable_thinking": True},
+            "thinking_token_budget": 8,
+        },
+    }
+    fields["response_format"]["json_schema"].pop("type")
+    whole = ask(client, "Name a city and its country.", False, **fields).choices[0].message
+    thought = whole.model_extra["reasoning_content"]
+    assert thought and not thought.lstrip().startswith("{")  # free text, not the JSON
+    jsonschema.validate(json.loads(whole.content), CITY_FORMAT["schema"])
+    message, _ = streamed(ask(client, "Name a city and its country.", True, **fields))
+    assert message == comparable(whole.model_dump())
+    fields["extra_body"]["include_reasoning"] = False
+    hidden = ask(client, "Name a city and its country.", False, **fields).choices[0].message
+    assert hidden.content == whole.content and not hidden.model_extra.get("reasoning_content")

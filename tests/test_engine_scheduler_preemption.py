@@ -296,3 +296,20 @@ def test_random_traces_finish_without_storm_or_deadlock(
         if request.seq_id not in aborted:
             assert request.num_generated == request.params.max_tokens
             assert request.token_ids[request.prompt_len :] == [SAMPLED] * request.num_generated
+
+
+# ---- a slot at the sequence cap, for the policy's admission ------------------------------
+
+
+def test_at_the_sequence_cap_a_victim_the_policy_names_gives_up_its_slot():
+    sched, _ = make_scheduler(num_blocks=16, block_size=4, max_tokens=64, max_seqs=2)
+    minor, other = make_request(0, 4, priority=5), make_request(1, 4, priority=5)
+    admit_all(sched, minor, other)
+    urgent = make_request(2, 4, priority=0)
+    sched.add(urgent)
+    out = step(sched, Decision(schedule=[(0, 1), (2, 4)]))  # nobody named: the cap holds
+    assert scheduled(out) == [(0, 1)] and sched.corrections["max_seqs"] == 1
+    out = step(sched, Decision(schedule=[(0, 1), (2, 4)], preempt=[1]))
+    assert preempted(out) == [1] and scheduled(out) == [(0, 1), (2, 4)]
+    assert not sched.admission_paused  # a slot, not blocks: admission goes on
+    assert other.status is Status.WAITING and other.num_computed_tokens == 0

@@ -138,11 +138,15 @@ def test_priority_preempts_what_the_urgent_prompt_needs_whatever_its_first_chunk
     assert d.preempt == [3]  # free blocks are promised to others: 1 admittable, 2 missing
 
 
-def test_priority_preempts_nobody_for_a_request_left_out_by_the_sequence_cap():
-    blocks_free_for_it = view([IMPORTANT_DECODER, *MINOR_DECODERS], [URGENT], free=3, max_seqs=3)
+def test_priority_at_the_sequence_cap_preempts_the_least_important_and_fcfs_does_not():
+    at_cap = view([IMPORTANT_DECODER, *MINOR_DECODERS], [URGENT], free=3, max_seqs=3)
     policy = make_policy("priority", {"aging_rate": 0, "token_budget": 512})
-    d = policy.decide(blocks_free_for_it)
-    assert d.preempt == [] and len(d.schedule) <= 3 and 9 not in dict(d.schedule)
+    d = policy.decide(at_cap)
+    assert d.preempt == [3]  # one slot: the latest-arriving of the least important
+    assert dict(d.schedule) == {1: 1, 2: 1, 9: 40} and len(d.schedule) <= 3
+    no_less_important = view([IMPORTANT_DECODER], [URGENT], free=3, max_seqs=1)
+    assert policy.decide(no_less_important).preempt == []
+    assert make_policy("fcfs", {}).decide(at_cap).preempt == []
 
 
 def test_fair_serves_the_tenant_with_fewer_tokens():

@@ -5,6 +5,8 @@ escape (a send racing the close, a dropped HTTP/2 stream's KeyError)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import structlog
 import trio
@@ -44,7 +46,7 @@ async def test_a_connection_that_fails_is_logged_and_ends_alone(failure: Excepti
         raise failure
 
     with structlog.testing.capture_logs() as logs:
-        await contained(run)(object())  # type: ignore[arg-type]
+        await contained(run)(SimpleNamespace(stream=None))  # type: ignore[arg-type]
     assert [(e["event"], e["log_level"]) for e in logs] == [("http.connection_failed", "warning")]
     assert logs[0]["error"] == repr(failure)
 
@@ -54,7 +56,7 @@ async def test_cancellation_still_reaches_the_connection():
         await trio.sleep_forever()
 
     with trio.move_on_after(0.01) as scope:
-        await contained(run)(object())  # type: ignore[arg-type]
+        await contained(run)(SimpleNamespace(stream=None))  # type: ignore[arg-type]
     assert scope.cancelled_caught
 
 

@@ -45,6 +45,7 @@ def create_app(
     # Import name -> root path service/api/, so service/api/static is served at /static.
     app = QuartTrio(__name__, static_folder="static")
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
+    app.config["BODY_TIMEOUT"] = config.body_timeout  # then 408: body.py closes the connection
     # Non-streaming generations can take long too; SSE responses also set their own None.
     app.config["RESPONSE_TIMEOUT"] = None
     metrics = Metrics(frozenset(key.tenant for key in config.api_keys))
@@ -138,7 +139,12 @@ def _install_error_handlers(app: QuartTrio) -> None:
     @app.errorhandler(HTTPException)
     async def http_error(error: HTTPException) -> Response:
         status = error.code or 500
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(status)
+        code = {
+            404: "not_found",
+            405: "method_not_allowed",
+            408: "request_timeout",
+            413: "request_too_large",
+        }.get(status)
         message = error.description or error.name
         if status == 413:
             message = f"the request body is larger than {app.config['MAX_CONTENT_LENGTH']} bytes"

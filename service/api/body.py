@@ -9,25 +9,32 @@ keep-alive connection, which never gets an answer: the schemathesis fuzz run hun
 from __future__ import annotations
 
 from quart import g, request
-from werkzeug.exceptions import RequestEntityTooLarge
+from werkzeug.exceptions import RequestEntityTooLarge, RequestTimeout
 
 
 async def read_body() -> bytes:
-    """The whole request body (413 beyond the app's MAX_CONTENT_LENGTH)."""
-    data = await request.get_data(cache=False, as_text=False)
+    """The whole request body (413 beyond the app's MAX_CONTENT_LENGTH, 408 when it has not
+    all come within BODY_TIMEOUT)."""
+    try:
+        data = await request.get_data(cache=False, as_text=False)
+    except RequestTimeout:
+        g.body_stalled = True  # not waited for twice: the connection closes instead
+        raise
     g.body_read = True
     assert isinstance(data, bytes)
     return data
 
 
 async def drain_unread_body() -> bool:
-    """Read a body the route left unread to its end; False when it is too large to be, and
-    the connection must be closed instead."""
+    """Read a body the route left unread to its end; False when it is too large to be, or
+    too slow to come, and the connection must be closed instead."""
+    if g.get("body_stalled", False):
+        return False
     if not body_left_unread():
         return True
     try:
         await read_body()
-    except RequestEntityTooLarge:
+    except (RequestEntityTooLarge, RequestTimeout):
         return False
     return True
 

@@ -14,6 +14,7 @@ from service.api.errors import bad_request
 from service.api.openai_chat import ChatOptions
 from service.config import Config
 from service.engine.grammar import ResponseFormat
+from service.engine.grammar_reasoning import AfterReasoning
 from service.tokenizer import Tokenizer
 from service.tool_calls import parser_named
 from service.tool_calls.forced import NamedParser, RequiredParser
@@ -84,3 +85,24 @@ def output_reader(
 
 def keeps_special_tokens(reader: OutputReader | None) -> bool:
     return reader is not None and reader.tools is not None and reader.tools.keeps_special_tokens
+
+
+def after_reasoning(
+    grammar: Any, reader: OutputReader | None, chat: ChatOptions, tokenizer: Tokenizer
+) -> Any:
+    """`grammar` to begin once the reasoning ends, for a prompt that opened it (as vLLM
+    starts it after the end marker); as it is otherwise. `thinking_token_budget` needs such
+    a prompt and a grammar to end the reasoning into."""
+    budget = chat.thinking_budget
+    inside = reader is not None and reader.reasons and reader.starts_inside
+    if budget is not None and not (inside and grammar is not None):
+        raise bad_request(
+            "'thinking_token_budget' needs --reasoning-parser, a prompt that opens the "
+            "reasoning (e.g. chat_template_kwargs that enable thinking), and a grammar "
+            "(response_format or a structured_outputs field) for the answer after it",
+            "thinking_token_budget",
+        )
+    if grammar is None or not inside:
+        return grammar
+    end = tuple(tokenizer.encode(reasoning.END))
+    return AfterReasoning(grammar, end, budget)

@@ -36,6 +36,7 @@ class ChatOptions:
     template: str | None = None  # the request's own chat template
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     include_reasoning: bool = True  # vLLM's: false drops reasoning_content from the answer
+    thinking_budget: int | None = None  # vLLM's thinking_token_budget: reasoning tokens at most
 
     def functions(self) -> list[dict[str, Any]]:
         """The declared functions ({"name", "parameters", ...})."""

@@ -17,6 +17,7 @@ import orjson
 
 from gpu_worker.protocol import SamplingSpec
 from service.api.chat_output import OutputReader
+from service.api.counts import COUNTS, check_count
 from service.api.errors import APIError, bad_request
 from service.api.openai_chat import ChatOptions, parse_chat_options, parse_message
 from service.api.openai_grammar import parse_grammar, structural_tag_format
@@ -148,12 +149,14 @@ class GenerationRequest:
 
 
 class _Fields:
-    """Reads typed fields out of a JSON object, remembering which keys were used."""
+    """Reads typed fields out of a JSON object, remembering which keys were used; a count
+    (service.api.counts) is bounded as it is read, `window` the context window if known."""
 
-    def __init__(self, body: Any) -> None:
+    def __init__(self, body: Any, window: int | None = None) -> None:
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object")
         self.body = body
+        self.window = window
         self.used: set[str] = set()
         self.ignored: list[str] = []  # fields this server does not know
 
@@ -181,7 +184,7 @@ class _Fields:
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int):
             raise bad_request(f"'{name}' must be an integer, got {value!r}", name)
-        return value
+        return check_count(name, value, self.window) if name in COUNTS else value
 
     def boolean(self, name: str, default: bool) -> bool:
         value = self.raw(name)
@@ -208,7 +211,7 @@ def parse_completion_request(
     body: Any, header_tenant: str | None, bound: PromptBound | None = None
 ) -> GenerationRequest:
     """`bound` None: the context window is not known yet (the worker is still starting)."""
-    fields = _Fields(body)
+    fields = _Fields(body, _window(bound))
     prompts = _parse_prompts(fields.raw("prompt"), bound)
     logprobs = fields.integer("logprobs", None)
     echo = fields.boolean("echo", False)
@@ -228,7 +231,7 @@ def parse_completion_request(
 def parse_chat_request(
     body: Any, header_tenant: str | None, bound: PromptBound | None = None
 ) -> GenerationRequest:
-    fields = _Fields(body)
+    fields = _Fields(body, _window(bound))
     messages = _parse_messages(fields.raw("messages"), bound)
     logprobs = fields.boolean("logprobs", False)
     top_logprobs = fields.integer("top_logprobs", 0) or 0
@@ -237,6 +240,7 @@ def parse_chat_request(
     request = _parse_common(fields, "chat", header_tenant, top_logprobs if logprobs else None)
     request.messages = messages
     request.chat = parse_chat_options(fields.raw)
+    request.chat.thinking_budget = fields.integer("thinking_token_budget", None)
     fields.check_leftovers()
     request.ignored = tuple(fields.ignored)
     return request
@@ -302,7 +306,7 @@ class EmbeddingRequest:
 def parse_embedding_request(
     body: Any, tenant_header: str | None, bound: PromptBound | None = None
 ) -> EmbeddingRequest:
-    fields = _Fields(body)
+    fields = _Fields(body, _window(bound))
     model = fields.raw("model")
     if model is not None and not isinstance(model, str):
         raise bad_request(f"'model' must be a string, got {model!r}", "model")
@@ -363,6 +367,10 @@ def parse_detokenize_request(
     return model, tokens
 
 
+def _window(bound: PromptBound | None) -> int | None:
+    return None if bound is None else bound.max_tokens
+
+
 def _parse_common(
     fields: _Fields, kind: str, header_tenant: str | None, top_logprobs: int | None
 ) -> GenerationRequest:
@@ -374,8 +382,6 @@ def _parse_common(
     max_tokens = fields.integer("max_tokens", None)
     if kind == "chat":
         alternative = fields.integer("max_completion_tokens", None)
-        if alternative is not None and alternative < 1:  # the engine names max_tokens
-            raise bad_request("'max_completion_tokens' must be at least 1", "max_completion_tokens")
         max_tokens = alternative if alternative is not None else max_tokens
     n, best_of = _parse_sequences(fields)
     top_k = fields.integer("top_k", 0) or 0
@@ -421,7 +427,7 @@ def _parse_common(
 
 
 def _parse_sequences(fields: _Fields) -> tuple[int, int]:
-    """(n, best_of): best_of defaults to n and may not be less (the engine bounds both)."""
+    """(n, best_of): best_of defaults to n and may not be less (both counts, bounded)."""
     n = fields.integer("n", 1)
     assert n is not None
     best_of = fields.integer("best_of", n)

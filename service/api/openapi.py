@@ -16,6 +16,7 @@ from quart import Blueprint, Response
 from policies.registry import POLICIES
 from service.api.access import METRICS_PATH, needs_key
 from service.api.app_state import app_state
+from service.api.counts import count_schema
 from service.api.errors import json_response
 from service.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from service.api.openai_chat import CHAT_ROLES, REASONING_EFFORTS, TOOL_CHOICES
@@ -27,14 +28,13 @@ from service.api.openai_schema import (
     MAX_SCHEMA_BYTES,
     NEUTRAL_VALUES,
 )
+from service.api.responses_input import CHAT_ONLY
+from service.api.responses_options import LOGPROBS_INCLUDE, NEUTRAL, SUMMARIES
 from service.engine.validation import (
     MAX_BAD_WORDS,
     MAX_DEADLINE_S,
     MAX_LOGIT_BIAS_TOKENS,
-    MAX_LOGPROBS,
     MAX_PENALTY,
-    MAX_PRIORITY,
-    MAX_SEED,
     MAX_SEQUENCES,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -107,7 +107,7 @@ def _public_paths(max_model_len: int | None) -> Schema:
             "get": _get("The server's version", _open({"version": {"type": "string"}}, ["version"]))
         },
         "/tokenize": {"post": _tokenize()},
-        "/v1/responses": {"post": _responses()},
+        "/v1/responses": {"post": _responses(max_model_len)},
         "/v1/embeddings": {"post": _embeddings(max_model_len)},
         "/detokenize": {"post": _detokenize()},
         "/health": {
@@ -204,9 +204,46 @@ def _generation(summary: str, request_schema: Schema) -> Schema:
     }
 
 
-def _responses() -> Schema:
-    """OpenAI's Responses API, stateless (served as the chat it amounts to)."""
-    request = _open({"input": {}, "instructions": {"type": ["string", "null"]}}, ["input"])
+def _responses(max_model_len: int | None) -> Schema:
+    """OpenAI's Responses API, stateless (served as the chat it amounts to): its own fields,
+    and the chat's sampling fields but those with a Responses name or no Responses place."""
+    shared = _request({}, [], max_model_len)["properties"]
+    chat = {**shared, **_tool_fields()}
+    for name in (*CHAT_ONLY, "tools", "tool_choice"):
+        chat.pop(name, None)
+    item = {"type": "object"}
+    own = {
+        "input": {
+            "oneOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "items": item, "minItems": 1, "maxItems": MAX_CHAT_MESSAGES},
+            ]
+        },
+        "instructions": {"type": ["string", "null"]},
+        "max_output_tokens": count_schema("max_output_tokens", max_model_len),
+        "top_logprobs": count_schema("top_logprobs", max_model_len),
+        "tools": {"type": ["array", "null"], "items": item},
+        "tool_choice": {"oneOf": [{"type": "null"}, {"enum": list(TOOL_CHOICES)}, item]},
+        "text": _text_format(),
+        "reasoning": {
+            "oneOf": [
+                {"type": "null"},
+                _open(
+                    {
+                        "effort": {"oneOf": [{"type": "null"}, {"enum": list(REASONING_EFFORTS)}]},
+                        "summary": {"enum": list(SUMMARIES)},
+                    },
+                    [],
+                ),
+            ]
+        },
+        "include": {"type": ["array", "null"], "items": {"const": LOGPROBS_INCLUDE}},
+        "metadata": {"type": ["object", "null"], "additionalProperties": {"type": "string"}},
+        "safety_identifier": {"type": ["string", "null"], "maxLength": MAX_TENANT_CHARS},
+        **{name: {"enum": _distinct(values)} for name, (values, _) in NEUTRAL.items()},
+    }
+    request = _open({**chat, **own}, ["input"])
+    request["additionalProperties"] = True  # as the chat's: unknown fields are logged
     operation = _generation(
         "A response: input text or items (messages, function_call, function_call_output), "
         "instructions and function tools; stream=true: its typed events",
@@ -214,6 +251,27 @@ def _responses() -> Schema:
     )
     operation["responses"]["200"]["content"][JSON]["schema"] = {"type": "object"}
     return operation
+
+
+def _text_format() -> Schema:
+    """The Responses' `text`: its format (enforced as the chat's response_format)."""
+    json_schema = _open(
+        {
+            "type": {"const": "json_schema"},
+            "name": {"type": "string"},
+            "description": {"type": "string"},
+            "schema": {"type": "object"},
+            "strict": {"type": ["boolean", "null"]},
+        },
+        ["type", "name", "schema"],
+    )
+    kinds = _object({"type": {"enum": ["text", "json_object"]}}, ["type"])
+    return {
+        "oneOf": [
+            {"type": "null"},
+            _object({"format": {"oneOf": [{"type": "null"}, kinds, json_schema]}}, []),
+        ]
+    }
 
 
 def _embeddings(max_model_len: int | None) -> Schema:
@@ -227,7 +285,7 @@ def _embeddings(max_model_len: int | None) -> Schema:
             "add_special_tokens": {"type": ["boolean", "null"]},
             "truncate_prompt_tokens": {"type": ["integer", "null"], "minimum": -1},
             "user": {"type": ["string", "null"]},
-            "priority": {"type": ["integer", "null"]},
+            "priority": count_schema("priority", None),
         },
         ["input"],
     )
@@ -259,11 +317,7 @@ def _completion_request(max_model_len: int | None) -> Schema:
     return _request(
         {
             "prompt": prompt,
-            "logprobs": {
-                **_integer(0, MAX_LOGPROBS),
-                "description": "each token's log-probability and its k most likely "
-                "alternatives (with the chosen token: up to k + 1)",
-            },
+            "logprobs": count_schema("logprobs", max_model_len),
             "echo": {
                 "type": ["boolean", "null"],
                 "description": "the prompt comes back before the completion; with logprobs, "
@@ -307,12 +361,10 @@ def _chat_request(max_model_len: int | None) -> Schema:
                 "minItems": 1,
                 "maxItems": MAX_CHAT_MESSAGES,
             },
-            "max_completion_tokens": _max_tokens(max_model_len),
+            "max_completion_tokens": count_schema("max_completion_tokens", max_model_len),
             "logprobs": {"type": ["boolean", "null"]},
-            "top_logprobs": {
-                **_integer(0, MAX_LOGPROBS),
-                "description": "the k most likely alternatives of each token; needs logprobs",
-            },
+            "top_logprobs": count_schema("top_logprobs", max_model_len),
+            "thinking_token_budget": count_schema("thinking_token_budget", max_model_len),
             **_tool_fields(),
         },
         ["messages"],
@@ -366,20 +418,13 @@ def _request(own: Schema, required: list[str], max_model_len: int | None) -> Sch
     stop_text = {"type": "string", "minLength": 1}
     shared = {
         "model": {"type": ["string", "null"]},
-        "max_tokens": _max_tokens(max_model_len),
+        "max_tokens": count_schema("max_tokens", max_model_len),
         "temperature": _number(0, MAX_TEMPERATURE),
         "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
         "top_k": {"type": ["integer", "null"], "minimum": -1},
-        "seed": _integer(0, MAX_SEED),
-        "n": {
-            **_integer(1, MAX_SEQUENCES),
-            "description": "choices to generate; they share the prompt's KV blocks",
-        },
-        "best_of": {
-            **_integer(1, MAX_SEQUENCES),
-            "description": "sequences to generate (at least n), of which the n of highest "
-            "cumulative log-probability are returned; more than n cannot be streamed",
-        },
+        "seed": count_schema("seed", max_model_len),
+        "n": count_schema("n", max_model_len),
+        "best_of": count_schema("best_of", max_model_len),
         "stop": {
             "oneOf": [
                 {"type": "null"},
@@ -398,7 +443,7 @@ def _request(own: Schema, required: list[str], max_model_len: int | None) -> Sch
         "stream": {"type": ["boolean", "null"]},
         "stream_options": _stream_options(),
         "response_format": _response_format(),
-        **_logit_processors(),
+        **_logit_processors(max_model_len),
         **_grammars(),
         **_routing(),
     }
@@ -416,10 +461,7 @@ def _routing() -> dict[str, Schema]:
     """Who a request is for and when it must start: tenant, priority, deadline."""
     return {
         "user": {"type": ["string", "null"], "maxLength": MAX_TENANT_CHARS},
-        "priority": {
-            **_integer(-MAX_PRIORITY, MAX_PRIORITY),
-            "description": "vLLM's: lower runs first (default 0), under the priority policy",
-        },
+        "priority": count_schema("priority", None),
         "deadline_ms": {
             "type": ["number", "null"],
             "exclusiveMinimum": 0,
@@ -430,7 +472,7 @@ def _routing() -> dict[str, Schema]:
     }
 
 
-def _logit_processors() -> dict[str, Schema]:
+def _logit_processors(max_model_len: int | None) -> dict[str, Schema]:
     """vLLM's sampling parameters beyond temperature, top-p and top-k (as vLLM defines them)."""
     ids: Schema = {"type": "array", "items": {"type": "integer", "minimum": 0}}
     return {
@@ -451,11 +493,7 @@ def _logit_processors() -> dict[str, Schema]:
         },
         "allowed_token_ids": {"oneOf": [{"type": "null"}, {**ids, "minItems": 1}]},
         "stop_token_ids": {"oneOf": [{"type": "null"}, {**ids, "maxItems": MAX_STOP_TOKEN_IDS}]},
-        "min_tokens": {
-            "type": ["integer", "null"],
-            "minimum": 0,
-            "description": "EOS and stop_token_ids cannot be sampled before this many tokens",
-        },
+        "min_tokens": count_schema("min_tokens", max_model_len),
         "bad_words": {
             "oneOf": [
                 {"type": "null"},
@@ -551,13 +589,6 @@ def _token_ids(max_model_len: int | None) -> Schema:
     if max_model_len is not None:
         ids["maxItems"] = max_model_len
     return ids
-
-
-def _max_tokens(max_model_len: int | None) -> Schema:
-    schema: Schema = {"type": ["integer", "null"], "minimum": 1}
-    if max_model_len is not None:
-        schema["maximum"] = max_model_len
-    return schema
 
 
 def _completion_response() -> Schema:
@@ -726,10 +757,6 @@ def _object(properties: Schema, required: list[str]) -> Schema:
 
 def _object_open(properties: Schema) -> Schema:
     return {"type": "object", "properties": properties, "required": list(properties)}
-
-
-def _integer(low: int, high: int) -> Schema:
-    return {"type": ["integer", "null"], "minimum": low, "maximum": high}
 
 
 def _number(low: float, high: float) -> Schema:

@@ -1,53 +1,68 @@
 """POST /v1/responses (OpenAI's Responses API, stateless) read as the chat request it
 amounts to: `instructions` a system turn, `input` text or items (messages, function calls
-and their outputs) the messages, Responses-style tools the chat's, `max_output_tokens`
-max_tokens, `reasoning.effort` reasoning_effort. The chat's own parser then checks all.
+and their outputs) the messages, Responses-style tools the chat's, and the options that
+are Responses' own translated (service.api.responses_options). Every other field goes to
+the chat's parser as it is, so the sampling fields the two APIs share (and vLLM's) are
+honoured alike, and the chat's parser then checks all.
 
 Nothing is stored: `previous_response_id` (a conversation kept by the server) is a 400."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
-from service.api.errors import bad_request
+from service.api.errors import APIError, bad_request
+from service.api.responses_options import OWN_FIELDS, chat_options_of
 
-# Responses fields that are the chat's under the same name
-SAME_FIELDS = (
-    "model",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "stream",
-    "parallel_tool_calls",
-    "user",
-    "priority",
-    "chat_template_kwargs",
-    "stop",
-    "ignore_eos",
+# Chat Completions fields with no place in a Responses body: a 400 naming each, as a field
+# the chat's parser would honour but the Responses answer could not show (n choices,
+# logprobs without output_text) or one that has a Responses name.
+CHAT_ONLY = (
+    "messages",
+    "n",
+    "best_of",
+    "max_tokens",
+    "max_completion_tokens",
+    "response_format",
+    "logprobs",
+    "echo",
+    "stream_options",
 )
-STORED_ONLY = ("previous_response_id", "conversation")  # a server-side conversation
+# The Responses field behind a chat field the chat's parser or the engine names in a 400
+RESPONSES_FIELDS = {
+    "max_tokens": "max_output_tokens",
+    "messages": "input",
+    "reasoning_effort": "reasoning",
+    "response_format": "text",
+}
 
 
 def chat_body_of(body: Any) -> dict[str, Any]:
     """The chat completion body that asks for what this Responses body asks."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
-    for name in STORED_ONLY:
-        if body.get(name) is not None:
-            raise bad_request(f"'{name}' needs stored responses; this server keeps none", name)
-    chat = {name: body[name] for name in SAME_FIELDS if name in body}
+    for name in CHAT_ONLY:
+        if name in body:
+            raise bad_request(f"'{name}' is a Chat Completions field, not a Responses one", name)
+    chat = {name: value for name, value in body.items() if name not in OWN_FIELDS}
     chat["messages"] = _instructions(body.get("instructions")) + messages_of(body.get("input"))
-    if body.get("max_output_tokens") is not None:
-        chat["max_tokens"] = body["max_output_tokens"]
     if body.get("tools") is not None:
         chat["tools"] = _tools(body["tools"])
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
-    reasoning = body.get("reasoning")
-    if isinstance(reasoning, dict) and reasoning.get("effort") is not None:
-        chat["reasoning_effort"] = reasoning["effort"]
-    return chat
+    return {**chat, **chat_options_of(body)}
+
+
+@contextlib.contextmanager
+def responses_fields() -> Iterator[None]:
+    """Errors raised for the chat request name the Responses body's fields."""
+    try:
+        yield
+    except APIError as exc:
+        exc.param = RESPONSES_FIELDS.get(exc.param or "", exc.param)
+        raise
 
 
 def _instructions(value: Any) -> list[dict[str, Any]]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.api.openai_responses import ResponseHeader
+from service.api.responses_options import text_format
 
 ECHOED = (
     "instructions",
@@ -36,13 +37,15 @@ def reasoning_item(text: str, status: str) -> dict[str, Any]:
     }
 
 
-def message_item(text: str, status: str) -> dict[str, Any]:
+def message_item(text: str, status: str, logprobs: list | None = None) -> dict[str, Any]:
+    """`logprobs`: the chat's entries of its tokens (the same shape), if asked for."""
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
     return {
         "type": "message",
         "id": item_id("msg"),
         "role": "assistant",
         "status": status,
-        "content": [{"type": "output_text", "text": text, "annotations": []}],
+        "content": [part],
     }
 
 
@@ -57,13 +60,13 @@ def call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str,
     }
 
 
-def output_of(message: dict[str, Any]) -> list[dict[str, Any]]:
+def output_of(message: dict[str, Any], logprobs: list | None) -> list[dict[str, Any]]:
     """A chat message's output items, in the order the model wrote them."""
     items = []
     if message.get("reasoning_content"):
         items.append(reasoning_item(message["reasoning_content"], "completed"))
     if message.get("content"):
-        items.append(message_item(message["content"], "completed"))
+        items.append(message_item(message["content"], "completed", logprobs))
     for call in message.get("tool_calls") or ():
         function = call["function"]
         items.append(call_item(call["id"], function["name"], function["arguments"], "completed"))
@@ -89,7 +92,7 @@ def response_object(
         "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "usage": None if usage is None else responses_usage(usage),
-        "text": {"format": {"type": "text"}},
+        "text": {"format": text_format(request)},
     }
     body.update({name: request.get(name) for name in ECHOED})
     body["tools"] = body["tools"] or []
@@ -116,6 +119,7 @@ class OpenItem:
     item: dict[str, Any]
     index: int
     text: str = ""
+    logprobs: list = field(default_factory=list)  # a message's, when asked for
 
 
 @dataclass(slots=True)
@@ -126,6 +130,7 @@ class ResponseEvents:
     request: dict[str, Any]
     sequence: int = 0
     items: dict[Any, OpenItem] = field(default_factory=dict)  # "reasoning", "message", call i
+    pending: list = field(default_factory=list)  # logprobs not yet sent with output text
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         self.sequence += 1
@@ -138,9 +143,11 @@ class ResponseEvents:
             self.event("response.in_progress", response=response),
         ]
 
-    def deltas(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
-        """The events of one chat delta."""
+    def deltas(self, delta: dict[str, Any], logprobs: list) -> list[dict[str, Any]]:
+        """The events of one chat delta; `logprobs`: its tokens' entries, sent with the
+        next output text (a reader may hold text back)."""
         events = []
+        self.pending += logprobs
         if delta.get("reasoning_content"):
             events += self._text(
                 "reasoning", delta["reasoning_content"], "response.reasoning_text.delta"
@@ -180,6 +187,10 @@ class ResponseEvents:
             events += self._open(key, opened)
         open_ = self.items[key]
         open_.text += text
+        logprobs: list = []
+        if key == "message":
+            logprobs, self.pending = self.pending, []
+            open_.logprobs += logprobs
         events.append(
             self.event(
                 kind,
@@ -187,7 +198,7 @@ class ResponseEvents:
                 output_index=open_.index,
                 content_index=0,
                 delta=text,
-                logprobs=[],
+                logprobs=logprobs,
             )
         )
         return events
@@ -213,6 +224,8 @@ class ResponseEvents:
 
     def finished(self, finish_reason: str, usage: dict[str, Any]) -> list[dict[str, Any]]:
         events, output = [], []
+        if self.pending and "message" in self.items:  # the last tokens' (EOS: no text)
+            events += self._text("message", "", "response.output_text.delta")
         for open_ in self.items.values():
             done, item_events = self._close(open_)
             events += item_events
@@ -230,13 +243,13 @@ class ResponseEvents:
                 self.event("response.function_call_arguments.done", arguments=open_.text, **where)
             )
         elif item["type"] == "message":
-            done = message_item(open_.text, "completed")
+            done = message_item(open_.text, "completed", open_.logprobs)
             events.append(
                 self.event(
                     "response.output_text.done",
                     content_index=0,
                     text=open_.text,
-                    logprobs=[],
+                    logprobs=open_.logprobs,
                     **where,
                 )
             )

@@ -22,6 +22,7 @@ from service.api.batch import merge_channels
 from service.api.body import read_body
 from service.api.chat_output import MessageStream
 from service.api.chat_setup import (
+    after_reasoning,
     check_tool_choice,
     forced_calls_format,
     keeps_special_tokens,
@@ -256,6 +257,8 @@ async def submit_prompt(
         req.reader = output_reader(req.chat, state.config, state.tokenizer, prompt_ids)
         if keeps_special_tokens(req.reader):
             req.params.skip_special_tokens = False
+        grammar = after_reasoning(req.params.grammar, req.reader, req.chat, state.tokenizer)
+        req.params.grammar = grammar
     check_logprob_volume(req, len(prompt_ids), state)
     tenant = tenant_of(req.tenant, request_key())
     params = isolated(req.params, tenant, state)

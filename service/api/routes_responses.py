@@ -15,9 +15,10 @@ from quart import Blueprint, Response, request
 from service.api.app_state import AppState, app_state
 from service.api.chat_output import MessageStream, OutputReader
 from service.api.errors import json_response
+from service.api.openai_logprobs import logprobs_of
 from service.api.openai_responses import ResponseHeader, finish_reason_of, usage
 from service.api.openai_schema import GenerationRequest, parse_chat_request
-from service.api.responses_input import chat_body_of
+from service.api.responses_input import chat_body_of, responses_fields
 from service.api.responses_output import ResponseEvents, output_of, response_object
 from service.api.routes_openai import (
     abort,
@@ -39,11 +40,12 @@ blueprint = Blueprint("responses", __name__)
 async def responses() -> Response:
     body = await read_json_body()
     chat = chat_body_of(body)
-    req = parse_chat_request(chat, request.headers.get("X-Tenant"), prompt_bound())
     state = app_state()
-    await prepare(req, state)
     header = ResponseHeader("chat", f"resp_{uuid.uuid4().hex}", state.served_model_name)
-    _, channel = await submit_prompt(req, state, header.request_id)
+    with responses_fields():
+        req = parse_chat_request(chat, request.headers.get("X-Tenant"), prompt_bound())
+        await prepare(req, state)
+        _, channel = await submit_prompt(req, state, header.request_id)
     if req.stream:
         response = Response(
             event_stream(req, header, channel, state, body),
@@ -54,7 +56,7 @@ async def responses() -> Response:
         return response
     chat_body = await whole_body(req, header, channel, state, None)
     choice = chat_body["choices"][0]
-    output = output_of(choice["message"])
+    output = output_of(choice["message"], (choice["logprobs"] or {}).get("content"))
     answer = response_object(header, body, output, choice["finish_reason"], chat_body["usage"])
     return json_response(answer, 200, {"X-Request-Id": header.request_id})
 
@@ -80,8 +82,11 @@ async def event_stream(
             if not group:
                 yield HEARTBEAT
                 continue
-            text = "".join(e.text for e in group if isinstance(e, TokenEvent))
-            for event in events.deltas(stream.delta(text)) if text else ():
+            tokens = [e for e in group if isinstance(e, TokenEvent)]
+            text = "".join(e.text for e in tokens)
+            logprobs = logprobs_of(req, state.tokenizer.pieces, tokens, 0, None)
+            delta = stream.delta(text) if text else {}
+            for event in events.deltas(delta, (logprobs or {}).get("content") or []):
                 yield sse_event(event)
             finish = group[-1]
             if isinstance(finish, FinishEvent):
@@ -104,7 +109,7 @@ def closing_events(
     error = failure_of(finish)
     if error is not None:
         return [events.event("error", **error_fields(error.body()))]
-    last = events.deltas(stream.delta("", final=True))
+    last = events.deltas(stream.delta("", final=True), [])
     reason = finish_reason_of(finish.reason, stream.called)
     return last + events.finished(reason, usage([finish], state.config.reports_cached_tokens(), 1))
 

@@ -8,7 +8,8 @@ victims it preempts between the scheduler's lists:
   samples fit in the free blocks that are not promised to admitted sequences still
   prefilling, minus the `watermark` kept for running ones to grow. Its blocks are allocated
   chunk by chunk; the rest are promised to it (BlockManager.promise). Only victims the
-  policy named may be preempted to admit someone: the core never evicts for a newcomer.
+  policy named may be preempted to admit someone (for blocks, or for a sequence slot at
+  `max_num_seqs`): the core never evicts for a newcomer.
 - Hysteresis. A preemption pauses admission for the rest of its step and after, until the
   unpromised free blocks exceed `admission_watermark` (a fraction of the blocks, above the
   watermark; checked when a step begins and when a sequence leaves), so admission does not
@@ -132,15 +133,21 @@ class BlockRules:
     def admit(self, request: Request, draft: StepDraft) -> bool:
         """Admit a waiting sequence if blocks for its whole prompt fit (module docstring),
         starting from its cached prefix."""
+        slot_victim = None
         if len(self.running) >= self.max_num_seqs:
-            self.corrections["max_seqs"] += 1
-            return False
+            # every slot taken: only a victim the policy named gives up its own
+            slot_victim = next(iter(self._named_victims(request, draft)), None)
+            if slot_victim is None:
+                self.corrections["max_seqs"] += 1
+                return False
         if self.admission_paused:
             self.corrections["admission_paused"] += 1
             return False
         if not self.tenants.leaves_wanted(request, self.running):
             self.corrections["tenant_slots"] += 1
             return False
+        if slot_victim is not None:  # a slot, not blocks: no reason to pause admission
+            self.preempt(slot_victim, draft.out, pause=False)
         hit = prefix_hit(self.blocks, request)
         victims = self._admission_victims(request, hit, draft)
         if victims is None:

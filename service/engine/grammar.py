@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from service.engine.grammar_reasoning import AfterReasoning, ReasoningPhase
+
 if TYPE_CHECKING:
     from tokenizers import Tokenizer as RustTokenizer
 
@@ -225,15 +227,24 @@ class Matcher:
 
     `mask` is the tokens its state allows next (see BatchPlan.token_bitmasks), once a
     fill_masks has filled it; None until then, and again after each accepted token.
-    `filling` is set while a fill_masks in a thread works on it."""
+    `filling` is set while a fill_masks in a thread works on it. A grammar given as
+    AfterReasoning starts once the reasoning has ended (service.engine.grammar_reasoning):
+    until then its mask is the reasoning's, set at once, and it accepts every token."""
 
-    __slots__ = ("_matcher", "filling", "mask", "vocab_size")
+    __slots__ = ("_matcher", "_reasoning", "filling", "mask", "vocab_size")
 
     def __init__(self, compiled: Any) -> None:
+        self._reasoning: ReasoningPhase | None = None
+        if isinstance(compiled, AfterReasoning):
+            self._reasoning = ReasoningPhase(compiled.end, compiled.budget)
+            compiled = compiled.compiled
         self._matcher = _xgrammar().GrammarMatcher(compiled)
         self.vocab_size: int = compiled.tokenizer_info.vocab_size
         self.mask: str | None = None
         self.filling = False
+        if self._reasoning is not None:
+            self._reasoning.vocab_size = self.vocab_size
+            self.mask = self._reasoning.mask()
 
     @property
     def needs_mask(self) -> bool:
@@ -246,6 +257,13 @@ class Matcher:
 
     def accept(self, token: int) -> bool:
         """Advance past `token`; False (and no change) if the grammar does not allow it."""
+        if self._reasoning is not None:
+            if self._reasoning.accept(token):
+                self.mask = self._reasoning.mask()
+            else:  # the reasoning has ended: the grammar begins, its first mask to fill
+                self._reasoning = None
+                self.mask = None
+            return True
         accepted = bool(self._matcher.accept_token(token))
         if accepted:
             self.mask = None  # the state moved on: its next mask is another
@@ -254,7 +272,7 @@ class Matcher:
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete and has accepted its end-of-sequence token."""
-        return bool(self._matcher.is_terminated())
+        return self._reasoning is None and bool(self._matcher.is_terminated())
 
 
 def fill_masks(
