@@ -311,5 +311,5 @@ def test_at_the_sequence_cap_a_victim_the_policy_names_gives_up_its_slot():
     assert scheduled(out) == [(0, 1)] and sched.corrections["max_seqs"] == 1
     out = step(sched, Decision(schedule=[(0, 1), (2, 4)], preempt=[1]))
     assert preempted(out) == [1] and scheduled(out) == [(0, 1), (2, 4)]
-    assert not sched.admission_paused  # a slot, not blocks: admission goes on
+    assert not sched.rules.admission_paused  # a slot, not blocks: admission goes on
     assert other.status is Status.WAITING and other.num_computed_tokens == 0
