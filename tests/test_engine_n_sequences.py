@@ -90,6 +90,17 @@ async def test_a_request_id_whose_sibling_id_is_taken_is_refused(autojump_clock)
         await collect_sequences(channel)
 
 
+async def test_a_huge_n_is_refused_before_anything_is_sized_by_it(autojump_clock):
+    """The offline API reaches the engine without the HTTP layer's bounds: a billion
+    sequence ids would take the process's memory before validation said no."""
+    from service.engine.validation import InvalidRequest
+
+    async with running_engine(sim_config()) as engine:
+        with pytest.raises(InvalidRequest) as refused:
+            await engine.submit(PROMPT, greedy(5), request_id="huge", n=10**9)
+        assert refused.value.param == "n"
+
+
 def test_a_seeded_requests_sequences_each_have_their_own_seed():
     seeded = SamplingParams(max_tokens=4, sampling=SamplingSpec(temperature=1.0, seed=40))
     assert [sibling_params(seeded, i).sampling.seed for i in range(3)] == [40, 41, 42]

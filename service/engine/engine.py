@@ -303,12 +303,14 @@ class Engine:
         """Validate, bound the queue, hand over to the scheduler; raises and queues nothing."""
         if not self._accepting:
             raise EngineUnavailable("the engine is shutting down")
+        # checked first: nothing is sized by `n` before validation bounds it (the offline
+        # API reaches here without the HTTP layer's bounds)
+        deadline = self._admission.check(ticket, self._cache_shape())
         ids = sequence_ids(ticket.request_id, ticket.n)
         if any(request_id in self._requests for request_id in ids):
             raise InvalidRequest(
                 f"request id {ticket.request_id!r} is already in use", code="duplicate_id"
             )
-        deadline = self._admission.check(ticket, self._cache_shape())
         params = worker_sampling(ticket.params, self.tokenizer.encode, self.tokenizer.eos_token_ids)
         made, receive = self._sequences.make(ticket, params, deadline)
         for request in made:
