@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     config = WorkerConfig(
         model_dir=str(resolve_model(args.model, default_cache_dir())),
         device="cpu",
-        kv_memory=float(64 * 1024 * 1024),
+        kv_memory=float(256 * 1024 * 1024),  # a context of 8k tokens fits
         max_num_seqs=max(args.batches),
         kernel_cache=str(default_cache_dir() / "kernels.json"),
     )
