@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from service.api.openai_schema import NEUTRAL_VALUES
+from service.api.fields import NEUTRAL_VALUES
 from service.api.responses_options import NEUTRAL as RESPONSES_NEUTRAL
 from tests.server_fixtures import RunningServer
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import trio
 
-from service.api.routes_openai import failure_of
+from service.api.openai_answer import failure_of
 from service.engine.request import EVENT_BYTES, FinishEvent, TokenEvent, UnreadBytes, event_bytes
 from tests.sim_worker import (
     SimTokenizer,

@@ -11,16 +11,14 @@ question (service.engine.grammar), answered with a 400 naming the same field.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
 from service.api.errors import bad_request
+from service.api.fields import Fields
 from service.api.lark_grammar import LarkError, is_lark, lark_to_ebnf
 from service.engine.grammar import ResponseFormat
-
-if TYPE_CHECKING:
-    from service.api.openai_schema import _Fields
 
 MAX_GRAMMAR_BYTES = 64 * 1024  # a schema serialized, a regex, a grammar, a structural tag
 MAX_CHOICES = 1024
@@ -44,7 +42,7 @@ GUIDED = {
 }
 
 
-def parse_grammar(fields: _Fields, response_format: ResponseFormat | None) -> ResponseFormat | None:
+def parse_grammar(fields: Fields, response_format: ResponseFormat | None) -> ResponseFormat | None:
     """The one grammar the request asks for (`response_format` read already), or None."""
     found = [response_format] if response_format is not None else []
     found += _structured_outputs(fields.raw("structured_outputs"))

@@ -9,15 +9,13 @@ only: the ranges are service.engine.validation's.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from service.api.errors import bad_request
-
-if TYPE_CHECKING:
-    from service.api.openai_schema import _Fields
+from service.api.fields import Fields
 
 
-def spec_fields(fields: _Fields) -> dict[str, Any]:
+def spec_fields(fields: Fields) -> dict[str, Any]:
     """SamplingSpec's fields for the logit processors."""
     return {
         "presence_penalty": fields.number("presence_penalty", 0.0),
@@ -30,7 +28,7 @@ def spec_fields(fields: _Fields) -> dict[str, Any]:
     }
 
 
-def params_fields(fields: _Fields) -> dict[str, Any]:
+def params_fields(fields: Fields) -> dict[str, Any]:
     """SamplingParams' fields for the engine: stop_token_ids and bad_words."""
     words = fields.raw("bad_words")
     if words is not None and (

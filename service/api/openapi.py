@@ -18,6 +18,7 @@ from service.api.access import METRICS_PATH, needs_key
 from service.api.app_state import app_state
 from service.api.counts import count_schema
 from service.api.errors import json_response
+from service.api.fields import NEUTRAL_VALUES
 from service.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from service.api.openai_chat import CHAT_ROLES, REASONING_EFFORTS, TOOL_CHOICES
 from service.api.openai_schema import (
@@ -26,7 +27,6 @@ from service.api.openai_schema import (
     MAX_CHAT_MESSAGES,
     MAX_EMBEDDING_INPUTS,
     MAX_SCHEMA_BYTES,
-    NEUTRAL_VALUES,
 )
 from service.api.responses_input import CHAT_ONLY
 from service.api.responses_options import LOGPROBS_INCLUDE, NEUTRAL, SUMMARIES

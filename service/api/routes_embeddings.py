@@ -20,10 +20,10 @@ from quart import Blueprint, Response, request
 from service.api.access import request_key
 from service.api.app_state import AppState, app_state
 from service.api.errors import json_response
+from service.api.openai_answer import failure_of, unavailable
 from service.api.openai_schema import EmbeddingRequest, parse_embedding_request
 from service.api.routes_openai import (
     engine_refusals,
-    failure_of,
     isolated,
     priority_of,
     prompt_bound,
@@ -31,7 +31,6 @@ from service.api.routes_openai import (
     request_id_for,
     require_served_model,
     tenant_of,
-    unavailable,
 )
 from service.engine.request import FinishEvent, SamplingParams, SamplingSpec
 from service.tokenizer import Tokenizer

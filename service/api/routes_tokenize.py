@@ -11,18 +11,14 @@ from quart import Blueprint, Response
 from service.api.app_state import app_state
 from service.api.chat_setup import template_args
 from service.api.errors import bad_request, json_response
+from service.api.openai_answer import unavailable
 from service.api.openai_logprobs import piece
 from service.api.openai_schema import (
     TokenizeRequest,
     parse_detokenize_request,
     parse_tokenize_request,
 )
-from service.api.routes_openai import (
-    prompt_bound,
-    read_json_body,
-    require_served_model,
-    unavailable,
-)
+from service.api.routes_openai import prompt_bound, read_json_body, require_served_model
 from service.tokenizer import ChatTemplateError, Tokenizer
 
 blueprint = Blueprint("tokenize", __name__)
