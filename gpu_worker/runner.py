@@ -96,7 +96,7 @@ class ModelRunner:
         pooled: list[str | None] = []
         if hidden is not None and any(row.prompt_targets for row in plan.rows):
             prompt_logprobs = self._prompt_logprobs(inputs, hidden)
-        if hidden is not None and any(inputs.pooling()):
+        if hidden is not None and any(inputs.pooling):
             pooled = self._pooled(inputs, hidden)
         seq_ids = [plan.rows[i].seq_id for i in inputs.sampled]
         tokens, logprobs = self._sample(inputs, logits, seq_ids, verification)
@@ -159,7 +159,7 @@ class ModelRunner:
         sampled rows' logits'; then each prompt-logprob chunk's) is this one."""
         plan = inputs.plan
         wants_prompt = any(row.prompt_targets for row in plan.rows)
-        if not (wants_prompt or any(inputs.pooling()) or verification is not None):
+        if not (wants_prompt or any(inputs.pooling) or verification is not None):
             return self.logits(inputs), None
         hidden = self.forward(inputs)
         return self._sampled_logits(inputs, hidden, verification), hidden
@@ -174,9 +174,7 @@ class ModelRunner:
         """The plan applied to the table (ValueError for one that does not fit it), and its
         facts."""
         self.table.apply(plan)
-        inputs = StepInputs.of(plan, self.table)
-        inputs.check()
-        return inputs
+        return StepInputs.of(plan, self.table)
 
     def logits(self, inputs: StepInputs) -> Logits:
         """The sampling sequences' logits."""
@@ -253,7 +251,7 @@ class ModelRunner:
         """Each pooling row's vector (StepInputs.pooling) in float64: sums of float32
         values in float64 keep the same bits however the prompt was cut into chunks."""
         results: list[str | None] = []
-        for i, kind in enumerate(inputs.pooling()):
+        for i, kind in enumerate(inputs.pooling):
             if kind is None:
                 results.append(None)
                 continue

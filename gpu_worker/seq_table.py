@@ -137,6 +137,9 @@ class SeqTable:
                 raise ValueError(f"sequence {row.seq_id} was never introduced to this worker")
             entries = _entries_after(row, 0 if held is None else held.num_blocks, limits)
             _check_row(row, entries, limits)
+            pooled = introduced[row.seq_id].pooling if held is None else held.pooling
+            if pooled is not None and row.sample:
+                raise ValueError(f"sequence {row.seq_id} is pooled and sampled; a step does one")
             for group in row.blocks:
                 appended += group
         if appended and (min(appended) < 0 or max(appended) >= limits.num_blocks):

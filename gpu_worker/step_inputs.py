@@ -39,6 +39,9 @@ class StepInputs:
     tables: torch.Tensor  # [G, S, W] each row's block tables, padded with the scratch block
     slots: torch.Tensor  # [G, T] the cache slot each token's K/V is written to, per group
     sampled: list[int]  # the rows that sample, in plan order
+    # what each row pools (embeddings): every row of a POOL_SUM sequence, the row that ends
+    # a POOL_LAST sequence's prompt; None for the others ([] when no row pools)
+    pooling: list[str | None]
 
     @classmethod
     def of(cls, plan: StepPlan, table: SeqTable) -> StepInputs:
@@ -62,8 +65,18 @@ class StepInputs:
         blocks = tables[:, on_device_rows, on_device_positions // bs]
         slots = blocks * bs + on_device_positions % bs
         sampled = [i for i, row in enumerate(plan.rows) if row.sample]
+        pooling = _pooling(plan, seqs)
         return cls(
-            plan, seqs, bs, limits.scratch_block, first_rows, positions, tables, slots, sampled
+            plan,
+            seqs,
+            bs,
+            limits.scratch_block,
+            first_rows,
+            positions,
+            tables,
+            slots,
+            sampled,
+            pooling,
         )
 
     @property
@@ -93,22 +106,6 @@ class StepInputs:
         """The sampled rows' settings, in plan order."""
         return [self.seqs[i].sampling for i in self.sampled]
 
-    def pooling(self) -> list[str | None]:
-        """What each row pools (embeddings): every row of a POOL_SUM sequence, the row
-        that ends a POOL_LAST sequence's prompt; None for the others."""
-        kinds: list[str | None] = []
-        for row, seq in zip(self.plan.rows, self.seqs, strict=True):
-            ends_prompt = row.start_pos + row.num_tokens >= seq.prompt_len
-            pools = seq.pooling == POOL_SUM or (seq.pooling == POOL_LAST and ends_prompt)
-            kinds.append(seq.pooling if pools else None)
-        return kinds
-
-    def check(self) -> None:
-        """What only a row beside its sequence's facts can say is wrong; ValueError."""
-        for row, seq in zip(self.plan.rows, self.seqs, strict=True):
-            if seq.pooling is not None and row.sample:
-                raise ValueError(f"sequence {row.seq_id} is pooled and sampled; a step does one")
-
     def decode_tensors(
         self, batch: int, width: int, device: torch.device
     ) -> tuple[torch.Tensor, ...]:
@@ -129,6 +126,17 @@ class StepInputs:
             batch,
             width,
         )
+
+
+def _pooling(plan: StepPlan, seqs: list[Seq]) -> list[str | None]:
+    if all(seq.pooling is None for seq in seqs):
+        return []
+    kinds: list[str | None] = []
+    for row, seq in zip(plan.rows, seqs, strict=True):
+        ends_prompt = row.start_pos + row.num_tokens >= seq.prompt_len
+        pools = seq.pooling == POOL_SUM or (seq.pooling == POOL_LAST and ends_prompt)
+        kinds.append(seq.pooling if pools else None)
+    return kinds
 
 
 def padding_tensors(

@@ -398,32 +398,43 @@ def tensors_of(root: Any) -> dict[str, torch.Tensor]:
     return found
 
 
-def summed_rows(shard: Shard, rows: int, width: int, dtype: str) -> dict[str, torch.Tensor]:
-    """One spawned rank's partial sums of `rows` rows, all-reduced whole and each row
-    alone, and every rank's whole result (on rank 0); torch.distributed's ring all-reduce
-    of the same, for contrast."""
-    parts = torch.randn(rows, width, generator=torch.Generator().manual_seed(shard.rank))
-    parts = parts.to(getattr(torch, dtype))
-    ring = parts.clone()
-    dist.all_reduce(ring)
-    whole = shard.all_reduce(parts.clone())
-    return {
-        "whole": whole,
-        "every": torch.stack(shard.gather(whole) or [whole]),
-        "alone": torch.cat([shard.all_reduce(parts[i : i + 1].clone()) for i in range(rows)]),
-        "ring": ring,
-        "parts": torch.stack([p.float() for p in shard.gather(parts)] or [parts.float()]),
-    }
+DTYPES_SUMMED = ("bfloat16", "float32")
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_an_all_reduced_row_does_not_depend_on_its_batch_at_3_ranks(tmp_path, dtype):
-    """Three ranks: a row summed within 64 rows has the bits it has summed alone, the
-    float32 sum of its parts in rank order rounded once, on every rank; a ring
-    all-reduce's does not."""
-    got = run_ranks(summed_rows, (64, 576, dtype), 3, tmp_path)
-    assert torch.equal(got["whole"], got["alone"])
-    in_order = (got["parts"][0] + got["parts"][1] + got["parts"][2]).to(got["whole"].dtype)
-    assert torch.equal(got["whole"], in_order)
-    assert all(torch.equal(rank, got["whole"]) for rank in got["every"])  # every rank's
-    print("ring all-reduce, most apart from the ordered sum:", max_diff(got["ring"], in_order))
+def summed_rows(shard: Shard, rows: int, width: int) -> dict[str, dict[str, torch.Tensor]]:
+    """One spawned rank's partial sums of `rows` rows in each of DTYPES_SUMMED, all-reduced
+    whole and each row alone, and every rank's whole result (on rank 0);
+    torch.distributed's ring all-reduce of the same, for contrast."""
+    found = {}
+    for dtype in DTYPES_SUMMED:
+        generator = torch.Generator().manual_seed(shard.rank)
+        parts = torch.randn(rows, width, generator=generator).to(getattr(torch, dtype))
+        ring = parts.clone()
+        dist.all_reduce(ring)
+        whole = shard.all_reduce(parts.clone())
+        found[dtype] = {
+            "whole": whole,
+            "every": torch.stack(shard.gather(whole) or [whole]),
+            "alone": torch.cat([shard.all_reduce(parts[i : i + 1].clone()) for i in range(rows)]),
+            "ring": ring,
+            "parts": torch.stack([p.float() for p in shard.gather(parts)] or [parts.float()]),
+        }
+    return found
+
+
+def test_an_all_reduced_row_does_not_depend_on_its_batch_at_3_ranks(tmp_path):
+    """Three ranks, in bfloat16 and float32: a row summed within 64 rows has the bits it
+    has summed alone, the float32 sum of its parts in rank order rounded once, on every
+    rank; a ring all-reduce's does not."""
+    runs = run_ranks(summed_rows, (64, 576), 3, tmp_path)
+    for dtype in DTYPES_SUMMED:
+        got = runs[dtype]
+        assert torch.equal(got["whole"], got["alone"]), dtype
+        in_order = (got["parts"][0] + got["parts"][1] + got["parts"][2]).to(got["whole"].dtype)
+        assert torch.equal(got["whole"], in_order), dtype
+        assert all(torch.equal(rank, got["whole"]) for rank in got["every"]), dtype  # every rank's
+        print(
+            dtype,
+            "ring all-reduce, most apart from the ordered sum:",
+            max_diff(got["ring"], in_order),
+        )

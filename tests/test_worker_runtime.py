@@ -10,7 +10,7 @@ import pytest
 from gpu_worker import kernel_choice, kv_cache, linear, memory, runtime
 from gpu_worker.checkpoint import CheckpointError, load_weights
 from gpu_worker.model_config import ConfigError, ModelConfig, UnsupportedModel
-from gpu_worker.protocol import WorkerConfig, block_size_for
+from gpu_worker.protocol import POOL_LAST, WorkerConfig, block_size_for
 from tests.worker_fixtures import (
     BLOCK_SIZE,
     Chunk,
@@ -329,6 +329,7 @@ BAD_PLANS = {
     "negative start": (lambda p: setattr(p.rows[0], "start_pos", -1), "negative"),
     "past context": (lambda p: setattr(p.rows[0], "start_pos", 10_000), "max_model_len"),
     "zero tokens": (lambda p: setattr(p.rows[0], "num_tokens", 0), "at least one"),
+    "pooled and sampled": (lambda p: setattr(p.new[0], "pooling", POOL_LAST), "pooled and sampled"),
 }
 
 

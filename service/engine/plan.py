@@ -25,7 +25,7 @@ worker's cache too, so a preempted sequence's starts again at 0.
 from __future__ import annotations
 
 import base64
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -46,11 +46,10 @@ from service.engine.step import Scheduled
 
 @dataclass(slots=True)
 class _Held:
-    """What the worker holds of one sequence's tables: their length, and group 0's ids
-    (the blocks a step writes, for the engine's debug check)."""
+    """What the worker holds of one sequence: its tables' length, and how far its draft
+    model's cache reaches."""
 
     entries: int = 0
-    table: list[int] = field(default_factory=list)
     # entries were given back since its last row: the worker holds more than `entries`
     rewound: bool = False
     draft_synced: int = 0  # positions 0 .. draft_synced - 1 have K/V in the draft model's cache
@@ -99,11 +98,6 @@ class PlanBuilder:
         finished, self._finished = self._finished, []
         return StepPlan(step_id, rows, input_ids, new=new, finished=finished)
 
-    def written(self, item: Scheduled) -> list[int]:
-        """The blocks of group 0 the item's row writes: from its first position on."""
-        held = self._held[item.request.seq_id]
-        return held.table[item.request.num_computed_tokens // self.blocks.block_size :]
-
     def fold(self, item: Scheduled, row: int, result: StepResult, accepted: int) -> None:
         """What the step (its `row`) returned for `item` beside its tokens, once its
         progress is committed; `accepted`: the drafts it kept."""
@@ -120,7 +114,6 @@ class PlanBuilder:
             entries = len(self.blocks.table(request.seq_id))
             if entries < held.entries:
                 held.entries, held.rewound = entries, True
-                del held.table[entries:]
 
     def _row(self, item: Scheduled, start: int) -> Row:
         request = item.request
@@ -130,7 +123,6 @@ class PlanBuilder:
         added = [table[at:] for table in tables] if len(tables[0]) > at else []
         rewound, held.rewound = held.rewound, False
         if added:
-            held.table += added[0]
             held.entries = len(tables[0])
         grammar = request.grammar if item.samples else None
         return Row(

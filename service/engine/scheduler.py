@@ -258,8 +258,14 @@ class Scheduler:
                 out.started.append(item.request)
         if out.scheduled:
             out.plan = self.plans.build(out.scheduled, out.iteration)
-            out.written = [self.plans.written(item) for item in out.scheduled]
+            out.written = [self._written(item) for item in out.scheduled]
         return out
+
+    def _written(self, item: Scheduled) -> list[int]:
+        """The blocks of group 0 a row writes, from its first position on, as sent: the
+        engine's debug check (invariants.check_blocks_kept) reads them after a free."""
+        first = item.start // self.blocks.block_size
+        return self.blocks.table(item.request.seq_id)[first:]
 
     def update(self, out: ScheduleOutput, result: StepResult) -> list[Outcome]:
         """The step ran: commit progress, append sampled tokens, finish on EOS or length."""
