@@ -80,8 +80,12 @@ def complete(server: RunningServer, prompt: str, max_tokens: int = 24) -> str:
 
 
 def replaced_group(server: RunningServer, old: list[dict]) -> list[dict]:
-    """The new group's ranks, once /health is 200 again: every one a new, live process,
-    and none of the old group left."""
+    """The new group's ranks, once the server reports another group (it notices a rank
+    killed while idle at its next read or ping, so /health may still be 200 a moment
+    after the kill) and /health is 200 again: every one a new, live process, and none of
+    the old group left."""
+    old_pids = {r["pid"] for r in old}
+    seconds_until(lambda: not {r["pid"] for r in ranks(server)} & old_pids, 300)
     wait_for_health(server, 200, 300)
     new = ranks(server)
     assert len(new) == WORLD
