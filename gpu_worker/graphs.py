@@ -6,8 +6,11 @@ length 1, so they never touch a real sequence's KV.
 
 On CUDA (with use_cuda_graphs) every (batch bucket, block-table width) shape is captured
 at start-up, before the worker answers its handshake: a capture costs a sync and an
-allocator flush, which during serving would show as latency spikes. A step copies its
-inputs into the graph's static tensors and replays. Capture goes largest batch first into
+allocator flush, which during serving would show as latency spikes. A step's host work
+before a replay is one copy of its staged integers into the graph's static input
+(gpu_worker.staging) and one gather of its rows' tables from the worker's; the slots and
+contexts are derived inside the graph. Steps, captures and warm-ups run under
+torch.inference_mode (no autograd bookkeeping in eager ops). Capture goes largest batch first into
 one memory pool, so the smaller graphs reuse the memory of the largest. A shape that fails
 to capture is logged once and served eagerly from then on; it is never retried.
 
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -42,7 +46,9 @@ from gpu_worker.faults import is_device_fault
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.model import Model
 from gpu_worker.sampler import Logits
-from gpu_worker.step_inputs import StepInputs, padding_tensors
+from gpu_worker.seq_table import PAD_SLOT
+from gpu_worker.staging import STAGED, DecodeStaging, gather_tables
+from gpu_worker.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
 
@@ -66,32 +72,57 @@ def graph_widths(
     return width_buckets(min(max_width, -(-max_tokens // block_size)))
 
 
-def decode_forward(
-    model: Model,
-    cache: KVCache,
-    input_ids: torch.Tensor,
-    positions: torch.Tensor,
-    slots: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-) -> Logits:
-    """One decode token per row -> logits [rows, vocab]; tensor ops only. `slots` [G, B]
-    and `block_tables` [G, B, W] hold each KV group's."""
+@dataclass(slots=True)
+class DecodeInputs:
+    """A decode step's device inputs: the staged integers [3, B] (input ids, positions,
+    table rows: gpu_worker.staging) and the rows' tables [G, B, W]. A captured graph's
+    are static: each step is copied into them."""
+
+    ints: torch.Tensor
+    tables: torch.Tensor
+
+    @classmethod
+    def padding(
+        cls, groups: int, batch: int, width: int, scratch: int, device: torch.device
+    ) -> DecodeInputs:
+        """`batch` padding rows (graph capture): token 0 at position 0, in the PAD_SLOT
+        row, whose tables name the scratch block alone."""
+        ints = torch.zeros((STAGED, batch), dtype=torch.long, device=device)
+        ints[2] = PAD_SLOT
+        tables = torch.full((groups, batch, width), scratch, dtype=torch.long, device=device)
+        return cls(ints, tables)
+
+
+def decode_forward(model: Model, cache: KVCache, inputs: DecodeInputs) -> Logits:
+    """One decode token per row -> logits [rows, vocab]; tensor ops only, so a graph
+    captures every step from the staged integers on: each row's cache slot in each KV
+    group, from its tables at its position, and its context."""
     backend, group_size = model.kernels.attention, model.config.group_size
+    input_ids, positions = inputs.ints[0], inputs.ints[1]
+    slots = decode_slots(inputs.tables, positions, cache.block_size)
+    context_lens = positions + 1
     metas = []
     for g, kind in enumerate(model.group_attention):
-        rows = slice(None)
         group = decode_records(
-            rows, block_tables[g], context_lens, cache.like, group_size, backend, kind
+            slice(None), inputs.tables[g], context_lens, cache.like, group_size, backend, kind
         )
         metas.append(AttentionMetadata(slots[g], group, [], input_ids.shape[0], backend))
     return model.logits(model.forward(input_ids, positions, cache.layers, metas))
 
 
+def decode_slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[G, B] the cache slot of each row's token at `positions` [B], by its tables [G, B, W]."""
+    blocks = positions // block_size
+    index = blocks.view(1, -1, 1).expand(tables.shape[0], -1, 1)
+    return tables.gather(2, index).squeeze(2) * block_size + positions % block_size
+
+
 class DecodeGraph(Protocol):
-    def replay(self, *inputs: torch.Tensor) -> Logits:
-        """The logits of the padded `inputs` (decode_forward's tensors), valid until the
-        next replay of any graph of the same capturer."""
+    inputs: DecodeInputs  # the static inputs a step is copied into
+
+    def replay(self) -> Logits:
+        """The logits of the step in `inputs`, valid until the next replay of any graph
+        of the same capturer."""
         ...
 
 
@@ -122,6 +153,7 @@ class DecodeRunner:
         else:
             self.widths = graph_widths(max_blocks_per_seq, cache.block_size, graph_context_tokens)
         self.capturer = capturer
+        self.staging = DecodeStaging(model.device)
         self._graphs: dict[tuple[int, int], DecodeGraph] = {}
         self.failed: list[tuple[int, int]] = []  # shapes that failed to capture: eager
 
@@ -129,6 +161,7 @@ class DecodeRunner:
         """Every (batch, width) shape a graph is captured for, in capture order."""
         return [(b, w) for b in reversed(self.buckets) for w in reversed(self.widths)]
 
+    @torch.inference_mode()
     def capture_all(self) -> dict[str, Any]:
         """Captures every shape, largest first, into one pool; returns the handshake's report."""
         started = time.perf_counter()
@@ -153,6 +186,7 @@ class DecodeRunner:
             self.failed.append((batch, width))  # any other failure: the eager path
             log.warning("decode graph (batch %d, width %d) runs eagerly: %s", batch, width, exc)
 
+    @torch.inference_mode()
     def run(self, inputs: StepInputs) -> Logits:
         """Logits [rows, vocab] of a decode-only step (one token per sequence)."""
         rows = inputs.num_seqs
@@ -160,13 +194,16 @@ class DecodeRunner:
         batch = smallest_fitting(rows, self.buckets) or rows
         width = smallest_fitting(needed, self.widths) or needed
         graph = self._graphs.get((batch, width))
+        staged = self.staging.stage(inputs, batch)
         if graph is None:
-            width = needed
-        tensors = inputs.decode_tensors(batch, width, self.model.device)
-        if graph is None:
-            logits = decode_forward(self.model, self.cache, *tensors)
+            ints = self.staging.send(staged)
+            tables = gather_tables(inputs.held_tables, ints[2], needed)
+            logits = decode_forward(self.model, self.cache, DecodeInputs(ints, tables))
         else:
-            logits = graph.replay(*tensors)
+            static = graph.inputs
+            self.staging.send(staged, into=static.ints)
+            gather_tables(inputs.held_tables, static.ints[2], width, out=static.tables)
+            logits = graph.replay()
         return logits.select(slice(0, rows))
 
 
@@ -195,20 +232,18 @@ class CudaGraphCapturer:
         model, cache = self.model, self.cache
         # Padding rows only, so the warm-up runs touch only the scratch block.
         groups = len(model.group_attention)
-        inputs = padding_tensors(
-            cache.block_size, cache.scratch_block, batch, width, model.device, groups
-        )
+        inputs = DecodeInputs.padding(groups, batch, width, cache.scratch_block, model.device)
         warm = self._warm_up(inputs)
         outputs = self._outputs_for(warm, batch)
         del warm
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            logits = decode_forward(model, cache, *inputs)
+            logits = decode_forward(model, cache, inputs)
             for out, value in zip(_fields(outputs), _fields(logits), strict=True):
                 out.copy_(value)
         return _CudaDecodeGraph(graph, inputs, outputs)
 
-    def _warm_up(self, inputs: tuple[torch.Tensor, ...]) -> Logits:
+    def _warm_up(self, inputs: DecodeInputs) -> Logits:
         """Runs the step twice on a side stream, as capture requires: lazy initialisation
         (cuBLAS handles, kernel autotuning) must not happen inside the graph."""
         device = self.model.device
@@ -216,7 +251,7 @@ class CudaGraphCapturer:
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                logits = decode_forward(self.model, self.cache, *inputs)
+                logits = decode_forward(self.model, self.cache, inputs)
         torch.cuda.current_stream(device).wait_stream(side)
         return logits
 
@@ -231,15 +266,13 @@ def _fields(logits: Logits) -> list[torch.Tensor]:
 
 
 class _CudaDecodeGraph:
-    """One captured decode step, replayed on static input tensors."""
+    """One captured decode step, replayed on its static inputs."""
 
-    def __init__(self, graph: Any, inputs: tuple[torch.Tensor, ...], outputs: Logits) -> None:
+    def __init__(self, graph: Any, inputs: DecodeInputs, outputs: Logits) -> None:
         self.graph = graph
         self.inputs = inputs
         self.outputs = outputs
 
-    def replay(self, *inputs: torch.Tensor) -> Logits:
-        for static, value in zip(self.inputs, inputs, strict=True):
-            static.copy_(value)
+    def replay(self) -> Logits:
         self.graph.replay()
         return self.outputs

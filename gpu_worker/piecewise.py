@@ -90,6 +90,7 @@ class MixedGraphs:
         self._pieces: dict[int, list[Replayable]] = {}
         self.failed: list[int] = []  # buckets that failed to capture: eager
 
+    @torch.inference_mode()
     def capture_all(self) -> dict[str, Any]:
         """Captures every bucket's pieces, largest first, into one pool; the handshake's report."""
         started = time.perf_counter()

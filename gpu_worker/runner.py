@@ -53,6 +53,7 @@ class ModelRunner:
             drafter.runner.table = self.table
         self.mixed = mixed  # mixed steps from graphs, piecewise (CUDA)
 
+    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         """Runs one step; a failure comes back as a result with `error` set, except one
         that leaves the device unusable: that raises DeviceFault (gpu_worker.faults)."""
@@ -64,6 +65,7 @@ class ModelRunner:
         result.step_ms = (time.perf_counter() - started) * 1000
         return result
 
+    @torch.inference_mode()
     def follow(self, plan: StepPlan) -> str | None:
         """A follower rank's part of a step (gpu_worker.follower): the plan applied to its
         table as rank 0 applies it, every collective `run` makes on rank 0, in its order
@@ -79,6 +81,7 @@ class ModelRunner:
             return _step_error(exc)
         return None
 
+    @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepResult:
         """One step; raises where execute reports."""
         inputs = self.inputs(plan)
@@ -164,18 +167,21 @@ class ModelRunner:
         hidden = self.forward(inputs)
         return self._sampled_logits(inputs, hidden, verification), hidden
 
+    @torch.inference_mode()
     def step_logits(self, plan: StepPlan) -> torch.Tensor:
         """Runs one step without sampling: float32 logits of the sampling sequences."""
         logits = self.logits(self.inputs(plan))
         # A float32 graph's dense logits are its output buffer, which the next step rewrites.
         return logits.dense().clone()
 
+    @torch.inference_mode()
     def inputs(self, plan: StepPlan) -> StepInputs:
         """The plan applied to the table (ValueError for one that does not fit it), and its
         facts."""
         self.table.apply(plan)
         return StepInputs.of(plan, self.table)
 
+    @torch.inference_mode()
     def logits(self, inputs: StepInputs) -> Logits:
         """The sampling sequences' logits."""
         sampled = inputs.sampled

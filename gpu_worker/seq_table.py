@@ -5,8 +5,10 @@ prefix its history starts with) and forgotten when a plan lists it in `finished`
 between, each of its rows adds only what changed. Its block tables, one per KV group, live
 in one tensor [G, slots, W] on the model's device, padded with the scratch block: a row's
 new block ids are written into its sequence's slot, never rebuilt, so a step's tables are
-one gather (`tables`) whatever the contexts' length. Tensor-parallel followers apply the
-same plans and hold the same tables.
+one gather (`tables`) whatever the contexts' length. Its row PAD_SLOT belongs to no
+sequence and names only the scratch block: a decode step's padding rows read it
+(gpu_worker.staging). Tensor-parallel followers apply the same plans and hold the same
+tables.
 
 Histories. Penalties, bad words and min_tokens depend on a sequence's tokens (SamplingSpec.
 reads_history). Shipping them with every plan would grow each step with the sequences'
@@ -74,14 +76,17 @@ class Seq:
     num_blocks: int = 0  # entries of its tables in use (every group's are as long)
 
 
+PAD_SLOT = 0  # the tables' row of no sequence: every entry the scratch block
+
+
 class SeqTable:
     def __init__(self, limits: PlanLimits, device: torch.device) -> None:
         self.limits = limits
         self.device = device
         self._seqs: dict[int, Seq] = {}
         self._free: list[int] = []
-        width = limits.max_blocks_per_seq
-        self.tables = torch.empty((limits.num_groups, 0, width), dtype=torch.long, device=device)
+        shape = (limits.num_groups, PAD_SLOT + 1, limits.max_blocks_per_seq)
+        self.tables = torch.full(shape, limits.scratch_block, dtype=torch.long, device=device)
         self.histories = Histories(limits.vocab_size, device)
 
     def __len__(self) -> int:
@@ -171,6 +176,7 @@ class SeqTable:
         self._free.append(seq.slot)
         self.histories.drop(seq_id)
 
+    @torch.inference_mode(False)  # they outlive the step that grows them
     def _grow(self) -> None:
         groups, size, width = self.tables.shape
         added = max(MIN_ROWS, size)
@@ -396,6 +402,7 @@ class Histories:
         self.seen[tracked.slot] = False
         self._free.append(tracked.slot)
 
+    @torch.inference_mode(False)  # they outlive the step that grows them
     def _grow(self) -> None:
         size = self.output_counts.shape[0]
         added = max(MIN_ROWS, size)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
+
 from gpu_worker.memory import decode_profile_plan, profile_plan
 from gpu_worker.protocol import StepPlan
 from gpu_worker.runner import ModelRunner
@@ -24,6 +26,7 @@ CHUNK_LENGTHS = (2, 3, 127, 128, 129)
 MIXED_DECODE_ROWS = 3
 
 
+@torch.inference_mode()
 def warm_up(runner: ModelRunner, max_batched_tokens: int) -> dict[str, Any]:
     """Runs the warm-up steps; returns the handshake's report of them."""
     started = time.perf_counter()

@@ -6,8 +6,9 @@ For each batch B and context C: a decode step of B sequences at position C - 1 (
 introduced and its C tokens' blocks sent by an earlier plan, as the service does), timed
 from its frame to the inputs the forward takes: the message decoded
 (step_plan_from_message), the plan applied to the worker's table and the step's facts
-derived (ModelRunner.inputs: SeqTable.apply, StepInputs.of), and the decode graph's padded
-tensors (StepInputs.decode_tensors). The model does not run. Medians over `repeats`, in
+derived (ModelRunner.inputs: SeqTable.apply, StepInputs.of), and the decode step's staged
+integers on the device with its rows' tables gathered (gpu_worker.staging: what a graph
+replay is given). The model does not run. Medians over `repeats`, in
 microseconds, with the frame's bytes. Every table names blocks of a small cache (the host's
 work does not depend on which blocks: memory.profile_plan does the same).
 """
@@ -24,6 +25,7 @@ from gpu_worker import runtime
 from gpu_worker.buckets import smallest_fitting
 from gpu_worker.protocol import WorkerConfig, encode_frame, step_plan_from_message, to_message
 from gpu_worker.runner import ModelRunner
+from gpu_worker.staging import gather_tables
 from ops.summary import format_table
 from ops.worker_steps import Seq, Steps
 from service.config import default_cache_dir
@@ -46,7 +48,7 @@ def decode_seqs(runner: ModelRunner, batch: int, context: int) -> list[Seq]:
 
 
 def timed(runner: ModelRunner, batch: int, context: int, repeats: int) -> list[float]:
-    """[frame bytes, decode µs, inputs µs, padded tensors µs, total µs] (medians)."""
+    """[frame bytes, decode µs, inputs µs, staged µs, total µs] (medians)."""
     seqs = decode_seqs(runner, batch, context)
     steps = Steps(runner.limits.num_groups)
     runner.inputs(steps.plan(seqs, step_id=0))  # introduces them, with their tables
@@ -54,6 +56,7 @@ def timed(runner: ModelRunner, batch: int, context: int, repeats: int) -> list[f
     body = frame[4:]
     bucket = smallest_fitting(batch, runner.decode_runner.buckets) or batch
     width = -(-context // runner.limits.block_size)
+    staging = runner.decode_runner.staging
     parts: list[list[float]] = [[], [], []]
     for _ in range(repeats):
         began = time.perf_counter()
@@ -61,9 +64,10 @@ def timed(runner: ModelRunner, batch: int, context: int, repeats: int) -> list[f
         decoded = time.perf_counter()
         inputs = runner.inputs(plan)
         derived = time.perf_counter()
-        inputs.decode_tensors(bucket, width, runner.model.device)
-        padded = time.perf_counter()
-        spans = (decoded - began, derived - decoded, padded - derived)
+        staged = staging.send(staging.stage(inputs, bucket))
+        gather_tables(inputs.held_tables, staged[2], width)
+        done = time.perf_counter()
+        spans = (decoded - began, derived - decoded, done - derived)
         for part, seconds in zip(parts, spans, strict=True):
             part.append(seconds * 1e6)
     medians = [statistics.median(part) for part in parts]
@@ -91,6 +95,6 @@ def main(argv: list[str] | None = None) -> int:
         for batch in args.batches:
             found = timed(runner, batch, context, args.repeats)
             rows.append([str(batch), str(context), *(f"{value:.0f}" for value in found)])
-    header = ["batch", "context", "frame bytes", "decode µs", "inputs µs", "padded µs", "total µs"]
+    header = ["batch", "context", "frame bytes", "decode µs", "inputs µs", "staged µs", "total µs"]
     print(format_table(header, rows))
     return 0

@@ -4,18 +4,23 @@ graphs captured at start-up, largest first, in one pool, over a bounded set of w
 from __future__ import annotations
 
 import pytest
+import torch
 
 import gpu_worker.runtime
 from gpu_worker import kernels
 from gpu_worker.attention import FULL, FlexAttention
 from gpu_worker.buckets import batch_buckets, on_ladder, smallest_fitting
 from gpu_worker.graphs import (
+    DecodeInputs,
     DecodeRunner,
     decode_forward,
+    decode_slots,
     graph_capturer,
     graph_widths,
     width_buckets,
 )
+from gpu_worker.seq_table import PAD_SLOT
+from gpu_worker.staging import gather_tables
 from tests.worker_fixtures import (
     Chunk,
     blocks_for,
@@ -125,17 +130,18 @@ class FakeCapturer:
 
 
 class FakeGraph:
+    """Its static inputs are a real capture's; a replay runs them eagerly."""
+
     def __init__(self, owner, batch, width):
         self.owner, self.batch, self.width = owner, batch, width
+        cache = owner.cache
+        self.inputs = DecodeInputs.padding(1, batch, width, cache.scratch_block, cache.like.device)
 
-    def replay(self, input_ids, positions, slots, block_tables, context_lens):
-        assert input_ids.shape == (self.batch,)
-        assert block_tables.shape == (1, self.batch, self.width)  # one KV group
+    def replay(self):
+        assert self.inputs.ints.shape == (3, self.batch)
+        assert self.inputs.tables.shape == (1, self.batch, self.width)  # one KV group
         self.owner.replays.append((self.batch, self.width))
-        owner = self.owner
-        return decode_forward(
-            owner.model, owner.cache, input_ids, positions, slots, block_tables, context_lens
-        )
+        return decode_forward(self.owner.model, self.owner.cache, self.inputs)
 
 
 def decode_inputs(runner, tokens, positions, tables):
@@ -277,3 +283,29 @@ def test_a_cpu_runner_captures_nothing(tiny_llama_dir, use_cuda_graphs):
     assert graph_capturer(runner.model, runner.cache, use_cuda_graphs) is None
     graphs = runner.handshake.graphs
     assert (graphs["captured"], graphs["failed"], graphs["widths"]) == (0, [], [])
+
+
+def test_the_staged_step_equals_its_facts_padded_by_the_one_rule(tiny_llama_dir):
+    """A decode step's staged integers, gathered tables and derived slots and contexts
+    (what a replay computes) equal the general path's facts (StepInputs.tables, slots:
+    what mixed steps use) padded by the one padding rule."""
+    runner = make_runner(tiny_llama_dir)
+    tables = [blocks_for(10 * i, 4 * i + 9) for i in range(3)]
+    firsts = [_prefill(runner, i, random_prompt(4 * i + 9, seed=i), tables[i]) for i in range(3)]
+    inputs = decode_inputs(runner, firsts, [4 * i + 9 for i in range(3)], tables)
+    staging = runner.decode_runner.staging
+    batch, width, scratch, bs = 8, 6, runner.cache.scratch_block, runner.cache.block_size
+    ints = staging.send(staging.stage(inputs, batch))
+    gathered = gather_tables(inputs.held_tables, ints[2], width)
+
+    assert ints[0].tolist() == [*firsts, 0, 0, 0, 0, 0]
+    assert ints[1].tolist() == [9, 13, 17, 0, 0, 0, 0, 0]
+    padded_tables = torch.full((1, batch, width), scratch)
+    padded_tables[:, :3, : inputs.tables.shape[2]] = inputs.tables
+    assert torch.equal(gathered, padded_tables)
+    padded_slots = torch.full((1, batch), scratch * bs)
+    padded_slots[:, :3] = inputs.slots
+    assert torch.equal(decode_slots(gathered, ints[1], bs), padded_slots)
+    # No sequence holds the padding row: it names the scratch block alone.
+    assert PAD_SLOT not in [seq.slot for seq in inputs.seqs]
+    assert bool((runner.table.tables[:, PAD_SLOT] == scratch).all())
