@@ -256,8 +256,9 @@ def _row_tiles(
     if WINDOWED:
         first = tl.maximum(ctx - window, 0)
     first_tile = first // KEY_TILE
-    tiles = tl.cdiv(ctx, KEY_TILE) - first_tile
-    segments = tl.minimum(tl.maximum(tl.cdiv(tiles, MIN_TILES), 1), MAX_SEGMENTS)
+    # (Not tl.cdiv: every call of a jit function costs Triton's interpreter ~2 ms.)
+    tiles = (ctx + KEY_TILE - 1) // KEY_TILE - first_tile
+    segments = tl.minimum(tl.maximum((tiles + MIN_TILES - 1) // MIN_TILES, 1), MAX_SEGMENTS)
     return first, first_tile, tiles, segments
 
 
@@ -271,37 +272,20 @@ def _tile_blocks(
     KEY_TILE: tl.constexpr,
     BLOCKS_PER_TILE: tl.constexpr,
 ):
-    """The cache block ids of key tile `tile`: a scalar where one block holds the tile,
-    else one per block it spans. Entries outside the row's visible blocks
-    [first_block, end_block) are not read (0 stands in: its keys are masked)."""
+    """The cache block of each key of tile `tile` ([KEY_TILE]), from one table entry per
+    block the tile spans (a scalar where one block holds the whole tile). Entries outside
+    the row's visible blocks [first_block, end_block) are not read (block 0 stands in:
+    its keys are masked)."""
     index = tile * KEY_TILE // BLOCK_SIZE
     if BLOCKS_PER_TILE == 1:  # tiles start inside the visible blocks: only the end bounds
-        ids = tl.load(table + index, mask=index < end_block, other=0).to(tl.int64)
+        blocks = tl.load(table + index, mask=index < end_block, other=0).to(tl.int64)
     else:
         index = index + tl.arange(0, BLOCKS_PER_TILE)
         ok = (index >= first_block) & (index < end_block)
         ids = tl.load(table + index, mask=ok, other=0).to(tl.int64)
-    return ids
-
-
-@triton.jit
-def _tile_slots(
-    ids,
-    tile,
-    BLOCK_SIZE: tl.constexpr,
-    KEY_TILE: tl.constexpr,
-    BLOCKS_PER_TILE: tl.constexpr,
-):
-    """Each key of tile `tile`: its block id and its slot in that block ([KEY_TILE] each,
-    or a scalar block where one block holds the tile)."""
-    keys_per_block: tl.constexpr = KEY_TILE // BLOCKS_PER_TILE
-    slots = (tile * KEY_TILE) % BLOCK_SIZE + tl.arange(0, KEY_TILE) % keys_per_block
-    if BLOCKS_PER_TILE == 1:
-        blocks = ids
-    else:
-        spread = tl.broadcast_to(ids[:, None], (BLOCKS_PER_TILE, keys_per_block))
+        spread = tl.broadcast_to(ids[:, None], (BLOCKS_PER_TILE, KEY_TILE // BLOCKS_PER_TILE))
         blocks = tl.reshape(spread, (KEY_TILE,))
-    return blocks, slots
+    return blocks
 
 
 @triton.jit(do_not_specialize=["stride_tb"])  # the table width varies step to step
@@ -359,7 +343,7 @@ def _segment_kernel(
     lo = first_tile + segment * tiles // segments
     hi = first_tile + (segment + 1) * tiles // segments
     first_block = first // BLOCK_SIZE
-    end_block = tl.cdiv(ctx, BLOCK_SIZE)
+    end_block = (ctx + BLOCK_SIZE - 1) // BLOCK_SIZE
 
     g = tl.arange(0, GROUP_PAD)
     heads = kv_head * GROUP + g
@@ -368,6 +352,8 @@ def _segment_kernel(
     dim_ok = dims < HEAD_DIM
     q_rows = q_ptr + row * stride_qb + heads[:, None] * stride_qh + dims[None, :]
     q = tl.load(q_rows, mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh
     table = tables_ptr + row * stride_tb
@@ -375,15 +361,15 @@ def _segment_kernel(
     top = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    ids = _tile_blocks(table, lo, first_block, end_block, BLOCK_SIZE, KEY_TILE, BLOCKS_PER_TILE)
+    blocks = _tile_blocks(table, lo, first_block, end_block, BLOCK_SIZE, KEY_TILE, BLOCKS_PER_TILE)
     # Every tile holds a visible key, so `top` is finite after the first one.
     for tile in range(lo, hi):
-        # The next tile's block ids, a step ahead: this tile's gathers do not wait on them.
-        next_ids = _tile_blocks(
+        # The next tile's blocks, a step ahead: this tile's gathers do not wait on them.
+        next_blocks = _tile_blocks(
             table, tile + 1, first_block, end_block, BLOCK_SIZE, KEY_TILE, BLOCKS_PER_TILE
         )
-        blocks, slots = _tile_slots(ids, tile, BLOCK_SIZE, KEY_TILE, BLOCKS_PER_TILE)
         keys = tile * KEY_TILE + tl.arange(0, KEY_TILE)
+        slots = keys % BLOCK_SIZE
         seen = keys < ctx  # no key outside the context or window is read
         if WINDOWED:
             seen = seen & (keys >= first)
@@ -392,7 +378,9 @@ def _segment_kernel(
             mask=seen[None, :] & dim_ok[:, None],
             other=0.0,
         )
-        scores = _dot(q, kt, PRECISION, UPCAST) * scale  # [GROUP_PAD, KEY_TILE]
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        scores = tl.dot(q, kt, input_precision=PRECISION) * scale  # [GROUP_PAD, KEY_TILE]
         if SOFTCAP:  # Gemma 2's cap * tanh(score / cap), before the mask
             scores = softcap * _tanh(scores / softcap)
         scores = tl.where(seen[None, :], scores * 1.4426950408889634, float("-inf"))  # log2(e)
@@ -405,9 +393,13 @@ def _segment_kernel(
             mask=seen[:, None] & dim_ok[None, :],
             other=0.0,
         )
-        acc = acc * fade[:, None] + _dot(probs.to(vt.dtype), vt, PRECISION, UPCAST)
+        probs = probs.to(v_ptr.dtype.element_ty)  # the cache's dtype, as the MMA takes it
+        if UPCAST:
+            vt = vt.to(tl.float32)
+            probs = probs.to(tl.float32)
+        acc = acc * fade[:, None] + tl.dot(probs, vt, input_precision=PRECISION)
         top = new_top
-        ids = next_ids
+        blocks = next_blocks
 
     total = tl.where(total == 0.0, 1.0, total)  # no key: an empty context's output is 0
     result = acc / total[:, None]
@@ -420,15 +412,6 @@ def _segment_kernel(
     else:
         tl.store(out_rows, result, mask=out_ok)
         tl.store(lse_ptr + at, top + tl.log2(total), mask=head_ok)
-
-
-@triton.jit
-def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """a @ b in float32."""
-    if UPCAST:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit
