@@ -443,7 +443,7 @@ def _merge_kernel(
     row = tl.program_id(0).to(tl.int64)
     flat = row * tl.num_programs(1) + tl.program_id(1)  # its place in [B, heads]
     ctx = tl.load(lens_ptr + row).to(tl.int64)
-    count = _row_tiles(ctx, window, KEY_TILE, MIN_TILES, MAX_SEGMENTS, WINDOWED)[3]
+    _, _, _, count = _row_tiles(ctx, window, KEY_TILE, MIN_TILES, MAX_SEGMENTS, WINDOWED)
     slots = tl.arange(0, MAX_SEGMENTS)
     ok = slots < count
     dims = tl.arange(0, DIM_PAD)
