@@ -103,9 +103,10 @@ CASES = {
     "f32-window-softcap-long": dict(layer="window-softcap"),
     "bf16-window-softcap-short": dict(dtype="bf16", layer="window-softcap", length="short"),
 }
-# At twice the width: the short case's merge runs where it had none, the long case's grid
-# has 10 segments where it had 5 (the window's stays at 3: at most two tiles' worth).
-INVARIANCE = ("bf16-group8-block64-short", "f32-group4-block64-long", "f32-window-long")
+# At twice the width the short case's merge runs where it had none, and the long case's
+# grid has 10 segments where it had 5: its longest row, 10 tiles of 64 keys, keeps its 5
+# segments of 2 tiles (a split by the grid, as vLLM's, would give it 10 of one).
+INVARIANCE = ("bf16-group8-block64-short", "f32-group3-block16-dim80-long", "f32-window-long")
 ALONE = (0, 1, 3)  # the longest row, a one-token row (one segment alone), a middle one
 POISONED = (
     "f32-window-long",

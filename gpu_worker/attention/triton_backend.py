@@ -40,13 +40,16 @@ The constants, and why:
   of a head_dim-64 segment and double the bytes each step has in flight.
 - Block ids: one per block a tile spans (one scalar where a block holds the whole tile),
   loaded a tile ahead, so that a tile's gathers never wait on its own table load.
-- WARPS = 4 and STAGES = 2 for the attention kernel (Triton's pipeliner keeps the next
-  tile's K/V loads in flight while this one computes; a 128-key tile's K and V take 32 KB
-  of shared memory a stage), MERGE_WARPS = 2 for the merge, whose tile is 16 x head_dim.
-Still to tune on the H200 (none of it changes what a row computes, except the first two):
+- WARPS = 4 and STAGES = 2 for the attention kernel: two stages let Triton's pipeliner
+  issue the next tile's K/V loads while this one computes, where it pipelines these
+  gathers (their addresses are known a step ahead, from the prefetched block ids); a
+  128-key tile's K and V take 32 KB of shared memory a stage, so 3 stages would cut the
+  programs an SM holds. MERGE_WARPS = 2 for the merge, whose tile is 16 x head_dim.
+Still to tune on the H200 (none of it changes what a row computes, but the first two):
 MIN_SEGMENT_KEYS 64/128/256 and the key tile at B=1, 64 and 128 over 1k and 8k contexts;
-STAGES 2 or 3 and WARPS 4 or 8 for 128-key tiles; whether the merge should rather be done
-by each row's last segment to finish (one launch, a counter per row).
+STAGES 2 or 3 and WARPS 4 or 8 for 128-key tiles, and whether the gathers pipeline at
+all (the compiled kernel's cp.async); whether the merge should rather be done by each
+row's last segment to finish (one launch fewer, a counter per row).
 
 A row's bits depend on its query and its context alone: not on the batch, nor on the table
 width (the segments are counted from the row's own tiles, the merge reads its 16 slots in
@@ -266,23 +269,20 @@ def _row_tiles(
 def _tile_blocks(
     table,
     tile,
-    first_block,
     end_block,
     BLOCK_SIZE: tl.constexpr,
     KEY_TILE: tl.constexpr,
     BLOCKS_PER_TILE: tl.constexpr,
 ):
     """The cache block of each key of tile `tile` ([KEY_TILE]), from one table entry per
-    block the tile spans (a scalar where one block holds the whole tile). Entries outside
-    the row's visible blocks [first_block, end_block) are not read (block 0 stands in:
-    its keys are masked)."""
+    block the tile spans (a scalar where one block holds the whole tile). Entries past the
+    row's context (from `end_block`) are not read: block 0 stands in, its keys masked."""
     index = tile * KEY_TILE // BLOCK_SIZE
-    if BLOCKS_PER_TILE == 1:  # tiles start inside the visible blocks: only the end bounds
+    if BLOCKS_PER_TILE == 1:
         blocks = tl.load(table + index, mask=index < end_block, other=0).to(tl.int64)
     else:
         index = index + tl.arange(0, BLOCKS_PER_TILE)
-        ok = (index >= first_block) & (index < end_block)
-        ids = tl.load(table + index, mask=ok, other=0).to(tl.int64)
+        ids = tl.load(table + index, mask=index < end_block, other=0).to(tl.int64)
         spread = tl.broadcast_to(ids[:, None], (BLOCKS_PER_TILE, KEY_TILE // BLOCKS_PER_TILE))
         blocks = tl.reshape(spread, (KEY_TILE,))
     return blocks
@@ -342,7 +342,6 @@ def _segment_kernel(
     # an empty context's one segment, which writes 0.
     lo = first_tile + segment * tiles // segments
     hi = first_tile + (segment + 1) * tiles // segments
-    first_block = first // BLOCK_SIZE
     end_block = (ctx + BLOCK_SIZE - 1) // BLOCK_SIZE
 
     g = tl.arange(0, GROUP_PAD)
@@ -361,12 +360,12 @@ def _segment_kernel(
     top = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    blocks = _tile_blocks(table, lo, first_block, end_block, BLOCK_SIZE, KEY_TILE, BLOCKS_PER_TILE)
+    blocks = _tile_blocks(table, lo, end_block, BLOCK_SIZE, KEY_TILE, BLOCKS_PER_TILE)
     # Every tile holds a visible key, so `top` is finite after the first one.
     for tile in range(lo, hi):
         # The next tile's blocks, a step ahead: this tile's gathers do not wait on them.
         next_blocks = _tile_blocks(
-            table, tile + 1, first_block, end_block, BLOCK_SIZE, KEY_TILE, BLOCKS_PER_TILE
+            table, tile + 1, end_block, BLOCK_SIZE, KEY_TILE, BLOCKS_PER_TILE
         )
         keys = tile * KEY_TILE + tl.arange(0, KEY_TILE)
         slots = keys % BLOCK_SIZE
