@@ -26,13 +26,14 @@ of one segment (weight 1, the float32 result unchanged, then rounded to q's dtyp
 
 The constants, and why:
 - MAX_SEGMENTS = 16, as vLLM's split for small decode batches: at batch 1 and 8 key/value
-  heads that is 128 programs, about one per SM of an H200 (132), and the merge reads a
-  row's segments as one tile of 16.
+  heads a 2k context makes 128 programs, about one per SM of an H200 (132), and the merge
+  reads a row's segments as one tile of 16.
 - MIN_SEGMENT_KEYS = 128, FlashInfer's least chunk: a segment writes one float32 row per
-  query head and the merge reads it back, about 3% of the K/V bytes it stands for at 128
-  keys and head_dim 64 (12% at 64 keys). Small batches want more segments and large ones
-  fewer, but a row's count may not depend on its batch (its bits would), so the least is
-  set where the large batch pays little: 1k contexts split 8 ways, 2k and longer 16.
+  query head and the merge reads it back, 2 * group / keys of the K/V bytes it stands
+  for: 6% at 128 keys and a group of 4 (12% at 64 keys). Small batches want more segments
+  and large ones fewer, but a row's count may not depend on its batch (its bits would),
+  so the least is set where a large batch pays little: 1k contexts split 8 ways (64
+  programs at batch 1), 2k and longer 16.
 - The key tile: 128 keys up to head_dim 64, 64 up to 128, 32 at 256 (each K and V tile at
   most 8192 elements, 16 KB in bfloat16, so a tile stays in registers with 4 warps); fewer
   where the block size is not a power of two, down to its largest power-of-two factor
@@ -45,7 +46,7 @@ The constants, and why:
   gathers (their addresses are known a step ahead, from the prefetched block ids); a
   128-key tile's K and V take 32 KB of shared memory a stage, so 3 stages would cut the
   programs an SM holds. MERGE_WARPS = 2 for the merge, whose tile is 16 x head_dim.
-Still to tune on the H200 (none of it changes what a row computes, but the first two):
+Still to tune on the H200 (any of it may change a row's bits, never their invariance):
 MIN_SEGMENT_KEYS 64/128/256 and the key tile at B=1, 64 and 128 over 1k and 8k contexts;
 STAGES 2 or 3 and WARPS 4 or 8 for 128-key tiles, and whether the gathers pipeline at
 all (the compiled kernel's cp.async); whether the merge should rather be done by each
