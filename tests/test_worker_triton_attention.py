@@ -263,6 +263,67 @@ def test_an_empty_context_reads_nothing_and_gives_zeros_split_or_not(interpreted
     assert torch.equal(split, unsplit)
 
 
+class Recorder:
+    """Stands in for a Triton kernel: keeps each launch's arguments instead of running."""
+
+    def __init__(self, kernel, launches: list) -> None:
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((self.kernel, args, kwargs))
+
+
+def compiled_for_h200(kernel, args: tuple, kwargs: dict) -> str:
+    """The kernel compiled for sm_90 with the specialization a launch with these arguments
+    would get (a stride of 1 as a constant, 16-divisible values and pointers marked so), as
+    Triton IR for the GPU."""
+    from triton import compile
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.compiler import ASTSource
+
+    options = {key: kwargs[key] for key in ("num_warps", "num_stages") if key in kwargs}
+    values = dict(zip(kernel.arg_names, args, strict=False)) | kwargs  # then the keywords
+    signature, constants, attrs = {}, {}, {}
+    for index, param in enumerate(kernel.params):
+        value = values[param.name]
+        kind, attr = (
+            ("constexpr", value)
+            if param.is_constexpr
+            else native_specialize_impl(
+                CUDABackend, value, False, not param.do_not_specialize, True
+            )
+        )
+        signature[param.name] = kind
+        if kind == "constexpr":
+            constants[(index,)] = attr
+        elif attr:
+            attrs[(index,)] = CUDABackend.parse_attr(attr)
+    source = ASTSource(kernel, signature, constants, attrs)
+    return compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ttgir"]
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+def test_it_compiles_for_an_h200_and_pipelines_its_gathers(monkeypatch):
+    # The interpreter checks no GPU lowering: each launch paged_decode makes is compiled
+    # for sm_90 as it would be at launch. Split and direct, windowed, a tile over 8 blocks
+    # and one inside a block; the merge.
+    from gpu_worker.attention import triton_backend
+
+    launches: list = []
+    for name in ("_segment_kernel", "_merge_kernel"):
+        recorder = Recorder(getattr(triton_backend, name), launches)
+        monkeypatch.setattr(triton_backend, name, recorder)
+    for name in ("bf16-window-block64-dim128-long", "bf16-group3-block16-longest"):
+        run_decode(triton_backend.TritonAttention(), case_named(name))
+    assert len(launches) == 4  # two segment kernels, two merges
+    for kernel, args, kwargs in launches[:3]:  # (the second merge is the first's kind)
+        ir = compiled_for_h200(kernel, args, kwargs)
+        if kernel.__name__ == "_segment_kernel":  # K and V through cp.async, a stage ahead
+            assert ir.count("async_copy_global_to_local") >= 2, kernel.__name__
+
+
 def test_a_block_size_without_a_key_tile_is_refused():
     from gpu_worker.attention.triton_backend import TritonAttention
 
