@@ -12,6 +12,7 @@ saves every case's output; the tests compare them here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import subprocess
 import sys
@@ -35,14 +36,25 @@ from gpu_worker.kv_cache import LayerKV
 
 REPO = Path(__file__).resolve().parent.parent
 CPU = torch.device("cpu")
-PARTITION = 512  # triton_backend.PARTITION, which this module does not import (see above)
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 LAYERS = {
     "full": FULL,
-    # Wider than a partition, narrower than the long contexts: partitions from its start.
-    "window": LayerAttention(window=600),
+    # Wider than a segment's least, narrower than the long contexts.
+    "window": LayerAttention(window=200),
     "softcap": LayerAttention(softcap=1.5),
+    # Within two key tiles: a row's window straddles a tile boundary or not.
     "window-softcap": LayerAttention(scale=0.3, window=50, softcap=1.5),
+}
+# Nine ragged contexts by length (a case takes the first five, the invariance checks all
+# nine): the longest, rounded up to a block so that it fills its table exactly, one
+# token, a block and a token, then these. "short" ones fit in 128 keys (MIN_SEGMENT_KEYS:
+# one segment, the kernel writes the output itself); "long" ones span up to 5 segments;
+# "longest" ones reach MAX_SEGMENTS: 2304 keys are 18 tiles of 128 over 16 segments,
+# unevenly (36 of 64 over 16).
+CONTEXTS = {
+    "short": (128, 100, 37, 64, 127, 2, 90),
+    "long": (640, 300, 129, 500, 200, 33, 77),
+    "longest": (2304, 700, 129, 2049, 256, 33, 1000),
 }
 
 
@@ -53,48 +65,74 @@ def make_case(
     length: str = "long",
     layer: str = "full",
     head_dim: int = 64,
+    batch: int = 5,
 ) -> AttentionCase:
-    """Five decode rows of 2 key/value heads of `group` query heads each, ragged contexts
-    over shuffled tables: "short" ones (one partition: the kernel writes the output
-    itself) or "long" ones (two: the merge kernel runs). One context fills its whole table
-    (its last block exactly), one is a single token, one a block and a token, and a long
-    case's fourth a whole partition."""
+    """Decode rows of 2 key/value heads of `group` query heads each, over shuffled tables."""
+    longest, *rest = CONTEXTS[length]
     shapes = Shapes(2 * group, 2, head_dim, 128, 256, block_size, DTYPES[dtype], CPU, DTYPES[dtype])
-    case = attention_case(shapes, batch=5, chunk=8, start=40 if length == "short" else 600)
-    case.lens[:3] = [block_size * case.tables.shape[1], 1, block_size + 1]
-    if length == "long":
-        case.lens[3] = PARTITION
+    case = attention_case(shapes, batch=batch, chunk=8, start=longest + block_size)
+    case.lens = [block_size * -(-longest // block_size), 1, block_size + 1, *rest][:batch]
     case.layer = LAYERS[layer]
     return case
 
 
+# A cover of the space rather than its product: every key tile against the block size
+# (128 keys over 8 blocks of 16 or 2 of 64; 64 keys over 4 blocks or in one of 64; 16
+# keys, 3 to a block of 48), GQA groups of 1, 3, 4 and 8 (padded to a tile of 16), head
+# dims 64, 80 (padded to 128) and 128, each kind of layer, both dtypes, split and not.
 CASES = {
-    **{
-        f"{dtype}-group{group}-block{block_size}-{length}": dict(
-            dtype=dtype, group=group, block_size=block_size, length=length
-        )
-        for dtype in DTYPES
-        for group in (1, 3, 4)
-        for block_size in (16, 64)
-        for length in ("short", "long")
-    },
-    **{
-        f"{dtype}-{layer}-{length}": dict(dtype=dtype, layer=layer, length=length)
-        for dtype in DTYPES
-        for layer in ("window", "softcap", "window-softcap")
-        for length in ("short", "long")
-    },
-    "f32-head_dim80": dict(head_dim=80),  # padded to 128 dims
+    "f32-group1-block16-short": dict(group=1, length="short"),
+    "bf16-group3-block16-longest": dict(dtype="bf16", length="longest"),
+    "f32-group4-block64-long": dict(group=4, block_size=64),
+    "bf16-group8-block64-short": dict(dtype="bf16", group=8, block_size=64, length="short"),
+    "f32-group8-block64-dim128-longest": dict(
+        group=8, block_size=64, head_dim=128, length="longest"
+    ),
+    "bf16-group8-block16-dim128-long": dict(dtype="bf16", group=8, head_dim=128),
+    "bf16-group4-block16-dim128-short": dict(dtype="bf16", group=4, head_dim=128, length="short"),
+    "f32-group3-block16-dim80-long": dict(head_dim=80),
+    "bf16-group1-block64-dim80-long": dict(dtype="bf16", group=1, block_size=64, head_dim=80),
+    "f32-group4-block48-long": dict(group=4, block_size=48),
+    "f32-window-long": dict(layer="window"),
+    "bf16-window-block64-dim128-long": dict(
+        dtype="bf16", group=4, block_size=64, head_dim=128, layer="window"
+    ),
+    "bf16-window-short": dict(dtype="bf16", layer="window", length="short"),
+    "bf16-softcap-long": dict(dtype="bf16", layer="softcap"),
+    "f32-softcap-short": dict(layer="softcap", length="short"),
+    "f32-window-softcap-long": dict(layer="window-softcap"),
+    "bf16-window-softcap-short": dict(dtype="bf16", layer="window-softcap", length="short"),
 }
-INVARIANCE = ("f32-group3-block16-short", "bf16-group4-block16-long", "f32-window-long")
-POISONED = ("f32-group3-block16-long", "f32-window-long", "bf16-group4-block64-short")
+# At twice the width the short case's merge runs where it had none, and the long case's
+# grid has 10 segments where it had 5: its longest row, 10 tiles of 64 keys, keeps its 5
+# segments of 2 tiles (a split by the grid, as vLLM's, would give it 10 of one).
+INVARIANCE = ("bf16-group8-block64-short", "f32-group3-block16-dim80-long", "f32-window-long")
+ALONE = (0, 1, 3)  # the longest row, a one-token row (one segment alone), a middle one
+POISONED = (
+    "f32-window-long",
+    "bf16-window-block64-dim128-long",
+    "f32-group4-block48-long",
+    "bf16-group8-block64-short",
+)
 
 
-def wider(case: AttentionCase, width: int) -> DecodeGroup:
-    """Every row's decode group over a table `width` blocks wide (as a captured graph's)."""
-    tables = case.tables[:, : -(-max(case.lens) // case.kv.k.shape[2])]
+@functools.cache
+def case_named(name: str) -> AttentionCase:
+    """CASES[name], built once a process (no test changes a case)."""
+    return make_case(**CASES[name])
+
+
+def natural_width(case: AttentionCase) -> int:
+    return -(-max(case.lens) // case.kv.k.shape[2])
+
+
+def wider(case: AttentionCase, width: int, rows: list[int] | None = None) -> DecodeGroup:
+    """The decode group of `rows` (all) over a table `width` blocks wide (a graph's)."""
+    rows = list(range(len(case.lens))) if rows is None else rows
+    tables = case.tables[rows, : natural_width(case)]
     tables = F.pad(tables, (0, width - tables.shape[1]), value=0)
-    return DecodeGroup(slice(None), tables, torch.tensor(case.lens), layer=case.layer)
+    lens = torch.tensor([case.lens[r] for r in rows])
+    return DecodeGroup(slice(None), tables, lens, layer=case.layer)
 
 
 def poisoned(case: AttentionCase) -> tuple[AttentionCase, DecodeGroup]:
@@ -103,7 +141,7 @@ def poisoned(case: AttentionCase) -> tuple[AttentionCase, DecodeGroup]:
     in every other block of its table, which point at a NaN block added to the cache."""
     block_size, nan_block = case.kv.k.shape[2], case.kv.k.shape[1]
     k, v = (torch.cat([t, torch.full_like(t[:, :1], torch.nan)], 1) for t in (case.kv.k, case.kv.v))
-    tables = case.tables[:, : -(-max(case.lens) // block_size)].clone()
+    tables = case.tables[:, : natural_width(case)].clone()
     for row, length in enumerate(case.lens):
         first = 0 if case.layer.window is None else max(0, length - case.layer.window)
         for cache in (k, v):
@@ -117,25 +155,41 @@ def poisoned(case: AttentionCase) -> tuple[AttentionCase, DecodeGroup]:
     return dataclasses.replace(case, kv=LayerKV(k, v)), group
 
 
+def with_an_empty_context(case: AttentionCase, width: int) -> DecodeGroup:
+    group = wider(case, width)
+    group.context_lens[1] = 0
+    return group
+
+
 def interpret(path: str) -> None:
     """Runs in the subprocess, under TRITON_INTERPRET=1: every output the tests compare."""
     from gpu_worker.attention.triton_backend import INTERPRETED, TritonAttention
 
     assert INTERPRETED, "TRITON_INTERPRET=1 must be set before triton_backend is imported"
     backend, outputs = TritonAttention(), {}
-    for name, params in CASES.items():
-        outputs[name] = run_decode(backend, make_case(**params))
+    for name in CASES:
+        outputs[name] = run_decode(backend, case_named(name))
     for name in INVARIANCE:
-        case = make_case(**CASES[name])
-        for row in (0, 2, 4):
+        case = make_case(**CASES[name], batch=9)
+        width = natural_width(case)
+        outputs[f"{name}/batch9"] = run_decode(backend, case)
+        outputs[f"{name}/batch5"] = run_decode(backend, case, range(5))
+        outputs[f"{name}/batch9-width2w"] = backend.decode(
+            case.q_decode, case.kv, wider(case, 2 * width)
+        )
+        for row in ALONE:
             outputs[f"{name}/alone{row}"] = run_decode(backend, case, [row])[0]
-        for width in (64, 200):  # two and seven partitions, at block size 16
-            outputs[f"{name}/width{width}"] = backend.decode(
-                case.q_decode, case.kv, wider(case, width)
-            )
+            outputs[f"{name}/alone{row}-width{width}"] = backend.decode(
+                case.q_decode[[row]], case.kv, wider(case, width, [row])
+            )[0]
     for name in POISONED:
-        case, group = poisoned(make_case(**CASES[name]))
+        case, group = poisoned(case_named(name))
         outputs[f"{name}/poisoned"] = backend.decode(case.q_decode, case.kv, group)
+    case = case_named("f32-group1-block16-short")
+    for width in (8, 16):  # one segment, and two (the merge)
+        outputs[f"empty/width{width}"] = backend.decode(
+            case.q_decode, case.kv, with_an_empty_context(case, width)
+        )
     torch.save(outputs, path)
 
 
@@ -165,27 +219,118 @@ def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_decode_matches_the_reference(interpreted, name):
-    # Ragged contexts over shuffled tables; GQA groups of 1, 3 and 4 padded to a tile of
-    # 16; block sizes below and at the key tile; one partition and two, merged.
-    case = make_case(**CASES[name])
+    case = case_named(name)
     assert_close(interpreted[name], run_decode(TorchAttention(), case))
+
+
+def test_the_cases_cover_split_and_unsplit_launches_and_every_kind_of_tile():
+    from gpu_worker.attention.triton_backend import MAX_SEGMENTS, split_for
+
+    tiles = set()
+    for name in CASES:
+        case = case_named(name)
+        block_size, head_dim = case.kv.k.shape[2], case.kv.k.shape[3]
+        split = split_for(natural_width(case), block_size, head_dim, case.layer.window)
+        assert (split.segments == 1) == name.endswith("-short"), name
+        tiles.add((split.key_tile, block_size))
+        if name.endswith("-longest"):
+            assert split.segments == MAX_SEGMENTS  # 2304 keys: every row's most
+    # Tiles across 8 and 2 blocks, 4 blocks, one whole block, a third of one.
+    assert {(128, 16), (128, 64), (64, 16), (64, 64), (16, 48)} <= tiles
 
 
 @pytest.mark.parametrize("name", POISONED)
 def test_it_reads_nothing_outside_a_rows_context_or_window(interpreted, name):
     got = interpreted[f"{name}/poisoned"]
     assert got.isfinite().all()
-    assert_close(got, run_decode(TorchAttention(), make_case(**CASES[name])))
+    assert_close(got, run_decode(TorchAttention(), case_named(name)))
 
 
 @pytest.mark.parametrize("name", INVARIANCE)
 def test_a_rows_bits_depend_on_neither_its_batch_nor_its_table_width(interpreted, name):
-    batch = interpreted[name]
-    for row in (0, 2, 4):
+    batch = interpreted[f"{name}/batch9"]
+    assert torch.equal(interpreted[f"{name}/batch5"], batch[:5])
+    assert torch.equal(interpreted[f"{name}/batch9-width2w"], batch)
+    width = natural_width(make_case(**CASES[name], batch=9))
+    for row in ALONE:  # at its own width (a one-token row: one segment) and the batch's
         assert torch.equal(interpreted[f"{name}/alone{row}"], batch[row])
-    # Wider tables launch more partitions (the short case: the merge, where it had none).
-    for width in (64, 200):
-        assert torch.equal(interpreted[f"{name}/width{width}"], batch)
+        assert torch.equal(interpreted[f"{name}/alone{row}-width{width}"], batch[row])
+
+
+def test_an_empty_context_reads_nothing_and_gives_zeros_split_or_not(interpreted):
+    unsplit, split = interpreted["empty/width8"], interpreted["empty/width16"]
+    assert torch.equal(unsplit[1], torch.zeros_like(unsplit[1]))
+    assert torch.equal(split, unsplit)
+
+
+class Recorder:
+    """Stands in for a Triton kernel: keeps each launch's arguments instead of running."""
+
+    def __init__(self, kernel, launches: list) -> None:
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((self.kernel, args, kwargs))
+
+
+def compiled_for_h200(kernel, args: tuple, kwargs: dict) -> str:
+    """The kernel compiled for sm_90 with the specialization a launch with these arguments
+    would get (a stride of 1 as a constant, 16-divisible values and pointers marked so), as
+    Triton IR for the GPU."""
+    from triton import compile
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.compiler import ASTSource
+
+    options = {key: kwargs[key] for key in ("num_warps", "num_stages") if key in kwargs}
+    values = dict(zip(kernel.arg_names, args, strict=False)) | kwargs  # then the keywords
+    signature, constants, attrs = {}, {}, {}
+    for index, param in enumerate(kernel.params):
+        value = values[param.name]
+        kind, attr = (
+            ("constexpr", value)
+            if param.is_constexpr
+            else native_specialize_impl(
+                CUDABackend, value, False, not param.do_not_specialize, True
+            )
+        )
+        signature[param.name] = kind
+        if kind == "constexpr":
+            constants[(index,)] = attr
+        elif attr:
+            attrs[(index,)] = CUDABackend.parse_attr(attr)
+    source = ASTSource(kernel, signature, constants, attrs)
+    return compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ttgir"]
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+def test_it_compiles_for_an_h200_and_pipelines_its_gathers(monkeypatch):
+    # The interpreter checks no GPU lowering: each launch paged_decode makes is compiled
+    # for sm_90 as it would be at launch. Split and direct, windowed, a tile over 8 blocks
+    # and one inside a block; the merge.
+    from gpu_worker.attention import triton_backend
+
+    launches: list = []
+    for name in ("_segment_kernel", "_merge_kernel"):
+        recorder = Recorder(getattr(triton_backend, name), launches)
+        monkeypatch.setattr(triton_backend, name, recorder)
+    for name in ("bf16-window-block64-dim128-long", "bf16-group3-block16-longest"):
+        run_decode(triton_backend.TritonAttention(), case_named(name))
+    assert len(launches) == 4  # two segment kernels, two merges
+    for kernel, args, kwargs in launches[:3]:  # (the second merge is the first's kind)
+        ir = compiled_for_h200(kernel, args, kwargs)
+        if kernel.__name__ == "_segment_kernel":  # K and V through cp.async, a stage ahead
+            assert ir.count("async_copy_global_to_local") >= 2, kernel.__name__
+
+
+def test_a_block_size_without_a_key_tile_is_refused():
+    from gpu_worker.attention.triton_backend import TritonAttention
+
+    # 24 keys: no power of two of 16 or more lies inside a block or spans whole ones.
+    case = attention_case(Shapes(6, 2, 64, 128, 256, 24, torch.float32, CPU, torch.float32))
+    with pytest.raises(RuntimeError, match="block size"):
+        run_decode(TritonAttention(), case)
 
 
 def test_an_8_bit_cache_is_refused_so_the_chooser_passes_over_it():

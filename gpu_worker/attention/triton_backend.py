@@ -3,22 +3,61 @@ beside FlexAttention.
 
 A decode step is one query per row, so its cost is reading each row's K/V; the kernel reads
 them in place through the block tables, each byte once. One program takes a (row, key/value
-head, partition of the row's keys): the query heads that share the key/value head come in
-as one tile (padded to 16 rows, tl.dot's least), so that a key tile's scores are one matmul
-for all of them, and the keys come KEY_TILE at a time, from as many cache blocks as that
-spans (each key finds its block in the table), under an online softmax in float32; the
-output is q's dtype. Partitions of PARTITION keys let a long context over a small batch
-fill the GPU (split-KV, as vLLM's paged attention v2 and SGLang's decode kernels); a second
-kernel merges each row's partitions by their log-sum-exps, in order. Where the tables are
-one partition wide the first kernel writes the output itself: the same bits as that merge
-of one partition. Sliding windows start a row's partitions at its window's first key, and
-Gemma 2's soft-capping applies to the scores before the mask.
+head, segment of the row's keys): the query heads that share the key/value head come in as
+one tile (padded to 16 rows, tl.dot's least), so that a key tile's scores are one matmul
+for all of them, and the keys come a key tile at a time under an online softmax in
+float32; the output is q's dtype. A second kernel merges each row's segments by their
+log-sum-exps, in segment order. Sliding windows start a row's first segment at the tile
+that holds its window's first key (the keys before it masked), and Gemma 2's soft-capping
+applies to the scores before the mask.
+
+How a row's keys are cut. Key tiles lie at whole multiples of the tile size, so that a
+tile sits inside one cache block or spans whole ones. A row's segment count comes from its
+own visible tiles alone, in the kernel:
+
+    segments = clamp(cdiv(tiles, MIN_SEGMENT_KEYS / tile), 1, MAX_SEGMENTS)
+
+and its tiles are dealt out evenly, segment i taking tiles [i*tiles/segments,
+(i+1)*tiles/segments). The grid is (rows, key/value heads, the most segments a row of the
+tables' width can have): shapes only, so a CUDA graph captures it and replays it over any
+contexts; a program past its row's own count returns at once. Where that most is one, the
+first kernel writes the output itself and no merge is launched: the same bits as the merge
+of one segment (weight 1, the float32 result unchanged, then rounded to q's dtype).
+
+The constants, and why:
+- MAX_SEGMENTS = 16, as vLLM's split for small decode batches: at batch 1 and 8 key/value
+  heads a 2k context makes 128 programs, about one per SM of an H200 (132), and the merge
+  reads a row's segments as one tile of 16.
+- MIN_SEGMENT_KEYS = 128, FlashInfer's least chunk: a segment writes one float32 row per
+  query head and the merge reads it back, 2 * group / keys of the K/V bytes it stands
+  for: 6% at 128 keys and a group of 4 (12% at 64 keys). Small batches want more segments
+  and large ones fewer, but a row's count may not depend on its batch (its bits would),
+  so the least is set where a large batch pays little: 1k contexts split 8 ways (64
+  programs at batch 1), 2k and longer 16.
+- The key tile: 128 keys up to head_dim 64, 64 up to 128, 32 at 256 (each K and V tile at
+  most 8192 elements, 16 KB in bfloat16, so a tile stays in registers with 4 warps); fewer
+  where the block size is not a power of two, down to its largest power-of-two factor
+  (a tile must lie inside one block, or span whole ones). 128 keys halve the serial steps
+  of a head_dim-64 segment and double the bytes each step has in flight.
+- Block ids: one per block a tile spans (one scalar where a block holds the whole tile),
+  loaded a tile ahead, so that a tile's gathers never wait on its own table load.
+- WARPS = 4 and STAGES = 2 for the attention kernel: two stages let Triton's pipeliner
+  issue the next tile's K/V loads while this one computes, where it pipelines these
+  gathers (their addresses are known a step ahead, from the prefetched block ids); a
+  128-key tile's K and V take 32 KB of shared memory a stage, so 3 stages would cut the
+  programs an SM holds. MERGE_WARPS = 2 for the merge, whose tile is 16 x head_dim.
+Still to tune on the H200 (any of it may change a row's bits, never their invariance):
+MIN_SEGMENT_KEYS 64/128/256 and the key tile at B=1, 64 and 128 over 1k and 8k contexts;
+STAGES 2 or 3 and WARPS 4 or 8 for 128-key tiles, and whether the gathers pipeline at
+all (the compiled kernel's cp.async); whether the merge should rather be done by each
+row's last segment to finish (one launch fewer, a counter per row).
 
 A row's bits depend on its query and its context alone: not on the batch, nor on the table
-width (partitions are counted from the row's first visible key, the merge runs in a fixed
-order). The backend still does not claim `row_invariant`: its prefill is FlexAttention's,
-which does not reproduce these decode bits, and the chooser holds an invariant backend's
-prefill rows to its decode rows.
+width (the segments are counted from the row's own tiles, the merge reads its 16 slots in
+one fixed reduction), provided the layer, head_dim and block size are fixed, as they are
+within a model. The backend still does not claim `row_invariant`: its prefill is
+FlexAttention's, which does not reproduce these decode bits, and the chooser holds an
+invariant backend's prefill rows to its decode rows.
 
 Every launch is sized by tensor shapes, never by their values: no host synchronisation, so
 a CUDA graph captures it. Triton is imported with this module, which gpu_worker.kernels
@@ -29,6 +68,7 @@ on a CPU (tests/test_worker_triton_attention.py).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -38,9 +78,11 @@ from gpu_worker.attention.base import AttentionBackend, DecodeGroup, PrefillChun
 from gpu_worker.attention.flex_backend import FlexAttention
 from gpu_worker.kv_cache import LayerKV
 
-KEY_TILE = 64  # keys per loop iteration, whatever the block size (half past head_dim 128)
-PARTITION = 512  # keys per program (a multiple of KEY_TILE)
-MERGE_TILE = 16  # partitions the merge reads per iteration; fixed, so its order is too
+MAX_SEGMENTS = 16  # a power of two: the merge reads them as one tile
+MIN_SEGMENT_KEYS = 128
+MAX_KEY_TILE = 128
+TILE_ELEMENTS = 8192  # of a K or V tile [keys, head_dim padded]
+WARPS, STAGES, MERGE_WARPS = 4, 2, 2
 # Triton's CPU interpreter multiplies a bfloat16 dot's raw bits (3.8): there the operands
 # go up to float32 first, which gives the same products (a bfloat16 product is exact in it).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -60,7 +102,7 @@ class TritonAttention(AttentionBackend):
 
     def compiles(self, device: torch.device) -> bool:
         """On CUDA: FlexAttention's prefill per shape class, and each kernel variant (one
-        partition or more, window, soft-capping) at its first launch."""
+        segment or more, window, soft-capping) at its first launch."""
         return device.type == "cuda"
 
     def prefill_chunk(
@@ -81,41 +123,78 @@ class TritonAttention(AttentionBackend):
         return paged_decode(q, kv.k, kv.v, group)
 
 
+@dataclass(slots=True, frozen=True)
+class Split:
+    """How one launch cuts its rows' keys, from shapes and the layer alone."""
+
+    key_tile: int  # keys per loop step
+    min_tiles: int  # a segment's least tiles (MIN_SEGMENT_KEYS), but for a row's last
+    segments: int  # the grid's segments per (row, key/value head): the most a row can have
+
+
+def key_tile(block_size: int, head_dim: int) -> int:
+    """Keys per loop step: the most whose K (or V) tile fits TILE_ELEMENTS, up to
+    MAX_KEY_TILE, and one that lies inside a block or spans whole ones."""
+    tile = min(MAX_KEY_TILE, TILE_ELEMENTS // _dim_pad(head_dim))
+    if tile % block_size == 0 or block_size % tile == 0:
+        return tile
+    return min(tile, block_size & -block_size)  # the block's largest power-of-two factor
+
+
+def split_for(width: int, block_size: int, head_dim: int, window: int | None) -> Split:
+    """The split of a launch over tables `width` blocks wide: a row there has at most
+    width * block_size keys (and a window's worth of them, over one more tile)."""
+    tile = key_tile(block_size, head_dim)
+    tiles = -(-width * block_size // tile)
+    if window is not None:
+        tiles = min(tiles, 1 + -(-(window - 1) // tile))
+    min_tiles = max(1, MIN_SEGMENT_KEYS // tile)
+    return Split(tile, min_tiles, max(1, min(MAX_SEGMENTS, -(-tiles // min_tiles))))
+
+
 def paged_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: DecodeGroup
 ) -> torch.Tensor:
     """q [B, heads, d] over caches k, v [kv_heads, blocks, block_size, d] -> [B, heads, d]."""
     batch, heads, head_dim = q.shape
+    block_size = k.shape[2]
     # Sized by the table's width (a shape), so that a graph's launches fit every context.
-    span = group.block_tables.shape[1] * k.shape[2]
-    if group.layer.window is not None:
-        span = min(span, group.layer.window)
-    parts = max(1, -(-span // PARTITION))
+    split = split_for(group.block_tables.shape[1], block_size, head_dim, group.layer.window)
+    if split.key_tile < 16:  # tl.dot's least
+        raise RuntimeError(
+            "TritonAttention needs a block size that is a power of two or a multiple of 16"
+        )
     if q.stride(2) != 1:  # the kernel steps through a query's dims one element at a time
         q = q.contiguous()
     out = q.new_empty(q.shape)
     if batch == 0:
         return out
-    if parts == 1:  # [B, heads, 1, d] is out's own layout: the partition's result is final
-        _attend(q, k, v, group, out, out, 1)
+    if split.segments == 1:  # [B, heads, 1, d] is out's own layout: the result is final
+        _attend(q, k, v, group, split, out, out)
         return out
-    partial = q.new_empty((batch, heads, parts, head_dim), dtype=torch.float32)
-    lse = partial.new_empty((batch, heads, parts))
-    _attend(q, k, v, group, partial, lse, parts)
+    partial = q.new_empty((batch, heads, split.segments, head_dim), dtype=torch.float32)
+    lse = partial.new_empty((batch, heads, split.segments))
+    _attend(q, k, v, group, split, partial, lse)
     _merge_kernel[(batch, heads)](
         partial,
         lse,
         group.context_lens,
         out,
-        parts,
+        split.segments,
         group.layer.window or 0,
         HEAD_DIM=head_dim,
-        DIM_PAD=triton.next_power_of_2(head_dim),
-        PARTITION=PARTITION,
-        MERGE_TILE=MERGE_TILE,
+        DIM_PAD=_dim_pad(head_dim),
+        KEY_TILE=split.key_tile,
+        MIN_TILES=split.min_tiles,
+        MAX_SEGMENTS=MAX_SEGMENTS,
         WINDOWED=group.layer.window is not None,
+        num_warps=MERGE_WARPS,
     )
     return out
+
+
+def _dim_pad(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))  # tl.dot's least
 
 
 def _attend(
@@ -123,15 +202,15 @@ def _attend(
     k: torch.Tensor,
     v: torch.Tensor,
     group: DecodeGroup,
+    split: Split,
     partial: torch.Tensor,
     lse: torch.Tensor,
-    parts: int,
 ) -> None:
-    """Launches one program per (row, key/value head, partition); `partial` and `lse` are
-    contiguous [B, heads, parts, d] and [B, heads, parts]."""
-    head_dim, kv_heads, layer = q.shape[2], k.shape[0], group.layer
+    """Launches one program per (row, key/value head, segment); `partial` and `lse` are
+    contiguous [B, heads, segments, d] and [B, heads, segments]."""
+    head_dim, kv_heads, block_size, layer = q.shape[2], k.shape[0], k.shape[2], group.layer
     tables = group.block_tables.contiguous()  # itself, as the worker builds them
-    _partition_kernel[(q.shape[0], kv_heads, parts)](
+    _segment_kernel[(q.shape[0], kv_heads, split.segments)](
         q,
         k,
         v,
@@ -149,31 +228,69 @@ def _attend(
         GROUP=q.shape[1] // kv_heads,
         GROUP_PAD=max(16, triton.next_power_of_2(q.shape[1] // kv_heads)),  # tl.dot's least
         HEAD_DIM=head_dim,
-        DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=k.shape[2],
-        KEY_TILE=KEY_TILE if head_dim <= 128 else KEY_TILE // 2,  # K and V tiles in registers
-        PARTITION=PARTITION,
+        DIM_PAD=_dim_pad(head_dim),
+        BLOCK_SIZE=block_size,
+        KEY_TILE=split.key_tile,
+        BLOCKS_PER_TILE=max(1, split.key_tile // block_size),
+        MIN_TILES=split.min_tiles,
+        MAX_SEGMENTS=MAX_SEGMENTS,
         WINDOWED=layer.window is not None,
         SOFTCAP=layer.softcap is not None,
-        DIRECT=parts == 1,
+        DIRECT=split.segments == 1,
         # float32 caches are checked to 1e-4: TF32's 10-bit mantissa misses that
         PRECISION="ieee" if q.dtype == torch.float32 or INTERPRETED else "tf32",
         UPCAST=INTERPRETED,
+        num_warps=WARPS,
+        num_stages=STAGES,
     )
 
 
 @triton.jit
-def _first_key(ctx, window, WINDOWED: tl.constexpr):
-    """A row's first visible key position: 0, or its window's first (p - window < k <= p
-    for the query at p = ctx - 1)."""
-    first = ctx * 0
+def _row_tiles(
+    ctx,
+    window,
+    KEY_TILE: tl.constexpr,
+    MIN_TILES: tl.constexpr,
+    MAX_SEGMENTS: tl.constexpr,
+    WINDOWED: tl.constexpr,
+):
+    """A row's first visible key, its first tile, its count of tiles holding visible keys,
+    and its count of segments: from its context length alone."""
+    first = ctx * 0  # p - window < key <= p for the query at p = ctx - 1
     if WINDOWED:
         first = tl.maximum(ctx - window, 0)
-    return first
+    first_tile = first // KEY_TILE
+    # (Not tl.cdiv: every call of a jit function costs Triton's interpreter ~2 ms.)
+    tiles = (ctx + KEY_TILE - 1) // KEY_TILE - first_tile
+    segments = tl.minimum(tl.maximum((tiles + MIN_TILES - 1) // MIN_TILES, 1), MAX_SEGMENTS)
+    return first, first_tile, tiles, segments
+
+
+@triton.jit
+def _tile_blocks(
+    table,
+    tile,
+    end_block,
+    BLOCK_SIZE: tl.constexpr,
+    KEY_TILE: tl.constexpr,
+    BLOCKS_PER_TILE: tl.constexpr,
+):
+    """The cache block of each key of tile `tile` ([KEY_TILE]), from one table entry per
+    block the tile spans (a scalar where one block holds the whole tile). Entries past the
+    row's context (from `end_block`) are not read: block 0 stands in, its keys masked."""
+    index = tile * KEY_TILE // BLOCK_SIZE
+    if BLOCKS_PER_TILE == 1:
+        blocks = tl.load(table + index, mask=index < end_block, other=0).to(tl.int64)
+    else:
+        index = index + tl.arange(0, BLOCKS_PER_TILE)
+        ids = tl.load(table + index, mask=index < end_block, other=0).to(tl.int64)
+        spread = tl.broadcast_to(ids[:, None], (BLOCKS_PER_TILE, KEY_TILE // BLOCKS_PER_TILE))
+        blocks = tl.reshape(spread, (KEY_TILE,))
+    return blocks
 
 
 @triton.jit(do_not_specialize=["stride_tb"])  # the table width varies step to step
-def _partition_kernel(
+def _segment_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
@@ -201,22 +318,32 @@ def _partition_kernel(
     DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     KEY_TILE: tl.constexpr,
-    PARTITION: tl.constexpr,
+    BLOCKS_PER_TILE: tl.constexpr,
+    MIN_TILES: tl.constexpr,
+    MAX_SEGMENTS: tl.constexpr,
     WINDOWED: tl.constexpr,
     SOFTCAP: tl.constexpr,
     DIRECT: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """Attention of one row's GROUP query heads of one key/value head over one partition of
+    """Attention of one row's GROUP query heads of one key/value head over one segment of
     its keys -> their output, normalised (DIRECT: in q's dtype, the final one), and the
     log2-sum-exp2 of their scores (scaled by log2 e)."""
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
-    part = tl.program_id(2)
+    segment = tl.program_id(2)
     ctx = tl.load(lens_ptr + row).to(tl.int64)
-    start = _first_key(ctx, window, WINDOWED) + part * PARTITION
-    end = tl.minimum(start + PARTITION, ctx)
+    first, first_tile, tiles, segments = _row_tiles(
+        ctx, window, KEY_TILE, MIN_TILES, MAX_SEGMENTS, WINDOWED
+    )
+    if segment >= segments:  # past the row's own segments: the merge reads none such
+        return
+    # Tiles dealt out evenly: every segment holds one at least (segments <= tiles), but
+    # an empty context's one segment, which writes 0.
+    lo = first_tile + segment * tiles // segments
+    hi = first_tile + (segment + 1) * tiles // segments
+    end_block = (ctx + BLOCK_SIZE - 1) // BLOCK_SIZE
 
     g = tl.arange(0, GROUP_PAD)
     heads = kv_head * GROUP + g
@@ -225,6 +352,8 @@ def _partition_kernel(
     dim_ok = dims < HEAD_DIM
     q_rows = q_ptr + row * stride_qb + heads[:, None] * stride_qh + dims[None, :]
     q = tl.load(q_rows, mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh
     table = tables_ptr + row * stride_tb
@@ -232,19 +361,26 @@ def _partition_kernel(
     top = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    # Every tile holds a visible key (its first), so `top` is finite after the first one.
-    for first in range(start, end, KEY_TILE):
-        keys = first + tl.arange(0, KEY_TILE)
-        seen = keys < end
-        # Table entries past the context are never read, nor the cache through them.
-        block = tl.load(table + keys // BLOCK_SIZE, mask=seen, other=0).to(tl.int64)
-        slot = keys % BLOCK_SIZE
+    blocks = _tile_blocks(table, lo, end_block, BLOCK_SIZE, KEY_TILE, BLOCKS_PER_TILE)
+    # Every tile holds a visible key, so `top` is finite after the first one.
+    for tile in range(lo, hi):
+        # The next tile's blocks, a step ahead: this tile's gathers do not wait on them.
+        next_blocks = _tile_blocks(
+            table, tile + 1, end_block, BLOCK_SIZE, KEY_TILE, BLOCKS_PER_TILE
+        )
+        keys = tile * KEY_TILE + tl.arange(0, KEY_TILE)
+        slots = keys % BLOCK_SIZE
+        seen = keys < ctx  # no key outside the context or window is read
+        if WINDOWED:
+            seen = seen & (keys >= first)
         kt = tl.load(
-            k_head + (block * stride_kb + slot * stride_ks)[None, :] + dims[:, None] * stride_kd,
+            k_head + (blocks * stride_kb + slots * stride_ks)[None, :] + dims[:, None] * stride_kd,
             mask=seen[None, :] & dim_ok[:, None],
             other=0.0,
         )
-        scores = _dot(q, kt, PRECISION, UPCAST) * scale  # [GROUP_PAD, KEY_TILE]
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        scores = tl.dot(q, kt, input_precision=PRECISION) * scale  # [GROUP_PAD, KEY_TILE]
         if SOFTCAP:  # Gemma 2's cap * tanh(score / cap), before the mask
             scores = softcap * _tanh(scores / softcap)
         scores = tl.where(seen[None, :], scores * 1.4426950408889634, float("-inf"))  # log2(e)
@@ -253,36 +389,29 @@ def _partition_kernel(
         probs = tl.exp2(scores - new_top[:, None])
         total = total * fade + tl.sum(probs, 1)
         vt = tl.load(
-            v_head + (block * stride_vb + slot * stride_vs)[:, None] + dims[None, :] * stride_vd,
+            v_head + (blocks * stride_vb + slots * stride_vs)[:, None] + dims[None, :] * stride_vd,
             mask=seen[:, None] & dim_ok[None, :],
             other=0.0,
         )
-        acc = acc * fade[:, None] + _dot(probs.to(vt.dtype), vt, PRECISION, UPCAST)
+        probs = probs.to(v_ptr.dtype.element_ty)  # the cache's dtype, as the MMA takes it
+        if UPCAST:
+            vt = vt.to(tl.float32)
+            probs = probs.to(tl.float32)
+        acc = acc * fade[:, None] + tl.dot(probs, vt, input_precision=PRECISION)
         top = new_top
+        blocks = next_blocks
 
     total = tl.where(total == 0.0, 1.0, total)  # no key: an empty context's output is 0
     result = acc / total[:, None]
-    # Row-major [B, heads, parts(, d)]: with one partition, the output's own layout.
-    at = (row * GROUP * tl.num_programs(1) + heads) * tl.num_programs(2) + part
+    # Row-major [B, heads, segments(, d)]: with one segment, the output's own layout.
+    at = (row * GROUP * tl.num_programs(1) + heads) * tl.num_programs(2) + segment
     out_ok = head_ok[:, None] & dim_ok[None, :]
     out_rows = out_ptr + at[:, None] * HEAD_DIM + dims[None, :]
     if DIRECT:
         tl.store(out_rows, result.to(out_ptr.dtype.element_ty), mask=out_ok)
-    else:  # a partition past a short row's keys writes nothing: the merge reads none such
-        # (A block, not a scalar, beside the masks: Triton 3.9's interpreter refuses the
-        # mask a block and a scalar make.)
-        live = (start + tl.zeros_like(g)) < end
-        tl.store(out_rows, result, mask=out_ok & live[:, None])
-        tl.store(lse_ptr + at, top + tl.log2(total), mask=head_ok & live)
-
-
-@triton.jit
-def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """a @ b in float32."""
-    if UPCAST:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, input_precision=PRECISION)
+    else:
+        tl.store(out_rows, result, mask=out_ok)
+        tl.store(lse_ptr + at, top + tl.log2(total), mask=head_ok)
 
 
 @triton.jit
@@ -293,47 +422,42 @@ def _tanh(x):
     return tl.where(x < 0, -magnitude, magnitude)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["segments"])  # the grid's segments vary with the width
 def _merge_kernel(
     partial_ptr,
     lse_ptr,
     lens_ptr,
     out_ptr,
-    parts,
+    segments,
     window,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
-    PARTITION: tl.constexpr,
-    MERGE_TILE: tl.constexpr,
+    KEY_TILE: tl.constexpr,
+    MIN_TILES: tl.constexpr,
+    MAX_SEGMENTS: tl.constexpr,
     WINDOWED: tl.constexpr,
 ):
-    """One (row, head)'s partitions -> its output: each weighted by its share of the
-    softmax's denominator, 2 ** (lse - max lse) over their sum, in partition order."""
+    """One (row, head)'s segments -> its output: each weighted by its share of the
+    softmax's denominator, 2 ** (lse - max lse) over their sum, as one tile of
+    MAX_SEGMENTS slots (those past the row's count weigh 0), so one fixed order."""
     row = tl.program_id(0).to(tl.int64)
     flat = row * tl.num_programs(1) + tl.program_id(1)  # its place in [B, heads]
     ctx = tl.load(lens_ptr + row).to(tl.int64)
-    count = tl.cdiv(ctx - _first_key(ctx, window, WINDOWED), PARTITION)
+    _, _, _, count = _row_tiles(ctx, window, KEY_TILE, MIN_TILES, MAX_SEGMENTS, WINDOWED)
+    slots = tl.arange(0, MAX_SEGMENTS)
+    ok = slots < count
     dims = tl.arange(0, DIM_PAD)
     dim_ok = dims < HEAD_DIM
-
-    top = tl.full([1], float("-inf"), tl.float32)
-    total = tl.zeros([1], tl.float32)
-    acc = tl.zeros([DIM_PAD], tl.float32)
-    # Each tile's first partition holds keys, so `top` is finite after the first one.
-    for first in range(0, count, MERGE_TILE):
-        at = flat * parts + first + tl.arange(0, MERGE_TILE)
-        ok = first + tl.arange(0, MERGE_TILE) < count
-        lse = tl.load(lse_ptr + at, mask=ok, other=float("-inf"))
-        new_top = tl.maximum(top, tl.max(lse, 0))
-        fade = tl.exp2(top - new_top)
-        weights = tl.exp2(lse - new_top)
-        values = tl.load(
-            partial_ptr + at[:, None] * HEAD_DIM + dims[None, :],
-            mask=ok[:, None] & dim_ok[None, :],
-            other=0.0,
-        )
-        acc = acc * fade + tl.sum(weights[:, None] * values, 0)
-        total = total * fade + tl.sum(weights, 0)
-        top = new_top
-    result = acc / tl.where(total == 0.0, 1.0, total)
+    at = flat * segments + slots
+    lse = tl.load(lse_ptr + at, mask=ok, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # an empty context: every weight 0
+    weights = tl.exp2(lse - top)
+    values = tl.load(
+        partial_ptr + at[:, None] * HEAD_DIM + dims[None, :],
+        mask=ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
+    total = tl.sum(weights, 0)
+    result = tl.sum(weights[:, None] * values, 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + flat * HEAD_DIM + dims, result.to(out_ptr.dtype.element_ty), mask=dim_ok)

@@ -31,7 +31,7 @@ def backend():
 
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("start", [100, 2500])  # one partition, five
+@pytest.mark.parametrize("start", [100, 2500])  # 3 segments of 128 keys at most; 16
 def test_it_passes_the_choosers_check(block_size, dtype, start):
     # 3 query heads per key/value head; 32 decode rows over shuffled tables.
     shapes = Shapes(24, 8, 64, 1536, 4096, block_size, dtype, CUDA, dtype)
@@ -43,7 +43,7 @@ def test_it_passes_the_choosers_check(block_size, dtype, start):
 
 @pytest.mark.parametrize("layer", LAYERS, ids=["full", "window", "window-softcap"])
 @pytest.mark.parametrize("group", [1, 4, 7])
-@pytest.mark.parametrize("head_dim", [64, 256])  # Gemma's 256: half the key tile
+@pytest.mark.parametrize("head_dim", [64, 256])  # Gemma's 256: 32-key tiles, 2 to a block
 def test_decode_matches_the_reference_in_every_kind_of_layer(layer, group, head_dim):
     bf16 = torch.bfloat16
     shapes = Shapes(2 * group, 2, head_dim, 1536, 4096, 64, bf16, CUDA, bf16)
@@ -53,16 +53,20 @@ def test_decode_matches_the_reference_in_every_kind_of_layer(layer, group, head_
     assert (got.float() - want.float()).abs().max().item() < 2e-2
 
 
-def test_a_rows_bits_depend_on_neither_its_batch_nor_its_table_width():
-    shapes = Shapes(32, 8, 128, 1536, 4096, 16, torch.bfloat16, CUDA, torch.bfloat16)
-    case = attention_case(shapes, batch=16, chunk=8, start=300)  # one partition or two
+@pytest.mark.parametrize("head_dim", [64, 128])  # 128-key tiles over 8 blocks; 64 over 4
+@pytest.mark.parametrize("longest", [128, 2304])  # one segment (no merge); up to 16
+def test_a_rows_bits_depend_on_neither_its_batch_nor_its_table_width(head_dim, longest):
+    shapes = Shapes(32, 8, head_dim, 1536, 4096, 16, torch.bfloat16, CUDA, torch.bfloat16)
+    case = attention_case(shapes, batch=16, chunk=8, start=longest)
+    generator = torch.Generator().manual_seed(1)
+    case.lens = [longest, 1, *torch.randint(1, longest, (14,), generator=generator).tolist()]
     attention = backend()
     batch = run_decode(attention, case)
-    for row in (0, 7, 15):
+    for row in (0, 1, 7, 15):  # each alone at its own width: one segment or several
         assert torch.equal(run_decode(attention, case, [row])[0], batch[row])
     lens = torch.tensor(case.lens, device=CUDA)
-    tables = case.tables[:, : -(-max(case.lens) // 16)].to(CUDA)
-    for width in (64, 300):
+    tables = case.tables[:, : -(-longest // 16)].to(CUDA)
+    for width in (2 * tables.shape[1], 300):  # the short case's merge runs where it had none
         group = DecodeGroup(slice(None), F.pad(tables, (0, width - tables.shape[1])), lens)
         assert torch.equal(attention.decode(case.q_decode, case.kv, group), batch)
 
