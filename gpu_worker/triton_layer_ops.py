@@ -8,12 +8,13 @@ transformers) rounds, in the same order:
   rounds to the model's dtype, and multiplies by the weight. Its float32 sum of squares
   runs in another order than PyTorch's, so a normed value may differ in the last bit; the
   residual update is exact.
-- `_rope_and_cache_kernel`: one program per (token, head) of qkv. A q or k head is rotated
-  in place by Hugging Face's rotate_half convention (x * cos + roll(x) * signed_sin, see
-  layer_ops.apply_rope), each product and the sum rounded to the model's dtype as the three
-  PyTorch ops round them; a k or v head is also written to its cache slot. The two halves
-  of a head come in as two tiles of one layout, so every lane rewrites only the values it
-  read itself: no lane overwrites what another has still to read. Exact.
+- `_rope_and_cache_kernel`: one program per token, its heads the rows of a tile. The q
+  and k heads are rotated in place by Hugging Face's rotate_half convention
+  (x * cos + roll(x) * signed_sin, see layer_ops.apply_rope), each product and the sum
+  rounded to the model's dtype as the three PyTorch ops round them; k and v are also
+  written to the token's cache slot. The two halves of each head come in as two tiles of
+  one layout, so every lane rewrites only the values it read itself: no lane overwrites
+  what another has still to read. Exact.
 - `_silu_and_mul_kernel`: silu(gate) in float32 rounded to the model's dtype (as PyTorch
   computes it), then times up, rounded. On CUDA with libdevice's expf and a correctly
   rounded division, PyTorch's own; the interpreter has neither and uses tl.exp and numpy's
@@ -218,7 +219,9 @@ def rope_and_cache_(
         return
     write = not kv.quantized  # an 8-bit cache is written by write_kv, after the rotation
     k, v = kv.k, kv.v
-    _rope_and_cache_kernel[(tokens, heads + kv_heads + (kv_heads if write else 0))](
+    heads_pad = triton.next_power_of_2(heads + 2 * kv_heads)
+    half_pad = triton.next_power_of_2(head_dim // 2)
+    _rope_and_cache_kernel[(tokens,)](
         qkv,
         positions,
         cos,
@@ -235,12 +238,13 @@ def rope_and_cache_(
         k.shape[1] * k.shape[2],
         HEADS=heads,
         KV_HEADS=kv_heads,
+        HEADS_PAD=heads_pad,
         HALF=head_dim // 2,
-        HALF_PAD=triton.next_power_of_2(head_dim // 2),
+        HALF_PAD=half_pad,
         BLOCK_SIZE=k.shape[2],
         WRITE=write,
         INTERPRETED=INTERPRETED,
-        num_warps=1,  # half a head of 128 dims is two values a lane
+        num_warps=max(1, min(8, heads_pad * half_pad // 256)),  # a few pairs a lane
         enable_fp_fusion=False,
     )
     if not write:
@@ -271,97 +275,62 @@ def _rope_and_cache_kernel(
     capacity,
     HEADS: tl.constexpr,
     KV_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     WRITE: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    """Program (token, head): heads [0, HEADS) are q's, then KV_HEADS of k, then of v."""
+    """One token: its HEADS q heads, then KV_HEADS k heads, then KV_HEADS v heads, as the
+    rows of a [heads, half a head] tile per half."""
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    lanes = tl.arange(0, HALF_PAD)
-    ok = lanes < HALF
-    first = qkv_ptr + token * stride_t + (head * 2 * HALF + lanes) * stride_e
+    head = tl.arange(0, HEADS_PAD)[:, None]
+    lane = tl.arange(0, HALF_PAD)[None, :]
+    ok = (head < HEADS + 2 * KV_HEADS) & (lane < HALF)
+    first = qkv_ptr + token * stride_t + (head * 2 * HALF + lane) * stride_e
     second = first + HALF * stride_e
     x1 = tl.load(first, mask=ok, other=0.0)
     x2 = tl.load(second, mask=ok, other=0.0)
-    if head < HEADS + KV_HEADS:
-        position = tl.load(positions_ptr + token).to(tl.int64)
-        x1, x2 = _rotated(
-            x1,
-            x2,
-            cos_ptr + position * stride_cos,
-            sin_ptr + position * stride_sin,
-            lanes,
-            ok,
-            HALF,
-            INTERPRETED,
-        )
-        tl.store(first, x1, mask=ok)
-        tl.store(second, x2, mask=ok)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    cos_row, sin_row = cos_ptr + position * stride_cos, sin_ptr + position * stride_sin
+    dtype = qkv_ptr.dtype.element_ty
+    y1, y2 = _rotated(x1, x2, cos_row, sin_row, lane, lane < HALF, dtype, HALF, INTERPRETED)
+    rotated = ok & (head < HEADS + KV_HEADS)
+    tl.store(first, y1, mask=rotated)
+    tl.store(second, y2, mask=rotated)
     if WRITE:
-        _write_to_cache(
-            x1,
-            x2,
-            head,
-            tl.load(slots_ptr + token).to(tl.int64),
-            k_ptr + ((head - HEADS) % KV_HEADS) * stride_kh,
-            v_ptr + ((head - HEADS) % KV_HEADS) * stride_vh,
-            stride_kb,
-            stride_ks,
-            stride_vb,
-            stride_vs,
-            capacity,
-            lanes,
-            ok,
-            HEADS,
-            KV_HEADS,
-            HALF,
-            BLOCK_SIZE,
-        )
+        slot = tl.load(slots_ptr + token).to(tl.int64)
+        block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+        # A block beside the other masks, not a scalar: Triton 3.9's interpreter refuses
+        # the mask a block and a scalar make.
+        at = slot + tl.zeros_like(head)
+        written = ok & (at >= 0) & (at < capacity)
+        is_k = written & (head >= HEADS) & (head < HEADS + KV_HEADS)
+        k_row = k_ptr + (head - HEADS) * stride_kh + block * stride_kb + offset * stride_ks
+        tl.store(k_row + lane, y1, mask=is_k)
+        tl.store(k_row + HALF + lane, y2, mask=is_k)
+        is_v = written & (head >= HEADS + KV_HEADS)
+        v_head = head - HEADS - KV_HEADS
+        v_row = v_ptr + v_head * stride_vh + block * stride_vb + offset * stride_vs
+        tl.store(v_row + lane, x1, mask=is_v)
+        tl.store(v_row + HALF + lane, x2, mask=is_v)
 
 
 @triton.jit
-def _write_to_cache(
+def _rotated(
     x1,
     x2,
-    head,
-    slot,
-    k_head,
-    v_head,
-    stride_kb,
-    stride_ks,
-    stride_vb,
-    stride_vs,
-    capacity,
+    cos_row,
+    sin_row,
     lanes,
     ok,
-    HEADS: tl.constexpr,
-    KV_HEADS: tl.constexpr,
+    dtype: tl.constexpr,
     HALF: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
-    """A k or v head's halves into its cache row at `slot` (a q head writes nothing)."""
-    if head >= HEADS:
-        block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
-        # A block beside the lane mask, not a scalar: Triton 3.9's interpreter refuses the
-        # mask a block and a scalar make.
-        at = slot + tl.zeros_like(lanes)
-        in_cache = (at >= 0) & (at < capacity)
-        if head < HEADS + KV_HEADS:
-            row = k_head + block * stride_kb + offset * stride_ks
-        else:
-            row = v_head + block * stride_vb + offset * stride_vs
-        tl.store(row + lanes, x1, mask=ok & in_cache)
-        tl.store(row + HALF + lanes, x2, mask=ok & in_cache)
-
-
-@triton.jit
-def _rotated(x1, x2, cos_row, sin_row, lanes, ok, HALF: tl.constexpr, INTERPRETED: tl.constexpr):
-    """A head's halves rotated: x * cos + roll(x) * signed_sin, whose roll swaps the
-    halves; each product and the sum rounded to x's dtype, as PyTorch's three ops."""
-    dtype: tl.constexpr = x1.dtype
+    """Heads' halves rotated: x * cos + roll(x) * signed_sin, whose roll swaps the halves;
+    each product and the sum rounded to `dtype` (qkv's), as PyTorch's three ops round."""
     c1 = tl.load(cos_row + lanes, mask=ok, other=0.0)
     c2 = tl.load(cos_row + HALF + lanes, mask=ok, other=0.0)
     s1 = tl.load(sin_row + lanes, mask=ok, other=0.0)
