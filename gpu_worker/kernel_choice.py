@@ -479,6 +479,7 @@ def attention_preference(
 # prefill chunk, every layer of a 1B model in one CUDA graph, the graph replayed back to
 # back (on a CPU, where ops run as they are called, one layer of each).
 TIMED_ROWS = (64, 256)
+CHECKED_ROWS = 128  # the tokens a candidate's outputs are checked on
 GRAPHED_LAYERS = 16
 REPLAYS = 10
 
@@ -502,7 +503,7 @@ class LayerOpsCase:
     kv_heads: int
 
 
-def layer_ops_case(shapes: Shapes, rows: int = 128) -> LayerOpsCase:
+def layer_ops_case(shapes: Shapes, rows: int) -> LayerOpsCase:
     generator = torch.Generator().manual_seed(1)
     dtype, device, d = shapes.dtype, shapes.device, shapes.head_dim
 
@@ -593,13 +594,13 @@ def choose_layer_ops(
     """The fastest candidate that agrees with the reference, timed as serving runs it
     (timed_layer_ops; on CUDA by events around back-to-back graph replays). One that
     raises, or cannot be captured, fails its check."""
-    expected = run_layer_ops(kernel_set.reference().layer_ops, layer_ops_case(shapes))
+    expected = run_layer_ops(kernel_set.reference().layer_ops, layer_ops_case(shapes, CHECKED_ROWS))
     tolerance = TOLERANCE[shapes.dtype]
     timed: dict[int, Callable[[], None]] = {}
 
     def check(ops: LayerOps) -> str | None:
         try:
-            outputs = run_layer_ops(ops, layer_ops_case(shapes))
+            outputs = run_layer_ops(ops, layer_ops_case(shapes, CHECKED_ROWS))
             for got, want in zip(outputs, expected, strict=True):
                 if not torch.allclose(got.float(), want.float(), atol=tolerance, rtol=tolerance):
                     return "differs from the reference"
