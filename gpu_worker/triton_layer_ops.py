@@ -15,10 +15,11 @@ transformers) rounds, in the same order:
   written to the token's cache slot. The two halves of each head come in as two tiles of
   one layout, so every lane rewrites only the values it read itself: no lane overwrites
   what another has still to read. Exact.
-- `_silu_and_mul_kernel`: silu(gate) in float32 rounded to the model's dtype (as PyTorch
-  computes it), then times up, rounded. On CUDA with libdevice's expf and a correctly
-  rounded division, PyTorch's own; the interpreter has neither and uses tl.exp and numpy's
-  division, which may differ from PyTorch's CPU silu in float32's last bit.
+- `_silu_and_mul_kernel`: silu(gate) = gate / (1 + exp(-gate)) in float32, rounded to the
+  model's dtype (PyTorch computes it so), then times up, rounded. On CUDA the exp is
+  libdevice's expf and the division correctly rounded, as in PyTorch's CUDA kernel; the
+  interpreter has no libdevice, and its exp (numpy's) may differ from PyTorch's CPU one in
+  float32's last bit, which rounding to bfloat16 almost always hides.
 
 Each row's result depends on that row alone (a row per program, or elementwise), so a
 row's bits never depend on its batch. Launches are sized by tensor shapes only, never by
@@ -50,7 +51,8 @@ from triton.language.extra import libdevice
 from gpu_worker.kv_cache import LayerKV
 from gpu_worker.layer_ops import TorchLayerOps, write_kv
 
-# The interpreter has no libdevice: there silu's exp is tl.exp (see the module docstring).
+# Triton's CPU interpreter has no libdevice (silu's exp is tl.exp there) and truncates
+# float32 to bfloat16 (_round rounds by hand there).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 SILU_TILE = 1024  # elements of a row per silu-and-mul program
 
