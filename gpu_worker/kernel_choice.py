@@ -54,7 +54,7 @@ from gpu_worker.layer_ops import LayerOps, write_kv
 from gpu_worker.linear import Linear
 from gpu_worker.model import attention_kinds
 from gpu_worker.model_config import ModelConfig, Rope
-from gpu_worker.piecewise import CudaPieceCapturer
+from gpu_worker.piecewise import CudaPieceCapturer, PieceCapturer
 from gpu_worker.rope import rope_tables
 
 C = TypeVar("C")
@@ -564,21 +564,21 @@ def _rope_and_cache(ops: LayerOps, case: LayerOpsCase) -> None:
     )
 
 
-def timed_layer_ops(ops: LayerOps, shapes: Shapes) -> Callable[[], None]:
-    """What the chooser times of `ops`, its inputs built here, outside the timing: on CUDA
-    the replays of a graph of GRAPHED_LAYERS layers on each of TIMED_ROWS, as a step
-    replays them; elsewhere one layer on each, called eagerly."""
+def timed_layer_ops(
+    ops: LayerOps, shapes: Shapes, capturer: PieceCapturer | None
+) -> Callable[[], None]:
+    """What the chooser times of `ops`, its inputs built here, outside the timing: with a
+    capturer (CUDA's) REPLAYS replays of a graph of GRAPHED_LAYERS layers on each of
+    TIMED_ROWS, as a step replays them; without, one layer on each, called eagerly."""
     cases = [layer_ops_case(shapes, rows) for rows in TIMED_ROWS]
-    graphed = shapes.device.type == "cuda"
 
     def layers() -> None:
-        for _ in range(GRAPHED_LAYERS if graphed else 1):
+        for _ in range(1 if capturer is None else GRAPHED_LAYERS):
             for case in cases:
                 run_layer(ops, case)
 
-    if not graphed:
+    if capturer is None:
         return layers
-    capturer = CudaPieceCapturer()
     graph = capturer.capture(layers, capturer.new_pool())
 
     def replays() -> None:
@@ -596,6 +596,7 @@ def choose_layer_ops(
     raises, or cannot be captured, fails its check."""
     expected = run_layer_ops(kernel_set.reference().layer_ops, layer_ops_case(shapes, CHECKED_ROWS))
     tolerance = TOLERANCE[shapes.dtype]
+    capturer = CudaPieceCapturer() if shapes.device.type == "cuda" else None
     timed: dict[int, Callable[[], None]] = {}
 
     def check(ops: LayerOps) -> str | None:
@@ -604,7 +605,7 @@ def choose_layer_ops(
             for got, want in zip(outputs, expected, strict=True):
                 if not torch.allclose(got.float(), want.float(), atol=tolerance, rtol=tolerance):
                     return "differs from the reference"
-            timed[id(ops)] = timed_layer_ops(ops, shapes)
+            timed[id(ops)] = timed_layer_ops(ops, shapes, capturer)
         except RuntimeError as exc:
             return f"raised {exc}"
         return None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -253,6 +254,32 @@ def test_layer_ops_are_timed_as_a_layer_runs_them_on_inputs_built_beforehand(mon
     assert [op for op, _ in timed] == layer * rounds
     assert {first.shape[0] for _, first in timed} == set(kernel_choice.TIMED_ROWS)
     assert len({first.data_ptr() for _, first in timed}) == 3 * len(kernel_choice.TIMED_ROWS)
+
+
+class FakeCapturer:
+    """Captures by keeping the piece; a replay runs it."""
+
+    def __init__(self) -> None:
+        self.captured: list = []
+
+    def new_pool(self) -> object:
+        return object()
+
+    def capture(self, piece, pool):
+        self.captured.append(piece)
+        return SimpleNamespace(replay=piece)
+
+
+def test_on_cuda_the_layers_of_a_model_are_captured_once_and_replayed_back_to_back():
+    timing, calls = [False], []
+    capturer = FakeCapturer()
+    ops = RecordingLayerOps(calls, timing)
+    timed = kernel_choice.timed_layer_ops(ops, tiny_shapes(), capturer)
+    assert len(capturer.captured) == 1 and not calls  # captured, not yet run
+    timed()
+    per_layer = 4 * len(kernel_choice.TIMED_ROWS)
+    assert len(calls) == kernel_choice.REPLAYS * kernel_choice.GRAPHED_LAYERS * per_layer
+    assert len({first.data_ptr() for _, _, first in calls}) == 3 * len(kernel_choice.TIMED_ROWS)
 
 
 class OffSiluLayerOps(TorchLayerOps):
