@@ -24,8 +24,9 @@ transformers) rounds, in the same order:
 Each row's result depends on that row alone (a row per program, or elementwise), so a
 row's bits never depend on its batch. Launches are sized by tensor shapes only, never by
 values: no host synchronisation, so CUDA graphs capture them. Floating-point contraction
-is off (`enable_fp_fusion=False`): a fused multiply-add would round once where PyTorch's
-separate kernels round twice.
+is off (LAUNCH_OPTIONS): a fused multiply-add would round once where PyTorch's separate
+kernels round twice (in bfloat16 too, where the compiler would fuse a product rounded to
+bfloat16 and the sum after it into one bfloat16 fma).
 
 What stays on the PyTorch path: an 8-bit cache's write (the kernel rotates, then
 layer_ops.write_kv quantizes and writes, several kernels); top_k_ids; Gemma's norms and
@@ -55,6 +56,8 @@ from gpu_worker.layer_ops import TorchLayerOps, write_kv
 # float32 to bfloat16 (_round rounds by hand there).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 SILU_TILE = 1024  # elements of a row per silu-and-mul program
+# Every launch's: PyTorch rounds each product and each sum, so no fused multiply-adds.
+LAUNCH_OPTIONS = {"enable_fp_fusion": False}
 
 
 class TritonLayerOps(TorchLayerOps):
@@ -120,7 +123,7 @@ def _norm(
         ADD=delta is not None,
         INTERPRETED=INTERPRETED,
         num_warps=max(1, min(16, block // 256)),  # a few values a lane, whatever the width
-        enable_fp_fusion=False,
+        **LAUNCH_OPTIONS,
     )
     return out
 
@@ -176,7 +179,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         TILE=tile,
         INTERPRETED=INTERPRETED,
         num_warps=4,
-        enable_fp_fusion=False,
+        **LAUNCH_OPTIONS,
     )
     return out
 
@@ -247,7 +250,7 @@ def rope_and_cache_(
         WRITE=write,
         INTERPRETED=INTERPRETED,
         num_warps=max(1, min(8, heads_pad * half_pad // 256)),  # a few pairs a lane
-        enable_fp_fusion=False,
+        **LAUNCH_OPTIONS,
     )
     if not write:
         qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)

@@ -263,6 +263,45 @@ def test_it_passes_the_choosers_check(interpreted, cache_dtype):
     assert interpreted[f"chooser/{cache_dtype}"] == {"torch": "", "triton": ""}
 
 
+def hopper_ptx(kernel, types: dict[str, str], constants: dict) -> str:
+    """The kernel compiled for an H100/H200 (sm_90) as a launch would, without a GPU: the
+    front end the interpreter skips, the lowering, and ptxas."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from gpu_worker import triton_layer_ops as ops
+
+    signature = {
+        name: "constexpr" if name in constants else types.get(name, "i32")
+        for name in kernel.arg_names
+    }
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    options = {"num_warps": 4, **ops.LAUNCH_OPTIONS}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_kernels_compile_for_hopper_rounding_as_pytorch(dtype):
+    from gpu_worker import triton_layer_ops as ops
+
+    pointer = f"*{dtype}"
+    norm = {name: pointer for name in ("x_ptr", "delta_ptr", "weight_ptr", "out_ptr")}
+    constants = dict(WIDTH=576, BLOCK=1024, ADD=True, INTERPRETED=False)
+    hopper_ptx(ops._rms_norm_kernel, {**norm, "eps": "fp32"}, constants)
+    silu = {"gate_up_ptr": pointer, "out_ptr": pointer}
+    constants = dict(WIDTH=1536, TILE=1024, INTERPRETED=False)
+    assert "div.rn.f32" in hopper_ptx(ops._silu_and_mul_kernel, silu, constants)
+    rope = dict.fromkeys(("qkv_ptr", "cos_ptr", "sin_ptr", "k_ptr", "v_ptr"), pointer)
+    rope |= {"positions_ptr": "*i64", "slots_ptr": "*i64"}
+    for write in (True, False):
+        constants = dict(
+            HEADS=8, KV_HEADS=1, HEADS_PAD=16, HALF=40, HALF_PAD=64, BLOCK_SIZE=16
+        ) | dict(WRITE=write, INTERPRETED=False)
+        # Contracted, a product and the sum would round once (fma), even in bfloat16.
+        assert "fma" not in hopper_ptx(ops._rope_and_cache_kernel, rope, constants)
+
+
 def test_no_rows_launch_nothing():
     """Shape checks only, in this process (no interpreter): an empty batch never reaches
     a kernel, which a CPU tensor would fail."""
