@@ -4,10 +4,10 @@ The kernel that wins on one CPU loses on another: oneDNN's bfloat16 matmuls use 
 where a CPU has them and a hand-written AVX-512 loop does not; without AVX-512 the C++
 kernels fall back to scalar loops. So at worker start every candidate of each seam
 (gpu_worker.kernels) runs on the model's own shapes, is checked against the PyTorch
-reference, and is timed; the fastest that passes is used. Each is timed as serving runs
-it, its inputs built beforehand. On CUDA the layer ops are captured into a CUDA graph, as
-a step replays them, and timed by CUDA events: called eagerly, their time would be the
-launches' and Inductor's guards', which a replay never pays.
+reference, and is timed; the fastest that passes is used. The layer ops are timed as
+serving runs them, on inputs built beforehand, and on CUDA captured into a CUDA graph, as
+a step replays them, and timed by CUDA events: called eagerly, their time would be mostly
+the launches' and Inductor's guards', which a replay never pays.
 
 Attention has one more check. A candidate that claims row invariance is held to it, bit
 for bit: a decode row alone and among others, and a prefill row against the same token
