@@ -4,7 +4,10 @@ The kernel that wins on one CPU loses on another: oneDNN's bfloat16 matmuls use 
 where a CPU has them and a hand-written AVX-512 loop does not; without AVX-512 the C++
 kernels fall back to scalar loops. So at worker start every candidate of each seam
 (gpu_worker.kernels) runs on the model's own shapes, is checked against the PyTorch
-reference, and is timed; the fastest that passes is used.
+reference, and is timed; the fastest that passes is used. The layer ops are timed as
+serving runs them, on inputs built beforehand, and on CUDA captured into a CUDA graph, as
+a step replays them, and timed by CUDA events: called eagerly, their time would be mostly
+the launches' and Inductor's guards', which a replay never pays.
 
 Attention has one more check. A candidate that claims row invariance is held to it, bit
 for bit: a decode row alone and among others, and a prefill row against the same token
@@ -50,7 +53,9 @@ from gpu_worker.kv_quant import quantize_rows
 from gpu_worker.layer_ops import LayerOps, write_kv
 from gpu_worker.linear import Linear
 from gpu_worker.model import attention_kinds
-from gpu_worker.model_config import ModelConfig
+from gpu_worker.model_config import ModelConfig, Rope
+from gpu_worker.piecewise import CudaPieceCapturer, PieceCapturer
+from gpu_worker.rope import rope_tables
 
 C = TypeVar("C")
 REPEATS = 5  # timed rounds, after one warm-up; each candidate's fastest round counts
@@ -145,6 +150,41 @@ def device_sync(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
+Timer = Callable[[Callable[[], object]], float]  # runs a call -> the seconds it took
+
+
+def wall_timer(clock: Callable[[], float], sync: Callable[[], None]) -> Timer:
+    """`clock` around the call, the device waited for before and after (`sync`)."""
+
+    def timed(call: Callable[[], object]) -> float:
+        sync()
+        started = clock()
+        call()
+        sync()
+        return clock() - started
+
+    return timed
+
+
+def device_timer(device: torch.device) -> Timer:
+    """On CUDA, events recorded around the call on the current stream: the device's own
+    time for the work the call queues, not the host's around it; elsewhere the wall clock,
+    the work done when the call returns."""
+    if device.type != "cuda":
+        return wall_timer(time.perf_counter, lambda: None)
+
+    def timed(call: Callable[[], object]) -> float:
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1000
+
+    return timed
+
+
 class NoCorrectKernel(RuntimeError):
     """Every candidate of a seam failed its check."""
 
@@ -164,13 +204,15 @@ def pick(
     preferred: Callable[[C], bool] = lambda candidate: True,
     clock: Callable[[], float] = time.perf_counter,
     sync: Callable[[], None] = lambda: None,
+    timer: Timer | None = None,
 ) -> tuple[C, list[Trial]]:
     """The fastest preferred candidate whose check passes (returns None); the fastest
     passing one only when no preferred one passes.
 
     `sync` waits for the device (device_sync): a GPU's kernels run after their launch
     returns, so without it a timing reads the launches alone, and the previous
-    candidate's queued work lands in the next one's time.
+    candidate's queued work lands in the next one's time. `timer` replaces the two (and
+    `clock`) where a run is timed otherwise (device_timer).
 
     Candidates are timed in turns, one run each per round, so that a change in the
     machine's load (a neighbour on a shared host) weighs on all of them alike; each gets
@@ -182,13 +224,10 @@ def pick(
     times: dict[int, list[float]] = {id(c): [] for c in passing}
     for candidate in passing:
         workload(candidate)  # first-call allocations and lazy initialisation
+    timed = timer or wall_timer(clock, sync)
     for _ in range(REPEATS):
         for candidate in passing:
-            sync()
-            started = clock()
-            workload(candidate)
-            sync()
-            times[id(candidate)].append(clock() - started)
+            times[id(candidate)].append(timed(functools.partial(workload, candidate)))
     trials = [_trial(name(c), failures[id(c)], times.get(id(c), [])) for c in candidates]
     if not passing:
         raise NoCorrectKernel("; ".join(f"{t.name}: {t.failed}" for t in trials))
@@ -436,8 +475,35 @@ def attention_preference(
 # ---- layer ops --------------------------------------------------------------------------
 
 
-def run_layer_ops(ops: LayerOps, shapes: Shapes, rows: int = 128) -> list[torch.Tensor]:
-    """One layer's small ops on `rows` tokens -> every output (for checking)."""
+# What a layer runs between its matmuls, timed as a step runs it: a decode batch and a
+# prefill chunk, every layer of a 1B model in one CUDA graph, the graph replayed back to
+# back (on a CPU, where ops run as they are called, one layer of each).
+TIMED_ROWS = (64, 256)
+CHECKED_ROWS = 128  # the tokens a candidate's outputs are checked on
+GRAPHED_LAYERS = 16
+REPLAYS = 10
+
+
+@dataclass(slots=True)
+class LayerOpsCase:
+    """One layer's small-op inputs on `rows` tokens of the model's shapes: the residual
+    stream x and the delta added to it, a norm weight, gate_up, qkv, its positions' RoPE
+    tables and a cache, each token writing the slot of its position."""
+
+    x: torch.Tensor
+    delta: torch.Tensor
+    weight: torch.Tensor
+    gate_up: torch.Tensor
+    qkv: torch.Tensor
+    positions: torch.Tensor
+    cos: torch.Tensor
+    signed_sin: torch.Tensor
+    kv: LayerKV
+    heads: int
+    kv_heads: int
+
+
+def layer_ops_case(shapes: Shapes, rows: int) -> LayerOpsCase:
     generator = torch.Generator().manual_seed(1)
     dtype, device, d = shapes.dtype, shapes.device, shapes.head_dim
 
@@ -448,39 +514,108 @@ def run_layer_ops(ops: LayerOps, shapes: Shapes, rows: int = 128) -> list[torch.
     gate_up = randn(rows, 2 * shapes.intermediate)
     qkv = randn(rows, (shapes.heads + 2 * shapes.kv_heads) * d)
     kv = shapes.cache(-(-rows // shapes.block_size), generator)
+    # Real tables: a rotation keeps its values' size however often the timing repeats it.
+    cos, signed_sin = rope_tables(d, Rope(10000.0), rows, dtype, device)
     positions = torch.arange(rows, device=device)
-    cos, signed_sin = randn(rows, d), randn(rows, d)  # any tables of the right shape
-    normed = ops.rms_norm(x, weight, 1e-5)
-    added = ops.add_rms_norm_(x, delta, weight, 1e-5)
-    activated = ops.silu_and_mul(gate_up)
-    ops.rope_and_cache_(
-        qkv, positions, cos, signed_sin, kv, positions, shapes.heads, shapes.kv_heads
+    return LayerOpsCase(
+        x,
+        delta,
+        weight,
+        gate_up,
+        qkv,
+        positions,
+        cos,
+        signed_sin,
+        kv,
+        shapes.heads,
+        shapes.kv_heads,
     )
-    return [normed, added, x, activated, qkv, *kv.values(dtype)]
+
+
+def run_layer_ops(ops: LayerOps, case: LayerOpsCase) -> list[torch.Tensor]:
+    """Each op once on the case (x, qkv and the cache change in place) -> every output."""
+    normed = ops.rms_norm(case.x, case.weight, 1e-5)
+    added = ops.add_rms_norm_(case.x, case.delta, case.weight, 1e-5)
+    activated = ops.silu_and_mul(case.gate_up)
+    _rope_and_cache(ops, case)
+    return [normed, added, case.x, activated, case.qkv, *case.kv.values(case.x.dtype)]
+
+
+def run_layer(ops: LayerOps, case: LayerOpsCase) -> None:
+    """The ops in the order a layer runs them: RoPE and the cache write before attention,
+    the residual add and norm after it, the MLP's activation, the add and norm after it."""
+    _rope_and_cache(ops, case)
+    ops.add_rms_norm_(case.x, case.delta, case.weight, 1e-5)
+    ops.silu_and_mul(case.gate_up)
+    ops.add_rms_norm_(case.x, case.delta, case.weight, 1e-5)
+
+
+def _rope_and_cache(ops: LayerOps, case: LayerOpsCase) -> None:
+    slots = case.positions
+    ops.rope_and_cache_(
+        case.qkv,
+        case.positions,
+        case.cos,
+        case.signed_sin,
+        case.kv,
+        slots,
+        case.heads,
+        case.kv_heads,
+    )
+
+
+def timed_layer_ops(
+    ops: LayerOps, shapes: Shapes, capturer: PieceCapturer | None
+) -> Callable[[], None]:
+    """What the chooser times of `ops`, its inputs built here, outside the timing: with a
+    capturer (CUDA's) REPLAYS replays of a graph of GRAPHED_LAYERS layers on each of
+    TIMED_ROWS, as a step replays them; without, one layer on each, called eagerly."""
+    cases = [layer_ops_case(shapes, rows) for rows in TIMED_ROWS]
+
+    def layers() -> None:
+        for _ in range(1 if capturer is None else GRAPHED_LAYERS):
+            for case in cases:
+                run_layer(ops, case)
+
+    if capturer is None:
+        return layers
+    graph = capturer.capture(layers, capturer.new_pool())
+
+    def replays() -> None:
+        for _ in range(REPLAYS):
+            graph.replay()
+
+    return replays
 
 
 def choose_layer_ops(
     candidates: Sequence[LayerOps], shapes: Shapes
 ) -> tuple[LayerOps, list[Trial]]:
-    expected = run_layer_ops(kernel_set.reference().layer_ops, shapes)
+    """The fastest candidate that agrees with the reference, timed as serving runs it
+    (timed_layer_ops; on CUDA by events around back-to-back graph replays). One that
+    raises, or cannot be captured, fails its check."""
+    expected = run_layer_ops(kernel_set.reference().layer_ops, layer_ops_case(shapes, CHECKED_ROWS))
     tolerance = TOLERANCE[shapes.dtype]
+    capturer = CudaPieceCapturer() if shapes.device.type == "cuda" else None
+    timed: dict[int, Callable[[], None]] = {}
 
     def check(ops: LayerOps) -> str | None:
         try:
-            outputs = run_layer_ops(ops, shapes)
+            outputs = run_layer_ops(ops, layer_ops_case(shapes, CHECKED_ROWS))
+            for got, want in zip(outputs, expected, strict=True):
+                if not torch.allclose(got.float(), want.float(), atol=tolerance, rtol=tolerance):
+                    return "differs from the reference"
+            timed[id(ops)] = timed_layer_ops(ops, shapes, capturer)
         except RuntimeError as exc:
             return f"raised {exc}"
-        for got, want in zip(outputs, expected, strict=True):
-            if not torch.allclose(got.float(), want.float(), atol=tolerance, rtol=tolerance):
-                return "differs from the reference"
         return None
 
     return pick(
         candidates,
         lambda ops: ops.name,
         check,
-        lambda ops: run_layer_ops(ops, shapes),
-        sync=device_sync(shapes.device),
+        lambda ops: timed[id(ops)](),
+        timer=device_timer(shapes.device),
     )
 
 

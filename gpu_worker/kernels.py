@@ -4,7 +4,8 @@ Three seams, each with its candidates:
 - attention: NativeAttention, NativeRowsAttention, HybridAttention (CPU), FlexAttention,
   TritonAttention (CUDA; the latter where triton imports), TorchAttention
   (gpu_worker.attention);
-- layer ops: NativeLayerOps, CompiledLayerOps (CUDA), TorchLayerOps (gpu_worker.layer_ops);
+- layer ops: NativeLayerOps, CompiledLayerOps (CUDA), TorchLayerOps (gpu_worker.layer_ops),
+  TritonLayerOps (CUDA, where triton imports; gpu_worker.triton_layer_ops);
 - matmul: "native" (cadence's bfloat16 kernel), "onednn" (weights prepacked once) or
   "aten" (F.linear); see gpu_worker.linear.Linear.
 
@@ -93,8 +94,16 @@ def attention_candidates(
 
 def layer_ops_candidates(device: torch.device) -> list[LayerOps]:
     kernels = native.kernels() if device.type == "cpu" else None
-    compiled = [CompiledLayerOps()] if device.type == "cuda" else []
-    return [TorchLayerOps(), *compiled] + ([] if kernels is None else [NativeLayerOps(kernels)])
+    found: list[LayerOps] = [TorchLayerOps()]
+    if device.type == "cuda":
+        found.append(CompiledLayerOps())
+        try:  # imported here: the CPU worker runs without triton
+            from gpu_worker.triton_layer_ops import TritonLayerOps
+        except ImportError:
+            pass
+        else:
+            found.append(TritonLayerOps())
+    return found + ([] if kernels is None else [NativeLayerOps(kernels)])
 
 
 def matmul_candidates(device: torch.device, dtype: torch.dtype) -> list[str]:

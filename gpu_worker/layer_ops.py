@@ -1,4 +1,4 @@
-"""The small operations between the matmuls, in three implementations.
+"""The small operations between the matmuls, in four implementations.
 
 - `TorchLayerOps`: PyTorch ops on any device (CUDA graphs capture them). These are the
   reference: each follows transformers' rounding step by step.
@@ -7,8 +7,11 @@
   model, which even replayed from a graph take longer than a 1B model's weights to stream.
 - `NativeLayerOps`: the fused C++ kernels of csrc/layer_ops.cpp, on CPUs where they
   build. One pass per operation instead of dozens of small kernels per layer.
+- `TritonLayerOps` (gpu_worker.triton_layer_ops, CUDA where triton imports): cadence's own
+  Triton kernels, one launch per operation (add and norm, RoPE and the cache write, SiLU
+  and mul), rounding as the reference does; no compile at start beyond Triton's JIT.
 
-All three have one interface, so the model's forward pass is written once:
+All four have one interface, so the model's forward pass is written once:
     rms_norm(x, weight, eps) -> normed x
     add_rms_norm_(x, delta, weight, eps) -> normed x, after x += delta in place
     silu_and_mul(gate_up [T, 2I]) -> silu(gate) * up [T, I]

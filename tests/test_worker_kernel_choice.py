@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from gpu_worker.attention import (
     TorchAttention,
 )
 from gpu_worker.kernel_choice import NoCorrectKernel, Shapes, Trial, pick
+from gpu_worker.layer_ops import TorchLayerOps, silu_and_mul
 from gpu_worker.protocol import parse_kernel_pins
 from service.cli import build_parser
 from tests.worker_fixtures import make_runner
@@ -191,6 +194,133 @@ def test_the_chooser_skips_the_fastest_candidate_when_it_fails_its_check(monkeyp
     assert trials["zeros"].ms is None and "differs" in trials["zeros"].failed
     assert choice.kernels.attention.name == "native-rows"
     assert choice.report()["measured"]["attention"]["zeros"].startswith("failed: decode differs")
+
+
+class RecordingLayerOps(TorchLayerOps):
+    """The reference, recording each op it runs: its name, whether a timing was running,
+    and the tensor it was given first (x, gate_up or qkv)."""
+
+    name = "recording"
+
+    def __init__(self, calls: list, timing: list[bool]) -> None:
+        super().__init__()
+        for op in ("rms_norm", "add_rms_norm_", "silu_and_mul", "rope_and_cache_"):
+            setattr(self, op, self._recorded(op, getattr(self, op), calls, timing))
+
+    @staticmethod
+    def _recorded(op, run, calls, timing):
+        def recorded(first, *args):
+            calls.append((op, timing[0], first))
+            return run(first, *args)
+
+        return recorded
+
+
+def tiny_shapes(dtype: torch.dtype = torch.float32) -> Shapes:
+    return Shapes(4, 2, 16, 64, 96, 4, dtype, CPU, dtype)
+
+
+def test_layer_ops_are_timed_as_a_layer_runs_them_on_inputs_built_beforehand(monkeypatch):
+    timing, calls, built_while_timing = [False], [], []
+
+    def flagging_timer(device):
+        wall = kernel_choice.wall_timer(time.perf_counter, lambda: None)
+
+        def timed(call):
+            timing[0] = True
+            try:
+                return wall(call)
+            finally:
+                timing[0] = False
+
+        return timed
+
+    case = kernel_choice.layer_ops_case
+
+    def recorded_case(shapes, rows):
+        built_while_timing.append(timing[0])
+        return case(shapes, rows)
+
+    monkeypatch.setattr(kernel_choice, "device_timer", flagging_timer)
+    monkeypatch.setattr(kernel_choice, "layer_ops_case", recorded_case)
+    candidates = [TorchLayerOps(), RecordingLayerOps(calls, timing)]
+    _, trials = kernel_choice.choose_layer_ops(candidates, tiny_shapes())
+    assert [t.name for t in trials] == ["torch", "recording"] and not any(t.failed for t in trials)
+    assert built_while_timing and not any(built_while_timing)
+    timed = [(op, first) for op, during, first in calls if during]
+    # Each round: a layer's ops in its order, on each of TIMED_ROWS, on the same tensors.
+    layer = ["rope_and_cache_", "add_rms_norm_", "silu_and_mul", "add_rms_norm_"]
+    rounds = len(kernel_choice.TIMED_ROWS) * kernel_choice.REPEATS
+    assert [op for op, _ in timed] == layer * rounds
+    assert {first.shape[0] for _, first in timed} == set(kernel_choice.TIMED_ROWS)
+    assert len({first.data_ptr() for _, first in timed}) == 3 * len(kernel_choice.TIMED_ROWS)
+
+
+class FakeCapturer:
+    """Captures by keeping the piece; a replay runs it."""
+
+    def __init__(self) -> None:
+        self.captured: list = []
+
+    def new_pool(self) -> object:
+        return object()
+
+    def capture(self, piece, pool):
+        self.captured.append(piece)
+        return SimpleNamespace(replay=piece)
+
+
+def test_on_cuda_the_layers_of_a_model_are_captured_once_and_replayed_back_to_back():
+    timing, calls = [False], []
+    capturer = FakeCapturer()
+    ops = RecordingLayerOps(calls, timing)
+    timed = kernel_choice.timed_layer_ops(ops, tiny_shapes(), capturer)
+    assert len(capturer.captured) == 1 and not calls  # captured, not yet run
+    timed()
+    per_layer = 4 * len(kernel_choice.TIMED_ROWS)
+    assert len(calls) == kernel_choice.REPLAYS * kernel_choice.GRAPHED_LAYERS * per_layer
+    assert len({first.data_ptr() for _, _, first in calls}) == 3 * len(kernel_choice.TIMED_ROWS)
+
+
+class OffSiluLayerOps(TorchLayerOps):
+    """Its activation 10% off: past the bfloat16 tolerance too."""
+
+    name = "off"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.silu_and_mul = lambda gate_up: silu_and_mul(gate_up) * 1.1
+
+
+class RaisingLayerOps(TorchLayerOps):
+    name = "raising"
+
+    def rope_and_cache_(self, *args):
+        raise RuntimeError("no kernel image for this device")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_layer_ops_candidate_that_disagrees_or_raises_fails_its_check(dtype):
+    candidates = [OffSiluLayerOps(), RaisingLayerOps(), TorchLayerOps()]
+    chosen, trials = kernel_choice.choose_layer_ops(candidates, tiny_shapes(dtype))
+    assert chosen.name == "torch"
+    assert trials[:2] == [
+        Trial("off", None, "differs from the reference"),
+        Trial("raising", None, "raised no kernel image for this device"),
+    ]
+
+
+def test_pick_times_each_run_by_the_timer_it_is_given():
+    """A device timer (CUDA events) reads the device's time, not the clock's."""
+    costs, ran = {"slow": 3.0, "fast": 1.0}, []
+
+    def timer(call):
+        call()
+        return costs[ran[-1]]
+
+    chosen, trials = pick(list(costs), str, lambda c: None, ran.append, timer=timer)
+    assert chosen == "fast"
+    assert trials == [Trial("slow", 3000.0), Trial("fast", 1000.0)]
 
 
 def test_pick_waits_for_the_device_around_each_timing():

@@ -163,8 +163,10 @@ def test_the_compiled_ops_trace_to_the_reference_with_lengths_dynamic(dtype):
     compiled = CompiledLayerOps(compiler=counter)
     shapes = kernel_choice.Shapes(6, 2, 16, 64, 96, 4, dtype, torch.device("cpu"), dtype)
     for count in (1, 5, 64, 100):
-        got = kernel_choice.run_layer_ops(compiled, shapes, rows=count)
-        want = kernel_choice.run_layer_ops(TorchLayerOps(), shapes, rows=count)
+        got = kernel_choice.run_layer_ops(compiled, kernel_choice.layer_ops_case(shapes, count))
+        want = kernel_choice.run_layer_ops(
+            TorchLayerOps(), kernel_choice.layer_ops_case(shapes, count)
+        )
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a, b), count
     # Per function (4): one token (specialised), then every other length in one graph.
@@ -176,5 +178,6 @@ def test_the_compiled_ops_are_offered_on_cuda_only():
     assert [ops.name for ops in kernels.layer_ops_candidates(torch.device("cuda"))] == [
         "torch",
         "compiled",
+        "triton",
     ]
     assert "compiled" not in [ops.name for ops in kernels.layer_ops_candidates(torch.device("cpu"))]
