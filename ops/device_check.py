@@ -159,7 +159,9 @@ class Deadline:
     def allow(self, timeout: float) -> float | None:
         """The timeout a section starting now gets; None when too little is left to try."""
         left = self.left()
-        return None if left < MIN_SECTION_S else min(timeout, math.floor(left))
+        if left < MIN_SECTION_S:
+            return None
+        return timeout if timeout <= left else math.floor(left)
 
 
 NO_DEADLINE = Deadline(math.inf)

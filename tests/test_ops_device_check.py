@@ -224,8 +224,9 @@ def test_a_group_shares_a_process_and_the_sections_after_a_hang_run_in_a_fresh_o
         commands.append([s.name for s in batch])
         return [sys.executable, "-c", GROUP_PROCESS, str(tmp_path), *commands[-1]]
 
-    report = run_sections(sections, command_of, tmp_path, {"device": "cpu", "sections": {}},
-                          lambda section: 2)  # fmt: skip
+    report = run_sections(
+        sections, command_of, tmp_path, {"device": "cpu", "sections": {}}, lambda section: 2
+    )
     records = report["sections"]
     assert commands == [["a", "b", "c", "d"], ["c", "d"]]
     assert {name: r["status"] for name, r in records.items()} == {
@@ -247,8 +248,13 @@ def test_the_deadline_cuts_a_sections_timeout_and_skips_those_it_leaves_no_time(
     sections = [Section("slow", 100, "slow"), Section("next", 1, "next")]
     hang = "import time; time.sleep(60)"
     started = time.monotonic()
-    report = run_sections(sections, lambda batch: fake_section(hang), tmp_path,
-                          {"device": "cpu", "sections": {}}, deadline=Deadline.after(2.5))  # fmt: skip
+    report = run_sections(
+        sections,
+        lambda batch: fake_section(hang),
+        tmp_path,
+        {"device": "cpu", "sections": {}},
+        deadline=Deadline.after(2.5),
+    )
     assert time.monotonic() - started < 10
     slow, skipped = report["sections"]["slow"], report["sections"]["next"]
     assert (slow["status"], slow["timeout_s"]) == ("timed out", 2)
@@ -332,11 +338,12 @@ def test_kernels_are_split_by_class_with_their_busy_time_beside_their_span():
         "void at::native::vectorized_elementwise_kernel<8, FillFunctor>": "elementwise",
         "triton_per_fused_add_mean_mul_pow_rsqrt_0": "elementwise",
         "Memcpy HtoD (Pageable -> Device)": "memcpy",
-        "ncclDevKernel_AllReduce_Sum_bf16_RING_LL": "other",
+        "ncclDevKernel_Broadcast_RING_LL": "other",
     }
     assert {name: device_probes.kernel_class(name) for name in names} == names
+    gemm, merge = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64", "_merge_kernel"
     Kernel = device_probes.Kernel
-    kernels = [Kernel(list(names)[0], 0, 10, 10), Kernel("_merge_kernel", 15, 20, 5)]
-    split = device_probes.kernel_split([*kernels, Kernel(list(names)[0], 30, 40, 10)])
+    kernels = [Kernel(gemm, 0, 10, 10), Kernel(merge, 15, 20, 5), Kernel(gemm, 30, 40, 10)]
+    split = device_probes.kernel_split(kernels)
     assert (split["kernels"], split["gemm_us"], split["attention_us"]) == (3, 20, 5)
     assert (split["busy_us"], split["span_us"]) == (25, 40)  # the GPU idle 15 µs of 40
