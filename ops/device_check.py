@@ -253,7 +253,8 @@ class SectionRuns:
                 return index + 1
             last = index == len(sections) - 1
             slow = last and not process.exits_by(started + timeout)
-            self._record(section, result, "slow exit" if slow else "", seconds, timeout, [])
+            ended = "slow exit" if slow else ""
+            self._record(section, result, ended, seconds, timeout, process.tail())
             started = time.monotonic()
         return len(sections)
 

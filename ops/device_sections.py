@@ -325,7 +325,7 @@ def nvcc_version() -> str:
     if nvcc is None:
         return "absent (no nvcc on PATH or in /usr/local/cuda/bin)"
     try:
-        done = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=20)
+        done = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"{nvcc} did not answer: {exc}"
     lines = [line for line in done.stdout.splitlines() if "release" in line]

@@ -241,6 +241,18 @@ def test_a_group_shares_a_process_and_the_sections_after_a_hang_run_in_a_fresh_o
     assert report["passed"] is False
 
 
+def test_a_section_process_exits_at_once_its_output_flushed_and_no_teardown_run():
+    body = (
+        "import atexit, sys; atexit.register(print, 'teardown')\n"
+        "from ops.device_check import exit_now\n"
+        "sys.stdout.write('result written'); exit_now(3)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", body], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert (done.returncode, done.stdout) == (3, "result written")
+
+
 def test_the_deadline_cuts_a_sections_timeout_and_skips_those_it_leaves_no_time(
     tmp_path, monkeypatch
 ):
