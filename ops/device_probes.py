@@ -375,11 +375,13 @@ def profiled_kernels(call: Callable[[], Any], device: torch.device) -> list[Kern
 # Classes of kernels by marks in their names (lower case), the first class that matches:
 # attention before GEMM, since cuDNN's and FlashAttention-3's attention kernels carry "sm90".
 ATTENTION_MARKS = "_partition _merge decode attention attn flash sdpa fmha scaled_dot_product"
-GEMM_MARKS = "gemm cutlass cublas matmul sm90 addmm aten::mm linear"
+# cuBLAS on Hopper with CUDA 12.8 and later names many of its GEMMs nvjet_*, and its M=1
+# calls may be GEMVs.
+GEMM_MARKS = "gemm gemv nvjet cutlass cublas matmul sm90 addmm aten::mm linear"
 # elementwise, reductions and indexing: the layer ops' and the sampler's kernels
 ELEMENTWISE_MARKS = (
     "elementwise reduce index gather scatter copy fill cat norm rope silu softmax sort topk "
-    "embedding triton_poi triton_per triton_red aten::add aten::mul"
+    "scan embedding triton_poi triton_per triton_red aten::add aten::mul"
 )
 KERNEL_CLASSES = (
     ("memcpy", ("memcpy", "memset")),

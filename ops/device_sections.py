@@ -89,7 +89,7 @@ FULL = Profile(
         vocab_size=2048,
         max_position_embeddings=4096,
     ),
-    check_kv_bytes=512 * 2**20,  # 2 KiB a token in bfloat16: the long prompt's 30k fit
+    check_kv_bytes=512 * 2**20,  # 2 KiB a token in bf16, 4 in fp32: the long prompt fits
     # A 1B-class Llama (Llama-3.2-1B's widths): rows long enough to mean something on a GPU.
     timing_model=dict(
         hidden_size=2048,

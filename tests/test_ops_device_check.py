@@ -344,6 +344,8 @@ def test_the_full_runs_sections_fit_its_deadline_each_with_half_its_time_again_t
 def test_kernels_are_split_by_class_with_their_busy_time_beside_their_span():
     names = {
         "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64": "gemm",
+        "nvjet_hsh_64x8_64x16_2x1_v_bz_coopA_NTN": "gemm",
+        "void gemv2T_kernel_val<int, int, __nv_bfloat16, float, 128, 16, 4, 4>": "gemm",
         "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma": "attention",
         "_partition_kernel": "attention",
         "triton_tem_fused_flex_attention_0": "attention",
