@@ -32,10 +32,11 @@ the measured copy bandwidth and the time its flops take at the measured matmul r
 `machine` section's; the nominal figures when that section has not run). The mixed row
 also stands beside the roofline of the token bucket its graphs are padded to. Then, on
 the same warm worker, where a decode step's time goes:
-- decode_profile: one decode step at batch 1 and 64 under torch.profiler (CUDA activity;
-  CPU operators' own time on a CPU): its kernels, their GPU µs by class (KERNEL_CLASSES),
-  the busy µs (their sum) and span (first start to last end) beside the step's wall;
-  top_kernels names the costliest;
+- decode_profile: one decode step at batch 1 and 64 under torch.profiler (its CUDA
+  kernels, copies and fills; on a CPU its operators, each by its own time): their count,
+  µs by class (KERNEL_CLASSES), the busy µs (their sum) and the span (first start to last
+  end, under the profiler's overhead) beside the step's wall unprofiled (its row's
+  median); top_kernels names the costliest;
 - host_before_replay: the host's µs before the replay: `runner.inputs(plan)` (the plan
   applied to the table, the step's facts), the decode tensors, and runner.logits until the
   replay is queued;
