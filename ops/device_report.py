@@ -25,11 +25,12 @@ def write_report(out: Path, report: dict[str, Any]) -> None:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    """The report as text: a summary line per section, then each section's tables."""
-    lines = ["# Device check", "", f"device: {report['device']}; passed: {report['passed']}", ""]
+    """The report as text: a summary line per section, then each section's tables (a
+    list of records as one table, a record as a table of one row)."""
+    lines = ["# Device check", "", _headline(report), ""]
     summary = [
         {"section": name, "status": record["status"], "seconds": record.get("seconds", "")}
-        | {"timeout_s": record["timeout_s"]}
+        | {"timeout_s": record["timeout_s"], "note": record.get("note", "")}
         for name, record in report["sections"].items()
     ]
     lines += _table(summary)
@@ -39,6 +40,15 @@ def markdown(report: dict[str, Any]) -> str:
         if record.get("tail"):
             lines += ["", "Output, last lines:", "", "```", record["tail"], "```"]
     return "\n".join(lines) + "\n"
+
+
+def _headline(report: dict[str, Any]) -> str:
+    line = f"device: {report['device']}; passed: {report['passed']}"
+    if "seconds" in report:
+        line += f"; {report['seconds']} s"
+    if "deadline_s" in report:
+        line += f" (deadline {report['deadline_s']:g} s)"
+    return line
 
 
 def _result_lines(result: dict[str, Any]) -> list[str]:

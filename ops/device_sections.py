@@ -1,11 +1,15 @@
-"""The device check's sections (ops.device_check runs each in a process of its own): what
-each builds, runs and measures, and how it decides whether it passed.
+"""The device check's sections but its probes and timings (ops.device_probes) and its
+HTTP serve (ops.device_serve): what each builds, runs and measures, how it decides whether
+it passed, and the Context every section is given.
+
+The agreement sections run one after another in one process (ops.device_check's
+AGREEMENT) and share its check-model workers: a worker is started by the first section
+that asks for its settings (Context.runner) and kept for those after it; a section records
+how many it started. Sequences are described whole (ops.worker_steps), so a section's
+plans fit the worker whatever the sections before it left there.
 
 On a GPU, agreement is reported as rates and largest differences: the kernels reduce in
-other orders than transformers and than each other. A timing row stands beside its
-roofline, the larger of the time its bytes take at the measured copy bandwidth and the
-time its flops take at the measured matmul rate (the `machine` section's; the nominal
-figures when that section has not run).
+other orders than transformers and than each other.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
-import statistics
+import shutil
 import subprocess
 import sys
 import time
@@ -25,15 +29,13 @@ from typing import Any
 import torch
 
 from gpu_worker import runtime
-from gpu_worker.attention import flex_backend
 from gpu_worker.protocol import SamplingSpec, WorkerConfig, block_size_for
 from gpu_worker.runner import ModelRunner
 from ops.device_report import result_path, say
-from ops.roofline import Machine, ModelCost, measure_bandwidth, measure_matmul, step_times
+from ops.roofline import Machine, measure_bandwidth, measure_matmul
 from ops.worker_steps import (
     Blocks,
     Seq,
-    Steps,
     agreement,
     compare,
     execute,
@@ -49,16 +51,19 @@ class Profile:
     """What to build and run: the full run for one H200, or a quick one for a CPU."""
 
     check_model: dict[str, int]  # transformers config overrides of the checked models
+    check_kv_bytes: int  # each check worker's KV cache: several are alive at once
     timing_model: dict[str, int]  # of the model the timing rows run
     long_prompt: int
     chunk: int
     decoders: int
     decode_batches: tuple[int, ...]
+    profiled_batches: tuple[int, ...]  # decode steps taken apart, among decode_batches
     context: int  # of the decode rows and the mixed row's decoders
     mixed_decoders: int
     long_context: int
     long_batches: tuple[int, ...]
     repeats: int
+    timed_calls: int  # back-to-back calls (or graph replays) a probe's time is the mean of
     generate_batches: tuple[int, ...]  # transformers.generate's, among decode_batches
     generate_tokens: int
     copy_megabytes: int
@@ -84,6 +89,7 @@ FULL = Profile(
         vocab_size=2048,
         max_position_embeddings=4096,
     ),
+    check_kv_bytes=512 * 2**20,  # 2 KiB a token in bf16, 4 in fp32: the long prompt fits
     # A 1B-class Llama (Llama-3.2-1B's widths): rows long enough to mean something on a GPU.
     timing_model=dict(
         hidden_size=2048,
@@ -98,11 +104,13 @@ FULL = Profile(
     chunk=512,
     decoders=8,
     decode_batches=(1, 32, 64, 128),
+    profiled_batches=(1, 64),
     context=1024,
     mixed_decoders=64,
     long_context=8192,
     long_batches=(1, 32),
     repeats=10,
+    timed_calls=100,
     generate_batches=(1, 32),
     generate_tokens=32,
     copy_megabytes=1024,
@@ -110,16 +118,19 @@ FULL = Profile(
 )
 QUICK = Profile(
     check_model=TINY,
+    check_kv_bytes=64 * 2**20,
     timing_model=TINY,
     long_prompt=300,
     chunk=64,
     decoders=2,
     decode_batches=(1, 4),
+    profiled_batches=(1, 4),
     context=64,
     mixed_decoders=4,
     long_context=512,
     long_batches=(1,),
     repeats=2,
+    timed_calls=3,
     generate_batches=(1, 4),
     generate_tokens=4,
     copy_megabytes=32,
@@ -162,7 +173,8 @@ def _quiet_transformers() -> None:
 
 @dataclass(slots=True)
 class Context:
-    """What every section is given: the run's settings, and the runners it has started."""
+    """What every section is given: the run's settings, and the runners started in its
+    process (kept for the sections after it)."""
 
     out: Path
     work: Path
@@ -172,6 +184,7 @@ class Context:
     nominal: Machine  # the figures a timing row falls back on
     wheels: Path | None
     runners: dict[tuple, ModelRunner] = field(default_factory=dict)
+    worker_starts: int = 0  # in this process
 
     @classmethod
     def of(cls, args: Any) -> Context:
@@ -210,29 +223,36 @@ class Context:
         path = self.work / "models" / f"{kind}-{digest[:10]}"
         return build_model(path, kind, overrides, self.device)
 
-    def runner(self, kind: str, dtype: str, **overrides: Any) -> ModelRunner:
-        """One runner per model and settings, kept for the sections that share it."""
-        timing = overrides.pop("timing", False)
-        key = (kind, dtype, timing, tuple(sorted(overrides.items())))
+    def runner(
+        self, kind: str, dtype: str, graphs: bool = True, timing: bool = False, **overrides: Any
+    ) -> ModelRunner:
+        """The worker of this model and these settings: started on first use, then kept
+        for every section of this process that asks for the same. The check model's
+        settings are one set (max_num_seqs covers every agreement section), so that few
+        workers serve them all."""
+        key = (kind, dtype, graphs, timing, tuple(sorted(overrides.items())))
         if key not in self.runners:
             settings = dict(
                 model_dir=str(self.model_dir(kind, timing)),
                 dtype=dtype,
                 device=self.device,
-                kv_memory=0.3,
+                kv_memory=self.profile.check_kv_bytes,
                 max_num_seqs=16,
                 max_num_batched_tokens=4096,  # the long prompt is also prefilled whole
+                use_cuda_graphs=graphs,
                 seed=0,
                 kernels=self.kernels,
                 kernel_cache=str(self.work / "kernels.json"),
             )
             started = time.perf_counter()
             self.runners[key] = runtime.start(WorkerConfig(**{**settings, **overrides}))
+            self.worker_starts += 1
             say(f"worker started in {time.perf_counter() - started:.1f} s: {kind} {dtype}")
         return self.runners[key]
 
-    def release(self) -> None:
-        self.runners.clear()
+    def release(self, runner: ModelRunner) -> None:
+        """Stops keeping `runner`, and gives its memory back."""
+        self.runners = {key: kept for key, kept in self.runners.items() if kept is not runner}
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -268,6 +288,7 @@ def environment(ctx: Context) -> dict[str, Any]:
         "device": ctx.device,
         "block_size": ctx.block_size,
         "compile_count_reported": hasattr(flex_backend, "compile_count"),
+        "nvcc": nvcc_version(),
         "ok": True,
     }
     if ctx.cuda and not torch.cuda.is_available():
@@ -295,6 +316,22 @@ def _version_of(module: str) -> str | None:
         return None
 
 
+def nvcc_version() -> str:
+    """`nvcc --version`'s release line (Triton ships its own ptxas: a host needs no nvcc to
+    run the worker, only to build extensions), or why there is none."""
+    nvcc = shutil.which("nvcc") or next(
+        (str(p) for p in (Path("/usr/local/cuda/bin/nvcc"),) if p.is_file()), None
+    )
+    if nvcc is None:
+        return "absent (no nvcc on PATH or in /usr/local/cuda/bin)"
+    try:
+        done = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{nvcc} did not answer: {exc}"
+    lines = [line for line in done.stdout.splitlines() if "release" in line]
+    return (lines or done.stdout.strip().splitlines() or ["(no output)"])[-1].strip()
+
+
 def _nvidia_smi(query: str) -> str | None:
     try:
         done = subprocess.run(
@@ -318,7 +355,7 @@ def machine(ctx: Context) -> dict[str, Any]:
     return {
         "copy_gb_per_s": round(bandwidth / 1e9, 1),
         "copy_share_of_nominal": round(bandwidth / ctx.nominal.bandwidth, 3),
-        "bf16_matmul_tflop_per_s": _figures(flops / 1e12),
+        "bf16_matmul_tflop_per_s": figures(flops / 1e12),
         "matmul_share_of_nominal": round(flops / ctx.nominal.matmul_flops, 3),
         "copy_mib": profile.copy_megabytes,
         "matmul_size": profile.matmul_size,
@@ -339,7 +376,7 @@ def logits_vs_transformers(ctx: Context) -> dict[str, Any]:
     rows = []
     for kind in ("llama", "qwen2"):
         for dtype in ("float32", "bfloat16"):
-            runner = ctx.runner(kind, dtype, use_cuda_graphs=False, max_num_seqs=8)
+            runner = ctx.runner(kind, dtype, graphs=False)
             blocks = Blocks(runner.cache.block_size)
             prompts = [tokens_of(n, seed=n, vocab=ctx.vocab) for n in lengths]
             seqs = [Seq(i, p, 0, blocks.take(len(p))) for i, p in enumerate(prompts)]
@@ -357,12 +394,13 @@ def logits_vs_transformers(ctx: Context) -> dict[str, Any]:
             rows.append({"model": kind, "dtype": dtype, **found, "ok": ok})
             say(f"{rows[-1]}")
             del hf
-            ctx.release()
+            if (kind, dtype) != ("llama", ctx.serving_dtype):  # no later section asks for it
+                ctx.release(runner)
     return {"rows": rows, "ok": all(row["ok"] for row in rows)}
 
 
 def chunked_vs_unchunked(ctx: Context) -> dict[str, Any]:
-    runner = ctx.runner("llama", ctx.serving_dtype, use_cuda_graphs=False)
+    runner = ctx.runner("llama", ctx.serving_dtype, graphs=False)
     prompt = tokens_of(ctx.profile.long_prompt // 3, seed=1, vocab=ctx.vocab)
     blocks = Blocks(runner.cache.block_size)
     whole = prefill(runner, Seq(0, prompt, 0, blocks.take(len(prompt))), len(prompt))
@@ -376,7 +414,7 @@ def chunked_vs_unchunked(ctx: Context) -> dict[str, Any]:
 def mixed_vs_alone(ctx: Context) -> dict[str, Any]:
     """Greedy tokens of one sequence decoded alone, then beside a prefill chunk and other
     decoders at every step."""
-    runner = ctx.runner("llama", ctx.serving_dtype, max_num_seqs=8)
+    runner = ctx.runner("llama", ctx.serving_dtype)
     steps, blocks = 24, Blocks(runner.cache.block_size)
     prompt = tokens_of(40, seed=2, vocab=ctx.vocab)
     alone = greedy(runner, Seq(0, prompt, 0, blocks.take(40 + steps)), steps)
@@ -399,13 +437,12 @@ def graphs_on_vs_off(ctx: Context) -> dict[str, Any]:
     """Eight sequences decoded greedily, with the decode steps replayed from graphs or not."""
     tokens = {}
     for graphs in (True, False):
-        runner = ctx.runner("llama", ctx.serving_dtype, use_cuda_graphs=graphs, max_num_seqs=8)
+        runner = ctx.runner("llama", ctx.serving_dtype, graphs=graphs)
         blocks, steps, out = Blocks(runner.cache.block_size), 16, []
         for i in range(8):
             prompt = tokens_of(20 + 7 * i, seed=10 + i, vocab=ctx.vocab)
             out += greedy(runner, Seq(i, prompt, 0, blocks.take(len(prompt) + steps)), steps)
         tokens[graphs] = out
-        ctx.release()
     rate = agreement(tokens[True], tokens[False])
     say(f"token agreement {rate}")
     return {"sequences": 8, "steps": 16, "token_agreement": rate, "ok": rate >= 0.75}
@@ -444,7 +481,7 @@ def long_prompt(ctx: Context) -> dict[str, Any]:
 def sampler_with_seeds(ctx: Context) -> dict[str, Any]:
     """Seeded sampling at temperature 1: the same seed gives the same tokens in another
     batch row and in another run; another seed, other tokens."""
-    runner = ctx.runner("llama", ctx.serving_dtype, max_num_seqs=4)
+    runner = ctx.runner("llama", ctx.serving_dtype)
     prompt = tokens_of(30, seed=5, vocab=ctx.vocab)
     runs = []
     for run in range(2):
@@ -480,147 +517,7 @@ def _sample_together(runner: ModelRunner, seqs: list[Seq], steps: int) -> list[l
     return out
 
 
-# ---- speed ----------------------------------------------------------------------------------
-
-
-def decode_timings(ctx: Context) -> dict[str, Any]:
-    """Median step times of the timing model at kv_memory=0.9, each beside its roofline."""
-    profile = ctx.profile
-    runner = ctx.runner(
-        "llama",
-        ctx.serving_dtype,
-        timing=True,
-        kv_memory=0.9,
-        max_num_seqs=max(profile.decode_batches),
-        max_num_batched_tokens=2048,
-    )
-    machine, source = ctx.machine()
-    say(f"rooflines at the {source} {machine.bandwidth / 1e9:.0f} GB/s, "
-        f"{machine.matmul_flops / 1e12:.0f} TFLOP/s")  # fmt: skip
-    timer = StepTimer(runner, machine, profile.repeats)
-    rows = [timer.decode(batch, profile.context) for batch in profile.decode_batches]
-    rows.append(timer.mixed(profile.chunk, profile.mixed_decoders, profile.context))
-    rows += [timer.decode(batch, profile.long_context) for batch in profile.long_batches]
-    config, handshake = runner.model.config, runner.handshake
-    assert handshake is not None
-    return {
-        "model": {
-            "hidden": config.hidden_size,
-            "layers": config.num_hidden_layers,
-            "heads": config.num_attention_heads,
-            "kv_heads": config.num_key_value_heads,
-            "dtype": ctx.serving_dtype,
-            "block_size": runner.cache.block_size,
-        },
-        "roofline_figures": source,
-        "kernels": {k: v for k, v in handshake.kernels.items() if k != "measured"},
-        "startup_s": handshake.startup,
-        "rows": rows,
-        "kv_memory": _kv_memory(runner),
-        "compile_count": flex_backend.compile_count(),
-        "ok": True,
-    }
-
-
-class StepTimer:
-    """Times steps of one runner, each row beside its roofline on `machine`."""
-
-    def __init__(self, runner: ModelRunner, machine: Machine, repeats: int) -> None:
-        self.runner = runner
-        self.machine = machine
-        self.repeats = repeats
-        self.cost = ModelCost.of(runner.model.config, runner.model.dtype.itemsize)
-        self.block_size = runner.cache.block_size
-
-    def decode(self, batch: int, context: int) -> dict[str, Any]:
-        blocks = Blocks(self.block_size)
-        seqs = [Seq(i, [5], context - 1, blocks.take(context)) for i in range(batch)]
-        ms = self.time(seqs)
-        pairs = batch * context
-        return timing_row(
-            f"decode, batch {batch}, context {context}", ms, self.cost, self.machine,
-            tokens=batch, kv_tokens=pairs, attention_pairs=pairs, decoded=batch,
-        )  # fmt: skip
-
-    def mixed(self, chunk: int, decoders: int, context: int) -> dict[str, Any]:
-        blocks = Blocks(self.block_size)
-        vocab = self.runner.model.config.vocab_size
-        prefilled = Seq(0, tokens_of(chunk, 6, vocab), 0, blocks.take(chunk), False)
-        rows = [Seq(1 + i, [5], context - 1, blocks.take(context)) for i in range(decoders)]
-        ms = self.time([prefilled, *rows])
-        return timing_row(
-            f"mixed: a {chunk}-token chunk + {decoders} decodes at {context}",
-            ms, self.cost, self.machine,
-            tokens=chunk + decoders,
-            kv_tokens=chunk + decoders * context,
-            attention_pairs=chunk * (chunk + 1) // 2 + decoders * context,
-            decoded=decoders,
-        )  # fmt: skip
-
-    def time(self, seqs: list[Seq]) -> float:
-        """The median ms of the step of `seqs`, after two warm-ups, as served: the
-        sequences introduced by a first plan, so the timed ones carry no tables (a chunk
-        from position 0 starts a sequence each time, as a new prompt does)."""
-        steps = Steps(self.runner.limits.num_groups)
-        self.runner.execute(steps.plan(seqs))
-        plan, times = steps.plan(seqs), []
-        for i in range(self.repeats + 2):
-            _synchronize()
-            started = time.perf_counter()
-            result = self.runner.execute(plan)
-            _synchronize()
-            if result.error is not None:
-                raise RuntimeError(result.error)
-            if i >= 2:
-                times.append((time.perf_counter() - started) * 1000)
-        return statistics.median(times)
-
-
-def timing_row(
-    what: str,
-    ms: float,
-    cost: ModelCost,
-    machine: Machine,
-    *,
-    tokens: int,
-    kv_tokens: int,
-    attention_pairs: int,
-    decoded: int,
-) -> dict[str, Any]:
-    """A measured step beside its roofline: the larger of its bytes' time at the machine's
-    bandwidth and its flops' time at its matmul rate."""
-    memory_s, compute_s = step_times(cost, machine, tokens, kv_tokens, attention_pairs)
-    roofline_ms = max(memory_s, compute_s) * 1000
-    row = {
-        "step": what,
-        "ms": round(ms, 3),
-        "memory_ms": _figures(memory_s * 1000),
-        "compute_ms": _figures(compute_s * 1000),
-        "roofline_ms": _figures(roofline_ms),
-        "roofline_ratio": _figures(roofline_ms / ms),
-        "decoded_tok_per_s": round(decoded / ms * 1000, 1),
-    }
-    say(f"{what}: {row['ms']} ms, roofline {row['roofline_ms']} ms ({row['roofline_ratio']})")
-    return row
-
-
-def _kv_memory(runner: ModelRunner) -> dict[str, Any]:
-    handshake = runner.handshake
-    assert handshake is not None
-    found: dict[str, Any] = {
-        "kv_memory": 0.9,
-        "num_blocks": handshake.num_blocks,
-        "kv_gib": round(handshake.kv_bytes / 2**30, 2),
-    }
-    if runner.model.device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(runner.model.device)
-        found |= {
-            "device_gib": round(total / 2**30, 2),
-            "kv_share_of_device": round(handshake.kv_bytes / total, 3),
-            "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-            "free_after_steps_gib": round(free / 2**30, 2),
-        }
-    return found
+# ---- a speed reference ----------------------------------------------------------------------
 
 
 def transformers_generate(ctx: Context) -> dict[str, Any]:
@@ -660,7 +557,7 @@ def transformers_generate(ctx: Context) -> dict[str, Any]:
 
 def _generate_timer(model: Any, prompt: torch.Tensor) -> Callable[[int], float]:
     def seconds(new_tokens: int) -> float:
-        _synchronize()
+        synchronize()
         started = time.perf_counter()
         with torch.no_grad():
             model.generate(
@@ -671,17 +568,17 @@ def _generate_timer(model: Any, prompt: torch.Tensor) -> Callable[[int], float]:
                 min_new_tokens=new_tokens,
                 pad_token_id=0,
             )
-        _synchronize()
+        synchronize()
         return time.perf_counter() - started
 
     return seconds
 
 
-def _figures(x: float) -> float:
+def figures(x: float) -> float:
     """Four significant figures: the tiny models' floors are microseconds."""
     return float(f"{x:.4g}")
 
 
-def _synchronize() -> None:
+def synchronize() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()

@@ -6,20 +6,19 @@ A GPU host has torch, transformers and numpy, but maybe not the service's depend
 Given `--wheels DIR`, the section installs them from that folder (pip, no index) before it
 starts the service; without it, a host that lacks them has the section skipped, saying
 which are missing. What the folder must hold is pyproject.toml's dependencies less torch
-and numpy, the host's own (`python -m ops.device_check --requirements`), with theirs.
-It reads HTTP with urllib: httpx is one of the dependencies that may be missing.
+and numpy, the host's own, with theirs (ops.device_wheels; `python -m ops.device_check
+--requirements` prints them). It reads HTTP with urllib: httpx is one of the dependencies
+that may be missing.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import signal
 import subprocess
 import sys
 import threading
 import time
-import tomllib
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -27,28 +26,16 @@ from typing import Any
 
 from ops.device_report import ROOT, say
 from ops.device_sections import Context
+from ops.device_wheels import distribution, install_command, service_requirements
 
-HOST_PACKAGES = {"torch", "numpy"}  # on every GPU host; a second copy would shadow its own
 START_TIMEOUT_S = 50  # until /health answers 200
 REQUEST_TIMEOUT_S = 20
 STOP_TIMEOUT_S = 10
 
 
-def service_requirements() -> list[str]:
-    """pyproject.toml's dependencies, less the GPU host's own."""
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    return [r for r in project["dependencies"] if _distribution(r) not in HOST_PACKAGES]
-
-
-def _distribution(requirement: str) -> str:
-    match = re.match(r"[A-Za-z0-9_.\-]+", requirement)
-    assert match is not None, requirement
-    return match.group(0).lower()
-
-
 def missing_modules(env: dict[str, str] | None = None) -> list[str]:
     """The service's dependencies that do not import, in a fresh interpreter with `env`."""
-    modules = [_distribution(r).replace("-", "_") for r in service_requirements()]
+    modules = [distribution(r).replace("-", "_") for r in service_requirements()]
     probe = (
         "import importlib, sys\n"
         "missing = []\n"
@@ -65,14 +52,6 @@ def missing_modules(env: dict[str, str] | None = None) -> list[str]:
     if done.returncode != 0:
         raise RuntimeError(f"the import probe failed: {done.stderr[-2000:]}")
     return done.stdout.split()
-
-
-def install_command(wheels: Path, breaking_system_packages: bool = False) -> list[str]:
-    command = [sys.executable, "-m", "pip", "install", "--no-index", "--find-links", str(wheels)]
-    command += ["--disable-pip-version-check", "--no-warn-script-location"]
-    if breaking_system_packages:  # a distribution's own Python (PEP 668) on a lent machine
-        command.append("--break-system-packages")
-    return command + service_requirements()
 
 
 def install(wheels: Path) -> float:

@@ -1,7 +1,10 @@
-"""The device check, run quickly on the CPU: it must run unchanged on the first GPU host,
-whose Python has torch, transformers and numpy but maybe not the service's packages; each
-section must be recorded as it ends, whatever the others did; its rooflines must be the
-larger of a step's memory and compute times."""
+"""The device check, run quickly on the CPU: it must run unchanged on a GPU host, whose
+Python has torch, transformers and numpy but maybe not the service's packages, through
+the same code as there wherever a CPU can run it (the agreement sections sharing one
+process and its workers, the probes timed over many calls, a decode step taken apart);
+each section must be recorded as it ends, whatever the others did, within the run's
+deadline; `--requirements` must run without torch; its rooflines must be the larger of a
+step's memory and compute times."""
 
 from __future__ import annotations
 
@@ -15,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from gpu_worker.model_config import ModelConfig
-from ops import device_check, device_report, device_sections, device_serve
-from ops.device_check import Section, run_sections
+from ops import device_check, device_probes, device_report, device_sections, device_wheels
+from ops.device_check import AGREEMENT, Deadline, Section, run_sections
 from ops.roofline import Machine, ModelCost
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,14 +27,19 @@ ABSENT_ON_GPU_HOSTS = ("orjson", "trio", "quart", "quart_trio", "hypercorn", "st
 PINS = ["--kernels", "attention=torch,layer_ops=torch,matmul=aten"]
 
 
-def without_service_packages(tmp_path: Path) -> dict[str, str]:
-    """An environment whose Pythons cannot import the service's packages, as on a GPU
-    host: a module of each name, first on the path, that raises ImportError."""
+def without(tmp_path: Path, names: tuple[str, ...]) -> dict[str, str]:
+    """An environment whose Pythons cannot import `names`: a module of each name, first on
+    the path, that raises ImportError."""
     stubs = tmp_path / "absent"
     stubs.mkdir()
-    for name in ABSENT_ON_GPU_HOSTS:
-        (stubs / f"{name}.py").write_text("raise ImportError('not on this GPU host')\n")
+    for name in names:
+        (stubs / f"{name}.py").write_text("raise ImportError('not on this host')\n")
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(stubs), str(ROOT)])}
+
+
+def without_service_packages(tmp_path: Path) -> dict[str, str]:
+    """As on a GPU host."""
+    return without(tmp_path, ABSENT_ON_GPU_HOSTS)
 
 
 def check(tmp_path: Path, *args: str, env: dict[str, str] | None = None):
@@ -56,15 +64,54 @@ def test_the_quick_check_runs_every_section_on_a_cpu_without_the_service_package
     skipped = sections["serve_http"]["result"]["skipped"]
     assert skipped.startswith("service dependencies missing: ")
     assert set(skipped.split(": ")[1].split(", ")) == set(ABSENT_ON_GPU_HOSTS)
-    timings = sections["decode_timings"]["result"]
+    assert sections["environment"]["result"]["nvcc"]  # its version, or that it is absent
+    probes = sections["flex_probes"]["result"]
+    assert len(probes["short_chunks"]) == 4 * 7  # every GQA group at every short length
+    assert all(row["flex_us"] > 0 and row["flex_graph_us"] > 0 for row in probes["decode"])
+    assert sections["transformers_generate"]["result"]["rows"][0]["cadence_tok_per_s"] > 0
+    # The agreement sections ran in one process, and started each worker once between them.
+    starts = {s.name: sections[s.name]["result"]["worker_starts"] for s in device_check.SECTIONS}
+    assert {name: n for name, n in starts.items() if n} == {
+        "decode_timings": 1,
+        "logits_vs_transformers": 4,  # Llama and Qwen2 in fp32 and bf16, without graphs
+        "mixed_vs_alone": 1,  # with graphs: kept for graphs_on_vs_off, long_prompt, sampler
+    }
+    logs = {path.stem for path in (tmp_path / "out" / "logs").iterdir()}
+    grouped = {s.name for s in device_check.SECTIONS if s.group == AGREEMENT}
+    assert logs == set(device_check.SECTION_NAMES) - grouped | {"logits_vs_transformers"}
+    check_decode_timings(sections["decode_timings"]["result"])
+    assert "| batch | context | kernels | memcpy_us | attention_us | gemm_us |" in table
+    print(f"quick check: {seconds:.0f} s")
+
+
+def check_decode_timings(timings: dict) -> None:
+    """Every row and every part of a decode step's breakdown, as a CPU gives them."""
     steps = [row["step"].split(",")[0].split(":")[0] for row in timings["rows"]]
     assert steps == ["decode", "decode", "mixed", "decode"]
     assert all(row["roofline_ms"] > 0 and row["ms"] > 0 for row in timings["rows"])
+    mixed = timings["rows"][2]
+    assert (mixed["tokens"], mixed["bucket_tokens"]) == (64 + 4, "eager")  # no graphs on a CPU
     assert timings["kv_memory"]["num_blocks"] > 0
-    probes = sections["flex_probes"]["result"]
-    assert len(probes["short_chunks"]) == 4 * 7  # every GQA group at every short length
-    assert sections["transformers_generate"]["result"]["rows"][0]["cadence_tok_per_s"] > 0
-    print(f"quick check: {seconds:.0f} s")
+    profiled = timings["decode_profile"]
+    assert [row["batch"] for row in profiled] == [1, 4]
+    for row in profiled:
+        classes = sum(row[f"{name}_us"] for name, _ in device_probes.KERNEL_CLASSES)
+        assert row["kernels"] > 0 and row["gemm_us"] > 0
+        assert classes + row["other_us"] == pytest.approx(row["busy_us"], abs=0.5)
+        assert 0 < row["busy_us"] <= row["span_us"]
+    assert {row["batch"] for row in timings["top_kernels"]} == {1, 4}
+    for row in timings["host_before_replay"]:
+        assert row["inputs_us"] > 0 and row["decode_tensors_us"] > 0 and row["launch_us"] > 0
+    for row in timings["floors"]:
+        floors = ("gemm_graph_us", "gemm_as_served_graph_us", "sdpa_graph_us")
+        assert all(row[key] > 0 for key in (*floors, "weight_floor_us", "kv_floor_us"))
+    trials = timings["kernel_trials"]
+    assert {row["seam"] for row in trials} == {"attention", "layer_ops", "matmul"}
+    assert all(row["chosen"] for row in trials)  # pinned: one candidate each
+    for row in timings["row_sizes"]:  # each weight shape's check: what it kept, what not
+        kept, dropped = row["kept"].split(), row["dropped"].split()
+        assert row["kernel"] == "aten" and kept and not set(kept) & set(dropped)
+    assert timings["row_sizes"]
 
 
 def test_the_service_answers_a_chat_completion_over_http(tmp_path):
@@ -89,13 +136,21 @@ def test_missing_service_packages_are_a_failure_once_wheels_are_given(tmp_path):
 
 
 def test_the_wheels_hold_the_service_dependencies_but_never_the_hosts_torch():
-    requirements = device_serve.service_requirements()
-    names = {device_serve._distribution(r) for r in requirements}
+    requirements = device_wheels.service_requirements()
+    names = {device_wheels.distribution(r) for r in requirements}
     assert {"trio", "quart-trio", "orjson", "structlog", "tokenizers", "httpx"} <= names
     assert not names & {"torch", "numpy"}
-    command = device_serve.install_command(Path("/wheels"))
+    command = device_wheels.install_command(Path("/wheels"))
     assert command[command.index("--find-links") + 1] == "/wheels"
     assert "--no-index" in command and command[-len(requirements) :] == requirements
+
+
+def test_the_requirements_are_listed_on_a_host_without_torch(tmp_path):
+    command = [sys.executable, "-m", "ops.device_check", "--requirements"]
+    env = without(tmp_path, ("torch",))
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == device_wheels.service_requirements()
 
 
 def fake_section(body: str) -> list[str]:
@@ -117,13 +172,14 @@ def test_every_section_is_recorded_as_it_ends_whatever_the_ones_before_did(tmp_p
         "seen = {name: r['status'] for name, r in report['sections'].items()}\n"
         f"json.dump({{'ok': True, 'seen': seen}}, open({result('checks')!r}, 'w'))\n",
     }
-    sections = [Section(name, 1 if name == "hangs" else 30, name) for name in bodies]
+    sections = [Section(name, 1, name) for name in bodies]
     started = time.monotonic()
     report = run_sections(
         sections,
-        lambda section: fake_section(bodies[section.name]),
+        lambda batch: fake_section(bodies[batch[0].name]),
         tmp_path,
         {"device": "cpu", "sections": {}},
+        lambda section: 1 if section.name == "hangs" else 30,
     )
     assert time.monotonic() - started < 30  # the hang was cut at its timeout
     records = report["sections"]
@@ -146,6 +202,79 @@ def test_every_section_is_recorded_as_it_ends_whatever_the_ones_before_did(tmp_p
     assert (tmp_path / "logs" / "hangs.log").read_text() == "started\n"
 
 
+# A group's process: each section's result in turn, "b" hanging, then a slow exit.
+GROUP_PROCESS = """
+import json, os, sys, time
+out, names = sys.argv[1], sys.argv[2:]
+print("process of", *names, flush=True)
+for name in names:
+    if name == "b":
+        time.sleep(60)
+    with open(os.path.join(out, "sections", name + ".json"), "w") as f:
+        json.dump({"ok": True, "pid": os.getpid()}, f)
+time.sleep(60)
+"""
+
+
+def test_a_group_shares_a_process_and_the_sections_after_a_hang_run_in_a_fresh_one(tmp_path):
+    sections = [Section(name, 1, name, group="g") for name in "abcd"]
+    commands = []
+
+    def command_of(batch: list[Section]) -> list[str]:
+        commands.append([s.name for s in batch])
+        return [sys.executable, "-c", GROUP_PROCESS, str(tmp_path), *commands[-1]]
+
+    report = run_sections(
+        sections, command_of, tmp_path, {"device": "cpu", "sections": {}}, lambda section: 2
+    )
+    records = report["sections"]
+    assert commands == [["a", "b", "c", "d"], ["c", "d"]]
+    assert {name: r["status"] for name, r in records.items()} == {
+        "a": "passed",
+        "b": "timed out",
+        "c": "passed",
+        "d": "passed (slow exit)",  # its result written, its process killed at its timeout
+    }
+    pids = {name: r["result"]["pid"] for name, r in records.items() if r["result"]}
+    assert pids["c"] == pids["d"] != pids["a"]
+    assert records["b"]["tail"] == "process of a b c d"
+    assert report["passed"] is False
+
+
+def test_a_section_process_exits_at_once_its_output_flushed_and_no_teardown_run():
+    body = (
+        "import atexit, sys; atexit.register(print, 'teardown')\n"
+        "from ops.device_check import exit_now\n"
+        "sys.stdout.write('result written'); exit_now(3)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", body], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert (done.returncode, done.stdout) == (3, "result written")
+
+
+def test_the_deadline_cuts_a_sections_timeout_and_skips_those_it_leaves_no_time(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(device_check, "MIN_SECTION_S", 1)
+    sections = [Section("slow", 100, "slow"), Section("next", 1, "next")]
+    hang = "import time; time.sleep(60)"
+    started = time.monotonic()
+    report = run_sections(
+        sections,
+        lambda batch: fake_section(hang),
+        tmp_path,
+        {"device": "cpu", "sections": {}},
+        deadline=Deadline.after(2.5),
+    )
+    assert time.monotonic() - started < 10
+    slow, skipped = report["sections"]["slow"], report["sections"]["next"]
+    assert (slow["status"], slow["timeout_s"]) == ("timed out", 2)
+    assert slow["note"] == "timeout cut from 150 s to 2 s by the run's deadline"
+    assert (skipped["status"], skipped["ok"]) == ("skipped (deadline)", False)
+    assert "skipped (deadline)" in (tmp_path / "report.md").read_text()
+
+
 def test_a_section_that_raises_records_its_traceback(tmp_path, monkeypatch):
     def broken(ctx):
         raise RuntimeError("no device")
@@ -154,7 +283,7 @@ def test_a_section_that_raises_records_its_traceback(tmp_path, monkeypatch):
     args = device_check.parser().parse_args([str(tmp_path), "--device", "cpu", "--quick"])
     args.out_dir, args.work = tmp_path, tmp_path / "work"
     (tmp_path / "sections").mkdir()
-    assert device_check.run_child("machine", args) == 1
+    assert device_check.run_child(["machine"], args) == 1
     found = json.loads(device_report.result_path(tmp_path, "machine").read_text())
     assert found["ok"] is False
     assert "RuntimeError: no device" in found["error"]
@@ -190,7 +319,7 @@ def test_a_mixed_steps_roofline_is_the_larger_of_its_memory_and_compute_times(bo
     machine = Machine(4e12, 1e16) if bound == "memory" else Machine(4e12, 1e13)
     chunk, decoders, context = 512, 64, 1024
     kv_tokens, pairs = chunk + decoders * context, chunk * (chunk + 1) // 2 + decoders * context
-    row = device_sections.timing_row(
+    row = device_probes.timing_row(
         "mixed", 10.0, cost, machine,
         tokens=chunk + decoders, kv_tokens=kv_tokens, attention_pairs=pairs, decoded=decoders,
     )  # fmt: skip
@@ -206,5 +335,29 @@ def test_a_mixed_steps_roofline_is_the_larger_of_its_memory_and_compute_times(bo
     assert row["decoded_tok_per_s"] == pytest.approx(decoders / 10.0 * 1000)
 
 
-def test_the_full_runs_timeouts_fit_the_device_budget():
-    assert sum(section.timeout_s for section in device_check.SECTIONS) <= 450  # 7.5 minutes
+def test_the_full_runs_sections_fit_its_deadline_each_with_half_its_time_again_to_spare():
+    sections = device_check.SECTIONS
+    assert sum(section.expected_s for section in sections) <= 0.8 * device_check.DEADLINE_S
+    assert all(section.timeout_s >= 1.5 * section.expected_s for section in sections)
+
+
+def test_kernels_are_split_by_class_with_their_busy_time_beside_their_span():
+    names = {
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64": "gemm",
+        "nvjet_hsh_64x8_64x16_2x1_v_bz_coopA_NTN": "gemm",
+        "void gemv2T_kernel_val<int, int, __nv_bfloat16, float, 128, 16, 4, 4>": "gemm",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma": "attention",
+        "_partition_kernel": "attention",
+        "triton_tem_fused_flex_attention_0": "attention",
+        "void at::native::vectorized_elementwise_kernel<8, FillFunctor>": "elementwise",
+        "triton_per_fused_add_mean_mul_pow_rsqrt_0": "elementwise",
+        "Memcpy HtoD (Pageable -> Device)": "memcpy",
+        "ncclDevKernel_Broadcast_RING_LL": "other",
+    }
+    assert {name: device_probes.kernel_class(name) for name in names} == names
+    gemm, merge = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64", "_merge_kernel"
+    Kernel = device_probes.Kernel
+    kernels = [Kernel(gemm, 0, 10, 10), Kernel(merge, 15, 20, 5), Kernel(gemm, 30, 40, 10)]
+    split = device_probes.kernel_split(kernels)
+    assert (split["kernels"], split["gemm_us"], split["attention_us"]) == (3, 20, 5)
+    assert (split["busy_us"], split["span_us"]) == (25, 40)  # the GPU idle 15 µs of 40
