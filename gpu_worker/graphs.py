@@ -186,25 +186,31 @@ class DecodeRunner:
             self.failed.append((batch, width))  # any other failure: the eager path
             log.warning("decode graph (batch %d, width %d) runs eagerly: %s", batch, width, exc)
 
-    @torch.inference_mode()
-    def run(self, inputs: StepInputs) -> Logits:
-        """Logits [rows, vocab] of a decode-only step (one token per sequence)."""
+    def shape(self, inputs: StepInputs) -> tuple[int, int]:
+        """The (batch, table width) a decode step runs at: the smallest batch bucket and
+        captured width that hold it, a graph's; the exact width where none was captured."""
         rows = inputs.num_seqs
         needed = -(-max(inputs.ends(list(range(rows)))) // self.cache.block_size)
         batch = smallest_fitting(rows, self.buckets) or rows
         width = smallest_fitting(needed, self.widths) or needed
+        return (batch, width) if (batch, width) in self._graphs else (batch, needed)
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> Logits:
+        """Logits [rows, vocab] of a decode-only step (one token per sequence)."""
+        batch, width = self.shape(inputs)
         graph = self._graphs.get((batch, width))
         staged = self.staging.stage(inputs, batch)
         if graph is None:
             ints = self.staging.send(staged)
-            tables = gather_tables(inputs.held_tables, ints[2], needed)
+            tables = gather_tables(inputs.held_tables, ints[2], width)
             logits = decode_forward(self.model, self.cache, DecodeInputs(ints, tables))
         else:
             static = graph.inputs
             self.staging.send(staged, into=static.ints)
             gather_tables(inputs.held_tables, static.ints[2], width, out=static.tables)
             logits = graph.replay()
-        return logits.select(slice(0, rows))
+        return logits.select(slice(0, inputs.num_seqs))
 
 
 def graph_capturer(model: Model, cache: KVCache, use_cuda_graphs: bool) -> GraphCapturer | None:

@@ -73,6 +73,7 @@ from gpu_worker.model import Model
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.protocol import StepPlan
 from gpu_worker.runner import ModelRunner
+from gpu_worker.staging import gather_tables
 from ops.device_report import say
 from ops.device_sections import Context, Profile, figures
 from ops.roofline import Machine, ModelCost, step_times
@@ -587,23 +588,27 @@ class StepTimer:
 
     def host_us(self, plan: StepPlan) -> dict[str, float]:
         """Median host µs of a decode step's parts before its replay, each part run as
-        the runner runs it: runner.inputs(plan); the decode tensors at the shape the
-        decode runner pads to; and runner.logits until the replay is queued (the decode
-        tensors again, their copies into the graph's inputs, the launch)."""
+        the runner runs it: runner.inputs(plan); the step's integers staged and sent and
+        its tables gathered at the shape the decode runner runs it at (gpu_worker.staging);
+        and runner.logits until the replay is queued (the staging again, into the graph's
+        inputs, and the launch)."""
         runner = self.runner
-        parts: dict[str, list[float]] = {"inputs": [], "decode_tensors": [], "launch": []}
+        decode = runner.decode_runner
+        parts: dict[str, list[float]] = {"inputs": [], "staging": [], "launch": []}
         for _ in range(self.repeats):
             _sync(self.device)
             started = time.perf_counter()
             inputs = runner.inputs(plan)
             applied = time.perf_counter()
-            inputs.decode_tensors(*decode_shape(runner, inputs), self.device)
+            batch, width = decode.shape(inputs)
+            staged = decode.staging.send(decode.staging.stage(inputs, batch))
+            gather_tables(inputs.held_tables, staged[2], width)
             prepared = time.perf_counter()
             runner.logits(inputs)
             launched = time.perf_counter()
             _sync(self.device)
             parts["inputs"].append(applied - started)
-            parts["decode_tensors"].append(prepared - applied)
+            parts["staging"].append(prepared - applied)
             parts["launch"].append(launched - prepared)
         return {f"{name}_us": round(statistics.median(s) * 1e6, 1) for name, s in parts.items()}
 
@@ -623,19 +628,6 @@ class StepTimer:
             **replayed("sdpa", sdpa_pass(model, batch, context), device, calls),
             "kv_floor_us": figures(kv_bytes / bandwidth * 1e6),
         }
-
-
-def decode_shape(runner: ModelRunner, inputs: Any) -> tuple[int, int]:
-    """The (batch, table width) gpu_worker.graphs' DecodeRunner.run pads a decode step to,
-    restated from its rule (it has no accessor): the smallest batch bucket and captured
-    width that hold it; the exact width where it has no graphs."""
-    decode = runner.decode_runner
-    rows = inputs.num_seqs
-    needed = -(-max(inputs.ends(list(range(rows)))) // runner.cache.block_size)
-    batch = smallest_fitting(rows, decode.buckets) or rows
-    if decode.capturer is None:
-        return batch, needed
-    return batch, smallest_fitting(needed, decode.widths) or needed
 
 
 def mixed_bucket(runner: ModelRunner, tokens: int) -> int | None:
