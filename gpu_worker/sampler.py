@@ -71,7 +71,9 @@ class Logits:
             return self.values.argmax(dim=-1)
         return self.top.gather(1, self.top_values.argmax(dim=-1, keepdim=True))[:, 0]
 
-    def select(self, rows: list[int] | slice) -> Logits:
+    def select(self, rows: list[int] | slice | torch.Tensor) -> Logits:
+        """Some rows: a tensor of row indices on the logits' device is read without a
+        host-to-device copy (a list's is, and on CUDA it waits for the device)."""
         if self.top is None or self.top_values is None:
             return Logits(self.values[rows])
         return Logits(self.values[rows], self.top[rows], self.top_values[rows])
@@ -172,12 +174,12 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, tops: list[int])
     its tops[row] most likely tokens; at least MIN_LOGPROB (a masked token's), since JSON
     has no -inf."""
     log_probs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = log_probs.gather(1, targets[:, None])[:, 0].clamp(min=MIN_LOGPROB).tolist()
+    chosen = to_host_list(log_probs.gather(1, targets[:, None])[:, 0].clamp(min=MIN_LOGPROB))
     k = min(max(tops, default=0), log_probs.shape[1])
     if k == 0:
         return TokenLogprobs(chosen, [[] for _ in tops], [[] for _ in tops])
     best = log_probs.topk(k, dim=-1)
-    ids, values = best.indices.tolist(), best.values.clamp(min=MIN_LOGPROB).tolist()
+    ids, values = to_host_list(best.indices), to_host_list(best.values.clamp(min=MIN_LOGPROB))
     return TokenLogprobs(
         chosen,
         [row[:top] for row, top in zip(ids, tops, strict=True)],
@@ -219,13 +221,10 @@ class _Masked:
         allowed = to_device(
             torch.stack([allowed_tokens(words, vocab) for _, words in masked]), device
         )
+        index = row_index(rows, device)
         # out of place: float32 values come back from dense() uncopied
-        values = logits.select(rows).dense().masked_fill(~allowed, float("-inf"))
-        return cls.at(rows, values)
-
-    @classmethod
-    def at(cls, rows: list[int], values: torch.Tensor) -> _Masked:
-        return cls(rows, to_device(torch.tensor(rows), values.device), values)
+        values = logits.select(index).dense().masked_fill(~allowed, float("-inf"))
+        return cls(rows, index, values)
 
 
 def with_processors(
@@ -240,15 +239,20 @@ def with_processors(
     masked_rows = [] if masked is None else masked.rows
     rows = sorted(set(adjusted).union(masked_rows))
     at = {row: k for k, row in enumerate(rows)}
-    values = logits.select(rows).dense()
+    device = logits.values.device
+    index = row_index(rows, device)
+    values = logits.select(index).dense()
     if masked is not None:
-        values[to_device(torch.tensor([at[row] for row in masked_rows]), values.device)] = (
-            masked.values
-        )
+        values[row_index([at[row] for row in masked_rows], device)] = masked.values
     if history is not None:
         history = dataclasses.replace(history, rows=[at[row] for row in history.rows])
     values = adjust_logits(values, [specs[row] for row in rows], history)
-    return _Masked.at(rows, values)
+    return _Masked(rows, index, values)
+
+
+def row_index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """Row indices as an int64 tensor on `device`, sent without waiting for it."""
+    return to_device(torch.tensor(rows, dtype=torch.int64), device)
 
 
 def _dense(logits: Logits, masked: _Masked | None) -> torch.Tensor:
@@ -281,7 +285,7 @@ def apply_top_p(scores: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
     if not rows:
         return scores
     device = scores.device
-    index = to_device(torch.tensor(rows), device)
+    index = row_index(rows, device)
     sub = scores.index_select(0, index)
     probs = torch.softmax(sub, dim=-1)
     floor = _nucleus_floor(

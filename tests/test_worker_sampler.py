@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from gpu_worker import sampler as sampler_module
 from gpu_worker.protocol import SamplingSpec
 from gpu_worker.sampler import (
     Logits,
@@ -224,3 +226,46 @@ def test_top_k_equals_the_previous_implementation_on_random_rows():
     scores[2, :4] = scores[2, 0]  # ties with the k-th
     for top_ks in ([0, 1, 3, 49, 50, 60, 4, 0], [5] * 8, [0, VOCAB, 2, 0, 0, 0, 0, 0]):
         assert torch.equal(apply_top_k(scores, top_ks), previous_top_k(scores, top_ks))
+
+
+# Operators that make the host wait for a CUDA device: a tensor's value read on the host,
+# or a result whose size depends on the values (boolean indexing, nonzero).
+WAITING_OPERATORS = ("_local_scalar_dense", "nonzero", "masked_select", "is_nonzero")
+
+
+class WaitLog(TorchDispatchMode):
+    """Records the operators dispatched inside it that would wait for the device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.name()
+        indices = args[1] if name.startswith("aten::index") and len(args) > 1 else ()
+        if any(mark in name for mark in WAITING_OPERATORS) or any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ()
+        ):
+            self.waits.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_sampled_step_on_the_devices_path_waits_for_the_device_nowhere(monkeypatch):
+    # top-p as a CUDA device runs it (the CPU's staged search indexes by what it found)
+    monkeypatch.setattr(sampler_module, "staged_nucleus_floor", sampler_module.sorted_nucleus_floor)
+    logits = torch.randn(6, 3000, generator=torch.Generator().manual_seed(6)) * 0.5
+    specs = [
+        SamplingSpec(),
+        SamplingSpec(temperature=0.9, seed=4),
+        SamplingSpec(temperature=1.1, top_k=40),
+        SamplingSpec(temperature=1.0, top_p=0.95, seed=5),  # a nucleus past 1024 tokens
+        SamplingSpec(temperature=0.8, min_p=0.05),
+        SamplingSpec(temperature=1.0, top_p=0.5, top_k=2000),
+    ]
+    words = torch.full((3000 // 32 + 1,), -1, dtype=torch.int32)  # a grammar allowing all
+    with WaitLog() as log:
+        tokens = Sampler(0, torch.device("cpu")).sample(
+            logits, specs, [10] * 6, [None, words, None, None, None, None]
+        )
+    assert log.waits == []
+    assert len(tokens.tokens) == 6
