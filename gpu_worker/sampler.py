@@ -12,8 +12,9 @@ the worker's generator, one draw for the batch.
 
 On a CUDA device the host waits for the device once per step, where it reads the tokens
 back: the rows' settings go to the device through pinned memory (gpu_worker.host_copies),
-and the filters use only fixed-shape tensor ops (no boolean indexing, no .item()). Only
-the log-probabilities, when a row asks for them, are read back on their own.
+and the filters use only fixed-shape tensor ops (no boolean indexing, no .item()). Read
+back on their own still: the log-probabilities, when a row asks for them, and what the logit
+processors below find (rows left with no token, the tokens a penalised row has seen).
 
 Structured output: a row may come with a token bitmask (its grammar's allowed tokens).
 Its disallowed logits become -inf before anything else, greedy and its log-probabilities
