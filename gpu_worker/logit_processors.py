@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from gpu_worker.host_copies import to_device
 from gpu_worker.protocol import SamplingSpec
 from gpu_worker.seq_table import RowTokens
 
@@ -69,15 +70,13 @@ def apply_min_p(scaled: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
     rows = [i for i, p in enumerate(min_ps) if p > 0]
     if not rows:
         return scaled
-    sub = scaled[rows]
+    device = scaled.device
+    index = to_device(torch.tensor(rows), device)
+    sub = scaled.index_select(0, index)
     probs = torch.softmax(sub, dim=-1)
-    floor = (
-        probs.amax(dim=-1, keepdim=True)
-        * torch.tensor([min_ps[i] for i in rows], device=scaled.device)[:, None]
-    )
-    scaled = scaled.clone()
-    scaled[rows] = sub.masked_fill(probs < floor, -_INF)
-    return scaled
+    min_p = to_device(torch.tensor([min_ps[i] for i in rows], dtype=torch.float32), device)
+    floor = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+    return scaled.index_copy(0, index, sub.masked_fill(probs < floor, -_INF))
 
 
 def _keep_allowed(values: torch.Tensor, specs: list[SamplingSpec]) -> None:

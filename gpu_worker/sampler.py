@@ -4,10 +4,17 @@ Greedy when temperature is 0; otherwise temperature, then top-k, then top-p (bot
 transformers' logits warpers define them), then a draw by inverse CDF: one uniform number
 per row, looked up in the row's cumulative probabilities. One number per row (rather than
 one per vocabulary entry, as torch.multinomial's exponential race draws) keeps sampling
-cheap next to the forward pass, and lets each row take it from its own generator: a
-seeded row's comes from a generator seeded with
-(seed, absolute position of the sampled token), so it draws the same token whatever else
-is in the batch and after being preempted and recomputed.
+cheap next to the forward pass, and lets each row take it from its own source: a seeded
+row's is a function of (seed, absolute position of the sampled token)
+(gpu_worker.counter_rng, all seeded rows in one pass), so it draws the same token whatever
+else is in the batch and after being preempted and recomputed; the other rows' come from
+the worker's generator, one draw for the batch.
+
+On a CUDA device the host waits for the device once per step, where it reads the tokens
+back: the rows' settings go to the device through pinned memory (gpu_worker.host_copies),
+and the filters use only fixed-shape tensor ops (no boolean indexing, no .item()). Read
+back on their own still: the log-probabilities, when a row asks for them, and what the logit
+processors below find (rows left with no token, the tokens a penalised row has seen).
 
 Structured output: a row may come with a token bitmask (its grammar's allowed tokens).
 Its disallowed logits become -inf before anything else, greedy and its log-probabilities
@@ -29,11 +36,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gpu_worker.counter_rng import as_int64, seeded_uniforms
+from gpu_worker.host_copies import to_device, to_host_list
 from gpu_worker.logit_processors import adjust_logits, apply_min_p
 from gpu_worker.protocol import SamplingSpec, TokenLogprobs
 from gpu_worker.seq_table import RowTokens
 
-_MASK64 = (1 << 64) - 1
 MIN_LOGPROB = -9999.0  # what vLLM reports for a token its grammar rules out
 
 
@@ -64,7 +72,9 @@ class Logits:
             return self.values.argmax(dim=-1)
         return self.top.gather(1, self.top_values.argmax(dim=-1, keepdim=True))[:, 0]
 
-    def select(self, rows: list[int] | slice) -> Logits:
+    def select(self, rows: list[int] | slice | torch.Tensor) -> Logits:
+        """Some rows: a tensor of row indices on the logits' device is read without a
+        host-to-device copy (a list's is, and on CUDA it waits for the device)."""
         if self.top is None or self.top_values is None:
             return Logits(self.values[rows])
         return Logits(self.values[rows], self.top[rows], self.top_values[rows])
@@ -115,7 +125,7 @@ class Sampler:
         if any(spec.logprobs for spec in specs):
             tops = [spec.top_logprobs if spec.logprobs else 0 for spec in specs]
             logprobs = token_logprobs(_dense(logits, masked), tokens, tops)
-        return SampleOutput(tokens=tokens.tolist(), logprobs=logprobs)
+        return SampleOutput(tokens=to_host_list(tokens), logprobs=logprobs)
 
     def _choose(
         self,
@@ -124,15 +134,17 @@ class Sampler:
         positions: list[int],
         masked: _Masked | None,
     ) -> torch.Tensor:
-        greedy = [spec.temperature <= 0 for spec in specs]
         best = logits.best()
         device = logits.values.device
         if masked is not None:
-            best[masked.rows] = masked.values.argmax(dim=-1)
-        if all(greedy):
+            best[masked.index] = masked.values.argmax(dim=-1)
+        if all(spec.temperature <= 0 for spec in specs):
             return best
-        temperatures = [1.0 if g else s.temperature for g, s in zip(greedy, specs, strict=True)]
-        scaled = _dense(logits, masked) / torch.tensor(temperatures, device=device)[:, None]
+        temperatures = to_device(
+            torch.tensor([s.temperature for s in specs], dtype=torch.float32), device
+        )
+        greedy = temperatures <= 0
+        scaled = _dense(logits, masked) / torch.where(greedy, 1.0, temperatures)[:, None]
         scaled = apply_min_p(scaled, [spec.min_p for spec in specs])
         scaled = apply_top_k(scaled, [spec.top_k for spec in specs])
         scaled = apply_top_p(scaled, [spec.top_p for spec in specs])
@@ -141,17 +153,21 @@ class Sampler:
         targets = self._uniforms(specs, positions)[:, None] * cdf[:, -1:]
         drawn = torch.searchsorted(cdf, targets, right=True)[:, 0]
         drawn = torch.where(drawn < cdf.shape[1], drawn, scaled.argmax(dim=-1))
-        return torch.where(torch.tensor(greedy, device=device), best, drawn)
+        return torch.where(greedy, best, drawn)
 
     def _uniforms(self, specs: list[SamplingSpec], positions: list[int]) -> torch.Tensor:
-        """One U[0, 1) number per row: seeded rows from (seed, position), others from the worker."""
-        uniforms = torch.rand(len(specs), generator=self.generator, device=self.device)
-        for i, spec in enumerate(specs):
-            if spec.seed is not None:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(row_seed(spec.seed, positions[i]))
-                uniforms[i] = torch.rand(1, generator=generator, device=self.device)[0]
-        return uniforms
+        """One U[0, 1) number per row: seeded rows' from (seed, position), the others' from
+        the worker's generator."""
+        drawn = torch.rand(len(specs), generator=self.generator, device=self.device)
+        if all(spec.seed is None for spec in specs):
+            return drawn
+        keys = [
+            [as_int64(spec.seed or 0) for spec in specs],
+            positions,
+            [spec.seed is not None for spec in specs],
+        ]
+        seeds, at, seeded = to_device(torch.tensor(keys, dtype=torch.int64), self.device)
+        return torch.where(seeded.bool(), seeded_uniforms(seeds, at), drawn)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, tops: list[int]) -> TokenLogprobs:
@@ -159,12 +175,12 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, tops: list[int])
     its tops[row] most likely tokens; at least MIN_LOGPROB (a masked token's), since JSON
     has no -inf."""
     log_probs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = log_probs.gather(1, targets[:, None])[:, 0].clamp(min=MIN_LOGPROB).tolist()
+    chosen = to_host_list(log_probs.gather(1, targets[:, None])[:, 0].clamp(min=MIN_LOGPROB))
     k = min(max(tops, default=0), log_probs.shape[1])
     if k == 0:
         return TokenLogprobs(chosen, [[] for _ in tops], [[] for _ in tops])
     best = log_probs.topk(k, dim=-1)
-    ids, values = best.indices.tolist(), best.values.clamp(min=MIN_LOGPROB).tolist()
+    ids, values = to_host_list(best.indices), to_host_list(best.values.clamp(min=MIN_LOGPROB))
     return TokenLogprobs(
         chosen,
         [row[:top] for row, top in zip(ids, tops, strict=True)],
@@ -191,7 +207,8 @@ def allowed_tokens(words: torch.Tensor, vocab: int) -> torch.Tensor:
 class _Masked:
     """The float32 logits of the rows with a bitmask, disallowed tokens at -inf."""
 
-    rows: torch.Tensor  # row indices
+    rows: list[int]  # row indices
+    index: torch.Tensor  # the same, on the logits' device
     values: torch.Tensor  # [len(rows), vocab]
 
     @classmethod
@@ -202,10 +219,13 @@ class _Masked:
         rows = [i for i, _ in masked]
         device = logits.values.device
         vocab = logits.values.shape[1]
-        allowed = torch.stack([allowed_tokens(words, vocab) for _, words in masked]).to(device)
+        allowed = to_device(
+            torch.stack([allowed_tokens(words, vocab) for _, words in masked]), device
+        )
+        index = row_index(rows, device)
         # out of place: float32 values come back from dense() uncopied
-        values = logits.select(rows).dense().masked_fill(~allowed, float("-inf"))
-        return cls(torch.tensor(rows, device=device), values)
+        values = logits.select(index).dense().masked_fill(~allowed, float("-inf"))
+        return cls(rows, index, values)
 
 
 def with_processors(
@@ -217,44 +237,44 @@ def with_processors(
     adjusted = [i for i, spec in enumerate(specs) if spec.adjusts_logits]
     if not adjusted:
         return masked
-    masked_rows = [] if masked is None else masked.rows.tolist()
+    masked_rows = [] if masked is None else masked.rows
     rows = sorted(set(adjusted).union(masked_rows))
     at = {row: k for k, row in enumerate(rows)}
-    values = logits.select(rows).dense()
+    device = logits.values.device
+    index = row_index(rows, device)
+    values = logits.select(index).dense()
     if masked is not None:
-        values[torch.tensor([at[row] for row in masked_rows], device=values.device)] = masked.values
+        values[row_index([at[row] for row in masked_rows], device)] = masked.values
     if history is not None:
         history = dataclasses.replace(history, rows=[at[row] for row in history.rows])
     values = adjust_logits(values, [specs[row] for row in rows], history)
-    return _Masked(torch.tensor(rows, device=values.device), values)
+    return _Masked(rows, index, values)
+
+
+def row_index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """Row indices as an int64 tensor on `device`, sent without waiting for it."""
+    return to_device(torch.tensor(rows, dtype=torch.int64), device)
 
 
 def _dense(logits: Logits, masked: _Masked | None) -> torch.Tensor:
     """float32 [S, vocab]: the masked rows' values in place of theirs."""
     dense = logits.dense()
-    return dense if masked is None else dense.index_put((masked.rows,), masked.values)
-
-
-def row_seed(seed: int, position: int) -> int:
-    """Mixes (seed, position) into one 63-bit generator seed (splitmix64 finaliser)."""
-    z = (seed * 0x9E3779B97F4A7C15 + position) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) >> 1
+    return dense if masked is None else dense.index_put((masked.index,), masked.values)
 
 
 def apply_top_k(scores: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
-    """Keeps each row's k highest scores (ties with the k-th kept); k <= 0 keeps all."""
+    """Keeps each row's k highest scores (ties with the k-th kept); k <= 0 or >= vocab keeps
+    all. Only the largest k that cuts is searched for, whatever the rows that keep all."""
     vocab = scores.shape[1]
-    ks = [min(k, vocab) if k > 0 else vocab for k in top_ks]
-    if all(k == vocab for k in ks):
+    cuts = [k for k in top_ks if 0 < k < vocab]
+    if not cuts:
         return scores
-    top = torch.topk(scores, max(ks), dim=-1).values
-    index = torch.tensor([k - 1 for k in ks], device=scores.device)[:, None]
-    kth = top.gather(1, index)
-    keep_all = torch.tensor([k == vocab for k in ks], device=scores.device)[:, None]
-    remove = (scores < kth) & ~keep_all
-    return scores.masked_fill(remove, float("-inf"))
+    widest = max(cuts)
+    ks = to_device(torch.tensor(top_ks), scores.device)
+    top = torch.topk(scores, widest, dim=-1).values
+    kth = top.gather(1, ks.clamp(1, widest)[:, None] - 1)
+    kth = kth.masked_fill(((ks <= 0) | (ks >= vocab))[:, None], float("-inf"))
+    return scores.masked_fill(scores < kth, float("-inf"))
 
 
 def apply_top_p(scores: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
@@ -265,39 +285,58 @@ def apply_top_p(scores: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
     rows = [i for i, p in enumerate(top_ps) if p < 1.0]
     if not rows:
         return scores
-    sub = scores[rows]
+    device = scores.device
+    index = row_index(rows, device)
+    sub = scores.index_select(0, index)
     probs = torch.softmax(sub, dim=-1)
-    top_p = torch.tensor([top_ps[i] for i in rows], device=scores.device)
-    floor = _nucleus_floor(probs, top_p)
-    scores = scores.clone()
-    scores[rows] = sub.masked_fill(probs < floor[:, None], float("-inf"))
-    return scores
+    floor = _nucleus_floor(
+        probs, to_device(torch.tensor([top_ps[i] for i in rows], dtype=torch.float32), device)
+    )
+    return scores.index_copy(0, index, sub.masked_fill(probs < floor[:, None], float("-inf")))
 
 
 def _nucleus_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Per row, the probability of the least probable token of the nucleus.
 
-    Sorting a whole vocabulary is costly for every row on a CPU, and a nucleus usually
-    lies within a few dozen tokens: look in the top 64, then the top 1024, and sort the
-    whole row only when the nucleus is wider still.
+    On a CUDA device, from each whole row sorted (as vLLM's top-p): a search that stops
+    early must learn which rows are done, a wait on the device. On the CPU, where nothing is
+    waited for and a sort of the whole vocabulary costs more than the rest of the sampling,
+    the staged search.
     """
+    if probs.device.type == "cpu":
+        return staged_nucleus_floor(probs, top_p)
+    return sorted_nucleus_floor(probs, top_p)
+
+
+def sorted_nucleus_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """_nucleus_floor's answer from each whole row sorted: the same ops whatever the rows."""
+    return _floor_within(probs.sort(dim=-1, descending=True).values, top_p)[0]
+
+
+def staged_nucleus_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """_nucleus_floor's answer found in each row's top 64, then top 1024, and only where the
+    nucleus is wider still in the whole row sorted: a nucleus usually lies within a few
+    dozen tokens."""
     vocab = probs.shape[1]
     floor = torch.empty(probs.shape[0], device=probs.device)
     pending = torch.arange(probs.shape[0], device=probs.device)
-    for k in (64, 1024, vocab):
-        candidates = probs[pending]
-        if k < vocab:
-            top = candidates.topk(k, dim=-1).values
-        else:
-            top = candidates.sort(dim=-1, descending=True).values
-        cumulative = top.cumsum(dim=-1)
-        wanted = top_p[pending]
-        # A token belongs to the nucleus when the mass before it is below p.
-        # At least the top token: a p too small for float32 (5e-324) would keep none.
-        kept = ((cumulative - top) < wanted[:, None]).sum(dim=-1).clamp(min=1)
-        found = (cumulative[:, -1] >= wanted) | (k >= vocab)
-        floor[pending[found]] = top.gather(1, (kept - 1)[:, None])[found, 0]
+    for k in (64, 1024):
+        if k >= vocab:
+            break
+        found_floor, found = _floor_within(probs[pending].topk(k, dim=-1).values, top_p[pending])
+        floor[pending[found]] = found_floor[found]
         pending = pending[~found]
         if pending.numel() == 0:
-            break
+            return floor
+    floor[pending] = sorted_nucleus_floor(probs[pending], top_p[pending])
     return floor
+
+
+def _floor_within(top: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows' highest probabilities, in descending order -> the nucleus floor found among
+    them, and whether the nucleus ends there (their mass reaches p)."""
+    cumulative = top.cumsum(dim=-1)
+    # A token belongs to the nucleus when the mass before it is below p.
+    # At least the top token: a p too small for float32 (5e-324) would keep none.
+    kept = ((cumulative - top) < top_p[:, None]).sum(dim=-1).clamp(min=1)
+    return top.gather(1, (kept - 1)[:, None])[:, 0], cumulative[:, -1] >= top_p

@@ -1,12 +1,21 @@
-"""The sampler: greedy, temperature, top-k, top-p, seeds, logprobs."""
+"""The sampler: greedy, temperature, top-k, top-p, logprobs (seeds: its _seeded tests)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from gpu_worker import sampler as sampler_module
 from gpu_worker.protocol import SamplingSpec
-from gpu_worker.sampler import Logits, Sampler, apply_top_k, apply_top_p, row_seed
+from gpu_worker.sampler import (
+    Logits,
+    Sampler,
+    apply_top_k,
+    apply_top_p,
+    sorted_nucleus_floor,
+    staged_nucleus_floor,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -93,29 +102,6 @@ def test_filters_apply_per_row_and_leave_other_rows_alone():
     assert torch.isfinite(nucleus[1]).sum() == 1  # at least one token always stays
 
 
-def test_a_seeded_row_draws_the_same_token_in_any_batch():
-    logits = random_logits(8, seed=3)
-    seeded = SamplingSpec(temperature=1.5, top_p=0.9, seed=1234)
-    alone = [
-        Sampler(0, torch.device("cpu")).sample(logits[4:5], [seeded], [pos]).tokens[0]
-        for pos in range(40)
-    ]
-    for pos in range(40):
-        # Different batch, different row, different worker seed, other rows unseeded.
-        specs = [SamplingSpec(temperature=1.0)] * 8
-        specs[6] = seeded
-        batch = torch.cat([logits[:6], logits[4:5], logits[7:]])
-        tokens = Sampler(99, torch.device("cpu")).sample(batch, specs, [pos] * 8).tokens
-        assert tokens[6] == alone[pos]
-    assert len(set(alone)) > 1  # the position does change the draw
-
-
-def test_seeds_and_positions_give_distinct_generator_seeds():
-    seeds = {row_seed(seed, pos) for seed in range(20) for pos in range(200)}
-    assert len(seeds) == 20 * 200
-    assert all(0 <= s < 2**63 for s in seeds)
-
-
 def test_logprobs_are_log_softmax_of_the_raw_logits():
     logits = random_logits(4)
     specs = [SamplingSpec(logprobs=True), SamplingSpec(temperature=0.7, logprobs=True)] * 2
@@ -168,3 +154,118 @@ def test_nucleus_search_matches_a_full_sort_for_narrow_and_wide_nuclei():
         sizes.append(len(kept))
     assert sizes[0] < 64 < sizes[1] or sizes[1] > 1024
     assert sizes[2] > 1024
+
+
+# The filters as they were before issue 51 moved sampling onto the device (boolean indexing,
+# a top-k over the whole vocabulary when any row kept all), kept as the reference the
+# rewritten ones must equal.
+def previous_top_k(scores: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
+    vocab = scores.shape[1]
+    ks = [min(k, vocab) if k > 0 else vocab for k in top_ks]
+    if all(k == vocab for k in ks):
+        return scores
+    top = torch.topk(scores, max(ks), dim=-1).values
+    kth = top.gather(1, torch.tensor([k - 1 for k in ks])[:, None])
+    keep_all = torch.tensor([k == vocab for k in ks])[:, None]
+    return scores.masked_fill((scores < kth) & ~keep_all, float("-inf"))
+
+
+def previous_top_p(scores: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
+    rows = [i for i, p in enumerate(top_ps) if p < 1.0]
+    if not rows:
+        return scores
+    sub = scores[rows]
+    probs = torch.softmax(sub, dim=-1)
+    floor = previous_nucleus_floor(probs, torch.tensor([top_ps[i] for i in rows]))
+    scores = scores.clone()
+    scores[rows] = sub.masked_fill(probs < floor[:, None], float("-inf"))
+    return scores
+
+
+def previous_nucleus_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    vocab = probs.shape[1]
+    floor = torch.empty(probs.shape[0])
+    pending = torch.arange(probs.shape[0])
+    for k in (64, 1024, vocab):
+        candidates = probs[pending]
+        if k < vocab:
+            top = candidates.topk(k, dim=-1).values
+        else:
+            top = candidates.sort(dim=-1, descending=True).values
+        cumulative = top.cumsum(dim=-1)
+        wanted = top_p[pending]
+        kept = ((cumulative - top) < wanted[:, None]).sum(dim=-1).clamp(min=1)
+        found = (cumulative[:, -1] >= wanted) | (k >= vocab)
+        floor[pending[found]] = top.gather(1, (kept - 1)[:, None])[found, 0]
+        pending = pending[~found]
+        if pending.numel() == 0:
+            break
+    return floor
+
+
+@pytest.mark.parametrize("vocab", [50, 3000])
+def test_top_p_equals_the_previous_implementation_on_random_rows(vocab: int):
+    generator = torch.Generator().manual_seed(vocab)
+    # scales from a nucleus of a few tokens to one wider than 1024 (for vocab 3000)
+    scales = torch.tensor([12.0, 6.0, 3.0, 1.5, 0.8, 0.3, 0.1, 0.02, 2.0, 1.0])[:, None]
+    scores = torch.randn(10, vocab, generator=generator) * scales
+    scores[3, :7] = scores[3, 0]  # ties at the top
+    top_ps = torch.rand(10, generator=generator).tolist()
+    top_ps[4] = 1.0  # rows that keep all stay as they are
+    top_ps[8] = 1e-30
+    assert torch.equal(apply_top_p(scores, top_ps), previous_top_p(scores, top_ps))
+    probs = scores.softmax(-1)
+    wanted = torch.tensor(top_ps)
+    staged = staged_nucleus_floor(probs, wanted)
+    assert torch.equal(staged, previous_nucleus_floor(probs, wanted))
+    assert torch.equal(sorted_nucleus_floor(probs, wanted), staged)  # the device's way
+
+
+def test_top_k_equals_the_previous_implementation_on_random_rows():
+    scores = torch.randn(8, VOCAB, generator=torch.Generator().manual_seed(8)) * 3
+    scores[2, :4] = scores[2, 0]  # ties with the k-th
+    for top_ks in ([0, 1, 3, 49, 50, 60, 4, 0], [5] * 8, [0, VOCAB, 2, 0, 0, 0, 0, 0]):
+        assert torch.equal(apply_top_k(scores, top_ks), previous_top_k(scores, top_ks))
+
+
+# Operators that make the host wait for a CUDA device: a tensor's value read on the host,
+# or a result whose size depends on the values (boolean indexing, nonzero).
+WAITING_OPERATORS = ("_local_scalar_dense", "nonzero", "masked_select", "is_nonzero")
+
+
+class WaitLog(TorchDispatchMode):
+    """Records the operators dispatched inside it that would wait for the device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.name()
+        indices = args[1] if name.startswith("aten::index") and len(args) > 1 else ()
+        if any(mark in name for mark in WAITING_OPERATORS) or any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ()
+        ):
+            self.waits.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_sampled_step_on_the_devices_path_waits_for_the_device_nowhere(monkeypatch):
+    # top-p as a CUDA device runs it (the CPU's staged search indexes by what it found)
+    monkeypatch.setattr(sampler_module, "staged_nucleus_floor", sampler_module.sorted_nucleus_floor)
+    logits = torch.randn(6, 3000, generator=torch.Generator().manual_seed(6)) * 0.5
+    specs = [
+        SamplingSpec(),
+        SamplingSpec(temperature=0.9, seed=4),
+        SamplingSpec(temperature=1.1, top_k=40),
+        SamplingSpec(temperature=1.0, top_p=0.95, seed=5),  # a nucleus past 1024 tokens
+        SamplingSpec(temperature=0.8, min_p=0.05),
+        SamplingSpec(temperature=1.0, top_p=0.5, top_k=2000),
+    ]
+    words = torch.full((3000 // 32 + 1,), -1, dtype=torch.int32)  # a grammar allowing all
+    with WaitLog() as log:
+        tokens = Sampler(0, torch.device("cpu")).sample(
+            logits, specs, [10] * 6, [None, words, None, None, None, None]
+        )
+    assert log.waits == []
+    assert len(tokens.tokens) == 6
