@@ -245,8 +245,9 @@ class CudaGraphCapturer:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             logits = decode_forward(model, cache, inputs)
-            for out, value in zip(_fields(outputs), _fields(logits), strict=True):
-                out.copy_(value)
+            written = outputs.fields()
+            for name, value in logits.fields().items():
+                written[name].copy_(value)
         return _CudaDecodeGraph(graph, inputs, outputs)
 
     def _warm_up(self, inputs: DecodeInputs) -> Logits:
@@ -263,12 +264,9 @@ class CudaGraphCapturer:
 
     def _outputs_for(self, like: Logits, batch: int) -> Logits:
         if self._outputs is None or self._outputs.num_rows < batch:
-            self._outputs = Logits(*(torch.empty_like(t) for t in _fields(like)))
+            empty = {name: torch.empty_like(t) for name, t in like.fields().items()}
+            self._outputs = Logits(**empty)
         return self._outputs.select(slice(0, batch))
-
-
-def _fields(logits: Logits) -> list[torch.Tensor]:
-    return [t for t in (logits.values, logits.top, logits.top_values) if t is not None]
 
 
 class _CudaDecodeGraph:

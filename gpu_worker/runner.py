@@ -21,7 +21,7 @@ from gpu_worker.kv_cache import KVCache
 from gpu_worker.model import Model
 from gpu_worker.piecewise import MixedGraphs
 from gpu_worker.protocol import POOL_LAST, Handshake, StepPlan, StepResult, TokenLogprobs
-from gpu_worker.sampler import Logits, Sampler, decode_bitmask, token_logprobs
+from gpu_worker.sampler import Logits, Sampler, decode_bitmask, row_index, token_logprobs
 from gpu_worker.seq_table import PlanLimits, SeqTable
 from gpu_worker.speculation import Verification
 from gpu_worker.step_inputs import StepInputs
@@ -189,7 +189,9 @@ class ModelRunner:
             return Logits(torch.empty((0, self.model.config.vocab_size), device=self.model.device))
         if inputs.decode_only:
             logits = self.decode_runner.run(inputs)
-            return logits.select(sampled) if len(sampled) < inputs.num_seqs else logits
+            if len(sampled) == inputs.num_seqs:
+                return logits
+            return logits.select(row_index(sampled, self.model.device))
         return self._sampled_logits(inputs, self.forward(inputs))
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:

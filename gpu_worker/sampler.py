@@ -58,6 +58,13 @@ class Logits:
     values: torch.Tensor  # [S, vocab]
     top: torch.Tensor | None = None  # [S, k] token ids
     top_values: torch.Tensor | None = None  # [S, k] float32
+    # [S] each row's argmax token, computed with the logits: inside a decode graph, so a
+    # greedy step launches nothing after the replay but the tokens' copy
+    best_ids: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.best_ids is None:
+            self.best_ids = self._argmax()
 
     def dense(self) -> torch.Tensor:
         """float32 [S, vocab], with the refined values in place."""
@@ -68,6 +75,10 @@ class Logits:
 
     def best(self) -> torch.Tensor:
         """The argmax token of each row."""
+        assert self.best_ids is not None  # set at construction
+        return self.best_ids
+
+    def _argmax(self) -> torch.Tensor:
         if self.top is None or self.top_values is None:
             return self.values.argmax(dim=-1)
         return self.top.gather(1, self.top_values.argmax(dim=-1, keepdim=True))[:, 0]
@@ -75,9 +86,18 @@ class Logits:
     def select(self, rows: list[int] | slice | torch.Tensor) -> Logits:
         """Some rows: a tensor of row indices on the logits' device is read without a
         host-to-device copy (a list's is, and on CUDA it waits for the device)."""
+        assert self.best_ids is not None
         if self.top is None or self.top_values is None:
-            return Logits(self.values[rows])
-        return Logits(self.values[rows], self.top[rows], self.top_values[rows])
+            return Logits(self.values[rows], best_ids=self.best_ids[rows])
+        return Logits(self.values[rows], self.top[rows], self.top_values[rows], self.best_ids[rows])
+
+    def fields(self) -> dict[str, torch.Tensor]:
+        """The tensors it holds, by name (a graph's outputs are copied field by field)."""
+        return {
+            field.name: value
+            for field in dataclasses.fields(self)
+            if (value := getattr(self, field.name)) is not None
+        }
 
     @property
     def num_rows(self) -> int:
@@ -136,8 +156,8 @@ class Sampler:
     ) -> torch.Tensor:
         best = logits.best()
         device = logits.values.device
-        if masked is not None:
-            best[masked.index] = masked.values.argmax(dim=-1)
+        if masked is not None:  # out of place: best() may be a graph's output
+            best = best.index_put((masked.index,), masked.values.argmax(dim=-1))
         if all(spec.temperature <= 0 for spec in specs):
             return best
         temperatures = to_device(
