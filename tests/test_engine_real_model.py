@@ -191,7 +191,10 @@ def shared_prompts(tokenizer) -> list[list[int]]:
     ]
 
 
-@pytest.mark.parametrize(("dtype", "tp"), USERS_ALONE_AND_GROUPED)
+# One worker: the cache's hits and evictions are the scheduler's, and a group's ranks hold
+# the same tables for them (tests/test_tensor_parallel_follow.py); the group's
+# answers equal one worker's after preemption and recompute, above.
+@pytest.mark.parametrize(("dtype", "tp"), [(d, 1) for d in USERS_DTYPE])
 async def test_greedy_same_with_the_prefix_cache_on_and_off(model_dir, tokenizer, dtype, tp):
     """Alone, again (the whole prompt but its last block cached), together, and on a
     cache so tight that sequences are preempted and cached blocks evicted: every output
