@@ -3,7 +3,8 @@
     cadence bench sampler [--rows 64] [--vocab 49152] [--repeats 20] [--threads 1]
 
 Prints the median and best time per call for greedy, temperature, top-k, top-p and seeded
-sampling of `rows` x `vocab` random logits on the CPU (the default model's vocabulary).
+sampling of `rows` x `vocab` random logits on the CPU (the default model's vocabulary), in a
+process whose freed memory stays in its heap, as the worker's (gpu_worker.process).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 
 import torch
 
+from gpu_worker.process import keep_freed_memory
 from gpu_worker.protocol import SamplingSpec
 from gpu_worker.sampler import Sampler
 
@@ -44,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
+    keep_freed_memory()  # as the worker process does: else page faults dominate the times
     torch.set_num_threads(args.threads)
     logits = torch.randn(args.rows, args.vocab, generator=torch.Generator().manual_seed(0)) * 6
     sampler = Sampler(0, torch.device("cpu"))
