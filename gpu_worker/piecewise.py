@@ -2,14 +2,16 @@
 
 A mixed step's attention cannot be captured whole: its chunks are attended one at a time,
 each with its own lengths. Everything between two attentions can: a step's tokens are
-padded to a token bucket (`token_buckets`), and for each bucket the pieces
+padded to a token bucket (`token_buckets`: steps of 64 tokens to 1,024, then of 128), and
+for each bucket the pieces
     embedded + before_attention(0), after_attention(i - 1) + before_attention(i), ...,
     after_attention(L - 1)
 (gpu_worker.model) are captured at start-up, each reading and writing static buffers: the
 token ids, positions and cache slots, the residual stream, the layer's qkv and its
-attention output. A step copies its inputs in, replays piece 0, attends eagerly over the
-real rows, copies the output in, replays piece 1, and so on: the launches of everything
-but attention come from graphs, as in vLLM's piecewise CUDA graphs. Padding tokens sit at
+attention output (every bucket's are the first rows of the largest's). A step copies its
+inputs in, replays piece 0, attends eagerly over the real rows, copies the output in,
+replays piece 1, and so on: the launches of everything but attention come from graphs, as
+in vLLM's piecewise CUDA graphs. Padding tokens sit at
 position 0 and write their K/V into the scratch block only; no real row reads them.
 
 On CUDA with graphs on, for a model whose steps read no value on the host (not a mixture
@@ -36,17 +38,24 @@ from gpu_worker.step_inputs import padded_rows
 
 log = logging.getLogger(__name__)
 
-SMALLEST_BUCKET = 16
+SMALLEST_BUCKETS = (16, 32)  # then every FINE_STEP tokens to FINE_UP_TO, then COARSE_STEP
+FINE_STEP = 64
+FINE_UP_TO = 1024
+COARSE_STEP = 128
 
 
 def token_buckets(max_tokens: int) -> list[int]:
-    """16, 32, 64, ... below max_tokens, then max_tokens itself."""
-    buckets = []
-    size = SMALLEST_BUCKET
-    while size < max_tokens:
-        buckets.append(size)
-        size *= 2
-    return [*buckets, max_tokens]
+    """16, 32, then multiples of 64 to 1,024 and of 128 beyond, below max_tokens, then
+    max_tokens itself: a step pays for at most 63 padded tokens up to 1,024 and 127 beyond
+    (a 512-token chunk beside 64 decode rows runs at 576, not 1,024), as vLLM's capture
+    sizes step finely. Every bucket past 256 tokens is whole calls of linear's row sizes
+    (256s and one of 64, 128 or 192), so its matmuls read the weights no more often."""
+    sizes = [
+        *SMALLEST_BUCKETS,
+        *range(FINE_STEP, FINE_UP_TO + 1, FINE_STEP),
+        *range(FINE_UP_TO + COARSE_STEP, max_tokens, COARSE_STEP),
+    ]
+    return [*(size for size in sizes if size < max_tokens), max_tokens]
 
 
 class Replayable(Protocol):
@@ -87,6 +96,7 @@ class MixedGraphs:
         self.buckets = token_buckets(max_tokens)
         self.capturer = capturer
         self._buffers: dict[int, _Buffers] = {}
+        self._largest: _Buffers | None = None  # every bucket's buffers are views of these
         self._pieces: dict[int, list[Replayable]] = {}
         self.failed: list[int] = []  # buckets that failed to capture: eager
 
@@ -156,6 +166,22 @@ class MixedGraphs:
         self._pieces[tokens] = pieces
 
     def _buffers_for(self, tokens: int) -> _Buffers:
+        """The first `tokens` rows of the largest bucket's buffers: one step runs at a time,
+        so every bucket's pieces can read and write the same memory."""
+        if self._largest is None:
+            self._largest = self._allocate(self.buckets[-1])
+        largest = self._largest
+        return _Buffers(
+            input_ids=largest.input_ids[:tokens],
+            positions=largest.positions[:tokens],
+            slots=largest.slots[:, :tokens],
+            x=largest.x[:tokens],
+            qkv=largest.qkv[:tokens],
+            attn=largest.attn[:tokens],
+            hidden=largest.hidden[:tokens],
+        )
+
+    def _allocate(self, tokens: int) -> _Buffers:
         model, device = self.model, self.model.device
         cfg, dtype = model.config, model.dtype
         heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim

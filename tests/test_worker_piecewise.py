@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpu_worker.buckets import smallest_fitting
 from gpu_worker.piecewise import MixedGraphs, token_buckets
 from tests.worker_fixtures import (
     Chunk,
@@ -45,10 +46,18 @@ class FakeCapturer:
         return self.captured[-1]
 
 
-def test_token_buckets_double_from_16_to_the_step_budget():
-    assert token_buckets(512) == [16, 32, 64, 128, 256, 512]
+def test_token_buckets_step_by_64_to_1024_then_by_128_to_the_step_budget():
+    assert token_buckets(512) == [16, 32, 64, 128, 192, 256, 320, 384, 448, 512]
     assert token_buckets(100) == [16, 32, 64, 100]
     assert token_buckets(8) == [8]
+    buckets = token_buckets(2048)
+    assert buckets[-10:] == [960, 1024, 1152, 1280, 1408, 1536, 1664, 1792, 1920, 2048]
+    # a 512-token chunk beside 64 decode rows pays for no padding
+    assert smallest_fitting(576, buckets) == 576
+    # at most 63 padded tokens to 1,024, 127 beyond
+    for tokens in range(33, 2049):
+        padded = smallest_fitting(tokens, buckets) - tokens
+        assert padded < (64 if tokens <= 1024 else 128)
 
 
 def steps() -> list[list[Chunk]]:
@@ -79,6 +88,10 @@ def test_piecewise_mixed_steps_equal_the_eager_forward_bit_for_bit(tiny_llama_di
         want = eager.step_logits(make_plan(seqs))
         got = graphed.step_logits(make_plan(seqs))
         assert torch.equal(got, want)
+    # Every bucket's buffers are the first rows of the largest's: one set of memory.
+    buffers = graphed.mixed._buffers
+    storages = {buffers[b].x.untyped_storage().data_ptr() for b in (16, 32, 64)}
+    assert len(storages) == 1
     # Every bucket served a step (the first pieces of 64, 32 and 16 replayed).
     layers = graphed.model.config.num_hidden_layers + 1
     assert [fake.captured[i * layers].replays for i in range(3)] == [1, 1, 1]
