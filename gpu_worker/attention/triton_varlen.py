@@ -1,0 +1,298 @@
+"""cadence's paged attention kernel for prompt chunks, in Triton: the queries of one or
+more chunks over the paged cache, in one launch, TritonAttention's prefill on CUDA.
+
+A chunk's keys are its cached prefix and its own new tokens, which the layer has already
+written into their cache slots (layer_ops.rope_and_cache_), so the kernel reads every key
+through the block table alike. A query at absolute position p sees keys 0..p (and, in a
+sliding window, only those after p - window); Gemma 2's soft-capping applies to the scores
+before the mask.
+
+The tiles. One program takes BLOCK_Q consecutive queries of one chunk and one key/value
+head, and the GROUP query heads that share it, packed into one M tile of
+BLOCK_M = BLOCK_Q * GROUP rows (row m: query m // GROUP, head m % GROUP), as vLLM's
+unified attention does: each key tile's scores are one [BLOCK_M, head_dim] x
+[head_dim, KEY_TILE] matmul for all of them, and each K/V byte is read once per program.
+The keys come a key tile at a time (triton_tiles: the decode kernel's tiles, their block
+ids loaded a tile ahead) from the tile that holds the first query's first visible key to
+the one that holds the last query, under an online softmax in float32; the output is q's
+dtype. A key is loaded where any of the program's queries sees it, and masked per query;
+keys before the first query's window or after the last query are never read.
+
+The launch, from shapes alone. The chunks come as tensors: `cu_q` [chunks + 1], the
+cumulative count of their queries; `rows` [chunks], the row of each chunk's first query in
+q (and out); `starts` [chunks], the absolute position of each chunk's first query; and
+their block tables [chunks, W]. Chunk c's query tiles are programs
+cu_q[c] // BLOCK_Q + c onwards (vLLM's numbering), so that the grid,
+cdiv(queries, BLOCK_Q) + chunks by key/value heads, covers every chunk's tiles whatever
+their lengths; a program finds its chunk by comparing its index against those bases, and
+one past its chunk's queries returns at once. No value is read on the host: no
+synchronisation, and a CUDA graph could capture it.
+
+The constants, and why (all to be tuned on the H200):
+- BLOCK_M = 64 rows: 16 queries of a group of 4, 8 of a group of 8, 64 without GQA; a
+  group whose size is not a power of two leaves BLOCK_M % GROUP rows idle. With 4 warps,
+  the [64, 128] float32 accumulator and a [64, KEY_TILE] score tile stay in registers.
+- The key tile is the decode kernel's (128 keys up to head_dim 64, 64 up to 128).
+- WARPS = 4, STAGES = 2: as the decode kernel, two stages let the pipeliner issue the
+  next tile's K/V loads (addresses known a step ahead) while this one computes.
+Unlike FlashAttention, the tiles wholly below the diagonal still apply the mask (a
+select per score), and a long prefix is walked by one program per query tile, not split:
+both are the H200's to measure.
+
+A row's bits depend on its query and its context alone, not on the other queries of its
+tile, nor on the other chunks of the launch: a key tile the row does not see adds exact
+zeros (before its window, its running maximum is still -inf and it subtracts 0; after its
+own position, its probabilities are 0 and its running values fade by 2 ** 0). They are
+not the decode kernel's bits for the same token, which splits a row's keys into segments
+and merges them: TritonAttention does not claim `row_invariant`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from gpu_worker.attention.base import LayerAttention
+from gpu_worker.attention.triton_tiles import (
+    INTERPRETED,
+    checked_key_tile,
+    dim_pad,
+    dot_precision,
+    tanh,
+    tile_blocks,
+)
+
+BLOCK_M = 64  # query rows of a program: BLOCK_Q queries of GROUP heads each
+WARPS, STAGES = 4, 2
+
+
+@dataclass(slots=True)
+class Chunks:
+    """One launch's chunks, on the device: `cu_q` [chunks + 1] the cumulative counts of
+    their queries, `rows` [chunks] the row of each one's first query in q, `starts`
+    [chunks] its absolute position, and `tables` [chunks, W] their block tables."""
+
+    cu_q: torch.Tensor
+    rows: torch.Tensor
+    starts: torch.Tensor
+    tables: torch.Tensor
+
+    @property
+    def count(self) -> int:
+        return self.tables.shape[0]
+
+
+def chunks_on(
+    device: torch.device,
+    rows: list[int],
+    counts: list[int],
+    starts: list[int],
+    tables: torch.Tensor,
+) -> Chunks:
+    """The launch's records from host facts: one copy to the device for the three index
+    lists, and the tables' (non-blocking)."""
+    cu = [0]
+    for count in counts:
+        cu.append(cu[-1] + count)
+    packed = torch.tensor([cu, [*rows, 0], [*starts, 0]], dtype=torch.int32).to(
+        device, non_blocking=True
+    )
+    tables = tables.to(device, non_blocking=True)
+    return Chunks(packed[0], packed[1, :-1], packed[2, :-1], tables)
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    chunks: Chunks,
+    layer: LayerAttention,
+    out: torch.Tensor,
+) -> None:
+    """The chunks' queries, rows of q [T, heads, d], over caches k, v [kv_heads, blocks,
+    block_size, d] -> their rows of out [T, heads, d] (no other row is written).
+
+    `queries`, the grid's bound, is the count of q's rows."""
+    heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads, block_size = k.shape[0], k.shape[2]
+    tile = checked_key_tile(block_size, head_dim)
+    group = heads // kv_heads
+    if group > BLOCK_M:
+        raise RuntimeError(f"TritonAttention's prefill packs at most {BLOCK_M} heads per KV head")
+    block_q = BLOCK_M // group
+    if q.stride(2) != 1:  # the kernel steps through a query's dims one element at a time
+        q = q.contiguous()
+    tables = chunks.tables if chunks.tables.stride(1) == 1 else chunks.tables.contiguous()
+    grid = (triton.cdiv(q.shape[0], block_q) + chunks.count, kv_heads)
+    _prefill_kernel[grid](
+        q,
+        k,
+        v,
+        tables,
+        chunks.cu_q,
+        chunks.rows,
+        chunks.starts,
+        out,
+        chunks.count,
+        *q.stride()[:2],
+        *out.stride()[:2],
+        *k.stride(),
+        *v.stride(),
+        tables.stride(0),
+        layer.scale_for(head_dim),
+        layer.softcap or 1.0,
+        layer.window or 0,
+        GROUP=group,
+        BLOCK_Q=block_q,
+        BLOCK_M=BLOCK_M,
+        CHUNKS_PAD=triton.next_power_of_2(chunks.count),
+        HEAD_DIM=head_dim,
+        DIM_PAD=dim_pad(head_dim),
+        BLOCK_SIZE=block_size,
+        KEY_TILE=tile,
+        BLOCKS_PER_TILE=max(1, tile // block_size),
+        WINDOWED=layer.window is not None,
+        SOFTCAP=layer.softcap is not None,
+        PRECISION=dot_precision(q.dtype),
+        UPCAST=INTERPRETED,
+        num_warps=WARPS,
+        num_stages=STAGES,
+    )
+
+
+@triton.jit(do_not_specialize=["chunk_count", "stride_tb"])
+def _prefill_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    tables_ptr,
+    cu_q_ptr,
+    rows_ptr,
+    starts_ptr,
+    out_ptr,
+    chunk_count,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kh,
+    stride_kb,
+    stride_ks,
+    stride_kd,
+    stride_vh,
+    stride_vb,
+    stride_vs,
+    stride_vd,
+    stride_tb,
+    scale,
+    softcap,
+    window,
+    GROUP: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNKS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KEY_TILE: tl.constexpr,
+    BLOCKS_PER_TILE: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """BLOCK_Q queries of one chunk, the GROUP heads of one key/value head each, over the
+    keys they see -> their output rows, normalised, in out's dtype."""
+    program = tl.program_id(0)
+    kv_head = tl.program_id(1).to(tl.int64)
+    # Chunk c's tiles start at cu_q[c] // BLOCK_Q + c: the last chunk whose start <= program.
+    index = tl.arange(0, CHUNKS_PAD)
+    bases = tl.load(cu_q_ptr + index, mask=index < chunk_count, other=0) // BLOCK_Q + index
+    bases = tl.where(index < chunk_count, bases, 2147483647)
+    chunk = tl.sum((bases <= program).to(tl.int32), 0) - 1
+    first_query = (program - (tl.load(cu_q_ptr + chunk) // BLOCK_Q + chunk)) * BLOCK_Q
+    count = tl.load(cu_q_ptr + chunk + 1) - tl.load(cu_q_ptr + chunk)
+    if first_query >= count:  # past the chunk's queries
+        return
+    row0 = tl.load(rows_ptr + chunk).to(tl.int64)
+    start = tl.load(starts_ptr + chunk).to(tl.int64)
+
+    m = tl.arange(0, BLOCK_M)
+    query = first_query + m // GROUP
+    heads = kv_head * GROUP + m % GROUP
+    row_ok = (m < BLOCK_Q * GROUP) & (query < count)
+    # A row past the chunk takes its last query's place: it attends (never stored) and so
+    # has a visible key, where an empty row's online softmax would give NaN.
+    last = tl.minimum(first_query + BLOCK_Q, count) - 1
+    position = start + tl.minimum(query, last)  # [BLOCK_M], absolute
+    last_key = start + last  # the program's last query sees keys up to it
+    first_key = last_key * 0  # p - window < key <= p for the query at p
+    if WINDOWED:
+        first_key = tl.maximum(start + first_query - window + 1, 0)
+    dims = tl.arange(0, DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    q_rows = q_ptr + (row0 + query)[:, None] * stride_qt + heads[:, None] * stride_qh
+    q = tl.load(q_rows + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    k_head = k_ptr + kv_head * stride_kh
+    v_head = v_ptr + kv_head * stride_vh
+    table = tables_ptr + chunk.to(tl.int64) * stride_tb
+    end_block = last_key // BLOCK_SIZE + 1
+
+    top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+    lo = first_key // KEY_TILE
+    hi = last_key // KEY_TILE + 1
+    blocks = tile_blocks(table, lo, end_block, BLOCK_SIZE, KEY_TILE, BLOCKS_PER_TILE)
+    for tile in range(lo, hi):
+        # The next tile's blocks, a step ahead: this tile's gathers do not wait on them.
+        next_blocks = tile_blocks(table, tile + 1, end_block, BLOCK_SIZE, KEY_TILE, BLOCKS_PER_TILE)
+        keys = tile * KEY_TILE + tl.arange(0, KEY_TILE)
+        slots = keys % BLOCK_SIZE
+        loaded = (keys >= first_key) & (keys <= last_key)  # seen by some query here
+        kt = tl.load(
+            k_head + (blocks * stride_kb + slots * stride_ks)[None, :] + dims[:, None] * stride_kd,
+            mask=loaded[None, :] & dim_ok[:, None],
+            other=0.0,
+        )
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        scores = tl.dot(q, kt, input_precision=PRECISION) * scale  # [BLOCK_M, KEY_TILE]
+        if SOFTCAP:  # Gemma 2's cap * tanh(score / cap), before the mask
+            scores = softcap * tanh(scores / softcap)
+        seen = keys[None, :] <= position[:, None]
+        if WINDOWED:
+            seen = seen & (keys[None, :] > position[:, None] - window)
+        scores = tl.where(seen, scores * 1.4426950408889634, float("-inf"))  # log2(e)
+        new_top = tl.maximum(top, tl.max(scores, 1))
+        # A row may see no key of an early tile (behind its window) while `top` is still
+        # -inf: it subtracts 0 there, so that its probabilities are 0, not NaN.
+        shift = tl.where(new_top == float("-inf"), 0.0, new_top)
+        fade = tl.exp2(top - shift)
+        probs = tl.exp2(scores - shift[:, None])
+        total = total * fade + tl.sum(probs, 1)
+        vt = tl.load(
+            v_head + (blocks * stride_vb + slots * stride_vs)[:, None] + dims[None, :] * stride_vd,
+            mask=loaded[:, None] & dim_ok[None, :],
+            other=0.0,
+        )
+        probs = probs.to(v_ptr.dtype.element_ty)  # the cache's dtype, as the MMA takes it
+        if UPCAST:
+            vt = vt.to(tl.float32)
+            probs = probs.to(tl.float32)
+        acc = acc * fade[:, None] + tl.dot(probs, vt, input_precision=PRECISION)
+        top = new_top
+        blocks = next_blocks
+
+    result = acc / total[:, None]  # every row saw its own key: total >= 1
+    out_rows = out_ptr + (row0 + query)[:, None] * stride_ot + heads[:, None] * stride_oh
+    tl.store(
+        out_rows + dims[None, :],
+        result.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & dim_ok[None, :],
+    )
