@@ -73,7 +73,12 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_worker.attention.base import AttentionBackend, DecodeGroup, PrefillChunk
+from gpu_worker.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillChunk,
+)
 from gpu_worker.attention.triton_tiles import (
     INTERPRETED,
     checked_key_tile,
@@ -83,7 +88,7 @@ from gpu_worker.attention.triton_tiles import (
     tanh,
     tile_blocks,
 )
-from gpu_worker.attention.triton_varlen import chunks_on, paged_prefill
+from gpu_worker.attention.triton_varlen import Chunks, chunks_on, paged_prefill
 from gpu_worker.kv_cache import LayerKV
 
 MAX_SEGMENTS = 16  # a power of two: the merge reads them as one tile
@@ -105,22 +110,41 @@ class TritonAttention(AttentionBackend):
         group, head_dim) at its first launch."""
         return device.type == "cuda"
 
-    def prefill_chunk(
-        self, chunk: PrefillChunk, table: torch.Tensor, cache_like: torch.Tensor
-    ) -> PrefillChunk:
-        """The chunk as a launch of one (triton_varlen.Chunks): its queries are the rows
-        prefill is given, from row 0."""
-        count = chunk.context_len - chunk.start
-        chunk.prepared = chunks_on(cache_like.device, [0], [count], [chunk.start], table[None])
-        return chunk
+    def prefill_step(self, chunks: list[PrefillChunk], cache_like: torch.Tensor) -> Chunks:
+        """The step's chunks as one launch: their rows in the step's q, their positions and
+        their tables, stacked."""
+        return chunks_on(
+            cache_like.device,
+            [chunk.rows.start for chunk in chunks],
+            [chunk.context_len - chunk.start for chunk in chunks],
+            [chunk.start for chunk in chunks],
+            torch.stack([chunk.block_table for chunk in chunks]),
+        )
+
+    def prefill_all(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv: LayerKV,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        """One launch for every chunk of the step (their layer is the step's records')."""
+        _refuse_codes(kv)
+        paged_prefill(q, kv.k, kv.v, meta.prepared, meta.prefills[0].layer, out)
 
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, chunk: PrefillChunk
     ) -> torch.Tensor:
-        """The chunk's own K/V are read back from the cache, where they already are."""
+        """One chunk alone (the kernel chooser's check): a launch of its own, its records
+        built here. The chunk's own K/V are read back from the cache, where they already
+        are."""
         _refuse_codes(kv)
+        count = chunk.context_len - chunk.start
+        chunks = chunks_on(q.device, [0], [count], [chunk.start], chunk.block_table[None])
         out = q.new_empty(q.shape)
-        paged_prefill(q, kv.k, kv.v, chunk.prepared, chunk.layer, out)
+        paged_prefill(q, kv.k, kv.v, chunks, chunk.layer, out)
         return out
 
     def decode(self, q: torch.Tensor, kv: LayerKV, group: DecodeGroup) -> torch.Tensor:

@@ -238,11 +238,76 @@ def _prefill_kernel(
     q = tl.load(q_rows + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    k_head = k_ptr + kv_head * stride_kh
-    v_head = v_ptr + kv_head * stride_vh
-    table = tables_ptr + chunk.to(tl.int64) * stride_tb
-    end_block = last_key // BLOCK_SIZE + 1
+    result = _attend_keys(
+        q,
+        position,
+        first_key,
+        last_key,
+        k_ptr + kv_head * stride_kh,
+        v_ptr + kv_head * stride_vh,
+        tables_ptr + chunk.to(tl.int64) * stride_tb,
+        stride_kb,
+        stride_ks,
+        stride_kd,
+        stride_vb,
+        stride_vs,
+        stride_vd,
+        scale,
+        softcap,
+        window,
+        BLOCK_M,
+        HEAD_DIM,
+        DIM_PAD,
+        BLOCK_SIZE,
+        KEY_TILE,
+        BLOCKS_PER_TILE,
+        WINDOWED,
+        SOFTCAP,
+        PRECISION,
+        UPCAST,
+    )
+    out_rows = out_ptr + (row0 + query)[:, None] * stride_ot + heads[:, None] * stride_oh
+    tl.store(
+        out_rows + dims[None, :],
+        result.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & dim_ok[None, :],
+    )
 
+
+@triton.jit
+def _attend_keys(
+    q,
+    position,
+    first_key,
+    last_key,
+    k_head,
+    v_head,
+    table,
+    stride_kb,
+    stride_ks,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vd,
+    scale,
+    softcap,
+    window,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KEY_TILE: tl.constexpr,
+    BLOCKS_PER_TILE: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Queries q [BLOCK_M, DIM_PAD] at `position` over one key/value head's keys from
+    `first_key` to `last_key`, key tile by key tile -> their output, normalised, float32."""
+    dims = tl.arange(0, DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    end_block = last_key // BLOCK_SIZE + 1
     top = tl.full([BLOCK_M], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
@@ -281,7 +346,7 @@ def _prefill_kernel(
             mask=loaded[:, None] & dim_ok[None, :],
             other=0.0,
         )
-        probs = probs.to(v_ptr.dtype.element_ty)  # the cache's dtype, as the MMA takes it
+        probs = probs.to(v_head.dtype.element_ty)  # the cache's dtype, as the MMA takes it
         if UPCAST:
             vt = vt.to(tl.float32)
             probs = probs.to(tl.float32)
@@ -289,10 +354,4 @@ def _prefill_kernel(
         top = new_top
         blocks = next_blocks
 
-    result = acc / total[:, None]  # every row saw its own key: total >= 1
-    out_rows = out_ptr + (row0 + query)[:, None] * stride_ot + heads[:, None] * stride_oh
-    tl.store(
-        out_rows + dims[None, :],
-        result.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & dim_ok[None, :],
-    )
+    return acc / total[:, None]  # every row saw its own key: total >= 1
