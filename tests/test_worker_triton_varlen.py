@@ -198,9 +198,7 @@ def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_a_steps_chunks_in_one_launch_match_the_reference_reading_nothing_unseen(
-    interpreted, name
-):
+def test_a_steps_chunks_in_one_launch_match_the_reference_reading_nothing_unseen(interpreted, name):
     assert_close(interpreted[name], run_step(name, TorchAttention(), step_of(name).clean))
 
 
