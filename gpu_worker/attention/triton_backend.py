@@ -1,5 +1,7 @@
-"""TritonAttention: cadence's own paged decode kernel, written in Triton, offered on CUDA
-beside FlexAttention.
+"""TritonAttention: cadence's own paged attention kernels, written in Triton, offered on
+CUDA beside FlexAttention: the decode kernel here, and the prompt chunks' kernel in
+triton_varlen, which attends all of a step's chunks in one launch per layer
+(`prefill_step`, `prefill_all`). Their shared tiles are triton_tiles'.
 
 A decode step is one query per row, so its cost is reading each row's K/V; the kernel reads
 them in place through the block tables, each byte once. One program takes a (row, key/value
@@ -55,14 +57,18 @@ row's last segment to finish (one launch fewer, a counter per row).
 A row's bits depend on its query and its context alone: not on the batch, nor on the table
 width (the segments are counted from the row's own tiles, the merge reads its 16 slots in
 one fixed reduction), provided the layer, head_dim and block size are fixed, as they are
-within a model. The backend still does not claim `row_invariant`: its prefill is
-FlexAttention's, which does not reproduce these decode bits, and the chooser holds an
-invariant backend's prefill rows to its decode rows.
+within a model. The prefill kernel's rows are invariant too (triton_varlen), but the
+backend does not claim `row_invariant`: the chooser holds an invariant backend's prefill
+rows to its decode rows, bit for bit, and the prefill walks a query's keys in one online
+softmax where the decode kernel splits a row's keys into segments by its context and
+merges them. To match, the prefill would have to split each query's keys as the decode
+kernel splits that query's row, and merge: a query tile's rows have different contexts,
+so different splits.
 
 Every launch is sized by tensor shapes, never by their values: no host synchronisation, so
 a CUDA graph captures it. Triton is imported with this module, which gpu_worker.kernels
 imports only on CUDA: the CPU worker runs without it. TRITON_INTERPRET=1 runs the kernels
-on a CPU (tests/test_worker_triton_attention.py).
+on a CPU (tests/test_worker_triton_attention.py, tests/test_worker_triton_varlen.py).
 """
 
 from __future__ import annotations

@@ -31,7 +31,9 @@ synchronisation, and a CUDA graph could capture it.
 The constants, and why (all to be tuned on the H200):
 - BLOCK_M = 64 rows: 16 queries of a group of 4, 8 of a group of 8, 64 without GQA; a
   group whose size is not a power of two leaves BLOCK_M % GROUP rows idle. With 4 warps,
-  the [64, 128] float32 accumulator and a [64, KEY_TILE] score tile stay in registers.
+  the [64, 128] float32 accumulator and a [64, KEY_TILE] score tile stay in registers
+  (head_dim 256's [64, 256] may spill: 32 rows or 8 warps there, to measure); 128 rows
+  would halve the K/V reads of long prompts.
 - The key tile is the decode kernel's (128 keys up to head_dim 64, 64 up to 128).
 - WARPS = 4, STAGES = 2: as the decode kernel, two stages let the pipeliner issue the
   next tile's K/V loads (addresses known a step ahead) while this one computes.
@@ -39,12 +41,16 @@ Unlike FlashAttention, the tiles wholly below the diagonal still apply the mask 
 select per score), and a long prefix is walked by one program per query tile, not split:
 both are the H200's to measure.
 
-A row's bits depend on its query and its context alone, not on the other queries of its
-tile, nor on the other chunks of the launch: a key tile the row does not see adds exact
-zeros (before its window, its running maximum is still -inf and it subtracts 0; after its
-own position, its probabilities are 0 and its running values fade by 2 ** 0). They are
-not the decode kernel's bits for the same token, which splits a row's keys into segments
-and merges them: TritonAttention does not claim `row_invariant`.
+A chunk's rows get the same bits in a launch of their own as among other chunks: its query
+tiles are the same. A row's bits should not depend on how its prompt is cut into chunks
+either, though that moves its place in its query tile and the key tiles the tile walks: a
+key tile the row does not see adds exact zeros (before its window, its running maximum is
+still -inf and it subtracts 0; after its own position, its probabilities are 0 and its
+running values fade by 2 ** 0), and a GPU's MMA computes a row's products whatever its
+place in the tile. tests/gpu checks it on CUDA; Triton's interpreter cannot show it (numpy's
+matmul rounds a row differently at another place in the matrix). The rows are not the
+decode kernel's bits for the same token, which splits a row's keys into segments and
+merges them: TritonAttention does not claim `row_invariant`.
 """
 
 from __future__ import annotations
@@ -113,9 +119,9 @@ def paged_prefill(
     out: torch.Tensor,
 ) -> None:
     """The chunks' queries, rows of q [T, heads, d], over caches k, v [kv_heads, blocks,
-    block_size, d] -> their rows of out [T, heads, d] (no other row is written).
-
-    `queries`, the grid's bound, is the count of q's rows."""
+    block_size, d] -> their rows of out [T, heads, d], contiguous in d (no other row is
+    written). q's rows bound the grid: a CUDA graph captured over a token bucket serves
+    any chunks within it."""
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads, block_size = k.shape[0], k.shape[2]
     tile = checked_key_tile(block_size, head_dim)

@@ -180,3 +180,20 @@ def test_a_captured_prefill_replays_over_other_chunks():
     eager = torch.zeros_like(q)
     paged_prefill(q, case.kv.k, case.kv.v, replayed, FULL, eager)
     assert torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("layer", LAYERS, ids=["full", "window", "window-softcap"])
+def test_a_prompts_rows_have_the_same_bits_however_it_is_cut_into_chunks(layer):
+    # Cut at 37 queries, no multiple of a query tile's: a row's place in its tile moves,
+    # and with it the key tiles the tile walks, which the row does not see.
+    from gpu_worker.attention.triton_varlen import chunks_on, paged_prefill
+
+    case, _, _, q = mixed_step(layer)
+    tables, start = case.tables[:1].to(CUDA), case.lens[0] - 300
+    whole, cut = torch.zeros_like(q[:300]), torch.zeros_like(q[:300])
+    paged_prefill(
+        q[:300], case.kv.k, case.kv.v, chunks_on(CUDA, [0], [300], [start], tables), layer, whole
+    )
+    pieces = chunks_on(CUDA, [0, 37], [37, 263], [start, start + 37], tables.expand(2, -1))
+    paged_prefill(q[:300], case.kv.k, case.kv.v, pieces, layer, cut)
+    assert torch.equal(cut, whole)
