@@ -214,3 +214,34 @@ def test_a_chunk_has_the_same_bits_alone_as_among_others(interpreted, name):
 def test_a_one_token_chunk_matches_the_reference(interpreted):
     step = step_of("bf16-group4-dim128-block64-beside-decodes")
     assert_close(interpreted["one-token"], one_token_chunk(step.clean, TorchAttention()))
+
+
+def test_a_steps_chunks_are_one_launch_per_layer(monkeypatch):
+    from gpu_worker.attention import triton_backend, triton_varlen
+    from tests.test_worker_triton_attention import Recorder
+
+    launches: list = []
+    for module, name in (
+        (triton_varlen, "_prefill_kernel"),
+        (triton_backend, "_segment_kernel"),
+        (triton_backend, "_merge_kernel"),
+    ):
+        monkeypatch.setattr(module, name, Recorder(getattr(module, name), launches))
+    name = "bf16-group4-dim128-block64-beside-decodes"  # two chunks, two decode rows
+    run_step(name, triton_backend.TritonAttention(), step_of(name).clean)
+    kernels = [kernel.__name__ for kernel, _, _ in launches]
+    assert kernels == ["_prefill_kernel", "_segment_kernel", "_merge_kernel"]
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3, 4, 7])
+def test_the_chunks_lists_are_aligned_whatever_their_count(chunks):
+    # Triton compiles a variant per pointer alignment: one per count would compile while
+    # serving, where warm-up ran single chunks.
+    from gpu_worker.attention.triton_varlen import chunks_on
+
+    record = chunks_on(
+        torch.device("cpu"), [0] * chunks, [2] * chunks, [0] * chunks, torch.zeros(chunks, 4)
+    )
+    for values in (record.cu_q, record.rows, record.starts):
+        assert values.data_ptr() % 16 == 0
+    assert record.cu_q.tolist() == [2 * c for c in range(chunks + 1)]

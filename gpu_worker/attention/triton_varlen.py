@@ -24,8 +24,9 @@ q (and out); `starts` [chunks], the absolute position of each chunk's first quer
 their block tables [chunks, W]. Chunk c's query tiles are programs
 cu_q[c] // BLOCK_Q + c onwards (vLLM's numbering), so that the grid,
 cdiv(queries, BLOCK_Q) + chunks by key/value heads, covers every chunk's tiles whatever
-their lengths; a program finds its chunk by comparing its index against those bases, and
-one past its chunk's queries returns at once. No value is read on the host: no
+their lengths; a program finds its chunk by a binary search of those bases (the chunk
+count is a value: no variant compiled per count), and one past its chunk's queries returns
+at once. No value is read on the host: no
 synchronisation, and a CUDA graph could capture it.
 
 The constants, and why (all to be tuned on the H200):
@@ -100,14 +101,17 @@ def chunks_on(
 ) -> Chunks:
     """The launch's records from host facts: one copy to the device for the three index
     lists, and the tables' (non-blocking)."""
+    chunks = len(counts)
     cu = [0]
     for count in counts:
         cu.append(cu[-1] + count)
-    packed = torch.tensor([cu, [*rows, 0], [*starts, 0]], dtype=torch.int32).to(
-        device, non_blocking=True
-    )
+    # Each list at a multiple of 16 bytes: Triton specialises a pointer by its alignment,
+    # and a variant per chunk count would compile mid-serving.
+    width = -(-(chunks + 1) // 4) * 4
+    padded = [[*values, *[0] * (width - len(values))] for values in (cu, rows, starts)]
+    packed = torch.tensor(padded, dtype=torch.int32).to(device, non_blocking=True)
     tables = tables.to(device, non_blocking=True)
-    return Chunks(packed[0], packed[1, :-1], packed[2, :-1], tables)
+    return Chunks(packed[0, : chunks + 1], packed[1, :chunks], packed[2, :chunks], tables)
 
 
 def paged_prefill(
@@ -154,7 +158,6 @@ def paged_prefill(
         GROUP=group,
         BLOCK_Q=block_q,
         BLOCK_M=BLOCK_M,
-        CHUNKS_PAD=triton.next_power_of_2(chunks.count),
         HEAD_DIM=head_dim,
         DIM_PAD=dim_pad(head_dim),
         BLOCK_SIZE=block_size,
@@ -199,7 +202,6 @@ def _prefill_kernel(
     GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    CHUNKS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -214,11 +216,7 @@ def _prefill_kernel(
     keys they see -> their output rows, normalised, in out's dtype."""
     program = tl.program_id(0)
     kv_head = tl.program_id(1).to(tl.int64)
-    # Chunk c's tiles start at cu_q[c] // BLOCK_Q + c: the last chunk whose start <= program.
-    index = tl.arange(0, CHUNKS_PAD)
-    bases = tl.load(cu_q_ptr + index, mask=index < chunk_count, other=0) // BLOCK_Q + index
-    bases = tl.where(index < chunk_count, bases, 2147483647)
-    chunk = tl.sum((bases <= program).to(tl.int32), 0) - 1
+    chunk = _chunk_of(cu_q_ptr, chunk_count, program, BLOCK_Q)
     first_query = (program - (tl.load(cu_q_ptr + chunk) // BLOCK_Q + chunk)) * BLOCK_Q
     count = tl.load(cu_q_ptr + chunk + 1) - tl.load(cu_q_ptr + chunk)
     if first_query >= count:  # past the chunk's queries
@@ -278,6 +276,22 @@ def _prefill_kernel(
         result.to(out_ptr.dtype.element_ty),
         mask=row_ok[:, None] & dim_ok[None, :],
     )
+
+
+@triton.jit
+def _chunk_of(cu_q_ptr, chunk_count, program, BLOCK_Q: tl.constexpr):
+    """The chunk whose query tiles hold program `program`: chunk c's start at
+    cu_q[c] // BLOCK_Q + c, so the last chunk whose start is not past it (a binary search:
+    the chunk count is a value, so that it compiles no variant per count)."""
+    low = 0
+    high = chunk_count
+    while low < high:
+        middle = (low + high) // 2
+        if tl.load(cu_q_ptr + middle) // BLOCK_Q + middle <= program:
+            low = middle + 1
+        else:
+            high = middle
+    return low - 1
 
 
 @triton.jit
