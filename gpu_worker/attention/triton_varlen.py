@@ -26,21 +26,22 @@ cu_q[c] // BLOCK_Q + c onwards (vLLM's numbering), so that the grid,
 cdiv(queries, BLOCK_Q) + chunks by key/value heads, covers every chunk's tiles whatever
 their lengths; a program finds its chunk by a binary search of those bases (the chunk
 count is a value: no variant compiled per count), and one past its chunk's queries returns
-at once. No value is read on the host: no
-synchronisation, and a CUDA graph could capture it.
+at once. No value is read on the host: no synchronisation, and a CUDA graph captured over a
+token bucket replays over any chunks that fit it (tests/gpu).
 
-The constants, and why (all to be tuned on the H200):
+The constants, and why:
 - BLOCK_M = 64 rows: 16 queries of a group of 4, 8 of a group of 8, 64 without GQA; a
   group whose size is not a power of two leaves BLOCK_M % GROUP rows idle. With 4 warps,
-  the [64, 128] float32 accumulator and a [64, KEY_TILE] score tile stay in registers
-  (head_dim 256's [64, 256] may spill: 32 rows or 8 warps there, to measure); 128 rows
-  would halve the K/V reads of long prompts.
-- The key tile is the decode kernel's (128 keys up to head_dim 64, 64 up to 128).
+  the [64, 128] float32 accumulator and a [64, KEY_TILE] score tile stay in registers.
+- The key tile is the decode kernel's (128 keys up to head_dim 64, 64 up to 128, 32 at
+  256): compiled for sm_90 by Triton 3.9, 72-96 KB of shared memory in 2 stages, wgmma.
 - WARPS = 4, STAGES = 2: as the decode kernel, two stages let the pipeliner issue the
   next tile's K/V loads (addresses known a step ahead) while this one computes.
-Unlike FlashAttention, the tiles wholly below the diagonal still apply the mask (a
-select per score), and a long prefix is walked by one program per query tile, not split:
-both are the H200's to measure.
+Still to measure on the H200: the mixed step against its 18.4 ms (issue 52);
+BLOCK_M 128 (half the K/V reads of a long prompt) and, at head_dim 256, 32 rows or 8 warps
+(a [64, 256] accumulator may spill); STAGES 3; skipping the mask on tiles every query sees
+whole, as FlashAttention does; and splitting a long prefix across programs (a 512-token
+chunk of a group of 4 over 8 KV heads is 256 programs, each walking the whole prefix).
 
 A chunk's rows get the same bits in a launch of their own as among other chunks: its query
 tiles are the same. A row's bits should not depend on how its prompt is cut into chunks
