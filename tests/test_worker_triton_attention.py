@@ -306,21 +306,25 @@ def compiled_for_h200(kernel, args: tuple, kwargs: dict) -> str:
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 def test_it_compiles_for_an_h200_and_pipelines_its_gathers(monkeypatch):
-    # The interpreter checks no GPU lowering: each launch paged_decode makes is compiled
-    # for sm_90 as it would be at launch. Split and direct, windowed, a tile over 8 blocks
-    # and one inside a block; the merge.
-    from gpu_worker.attention import triton_backend
+    # The interpreter checks no GPU lowering: each launch paged_decode and paged_prefill
+    # make is compiled for sm_90 as it would be at launch. Split and direct, windowed, a
+    # tile over 8 blocks and one inside a block; the merge; a windowed chunk's prefill.
+    from gpu_worker.attention import triton_backend, triton_varlen
 
     launches: list = []
-    for name in ("_segment_kernel", "_merge_kernel"):
-        recorder = Recorder(getattr(triton_backend, name), launches)
-        monkeypatch.setattr(triton_backend, name, recorder)
+    for module, name in (
+        (triton_backend, "_segment_kernel"),
+        (triton_backend, "_merge_kernel"),
+        (triton_varlen, "_prefill_kernel"),
+    ):
+        monkeypatch.setattr(module, name, Recorder(getattr(module, name), launches))
     for name in ("bf16-window-block64-dim128-long", "bf16-group3-block16-longest"):
         run_decode(triton_backend.TritonAttention(), case_named(name))
-    assert len(launches) == 4  # two segment kernels, two merges
-    for kernel, args, kwargs in launches[:3]:  # (the second merge is the first's kind)
+    run_prefill(triton_backend.TritonAttention(), case_named("bf16-window-block64-dim128-long"))
+    assert len(launches) == 5  # two segment kernels, two merges, a prefill
+    for kernel, args, kwargs in [*launches[:3], launches[4]]:  # (the second merge: the first's)
         ir = compiled_for_h200(kernel, args, kwargs)
-        if kernel.__name__ == "_segment_kernel":  # K and V through cp.async, a stage ahead
+        if kernel.__name__ != "_merge_kernel":  # K and V through cp.async, a stage ahead
             assert ir.count("async_copy_global_to_local") >= 2, kernel.__name__
 
 
@@ -341,16 +345,15 @@ def test_an_8_bit_cache_is_refused_so_the_chooser_passes_over_it():
         run_decode(TritonAttention(), case)
 
 
-@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_its_prefill_is_flex_attentions():
+def test_it_claims_what_it_serves():
     from gpu_worker.attention.triton_backend import TritonAttention
 
     backend = TritonAttention()
     assert backend.paged and backend.serves_layers(list(LAYERS.values()))
-    assert not backend.row_invariant  # FlexAttention's prefill does not give its decode bits
+    # Its prefill rows' bits are not its decode rows' (tests/test_worker_triton_varlen.py
+    # checks the prefill kernel).
+    assert not backend.row_invariant
     assert backend.compiles(torch.device("cuda")) and not backend.compiles(CPU)
-    case = make_case(length="short")
-    assert_close(run_prefill(backend, case), run_prefill(TorchAttention(), case))
 
 
 def test_it_is_offered_on_cuda_only_after_flex():

@@ -14,9 +14,9 @@ by measuring):
 - NativeAttention and NativeRowsAttention (native_backend): the C++ kernels, row invariant;
 - HybridAttention (hybrid_backend): the C++ decode kernel beside PyTorch's prefill;
 - FlexAttention (flex_backend): CUDA's, FlexAttention compiled through Triton;
-- TritonAttention (triton_backend): cadence's paged decode kernel in Triton beside
-  FlexAttention's prefill, on CUDA (gpu_worker.kernels imports it there alone: the CPU
-  worker runs without triton).
+- TritonAttention (triton_backend, triton_varlen): cadence's paged decode kernel and its
+  prompt chunks' kernel (a step's chunks in one launch), in Triton, on CUDA
+  (gpu_worker.kernels imports it there alone: the CPU worker runs without triton).
 Each keeps what it prepares for a step in the records' `prepared` field, its own type.
 """
 

@@ -1,10 +1,11 @@
 """What every attention backend shares: a step's index records, the backend interface,
 and the one function the model calls per layer.
 
-A step holds prefill chunks (sequences with several new tokens), attended one at a time,
-and decode tokens (sequences with one new token), attended all together. `build_metadata`
-makes one record per chunk and one for the decode rows, once per step; each backend adds
-what it alone needs to them (`prepared`: its own record, which no other backend reads).
+A step holds prefill chunks (sequences with several new tokens), attended one at a time
+or, by a backend that can, all in one launch (`prefill_step`, `prefill_all`), and decode
+tokens (sequences with one new token), attended all together. `build_metadata` makes one
+record per chunk and one for the decode rows, once per step; each backend adds what it
+alone needs to them (`prepared`: its own record, which no other backend reads).
 The index tensors are built once per step and shared by every layer, so the per-layer work
 is a handful of kernels with no host synchronisation.
 """
@@ -98,6 +99,26 @@ class AttentionBackend:
         """Adds what this backend needs to a chunk; `table` covers exactly its context."""
         return chunk
 
+    def prefill_step(self, chunks: list[PrefillChunk], cache_like: torch.Tensor) -> Any:
+        """What this backend needs to attend all of a step's chunks at once (`prefill_all`),
+        after `prefill_chunk` has seen each; None by default."""
+        return None
+
+    def prefill_all(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv: LayerKV,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        """Every chunk of the step, rows of q [T, heads, d] and k/v [T, kv_heads, d] -> its
+        rows of out [T, heads, d]; by default one `prefill` each."""
+        for chunk in meta.prefills:
+            rows = chunk.rows
+            out[rows] = self.prefill(q[rows], k[rows], v[rows], kv, chunk)
+
     def decode(self, q: torch.Tensor, kv: LayerKV, group: DecodeGroup) -> torch.Tensor:
         """q [B, heads, d] -> [B, heads, d]."""
         raise NotImplementedError
@@ -116,6 +137,7 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     num_tokens: int
     backend: AttentionBackend
+    prepared: Any = None  # the backend's record of all the chunks (prefill_step)
 
     @property
     def decode_only(self) -> bool:
@@ -133,9 +155,8 @@ def paged_attention(
     if group is not None and meta.decode_only:
         return backend.decode(q, kv, group).reshape(num_tokens, -1)
     out = q.new_empty(q.shape)
-    for chunk in meta.prefills:
-        rows = chunk.rows
-        out[rows] = backend.prefill(q[rows], k[rows], v[rows], kv, chunk)
+    if meta.prefills:
+        backend.prefill_all(q, k, v, kv, meta, out)
     if group is not None:
         out[group.rows] = backend.decode(q[group.rows], kv, group)
     return out.view(num_tokens, -1)
@@ -208,7 +229,8 @@ def metadata_for(
             backend,
             layer,
         )
-    return AttentionMetadata(slots, decode, prefills, row, backend)
+    prepared = backend.prefill_step(prefills, cache_like) if prefills else None
+    return AttentionMetadata(slots, decode, prefills, row, backend, prepared)
 
 
 def _decode_group_for(

@@ -1,5 +1,7 @@
-"""TritonAttention: cadence's own paged decode kernel, written in Triton, offered on CUDA
-beside FlexAttention.
+"""TritonAttention: cadence's own paged attention kernels, written in Triton, offered on
+CUDA beside FlexAttention: the decode kernel here, and the prompt chunks' kernel in
+triton_varlen, which attends all of a step's chunks in one launch per layer
+(`prefill_step`, `prefill_all`). Their shared tiles are triton_tiles'.
 
 A decode step is one query per row, so its cost is reading each row's K/V; the kernel reads
 them in place through the block tables, each byte once. One program takes a (row, key/value
@@ -55,72 +57,110 @@ row's last segment to finish (one launch fewer, a counter per row).
 A row's bits depend on its query and its context alone: not on the batch, nor on the table
 width (the segments are counted from the row's own tiles, the merge reads its 16 slots in
 one fixed reduction), provided the layer, head_dim and block size are fixed, as they are
-within a model. The backend still does not claim `row_invariant`: its prefill is
-FlexAttention's, which does not reproduce these decode bits, and the chooser holds an
-invariant backend's prefill rows to its decode rows.
+within a model. The prefill kernel's rows are invariant too (triton_varlen), but the
+backend does not claim `row_invariant`: the chooser holds an invariant backend's prefill
+rows to its decode rows, bit for bit, and the prefill walks a query's keys in one online
+softmax where the decode kernel splits a row's keys into segments by its context and
+merges them. To match, the prefill would have to split each query's keys as the decode
+kernel splits that query's row, and merge: a query tile's rows have different contexts,
+so different splits.
 
 Every launch is sized by tensor shapes, never by their values: no host synchronisation, so
 a CUDA graph captures it. Triton is imported with this module, which gpu_worker.kernels
 imports only on CUDA: the CPU worker runs without it. TRITON_INTERPRET=1 runs the kernels
-on a CPU (tests/test_worker_triton_attention.py).
+on a CPU (tests/test_worker_triton_attention.py, tests/test_worker_triton_varlen.py).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from gpu_worker.attention.base import AttentionBackend, DecodeGroup, PrefillChunk
-from gpu_worker.attention.flex_backend import FlexAttention
+from gpu_worker.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillChunk,
+)
+from gpu_worker.attention.triton_tiles import (
+    INTERPRETED,
+    checked_key_tile,
+    dim_pad,
+    dot_precision,
+    key_tile,
+    tanh,
+    tile_blocks,
+)
+from gpu_worker.attention.triton_varlen import Chunks, chunks_on, paged_prefill
 from gpu_worker.kv_cache import LayerKV
 
 MAX_SEGMENTS = 16  # a power of two: the merge reads them as one tile
 MIN_SEGMENT_KEYS = 128
-MAX_KEY_TILE = 128
-TILE_ELEMENTS = 8192  # of a K or V tile [keys, head_dim padded]
 WARPS, STAGES, MERGE_WARPS = 4, 2, 2
-# Triton's CPU interpreter multiplies a bfloat16 dot's raw bits (3.8): there the operands
-# go up to float32 first, which gives the same products (a bfloat16 product is exact in it).
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class TritonAttention(AttentionBackend):
     name = "triton"
-    row_invariant = False  # its decode is; its prefill is FlexAttention's (see the module)
+    row_invariant = False  # its decode is, and its prefill; but not each other's (see the module)
     windows = True
     softcap = True
     # Its grid and partial results are sized by the tables' width (a row's own context
     # alone sets what it reads): graphs are captured per width bucket (gpu_worker.graphs).
     any_width = False
 
-    def __init__(self) -> None:
-        self._prefiller = FlexAttention()
-
     def compiles(self, device: torch.device) -> bool:
-        """On CUDA: FlexAttention's prefill per shape class, and each kernel variant (one
-        segment or more, window, soft-capping) at its first launch."""
+        """On CUDA: each kernel variant (one segment or more, window, soft-capping, GQA
+        group, head_dim) at its first launch."""
         return device.type == "cuda"
 
-    def prefill_chunk(
-        self, chunk: PrefillChunk, table: torch.Tensor, cache_like: torch.Tensor
-    ) -> PrefillChunk:
-        return self._prefiller.prefill_chunk(chunk, table, cache_like)
+    def prefill_step(self, chunks: list[PrefillChunk], cache_like: torch.Tensor) -> Chunks:
+        """The step's chunks as one launch: their rows in the step's q, their positions and
+        their tables, stacked."""
+        return chunks_on(
+            cache_like.device,
+            [chunk.rows.start for chunk in chunks],
+            [chunk.context_len - chunk.start for chunk in chunks],
+            [chunk.start for chunk in chunks],
+            torch.stack([chunk.block_table for chunk in chunks]),
+        )
+
+    def prefill_all(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv: LayerKV,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        """One launch for every chunk of the step (their layer is the step's records')."""
+        _refuse_codes(kv)
+        paged_prefill(q, kv.k, kv.v, meta.prepared, meta.prefills[0].layer, out)
 
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, chunk: PrefillChunk
     ) -> torch.Tensor:
-        return self._prefiller.prefill(q, k, v, kv, chunk)
+        """One chunk alone (the kernel chooser's check): a launch of its own, its records
+        built here. The chunk's own K/V are read back from the cache, where they already
+        are."""
+        _refuse_codes(kv)
+        count = chunk.context_len - chunk.start
+        chunks = chunks_on(q.device, [0], [count], [chunk.start], chunk.block_table[None])
+        out = q.new_empty(q.shape)
+        paged_prefill(q, kv.k, kv.v, chunks, chunk.layer, out)
+        return out
 
     def decode(self, q: torch.Tensor, kv: LayerKV, group: DecodeGroup) -> torch.Tensor:
-        if kv.quantized:
-            raise RuntimeError(
-                "TritonAttention reads a cache of the model's dtype, not 8-bit codes"
-            )
+        _refuse_codes(kv)
         return paged_decode(q, kv.k, kv.v, group)
+
+
+def _refuse_codes(kv: LayerKV) -> None:
+    if kv.quantized:
+        raise RuntimeError("TritonAttention reads a cache of the model's dtype, not 8-bit codes")
 
 
 @dataclass(slots=True, frozen=True)
@@ -130,15 +170,6 @@ class Split:
     key_tile: int  # keys per loop step
     min_tiles: int  # a segment's least tiles (MIN_SEGMENT_KEYS), but for a row's last
     segments: int  # the grid's segments per (row, key/value head): the most a row can have
-
-
-def key_tile(block_size: int, head_dim: int) -> int:
-    """Keys per loop step: the most whose K (or V) tile fits TILE_ELEMENTS, up to
-    MAX_KEY_TILE, and one that lies inside a block or spans whole ones."""
-    tile = min(MAX_KEY_TILE, TILE_ELEMENTS // _dim_pad(head_dim))
-    if tile % block_size == 0 or block_size % tile == 0:
-        return tile
-    return min(tile, block_size & -block_size)  # the block's largest power-of-two factor
 
 
 def split_for(width: int, block_size: int, head_dim: int, window: int | None) -> Split:
@@ -158,12 +189,9 @@ def paged_decode(
     """q [B, heads, d] over caches k, v [kv_heads, blocks, block_size, d] -> [B, heads, d]."""
     batch, heads, head_dim = q.shape
     block_size = k.shape[2]
+    checked_key_tile(block_size, head_dim)
     # Sized by the table's width (a shape), so that a graph's launches fit every context.
     split = split_for(group.block_tables.shape[1], block_size, head_dim, group.layer.window)
-    if split.key_tile < 16:  # tl.dot's least
-        raise RuntimeError(
-            "TritonAttention needs a block size that is a power of two or a multiple of 16"
-        )
     if q.stride(2) != 1:  # the kernel steps through a query's dims one element at a time
         q = q.contiguous()
     out = q.new_empty(q.shape)
@@ -183,7 +211,7 @@ def paged_decode(
         split.segments,
         group.layer.window or 0,
         HEAD_DIM=head_dim,
-        DIM_PAD=_dim_pad(head_dim),
+        DIM_PAD=dim_pad(head_dim),
         KEY_TILE=split.key_tile,
         MIN_TILES=split.min_tiles,
         MAX_SEGMENTS=MAX_SEGMENTS,
@@ -191,10 +219,6 @@ def paged_decode(
         num_warps=MERGE_WARPS,
     )
     return out
-
-
-def _dim_pad(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))  # tl.dot's least
 
 
 def _attend(
@@ -228,7 +252,7 @@ def _attend(
         GROUP=q.shape[1] // kv_heads,
         GROUP_PAD=max(16, triton.next_power_of_2(q.shape[1] // kv_heads)),  # tl.dot's least
         HEAD_DIM=head_dim,
-        DIM_PAD=_dim_pad(head_dim),
+        DIM_PAD=dim_pad(head_dim),
         BLOCK_SIZE=block_size,
         KEY_TILE=split.key_tile,
         BLOCKS_PER_TILE=max(1, split.key_tile // block_size),
@@ -237,8 +261,7 @@ def _attend(
         WINDOWED=layer.window is not None,
         SOFTCAP=layer.softcap is not None,
         DIRECT=split.segments == 1,
-        # float32 caches are checked to 1e-4: TF32's 10-bit mantissa misses that
-        PRECISION="ieee" if q.dtype == torch.float32 or INTERPRETED else "tf32",
+        PRECISION=dot_precision(q.dtype),
         UPCAST=INTERPRETED,
         num_warps=WARPS,
         num_stages=STAGES,
@@ -264,29 +287,6 @@ def _row_tiles(
     tiles = (ctx + KEY_TILE - 1) // KEY_TILE - first_tile
     segments = tl.minimum(tl.maximum((tiles + MIN_TILES - 1) // MIN_TILES, 1), MAX_SEGMENTS)
     return first, first_tile, tiles, segments
-
-
-@triton.jit
-def _tile_blocks(
-    table,
-    tile,
-    end_block,
-    BLOCK_SIZE: tl.constexpr,
-    KEY_TILE: tl.constexpr,
-    BLOCKS_PER_TILE: tl.constexpr,
-):
-    """The cache block of each key of tile `tile` ([KEY_TILE]), from one table entry per
-    block the tile spans (a scalar where one block holds the whole tile). Entries past the
-    row's context (from `end_block`) are not read: block 0 stands in, its keys masked."""
-    index = tile * KEY_TILE // BLOCK_SIZE
-    if BLOCKS_PER_TILE == 1:
-        blocks = tl.load(table + index, mask=index < end_block, other=0).to(tl.int64)
-    else:
-        index = index + tl.arange(0, BLOCKS_PER_TILE)
-        ids = tl.load(table + index, mask=index < end_block, other=0).to(tl.int64)
-        spread = tl.broadcast_to(ids[:, None], (BLOCKS_PER_TILE, KEY_TILE // BLOCKS_PER_TILE))
-        blocks = tl.reshape(spread, (KEY_TILE,))
-    return blocks
 
 
 @triton.jit(do_not_specialize=["stride_tb"])  # the table width varies step to step
@@ -361,13 +361,11 @@ def _segment_kernel(
     top = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    blocks = _tile_blocks(table, lo, end_block, BLOCK_SIZE, KEY_TILE, BLOCKS_PER_TILE)
+    blocks = tile_blocks(table, lo, end_block, BLOCK_SIZE, KEY_TILE, BLOCKS_PER_TILE)
     # Every tile holds a visible key, so `top` is finite after the first one.
     for tile in range(lo, hi):
         # The next tile's blocks, a step ahead: this tile's gathers do not wait on them.
-        next_blocks = _tile_blocks(
-            table, tile + 1, end_block, BLOCK_SIZE, KEY_TILE, BLOCKS_PER_TILE
-        )
+        next_blocks = tile_blocks(table, tile + 1, end_block, BLOCK_SIZE, KEY_TILE, BLOCKS_PER_TILE)
         keys = tile * KEY_TILE + tl.arange(0, KEY_TILE)
         slots = keys % BLOCK_SIZE
         seen = keys < ctx  # no key outside the context or window is read
@@ -382,7 +380,7 @@ def _segment_kernel(
             kt = kt.to(tl.float32)
         scores = tl.dot(q, kt, input_precision=PRECISION) * scale  # [GROUP_PAD, KEY_TILE]
         if SOFTCAP:  # Gemma 2's cap * tanh(score / cap), before the mask
-            scores = softcap * _tanh(scores / softcap)
+            scores = softcap * tanh(scores / softcap)
         scores = tl.where(seen[None, :], scores * 1.4426950408889634, float("-inf"))  # log2(e)
         new_top = tl.maximum(top, tl.max(scores, 1))
         fade = tl.exp2(top - new_top)
@@ -412,14 +410,6 @@ def _segment_kernel(
     else:
         tl.store(out_rows, result, mask=out_ok)
         tl.store(lse_ptr + at, top + tl.log2(total), mask=head_ok)
-
-
-@triton.jit
-def _tanh(x):
-    """tanh from exp2, which every Triton backend and the interpreter have alike."""
-    t = tl.exp2(-2.8853900817779268 * tl.abs(x))  # exp(-2|x|)
-    magnitude = (1.0 - t) / (1.0 + t)
-    return tl.where(x < 0, -magnitude, magnitude)
 
 
 @triton.jit(do_not_specialize=["segments"])  # the grid's segments vary with the width
