@@ -98,7 +98,8 @@ class Config:
     kv_cache_dtype: str = flag(
         _WORKER.kv_cache_dtype,
         "auto: the model's dtype; int8 or fp8 (e4m3): 8-bit K/V with a scale per token and "
-        "head, 1.9x the blocks in the same memory (README: when to use it)",
+        "head, 1.9x the blocks in the same memory (README: when to use it; on CUDA the "
+        "attention then runs PyTorch's slow reference)",
         choices=("auto", "bfloat16", "float32", "int8", "fp8"),
     )
     quantization: str = flag(
