@@ -210,7 +210,10 @@ class Connections:
 def peer_of(stream: Any) -> tuple[str, int] | None:
     """The client's address as Hypercorn puts it in the ASGI scope; None: none (gone, or
     not a TCP socket)."""
-    sock = getattr(stream, "transport_stream", stream).socket  # under TLS, the TCP stream
+    # under TLS, the TCP stream's socket; a stream without one (a test's) has no address
+    sock = getattr(getattr(stream, "transport_stream", stream), "socket", None)
+    if sock is None:
+        return None
     with contextlib.suppress(OSError):
         return parse_socket_addr(sock.family, sock.getpeername())
     return None
