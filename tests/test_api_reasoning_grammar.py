@@ -73,7 +73,12 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Iterator[RunningServer]:
     yield from served(
-        tmp_path_factory, "qwen3-reasoning", "--model", str(model), "--reasoning-parser", "qwen3"
+        tmp_path_factory,
+        "qwen3-reasoning",
+        *("--model", str(model), "--reasoning-parser", "qwen3"),
+        # pinned: `auto` measures a new model's kernel candidates through its first
+        # requests, seconds of CI for nothing this file claims
+        *("--kernels", "attention=torch,layer_ops=torch,matmul=aten"),
     )
 
 
