@@ -359,7 +359,7 @@ def test_a_connection_past_its_keys_cap_is_refused_and_the_stream_goes_on(
     beside it, a third gets 429; the stream ends whole, and a key of another tenant is
     served. Once they close, the key connects again."""
     url, body = keyed_server.url, {"model": keyed_server.model, "prompt": "Count:"}
-    body |= {"max_tokens": 12, "ignore_eos": True, "stream": True}
+    body |= {"max_tokens": 8, "ignore_eos": True, "stream": True}
     with (
         httpx.Client(base_url=url, timeout=60) as streams,
         httpx.Client(base_url=url, timeout=60) as idle,
@@ -374,7 +374,7 @@ def test_a_connection_past_its_keys_cap_is_refused_and_the_stream_goes_on(
             assert third.get("/v1/models", headers=bearer(KEY_B)).status_code == 200
             rest = list(events)
         assert s.status_code == 200 and rest[-1] == "data: [DONE]"
-        assert sum('"text"' in event for event in rest) >= 11  # every token came
+        assert sum('"text"' in event for event in rest) >= 7  # every token came
     seconds_until(lambda: httpx.get(f"{url}/v1/models", headers=bearer(KEY_C)).is_success, 5)
 
 
