@@ -7,7 +7,7 @@ import hashlib
 import os
 import sys
 from collections.abc import Iterable
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, fields, replace
 from functools import partial
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
@@ -154,50 +154,72 @@ MAX_KEY_TENANT_CHARS = 64  # the key's tenant; a client's sub-tenant goes after 
 
 
 KEY_PERMISSIONS = ("priority", "metrics")
+# NAME=N: the open connections of the key, of its tenant (every key of it), at most
+KEY_CAPS = {"connections": "max_connections", "tenant-connections": "tenant_max_connections"}
 
 
 def parse_api_key_file(text: str) -> list[ApiKey]:
-    """Lines of `KEY [TENANT [PERMISSIONS]]`; PERMISSIONS is `-` or a comma-separated list
-    of `priority` (the key's clients may set `priority`) and `metrics` (they may read
-    /metrics). A key without a tenant gets one of its own."""
+    """Lines of `KEY [TENANT [OPTIONS]]`; OPTIONS is `-` or a comma-separated list of
+    `priority` (the key's clients may set `priority`), `metrics` (they may read /metrics),
+    `connections=N` (the key's open connections, at most) and `tenant-connections=N` (its
+    tenant's, every key of it: given on one of its lines, or the same on each). A key
+    without a tenant gets one of its own."""
     keys = []
     for number, line in enumerate(text.splitlines(), 1):
         words = line.split("#", 1)[0].split()
         if not words:
             continue
         if len(words) > 3:
-            raise ValueError(f"line {number}: expected KEY [TENANT [PERMISSIONS]]")
+            raise ValueError(f"line {number}: expected KEY [TENANT [OPTIONS]]")
         key, *rest = words
         tenant = rest[0] if rest else default_tenant(key)
-        permissions = rest[1] if len(rest) > 1 else None
+        options = rest[1] if len(rest) > 1 else None
         if "/" in tenant or len(tenant) > MAX_KEY_TENANT_CHARS:
             raise ValueError(
                 f"line {number}: a tenant name has at most {MAX_KEY_TENANT_CHARS} characters "
                 "and no '/'"
             )
-        granted = key_permissions(permissions, number)
+        granted, caps = key_options(options, number)
         keys.append(
             ApiKey(
                 key,
                 tenant,
                 may_set_priority="priority" in granted,
                 may_read_metrics="metrics" in granted,
+                **caps,
             )
         )
-    return keys
+    return with_tenant_caps(keys)
 
 
-def key_permissions(text: str | None, number: int) -> set[str]:
+def key_options(text: str | None, number: int) -> tuple[set[str], dict[str, int]]:
+    """(the permissions granted, ApiKey's cap fields set) of a line's OPTIONS."""
     if text in (None, "-"):
-        return set()
-    granted = set(text.split(","))
-    unknown = granted - set(KEY_PERMISSIONS)
-    if unknown:
-        raise ValueError(
-            f"line {number}: unknown permission {sorted(unknown)[0]!r} "
-            f"({', '.join(KEY_PERMISSIONS)})"
-        )
-    return granted
+        return set(), {}
+    granted, caps = set(), {}
+    for option in text.split(","):
+        name, is_cap, value = option.partition("=")
+        if is_cap and name in KEY_CAPS:
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"line {number}: {name} takes a whole number above 0")
+            caps[KEY_CAPS[name]] = int(value)
+        elif not is_cap and name in KEY_PERMISSIONS:
+            granted.add(name)
+        else:
+            known = (*KEY_PERMISSIONS, *(f"{cap}=N" for cap in KEY_CAPS))
+            raise ValueError(f"line {number}: unknown option {option!r} ({', '.join(known)})")
+    return granted, caps
+
+
+def with_tenant_caps(keys: list[ApiKey]) -> list[ApiKey]:
+    """Each key with its tenant's connection cap, wherever among the tenant's lines it was
+    given."""
+    caps: dict[str, int] = {}
+    for key in keys:
+        cap = key.tenant_max_connections
+        if cap is not None and caps.setdefault(key.tenant, cap) != cap:
+            raise ValueError(f"tenant {key.tenant!r}: two different tenant-connections caps")
+    return [replace(k, tenant_max_connections=caps.get(k.tenant)) for k in keys]
 
 
 def default_tenant(key: str) -> str:

@@ -52,6 +52,10 @@ class ApiKey:
     # /metrics shows every tenant's counters (prefix-cache hits among them): only such keys
     # (and the admin token) may read it
     may_read_metrics: bool = False
+    # open connections whose requests came with this key, or with any key of its tenant, at
+    # most (service.connections); None: no cap beyond --max-connections
+    max_connections: int | None = None
+    tenant_max_connections: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

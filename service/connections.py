@@ -10,12 +10,20 @@ out their timeouts anyway). A connection whose request is complete (a stream or 
 answer in flight) is never closed; only when every connection is such is the newcomer
 refused with a 503. A body that stalls past --body-timeout is answered 408 by the app,
 and its connection closed here (close_stalled_bodies).
+
+Keys and tenants may cap their open connections (`connections=N`, `tenant-connections=N` in
+--api-key-file): a connection counts as a key's (and its tenant's) from the first request
+it sends with that key until it closes, idle or not, since a hoarder's idle connections are
+what the cap is for. A request that would make one more is answered 429
+`too_many_connections` and its connection closed after the answer (service.api.access):
+the newcomer gives way, never a connection the key already has, a stream in flight least.
 """
 
 from __future__ import annotations
 
 import contextlib
 import heapq
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,8 +31,10 @@ import h11
 import orjson
 import structlog
 import trio
+from hypercorn.utils import parse_socket_addr
 
 from service.api.errors import error_body
+from service.config import ApiKey
 
 log = structlog.get_logger("cadence.server")
 OVER_CAP_BODY = orjson.dumps(
@@ -46,10 +56,13 @@ SWEEP_EVERY_S = 0.5  # how often stalled bodies are looked for
 
 @dataclass(eq=False, slots=True)
 class Connection:
-    """One client connection: its Hypercorn server and when it last sent the server bytes."""
+    """One client connection: its Hypercorn server, its client's address (the ASGI scope's
+    `client`), when it last sent the server bytes, and the key its requests came with."""
 
     server: Any  # hypercorn.trio.tcp_server.TCPServer
+    peer: tuple[str, int] | None
     last_read: float = field(default_factory=trio.current_time)
+    holder: ApiKey | None = None
 
     def may_give_way(self) -> bool:
         """Nothing of it is being answered (an HTTP/2 connection never gives way)."""
@@ -96,6 +109,9 @@ class Connections:
 
     limit: int | None = None
     open: set[Connection] = set()
+    by_peer: dict[tuple[str, int], Connection] = {}
+    held_by_key: Counter[ApiKey] = Counter()
+    held_by_tenant: Counter[str] = Counter()
 
     @classmethod
     async def admit(cls, server: Any) -> Connection | None:
@@ -106,10 +122,58 @@ class Connections:
                 await refuse(server.stream)
                 return None
             await cls.evict(victims)
-        connection = Connection(server)
+        connection = Connection(server, peer_of(server.stream))
         server.stream = WatchedStream(server.stream, connection)
         cls.open.add(connection)
+        if connection.peer is not None:
+            cls.by_peer[connection.peer] = connection
         return connection
+
+    @classmethod
+    def forget(cls, connection: Connection) -> None:
+        """A closed connection: out of the count, and of its key's and tenant's."""
+        cls.open.discard(connection)
+        if connection.peer is not None and cls.by_peer.get(connection.peer) is connection:
+            del cls.by_peer[connection.peer]
+        cls._release(connection)
+
+    @classmethod
+    def claim(cls, peer: tuple[str, int] | None, key: ApiKey) -> str | None:
+        """Count the connection from `peer` as `key`'s; why not (a cap it would pass), or
+        None. A connection the server does not hold (no address) is not counted."""
+        connection = cls.by_peer.get(peer) if peer is not None else None
+        if connection is None or connection.holder == key:
+            return None
+        over = cls._over_cap(key)
+        if over is not None:
+            return over
+        cls._release(connection)
+        connection.holder = key
+        cls.held_by_key[key] += 1
+        cls.held_by_tenant[key.tenant] += 1
+        return None
+
+    @classmethod
+    def _over_cap(cls, key: ApiKey) -> str | None:
+        if key.max_connections is not None and cls.held_by_key[key] >= key.max_connections:
+            return (
+                f"this API key has {key.max_connections} connections open, its cap: "
+                "send on one of them, or close one first"
+            )
+        cap = key.tenant_max_connections
+        if cap is not None and cls.held_by_tenant[key.tenant] >= cap:
+            return (
+                f"tenant {key.tenant!r} has {cap} connections open, its cap: "
+                "send on one of them, or close one first"
+            )
+        return None
+
+    @classmethod
+    def _release(cls, connection: Connection) -> None:
+        key, connection.holder = connection.holder, None
+        if key is not None:
+            cls.held_by_key[key] -= 1
+            cls.held_by_tenant[key.tenant] -= 1
 
     @classmethod
     async def close_stalled_bodies(cls, after: float) -> None:
@@ -120,7 +184,7 @@ class Connections:
             await trio.sleep(SWEEP_EVERY_S)
             now = trio.current_time()
             for connection in [c for c in cls.open if c.stalled_in_body(now, after)]:
-                cls.open.discard(connection)
+                cls.forget(connection)
                 await connection.close()
 
     @classmethod
@@ -139,8 +203,20 @@ class Connections:
             stalled_s=round(now - victims[-1].last_read, 3),  # the least stalled of them
         )
         for victim in victims:
-            cls.open.discard(victim)
+            cls.forget(victim)
             await victim.close()
+
+
+def peer_of(stream: Any) -> tuple[str, int] | None:
+    """The client's address as Hypercorn puts it in the ASGI scope; None: none (gone, or
+    not a TCP socket)."""
+    # under TLS, the TCP stream's socket; a stream without one (a test's) has no address
+    sock = getattr(getattr(stream, "transport_stream", stream), "socket", None)
+    if sock is None:
+        return None
+    with contextlib.suppress(OSError):
+        return parse_socket_addr(sock.family, sock.getpeername())
+    return None
 
 
 async def refuse(stream: trio.abc.Stream) -> None:

@@ -3,8 +3,9 @@ Qwen3, QwQ and the DeepSeek-R1 distills, returned as `reasoning_content` beside 
 
 As the tool-call parsers (service.tool_calls), `parse(text, final)` on a growing text says
 only what later text cannot change, so streamed deltas add up to the whole parse. A
-template may open the reasoning itself (DeepSeek-R1's ends its prompt with `<think>`, as
-Qwen3's does not): then the output begins inside it, and `starts_inside` says so.
+template may open the reasoning itself (DeepSeek-R1's and Qwen3-Thinking-2507's end their
+prompt with `<think>`; Qwen3's hybrid one leaves it to the model, or closes it, empty, for
+`enable_thinking: false`): then the output begins inside it, and `starts_inside` says so.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ class Reasoned:
 def opens_reasoning(prompt_tail: str) -> bool:
     """Whether a prompt ending with `prompt_tail` leaves its output inside the reasoning."""
     return prompt_tail.rstrip().endswith(START)
+
+
+def closes_reasoning(prompt_tail: str) -> bool:
+    """Whether a prompt ending with `prompt_tail` closed the reasoning: the output answers."""
+    return prompt_tail.rstrip().endswith(END)
 
 
 def parse(text: str, final: bool, starts_inside: bool) -> Reasoned:

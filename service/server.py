@@ -67,7 +67,7 @@ def contained(
         except Exception as failure:  # one connection's: see contain_connection_failures
             log.warning("http.connection_failed", error=repr(failure))
         finally:
-            Connections.open.discard(connection)
+            Connections.forget(connection)
 
     return run_one_connection
 

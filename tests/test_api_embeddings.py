@@ -2,20 +2,26 @@
 checked against transformers' final hidden states of the same weights: the last token's
 (the default pooling) and the mean over the prompt (--pooling-type mean, on a server whose
 token budget cuts the longer prompts into chunks), L2-normalized or not, as floats and as
-base64, and the 4xx answers for what the route refuses."""
+base64, and the 4xx answers for what the route refuses; `add_special_tokens` on a tokenizer
+that adds a BOS."""
 
 from __future__ import annotations
 
 import base64
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import numpy as np
 import openai
 import pytest
 import torch
+from tokenizers import processors
 
+from service.api.openai_schema import parse_embedding_request
+from service.api.routes_embeddings import token_ids_of
 from service.model_files.resolve import resolve_model
+from service.tokenizer import Tokenizer
 from tests.server_fixtures import RunningServer, cache_dir, start_server, stop_server
 
 pytestmark = pytest.mark.real_model
@@ -159,3 +165,26 @@ def test_a_prompt_past_the_window_is_refused_unless_truncated(
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "input"
     cut = httpx.post(url, json={"input": [too_long], "truncate_prompt_tokens": 8}, timeout=60)
     assert cut.status_code == 200 and cut.json()["usage"]["prompt_tokens"] == 8
+
+
+def test_add_special_tokens_reaches_the_tokenizer(tmp_path: Path) -> None:
+    """SmolLM2's tokenizer adds nothing either way, so the field is shown on its vocabulary
+    with a BOS added as Llama's tokenizers add one: with it by default (vLLM's), without it
+    when false; token-id inputs are taken as they are."""
+    model_dir = resolve_model(None, cache_dir())
+    backend = Tokenizer.from_dir(model_dir).backend
+    backend.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)]
+    )
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_bytes(
+        (model_dir / "tokenizer_config.json").read_bytes()
+    )
+    tokenizer = Tokenizer.from_dir(tmp_path)
+    plain = tokenizer.encode("one one")
+    body = {"input": ["one one", [5, 6]]}
+    with_bos = token_ids_of(parse_embedding_request(body, None), tokenizer)
+    without = token_ids_of(
+        parse_embedding_request({**body, "add_special_tokens": False}, None), tokenizer
+    )
+    assert with_bos == [[1, *plain], [5, 6]] and without == [plain, [5, 6]]

@@ -1,6 +1,7 @@
 """Every field the server's OpenAPI document accepts is honoured or refused, never dropped.
 
-The walk reads /openapi.json and, for each generation route, sends each field it lists with
+The walk reads /openapi.json and, for each generation route and the embeddings', sends each
+field it lists with
 a value other than its default, then checks the field's effect on the answer (CHECKS), or
 its 400 naming it (a field accepted only at a neutral value, sent at another), or names the
 test elsewhere that shows the effect (the effect needs a policy, a key, a parser or a load:
@@ -14,6 +15,7 @@ id above 32,767, where an int16 index would have dropped it).
 
 from __future__ import annotations
 
+import base64
 import importlib
 import json
 import re
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
 from service.api.fields import NEUTRAL_VALUES
@@ -51,6 +54,7 @@ ROUTES = {
         {"messages": [{"role": "user", "content": "Say one one one."}], "max_tokens": 6},
     ),
     "responses": ("/v1/responses", {"input": "Say one one one.", "max_output_tokens": 6}),
+    "embeddings": ("/v1/embeddings", {"input": "one one one"}),  # ids 537, 582, 582
 }
 # fields a route's body is made of, not options of it
 STRUCTURAL = {"prompt", "messages", "input", "stream"}
@@ -60,6 +64,8 @@ def answer_of(route: str, response: httpx.Response) -> Answer:
     body = response.json()
     if response.status_code != 200:
         return Answer(response.status_code, body, "", None, 0)
+    if route == "embeddings":
+        return Answer(200, body, "", None, body["usage"]["prompt_tokens"])
     if route == "responses":
         text = "".join(
             part["text"]
@@ -283,6 +289,28 @@ def check_tools(send: Send) -> None:
     assert answer.body["choices"][0]["message"]["tool_calls"]
 
 
+def vector_of(answer: Answer) -> np.ndarray:
+    return np.asarray(answer.body["data"][0]["embedding"], dtype=np.float64)
+
+
+def check_encoding_format(send: Send) -> None:
+    packed = send({"encoding_format": "base64"}).body["data"][0]["embedding"]
+    floats = np.frombuffer(base64.b64decode(packed), dtype="<f4")
+    assert floats.tolist() == send({}).body["data"][0]["embedding"]
+
+
+def check_normalize(send: Send) -> None:
+    unit, raw = vector_of(send({})), vector_of(send({"normalize": False}))
+    assert abs(np.linalg.norm(unit) - 1) < 1e-5 and abs(np.linalg.norm(raw) - 1) > 0.1
+    assert np.allclose(raw / np.linalg.norm(raw), unit, atol=1e-5)
+
+
+def check_truncate_prompt_tokens(send: Send) -> None:
+    cut = send({"truncate_prompt_tokens": 2})
+    assert cut.tokens == 2
+    assert np.allclose(vector_of(cut), vector_of(send({"input": [582, 582]})), atol=1e-6)
+
+
 YES_NO = {"type": "json_schema", "json_schema": {"name": "yn", "schema": {"enum": ["yes", "no"]}}}
 CHECKS: dict[str, Callable[[Send], None]] = {
     "model": check_model,
@@ -337,6 +365,9 @@ ROUTE_CHECKS: dict[tuple[str, str], Callable[[Send], None]] = {
     ("responses", "include"): check_responses_logprobs("include", ["message.output_text.logprobs"]),
     ("responses", "tools"): check_refused("tools", "not a list"),  # shown on the tools server
     ("responses", "tool_choice"): check_refused("tool_choice", "sometimes"),
+    ("embeddings", "encoding_format"): check_encoding_format,
+    ("embeddings", "normalize"): check_normalize,
+    ("embeddings", "truncate_prompt_tokens"): check_truncate_prompt_tokens,
 }
 # field -> the test that shows its effect, which needs what this server lacks
 ELSEWHERE = {
@@ -357,6 +388,8 @@ ELSEWHERE = {
     "test_a_grammar_starts_after_the_reasoning_whole_and_streamed",
     "include_reasoning": "test_api_reasoning_parser::"
     "test_include_reasoning_false_leaves_the_reasoning_out_whole_and_streamed",
+    # the default model's tokenizer adds no special token
+    "add_special_tokens": "test_api_embeddings::test_add_special_tokens_reaches_the_tokenizer",
 }
 
 
@@ -372,6 +405,7 @@ VALUES = {
     "reasoning_effort": "low",
     "reasoning": {"effort": "low"},
     "include_reasoning": False,
+    "add_special_tokens": False,
 }
 
 

@@ -1,10 +1,12 @@
 """API keys, the Host check and tenants that are who they say, on a real server.
 
-One server with two keys from --api-key-file (team-a may set `priority`, team-b may not):
+One server with keys from --api-key-file (team-a may set `priority`, team-b may not; the
+team-c key and the team-d tenant have connection caps):
 no key or a wrong one gets 401 in OpenAI's shape on every route but /health and the page;
 the official `openai` client works with a key; a rebound Host gets 421; a request's tenant is
 its key's (a client's `user` only a sub-tenant); the prefix cache is shared within a tenant
-and never across; `cached_tokens` is not reported; `priority` only from team-a.
+and never across; `cached_tokens` is not reported; `priority` only from team-a; a connection
+past a key's or a tenant's cap gets 429 while its stream in flight goes on.
 """
 
 from __future__ import annotations
@@ -23,12 +25,16 @@ from ops.corpus import full_text
 from service.api.access import HostCheck, KeyRing
 from service.cli import add_serve_args, config_from_args, parse_api_key_file
 from service.config import ApiKey, Config
-from tests.server_fixtures import RunningServer, start_server, stop_server
+from tests.server_fixtures import RunningServer, seconds_until, start_server, stop_server
 
 KEY_A, KEY_B = "sk-team-a-0123456789", "sk-team-b-9876543210"
-KEY_FILE = f"""# key tenant permissions
+KEY_C, KEY_D1, KEY_D2 = "sk-team-c-capped-01", "sk-team-d-one-0001", "sk-team-d-two-0002"
+KEY_FILE = f"""# key tenant options
 {KEY_A} team-a priority,metrics
 {KEY_B} team-b
+{KEY_C} team-c connections=2
+{KEY_D1} team-d tenant-connections=2
+{KEY_D2} team-d
 """
 KEYED_ROUTES = [
     ("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1}),
@@ -59,15 +65,26 @@ def test_the_key_file_names_tenants_and_permissions() -> None:
     assert [(k.key, k.tenant, k.may_set_priority, k.may_read_metrics) for k in keys] == [
         (KEY_A, "team-a", True, True),
         (KEY_B, "team-b", False, False),
-        ("sk-lonely", keys[2].tenant, False, False),
+        (KEY_C, "team-c", False, False),
+        (KEY_D1, "team-d", False, False),
+        (KEY_D2, "team-d", False, False),
+        ("sk-lonely", keys[5].tenant, False, False),
         ("sk-m", "t", False, True),
     ]
-    assert keys[2].tenant.startswith("key-") and "lonely" not in keys[2].tenant
+    # a tenant's cap, given on one of its lines, holds for every key of it
+    caps = [(k.max_connections, k.tenant_max_connections) for k in keys]
+    assert caps == [(None, None)] * 2 + [(2, None), (None, 2), (None, 2)] + [(None, None)] * 2
+    assert keys[5].tenant.startswith("key-") and "lonely" not in keys[5].tenant
     assert "sk-team" not in repr(keys)  # a key never shows in a log line or a traceback
-    bad_lines = ("k a/b", "k t admin", "k t priority,admin", "k t priority extra", f"k {'t' * 65}")
+    bad_lines = (
+        *("k a/b", "k t admin", "k t priority,admin", "k t priority extra", f"k {'t' * 65}"),
+        *("k t connections=0", "k t connections=x", "k t metrics=2", "k t priority,connections"),
+    )
     for bad in bad_lines:
         with pytest.raises(ValueError, match="line 1"):
             parse_api_key_file(bad)
+    with pytest.raises(ValueError, match="'t': two different tenant-connections caps"):
+        parse_api_key_file("k1 t tenant-connections=2\nk2 t tenant-connections=3")
 
 
 def test_keys_come_from_the_flag_the_file_and_the_environment(
@@ -79,7 +96,8 @@ def test_keys_come_from_the_flag_the_file_and_the_environment(
     config = serve_config(
         "--api-key", "sk-flag", "--api-key", "sk-two", "--api-key-file", str(key_file)
     )
-    assert [k.key for k in config.api_keys] == ["sk-flag", "sk-two", "sk-env", KEY_A, KEY_B]
+    file_keys = [KEY_A, KEY_B, KEY_C, KEY_D1, KEY_D2]
+    assert [k.key for k in config.api_keys] == ["sk-flag", "sk-two", "sk-env", *file_keys]
     assert config.isolates_tenants() and not config.reports_cached_tokens()
     monkeypatch.delenv("CADENCE_API_KEY")
     open_config = serve_config()
@@ -323,3 +341,56 @@ async def test_a_tenants_flood_gets_429_while_another_tenant_is_admitted(
     assert other.status_code == 200, other.text
     assert metric(keyed_server, "tenant_kv_blocks_reserved", "team-b") == 0
     assert keyed_server.wait_idle()["kv_blocks_used"] == 0
+
+
+def refused_for_connections(response: httpx.Response) -> str:
+    """The 429's message, once its shape is checked: the refused connection is closed."""
+    assert response.status_code == 429, response.text
+    assert response.json()["error"]["code"] == "too_many_connections"
+    assert response.headers["connection"] == "close"
+    return response.json()["error"]["message"]
+
+
+@pytest.mark.real_model
+def test_a_connection_past_its_keys_cap_is_refused_and_the_stream_goes_on(
+    keyed_server: RunningServer,
+) -> None:
+    """team-c's key may hold 2 connections: with a stream in flight on one and an idle one
+    beside it, a third gets 429; the stream ends whole, and a key of another tenant is
+    served. Once they close, the key connects again."""
+    url, body = keyed_server.url, {"model": keyed_server.model, "prompt": "Count:"}
+    body |= {"max_tokens": 8, "ignore_eos": True, "stream": True}
+    with (
+        httpx.Client(base_url=url, timeout=60) as streams,
+        httpx.Client(base_url=url, timeout=60) as idle,
+        httpx.Client(base_url=url, timeout=60) as third,
+    ):
+        with streams.stream("POST", "/v1/completions", json=body, headers=bearer(KEY_C)) as s:
+            events = (line for line in s.iter_lines() if line)
+            assert next(events).startswith("data: {")  # in flight
+            assert idle.get("/v1/models", headers=bearer(KEY_C)).status_code == 200
+            refusal = refused_for_connections(third.get("/v1/models", headers=bearer(KEY_C)))
+            assert "this API key has 2 connections open" in refusal
+            assert third.get("/v1/models", headers=bearer(KEY_B)).status_code == 200
+            rest = list(events)
+        assert s.status_code == 200 and rest[-1] == "data: [DONE]"
+        assert sum('"text"' in event for event in rest) >= 7  # every token came
+    seconds_until(lambda: httpx.get(f"{url}/v1/models", headers=bearer(KEY_C)).is_success, 5)
+
+
+@pytest.mark.real_model
+def test_a_tenants_cap_counts_the_connections_of_all_its_keys(
+    keyed_server: RunningServer,
+) -> None:
+    url = keyed_server.url
+    clients = [httpx.Client(base_url=url, timeout=30) for _ in range(3)]
+    try:
+        for client, key in zip(clients[:2], (KEY_D1, KEY_D2), strict=True):
+            assert client.get("/v1/models", headers=bearer(key)).status_code == 200
+        refusal = refused_for_connections(clients[2].get("/v1/models", headers=bearer(KEY_D2)))
+        assert "tenant 'team-d' has 2 connections open" in refusal
+        # a connection already counted is served on: the cap refuses newcomers only
+        assert clients[0].get("/v1/models", headers=bearer(KEY_D1)).status_code == 200
+    finally:
+        for client in clients:
+            client.close()

@@ -23,6 +23,7 @@ from service.engine.grammar import (
     fill_masks,
     hf_tokenizer_info,
 )
+from service.engine.grammar_reasoning import AfterReasoning
 from service.model_files.resolve import resolve_model
 from service.tokenizer import Tokenizer
 from tests.server_fixtures import cache_dir
@@ -53,7 +54,11 @@ def schema_format(schema: dict) -> ResponseFormat:
 
 
 def allowed(matcher: Matcher) -> set[int]:
-    words = np.frombuffer(base64.b64decode(fill_masks([matcher])[0]), dtype=np.uint8)
+    return tokens_of(fill_masks([matcher])[0])
+
+
+def tokens_of(mask: str) -> set[int]:
+    words = np.frombuffer(base64.b64decode(mask), dtype=np.uint8)
     return set(np.flatnonzero(np.unpackbits(words, bitorder="little")).tolist())
 
 
@@ -147,6 +152,36 @@ def test_a_matcher_refuses_what_the_schema_forbids(
     quote = tokenizer.encode('"')[0]
     assert quote not in allowed(matcher) and not matcher.accept(quote)
     assert matcher.accept(tokenizer.encode("7")[0])
+
+
+def test_a_first_token_may_open_the_reasoning_before_the_grammar(
+    compiler: GrammarCompiler, tokenizer: Tokenizer
+) -> None:
+    """Where the model may open the reasoning (service.engine.grammar_reasoning): its first
+    mask is the grammar's and the opener; the opener frees the reasoning until the end
+    marker, then the grammar begins; a first token of the grammar's begins it at once."""
+    compiled = compiler.compile(schema_format(PERSON))
+    opener, end = 49000, (700, 33)  # ids standing for <think> and </think>
+    first = allowed(Matcher(compiled))
+    assert opener not in first
+
+    def after_reasoning() -> Matcher:
+        return Matcher(AfterReasoning(compiled, end, opener=opener))
+
+    thinks = after_reasoning()
+    assert thinks.needs_mask and allowed(thinks) == first | {opener}
+    assert thinks.accept(opener) and thinks.mask is not None
+    assert tokens_of(thinks.mask) >= set(range(MODEL_VOCAB))  # reasoning: any token
+    assert all(thinks.accept(t) for t in (5, *end)) and not thinks.is_terminated
+    assert thinks.needs_mask and allowed(thinks) == first  # the grammar from its start
+
+    answers = after_reasoning()
+    assert answers.accept(tokenizer.encode("{")[0])
+    assert opener not in allowed(answers) and not answers.accept(opener)
+
+    refused = after_reasoning()  # neither the grammar's nor the opener: nothing changes
+    assert not refused.accept(tokenizer.encode('"')[0])
+    assert allowed(refused) == first | {opener}
 
 
 def test_without_xgrammar_a_compilation_says_it_is_needed(

@@ -1,6 +1,7 @@
 """The reasoning before a grammar (service/engine/grammar_reasoning.py), without a model:
 any token until the end marker, the marker forced token by token once the budget is spent,
-and the masks in the plan's bit layout (bit t of word t // 32)."""
+a reasoning the model opens counted from its opener, and the masks in the plan's bit
+layout (bit t of word t // 32)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,11 @@ def test_a_spent_budget_forces_the_marker() -> None:
     assert phase.accept(700)
     assert bits(phase.mask()) == {33}
     assert not phase.accept(33)
+
+
+def test_a_reasoning_the_model_opens_counts_its_budget_from_the_opener() -> None:
+    phase = ReasoningPhase(END, 2, opener=9, vocab_size=1000)
+    assert phase.declined_by(10) and not phase.declined_by(9)
+    assert phase.accept(9) and not phase.declined_by(10)  # opened: every token is its own
+    assert phase.accept(1) and bits(phase.mask()) >= set(range(1000))
+    assert phase.accept(2) and bits(phase.mask()) == {700}

@@ -11,6 +11,10 @@ one that matches). The admin routes keep their own token, which is the stronger 
 key names the request's tenant: a client's `user` or `X-Tenant` only names a sub-tenant
 inside it, so one key's clients cannot pose as another's.
 
+Connection caps: a key (or its tenant) with one in --api-key-file gets 429
+`too_many_connections` on a request that would open one connection more than its cap, and
+that connection closed (service.connections); its other connections are untouched.
+
 /metrics with keys: its counters are the whole server's, every tenant's (the prefix cache's
 hits would tell one tenant what others sent), so it answers only the admin token (what a
 Prometheus scrape sends) and keys granted `metrics` in --api-key-file; other keys get 403.
@@ -28,6 +32,7 @@ from quart_trio import QuartTrio
 from service.api.errors import APIError
 from service.api.routes_admin import bearer_token, is_admin_token
 from service.config import ApiKey, Config
+from service.connections import Connections
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 LOOPBACK_BINDS = ("localhost", "127.0.0.1", "::1", "[::1]")
@@ -116,6 +121,14 @@ def install_api_keys(app: QuartTrio, config: Config) -> None:
                 "a valid API key is required: send 'Authorization: Bearer <key>'",
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
+            )
+        refusal = Connections.claim(request.scope.get("client"), key)
+        if refusal is not None:
+            raise APIError(
+                429,
+                refusal,
+                code="too_many_connections",
+                headers={"Connection": "close", "Retry-After": "1"},
             )
         if request.path == METRICS_PATH and not key.may_read_metrics:
             raise APIError(

@@ -22,6 +22,7 @@ class OutputReader:
 
     reasons: bool = False
     starts_inside: bool = False  # the prompt opened the reasoning
+    may_open: bool = False  # the prompt neither opened nor closed it: the model may open it
     shows_reasoning: bool = True  # false: read apart, then left out (include_reasoning)
     tools: ToolCallParser | None = None
     max_calls: int | None = None

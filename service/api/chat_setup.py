@@ -74,6 +74,7 @@ def output_reader(
         tail = tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
         reader.reasons = True
         reader.starts_inside = reasoning.opens_reasoning(tail)
+        reader.may_open = not reader.starts_inside and not reasoning.closes_reasoning(tail)
         reader.shows_reasoning = chat.include_reasoning
     if reader.tools is None and not reader.reasons:
         return None
@@ -90,19 +91,26 @@ def keeps_special_tokens(reader: OutputReader | None) -> bool:
 def after_reasoning(
     grammar: Any, reader: OutputReader | None, chat: ChatOptions, tokenizer: Tokenizer
 ) -> Any:
-    """`grammar` to begin once the reasoning ends, for a prompt that opened it (as vLLM
-    starts it after the end marker); as it is otherwise. `thinking_token_budget` needs such
-    a prompt and a grammar to end the reasoning into."""
+    """`grammar` to begin once the reasoning ends (as vLLM starts it after the end marker),
+    where the prompt opened the reasoning or the model may open it with its first token; as
+    it is otherwise (no reasoning parser, a prompt that closed the reasoning, a start marker
+    that is not one token). `thinking_token_budget` needs a grammar to end the reasoning
+    into."""
     budget = chat.thinking_budget
-    inside = reader is not None and reader.reasons and reader.starts_inside
-    if budget is not None and not (inside and grammar is not None):
+    opener = None
+    if reader is not None and reader.may_open:
+        start = tokenizer.encode(reasoning.START)
+        opener = start[0] if len(start) == 1 else None
+    waits = reader is not None and (reader.starts_inside or opener is not None)
+    if budget is not None and not (waits and grammar is not None):
         raise bad_request(
-            "'thinking_token_budget' needs --reasoning-parser, a prompt that opens the "
-            "reasoning (e.g. chat_template_kwargs that enable thinking), and a grammar "
-            "(response_format or a structured_outputs field) for the answer after it",
+            "'thinking_token_budget' needs --reasoning-parser, a prompt after which the "
+            "model reasons (a template that opens or lets it open <think>, e.g. "
+            "chat_template_kwargs that enable thinking), and a grammar (response_format or "
+            "a structured_outputs field) for the answer after it",
             "thinking_token_budget",
         )
-    if grammar is None or not inside:
+    if grammar is None or not waits:
         return grammar
     end = tuple(tokenizer.encode(reasoning.END))
-    return AfterReasoning(grammar, end, budget)
+    return AfterReasoning(grammar, end, budget, opener)

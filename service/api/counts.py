@@ -45,7 +45,7 @@ COUNTS: dict[str, Count] = {
         1,
         None,
         "vLLM's: the most tokens the reasoning may have before its end marker is forced "
-        "(needs --reasoning-parser, a prompt that opens the reasoning, and a grammar)",
+        "(needs --reasoning-parser, a reasoning the prompt or the model opens, and a grammar)",
     ),
     "logprobs": Count(
         0,

@@ -229,14 +229,15 @@ class Matcher:
     fill_masks has filled it; None until then, and again after each accepted token.
     `filling` is set while a fill_masks in a thread works on it. A grammar given as
     AfterReasoning starts once the reasoning has ended (service.engine.grammar_reasoning):
-    until then its mask is the reasoning's, set at once, and it accepts every token."""
+    inside it, its mask is the reasoning's, set at once, and it accepts every token; before
+    a first token that may open it, fill_masks fills the grammar's mask with `opener` added."""
 
     __slots__ = ("_matcher", "_reasoning", "filling", "mask", "vocab_size")
 
     def __init__(self, compiled: Any) -> None:
         self._reasoning: ReasoningPhase | None = None
         if isinstance(compiled, AfterReasoning):
-            self._reasoning = ReasoningPhase(compiled.end, compiled.budget)
+            self._reasoning = ReasoningPhase(compiled.end, compiled.budget, compiled.opener)
             compiled = compiled.compiled
         self._matcher = _xgrammar().GrammarMatcher(compiled)
         self.vocab_size: int = compiled.tokenizer_info.vocab_size
@@ -244,11 +245,17 @@ class Matcher:
         self.filling = False
         if self._reasoning is not None:
             self._reasoning.vocab_size = self.vocab_size
-            self.mask = self._reasoning.mask()
+            if self._reasoning.opener is None:
+                self.mask = self._reasoning.mask()
 
     @property
     def needs_mask(self) -> bool:
         return self.mask is None and not self.filling
+
+    @property
+    def opener(self) -> int | None:
+        """The token that would open a reasoning now, besides the grammar's; None: none."""
+        return None if self._reasoning is None else self._reasoning.opener
 
     def allows_anything(self) -> bool:
         words = _xgrammar().allocate_token_bitmask(1, self.vocab_size)
@@ -257,15 +264,17 @@ class Matcher:
 
     def accept(self, token: int) -> bool:
         """Advance past `token`; False (and no change) if the grammar does not allow it."""
-        if self._reasoning is not None:
-            if self._reasoning.accept(token):
-                self.mask = self._reasoning.mask()
+        phase = self._reasoning
+        if phase is not None and not phase.declined_by(token):
+            if phase.accept(token):
+                self.mask = phase.mask()
             else:  # the reasoning has ended: the grammar begins, its first mask to fill
                 self._reasoning = None
                 self.mask = None
             return True
         accepted = bool(self._matcher.accept_token(token))
         if accepted:
+            self._reasoning = None  # a first token that did not open the reasoning
             self.mask = None  # the state moved on: its next mask is another
         return accepted
 
@@ -273,6 +282,11 @@ class Matcher:
     def is_terminated(self) -> bool:
         """The grammar is complete and has accepted its end-of-sequence token."""
         return self._reasoning is None and bool(self._matcher.is_terminated())
+
+
+def add_token(words: np.ndarray, token: int) -> None:
+    """Allow `token` in a mask row of int32 words (bit t of word t // 32)."""
+    words.view("<u4")[token // 32] |= np.uint32(1) << np.uint32(token % 32)
 
 
 def fill_masks(
@@ -295,4 +309,7 @@ def fill_masks(
         batch.batch_fill_next_token_bitmask([matchers[i]._matcher for i in rows], words, list(rows))
         filled = rows.stop
     packed = np.asarray(words[:filled].numpy(), dtype="<i4")
+    for row, matcher in enumerate(matchers[:filled]):
+        if matcher.opener is not None:
+            add_token(packed[row], matcher.opener)
     return [base64.b64encode(row.tobytes()).decode("ascii") for row in packed]
