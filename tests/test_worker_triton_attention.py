@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -33,8 +30,8 @@ from gpu_worker.kernel_choice import (
     run_prefill,
 )
 from gpu_worker.kv_cache import LayerKV
+from tests.triton_interpreter import interpreted_outputs
 
-REPO = Path(__file__).resolve().parent.parent
 CPU = torch.device("cpu")
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 LAYERS = {
@@ -195,19 +192,7 @@ def interpret(path: str) -> None:
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory) -> dict[str, torch.Tensor]:
-    path = tmp_path_factory.mktemp("triton") / "outputs.pt"
-    command = (
-        "import sys; from tests.test_worker_triton_attention import interpret; "
-        "interpret(sys.argv[1])"
-    )
-    subprocess.run(
-        [sys.executable, "-c", command, str(path)],
-        cwd=REPO,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        check=True,
-        timeout=300,
-    )
-    return torch.load(path)
+    return interpreted_outputs(__name__, tmp_path_factory)
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:

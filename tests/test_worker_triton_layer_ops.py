@@ -12,10 +12,7 @@ PyTorch reference on the same inputs.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,8 +23,8 @@ from gpu_worker.kv_quant import as_bytes, quantize_rows
 from gpu_worker.layer_ops import TorchLayerOps, rotate_
 from gpu_worker.model_config import Rope
 from gpu_worker.rope import rope_tables
+from tests.triton_interpreter import interpreted_outputs
 
-REPO = Path(__file__).resolve().parent.parent
 CPU = torch.device("cpu")
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 ROWS = 9
@@ -151,19 +148,7 @@ def interpret_batches(ops, outputs: dict) -> None:
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory) -> dict:
-    path = tmp_path_factory.mktemp("triton") / "outputs.pt"
-    command = (
-        "import sys; from tests.test_worker_triton_layer_ops import interpret; "
-        "interpret(sys.argv[1])"
-    )
-    subprocess.run(
-        [sys.executable, "-c", command, str(path)],
-        cwd=REPO,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        check=True,
-        timeout=300,
-    )
-    return torch.load(path, weights_only=False)
+    return interpreted_outputs(__name__, tmp_path_factory)
 
 
 def ulps_apart(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:

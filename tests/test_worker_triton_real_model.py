@@ -13,9 +13,6 @@ reference's (" Paris"), its logits the reference's within bfloat16's rounding.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,11 +22,11 @@ from gpu_worker import runtime
 from gpu_worker.kernels import Kernels
 from gpu_worker.protocol import WorkerConfig
 from service.tokenizer import Tokenizer
+from tests.triton_interpreter import run_interpreted
 from tests.worker_fixtures import Chunk, plan_for, sampled
 
 pytestmark = pytest.mark.real_model
 
-REPO = Path(__file__).resolve().parent.parent
 QUESTION = "What is the capital of France?"
 ANSWER_START = "The capital of France"
 REFERENCE = "attention=torch,layer_ops=torch,matmul=aten"
@@ -77,21 +74,8 @@ def interpret(model_dir: str) -> None:
 
 
 def test_the_default_model_answers_alike_through_the_triton_kernels(default_model_dir):
-    code = (
-        "import sys; from tests.test_worker_triton_real_model import interpret; "
-        "interpret(sys.argv[1])"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code, str(default_model_dir)],
-        cwd=REPO,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    tokens, logits = json.loads(done.stdout.strip().splitlines()[-1])
+    printed = run_interpreted(__name__, str(default_model_dir))
+    tokens, logits = json.loads(printed.strip().splitlines()[-1])
     reference, reference_logits = answer(default_model_dir)
     assert tokens == reference
     words = Tokenizer.from_dir(default_model_dir).decode(reference)

@@ -10,11 +10,7 @@ TRITON_INTERPRET=1, `interpret`, which saves every output; the tests compare the
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,8 +27,8 @@ from gpu_worker.attention import (
 from gpu_worker.kernel_choice import TOLERANCE
 from gpu_worker.kv_cache import LayerKV
 from gpu_worker.layer_ops import write_kv
+from tests.triton_interpreter import interpreted_outputs
 
-REPO = Path(__file__).resolve().parent.parent
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 KV_HEADS = 2
 
@@ -175,18 +171,7 @@ def interpret(path: str) -> None:
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory) -> dict[str, torch.Tensor]:
-    path = tmp_path_factory.mktemp("triton") / "outputs.pt"
-    command = (
-        "import sys; from tests.test_worker_triton_varlen import interpret; interpret(sys.argv[1])"
-    )
-    subprocess.run(
-        [sys.executable, "-c", command, str(path)],
-        cwd=REPO,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        check=True,
-        timeout=300,
-    )
-    return torch.load(path)
+    return interpreted_outputs(__name__, tmp_path_factory)
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
