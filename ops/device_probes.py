@@ -45,6 +45,8 @@ the same warm worker, where a decode step's time goes:
   checked row sizes, gpu_worker.linear); and F.scaled_dot_product_attention decoding every
   layer's KV, contiguous, of the same shapes: what this machine attains, beside the bytes'
   floors;
+- mixed_profile: the mixed row's step split the same way (its kernels and busy µs against
+  its span and its step: the GPU's waits between the pieces);
 - kernel_trials: every candidate the worker's kernel chooser timed, and its pick;
   row_sizes: the matmul call sizes the worker checked and kept (those that agree bit for
   bit on this device).
@@ -477,6 +479,7 @@ def decode_timings(ctx: Context) -> dict[str, Any]:
     return (
         found
         | where_the_time_goes(timer, profile.profiled_batches, profile)
+        | {"mixed_profile": [mixed_profile(timer, profile)]}
         | {
             "kernel_trials": kernel_trials(kernels),
             "row_sizes": row_sizes(),
@@ -514,6 +517,22 @@ def where_the_time_goes(
     return found
 
 
+def mixed_profile(timer: StepTimer, profile: Profile) -> dict[str, Any]:
+    """The mixed row's step under torch.profiler, split as decode_profile: where the span
+    exceeds the busy µs, the GPU waited on the host between the pieces (issue 52)."""
+    seqs = timer.mixed_seqs(profile.chunk, profile.mixed_decoders, profile.context)
+    plan = timer.steady_plan(seqs)
+    split = kernel_split(profiled_kernels(partial(timer.runner.execute, plan), timer.device))
+    step_us = timer.mixed_ms * 1000
+    found = {"chunk": profile.chunk, "decoders": profile.mixed_decoders, **split}
+    found |= {
+        "step_us": round(step_us, 1),
+        "busy_share_of_step": round(split["busy_us"] / step_us, 3),
+    }
+    say(f"mixed: {found}")
+    return found
+
+
 class StepTimer:
     """Times steps of one runner, each row beside its roofline on `machine`, and takes
     decode steps apart."""
@@ -526,6 +545,7 @@ class StepTimer:
         self.block_size = runner.cache.block_size
         self.device = runner.model.device
         self.decode_ms: dict[tuple[int, int], float] = {}  # by (batch, context): the rows'
+        self.mixed_ms = 0.0  # the mixed row's
 
     def decode_seqs(self, batch: int, context: int) -> list[Seq]:
         blocks = Blocks(self.block_size)
@@ -540,12 +560,17 @@ class StepTimer:
             tokens=batch, kv_tokens=pairs, attention_pairs=pairs, decoded=batch,
         )  # fmt: skip
 
-    def mixed(self, chunk: int, decoders: int, context: int) -> dict[str, Any]:
+    def mixed_seqs(self, chunk: int, decoders: int, context: int) -> list[Seq]:
+        """A `chunk`-token prompt chunk (sampling nothing) beside `decoders` decode rows."""
         blocks = Blocks(self.block_size)
         vocab = self.runner.model.config.vocab_size
         prefilled = Seq(0, tokens_of(chunk, 6, vocab), 0, blocks.take(chunk), False)
         rows = [Seq(1 + i, [5], context - 1, blocks.take(context)) for i in range(decoders)]
-        ms = self.time_plan(self.steady_plan([prefilled, *rows]))
+        return [prefilled, *rows]
+
+    def mixed(self, chunk: int, decoders: int, context: int) -> dict[str, Any]:
+        ms = self.time_plan(self.steady_plan(self.mixed_seqs(chunk, decoders, context)))
+        self.mixed_ms = ms
         tokens = chunk + decoders
         kv_tokens = chunk + decoders * context
         pairs = chunk * (chunk + 1) // 2 + decoders * context

@@ -100,6 +100,10 @@ def check_decode_timings(timings: dict) -> None:
         assert classes + row["other_us"] == pytest.approx(row["busy_us"], abs=0.5)
         assert 0 < row["busy_us"] <= row["span_us"]
     assert {row["batch"] for row in timings["top_kernels"]} == {1, 4}
+    (mixed_split,) = timings["mixed_profile"]
+    assert (mixed_split["chunk"], mixed_split["decoders"]) == (64, 4)
+    assert mixed_split["kernels"] > 0 and mixed_split["gemm_us"] > 0
+    assert 0 < mixed_split["busy_us"] <= mixed_split["span_us"]
     for row in timings["host_before_replay"]:
         assert row["inputs_us"] > 0 and row["staging_us"] > 0 and row["launch_us"] > 0
     for row in timings["floors"]:
