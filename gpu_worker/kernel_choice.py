@@ -202,17 +202,15 @@ def pick(
     check: Callable[[C], str | None],
     workload: Callable[[C], object],
     preferred: Callable[[C], bool] = lambda candidate: True,
-    clock: Callable[[], float] = time.perf_counter,
-    sync: Callable[[], None] = lambda: None,
     timer: Timer | None = None,
 ) -> tuple[C, list[Trial]]:
     """The fastest preferred candidate whose check passes (returns None); the fastest
     passing one only when no preferred one passes.
 
-    `sync` waits for the device (device_sync): a GPU's kernels run after their launch
-    returns, so without it a timing reads the launches alone, and the previous
-    candidate's queued work lands in the next one's time. `timer` replaces the two (and
-    `clock`) where a run is timed otherwise (device_timer).
+    `timer` times one run: by default the wall clock (wall_timer); a GPU's kernels run
+    after their launch returns, so there it must wait for the device (device_sync in
+    wall_timer, or device_timer's events): without that a timing reads the launches alone,
+    and the previous candidate's queued work lands in the next one's time.
 
     Candidates are timed in turns, one run each per round, so that a change in the
     machine's load (a neighbour on a shared host) weighs on all of them alike; each gets
@@ -224,7 +222,7 @@ def pick(
     times: dict[int, list[float]] = {id(c): [] for c in passing}
     for candidate in passing:
         workload(candidate)  # first-call allocations and lazy initialisation
-    timed = timer or wall_timer(clock, sync)
+    timed = timer or wall_timer(time.perf_counter, lambda: None)
     for _ in range(REPEATS):
         for candidate in passing:
             times[id(candidate)].append(timed(functools.partial(workload, candidate)))
@@ -457,7 +455,7 @@ def choose_attention(
         lambda backend: check_attention(backend, case, expected, other_shapes),
         workload,
         preferred=attention_preference(candidates),
-        sync=device_sync(shapes.device),
+        timer=wall_timer(time.perf_counter, device_sync(shapes.device)),
     )
 
 
@@ -684,7 +682,8 @@ def choose_matmul(candidates: Sequence[str], shapes: Shapes) -> tuple[str, list[
     scores = dict.fromkeys(passing, 0.0)
     for rows in MATMUL_ROWS:
         workload = functools.partial(run, rows=rows)
-        found = pick(passing, str, lambda kind: None, workload, sync=device_sync(shapes.device))
+        timer = wall_timer(time.perf_counter, device_sync(shapes.device))
+        found = pick(passing, str, lambda kind: None, workload, timer=timer)
         timed = {t.name: t.ms or 0.0 for t in found[1]}
         fastest = max(min(timed.values()), 1e-3)
         for kind in passing:

@@ -112,7 +112,7 @@ def test_it_is_offered_on_cuda_only_beside_the_reference():
 def test_the_chooser_prefers_it_to_the_gathering_reference(monkeypatch):
     chosen_with = {}
 
-    def pick(candidates, name, check, workload, preferred, sync):
+    def pick(candidates, name, check, workload, preferred, timer):
         chosen_with["preferred"] = preferred
         return candidates[0], []
 

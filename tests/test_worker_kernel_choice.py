@@ -19,7 +19,7 @@ from gpu_worker.attention import (
     NativeRowsAttention,
     TorchAttention,
 )
-from gpu_worker.kernel_choice import NoCorrectKernel, Shapes, Trial, pick
+from gpu_worker.kernel_choice import NoCorrectKernel, Shapes, Trial, pick, wall_timer
 from gpu_worker.layer_ops import TorchLayerOps, silu_and_mul
 from gpu_worker.protocol import parse_kernel_pins
 from service.cli import build_parser
@@ -336,10 +336,12 @@ def test_pick_waits_for_the_device_around_each_timing():
         now[0] += queued[0]
         queued[0] = 0.0
 
-    chosen, trials = pick(list(costs), str, lambda c: None, launch, clock=lambda: now[0], sync=sync)
+    synced = wall_timer(lambda: now[0], sync)
+    chosen, trials = pick(list(costs), str, lambda c: None, launch, timer=synced)
     assert chosen == "fast"
     assert trials == [Trial("slow", 3000.0), Trial("fast", 1000.0)]
-    unsynced = pick(list(costs), str, lambda c: None, launch, clock=lambda: now[0])
+    unsynced_timer = wall_timer(lambda: now[0], lambda: None)
+    unsynced = pick(list(costs), str, lambda c: None, launch, timer=unsynced_timer)
     assert {t.ms for t in unsynced[1]} == {0.0}  # what a timing without the sync reads
 
 
@@ -361,7 +363,7 @@ def test_pick_takes_the_fastest_passing_candidate_and_preferred_ones_first():
             lambda c: "wrong" if c in failing else None,
             workload,
             preferred,
-            clock=lambda: now[0],
+            timer=wall_timer(lambda: now[0], lambda: None),
         )
 
     chosen, trials = run(lambda c: True)
