@@ -52,9 +52,9 @@ from gpu_worker.kv_cache import LayerKV
 from gpu_worker.kv_quant import quantize_rows
 from gpu_worker.layer_ops import LayerOps, write_kv
 from gpu_worker.linear import Linear
+from gpu_worker.mixed_graphs import CudaPieceCapturer, PieceCapturer
 from gpu_worker.model import attention_kinds
 from gpu_worker.model_config import ModelConfig, Rope
-from gpu_worker.piecewise import CudaPieceCapturer, PieceCapturer
 from gpu_worker.rope import rope_tables
 
 C = TypeVar("C")

@@ -13,13 +13,13 @@ from collections.abc import Iterator
 
 import torch
 
-from gpu_worker.attention import build_metadata
+from gpu_worker.attention import AttentionMetadata, build_metadata
 from gpu_worker.draft_model import Drafter, asks_draft_model
 from gpu_worker.faults import DeviceFault, is_device_fault
 from gpu_worker.graphs import DecodeRunner
 from gpu_worker.kv_cache import KVCache
+from gpu_worker.mixed_graphs import MixedGraphs
 from gpu_worker.model import Model
-from gpu_worker.piecewise import MixedGraphs
 from gpu_worker.protocol import POOL_LAST, Handshake, StepPlan, StepResult, TokenLogprobs
 from gpu_worker.sampler import Logits, Sampler, decode_bitmask, row_index, token_logprobs
 from gpu_worker.seq_table import PlanLimits, SeqTable
@@ -51,7 +51,7 @@ class ModelRunner:
         self.drafter = drafter  # speculative decoding with a draft model (its drafts)
         if drafter is not None:  # its cache is laid out as this one: the same tables
             drafter.runner.table = self.table
-        self.mixed = mixed  # mixed steps from graphs, piecewise (CUDA)
+        self.mixed = mixed  # mixed steps from graphs, whole or piecewise (CUDA)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -197,23 +197,22 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """The final hidden state of every row of a step (any mix of rows): eagerly, or from
         the mixed steps' graphs where they were captured."""
-        device, cache = self.model.device, self.cache
-        metas = [
-            build_metadata(
-                inputs,
-                group,
-                cache.like,
-                self.model.config.group_size,
-                self.model.kernels.attention,
-                kind,
-            )
-            for group, kind in enumerate(self.model.group_attention)
-        ]
+        device = self.model.device
         input_ids = torch.tensor(inputs.plan.input_ids, device=device)
         positions = inputs.positions.to(device, non_blocking=True)
         if self.mixed is not None:
-            return self.mixed.forward(input_ids, positions, inputs.slots, metas)
-        return self.model.forward(input_ids, positions, cache.layers, metas)
+            return self.mixed.forward(inputs, input_ids, positions, self.metadata)
+        return self.model.forward(input_ids, positions, self.cache.layers, self.metadata(inputs))
+
+    def metadata(self, inputs: StepInputs) -> list[AttentionMetadata]:
+        """The step's attention records, one per KV group."""
+        model, cache = self.model, self.cache
+        return [
+            build_metadata(
+                inputs, group, cache.like, model.config.group_size, model.kernels.attention, kind
+            )
+            for group, kind in enumerate(model.group_attention)
+        ]
 
     def _sampled_logits(
         self, inputs: StepInputs, hidden: torch.Tensor, verification: Verification | None = None

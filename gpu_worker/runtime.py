@@ -38,9 +38,9 @@ from gpu_worker.graphs import DecodeRunner, graph_capturer
 from gpu_worker.kernels import Kernels, quant_kernels
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.kv_groups import KVGroups
+from gpu_worker.mixed_graphs import MixedGraphs, piece_capturer, static_records
 from gpu_worker.model import Model
 from gpu_worker.model_config import ModelConfig
-from gpu_worker.piecewise import MixedGraphs, piece_capturer
 from gpu_worker.protocol import (
     QUANTIZATIONS,
     Handshake,
@@ -114,7 +114,7 @@ def start(config: WorkerConfig, group: Group | None = None) -> ModelRunner:
             reserved = _activation_reserve(model, config, place.block_size, place.cache_dtype)
     with clock.step("cache"):
         caches = _allocate_caches(config, place, model, draft, reserved, group)
-    decode_runner, mixed = _graph_runners(config, place, model, caches.cache)
+    decode_runner, mixed = _graph_runners(config, place, model, caches)
     # Before the handshake: a capture while serving would stall the steps around it.
     with clock.step("graphs"):
         graphs = decode_runner.capture_all()
@@ -205,9 +205,10 @@ def _allocate_caches(
 
 
 def _graph_runners(
-    config: WorkerConfig, place: _Placement, model: Model, cache: KVCache
+    config: WorkerConfig, place: _Placement, model: Model, caches: _Caches
 ) -> tuple[DecodeRunner, MixedGraphs]:
-    """The decode steps' runner and the mixed steps' pieces, their graphs not captured yet."""
+    """The decode steps' runner and the mixed steps' graphs, not captured yet."""
+    cache = caches.cache
     decode_runner = DecodeRunner(
         model,
         cache,
@@ -215,12 +216,13 @@ def _graph_runners(
         max_blocks_per_seq=place.max_blocks_per_seq,
         capturer=graph_capturer(model, cache, config.use_cuda_graphs),
     )
-    mixed = MixedGraphs(
-        model,
-        cache,
-        config.max_num_batched_tokens,
-        piece_capturer(model, config.use_cuda_graphs),
-    )
+    capturer = piece_capturer(model, config.use_cuda_graphs)
+    records = None
+    if capturer is not None:  # as wide as the worker's tables (SeqTable)
+        held_width = -(-caches.max_model_len // place.block_size)
+        tokens, seqs = config.max_num_batched_tokens, config.max_num_seqs
+        records = static_records(model, cache, tokens, seqs, held_width)
+    mixed = MixedGraphs(model, cache, config.max_num_batched_tokens, capturer, records)
     return decode_runner, mixed
 
 

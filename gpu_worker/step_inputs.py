@@ -145,7 +145,7 @@ def padded_rows(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The one padding rule: rows beyond the step's own are token 0 at position 0, and
     write their K/V to the scratch block (slots [G, T]): the mixed steps' pieces
-    (gpu_worker.piecewise) pad by it; decode graphs by the same rule, staged
+    (gpu_worker.mixed_graphs) pad by it; decode graphs by the same rule, staged
     (gpu_worker.staging)."""
     pad = rows - input_ids.shape[0]
     return (

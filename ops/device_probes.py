@@ -581,7 +581,8 @@ class StepTimer:
         )  # fmt: skip
         bucket = mixed_bucket(self.runner, tokens)
         row |= {"tokens": tokens, "bucket_tokens": bucket or "eager"}
-        if bucket is not None:  # its pieces' matmuls run over every padded row
+        if bucket is not None:  # its graphs' matmuls run over every padded row
+            row |= {"captured": "whole" if self.runner.mixed.whole else "pieces"}
             memory_s, compute_s = step_times(self.cost, self.machine, bucket, kv_tokens, pairs)
             bucket_ms = max(memory_s, compute_s) * 1000
             row |= {"bucket_roofline_ms": figures(bucket_ms)}
@@ -656,8 +657,8 @@ class StepTimer:
 
 
 def mixed_bucket(runner: ModelRunner, tokens: int) -> int | None:
-    """The token bucket whose captured pieces a mixed step of `tokens` replays
-    (gpu_worker.piecewise); None when it runs eagerly (no graphs: a CPU)."""
+    """The token bucket whose captured graphs a mixed step of `tokens` replays
+    (gpu_worker.mixed_graphs); None when it runs eagerly (no graphs: a CPU)."""
     assert runner.handshake is not None
     captured_buckets = runner.handshake.graphs.get("mixed", {}).get("buckets", [])
     bucket = smallest_fitting(tokens, runner.mixed.buckets) if runner.mixed else None

@@ -12,8 +12,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from gpu_worker.attention import (
     FULL,
@@ -27,6 +29,7 @@ from gpu_worker.attention import (
 from gpu_worker.kernel_choice import TOLERANCE
 from gpu_worker.kv_cache import LayerKV
 from gpu_worker.layer_ops import write_kv
+from gpu_worker.static_records import StaticRecords, StepRows
 from tests.triton_interpreter import interpreted_outputs
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
@@ -65,6 +68,9 @@ CASES = {
     "f32-group3-dim80-block48": StepCase(((100, 37),), "f32", 3, 80, 48),
 }
 ALONE = ("f32-group1-three-chunks", "f32-group4-block64-window")
+# Steps from static records, as a graph captured whole replays them (gpu_worker.static_records)
+CAPTURED = ("bf16-group4-dim128-block64-beside-decodes", "f32-group1-three-chunks")
+PADDING_TOKENS, WIDER_BY, MAX_SEQS = 16, 5, 8
 
 
 @dataclass(slots=True)
@@ -144,6 +150,47 @@ def run_alone(name: str, backend: AttentionBackend, kv: LayerKV) -> list[torch.T
     return outputs
 
 
+def run_captured(name: str, backend: AttentionBackend, kv: LayerKV) -> torch.Tensor:
+    """The step through static records, padded as a graph replays it: PADDING_TOKENS more
+    tokens than its own, chunk and decode slots to spare, tables wider than its rows' and
+    the tables' padding row (PAD_SLOT) naming the poisoned block."""
+    case, step = CASES[name], step_of(name)
+    tokens, bucket, poisoned = step.q.shape[0], step.q.shape[0] + PADDING_TOKENS, kv.k.shape[1] - 1
+    rows, width = step.tables.shape
+    held = torch.full((1, rows + 1, width + WIDER_BY), poisoned, dtype=torch.long)
+    held[0, 1:, :width] = step.tables  # the table rows after PAD_SLOT's
+    records = StaticRecords(
+        backend, [case.layer], width + WIDER_BY, bucket, MAX_SEQS, kv.k, case.group, poisoned
+    )
+    counts = np.array([count for _, count in case.rows])
+    starts = np.array([start for start, _ in case.rows])
+    records.write(
+        StepRows(counts, np.cumsum(counts) - counts, starts, np.arange(1, rows + 1)), bucket, held
+    )
+    (meta,) = records.metadata(bucket, torch.zeros((1, bucket), dtype=torch.long))
+    padded = [F.pad(t, (0, 0, 0, 0, 0, PADDING_TOKENS)) for t in (step.q, step.k, step.v)]
+    return paged_attention(*padded, kv, meta)[:tokens]
+
+
+def run_decodes_alone(name: str, backend: AttentionBackend, kv: LayerKV) -> torch.Tensor:
+    """The step's decode rows alone: a decode-only step."""
+    case, step = CASES[name], step_of(name)
+    counts = [count for _, count in case.rows]
+    decodes = [seq for seq, count in enumerate(counts) if count == 1]
+    rows = [sum(counts[:seq]) for seq in decodes]
+    meta = metadata_for(
+        [1] * len(decodes),
+        [case.rows[seq][0] for seq in decodes],
+        step.tables[decodes],
+        torch.zeros(len(decodes), dtype=torch.long),
+        kv.k,
+        case.group,
+        backend,
+        case.layer,
+    )
+    return paged_attention(step.q[rows], step.k[rows], step.v[rows], kv, meta)
+
+
 def one_token_chunk(kv: LayerKV, backend: AttentionBackend) -> torch.Tensor:
     """A chunk of one token after a prefix (the step builder would make it a decode row)."""
     step = step_of("bf16-group4-dim128-block64-beside-decodes")
@@ -164,6 +211,10 @@ def interpret(path: str) -> None:
     for name in ALONE:
         for index, out in enumerate(run_alone(name, backend, step_of(name).poisoned)):
             outputs[f"{name}/alone{index}"] = out
+    for name in CAPTURED:
+        outputs[f"{name}/captured"] = run_captured(name, backend, step_of(name).poisoned)
+    name = "bf16-group4-dim128-block64-beside-decodes"
+    outputs[f"{name}/decodes"] = run_decodes_alone(name, backend, step_of(name).poisoned)
     step = step_of("bf16-group4-dim128-block64-beside-decodes")
     outputs["one-token"] = one_token_chunk(step.poisoned, backend)
     torch.save(outputs, path)
@@ -194,6 +245,18 @@ def test_a_chunk_has_the_same_bits_alone_as_among_others(interpreted, name):
         alone = interpreted[f"{name}/alone{index}"]
         assert torch.equal(alone.flatten(1), step[row : row + count])
         row += count
+
+
+@pytest.mark.parametrize("name", CAPTURED)
+def test_a_step_from_static_records_has_the_eager_steps_bits(interpreted, name):
+    # padding tokens, empty chunk and decode slots and wider tables change no row's bits
+    assert torch.equal(interpreted[f"{name}/captured"], interpreted[name])
+
+
+def test_a_decode_row_has_the_same_bits_beside_chunks_as_without(interpreted):
+    name = "bf16-group4-dim128-block64-beside-decodes"  # decode rows 64 and 70
+    step, alone = interpreted[name], interpreted[f"{name}/decodes"]
+    assert torch.equal(step[[64, 70]], alone)
 
 
 def test_a_one_token_chunk_matches_the_reference(interpreted):

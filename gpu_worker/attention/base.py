@@ -73,6 +73,9 @@ class AttentionBackend:
     # its cost does not grow with the block tables' width, only with the contexts: decode
     # steps pad every table to the longest (gpu_worker.graphs)
     any_width: bool = False
+    # attends a whole mixed step from static records (`attend_captured`), so that a graph
+    # captures the step whole (gpu_worker.mixed_graphs)
+    captures_steps: bool = False
 
     def compiles(self, device: torch.device) -> bool:
         """Whether it compiles per shape on `device`: the worker warms it up then
@@ -123,11 +126,39 @@ class AttentionBackend:
         """q [B, heads, d] -> [B, heads, d]."""
         raise NotImplementedError
 
+    def chunk_slots(
+        self, cu_q: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, tables: torch.Tensor
+    ) -> Any:
+        """The record `attend_captured` reads for a step's chunks, over static buffers: the
+        cumulative counts of their queries, their first rows, positions and tables, with
+        slots past the step's chunks empty (no queries). Backends that capture steps."""
+        raise NotImplementedError
+
+    def attend_captured(
+        self, q: torch.Tensor, kv: LayerKV, step: CapturedStep, out: torch.Tensor
+    ) -> None:
+        """A whole mixed step from static records: q [T, heads, d] -> out [T + 1, heads, d],
+        whose last row takes the padding decode slots' output. Backends that capture steps."""
+        raise NotImplementedError
+
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, chunk: PrefillChunk
     ) -> torch.Tensor:
         """One sequence's chunk: q [n, heads, d], its own k/v [n, kv_heads, d] -> [n, heads, d]."""
         raise NotImplementedError
+
+
+@dataclass(slots=True)
+class CapturedStep:
+    """A mixed step's records where every tensor is a static buffer, refilled each step, so
+    that one CUDA graph captures the step whole (gpu_worker.mixed_graphs): a fixed count of
+    chunk slots and of decode slots, those past the step's own empty. A padding decode slot
+    attends the scratch block (context 1) from q's first row and lands in out's extra row."""
+
+    chunks: Any  # the backend's record of the chunk slots (chunk_slots)
+    decode: DecodeGroup  # the decode slots: rows are `gather`
+    gather: torch.Tensor  # [B] each decode slot's row in q
+    scatter: torch.Tensor  # [B] its row in out: the same, or T for a padding slot
 
 
 @dataclass(slots=True)
@@ -138,10 +169,11 @@ class AttentionMetadata:
     num_tokens: int
     backend: AttentionBackend
     prepared: Any = None  # the backend's record of all the chunks (prefill_step)
+    captured: CapturedStep | None = None  # the step's records as static buffers, instead
 
     @property
     def decode_only(self) -> bool:
-        return not self.prefills
+        return not self.prefills and self.captured is None
 
 
 def paged_attention(
@@ -152,6 +184,12 @@ def paged_attention(
     The new tokens' K/V must already be in their cache slots (layer_ops.rope_and_cache_).
     """
     num_tokens, backend, group = q.shape[0], meta.backend, meta.decode
+    if meta.captured is not None:
+        # zeros: a padding token's row is no chunk's or decode row's, and its output goes on
+        # to write the scratch block's K/V, which padding decode slots read
+        out = q.new_zeros((num_tokens + 1, *q.shape[1:]))
+        backend.attend_captured(q, kv, meta.captured, out)
+        return out[:num_tokens].view(num_tokens, -1)
     if group is not None and meta.decode_only:
         return backend.decode(q, kv, group).reshape(num_tokens, -1)
     out = q.new_empty(q.shape)

@@ -82,6 +82,7 @@ import triton.language as tl
 from gpu_worker.attention.base import (
     AttentionBackend,
     AttentionMetadata,
+    CapturedStep,
     DecodeGroup,
     PrefillChunk,
 )
@@ -110,6 +111,7 @@ class TritonAttention(AttentionBackend):
     # Its grid and partial results are sized by the tables' width (a row's own context
     # alone sets what it reads): graphs are captured per width bucket (gpu_worker.graphs).
     any_width = False
+    captures_steps = True
 
     def compiles(self, device: torch.device) -> bool:
         """On CUDA: each kernel variant (one segment or more, window, soft-capping, GQA
@@ -156,6 +158,23 @@ class TritonAttention(AttentionBackend):
     def decode(self, q: torch.Tensor, kv: LayerKV, group: DecodeGroup) -> torch.Tensor:
         _refuse_codes(kv)
         return paged_decode(q, kv.k, kv.v, group)
+
+    def chunk_slots(
+        self, cu_q: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, tables: torch.Tensor
+    ) -> Chunks:
+        return Chunks(cu_q, rows, starts, tables)
+
+    def attend_captured(
+        self, q: torch.Tensor, kv: LayerKV, step: CapturedStep, out: torch.Tensor
+    ) -> None:
+        """The chunk slots in one launch (an empty slot's programs return at once), the
+        decode slots in the decode kernel's, as a step's own rows are attended eagerly:
+        the same kernels, so the same bits."""
+        _refuse_codes(kv)
+        tokens, layer = q.shape[0], step.decode.layer
+        paged_prefill(q, kv.k, kv.v, step.chunks, layer, out[:tokens])
+        decoded = paged_decode(q.index_select(0, step.gather), kv.k, kv.v, step.decode)
+        out.index_copy_(0, step.scatter, decoded)
 
 
 def _refuse_codes(kv: LayerKV) -> None:

@@ -1,15 +1,20 @@
-"""Mixed steps from graphs, piecewise (gpu_worker.piecewise), with a fake capturer that
-replays each piece eagerly: the static buffers, the padding to a token bucket and the
-eager attention between pieces must give the model's own forward pass, bit for bit, and
-leave the same K/V for later steps."""
+"""Mixed steps from graphs (gpu_worker.mixed_graphs), with a fake capturer that replays each
+captured function eagerly: the static buffers, the padding to a token bucket, and either
+the eager attention between pieces or (whole steps, through TritonAttention run by Triton's
+interpreter) the step's records refilled each step, must give the model's own forward
+pass, bit for bit, and leave the same K/V for later steps."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from gpu_worker.buckets import smallest_fitting
-from gpu_worker.piecewise import MixedGraphs, token_buckets
+from gpu_worker.mixed_graphs import MixedGraphs, static_records, token_buckets
+from gpu_worker.runner import ModelRunner
+from tests.triton_interpreter import run_interpreted
 from tests.worker_fixtures import (
     Chunk,
     blocks_for,
@@ -95,3 +100,39 @@ def test_piecewise_mixed_steps_equal_the_eager_forward_bit_for_bit(tiny_llama_di
     # Every bucket served a step (the first pieces of 64, 32 and 16 replayed).
     layers = graphed.model.config.num_hidden_layers + 1
     assert [fake.captured[i * layers].replays for i in range(3)] == [1, 1, 1]
+
+
+def triton_runner(model_dir) -> ModelRunner:
+    """A CPU runner whose attention is TritonAttention (offered on CUDA alone)."""
+    from gpu_worker.attention.triton_backend import TritonAttention
+
+    runner = make_runner(model_dir, max_num_batched_tokens=64)
+    runner.model.kernels = dataclasses.replace(runner.model.kernels, attention=TritonAttention())
+    return runner
+
+
+def interpret(model_dir: str, path: str) -> None:
+    """In the subprocess, under Triton's interpreter: each step's logits from an eager runner
+    and from one whose mixed steps are captured whole, and the capture's bookkeeping."""
+    eager, graphed = triton_runner(model_dir), triton_runner(model_dir)
+    model, cache = graphed.model, graphed.cache
+    records = static_records(model, cache, 64, 16, graphed.table.tables.shape[2])
+    fake = FakeCapturer()
+    graphed.mixed = MixedGraphs(model, cache, 64, fake, records)
+    report = graphed.mixed.capture_all()
+    pairs = [
+        (eager.step_logits(make_plan(seqs)), graphed.step_logits(make_plan(seqs)))
+        for seqs in steps()
+    ]
+    replays = [replay.replays for replay in fake.captured]
+    torch.save({"report": report, "pairs": pairs, "replays": replays}, path)
+
+
+def test_whole_mixed_steps_equal_the_eager_forward_bit_for_bit(tiny_llama_dir, tmp_path):
+    run_interpreted(__name__, str(tiny_llama_dir), str(tmp_path / "out.pt"))
+    out = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert out["report"]["buckets"] == [16, 32, 64] and out["report"]["whole"]
+    for want, got in out["pairs"]:
+        assert torch.equal(got, want)
+    # One graph a bucket, captured largest first; each served a step (64, 32, 16).
+    assert out["replays"] == [1, 1, 1]

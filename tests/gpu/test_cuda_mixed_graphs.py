@@ -1,5 +1,6 @@
-"""Mixed steps from CUDA graphs, piecewise (gpu_worker.piecewise): prompts prefilled in
-chunks beside decoding rows give the greedy tokens and logits the eager worker gives."""
+"""Mixed steps from CUDA graphs (gpu_worker.mixed_graphs), whole where the attention backend
+attends from static records (TritonAttention), else piecewise: prompts prefilled in chunks
+beside decoding rows give the greedy tokens and logits the eager worker gives."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ from tests.worker_fixtures import Chunk, blocks_for, make_plan, make_runner, ran
 pytestmark = pytest.mark.cuda
 
 
-def test_piecewise_mixed_steps_match_the_eager_ones(tiny_llama_dir):
+def test_mixed_steps_from_graphs_match_the_eager_ones(tiny_llama_dir):
     graphed = make_runner(tiny_llama_dir, device="cuda", use_cuda_graphs=True)
     eager = make_runner(tiny_llama_dir, device="cuda", use_cuda_graphs=False)
     assert graphed.handshake.graphs["mixed"]["buckets"]
     assert not graphed.handshake.graphs["mixed"]["failed"]
+    whole = graphed.model.kernels.attention.captures_steps
+    assert graphed.handshake.graphs["mixed"]["whole"] == whole
     first, second = random_prompt(40, seed=1), random_prompt(25, seed=2)
     plans = [
         [Chunk(0, first[:30], 0, blocks_for(0, 41))],
