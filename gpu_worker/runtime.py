@@ -165,7 +165,27 @@ def _place(config: WorkerConfig, group: Group | None) -> _Placement:
         device = group.place(device)
     block_size = block_size_for(config.block_size, device.type)
     cache_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, dtype)
+    if device.type == "cuda":
+        _refuse_on_cuda(config, cache_dtype in kv_cache.KV_CACHE_DTYPES.values())
     return _Placement(model_config, device, dtype, block_size, cache_dtype)
+
+
+def _refuse_on_cuda(config: WorkerConfig, eight_bit_cache: bool) -> None:
+    """What cadence's CUDA kernels do not serve yet: PyTorch's reference would, several
+    times slower than the model's own dtype, so the worker refuses rather than serve it
+    slowly unasked (issue 52)."""
+    if eight_bit_cache:
+        raise ValueError(
+            f"kv_cache_dtype {config.kv_cache_dtype} is not served on CUDA yet: cadence's "
+            "CUDA attention and cache-write kernels read and write the model's dtype only; "
+            "use --kv-cache-dtype auto"
+        )
+    for name in ("quantization", "draft_quantization"):
+        if getattr(config, name) != "none":
+            raise ValueError(
+                f"{name} {getattr(config, name)} is not served on CUDA yet: its matmul "
+                "kernels are the CPU's; serve the weights in --dtype (quantization none)"
+            )
 
 
 def _allocate_caches(

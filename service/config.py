@@ -102,14 +102,14 @@ class Config:
     kv_cache_dtype: str = flag(
         _WORKER.kv_cache_dtype,
         "auto: the model's dtype; int8 or fp8 (e4m3): 8-bit K/V with a scale per token and "
-        "head, 1.9x the blocks in the same memory (README: when to use it; on CUDA the "
-        "attention then runs PyTorch's slow reference)",
+        "head, 1.9x the blocks in the same memory (README: when to use it; CPU only: "
+        "refused on CUDA until its kernels read 8-bit codes)",
         choices=("auto", "bfloat16", "float32", "int8", "fp8"),
     )
     quantization: str = flag(
         _WORKER.quantization,
         "the matmuls' weights: none (--dtype), int8 or int4 (quantized at load, groups of "
-        "32), gguf (a .gguf model's own quantized weights)",
+        "32), gguf (a .gguf model's own quantized weights); CPU only: refused on CUDA",
         choices=QUANTIZATIONS,
     )
     block_size: int | None = flag(

@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from gpu_worker import kernel_choice, kv_cache, linear, memory, runtime
 from gpu_worker.checkpoint import CheckpointError, load_weights
@@ -395,3 +396,24 @@ def test_the_checked_call_sizes_are_recorded_per_machine_and_recalled(
     assert kernel_choice.recall(cache, runtime.ROW_SIZES_SECTION) == {}
     with pytest.raises(AssertionError, match="probed although"):
         make_runner(tiny_llama_dir, kernel_cache=str(cache))
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        ({"kv_cache_dtype": "int8"}, "kv_cache_dtype int8 is not served on CUDA"),
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype fp8 is not served on CUDA"),
+        ({"quantization": "int4"}, "quantization int4 is not served on CUDA"),
+    ],
+)
+def test_what_the_cuda_kernels_do_not_serve_is_refused_there(
+    tiny_llama_dir, monkeypatch, setting, named
+):
+    # on CUDA (the device as resolved: this machine has none), before anything is loaded
+    monkeypatch.setattr(runtime, "resolve_device", lambda name: torch.device("cuda"))
+    config = WorkerConfig(model_dir=str(tiny_llama_dir), device="cuda", **setting)
+    with pytest.raises(ValueError, match=named):
+        runtime._place(config, None)
+    on_cpu = WorkerConfig(model_dir=str(tiny_llama_dir), **setting)
+    monkeypatch.setattr(runtime, "resolve_device", lambda name: torch.device("cpu"))
+    assert runtime._place(on_cpu, None).device.type == "cpu"
