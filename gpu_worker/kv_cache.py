@@ -127,9 +127,10 @@ def budget_bytes(kv_memory: float, free_bytes: int, reserved_bytes: int = 0) -> 
 def activation_reserve(mixed_peak: int, decode_peak: int, graphs: bool) -> int:
     """Bytes to keep free beside the KV cache: the peak of the largest mixed step, and of
     the largest decode step. Captured graphs keep their memory in their own pool, which
-    eager steps cannot use: the decode steps' and the mixed steps' pieces
-    (gpu_worker.mixed_graphs), beside a mixed step's eager attention, so with graphs the
-    mixed peak counts twice, and the three add up."""
+    eager steps cannot use: the decode steps' and the mixed steps' (gpu_worker.mixed_graphs:
+    whole, or pieces beside a mixed step's eager attention), beside the eager steps of a
+    bucket that failed to capture, so with graphs the mixed peak counts twice, and the
+    three add up."""
     return 2 * mixed_peak + decode_peak if graphs else max(mixed_peak, decode_peak)
 
 

@@ -134,9 +134,10 @@ class Model:
         """[T] token ids at [T] positions -> final-normed hidden states [T, hidden].
 
         `metas` holds a step's attention records for each KV group (`group_attention`).
-        Writes the tokens' K/V into their cache slots on the way. The pieces between the
-        attentions (`embedded`, `before_attention`, `after_attention`) are what a mixed step's
-        graphs capture (gpu_worker.mixed_graphs).
+        Writes the tokens' K/V into their cache slots on the way. A mixed step's graph
+        captures this whole, or the pieces between the attentions (`embedded`,
+        `before_attention`, `after_attention`) where the attention runs eagerly
+        (gpu_worker.mixed_graphs).
         """
         x, h = self.embedded(input_ids)
         for index, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):

@@ -12,7 +12,7 @@ The host facts are built with numpy. The tables never leave the device: a step's
 tables and its tokens' slots are gathered there from one packed copy, at their first use,
 so a decode-only step that a graph replays, which stages its own integers
 (gpu_worker.staging), never builds them. One padding rule holds for decode graphs and the
-mixed steps' pieces alike: padding rows are token 0 at position 0 and write and read only
+mixed steps' graphs alike: padding rows are token 0 at position 0 and write and read only
 the scratch block, with context length 1.
 """
 
@@ -144,7 +144,7 @@ def padded_rows(
     scratch: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The one padding rule: rows beyond the step's own are token 0 at position 0, and
-    write their K/V to the scratch block (slots [G, T]): the mixed steps' pieces
+    write their K/V to the scratch block (slots [G, T]): the mixed steps' graphs
     (gpu_worker.mixed_graphs) pad by it; decode graphs by the same rule, staged
     (gpu_worker.staging)."""
     pad = rows - input_ids.shape[0]

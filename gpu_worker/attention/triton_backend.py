@@ -1,7 +1,10 @@
 """TritonAttention: cadence's own paged attention kernels, written in Triton, offered on
 CUDA beside FlexAttention: the decode kernel here, and the prompt chunks' kernel in
 triton_varlen, which attends all of a step's chunks in one launch per layer
-(`prefill_step`, `prefill_all`). Their shared tiles are triton_tiles'.
+(`prefill_step`, `prefill_all`). Their shared tiles are triton_tiles'. Both read nothing
+on the host, so a mixed step is attended from static records as well
+(`attend_captured`, gpu_worker.static_records) and captured whole, one graph per token
+bucket (gpu_worker.mixed_graphs).
 
 A decode step is one query per row, so its cost is reading each row's K/V; the kernel reads
 them in place through the block tables, each byte once. One program takes a (row, key/value
