@@ -13,6 +13,7 @@ import torch
 
 from gpu_worker.buckets import smallest_fitting
 from gpu_worker.mixed_graphs import MixedGraphs, static_records, token_buckets
+from gpu_worker.protocol import StepPlan
 from gpu_worker.runner import ModelRunner
 from tests.triton_interpreter import run_interpreted
 from tests.worker_fixtures import (
@@ -120,18 +121,22 @@ def interpret(model_dir: str, path: str) -> None:
     fake = FakeCapturer()
     graphed.mixed = MixedGraphs(model, cache, 64, fake, records)
     report = graphed.mixed.capture_all()
-    pairs = [
-        (eager.step_logits(make_plan(seqs)), graphed.step_logits(make_plan(seqs)))
-        for seqs in steps()
-    ]
+    groups = graphed.limits.num_groups
+
+    def plan(seqs: list[Chunk]) -> StepPlan:
+        return make_plan(seqs, num_groups=groups)
+
+    pairs = [(eager.step_logits(plan(seqs)), graphed.step_logits(plan(seqs))) for seqs in steps()]
     replays = [replay.replays for replay in fake.captured]
-    torch.save({"report": report, "pairs": pairs, "replays": replays}, path)
+    torch.save({"report": report, "pairs": pairs, "replays": replays, "groups": groups}, path)
 
 
-def test_whole_mixed_steps_equal_the_eager_forward_bit_for_bit(tiny_llama_dir, tmp_path):
-    run_interpreted(__name__, str(tiny_llama_dir), str(tmp_path / "out.pt"))
+def test_whole_mixed_steps_equal_the_eager_forward_bit_for_bit(tiny_models, tmp_path):
+    # Gemma 3: sliding and full layers in KV groups of their own, each with its records
+    run_interpreted(__name__, str(tiny_models("gemma3")), str(tmp_path / "out.pt"))
     out = torch.load(tmp_path / "out.pt", weights_only=False)
     assert out["report"]["buckets"] == [16, 32, 64] and out["report"]["whole"]
+    assert out["groups"] > 1
     for want, got in out["pairs"]:
         assert torch.equal(got, want)
     # One graph a bucket, captured largest first; each served a step (64, 32, 16).
