@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,6 +44,9 @@ from ops.worker_steps import (
     prefill,
     tokens_of,
 )
+
+if TYPE_CHECKING:
+    from ops.device_serve import Server
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,8 +176,8 @@ def _quiet_transformers() -> None:
 
 @dataclass(slots=True)
 class Context:
-    """What every section is given: the run's settings, and the runners started in its
-    process (kept for the sections after it)."""
+    """What every section is given: the run's settings, and the runners and the service
+    started in its process (kept for the sections after it)."""
 
     out: Path
     work: Path
@@ -185,6 +188,8 @@ class Context:
     wheels: Path | None
     runners: dict[tuple, ModelRunner] = field(default_factory=dict)
     worker_starts: int = 0  # in this process
+    server: Server | None = None  # ops.device_serve's, kept for the sections after it
+    last_in_process: bool = True  # of the running section: it stops the service it keeps
 
     @classmethod
     def of(cls, args: Any) -> Context:
