@@ -12,7 +12,7 @@ torch, triton and transformers), the one command, within the device tool's 10 mi
     tar czf $OUT/check-logs.tar.gz -C /tmp/check logs sections; exit $rc
 
 `wheels/` is a folder of the service's wheels carried beside the tree (README: Device
-check; without `--wheels` only `serve_http` is skipped). $OUT then holds report.md (the
+check; without `--wheels` only the service's sections are skipped). $OUT then holds report.md (the
 tables), report.json (the same, whole) and check-logs.tar.gz (each process's output and
 each section's result JSON): three files, within what the device tool brings back. The run
 keeps to a deadline of 8 minutes (`--deadline-s`), so the copies run whatever it finds.
@@ -20,7 +20,8 @@ keeps to a deadline of 8 minutes (`--deadline-s`), so the copies run whatever it
 Sections run in processes of their own (`--sections NAME ...`, this same script), so that
 a failure, a hang or a crashed CUDA context in one never hides the others. The agreement
 sections (AGREEMENT) share one process and its check-model workers, each still recorded
-as a section of its own: a worker started is reused by the sections after it. A section's
+as a section of its own: a worker started is reused by the sections after it; so do the
+service's (SERVICE) with one server. A section's
 clock starts when the one before it in its process wrote its result (the first one's when
 its process started, imports included), and it is killed at its timeout, about 1.5 times
 the seconds it took on the H200; the sections after it in that process start again in a
@@ -39,9 +40,11 @@ last report.
 The sections (ops.device_sections: agreement; ops.device_probes: probes and decode
 timings) build random-weight Llama and Qwen2 models with transformers (no downloads) in the
 work folder, and import gpu_worker, torch, transformers and numpy only: a GPU host may lack
-the service's dependencies. `serve_http` (ops.device_serve) starts the real service,
-installing them first from a folder of wheels when given `--wheels` (`--requirements`
-prints what that folder must hold, ops.device_wheels). `--device cpu --quick` runs tiny
+the service's dependencies. `serve_http` (ops.device_serve) starts the real service with
+the timing model, installing them first from a folder of wheels when given `--wheels`
+(`--requirements` prints what that folder must hold, ops.device_wheels); `interference`
+and `capacity` (ops.device_promise) put cadence's headline scenario and a capacity sweep
+on that same server. `--device cpu --quick` runs tiny
 models and a few rows on a CPU, through the same code as on a GPU wherever a CPU can run
 it: the test suite runs it, so that the script is known to run unchanged on a GPU host.
 

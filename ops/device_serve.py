@@ -26,6 +26,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,14 +81,14 @@ def prepare(ctx: Context) -> dict[str, Any]:
     if ctx.server is not None:
         return {}
     missing = missing_modules()
-    if missing and ctx.wheels is None:
+    if not missing:
+        return {}
+    if ctx.wheels is None:
         return {
             "skipped": "service dependencies missing: " + ", ".join(missing),
             "hint": "give --wheels DIR (README: Device check)",
             "ok": True,
         }
-    if not missing:
-        return {}
     say(f"installing {', '.join(missing)} from {ctx.wheels}")
     found = {"install_s": install(ctx.wheels)}
     if still := missing_modules():
@@ -120,17 +121,28 @@ def finish(ctx: Context, found: dict[str, Any]) -> dict[str, Any]:
     return found
 
 
-def serve_http(ctx: Context) -> dict[str, Any]:
+def on_service(ctx: Context, measure: Callable[[Server], dict[str, Any]]) -> dict[str, Any]:
+    """A section on the service: its dependencies made ready (or the section skipped
+    without them), the service kept or started, `measure` run against it (its result,
+    "ok" included), and the service stopped if this section is its process's last."""
     found = prepare(ctx)
     if "skipped" in found:
         return found
     server, started = service(ctx)
     try:
-        found |= started | server.chat()
+        found |= started | measure(server)
     finally:
         finish(ctx, found)
-    found["ok"] = found["status"] == 200 and found["completion_tokens"] > 0
     return found
+
+
+def serve_http(ctx: Context) -> dict[str, Any]:
+    return on_service(ctx, _chat)
+
+
+def _chat(server: Server) -> dict[str, Any]:
+    found = server.chat()
+    return found | {"ok": found["status"] == 200 and found["completion_tokens"] > 0}
 
 
 def with_tokenizer(model_dir: Path, vocab: int) -> Path:
