@@ -1,6 +1,7 @@
 """The load the device check's promise sections (ops.device_promise) put on the service it
-keeps: the interference scenario's streams and long prompts under each policy, and the
-capacity sweep; each summed up as the rows of the report's tables.
+keeps: how large it is (on the H200, and with --quick on a CPU), the interference
+scenario's streams and long prompts under each policy, and the capacity sweep; each summed
+up as the rows of the report's tables.
 
 It drives the server with `cadence bench`'s own pieces (ops.client's timed streaming
 requests, ops.scenarios' workloads, ops.summary's windows, ops.capacity's sweep), with one
@@ -20,6 +21,7 @@ import itertools
 import random
 import statistics
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -44,9 +46,79 @@ from ops.prompts import PromptMaker, load_codec
 from ops.summary import distribution, gaps, interference_windows
 
 if TYPE_CHECKING:
-    from ops.device_promise import CapacityLoad, InterferenceLoad
     from ops.device_serve import Server
 
+
+@dataclass(frozen=True, slots=True)
+class InterferenceLoad:
+    streams: int
+    stream_prompt: int
+    stream_tokens: int  # each stream's max_tokens: more than it decodes before it is cut
+    prompts: tuple[int, ...]  # the long prompts' tokens, in their order of arrival
+    prompt_tokens: int  # each long prompt's output tokens
+    settle_s: float  # decoding alone before the first prompt, between prompts and after
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityLoad:
+    rates: tuple[float, ...]  # requests/s
+    duration_s: float  # of arrivals, at each rate
+    prompt_median: int
+    prompt_clip: tuple[int, int]
+    output_median: int
+    output_clip: tuple[int, int]
+    doc_share: float
+    doc_len: tuple[int, int]
+    ttft_ms: float
+    itl_p99_ms: float
+    attainment: float  # the share of requests that must meet both targets
+
+
+# On the H200: the issue's scenario at the 1B model's context (32,768 tokens), and a mixed
+# load around what one such GPU serves, each within about 15 s of load.
+FULL_INTERFERENCE = InterferenceLoad(
+    streams=16,
+    stream_prompt=64,
+    stream_tokens=4096,
+    prompts=(8192, 32000),
+    prompt_tokens=4,
+    settle_s=0.5,
+)
+FULL_CAPACITY = CapacityLoad(
+    rates=(5.0, 15.0, 30.0),
+    duration_s=3.0,
+    prompt_median=256,
+    prompt_clip=(16, 2048),
+    output_median=64,
+    output_clip=(8, 256),
+    doc_share=0.1,
+    doc_len=(2000, 4000),
+    ttft_ms=500.0,
+    itl_p99_ms=50.0,
+    attainment=0.9,
+)
+# On a CPU, the tiny model's 1,024-token context: the same code, a few seconds of load.
+QUICK_INTERFERENCE = InterferenceLoad(
+    streams=4,
+    stream_prompt=16,
+    stream_tokens=960,
+    prompts=(256, 1000),
+    prompt_tokens=4,
+    settle_s=0.3,
+)
+QUICK_CAPACITY = CapacityLoad(
+    rates=(2.0, 4.0, 8.0),
+    duration_s=1.5,
+    prompt_median=32,
+    prompt_clip=(8, 256),
+    output_median=16,
+    output_clip=(4, 48),
+    doc_share=0.1,
+    doc_len=(300, 600),
+    ttft_ms=2000.0,
+    itl_p99_ms=500.0,
+    attainment=0.9,
+)
 POLICIES = ("fcfs", "stall_free")  # the baseline first: a first run's costs fall on it
 REQUEST_TIMEOUT_S = 120.0
 STREAMING_TIMEOUT_S = 60.0  # until every stream has its first token

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -44,9 +44,6 @@ from ops.worker_steps import (
     prefill,
     tokens_of,
 )
-
-if TYPE_CHECKING:
-    from ops.device_serve import Server
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +185,7 @@ class Context:
     wheels: Path | None
     runners: dict[tuple, ModelRunner] = field(default_factory=dict)
     worker_starts: int = 0  # in this process
-    server: Server | None = None  # ops.device_serve's, kept for the sections after it
+    server: Any = None  # an ops.device_serve.Server (which imports this), kept for the next
     last_in_process: bool = True  # of the running section: it stops the service it keeps
 
     @classmethod

@@ -20,8 +20,8 @@ import pytest
 from gpu_worker.model_config import ModelConfig
 from ops import (
     device_check,
+    device_load,
     device_probes,
-    device_promise,
     device_report,
     device_sections,
     device_wheels,
@@ -143,15 +143,15 @@ def test_the_service_answers_then_keeps_its_promise_under_load(tmp_path):
     served = sections["serve_http"]["result"]
     assert (served["status"], served["completion_tokens"]) == (200, 8)
     assert served["healthy_s"] > 0 and "exit_code" not in served  # kept for the others
-    check_interference(sections["interference"]["result"], device_promise.QUICK_INTERFERENCE)
-    check_capacity(sections["capacity"]["result"], device_promise.QUICK_CAPACITY)
+    check_interference(sections["interference"]["result"], device_load.QUICK_INTERFERENCE)
+    check_capacity(sections["capacity"]["result"], device_load.QUICK_CAPACITY)
     assert sections["capacity"]["result"]["exit_code"] == 0  # stopped gracefully
     table = (tmp_path / "out" / "report.md").read_text()
     assert "| policy | worst_gap_ms | itl_p99_ms | itl_p50_ms | decode_step_ms |" in table
     assert "| rate_req_per_s | requests | failed | attainment |" in table
 
 
-def check_interference(found: dict, load: device_promise.InterferenceLoad) -> None:
+def check_interference(found: dict, load: device_load.InterferenceLoad) -> None:
     """Both policies ran on the server (each has worker steps in the server's log under its
     name), every prompt was answered while every stream decoded, and the gaps add up."""
     assert [row["policy"] for row in found["policies"]] == ["fcfs", "stall_free"]
@@ -172,7 +172,7 @@ def check_interference(found: dict, load: device_promise.InterferenceLoad) -> No
     assert found["meets_bar"] == (longest["gap_max_over_step"] <= 2)
 
 
-def check_capacity(found: dict, load: device_promise.CapacityLoad) -> None:
+def check_capacity(found: dict, load: device_load.CapacityLoad) -> None:
     rates = found["rates"]
     assert [row["rate_req_per_s"] for row in rates] == list(load.rates)
     for row in rates:
