@@ -119,7 +119,7 @@ QUICK_CAPACITY = CapacityLoad(
     itl_p99_ms=500.0,
     attainment=0.9,
 )
-POLICIES = ("fcfs", "stall_free")  # the baseline first: a first run's costs fall on it
+POLICIES = ("fcfs", "stall_free")  # stall_free last: the server is left as it started
 REQUEST_TIMEOUT_S = 120.0
 STREAMING_TIMEOUT_S = 60.0  # until every stream has its first token
 
