@@ -136,7 +136,7 @@ SECTIONS = (
         "mixed_vs_alone", 23, "a sequence decoded beside others against alone", group=AGREEMENT
     ),
     Section("graphs_on_vs_off", 24, "greedy tokens with CUDA graphs and without", group=AGREEMENT),
-    Section("long_prompt", 21, "a long prompt in chunks beside decoders", group=AGREEMENT),
+    Section("long_prompt", 22, "a long prompt in chunks beside decoders", group=AGREEMENT),
     Section("sampler_with_seeds", 20, "seeded sampling across rows and runs", group=AGREEMENT),
     Section(
         "serve_http",
