@@ -10,7 +10,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from service.engine.stats import IterationStats, RequestStats
+from service.engine.stats import IterationStats, RequestEvent, RequestStats
 from service.logging import log_lines_dropped
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -235,6 +235,9 @@ class Metrics:
 
     def on_request_refused(self, reason: str) -> None:
         self.refused.labels(reason=reason).inc()
+
+    def on_request_event(self, event: RequestEvent) -> None:
+        """The story's milestones are counted where they have their own hooks."""
 
     def on_policy_swap(self, old: str, new: str, iteration: int) -> None:
         self.policy_swaps.inc()

@@ -13,8 +13,8 @@ import structlog
 
 from gpu_worker.protocol import Handshake, StepResult
 from service.engine.request import Request
-from service.engine.stats import IterationStats, Observer, RequestStats
-from service.engine.step import ScheduleOutput, SchedulerStats
+from service.engine.stats import IterationStats, Observer, RequestEvent, RequestStats
+from service.engine.step import Scheduled, ScheduleOutput, SchedulerStats
 
 log = structlog.get_logger()
 
@@ -23,6 +23,7 @@ class Reporter:
     def __init__(self, log_iterations: int) -> None:
         self.log_iterations = log_iterations  # every Nth iteration is logged; 0: none
         self.observers: list[Observer] = []
+        self._preempted: set[str] = set()  # request ids preempted and not yet resumed
 
     def worker_started(self, handshake: Handshake, overlap_seqs: int | None) -> None:
         """`overlap_seqs`: the most sequences a step overlaps with (None: any)."""
@@ -43,14 +44,17 @@ class Reporter:
             log.warning("worker.device_warning", warning=handshake.device_warning)
 
     def received(self, request: Request) -> None:
-        log.info(
-            "request.received",
-            request_id=request.request_id,
-            tenant=request.tenant,
-            priority=request.priority,
-            prompt_tokens=request.prompt_len,
-            max_tokens=request.params.max_tokens,
-        )
+        sampling = request.params.sampling
+        fields = {
+            "tenant": request.tenant,
+            "priority": request.priority,
+            "prompt_tokens": request.prompt_len,
+            "max_tokens": request.params.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            **(request.trace_headers or {}),  # the caller's trace, so a log line finds it
+        }
+        self._event(request, "received", request.received, fields)
         for observer in self.observers:
             observer.on_request_received(request.request_id, request.tenant, request.prompt_len)
 
@@ -61,17 +65,34 @@ class Reporter:
             observer.on_request_refused(reason)
 
     def scheduled(self, out: ScheduleOutput, now: float) -> None:
-        """The requests a step starts for the first time, and those it preempted."""
+        """A step's milestones: the requests it starts for the first time, those it takes
+        back after a preemption, each prefill chunk, and the requests it preempted."""
         for request in out.started:
-            since_received("request.admitted", request, now, "queue_ms")
+            queue_ms = (now - request.received) * 1000
+            fields = {"policy": out.policy, "queue_ms": queue_ms, "iteration": out.iteration}
+            self._event(request, "admitted", now, fields)
+        for item in out.scheduled:
+            self._row_events(item, out, now)
         for request in out.preempted:
-            log.info(
-                "request.preempted",
-                request_id=request.request_id,
-                num_generated=request.num_generated,
-            )
+            self._preempted.add(request.request_id)
+            fields = {"num_generated": request.num_generated, "iteration": out.iteration}
+            self._event(request, "preempted", now, fields)
             for observer in self.observers:
                 observer.on_preemption(request.request_id)
+
+    def _row_events(self, item: Scheduled, out: ScheduleOutput, now: float) -> None:
+        request = item.request
+        if request.request_id in self._preempted:
+            self._preempted.discard(request.request_id)
+            fields = {"policy": out.policy, "iteration": out.iteration}
+            self._event(request, "resumed", now, fields)
+        if is_prefill_chunk(item):
+            fields = {"tokens": item.num_tokens, "start": item.start, "iteration": out.iteration}
+            self._event(request, "prefill_chunk", now, fields)
+
+    def first_token(self, request: Request, now: float) -> None:
+        ttft_ms = (now - request.received) * 1000
+        self._event(request, "first_token", now, {"ttft_ms": ttft_ms})
 
     def iteration(
         self, out: ScheduleOutput, result: StepResult, stats: SchedulerStats, service_s: float
@@ -104,10 +125,18 @@ class Reporter:
             observer.on_iteration(record)
 
     def finished(self, request: Request, policy: str, iteration: int) -> None:
+        self._preempted.discard(request.request_id)
         stats = RequestStats.of(request, policy, iteration)
         log.info("request.finished", **stats.log_fields())
         for observer in self.observers:
             observer.on_request_finished(stats)
+
+    def _event(self, request: Request, name: str, at: float, fields: dict[str, object]) -> None:
+        """A milestone of `request`: its log line, and the same record to every observer."""
+        log.info(f"request.{name}", request_id=request.request_id, **fields)
+        event = RequestEvent(request.request_id, name, at, fields)
+        for observer in self.observers:
+            observer.on_request_event(event)
 
     def policy_swap(self, old: dict, new: dict, iteration: int, by: str) -> None:
         log.info(
@@ -125,6 +154,9 @@ class Reporter:
 _ITERATION_FIELDS = dataclasses.fields(IterationStats)
 
 
-def since_received(event: str, request: Request, now: float, key: str) -> None:
-    """A request's milestone, logged with the milliseconds since it arrived."""
-    log.info(event, request_id=request.request_id, **{key: (now - request.received) * 1000})
+def is_prefill_chunk(item: Scheduled) -> bool:
+    """A row that computes tokens before the request's next sample: a chunk of its prompt,
+    or of its prompt and output again after a preemption. A decode row computes only the
+    last token (drafts after it are verified, not prefilled)."""
+    request = item.request
+    return item.start + 1 < request.num_tokens or request.num_generated == 0

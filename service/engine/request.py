@@ -171,6 +171,8 @@ class Request:
     admitted_order: int = -1  # increasing each time it is admitted, for "most recently admitted"
     preemptions: int = 0
     deadline: float | None = None  # engine clock: not started by then, it is refused
+    # the caller's W3C trace context (service.engine.trace_context): its span's parent
+    trace_headers: dict[str, str] | None = None
     acceptance: Acceptance = field(default_factory=Acceptance)  # of its drafted tokens
     first_scheduled: float | None = None
     first_token: float | None = None

@@ -41,6 +41,18 @@ class IterationStats:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestEvent:
+    """One milestone of a request's story (received, admitted, prefill_chunk, preempted,
+    resumed, first_token): its log line `request.<name>` and what observers (the traces)
+    get are this one record, so that logs and traces tell the same story."""
+
+    request_id: str
+    name: str
+    at: float  # engine clock, seconds
+    fields: dict[str, object]
+
+
+@dataclass(frozen=True, slots=True)
 class RequestStats:
     """A finished request's measures, built once: the log line, the metrics and the tests
     all read this record."""
@@ -103,6 +115,16 @@ class RequestStats:
         return [b - a for a, b in itertools.pairwise(self.token_times)]
 
     @property
+    def largest_gap(self) -> tuple[int, float] | None:
+        """The longest wait between two of its tokens: (the index of the token that ended
+        it, its seconds); None with fewer than two tokens."""
+        itls = self.itls
+        if not itls:
+            return None
+        index = max(range(len(itls)), key=itls.__getitem__)
+        return index + 1, itls[index]
+
+    @property
     def tpot(self) -> float | None:
         n = len(self.token_times)
         return None if n < 2 else (self.token_times[-1] - self.token_times[0]) / (n - 1)
@@ -110,6 +132,7 @@ class RequestStats:
     def log_fields(self) -> dict[str, object]:
         """The `request.finished` log line: the record's facts and its latency summary."""
         itls = sorted(self.itls)
+        gap = self.largest_gap
         return {
             "request_id": self.request_id,
             "tenant": self.tenant,
@@ -122,7 +145,8 @@ class RequestStats:
             "ttft_ms": _ms(self.ttft),
             "itl_p50_ms": _ms(_percentile(itls, 0.50)),
             "itl_p99_ms": _ms(_percentile(itls, 0.99)),
-            "itl_max_ms": _ms(itls[-1] if itls else None),
+            "itl_max_ms": _ms(gap[1] if gap else None),
+            "itl_max_token": gap[0] if gap else None,  # the token that ended that gap
             "queue_ms": _ms(self.queue_time),
             "e2e_ms": _ms(self.e2e),
             "preemptions": self.preemptions,
@@ -150,3 +174,4 @@ class Observer(Protocol):
     def on_preemption(self, request_id: str) -> None: ...
     def on_policy_swap(self, old: str, new: str, iteration: int) -> None: ...
     def on_request_refused(self, reason: str) -> None: ...
+    def on_request_event(self, event: RequestEvent) -> None: ...
