@@ -49,6 +49,13 @@ def fraction(text: str) -> float:
     return value
 
 
+def ratio(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be >= 0 and <= 1, got {value}")
+    return value
+
+
 def kernel_pins(text: str) -> str:
     try:
         parse_kernel_pins(text)

@@ -111,6 +111,8 @@ _DEFINITIONS = [
      "Speculative decoding: drafted tokens the worker accepted."),
     ("spec_acceptance", "gauge", "spec_decode_draft_acceptance_rate",
      "Speculative decoding: accepted / drafted tokens since the start."),
+    ("spans_dropped", "counter", "otlp_spans_dropped_total",
+     "Trace spans dropped: the export queue was full, or the collector did not take them."),
     ("policy", "gauge", "policy_info",
      "The scheduling policy in force (value 1)."),
     ("cache_config", "gauge", "cache_config_info",

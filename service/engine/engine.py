@@ -518,6 +518,7 @@ class Engine:
         event = FinishEvent(
             reason, detail, request.prompt_len, completion, error, cached, request.index
         )
+        event.phases = request.phases
         if (reason, detail) == POOLED:
             event.embedding = request.pooled
         request.send(event)

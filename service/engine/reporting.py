@@ -8,6 +8,7 @@ disagree about what happened.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import structlog
 
@@ -131,7 +132,7 @@ class Reporter:
         for observer in self.observers:
             observer.on_request_finished(stats)
 
-    def _event(self, request: Request, name: str, at: float, fields: dict[str, object]) -> None:
+    def _event(self, request: Request, name: str, at: float, fields: Mapping[str, object]) -> None:
         """A milestone of `request`: its log line, and the same record to every observer."""
         log.info(f"request.{name}", request_id=request.request_id, **fields)
         event = RequestEvent(request.request_id, name, at, fields)

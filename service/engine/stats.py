@@ -7,8 +7,11 @@ engine does not know who listens (see Engine.add_observer).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
+
+from service.engine.request import Phases
 
 if TYPE_CHECKING:
     from service.engine.request import Request
@@ -49,7 +52,7 @@ class RequestEvent:
     request_id: str
     name: str
     at: float  # engine clock, seconds
-    fields: dict[str, object]
+    fields: Mapping[str, object]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +104,10 @@ class RequestStats:
     @property
     def queue_time(self) -> float | None:
         return None if self.first_scheduled is None else self.first_scheduled - self.received
+
+    @property
+    def phases(self) -> Phases:
+        return Phases.at(self.received, self.first_scheduled, self.first_token, self.token_times)
 
     @property
     def ttft(self) -> float | None:

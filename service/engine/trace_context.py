@@ -9,7 +9,7 @@ context through a task; trio gives each HTTP request's task its own copy.
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Mapping
+from collections.abc import Callable
 
 W3C_HEADERS = ("traceparent", "tracestate")
 
@@ -18,7 +18,8 @@ current: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar(
 )
 
 
-def headers_of(all_headers: Mapping[str, str]) -> dict[str, str] | None:
-    """The W3C trace headers among a request's (None: it carries no trace)."""
-    found = {name: all_headers[name] for name in W3C_HEADERS if name in all_headers}
+def headers_of(header: Callable[[str], str | None]) -> dict[str, str] | None:
+    """The W3C trace headers of a request whose headers `header` looks up by name (None:
+    it carries no trace)."""
+    found = {name: value for name in W3C_HEADERS if (value := header(name)) is not None}
     return found or None
