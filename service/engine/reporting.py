@@ -69,9 +69,11 @@ class Reporter:
         """A step's milestones: the requests it starts for the first time, those it takes
         back after a preemption, each prefill chunk, and the requests it preempted."""
         for request in out.started:
-            queue_ms = (now - request.received) * 1000
+            at = request.first_scheduled
+            assert at is not None  # what `started` means
+            queue_ms = (at - request.received) * 1000  # Phases.queue's
             fields = {"policy": out.policy, "queue_ms": queue_ms, "iteration": out.iteration}
-            self._event(request, "admitted", now, fields)
+            self._event(request, "admitted", at, fields)
         for item in out.scheduled:
             self._row_events(item, out, now)
         for request in out.preempted:

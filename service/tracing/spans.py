@@ -79,7 +79,7 @@ class RequestSpans:
             index, seconds = gap
             at = wall(stats.token_times[index])
             span.add_event("largest_gap", {"gap_ms": seconds * 1000, "token": index}, at)
-        finished = {"reason": stats.finish_reason, "detail": stats.finish_detail}
+        finished = {"finish_reason": stats.finish_reason, "finish_detail": stats.finish_detail}
         span.add_event("finished", finished, wall(stats.finished))
         span.end(wall(stats.finished))
 
