@@ -15,7 +15,7 @@ import structlog
 from gpu_worker.protocol import Handshake, StepResult
 from service.engine.request import Request
 from service.engine.stats import IterationStats, Observer, RequestEvent, RequestStats
-from service.engine.step import Scheduled, ScheduleOutput, SchedulerStats
+from service.engine.step import ScheduleOutput, SchedulerStats
 
 log = structlog.get_logger()
 
@@ -74,8 +74,12 @@ class Reporter:
             queue_ms = (at - request.received) * 1000  # Phases.queue's
             fields = {"policy": out.policy, "queue_ms": queue_ms, "iteration": out.iteration}
             self._event(request, "admitted", at, fields)
-        for item in out.scheduled:
-            self._row_events(item, out, now)
+        if self._preempted:  # rarely: only then is every row looked at
+            for item in out.scheduled:
+                self._resumed(item.request, out, now)
+        for item in out.chunks:
+            fields = {"tokens": item.num_tokens, "start": item.start, "iteration": out.iteration}
+            self._event(item.request, "prefill_chunk", now, fields)
         for request in out.preempted:
             self._preempted.add(request.request_id)
             fields = {"num_generated": request.num_generated, "iteration": out.iteration}
@@ -83,15 +87,11 @@ class Reporter:
             for observer in self.observers:
                 observer.on_preemption(request.request_id)
 
-    def _row_events(self, item: Scheduled, out: ScheduleOutput, now: float) -> None:
-        request = item.request
+    def _resumed(self, request: Request, out: ScheduleOutput, now: float) -> None:
         if request.request_id in self._preempted:
             self._preempted.discard(request.request_id)
             fields = {"policy": out.policy, "iteration": out.iteration}
             self._event(request, "resumed", now, fields)
-        if is_prefill_chunk(item):
-            fields = {"tokens": item.num_tokens, "start": item.start, "iteration": out.iteration}
-            self._event(request, "prefill_chunk", now, fields)
 
     def first_token(self, request: Request, now: float) -> None:
         ttft_ms = (now - request.received) * 1000
@@ -155,11 +155,3 @@ class Reporter:
 
 
 _ITERATION_FIELDS = dataclasses.fields(IterationStats)
-
-
-def is_prefill_chunk(item: Scheduled) -> bool:
-    """A row that computes tokens before the request's next sample: a chunk of its prompt,
-    or of its prompt and output again after a preemption. A decode row computes only the
-    last token (drafts after it are verified, not prefilled)."""
-    request = item.request
-    return item.start + 1 < request.num_tokens or request.num_generated == 0
