@@ -22,6 +22,7 @@ from service.flag_types import (
     kernel_pins,
     non_negative_int,
     origins,
+    otlp_endpoint,
     positive_float,
     positive_int,
     ratio,
@@ -371,6 +372,7 @@ class Config:
         None,
         "send a span per request to this OpenTelemetry collector (OTLP, e.g. "
         "http://HOST:4318/v1/traces, or grpc://HOST:4317); needs pip install 'cadence[otel]'",
+        type=otlp_endpoint,
         metavar="URL",
     )
     otlp_traces_protocol: str | None = flag(

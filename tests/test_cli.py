@@ -41,6 +41,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
         (["serve", "--policy-param", "novalue"], "expected KEY=VALUE"),
         (["serve", "--policy", "no_such_policy"], "unknown policy"),
         (["serve", "--policy", "stall_free", "--policy-param", "bogus=1"], "bogus"),
+        (["serve", "--otlp-traces-endpoint", "collector:4318"], "expected http(s)://HOST"),
+        (["serve", "--otlp-trace-steps", "2"], "must be >= 0 and <= 1"),
         (["frobnicate"], "invalid choice"),
         ([], "required"),
     ],
