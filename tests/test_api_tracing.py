@@ -176,7 +176,7 @@ def test_a_preempted_requests_span_shows_its_preemption_and_resumption(traced: T
     output computed again in chunks, and then its remaining tokens."""
     server, receiver, ai = traced.server, traced.receiver, client(traced.server)
     stream = ai.completions.create(
-        model=server.model, prompt="List 5 fruits:", max_tokens=24, temperature=0.0,
+        model=server.model, prompt="List 5 fruits:", max_tokens=12, temperature=0.0,
         stream=True, extra_body={"priority": 5, "ignore_eos": True},
     )  # fmt: skip
     minor = iter(stream)
