@@ -82,7 +82,7 @@ class TokenEvent:
 class Phases:
     """Where a request's time went, in seconds (None: it never got that far): waiting to be
     first scheduled, then its prefill up to its first token, then its decode up to its last.
-    Its span, its `request.finished` log line and a response's `metrics` all read this."""
+    Its span, its `request.finished` line's queue_ms and a response's `metrics` read this."""
 
     queue: float | None
     prefill: float | None

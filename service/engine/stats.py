@@ -103,7 +103,7 @@ class RequestStats:
 
     @property
     def queue_time(self) -> float | None:
-        return None if self.first_scheduled is None else self.first_scheduled - self.received
+        return self.phases.queue
 
     @property
     def phases(self) -> Phases:
@@ -125,11 +125,7 @@ class RequestStats:
     def largest_gap(self) -> tuple[int, float] | None:
         """The longest wait between two of its tokens: (the index of the token that ended
         it, its seconds); None with fewer than two tokens."""
-        itls = self.itls
-        if not itls:
-            return None
-        index = max(range(len(itls)), key=itls.__getitem__)
-        return index + 1, itls[index]
+        return _largest_gap(self.itls)
 
     @property
     def tpot(self) -> float | None:
@@ -138,8 +134,8 @@ class RequestStats:
 
     def log_fields(self) -> dict[str, object]:
         """The `request.finished` log line: the record's facts and its latency summary."""
-        itls = sorted(self.itls)
-        gap = self.largest_gap
+        gaps = self.itls
+        gap, itls = _largest_gap(gaps), sorted(gaps)
         return {
             "request_id": self.request_id,
             "tenant": self.tenant,
@@ -161,6 +157,13 @@ class RequestStats:
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
         }
+
+
+def _largest_gap(itls: list[float]) -> tuple[int, float] | None:
+    if not itls:
+        return None
+    index = max(range(len(itls)), key=itls.__getitem__)
+    return index + 1, itls[index]
 
 
 def _percentile(sorted_values: list[float], q: float) -> float | None:
