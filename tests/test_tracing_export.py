@@ -1,6 +1,7 @@
 """service.tracing.export without a server: the bounded export queue drops and counts what
 does not fit while the collector is slow, failed exports are counted, endpoints resolve to
-a protocol, and the SDK is needed only when traces are asked for."""
+a protocol (a grpc:// one exports to a real gRPC collector), and the SDK is needed only
+when traces are asked for."""
 
 from __future__ import annotations
 
@@ -8,13 +9,18 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
+from concurrent import futures
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
     OTLPSpanExporter as GrpcExporter,
 )
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
@@ -23,6 +29,7 @@ from service.tracing.export import (
     CountingExporter,
     QueueBudget,
     _otlp_exporter,
+    open_provider,
     resolve_endpoint,
 )
 from tests.server_fixtures import REPO_ROOT
@@ -100,6 +107,33 @@ def test_an_endpoint_resolves_to_a_protocol_and_url(
 def test_the_protocol_picks_the_otlp_exporter() -> None:
     assert isinstance(_otlp_exporter("grpc", "http://127.0.0.1:4317"), GrpcExporter)
     assert isinstance(_otlp_exporter("http/protobuf", "http://h/v1/traces"), OTLPSpanExporter)
+
+
+class GrpcCollector(trace_service_pb2_grpc.TraceServiceServicer):
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def Export(self, request: Any, context: Any) -> ExportTraceServiceResponse:  # noqa: N802
+        self.names += [
+            s.name for r in request.resource_spans for sc in r.scope_spans for s in sc.spans
+        ]
+        return ExportTraceServiceResponse()
+
+
+def test_a_grpc_url_exports_over_grpc() -> None:
+    collector = GrpcCollector()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        dropped: list[int] = []
+        provider = open_provider(f"grpc://127.0.0.1:{port}", None, "test", dropped.append)
+        end_span(provider, "over-grpc")
+        provider.shutdown()
+    finally:
+        server.stop(None)
+    assert collector.names == ["over-grpc"] and not dropped
 
 
 def test_serve_refuses_the_endpoint_flag_without_the_sdk(tmp_path: Path) -> None:
