@@ -113,7 +113,7 @@ class GrpcCollector(trace_service_pb2_grpc.TraceServiceServicer):
     def __init__(self) -> None:
         self.names: list[str] = []
 
-    def Export(self, request: Any, context: Any) -> ExportTraceServiceResponse:  # noqa: N802
+    def Export(self, request: Any, context: Any) -> ExportTraceServiceResponse:
         self.names += [
             s.name for r in request.resource_spans for sc in r.scope_spans for s in sc.spans
         ]
