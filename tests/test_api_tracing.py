@@ -98,6 +98,7 @@ def test_a_callers_traceparent_makes_the_request_span_a_child_with_its_story(
     assert attributes["gen_ai.request.max_tokens"] == 6
     assert attributes["gen_ai.request.temperature"] == 0.0
     assert attributes["gen_ai.request.top_p"] == pytest.approx(0.9)
+    assert attributes["gen_ai.request.n"] == 1
     assert attributes["gen_ai.usage.prompt_tokens"] == usage.prompt_tokens
     assert attributes["gen_ai.usage.completion_tokens"] == usage.completion_tokens == 6
     assert attributes["gen_ai.response.finish_reasons"] == ["length"]

@@ -43,6 +43,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
         (["serve", "--policy", "stall_free", "--policy-param", "bogus=1"], "bogus"),
         (["serve", "--otlp-traces-endpoint", "collector:4318"], "expected http(s)://HOST"),
         (["serve", "--otlp-trace-steps", "2"], "must be >= 0 and <= 1"),
+        (["serve", "--otlp-trace-steps", "0.5"], "need an endpoint"),
         (["frobnicate"], "invalid choice"),
         ([], "required"),
     ],

@@ -318,7 +318,7 @@ class Engine:
         made, receive = self._sequences.make(ticket, params, deadline)
         for request in made:
             self._requests[request.request_id] = request
-            self._report.received(request)
+            self._report.received(request, ticket.n)
         self._all_done = trio.Event()
         sched, (leader, *siblings) = self._scheduler, made
         if siblings and self.config.enable_prefix_caching:

@@ -44,9 +44,11 @@ class Reporter:
         if handshake.device_warning is not None:
             log.warning("worker.device_warning", warning=handshake.device_warning)
 
-    def received(self, request: Request) -> None:
+    def received(self, request: Request, n: int) -> None:
+        """`n`: the sequences of its client request (it is one of them)."""
         sampling = request.params.sampling
         fields = {
+            "n": n,
             "tenant": request.tenant,
             "priority": request.priority,
             "prompt_tokens": request.prompt_len,

@@ -31,6 +31,7 @@ _REQUEST_ATTRIBUTES = {
     "max_tokens": "gen_ai.request.max_tokens",
     "temperature": "gen_ai.request.temperature",
     "top_p": "gen_ai.request.top_p",
+    "n": "gen_ai.request.n",
     "tenant": "cadence.tenant",
     "priority": "cadence.priority",
 }
