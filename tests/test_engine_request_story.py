@@ -13,14 +13,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from service.engine import trace_context
 from service.engine.stats import RequestEvent
 from service.tracing.spans import RequestSpans
-from tests.sim_worker import (
-    RecordingObserver,
-    SimWorker,
-    collect,
-    greedy,
-    running_engine,
-    sim_config,
-)
+from tests import sim_worker as sim
 
 TRACE_ID, PARENT = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
 
@@ -38,19 +31,19 @@ async def test_chunks_preemption_and_resumption_are_told_once_each_and_become_sp
     """Three 40-token prompts, 16-token steps, a KV cache for two: each prompt is told in
     chunks that cover it, a preempted request is told preempted and then resumed, and each
     span carries the story the observer heard, as a child of the caller's trace."""
-    observer, exporter = RecordingObserver(), InMemorySpanExporter()
+    observer, exporter = sim.RecordingObserver(), InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    config = sim_config(watermark=0.0, max_batched_tokens=16)
-    async with running_engine(config, SimWorker(num_blocks=10)) as engine:
+    config = sim.sim_config(watermark=0.0, max_batched_tokens=16)
+    async with sim.running_engine(config, sim.SimWorker(num_blocks=10)) as engine:
         engine.add_observer(observer)
         engine.add_observer(RequestSpans(provider.get_tracer("test"), "sim"))
         trace_context.current.set({"traceparent": f"00-{TRACE_ID}-{PARENT}-01"})
         channels = [
-            await engine.submit([i + 1] * 40, greedy(40), request_id=f"p{i}") for i in range(3)
+            await engine.submit([i + 1] * 40, sim.greedy(40), request_id=f"p{i}") for i in range(3)
         ]
         for channel in channels:
-            await collect(channel)
+            await sim.collect(channel)
     assert observer.preempted, "no preemption happened"
     told = stories(observer.events)
     spans = {span.attributes["gen_ai.request.id"]: span for span in exporter.get_finished_spans()}
