@@ -20,7 +20,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.otlp_receiver import OtlpReceiver
+from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.server_fixtures import REPO_ROOT, RunningServer, start_server, stop_server
 
 pytestmark = pytest.mark.real_model
@@ -131,6 +131,32 @@ def test_a_callers_traceparent_makes_the_request_span_a_child_with_its_story(
     assert told[1:] == [(event.name, event.attributes) for event in span.events]
 
 
+def metrics_match_span(metrics: dict, span: ReceivedSpan) -> bool:
+    """vLLM's per-request `metrics` are the span's latencies, in ms."""
+    seconds = {
+        "queue_time_ms": "gen_ai.latency.time_in_queue",
+        "time_to_first_token_ms": "gen_ai.latency.time_in_model_prefill",
+        "generation_time_ms": "gen_ai.latency.time_in_model_decode",
+    }
+    return all(
+        metrics[key] == pytest.approx(span.attributes[name] * 1000) for key, name in seconds.items()
+    )
+
+
+def streamed_response(server: RunningServer, headers: dict[str, str]) -> dict:
+    """The final response of a streamed /v1/responses (its response.completed event, or
+    response.incomplete at max_output_tokens)."""
+    body = {"model": server.model, "input": "Hi", "max_output_tokens": 2, "stream": True}
+    with httpx.stream(
+        "POST", f"{server.url}/v1/responses", json=body, headers=headers, timeout=60
+    ) as reply:
+        events = [
+            orjson.loads(line[6:]) for line in reply.iter_lines() if line.startswith("data: ")
+        ]
+    (done,) = [e for e in events if e["type"] in ("response.completed", "response.incomplete")]
+    return done["response"]
+
+
 def test_every_route_that_generates_honours_traceparent_and_reports_metrics(
     traced: Traced,
 ) -> None:
@@ -139,6 +165,7 @@ def test_every_route_that_generates_honours_traceparent_and_reports_metrics(
     parents = {
         "chat": "00f067aa0ba902b7",
         "responses": "00f067aa0ba902b8",
+        "responses stream": "00f067aa0ba902ba",
         "embed": "00f067aa0ba902b9",
     }
     headers = {name: {"traceparent": traceparent(trace_id, span)} for name, span in parents.items()}
@@ -148,22 +175,27 @@ def test_every_route_that_generates_honours_traceparent_and_reports_metrics(
             stream=True, stream_options={"include_usage": True}, extra_headers=headers["chat"],
         )
     )  # fmt: skip
-    last = chunks[-1]
-    assert last.usage is not None and last.model_extra["metrics"]["queue_time_ms"] >= 0  # type: ignore[index]
     answer = httpx.post(
         f"{server.url}/v1/responses", headers=headers["responses"], timeout=60,
         json={"model": server.model, "input": "Hi", "max_output_tokens": 2},
     ).json()  # fmt: skip
-    assert answer["metrics"]["generation_time_ms"] >= 0
+    streamed = streamed_response(server, headers["responses stream"])
     ai.embeddings.create(model=server.model, input="Hi", extra_headers=headers["embed"])
-    ids = {"chat": last.id, "responses": answer["id"]}
-    for name, request_id in ids.items():
+    metrics = {
+        "chat": (chunks[-1].id, chunks[-1].model_extra["metrics"]),  # type: ignore[index]
+        "responses": (answer["id"], answer["metrics"]),
+        "responses stream": (streamed["id"], streamed["metrics"]),
+    }
+    for name, (request_id, reported) in metrics.items():
         span = receiver.wait_for("llm_request", "gen_ai.request.id", request_id)
         assert (span.trace_id, span.parent_span_id) == (trace_id, parents[name])
+        assert metrics_match_span(reported, span), name
     deadline = time.monotonic() + 10
     while not [s for s in receiver.named("llm_request") if s.parent_span_id == parents["embed"]]:
         assert time.monotonic() < deadline, "the embedding request's span never came"
         time.sleep(0.05)
+    two = ai.completions.create(model=server.model, prompt="Hi", max_tokens=2, n=2)
+    assert two.model_extra["metrics"] is None  # type: ignore[index]  # as vLLM: one stream's
 
 
 def test_a_preempted_requests_span_shows_its_preemption_and_resumption(traced: Traced) -> None:
