@@ -22,8 +22,10 @@ from service.flag_types import (
     kernel_pins,
     non_negative_int,
     origins,
+    otlp_endpoint,
     positive_float,
     positive_int,
+    ratio,
     share,
     speculative_config,
 )
@@ -31,6 +33,7 @@ from service.reasoning import PARSERS as REASONING_PARSERS
 from service.tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 _WORKER = WorkerConfig(model_dir="")  # the worker's defaults, the server's too
+OTLP_PROTOCOLS = ("http/protobuf", "grpc")  # OpenTelemetry's names (service.tracing)
 
 
 def default_cache_dir() -> Path:
@@ -364,6 +367,32 @@ class Config:
         3, "rotated log files kept (server.jsonl.1 ... .N)", type=non_negative_int
     )
     debug_invariants: bool = flag(False, "check KV block accounting every iteration")
+    # tracing (the optional extra `otel`: service.tracing)
+    otlp_traces_endpoint: str | None = flag(
+        None,
+        "send a span per request to this OpenTelemetry collector (OTLP, e.g. "
+        "http://HOST:4318/v1/traces, or grpc://HOST:4317); needs pip install 'cadence[otel]'",
+        type=otlp_endpoint,
+        metavar="URL",
+    )
+    otlp_traces_protocol: str | None = flag(
+        None,
+        "default: grpc for a grpc:// URL, else $OTEL_EXPORTER_OTLP_TRACES_PROTOCOL or "
+        "http/protobuf",
+        choices=OTLP_PROTOCOLS,
+    )
+    otlp_trace_steps: float = flag(
+        0.0,
+        "the fraction of worker steps traced as spans of their own (plan size, tokens, step "
+        "ms), evenly spread; 0: none",
+        type=ratio,
+        metavar="RATIO",
+    )
+    enable_per_request_metrics: bool = flag(
+        False,
+        "add vLLM's per-request `metrics` object (queue, prefill and decode times) to "
+        "completions, chat completions and responses",
+    )
 
     def isolates_tenants(self) -> bool:
         """Whether the prefix cache is salted by each request's tenant."""

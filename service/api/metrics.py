@@ -10,7 +10,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from service.engine.stats import IterationStats, RequestStats
+from service.engine.stats import IterationStats, RequestEvent, RequestStats
 from service.logging import log_lines_dropped
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -111,6 +111,8 @@ _DEFINITIONS = [
      "Speculative decoding: drafted tokens the worker accepted."),
     ("spec_acceptance", "gauge", "spec_decode_draft_acceptance_rate",
      "Speculative decoding: accepted / drafted tokens since the start."),
+    ("spans_dropped", "counter", "otlp_spans_dropped_total",
+     "Trace spans dropped: the export queue was full, or the collector did not take them."),
     ("policy", "gauge", "policy_info",
      "The scheduling policy in force (value 1)."),
     ("cache_config", "gauge", "cache_config_info",
@@ -235,6 +237,9 @@ class Metrics:
 
     def on_request_refused(self, reason: str) -> None:
         self.refused.labels(reason=reason).inc()
+
+    def on_request_event(self, event: RequestEvent) -> None:
+        """The story's milestones are counted where they have their own hooks."""
 
     def on_policy_swap(self, old: str, new: str, iteration: int) -> None:
         self.policy_swaps.inc()

@@ -23,6 +23,7 @@ from service.api.openai_responses import (
     finish_reason_of,
     full_response,
     message_chunk,
+    request_metrics,
     running_usage,
     usage,
     usage_chunk,
@@ -131,7 +132,15 @@ async def whole_body(
         choices.append(answer(req, text, finishes[i].reason, logprobs))
     ordered = [finishes[i] for i in range(req.sequences)]
     usage_ = usage(ordered, state.config.reports_cached_tokens(), req.best_of)
-    return full_response(header, choices, usage_)
+    return with_metrics(full_response(header, choices, usage_), ordered, state)
+
+
+def with_metrics(body: dict[str, Any], finishes: list[FinishEvent], state: AppState) -> dict:
+    """A body that carries usage, with vLLM's per-request `metrics` where the server is
+    asked for them (--enable-per-request-metrics)."""
+    if state.config.enable_per_request_metrics:
+        body["metrics"] = request_metrics(finishes)
+    return body
 
 
 def answer(req: GenerationRequest, text: str, reason: str, logprobs: Any) -> Choice:
@@ -245,8 +254,9 @@ def stream_ending(
     if not req.include_usage:
         return [DONE]
     report_cached = state.config.reports_cached_tokens()
-    usage_ = usage([finishes[i] for i in range(choices)], report_cached, req.n)
-    return [sse_data(usage_chunk(header, usage_)), DONE]
+    ordered = [finishes[i] for i in range(choices)]
+    usage_ = usage(ordered, report_cached, req.n)
+    return [sse_data(with_metrics(usage_chunk(header, usage_), ordered, state)), DONE]
 
 
 @dataclasses.dataclass(slots=True)

@@ -44,6 +44,7 @@ import trio
 from gpu_worker.protocol import BLOCK_SIZE, Handshake
 from policies.registry import make_policy
 from service.config import Config
+from service.engine import trace_context
 from service.engine.admission import (
     AdmissionControl,
     AdmissionQueue,
@@ -61,7 +62,7 @@ from service.engine.engine_state import (
 )
 from service.engine.invariants import check_blocks_kept, check_invariants
 from service.engine.masks import MaskFiller, unmasked, waits_for_masks
-from service.engine.reporting import Reporter, since_received
+from service.engine.reporting import Reporter
 from service.engine.request import FinishEvent, Request, SamplingParams, Status, TokenEvent
 from service.engine.sampling import worker_sampling
 from service.engine.scheduler import Scheduler
@@ -212,6 +213,7 @@ class Engine:
 
         `deadline_s`: seconds it may wait to start (the server's --max-queue-time bounds it
         too); not started by then, it finishes with ("error", "deadline_exceeded").
+        The caller's trace context, if it set one (service.engine.trace_context), goes with it.
         Raises InvalidRequest, Overloaded or EngineUnavailable, and then nothing was queued.
         """
         if not self._accepting or not self._ready:
@@ -226,6 +228,7 @@ class Engine:
             trio.current_time(),
             deadline_s,
             n,
+            trace_context.current.get(),
         )
         return await self._queue.submit(ticket, self.abort)
 
@@ -315,7 +318,7 @@ class Engine:
         made, receive = self._sequences.make(ticket, params, deadline)
         for request in made:
             self._requests[request.request_id] = request
-            self._report.received(request)
+            self._report.received(request, ticket.n)
         self._all_done = trio.Event()
         sched, (leader, *siblings) = self._scheduler, made
         if siblings and self.config.enable_prefix_caching:
@@ -479,7 +482,7 @@ class Engine:
             request.first_token = now
             event.prompt_logprobs = request.prompt_logprobs
             self._release_siblings(request)
-            since_received("request.first_token", request, now, "ttft_ms")
+            self._report.first_token(request, now)
         # as vLLM: a stop token's text is not the output's
         stop_token = finish == STOP_TOKEN
         delta = Delta("", False) if stop_token else request.detokenizer.add_token(outcome.token)
@@ -515,6 +518,7 @@ class Engine:
         event = FinishEvent(
             reason, detail, request.prompt_len, completion, error, cached, request.index
         )
+        event.phases = request.phases
         if (reason, detail) == POOLED:
             event.embedding = request.pooled
         request.send(event)

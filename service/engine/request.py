@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -77,6 +78,34 @@ class TokenEvent:
     index: int = 0  # which of the request's n sequences (`n` > 1 share one stream)
 
 
+@dataclass(frozen=True, slots=True)
+class Phases:
+    """Where a request's time went, in seconds (None: it never got that far): waiting to be
+    first scheduled, then its prefill up to its first token, then its decode up to its last.
+    Its span, its `request.finished` line's queue_ms and a response's `metrics` read this."""
+
+    queue: float | None
+    prefill: float | None
+    decode: float | None
+    tokens: int  # output tokens sent
+
+    @classmethod
+    def at(
+        cls,
+        received: float,
+        first_scheduled: float | None,
+        first_token: float | None,
+        token_times: Sequence[float],
+    ) -> Phases:
+        queue = prefill = decode = None
+        if first_scheduled is not None:
+            queue = first_scheduled - received
+            if first_token is not None:
+                prefill = first_token - first_scheduled
+                decode = token_times[-1] - first_token
+        return cls(queue, prefill, decode, len(token_times))
+
+
 @dataclass(slots=True)
 class FinishEvent:
     reason: str  # "stop" | "length" | "abort" | "error"
@@ -89,6 +118,7 @@ class FinishEvent:
     cached_tokens: int = 0  # prompt tokens found in the prefix cache, not computed
     index: int = 0  # which of the request's n sequences finished
     embedding: list[float] | None = None  # a pooled request's (SamplingParams.pooling)
+    phases: Phases | None = None  # where its time went
 
 
 Event = TokenEvent | FinishEvent
@@ -171,6 +201,8 @@ class Request:
     admitted_order: int = -1  # increasing each time it is admitted, for "most recently admitted"
     preemptions: int = 0
     deadline: float | None = None  # engine clock: not started by then, it is refused
+    # the caller's W3C trace context (service.engine.trace_context): its span's parent
+    trace_headers: dict[str, str] | None = None
     acceptance: Acceptance = field(default_factory=Acceptance)  # of its drafted tokens
     first_scheduled: float | None = None
     first_token: float | None = None
@@ -207,6 +239,10 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def phases(self) -> Phases:
+        return Phases.at(self.received, self.first_scheduled, self.first_token, self.token_times)
 
     def reset_for_recompute(self) -> None:
         """Preemption by recompute: the cache is gone, the tokens are kept."""

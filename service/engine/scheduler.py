@@ -487,14 +487,16 @@ class Scheduler:
         self.blocks.allocate(request.seq_id, request.num_computed_tokens + tokens)
         ends_prompt = request.num_computed_tokens + tokens >= request.num_tokens
         samples = ends_prompt and request.params.pooling is None
-        start = request.num_computed_tokens
-        draft.out.scheduled.append(Scheduled(request, tokens, samples, start))
+        row = Scheduled(request, tokens, samples, request.num_computed_tokens)
+        draft.out.scheduled.append(row)
         draft.chosen.add(request.seq_id)
         draft.budget -= tokens
         if request.remaining == 1:
             draft.out.decode_seqs += 1
         else:
             draft.out.prefill_tokens += tokens
+        if request.remaining > 1 or not request.num_generated:
+            draft.out.chunks.append(row)  # a one-token prompt's row is a chunk too
 
     # ---- drafts (speculative decoding: service.engine.speculation) --------------------
 
