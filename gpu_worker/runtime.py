@@ -37,6 +37,7 @@ from gpu_worker.draft_model import Drafter
 from gpu_worker.graphs import DecodeRunner, graph_capturer
 from gpu_worker.kernels import Kernels, quant_kernels
 from gpu_worker.kv_cache import KVCache
+from gpu_worker.kv_connector import make_connector
 from gpu_worker.kv_groups import KVGroups
 from gpu_worker.model import Model
 from gpu_worker.model_config import ModelConfig
@@ -122,12 +123,20 @@ def start(config: WorkerConfig, group: Group | None = None) -> ModelRunner:
         memory.release_cached(place.device)
     ranks = _ranks(group, place.device, caches.cache.bytes)
     runner = _runner(config, place, model, caches, decode_runner, mixed)
+    kv_tensors: list[int] = []
+    if config.kv_transfer_engine is not None:
+        with clock.step("kv transfer"):
+            runner.kv = make_connector(config.kv_transfer_engine, config.kv_transfer_host)
+            kv_tensors = runner.kv.register(caches.cache)
     warmed = None
     kernels, device = model.kernels, place.device
     if kernels.attention.compiles(device) or kernels.layer_ops.compiles(device):
         with clock.step("warm-up"):  # compiles before serving, as the captures
             warmed = warm_up(runner, config.max_num_batched_tokens)
     runner.handshake = _handshake(config, place, runner, clock, choice, graphs, warmed, ranks)
+    if runner.kv is not None:
+        runner.handshake.kv_transfer_address = runner.kv.address
+        runner.handshake.kv_tensor_addresses = kv_tensors
     return runner
 
 
@@ -292,6 +301,8 @@ def _ranks(group: Group | None, device: torch.device, kv_bytes: int) -> list[dic
 
 
 def _check_worker_config(config: WorkerConfig) -> None:
+    if config.kv_transfer_engine is not None and config.tensor_parallel_size > 1:
+        raise ValueError("a KV transfer engine serves one rank's cache: tensor_parallel_size 1")
     if config.block_size is not None and config.block_size < 1:
         raise ValueError(f"block_size must be at least 1, got {config.block_size}")
     if config.max_num_seqs < 1:
