@@ -424,9 +424,7 @@ def step_plan_from_message(msg: dict[str, Any]) -> StepPlan:
     new = [NewSeq(**{**n, "sampling": SamplingSpec(**n["sampling"])}) for n in msg.get("new", [])]
     rows = [Row(**row) for row in msg["rows"]]
     pulls = [KvPull(**pull) for pull in msg.get("pulls", [])]
-    return StepPlan(
-        msg["step_id"], rows, msg["input_ids"], new, msg.get("finished", []), pulls
-    )
+    return StepPlan(msg["step_id"], rows, msg["input_ids"], new, msg.get("finished", []), pulls)
 
 
 def record_from_message(cls: type, msg: dict[str, Any]) -> Any:
