@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +61,14 @@ from service.engine.engine_state import (
     step_cost_state,
 )
 from service.engine.invariants import check_blocks_kept, check_invariants
+from service.engine.kv_transfer import (
+    ROLE_BOTH,
+    ROLE_PRODUCER,
+    Fingerprint,
+    KvHolds,
+    check_kv_transfer,
+    producer_params,
+)
 from service.engine.masks import MaskFiller, unmasked, waits_for_masks
 from service.engine.reporting import Reporter, since_received
 from service.engine.request import FinishEvent, Request, SamplingParams, Status, TokenEvent
@@ -77,6 +86,9 @@ log = structlog.get_logger()
 # With Config.overlap "auto" and the worker on the CPU, the most sequences a step may have
 # and overlap (module docstring)
 CPU_OVERLAP_SEQS = 4
+# While K/V is on the move and nothing computes, how often a rowless step asks the worker
+# how its transfers are going
+TRANSFER_POLL_S = 0.005
 
 
 class EngineUnavailable(Exception):
@@ -120,6 +132,9 @@ class Engine:
             tenant_share=config.tenant_share(),
             speculator=None if spec is None else Speculator(spec),
         )
+        if config.kv_transfer_role in (ROLE_PRODUCER, ROLE_BOTH):
+            self._scheduler.kv_holds = KvHolds(config.kv_hold_timeout)
+        self.engine_id = uuid.uuid4().hex  # vLLM's remote_engine_id of a producer's answers
         self._requests: dict[str, Request] = {}  # open streams, by request id
         self._admission = AdmissionControl(config, self._scheduler, self._requests)
         self._sequences = Sequences(tokenizer, config.max_stream_buffer_bytes)
@@ -277,7 +292,17 @@ class Engine:
             "speculative": speculative_state(
                 self.config.speculative_config, self._scheduler.speculator, stats
             ),
+            "kv_transfer": self._kv_transfer_state(),
         }
+
+    def _kv_transfer_state(self) -> dict[str, Any] | None:
+        """A producer's holds and a consumer's pulls now; None without a role."""
+        if self.config.kv_transfer_role is None:
+            return None
+        sched = self._scheduler
+        holds = sched.kv_holds.state() if sched.kv_holds is not None else None
+        pulls = {"waiting": len(sched.receiving), "pulling": len(sched.pulling)}
+        return {"role": self.config.kv_transfer_role, "holds": holds, "pulls": pulls}
 
     def _overlap_limit(self) -> int | None:
         """The most sequences a step may have and overlap; None: every step does."""
@@ -306,6 +331,14 @@ class Engine:
         # checked first: nothing is sized by `n` before validation bounds it (the offline
         # API reaches here without the HTTP layer's bounds)
         deadline = self._admission.check(ticket, self._cache_shape())
+        assert self.handshake is not None  # checked by _cache_shape
+        check_kv_transfer(
+            ticket.params,
+            len(ticket.prompt_token_ids),
+            ticket.n,
+            self.config.kv_transfer_role,
+            self.handshake,
+        )
         ids = sequence_ids(ticket.request_id, ticket.n)
         if any(request_id in self._requests for request_id in ids):
             raise InvalidRequest(
@@ -364,6 +397,8 @@ class Engine:
                 if not await self._iterate(sched):
                     # nothing to do, or nothing could be scheduled: wait for a request or an abort
                     await self._wait_for_work()
+                elif sched.transfers_pending and not sched.running:
+                    await self._pause_for_transfers()
             except WorkerDied as exc:
                 await self._recover(exc)
 
@@ -378,6 +413,12 @@ class Engine:
     def _fail_masks(self, requests: list[Request], error: str) -> None:
         for request in requests:
             self._finish(request, "error", "grammar_error", error)
+
+    async def _pause_for_transfers(self) -> None:
+        """Only K/V is moving: the next rowless step a little later, or at a request."""
+        self._wakeup = trio.Event()
+        with trio.move_on_after(TRANSFER_POLL_S):
+            await self._wakeup.wait()
 
     async def _wait_for_work(self) -> None:
         """Sleep until woken (a request, an abort), the idle worker watched meanwhile."""
@@ -517,6 +558,10 @@ class Engine:
         )
         if (reason, detail) == POOLED:
             event.embedding = request.pooled
+        if request.kv_hold is not None and self.handshake is not None:
+            fingerprint = Fingerprint.of(self.handshake)
+            params = producer_params(request.kv_hold, self.handshake, self.engine_id, fingerprint)
+            event.kv_transfer_params = params
         request.send(event)
         request.stream.close()
         self._requests.pop(request.request_id, None)

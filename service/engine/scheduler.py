@@ -50,10 +50,11 @@ import collections
 from collections.abc import Collection
 from typing import Any, cast
 
-from gpu_worker.protocol import DRAFT_MODEL_TOKEN, StepResult, TokenLogprobs
+from gpu_worker.protocol import DRAFT_MODEL_TOKEN, KvPull, PullDone, StepResult, TokenLogprobs
 from policies.base import Decision, Policy, View
 from service.engine.block_manager import BlockManager
 from service.engine.block_rules import BlockRules
+from service.engine.kv_transfer import KV_TRANSFER_FAILED, KvHolds
 from service.engine.plan import PlanBuilder
 from service.engine.prefix_cache import prefix_hit, register_blocks
 from service.engine.request import MEAN_POOLING, Request, Status
@@ -121,6 +122,13 @@ class Scheduler:
         self.speculator = speculator  # None: nothing is drafted
         self.draft_tokens = 0  # verified since the start
         self.accepted_tokens = 0
+        # disaggregated prefill and decode (module docstring): a producer's holds, and a
+        # consumer's requests waiting for blocks to pull into, pulling, and pulled
+        self.kv_holds: KvHolds | None = None
+        self.receiving: list[Request] = []
+        self.pulling: dict[str, Request] = {}  # by transfer id
+        self.received: list[Request] = []
+        self.now = 0.0  # the engine clock at the last schedule()
 
     # ---- membership -------------------------------------------------------------------
 
@@ -128,7 +136,10 @@ class Scheduler:
         self._by_seq[request.seq_id] = request
         if request.grammar is not None:
             self._constrained[request.seq_id] = request
-        self.rules.join_waiting(request)
+        if request.params.remote_kv is not None:
+            self.receiving.append(request)  # no policy sees it before its K/V is in
+        else:
+            self.rules.join_waiting(request)
 
     def hold(self, leader: Request, siblings: list[Request]) -> None:
         """Queue `siblings` behind `leader`: they join the waiting once release_held(leader)."""
@@ -163,8 +174,38 @@ class Scheduler:
             return
         self._constrained.pop(request.seq_id, None)
         self.plans.forget(request.seq_id)
-        self.blocks.free(request.seq_id)
+        if request in self.receiving or request in self.received:
+            (self.receiving if request in self.receiving else self.received).remove(request)
+            self.blocks.free(request.seq_id)
+            return
+        if request.status is Status.RECEIVING:
+            # a pull writes its blocks until the worker reports it done: freed then
+            if not any(r is request for r in self.pulling.values()):
+                self.blocks.free(request.seq_id)
+            return
+        if request.kv_hold is None:  # a held request's blocks are freed when its hold ends
+            self.blocks.free(request.seq_id)
         self.rules.leave(request)
+
+    def _retire(self, request: Request) -> None:
+        """`request` ended by its own tokens: a producer holds a do_remote_decode one's
+        blocks for the consumer (kv_transfer.KvHolds) before it leaves."""
+        if (
+            self.kv_holds is not None
+            and request.params.remote_decode
+            and request.num_computed_tokens >= request.prompt_len
+        ):
+            entries = -(-request.prompt_len // self.blocks.block_size)
+            blocks = list(self.blocks.table(request.seq_id)[:entries])
+            request.kv_hold = self.kv_holds.hold(request.seq_id, blocks, request.prompt_len, self.now)
+        self.remove(request)
+
+    @property
+    def kv_owners(self) -> set[int]:
+        """Sequences that left but whose blocks are still held: by a producer's hold, or
+        under a pull still writing them."""
+        held = self.kv_holds.seq_ids if self.kv_holds is not None else set()
+        return held | {r.seq_id for r in self.pulling.values() if r.seq_id not in self._by_seq}
 
     @property
     def sequences(self) -> Collection[Request]:
@@ -177,7 +218,13 @@ class Scheduler:
         return self._constrained.values()
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.transfers_pending)
+
+    @property
+    def transfers_pending(self) -> bool:
+        """K/V on the move: steps go on (rowless if need be) to hear how it ends."""
+        holding = self.kv_holds is not None and bool(self.kv_holds.by_id)
+        return bool(self.receiving or self.pulling or self.received or holding)
 
     # ---- policy -----------------------------------------------------------------------
 
@@ -236,6 +283,9 @@ class Scheduler:
         if self._pending_policy is not None:
             self.policy, self._pending_policy = self._pending_policy, None
         self.iteration += 1
+        self.now = now
+        self._end_expired_holds(now)
+        self._run_received()
         self.rules.resume_admission_if_room()
         out = ScheduleOutput(iteration=self.iteration, policy=self.policy.name, plan=None)
         self.rules.yield_slots(out)
@@ -256,10 +306,75 @@ class Scheduler:
             if item.request.first_scheduled is None:
                 item.request.first_scheduled = now
                 out.started.append(item.request)
-        if out.scheduled:
+        pulls = self._start_pulls()
+        if out.scheduled or self.transfers_pending:
             out.plan = self.plans.build(out.scheduled, out.iteration)
+            out.plan.pulls = pulls
             out.written = [self._written(item) for item in out.scheduled]
         return out
+
+    def _start_pulls(self) -> list[KvPull]:
+        """Blocks for the receiving requests' prompts, in arrival order while they fit
+        (beside the watermark kept for running ones to grow), each with its pull."""
+        pulls = []
+        while self.receiving:
+            request, remote = self.receiving[0], self.receiving[0].params.remote_kv
+            assert remote is not None  # only such requests receive
+            room = self.blocks.num_available - self.blocks.watermark_blocks
+            if self.blocks.blocks_to_hold(request.prompt_len) > room:
+                break
+            self.receiving.pop(0)
+            self.blocks.allocate(request.seq_id, request.prompt_len)
+            request.status = Status.RECEIVING
+            self.pulling[remote.transfer_id] = request
+            local = list(self.blocks.table(request.seq_id))
+            pulls.append(
+                KvPull(
+                    remote.transfer_id,
+                    remote.peer,
+                    remote.block_ids,
+                    local,
+                    remote.tensors,
+                    remote.num_blocks,
+                )
+            )
+        return pulls
+
+    def _take_transfers(self, result: StepResult) -> list[Outcome]:
+        """A step's news of K/V transfers: the consumers' notices end holds; pulls done."""
+        if self.kv_holds is not None:
+            for hold in self.kv_holds.release(result.notices):
+                self.blocks.free(hold.seq_id)
+        return [o for done in result.pulls_done if (o := self._pulled(done)) is not None]
+
+    def _pulled(self, done: PullDone) -> Outcome | None:
+        """A pull ended: its request computes the prompt's last token next, or fails
+        (never recomputed: vLLM's rule); an aborted one's blocks are freed now."""
+        request = self.pulling.pop(done.transfer_id, None)
+        if request is None:
+            return None
+        if request.seq_id not in self._by_seq:  # it ended while its blocks were written
+            self.blocks.free(request.seq_id)
+            return None
+        if done.error is not None:
+            self.remove(request)
+            error = f"pulling the prompt's K/V from its producer failed: {done.error}"
+            return Outcome(request, finish=("error", KV_TRANSFER_FAILED), error=error)
+        request.num_computed_tokens = request.prompt_len - 1
+        request.status = Status.WAITING
+        register_blocks(self.blocks, request)
+        self.received.append(request)
+        return None
+
+    def _run_received(self) -> None:
+        """Pulled requests join the running while there are slots."""
+        while self.received and len(self.running) < self.max_num_seqs:
+            self.rules.join_received(self.received.pop(0))
+
+    def _end_expired_holds(self, now: float) -> None:
+        if self.kv_holds is not None:
+            for hold in self.kv_holds.expire(now):
+                self.blocks.free(hold.seq_id)
 
     def _written(self, item: Scheduled) -> list[int]:
         """The blocks of group 0 a row writes, from its first position on, as sent: the
@@ -270,9 +385,12 @@ class Scheduler:
     def update(self, out: ScheduleOutput, result: StepResult) -> list[Outcome]:
         """The step ran: commit progress, append sampled tokens, finish on EOS or length."""
         assert out.plan is not None
+        transfers = self._take_transfers(result)
         error = self._result_error(out, result)
         if error is not None:
-            return [self._fail(item.request, error) for item in out.scheduled]
+            return transfers + [self._fail(item.request, error) for item in out.scheduled]
+        if not out.scheduled:
+            return transfers  # a step that only moved K/V: no cost to learn from
         self._last_step_ms = result.step_ms
         self._last_step_tokens = out.plan.total_tokens
         drafted = [len(item.drafts) for item in out.scheduled]
@@ -295,6 +413,7 @@ class Scheduler:
                 ):
                     outcomes.append(self._pooled_outcome(request))
         self._observe_payoff(out, result.step_ms)
+        outcomes += transfers
         sampled = [item.request for item in out.scheduled if item.samples]
         row = 0  # result.logprobs has a row per token, in the order of result.tokens
         for request, tokens in zip(sampled, result.tokens, strict=True):
@@ -400,7 +519,7 @@ class Scheduler:
         elif request.num_generated >= request.params.max_tokens:
             outcome.finish = ("length", "max_tokens")
         if outcome.finish is not None:
-            self.remove(request)
+            self._retire(request)
         return outcome
 
     # ---- validation of a decision -------------------------------------------------------
