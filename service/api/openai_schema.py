@@ -20,6 +20,7 @@ from service.api.errors import APIError, bad_request
 from service.api.fields import Fields
 from service.api.openai_chat import ChatOptions, parse_chat_options, parse_message
 from service.api.openai_grammar import parse_grammar, structural_tag_format
+from service.api.kv_transfer_params import kv_transfer_fields
 from service.api.openai_sampling import params_fields, spec_fields
 from service.engine.grammar import ResponseFormat
 from service.engine.request import SamplingParams
@@ -287,6 +288,7 @@ def _parse_common(
         cache_salt=_parse_cache_salt(fields.raw("cache_salt")),
         sampling=sampling,
         **params_fields(fields),
+        **kv_transfer_fields(fields.raw("kv_transfer_params")),
     )
     stream = fields.boolean("stream", False)
     if stream and best_of > n:

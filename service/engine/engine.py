@@ -86,9 +86,10 @@ log = structlog.get_logger()
 # With Config.overlap "auto" and the worker on the CPU, the most sequences a step may have
 # and overlap (module docstring)
 CPU_OVERLAP_SEQS = 4
-# While K/V is on the move and nothing computes, how often a rowless step asks the worker
-# how its transfers are going
-TRANSFER_POLL_S = 0.005
+# While nothing computes, how often a rowless step asks the worker how K/V transfers are
+# going: a consumer's pulls (a request waits for each), or only a producer's holds (their
+# notices free blocks, which no request waits for)
+PULL_POLL_S, HOLD_POLL_S = 0.005, 0.05
 
 
 class EngineUnavailable(Exception):
@@ -417,7 +418,8 @@ class Engine:
     async def _pause_for_transfers(self) -> None:
         """Only K/V is moving: the next rowless step a little later, or at a request."""
         self._wakeup = trio.Event()
-        with trio.move_on_after(TRANSFER_POLL_S):
+        sched = self._scheduler
+        with trio.move_on_after(PULL_POLL_S if sched.pulling else HOLD_POLL_S):
             await self._wakeup.wait()
 
     async def _wait_for_work(self) -> None:
@@ -493,7 +495,8 @@ class Engine:
             check_invariants(sched)
         step.service_s += time.perf_counter() - started
         assert step.result is not None
-        self._report.iteration(step.out, step.result, sched.stats(), step.service_s)
+        if step.out.scheduled:  # a rowless step only asked after K/V transfers
+            self._report.iteration(step.out, step.result, sched.stats(), step.service_s)
         return True
 
     def _emit_committed(self, request: Request) -> None:
