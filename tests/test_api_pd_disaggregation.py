@@ -1,0 +1,165 @@
+"""Disaggregated prefill and decode through vllm-router's P/D mode with the official openai
+client: a producer server (--kv-transfer-role producer) computes each prompt and holds its
+K/V, the consumer (--kv-transfer-role consumer) pulls it with Mooncake's real transfer
+engine over loopback TCP and decodes. The pair's greedy output in float32 equals one
+server's; the producer generated one token per request and the consumer computed one prompt
+token per request; every hold is released by the consumer's notice; both sides end with
+every block free (--debug-invariants checks the accounting at every step meanwhile)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.server_fixtures import RunningServer, start_server, stop_server
+
+pytestmark = pytest.mark.real_model
+# installed beside this interpreter (the pd extra), or on the PATH
+ROUTER = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or shutil.which(
+    "vllm-router"
+)
+if ROUTER is None:
+    pytest.skip("the pd extra installs vllm-router", allow_module_level=True)
+pytest.importorskip("mooncake.engine", reason="the pd extra installs Mooncake")
+
+GENERATED = 12
+PROMPTS = [
+    "The capital of France is a city that",
+    "Write one sentence about the sea, and then",
+    "List three prime numbers:",
+]
+QUESTIONS = ["Name three colours.", "What is two plus two?", "Say hello in French."]
+
+
+@dataclass(slots=True)
+class Pair:
+    producer: RunningServer
+    consumer: RunningServer
+    router: str
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_router(url: str, process: subprocess.Popen, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"vllm-router exited with {process.returncode}"
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("vllm-router did not answer")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    roles = ("producer", "consumer")
+    servers = [
+        start_server(
+            tmp_path_factory.mktemp(role),
+            "--kv-transfer-role",
+            role,
+            "--debug-invariants",
+            wait=False,
+        )
+        for role in roles
+    ]
+    router = None
+    try:
+        for server in servers:
+            server.wait_healthy()
+        port = free_port()
+        log = open(tmp_path_factory.mktemp("router") / "router.log", "wb")  # noqa: SIM115
+        command = [ROUTER, "--host", "127.0.0.1", "--port", str(port)]
+        command += ["--prometheus-port", str(free_port())]
+        command += ["--vllm-pd-disaggregation", "--prefill", servers[0].url]
+        command += ["--decode", servers[1].url]
+        router = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        wait_for_router(url, router)
+        yield Pair(servers[0], servers[1], url)
+    finally:
+        if router is not None:
+            router.terminate()
+            router.wait(10)
+        for server in servers:
+            stop_server(server)
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def completion(url: str, model: str, prompt: str, stream: bool) -> tuple[str, object]:
+    kwargs: dict = dict(model=model, max_tokens=GENERATED, temperature=0)
+    if not stream:
+        reply = client(url).completions.create(prompt=prompt, **kwargs)
+        return reply.choices[0].text, reply.usage
+    chunks = list(
+        client(url).completions.create(
+            prompt=prompt, stream=True, stream_options={"include_usage": True}, **kwargs
+        )
+    )
+    return "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].usage
+
+
+def chat(url: str, model: str, question: str, stream: bool) -> tuple[str, object]:
+    messages = [{"role": "user", "content": question}]
+    kwargs: dict = dict(model=model, messages=messages, max_tokens=GENERATED, temperature=0)
+    if not stream:
+        reply = client(url).chat.completions.create(**kwargs)
+        return reply.choices[0].message.content or "", reply.usage
+    chunks = list(
+        client(url).chat.completions.create(
+            stream=True, stream_options={"include_usage": True}, **kwargs
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks[-1].usage
+
+
+def counters(server: RunningServer) -> tuple[list[int], int]:
+    """Its finished requests' completion tokens, and the tokens its steps computed."""
+    finished = [e["completion_tokens"] for e in server.log_events("request.finished")]
+    computed = sum(e["batch_tokens"] for e in server.log_events("iteration"))
+    return finished, computed
+
+
+def test_the_pair_behind_vllm_router_answers_as_one_server(
+    pair: Pair, cadence_server: RunningServer
+) -> None:
+    model = cadence_server.model
+    asks = [(completion, p) for p in PROMPTS] + [(chat, q) for q in QUESTIONS]
+    for i, (ask, text) in enumerate(asks):
+        stream = i % 2 == 1
+        alone, _ = ask(cadence_server.url, model, text, False)
+        handed, usage = ask(pair.router, model, text, stream)
+        assert handed == alone, (text, stream)
+        assert usage is not None and usage.completion_tokens == GENERATED
+    produced, _ = counters(pair.producer)
+    assert produced == [1] * len(asks)  # each prompt's one token, then its K/V held
+    decoded, computed = counters(pair.consumer)
+    assert decoded == [GENERATED] * len(asks)
+    # the prompt's last token and the generated ones but the last: one prompt token each
+    assert computed == len(asks) * GENERATED
+    for server in (pair.producer, pair.consumer):
+        state = server.wait_idle()
+        assert state["kv_blocks_used"] == 0
+    holds = pair.producer.admin_state()["kv_transfer"]["holds"]
+    assert holds == {"holding": 0, "held": len(asks), "released": len(asks), "expired": 0}
