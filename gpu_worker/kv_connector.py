@@ -100,6 +100,11 @@ class KvConnector:
         self._tensors = cache_tensors(cache)
         for tensor in self._tensors:
             self._register(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        return self.addresses
+
+    @property
+    def addresses(self) -> list[int]:
+        """The registered tensors' base addresses (a KvPull's remote_tensors, to a peer)."""
         return [t.data_ptr() for t in self._tensors]
 
     def submit(self, pulls: list[KvPull]) -> None:

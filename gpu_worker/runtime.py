@@ -123,20 +123,13 @@ def start(config: WorkerConfig, group: Group | None = None) -> ModelRunner:
         memory.release_cached(place.device)
     ranks = _ranks(group, place.device, caches.cache.bytes)
     runner = _runner(config, place, model, caches, decode_runner, mixed)
-    kv_tensors: list[int] = []
-    if config.kv_transfer_engine is not None:
-        with clock.step("kv transfer"):
-            runner.kv = make_connector(config.kv_transfer_engine, config.kv_transfer_host)
-            kv_tensors = runner.kv.register(caches.cache)
+    _connect_kv(config, runner, clock)
     warmed = None
     kernels, device = model.kernels, place.device
     if kernels.attention.compiles(device) or kernels.layer_ops.compiles(device):
         with clock.step("warm-up"):  # compiles before serving, as the captures
             warmed = warm_up(runner, config.max_num_batched_tokens)
     runner.handshake = _handshake(config, place, runner, clock, choice, graphs, warmed, ranks)
-    if runner.kv is not None:
-        runner.handshake.kv_transfer_address = runner.kv.address
-        runner.handshake.kv_tensor_addresses = kv_tensors
     return runner
 
 
@@ -252,6 +245,18 @@ def _runner(
     )
 
 
+def _connect_kv(config: WorkerConfig, runner: ModelRunner, clock: Stopwatch) -> None:
+    """With a KV transfer engine (disaggregated prefill and decode): the runner's
+    connector, its cache registered for peers to read."""
+    if config.kv_transfer_engine is None:
+        return
+    if runner.limits.num_groups > 1:
+        raise ValueError("a KV transfer engine moves one KV group's blocks; this model has more")
+    with clock.step("kv transfer"):
+        runner.kv = make_connector(config.kv_transfer_engine, config.kv_transfer_host)
+        runner.kv.register(runner.cache)
+
+
 def _handshake(
     config: WorkerConfig,
     place: _Placement,
@@ -289,6 +294,8 @@ def _handshake(
         quantization=_quantization_text(config.quantization, runner.model),
         draft_model=None if draft_dir is None else Path(draft_dir).resolve().name,
         ranks=ranks,
+        kv_transfer_address=None if runner.kv is None else runner.kv.address,
+        kv_tensor_addresses=[] if runner.kv is None else runner.kv.addresses,
     )
 
 

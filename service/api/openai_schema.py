@@ -18,9 +18,9 @@ from gpu_worker.protocol import SamplingSpec
 from service.api.chat_output import OutputReader
 from service.api.errors import APIError, bad_request
 from service.api.fields import Fields
+from service.api.kv_transfer_params import kv_transfer_fields
 from service.api.openai_chat import ChatOptions, parse_chat_options, parse_message
 from service.api.openai_grammar import parse_grammar, structural_tag_format
-from service.api.kv_transfer_params import kv_transfer_fields
 from service.api.openai_sampling import params_fields, spec_fields
 from service.engine.grammar import ResponseFormat
 from service.engine.request import SamplingParams

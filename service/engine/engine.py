@@ -624,7 +624,7 @@ class Engine:
         self._ready = False
         sched = self._scheduler
         failure = await self._supervisor.put_down(exc, running=len(sched.running))
-        for request in list(sched.running):
+        for request in [*sched.running, *sched.transferring]:
             self._finish(request, "error", failure.detail, error=failure.error)
         if await self._supervisor.restart():
             return

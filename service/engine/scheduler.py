@@ -197,8 +197,15 @@ class Scheduler:
         ):
             entries = -(-request.prompt_len // self.blocks.block_size)
             blocks = list(self.blocks.table(request.seq_id)[:entries])
-            request.kv_hold = self.kv_holds.hold(request.seq_id, blocks, request.prompt_len, self.now)
+            request.kv_hold = self.kv_holds.hold(
+                request.seq_id, blocks, request.prompt_len, self.now
+            )
         self.remove(request)
+
+    @property
+    def transferring(self) -> list[Request]:
+        """Requests whose K/V is being pulled or was: a dead worker's cache lost it."""
+        return [*self.pulling.values(), *self.received]
 
     @property
     def kv_owners(self) -> set[int]:
@@ -272,6 +279,10 @@ class Scheduler:
     def replace_blocks(self, blocks: BlockManager) -> None:
         """A restarted worker's fresh cache; only while nothing runs."""
         assert not self.running, "blocks replaced under running sequences"
+        assert not self.received, "blocks replaced under pulled sequences"
+        self.pulling.clear()  # the old worker's pulls: their requests have ended
+        if self.kv_holds is not None:  # the held blocks went with the old cache
+            self.kv_holds.expire(float("inf"))
         self.blocks = self.rules.blocks = blocks
         self._last_step_ms = None
         self.plans.reset(blocks)
