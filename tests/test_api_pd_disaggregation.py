@@ -12,7 +12,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_fixtures import RunningServer, start_server, stop_server
+from tests.server_fixtures import RunningServer, seconds_until, start_server, stop_server
 
 pytestmark = pytest.mark.real_model
 # installed beside this interpreter (the pd extra), or on the PATH
@@ -50,17 +49,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_for_router(url: str, process: subprocess.Popen, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert process.poll() is None, f"vllm-router exited with {process.returncode}"
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("vllm-router did not answer")
+def router_answers(url: str, process: subprocess.Popen) -> bool:
+    assert process.poll() is None, f"vllm-router exited with {process.returncode}"
+    try:
+        return httpx.get(f"{url}/v1/models", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +82,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
         command += ["--decode", servers[1].url]
         router = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
-        wait_for_router(url, router)
+        seconds_until(lambda: router_answers(url, router), 60)
         yield Pair(servers[0], servers[1], url)
     finally:
         if router is not None:
@@ -162,3 +156,35 @@ def test_the_pair_behind_vllm_router_answers_as_one_server(
     metrics = httpx.get(f"{pair.producer.url}/metrics", timeout=10).text
     assert f'cadence:kv_transfer_holds_total{{outcome="released"}} {len(asks)}.0' in metrics
     assert 'cadence:kv_transfer_holds_total{outcome="expired"} 0.0' in metrics
+
+
+def test_a_consumer_refuses_another_layout_and_fails_a_pull_it_cannot_make(pair: Pair) -> None:
+    """A 400 naming the field that differs; a producer that is gone: 503
+    kv_transfer_failed, the prompt never recomputed, the blocks free again."""
+    body = {"prompt": PROMPTS[0], "max_tokens": 1, "temperature": 0}
+    ask = {**body, "kv_transfer_params": {"do_remote_decode": True}}
+    held = httpx.post(f"{pair.producer.url}/v1/completions", json=ask, timeout=60).json()
+    params = held["kv_transfer_params"]
+    other = {**params, "fingerprint": {**params["fingerprint"], "dtype": "bfloat16"}}
+    refused = httpx.post(
+        f"{pair.consumer.url}/v1/completions",
+        json={**body, "kv_transfer_params": other},
+        timeout=60,
+    )
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert error["param"] == "kv_transfer_params" and "dtype" in error["message"]
+    gone = {**params, "remote_port": free_port()}  # nothing listens there
+    failed = httpx.post(
+        f"{pair.consumer.url}/v1/completions", json={**body, "kv_transfer_params": gone}, timeout=60
+    )
+    assert failed.status_code == 503 and failed.json()["error"]["code"] == "kv_transfer_failed"
+    assert pair.consumer.wait_idle()["kv_blocks_used"] == 0
+    # the hold nobody pulled is still the producer's; the right pull releases it
+    pulled = httpx.post(
+        f"{pair.consumer.url}/v1/completions",
+        json={**body, "kv_transfer_params": params},
+        timeout=60,
+    )
+    assert pulled.status_code == 200
+    assert pair.producer.wait_idle()["kv_transfer"]["holds"]["holding"] == 0

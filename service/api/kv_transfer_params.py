@@ -12,7 +12,8 @@ from service.engine.kv_transfer import PARAM, RemoteKv
 
 
 def kv_transfer_fields(value: Any) -> dict[str, Any]:
-    """SamplingParams' remote_decode or remote_kv; {} for null or a handover of neither."""
+    """SamplingParams' remote_decode or remote_kv; {} for null or an object of null and
+    false values (a connector's "no handover")."""
     if value is None:
         return {}
     if not isinstance(value, dict):
@@ -21,6 +22,10 @@ def kv_transfer_fields(value: Any) -> dict[str, Any]:
         return {"remote_decode": True}
     if value.get("do_remote_prefill") is True:
         return {"remote_kv": _remote_kv(value)}
+    if any(value.values()):  # asks for something, but neither half of a handover
+        raise bad_request(
+            f"'{PARAM}' must ask for do_remote_decode or do_remote_prefill, or nothing", PARAM
+        )
     return {}
 
 
