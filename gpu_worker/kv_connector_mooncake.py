@@ -4,6 +4,7 @@ batch read releases the GIL and carries the notify that tells the producer it is
 
 from __future__ import annotations
 
+from gpu_worker.kv_cache import KVCache
 from gpu_worker.kv_connector import KvConnector, KvTransferError, Segments
 
 NOTIFY_DONE = "done"  # the notify's message; its name is the transfer id
@@ -23,6 +24,16 @@ class MooncakeConnector(KvConnector):
         if self._engine.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
             raise KvTransferError(f"the mooncake transfer engine did not start on {host}")
         self.address = f"{host}:{self._engine.get_rpc_port()}"
+
+    def register(self, cache: KVCache) -> list[int]:
+        from mooncake import engine
+
+        if cache.like.device.type != "cpu" and not engine.SUPPORT_CUDA:
+            raise KvTransferError(
+                "this Mooncake build moves host memory only (mooncake-transfer-engine-non-cuda); "
+                "a cache on the GPU needs its CUDA build"
+            )
+        return super().register(cache)
 
     def _register(self, address: int, length: int) -> None:
         if self._engine.register_memory(address, length) != 0:
