@@ -23,13 +23,10 @@ import pytest
 from tests.server_fixtures import RunningServer, seconds_until, start_server, stop_server
 
 pytestmark = pytest.mark.real_model
-# installed beside this interpreter (the pd extra), or on the PATH
+# installed beside this interpreter by the pd extra (./dev test installs it), or on the PATH
 ROUTER = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or shutil.which(
     "vllm-router"
 )
-if ROUTER is None:
-    pytest.skip("the pd extra installs vllm-router", allow_module_level=True)
-pytest.importorskip("mooncake.engine", reason="the pd extra installs Mooncake")
 
 GENERATED = 8
 PROMPTS = ["The capital of France is a city that", "List three prime numbers:"]
@@ -59,6 +56,7 @@ def router_answers(url: str, process: subprocess.Popen) -> bool:
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    assert ROUTER is not None, "vllm-router is missing: pip install -e '.[pd]'"
     roles = ("producer", "consumer")
     servers = [
         start_server(

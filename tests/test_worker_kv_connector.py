@@ -43,8 +43,6 @@ def test_block_runs_coalesce_blocks_consecutive_on_both_sides() -> None:
 
 @pytest.mark.parametrize("engine", [KV_ENGINE_LOCAL, KV_ENGINE_MOONCAKE])
 def test_a_pull_copies_the_blocks_and_notifies_the_producer(engine: str) -> None:
-    if engine == KV_ENGINE_MOONCAKE:
-        pytest.importorskip("mooncake.engine", reason="the pd extra installs Mooncake")
     producer_cache, consumer_cache = _cache(12, 1), _cache(20, 2)
     producer = make_connector(engine, "127.0.0.1")
     consumer = make_connector(engine, "127.0.0.1")
