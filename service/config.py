@@ -157,6 +157,12 @@ class Config:
         "seconds a producer holds a prompt's K/V for the consumer's pull before freeing it",
         type=positive_float,
     )
+    kv_transfer_timeout: float = flag(
+        30.0,
+        "seconds a consumer's pull of a prompt's K/V may take before its request ends "
+        "kv_transfer_failed (never recomputed)",
+        type=positive_float,
+    )
     cache_dir: Path = flag(
         help="converted models and measured kernel choices (default: $CADENCE_CACHE, "
         "$XDG_CACHE_HOME/cadence or ~/.cache/cadence)",

@@ -54,3 +54,16 @@ def test_a_request_that_ends_mid_pull_keeps_its_blocks_until_the_pull_is_done() 
     assert sched.update(later, StepResult(later.iteration, pulls_done=[PullDone("t0")])) == []
     assert sched.blocks.num_used == 0 and not sched.has_work()
     check_invariants(sched)
+
+
+def test_an_overdue_pull_is_named_and_its_blocks_wait_for_the_worker() -> None:
+    sched, _ = make_scheduler(num_blocks=8)
+    request = receiving(0, 9)
+    sched.add(request)
+    out = sched.schedule(5.0)
+    assert sched.overdue_pulls(7.0, timeout=3.0) == []
+    assert sched.overdue_pulls(8.0, timeout=3.0) == [request]
+    sched.remove(request)  # the engine ends it kv_transfer_failed
+    assert sched.overdue_pulls(9.0, timeout=3.0) == [] and sched.blocks.num_used == 3
+    sched.update(out, StepResult(out.iteration, pulls_done=[PullDone("t0", error="late")]))
+    assert sched.blocks.num_used == 0 and not sched.has_work()

@@ -62,6 +62,7 @@ from service.engine.engine_state import (
 )
 from service.engine.invariants import check_blocks_kept, check_invariants
 from service.engine.kv_transfer import (
+    KV_TRANSFER_FAILED,
     ROLE_BOTH,
     ROLE_PRODUCER,
     Fingerprint,
@@ -375,6 +376,14 @@ class Engine:
             self._report.refused(request.request_id, "deadline_exceeded")
             self._finish(request, "error", "deadline_exceeded", error=message)
 
+    def _end_overdue_pulls(self, now: float) -> None:
+        """A pull that takes longer than --kv-transfer-timeout fails its request (never
+        recomputed); the blocks wait for the worker's word that the pull is done."""
+        timeout = self.config.kv_transfer_timeout
+        for request in self._scheduler.overdue_pulls(now, timeout):
+            message = f"pulling the prompt's K/V took longer than {timeout:g} s"
+            self._finish(request, "error", KV_TRANSFER_FAILED, error=message)
+
     def tenant_load(self) -> dict[str, TenantLoad]:
         """What each tenant has in the engine now: its quotas' measure (/metrics shows it)."""
         return self._admission.tenant_load()
@@ -394,6 +403,7 @@ class Engine:
         sched = self._scheduler
         while True:
             self._expire_deadlines(trio.current_time())
+            self._end_overdue_pulls(trio.current_time())
             try:
                 if not await self._iterate(sched):
                     # nothing to do, or nothing could be scheduled: wait for a request or an abort

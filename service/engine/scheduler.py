@@ -127,6 +127,7 @@ class Scheduler:
         self.kv_holds: KvHolds | None = None
         self.receiving: list[Request] = []
         self.pulling: dict[str, Request] = {}  # by transfer id
+        self._pull_started: dict[str, float] = {}  # engine clock, by transfer id
         self.received: list[Request] = []
         self.now = 0.0  # the engine clock at the last schedule()
 
@@ -281,6 +282,7 @@ class Scheduler:
         assert not self.running, "blocks replaced under running sequences"
         assert not self.received, "blocks replaced under pulled sequences"
         self.pulling.clear()  # the old worker's pulls: their requests have ended
+        self._pull_started.clear()
         if self.kv_holds is not None:  # the held blocks went with the old cache
             self.kv_holds.expire(float("inf"))
         self.blocks = self.rules.blocks = blocks
@@ -338,6 +340,7 @@ class Scheduler:
             self.blocks.allocate(request.seq_id, request.prompt_len)
             request.status = Status.RECEIVING
             self.pulling[remote.transfer_id] = request
+            self._pull_started[remote.transfer_id] = self.now
             local = list(self.blocks.table(request.seq_id))
             pulls.append(
                 KvPull(
@@ -362,6 +365,7 @@ class Scheduler:
         """A pull ended: its request computes the prompt's last token next, or fails
         (never recomputed: vLLM's rule); an aborted one's blocks are freed now."""
         request = self.pulling.pop(done.transfer_id, None)
+        self._pull_started.pop(done.transfer_id, None)
         if request is None:
             return None
         if request.seq_id not in self._by_seq:  # it ended while its blocks were written
@@ -376,6 +380,15 @@ class Scheduler:
         register_blocks(self.blocks, request)
         self.received.append(request)
         return None
+
+    def overdue_pulls(self, now: float, timeout: float) -> list[Request]:
+        """Requests whose pull began `timeout` s ago or more and is not done (the engine
+        ends them; their blocks stay theirs until the worker reports the pull done)."""
+        return [
+            request
+            for transfer_id, request in self.pulling.items()
+            if now - self._pull_started[transfer_id] >= timeout and request.seq_id in self._by_seq
+        ]
 
     def _run_received(self) -> None:
         """Pulled requests join the running while there are slots."""
