@@ -303,7 +303,7 @@ class Engine:
             return None
         sched = self._scheduler
         holds = sched.kv_holds.state() if sched.kv_holds is not None else None
-        pulls = {"waiting": len(sched.receiving), "pulling": len(sched.pulling)}
+        pulls = {"waiting": len(sched.kv_pulls.waiting), "pulling": len(sched.kv_pulls.pulling)}
         return {"role": self.config.kv_transfer_role, "holds": holds, "pulls": pulls}
 
     def _overlap_limit(self) -> int | None:
@@ -429,7 +429,7 @@ class Engine:
         """Only K/V is moving: the next rowless step a little later, or at a request."""
         self._wakeup = trio.Event()
         sched = self._scheduler
-        with trio.move_on_after(PULL_POLL_S if sched.pulling else HOLD_POLL_S):
+        with trio.move_on_after(PULL_POLL_S if sched.kv_pulls.pulling else HOLD_POLL_S):
             await self._wakeup.wait()
 
     async def _wait_for_work(self) -> None:

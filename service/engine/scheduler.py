@@ -50,10 +50,11 @@ import collections
 from collections.abc import Collection
 from typing import Any, cast
 
-from gpu_worker.protocol import DRAFT_MODEL_TOKEN, KvPull, PullDone, StepResult, TokenLogprobs
+from gpu_worker.protocol import DRAFT_MODEL_TOKEN, PullDone, StepResult, TokenLogprobs
 from policies.base import Decision, Policy, View
 from service.engine.block_manager import BlockManager
 from service.engine.block_rules import BlockRules
+from service.engine.kv_pulls import KvPulls
 from service.engine.kv_transfer import KV_TRANSFER_FAILED, KvHolds
 from service.engine.plan import PlanBuilder
 from service.engine.prefix_cache import prefix_hit, register_blocks
@@ -123,12 +124,9 @@ class Scheduler:
         self.draft_tokens = 0  # verified since the start
         self.accepted_tokens = 0
         # disaggregated prefill and decode (module docstring): a producer's holds, and a
-        # consumer's requests waiting for blocks to pull into, pulling, and pulled
+        # consumer's requests on their way in (kv_pulls)
         self.kv_holds: KvHolds | None = None
-        self.receiving: list[Request] = []
-        self.pulling: dict[str, Request] = {}  # by transfer id
-        self._pull_started: dict[str, float] = {}  # engine clock, by transfer id
-        self.received: list[Request] = []
+        self.kv_pulls = KvPulls()
         self.now = 0.0  # the engine clock at the last schedule()
 
     # ---- membership -------------------------------------------------------------------
@@ -138,7 +136,7 @@ class Scheduler:
         if request.grammar is not None:
             self._constrained[request.seq_id] = request
         if request.params.remote_kv is not None:
-            self.receiving.append(request)  # no policy sees it before its K/V is in
+            self.kv_pulls.waiting.append(request)  # no policy sees it before its K/V is in
         else:
             self.rules.join_waiting(request)
 
@@ -175,13 +173,8 @@ class Scheduler:
             return
         self._constrained.pop(request.seq_id, None)
         self.plans.forget(request.seq_id)
-        if request in self.receiving or request in self.received:
-            (self.receiving if request in self.receiving else self.received).remove(request)
-            self.blocks.free(request.seq_id)
-            return
-        if request.status is Status.RECEIVING:
-            # a pull writes its blocks until the worker reports it done: freed then
-            if not any(r is request for r in self.pulling.values()):
+        if request.params.remote_kv is not None and request.status is not Status.RUNNING:
+            if self.kv_pulls.leave(request):  # else a pull still writes its blocks
                 self.blocks.free(request.seq_id)
             return
         if request.kv_hold is None:  # a held request's blocks are freed when its hold ends
@@ -206,14 +199,14 @@ class Scheduler:
     @property
     def transferring(self) -> list[Request]:
         """Requests whose K/V is being pulled or was: a dead worker's cache lost it."""
-        return [*self.pulling.values(), *self.received]
+        return [*self.kv_pulls.pulling.values(), *self.kv_pulls.pulled]
 
     @property
     def kv_owners(self) -> set[int]:
         """Sequences that left but whose blocks are still held: by a producer's hold, or
         under a pull still writing them."""
         held = self.kv_holds.seq_ids if self.kv_holds is not None else set()
-        return held | {r.seq_id for r in self.pulling.values() if r.seq_id not in self._by_seq}
+        return held | self.kv_pulls.ended_mid_pull(self._by_seq)
 
     @property
     def sequences(self) -> Collection[Request]:
@@ -232,7 +225,7 @@ class Scheduler:
     def transfers_pending(self) -> bool:
         """K/V on the move: steps go on (rowless if need be) to hear how it ends."""
         holding = self.kv_holds is not None and bool(self.kv_holds.by_id)
-        return bool(self.receiving or self.pulling or self.received or holding)
+        return self.kv_pulls.pending or holding
 
     # ---- policy -----------------------------------------------------------------------
 
@@ -280,9 +273,8 @@ class Scheduler:
     def replace_blocks(self, blocks: BlockManager) -> None:
         """A restarted worker's fresh cache; only while nothing runs."""
         assert not self.running, "blocks replaced under running sequences"
-        assert not self.received, "blocks replaced under pulled sequences"
-        self.pulling.clear()  # the old worker's pulls: their requests have ended
-        self._pull_started.clear()
+        assert not self.kv_pulls.pulled, "blocks replaced under pulled sequences"
+        self.kv_pulls.forget_pulls()  # their requests ended with the old worker
         if self.kv_holds is not None:  # the held blocks went with the old cache
             self.kv_holds.expire(float("inf"))
         self.blocks = self.rules.blocks = blocks
@@ -319,40 +311,12 @@ class Scheduler:
             if item.request.first_scheduled is None:
                 item.request.first_scheduled = now
                 out.started.append(item.request)
-        pulls = self._start_pulls()
+        pulls = self.kv_pulls.start(self.blocks, now)
         if out.scheduled or self.transfers_pending:
             out.plan = self.plans.build(out.scheduled, out.iteration)
             out.plan.pulls = pulls
             out.written = [self._written(item) for item in out.scheduled]
         return out
-
-    def _start_pulls(self) -> list[KvPull]:
-        """Blocks for the receiving requests' prompts, in arrival order while they fit
-        (beside the watermark kept for running ones to grow), each with its pull."""
-        pulls = []
-        while self.receiving:
-            request, remote = self.receiving[0], self.receiving[0].params.remote_kv
-            assert remote is not None  # only such requests receive
-            room = self.blocks.num_available - self.blocks.watermark_blocks
-            if self.blocks.blocks_to_hold(request.prompt_len) > room:
-                break
-            self.receiving.pop(0)
-            self.blocks.allocate(request.seq_id, request.prompt_len)
-            request.status = Status.RECEIVING
-            self.pulling[remote.transfer_id] = request
-            self._pull_started[remote.transfer_id] = self.now
-            local = list(self.blocks.table(request.seq_id))
-            pulls.append(
-                KvPull(
-                    remote.transfer_id,
-                    remote.peer,
-                    remote.block_ids,
-                    local,
-                    remote.tensors,
-                    remote.num_blocks,
-                )
-            )
-        return pulls
 
     def _take_transfers(self, result: StepResult) -> list[Outcome]:
         """A step's news of K/V transfers: the consumers' notices end holds; pulls done."""
@@ -364,8 +328,7 @@ class Scheduler:
     def _pulled(self, done: PullDone) -> Outcome | None:
         """A pull ended: its request computes the prompt's last token next, or fails
         (never recomputed: vLLM's rule); an aborted one's blocks are freed now."""
-        request = self.pulling.pop(done.transfer_id, None)
-        self._pull_started.pop(done.transfer_id, None)
+        request = self.kv_pulls.finish(done.transfer_id)
         if request is None:
             return None
         if request.seq_id not in self._by_seq:  # it ended while its blocks were written
@@ -378,22 +341,19 @@ class Scheduler:
         request.num_computed_tokens = request.prompt_len - 1
         request.status = Status.WAITING
         register_blocks(self.blocks, request)
-        self.received.append(request)
+        self.kv_pulls.pulled.append(request)
         return None
 
     def overdue_pulls(self, now: float, timeout: float) -> list[Request]:
         """Requests whose pull began `timeout` s ago or more and is not done (the engine
         ends them; their blocks stay theirs until the worker reports the pull done)."""
-        return [
-            request
-            for transfer_id, request in self.pulling.items()
-            if now - self._pull_started[transfer_id] >= timeout and request.seq_id in self._by_seq
-        ]
+        return [r for r in self.kv_pulls.overdue(now, timeout) if r.seq_id in self._by_seq]
 
     def _run_received(self) -> None:
         """Pulled requests join the running while there are slots."""
-        while self.received and len(self.running) < self.max_num_seqs:
-            self.rules.join_received(self.received.pop(0))
+        pulled = self.kv_pulls.pulled
+        while pulled and len(self.running) < self.max_num_seqs:
+            self.rules.join_received(pulled.pop(0))
 
     def _end_expired_holds(self, now: float) -> None:
         if self.kv_holds is not None:
