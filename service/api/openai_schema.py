@@ -293,6 +293,11 @@ def _parse_common(
     stream = fields.boolean("stream", False)
     if stream and best_of > n:
         raise bad_request("'best_of' greater than 'n' cannot be streamed", "best_of")
+    if stream and params.remote_decode:  # the whole answer says where the K/V waits
+        raise bad_request(
+            "'kv_transfer_params' with do_remote_decode asks for a whole answer (stream false)",
+            "kv_transfer_params",
+        )
     return GenerationRequest(
         kind=kind,
         model=model,

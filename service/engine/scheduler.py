@@ -42,6 +42,14 @@ Pooling (embeddings). A pooled request never samples: the worker pools its chunk
 (NewSeq.pooling), and update() finishes it (POOLED) with the step that
 computes its prompt's last token. A mean-pooled one takes no prefix-cache hit, since every
 row's state is summed, so its sum starts again at 0 after a preemption.
+
+Prefill and decode on two servers (--kv-transfer-role, service.engine.kv_transfer). A
+producer's do_remote_decode request that ends by its own tokens keeps its blocks under a
+hold (kv_holds) until a step's notices release it or schedule() finds it expired. A
+consumer's request with the producer's K/V waits in kv_pulls, never in a policy's view:
+schedule() gives it blocks for its prompt and a KvPull in the plan (rowless plans while
+only K/V moves), update() takes the worker's PullDone and makes it a running sequence with
+all but the prompt's last token computed, or fails it kv_transfer_failed.
 """
 
 from __future__ import annotations
