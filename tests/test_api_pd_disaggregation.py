@@ -157,10 +157,14 @@ def test_the_pair_behind_vllm_router_answers_as_one_server(
 
 
 def test_a_consumer_refuses_another_layout_and_fails_a_pull_it_cannot_make(pair: Pair) -> None:
-    """A 400 naming the field that differs; a producer that is gone: 503
-    kv_transfer_failed, the prompt never recomputed, the blocks free again."""
+    """A streamed do_remote_decode and another layout get a 400 naming the field; a
+    producer that is gone: 503 kv_transfer_failed, the blocks free again."""
     body = {"prompt": PROMPTS[0], "max_tokens": 1, "temperature": 0}
     ask = {**body, "kv_transfer_params": {"do_remote_decode": True}}
+    streamed = httpx.post(
+        f"{pair.producer.url}/v1/completions", json={**ask, "stream": True}, timeout=60
+    )
+    assert streamed.status_code == 400  # its answer could not say where the K/V waits
     held = httpx.post(f"{pair.producer.url}/v1/completions", json=ask, timeout=60).json()
     params = held["kv_transfer_params"]
     other = {**params, "fingerprint": {**params["fingerprint"], "dtype": "bfloat16"}}
