@@ -84,7 +84,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
         yield Pair(servers[0], servers[1], url)
     finally:
         if router is not None:
-            router.terminate()
+            router.kill()  # it holds nothing to drain
             router.wait(10)
         for server in servers:
             stop_server(server)
