@@ -65,6 +65,11 @@ def greedy(max_tokens: int, **fields: object) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, sampling=SamplingSpec(), **fields)
 
 
+def seeded(max_tokens: int, **fields: object) -> SamplingParams:
+    spec = SamplingSpec(temperature=1.0, seed=7)
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, sampling=spec, **fields)
+
+
 async def prefill(producer: Engine, prompt: list[int], request_id: str) -> dict:
     """The producer's half: one token, and where it holds the prompt's K/V."""
     channel = await producer.submit(prompt, greedy(1, remote_decode=True), request_id=request_id)
@@ -73,9 +78,9 @@ async def prefill(producer: Engine, prompt: list[int], request_id: str) -> dict:
     return finish.kv_transfer_params
 
 
-async def decode(consumer: Engine, prompt: list[int], params: dict, request_id: str):
+async def decode(consumer: Engine, prompt: list[int], params: dict, request_id: str, how=greedy):
     fields = kv_transfer_fields(params)  # as the API reads what the router copied
-    channel = await consumer.submit(prompt, greedy(GENERATED, **fields), request_id=request_id)
+    channel = await consumer.submit(prompt, how(GENERATED, **fields), request_id=request_id)
     return await collect(channel)
 
 
@@ -95,28 +100,31 @@ async def test_handed_over_prompts_decode_as_one_engine_computes_them(tiny_model
             assert params["remote_block_ids"] and params["prompt_tokens"] == len(prompt)
             outputs.append((await decode(consumer, prompt, params, f"d{i}")).token_ids)
         assert outputs == reference
+        # seeded sampling too: the consumer's first sample is the request's first
+        sampled_alone = await run_together(alone, PROMPTS[:2], seeded(GENERATED), "seeded")
+        for i, prompt in enumerate(PROMPTS[:2]):
+            params = await prefill(producer, prompt, f"ps{i}")
+            handed = await decode(consumer, prompt, params, f"ds{i}", seeded)
+            assert handed.token_ids == sampled_alone[i]
         holds = producer.scheduler.kv_holds
         assert holds is not None
-        await wait_until(lambda: holds.released == len(PROMPTS))
+        await wait_until(lambda: holds.released == len(PROMPTS) + 2)
         assert holds.expired == 0 and not holds.by_id
         for engine in (producer, consumer):
             await wait_until(lambda e=engine: not e.scheduler.has_work())
             assert engine.scheduler.blocks.num_used == 0  # cached blocks are evictable
     # the consumer computed one token of each prompt, the last, and none before its pull
-    seen: dict[int, int] = {}
-    pulled_at: dict[int, int] = {}
+    # (one request at a time: the pulls and the sequences' first rows come in one order)
+    handed = [*PROMPTS, *PROMPTS[:2]]
+    pulls = [step for step, plan in enumerate(w[2].plans) for _ in plan.pulls]
+    first_rows: dict[int, tuple[int, int, int]] = {}  # seq -> its first row's step, start, size
     for step, plan in enumerate(w[2].plans):
-        for pull in plan.pulls:
-            pulled_at[pull.local_blocks[0]] = step
         for row in plan.rows:
-            seen.setdefault(row.seq_id, row.start_pos)
-    prompt_of = dict(enumerate(PROMPTS))
-    assert sorted(seen.values()) == sorted(len(p) - 1 for p in prompt_of.values())
-    first_rows = [
-        min(s for s, plan in enumerate(w[2].plans) if seq in plan.seq_ids) for seq in seen
-    ]
-    assert all(first > min(pulled_at.values()) for first in first_rows)
-    assert len(pulled_at) == len(PROMPTS)
+            first_rows.setdefault(row.seq_id, (step, row.start_pos, row.num_tokens))
+    handed_rows = [first_rows[seq] for seq in sorted(first_rows)][-len(handed) :]
+    assert len(pulls) == len(handed)
+    for prompt, pulled, (step, start, size) in zip(handed, pulls, handed_rows, strict=True):
+        assert (start, size) == (len(prompt) - 1, 1) and step > pulled
 
 
 async def test_a_hold_nobody_pulls_expires_and_frees_its_blocks(tiny_models):
