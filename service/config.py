@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpu_worker.protocol import QUANTIZATIONS, WorkerConfig
+from gpu_worker.protocol import KV_ENGINE_MOONCAKE, QUANTIZATIONS, WorkerConfig
+from service.engine.kv_transfer import KV_TRANSFER_ROLES
 from service.engine.request import POOLING_TYPES
 from service.engine.speculation import SpeculativeConfig
 from service.flag_types import (
@@ -136,6 +137,34 @@ class Config:
         _WORKER.tensor_parallel_address,
         "HOST:PORT the group's rendezvous store listens on, for ranks on other hosts "
         "(default: loopback, a free port)",
+    )
+    # disaggregated prefill and decode (README: Prefill and decode on two servers)
+    kv_transfer_role: str | None = flag(
+        None,
+        "producer: compute prompts and hold their K/V for a decode server (requests with "
+        "kv_transfer_params.do_remote_decode); consumer: pull a producer's K/V and decode "
+        "(do_remote_prefill); both (default: neither, kv_transfer_params refused)",
+        choices=KV_TRANSFER_ROLES,
+    )
+    kv_engine: str = flag(
+        KV_ENGINE_MOONCAKE,
+        "the transfer engine moving K/V between the two (the pd extra installs it)",
+        choices=(KV_ENGINE_MOONCAKE,),
+        name="--kv-transfer-engine",
+    )
+    kv_transfer_host: str = flag(
+        _WORKER.kv_transfer_host, "the address the transfer engine listens on for consumers"
+    )
+    kv_hold_timeout: float = flag(
+        30.0,
+        "seconds a producer holds a prompt's K/V for the consumer's pull before freeing it",
+        type=positive_float,
+    )
+    kv_transfer_timeout: float = flag(
+        30.0,
+        "seconds a consumer's pull of a prompt's K/V may take before its request ends "
+        "kv_transfer_failed (never recomputed)",
+        type=positive_float,
     )
     cache_dir: Path = flag(
         help="converted models and measured kernel choices (default: $CADENCE_CACHE, "

@@ -30,6 +30,7 @@ from service.api.openai_responses import (
 )
 from service.api.openai_schema import GenerationRequest
 from service.api.sse import DONE, HEARTBEAT, SSE_HEADERS, event_groups, sse_data
+from service.engine.kv_transfer import KV_TRANSFER_FAILED
 from service.engine.request import Event, FinishEvent, TokenEvent
 
 SERVER_STATE_FAILURES = (
@@ -37,6 +38,7 @@ SERVER_STATE_FAILURES = (
     "worker_hung",
     "worker_unavailable",
     "kv_capacity_exceeded",
+    KV_TRANSFER_FAILED,  # the producer is gone or its hold expired: a router retries
 )
 
 
@@ -132,7 +134,10 @@ async def whole_body(
         choices.append(answer(req, text, finishes[i].reason, logprobs))
     ordered = [finishes[i] for i in range(req.sequences)]
     usage_ = usage(ordered, state.config.reports_cached_tokens(), req.best_of)
-    return with_metrics(full_response(header, choices, usage_), ordered, state)
+    body = full_response(header, choices, usage_)
+    if ordered[0].kv_transfer_params is not None:  # a producer's: where its K/V waits
+        body["kv_transfer_params"] = ordered[0].kv_transfer_params
+    return with_metrics(body, ordered, state)
 
 
 def with_metrics(body: dict[str, Any], finishes: list[FinishEvent], state: AppState) -> dict:

@@ -22,6 +22,7 @@ from service.engine.acceptance import Acceptance
 if TYPE_CHECKING:
     from service.engine.detokenizer import Detokenizer
     from service.engine.grammar import Matcher
+    from service.engine.kv_transfer import KvHold, RemoteKv
 
 
 DEFAULT_TENANT = "default"
@@ -66,6 +67,11 @@ class SamplingParams:
     # the LoRA adapter the request runs with (issue 54 names it from the request's `model`):
     # carried to the worker's table, applied once adapters load
     adapter: str | None = None
+    # disaggregated prefill and decode (service.engine.kv_transfer): a producer keeps the
+    # prompt's blocks for a consumer when the request ends (vLLM's do_remote_decode); a
+    # consumer pulls them from the producer that holds them (do_remote_prefill)
+    remote_decode: bool = False
+    remote_kv: RemoteKv | None = None
 
 
 @dataclass(slots=True)
@@ -119,6 +125,9 @@ class FinishEvent:
     index: int = 0  # which of the request's n sequences finished
     embedding: list[float] | None = None  # a pooled request's (SamplingParams.pooling)
     phases: Phases | None = None  # where its time went
+    # a producer's request whose blocks it holds for a consumer: where they are (the
+    # answer's kv_transfer_params, service.engine.kv_transfer.producer_params)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 Event = TokenEvent | FinishEvent
@@ -170,6 +179,7 @@ class UnreadBytes:
 
 class Status(enum.Enum):
     WAITING = "waiting"
+    RECEIVING = "receiving"  # its prompt's K/V is being pulled: never scheduled for compute
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -210,6 +220,7 @@ class Request:
     finished: float | None = None
     finish_reason: str | None = None
     finish_detail: str | None = None
+    kv_hold: KvHold | None = None  # a producer's: its blocks held for a consumer's pull
 
     @property
     def num_tokens(self) -> int:
