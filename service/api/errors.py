@@ -64,7 +64,3 @@ def json_response(
     return Response(
         orjson.dumps(body), status, {"Content-Type": "application/json", **(headers or {})}
     )
-
-
-def error_response(error: APIError) -> Response:
-    return json_response(error.body(), error.status, error.headers)

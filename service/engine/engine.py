@@ -517,6 +517,8 @@ class Engine:
         )
         if (reason, detail) == POOLED:
             event.embedding = request.pooled
+        elif detail == "stop_string":
+            event.stop_string = request.detokenizer.stopped_by
         request.send(event)
         request.stream.close()
         self._requests.pop(request.request_id, None)

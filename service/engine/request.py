@@ -89,6 +89,7 @@ class FinishEvent:
     cached_tokens: int = 0  # prompt tokens found in the prefix cache, not computed
     index: int = 0  # which of the request's n sequences finished
     embedding: list[float] | None = None  # a pooled request's (SamplingParams.pooling)
+    stop_string: str | None = None  # the stop string that ended it (vLLM's stop_reason)
 
 
 Event = TokenEvent | FinishEvent
