@@ -2,15 +2,18 @@
 it runs the chat's one engine path: `system` a system turn, `messages` the chat's messages
 (`tool_use` blocks an assistant turn's tool calls, `tool_result` blocks tool messages),
 `tools` and `tool_choice` the chat's function tools and choices, `stop_sequences` its stop,
-`metadata.user_id` its `user` (the tenant hint), `thinking` the chat template's switch.
+`metadata.user_id` its `user` (the tenant hint), `thinking` the chat template's
+enable_thinking, `output_config` its response_format and reasoning_effort.
 
 Every field Anthropic's API accepts is translated or refused with a 400 naming it: what
-needs Anthropic's own services (`container`, `mcp_servers`, server tools, a
-`service_tier` other than the one there is), or content this text model cannot read
+needs Anthropic's own services (`container`, `mcp_servers`, server tools, workspaces, a
+tier or speed other than the one there is), or content this text model cannot read
 (images, documents). `cache_control` marks are accepted: the prefix cache keeps every
-prompt's blocks already. Fields of neither API are the chat's parser's (vLLM's sampling
-extras are honoured alike; unknown ones logged). A thinking block sent back is the model's
-own earlier reasoning: not shown again, as the Responses API leaves reasoning items out."""
+prompt's blocks already. `temperature`, `top_p`, `top_k` (which the newest SDKs send as
+extra body fields) and fields of neither API go to the chat's parser as they are, so
+vLLM's sampling extras are honoured alike (unknown ones logged). A thinking block sent
+back is the model's own earlier reasoning: not shown again, as the Responses API leaves
+reasoning items out."""
 
 from __future__ import annotations
 
@@ -42,22 +45,35 @@ CHAT_ONLY = (
 # field -> (the values that ask for nothing this server lacks, why the others are refused)
 NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "service_tier": ((None, "auto", "standard_only"), "this server has one tier"),
+    "speed": ((None, "standard"), "this server has one speed"),
     "container": ((None,), "this server runs no code containers"),
     "mcp_servers": ((None, []), "this server connects to no MCP servers"),
     "context_management": ((None,), "the context is sent whole; nothing is edited"),
-    "output_format": ((None,), "structured output is served by /v1/chat/completions"),
-    "output_config": ((None,), "structured output is served by /v1/chat/completions"),
+    "output_format": ((None,), "send 'output_config.format'"),
     "inference_geo": ((None,), "this server runs where it runs"),
+    "diagnostics": ((None,), "this server keeps no earlier prompts to compare"),
+    "workspace_id": ((None,), "this server has no workspaces; its API keys name tenants"),
+    "user_profile_id": ((None,), "the tenant is the API key's, and 'metadata.user_id' within it"),
 }
 # Read here; the chat's parser sees every other field as it is
 OWN_FIELDS = frozenset(
     {"system", "messages", "tools", "tool_choice", "thinking", "stop_sequences", "metadata"}
+    | {"cache_control", "output_config"}
     | set(NEUTRAL)
 )
 # count_tokens counts a prompt: a field of the generation is no part of it
-COUNT_FIELDS = frozenset({"model", "system", "messages", "tools", "tool_choice", "thinking"})
-ANTHROPIC_FIELDS = {"stop": "stop_sequences", "user": "metadata", "max_tokens": "max_tokens"}
-THINKING_TYPES = ("enabled", "disabled", "adaptive")
+COUNT_FIELDS = frozenset(
+    {"model", "system", "messages", "tools", "tool_choice", "thinking", "cache_control"}
+)
+ANTHROPIC_FIELDS = {
+    "stop": "stop_sequences",
+    "user": "metadata",
+    "response_format": "output_config",
+    "reasoning_effort": "output_config",
+}
+THINKING_TYPES = ("enabled", "disabled", "adaptive", "between_tools")
+THINKING_DISPLAYS = (None, "summarized", "omitted")  # summarized: as the model wrote it
+EFFORTS = ("low", "medium", "high")  # the chat template's reasoning_effort
 MIN_THINKING_BUDGET = 1024  # Anthropic's
 
 
@@ -87,10 +103,14 @@ def messages_request(body: Any, counting: bool = False) -> MessagesRequest:
     user = _user_of(body.get("metadata"))
     if user is not None:
         chat["user"] = user
+    _check_cache_control(body.get("cache_control"))
+    chat.update(output_config_of(body.get("output_config")))
     thinking = thinking_of(body.get("thinking"), body.get("max_tokens"), chat.get("tool_choice"))
     if thinking is not None:
-        chat["chat_template_kwargs"] = {"enable_thinking": thinking}
-        chat["include_reasoning"] = thinking
+        kwargs = chat.setdefault("chat_template_kwargs", {})
+        if isinstance(kwargs, dict):  # else the chat's parser names the problem
+            kwargs["enable_thinking"] = thinking
+        chat["include_reasoning"] = thinking and shows_thinking(body["thinking"])
     return MessagesRequest(chat, thinking)
 
 
@@ -296,6 +316,46 @@ def _user_of(metadata: Any) -> str | None:
     return user
 
 
+def _check_cache_control(value: Any) -> None:
+    """A cache breakpoint asks for what the prefix cache does for every prompt."""
+    if value is not None and not (isinstance(value, dict) and value.get("type") == "ephemeral"):
+        raise bad_request('\'cache_control\' must be {"type": "ephemeral"}', "cache_control")
+
+
+def output_config_of(value: Any) -> dict[str, Any]:
+    """`output_config`: its JSON schema format the chat's response_format (the grammar
+    holds the answer to it), its effort the template's reasoning_effort."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or set(value) - {"format", "effort"}:
+        raise bad_request("'output_config' may hold 'format' and 'effort'", "output_config")
+    chat: dict[str, Any] = {}
+    given = value.get("format")
+    if given is not None:
+        if not isinstance(given, dict) or given.get("type") != "json_schema":
+            message = '\'output_config.format\' must be {"type": "json_schema", "schema": ...}'
+            raise bad_request(message, "output_config")
+        spec = {"name": "output", "schema": given.get("schema")}
+        chat["response_format"] = {"type": "json_schema", "json_schema": spec}
+    effort = value.get("effort")
+    if effort is not None:
+        if effort not in EFFORTS:
+            raise bad_request(
+                f"'output_config.effort' must be one of {list(EFFORTS)}", "output_config"
+            )
+        chat["reasoning_effort"] = effort
+    return chat
+
+
+def shows_thinking(value: dict[str, Any]) -> bool:
+    display = value.get("display")
+    if display not in THINKING_DISPLAYS:
+        raise bad_request(
+            f"'thinking.display' must be one of {list(THINKING_DISPLAYS)}", "thinking"
+        )
+    return display != "omitted"
+
+
 def thinking_of(value: Any, max_tokens: Any, tool_choice: Any) -> bool | None:
     """Whether the model is asked to think; None: as its template does by default.
 
@@ -308,7 +368,7 @@ def thinking_of(value: Any, max_tokens: Any, tool_choice: Any) -> bool | None:
         raise bad_request(f"'thinking.type' must be one of {list(THINKING_TYPES)}", "thinking")
     if kind == "disabled":
         return False
-    if tool_choice in ("required",) or isinstance(tool_choice, dict):
+    if tool_choice == "required" or isinstance(tool_choice, dict):
         raise bad_request(
             "thinking may not be enabled when tool_choice forces tool use", "thinking"
         )
