@@ -69,13 +69,18 @@ def thinking_block(thinking: str) -> dict[str, Any]:
 
 
 def tool_use_block(call_id: str, name: str, arguments: str | None) -> dict[str, Any]:
-    """A call's block; its `input` the arguments' object (none yet: empty, as streamed)."""
-    return {
-        "type": "tool_use",
-        "id": call_id,
-        "name": name,
-        "input": orjson.loads(arguments) if arguments else {},
-    }
+    """A call's block; its `input` the arguments' object. None yet (a stream's first
+    event), or not whole (a call max_tokens cut short): empty, as Anthropic's stream starts
+    it; the stream's input_json_delta events still carry every character written."""
+    return {"type": "tool_use", "id": call_id, "name": name, "input": _object_of(arguments)}
+
+
+def _object_of(arguments: str | None) -> Any:
+    try:
+        value = orjson.loads(arguments or "{}")
+    except orjson.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 @dataclass(slots=True)
