@@ -13,9 +13,13 @@ import anthropic
 import httpx
 import pytest
 
+from service.api.anthropic_input import messages_request
+from service.api.anthropic_output import MessageEvents
+from service.api.errors import APIError
+from service.api.openai_responses import ResponseHeader
+from service.engine.request import FinishEvent
 from tests.server_fixtures import RunningServer
 
-pytestmark = pytest.mark.real_model
 QUESTION = [{"role": "user", "content": "Write a short poem about the sea."}]
 SHORT = [{"role": "user", "content": "Count from one to twenty, in words."}]  # it answers briefly
 MAX_TOKENS = 12
@@ -36,6 +40,7 @@ def ask(model: str, **fields: Any) -> dict[str, Any]:
     return {"model": model, "system": [{"type": "text", "text": "Answer briefly."}], **fields}
 
 
+@pytest.mark.real_model
 def test_a_message_whole_then_streamed_stopped_by_a_stop_sequence(
     client: anthropic.Anthropic, cadence_server: RunningServer
 ) -> None:
@@ -75,6 +80,7 @@ def test_a_message_whole_then_streamed_stopped_by_a_stop_sequence(
     assert final.usage.input_tokens == whole.usage.input_tokens
 
 
+@pytest.mark.real_model
 def test_the_raw_stream_is_anthropics_event_sequence(cadence_server: RunningServer) -> None:
     body = ask(cadence_server.model, messages=SHORT, max_tokens=16, stream=True)
     body.update(body.pop("extra_body"))
@@ -92,6 +98,7 @@ def test_the_raw_stream_is_anthropics_event_sequence(cadence_server: RunningServ
     assert 0 < delta["usage"]["output_tokens"] < 16
 
 
+@pytest.mark.real_model
 @pytest.mark.parametrize(
     ("change", "status", "kind", "names"),
     [
@@ -127,6 +134,7 @@ def test_bad_requests_are_anthropic_errors(
     assert names in error["error"]["message"]
 
 
+@pytest.mark.real_model
 def test_the_sdk_raises_the_error_its_status_names(
     client: anthropic.Anthropic, cadence_server: RunningServer
 ) -> None:
@@ -141,3 +149,112 @@ def test_the_sdk_raises_the_error_its_status_names(
         headers={"Content-Type": "text/plain"},
     )  # fmt: skip
     assert reply.status_code == 415 and reply.json()["type"] == "error"
+
+
+# ---- without a server ---------------------------------------------------------------------
+
+
+def test_a_conversation_of_blocks_is_the_chat_it_amounts_to() -> None:
+    body = {
+        "model": "m",
+        "max_tokens": 8,
+        "system": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],
+        "messages": [
+            {"role": "user", "content": "Add 1 and 2."},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "easy", "signature": ""},
+                    {"type": "text", "text": "Calling."},
+                    {"type": "tool_use", "id": "t1", "name": "add", "input": {"a": 1, "b": 2}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "t1", "content": "3"},
+                    {"type": "text", "text": "And "},
+                    {"type": "text", "text": "then?"},
+                ],
+            },
+        ],
+        "tools": [{"name": "add", "description": "Add", "input_schema": {"type": "object"}}],
+        "tool_choice": {"type": "tool", "name": "add", "disable_parallel_tool_use": True},
+        "stop_sequences": ["END"],
+        "metadata": {"user_id": "alice"},
+        "top_k": 5,
+    }
+    chat = messages_request(body).chat
+    call = {"id": "t1", "type": "function"}
+    call["function"] = {"name": "add", "arguments": '{"a":1,"b":2}'}
+    assert chat["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Add 1 and 2."},
+        {"role": "assistant", "content": "Calling.", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "t1", "content": "3"},
+        {"role": "user", "content": "And then?"},
+    ]
+    function = {"name": "add", "parameters": {"type": "object"}, "description": "Add"}
+    assert chat["tools"] == [{"type": "function", "function": function}]
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "add"}}
+    assert chat["parallel_tool_calls"] is False
+    assert (chat["stop"], chat["user"], chat["top_k"]) == (["END"], "alice", 5)
+    assert "metadata" not in chat and "stop_sequences" not in chat
+
+
+def test_thinking_is_the_templates_switch_and_forced_tools_refuse_it() -> None:
+    body = {"model": "m", "max_tokens": 2048, "messages": QUESTION}
+    on = messages_request({**body, "thinking": {"type": "enabled", "budget_tokens": 1024}})
+    assert on.thinking and on.chat["chat_template_kwargs"] == {"enable_thinking": True}
+    hidden = messages_request({**body, "thinking": {"type": "adaptive", "display": "omitted"}})
+    assert hidden.thinking and hidden.chat["include_reasoning"] is False
+    off = messages_request({**body, "thinking": {"type": "disabled"}}).chat
+    assert off["chat_template_kwargs"] == {"enable_thinking": False}
+    assert "chat_template_kwargs" not in messages_request(body).chat
+    for refused in (
+        {"thinking": {"type": "enabled", "budget_tokens": 512}},
+        {"thinking": {"type": "enabled", "budget_tokens": 4096}},  # not below max_tokens
+        {"thinking": {"type": "adaptive"}, "tool_choice": {"type": "any"}, "tools": []},
+    ):
+        with pytest.raises(APIError) as error:
+            messages_request({**body, **refused})
+        assert error.value.status == 400 and error.value.param == "thinking"
+
+
+def test_count_tokens_refuses_the_fields_of_a_generation() -> None:
+    body = {"model": "m", "messages": QUESTION}
+    assert messages_request(body, counting=True).chat["messages"] == QUESTION
+    with pytest.raises(APIError, match="max_tokens"):
+        messages_request({**body, "max_tokens": 4}, counting=True)
+
+
+def test_the_stream_opens_and_closes_each_block_in_turn() -> None:
+    events = MessageEvents(ResponseHeader("chat", "msg_1", "m"))
+    deltas = [
+        {"reasoning_content": "hmm"},
+        {"reasoning_content": " ok", "content": "Hi"},
+        {"tool_calls": [{"index": 0, "id": "c0", "function": {"name": "f", "arguments": '{"a'}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '": 1}'}}]},
+    ]
+    sent = [event for delta in deltas for event in events.deltas(delta)]
+    finish = FinishEvent("stop", "eos", 5, 7)
+    sent += events.finished(finish, "tool_calls")
+    shape = [(e["type"], e.get("index"), e.get("delta", {}).get("type")) for e in sent]
+    assert shape == [
+        ("content_block_start", 0, None),
+        ("content_block_delta", 0, "thinking_delta"),
+        ("content_block_delta", 0, "thinking_delta"),
+        ("content_block_stop", 0, None),
+        ("content_block_start", 1, None),
+        ("content_block_delta", 1, "text_delta"),
+        ("content_block_stop", 1, None),
+        ("content_block_start", 2, None),
+        ("content_block_delta", 2, "input_json_delta"),
+        ("content_block_delta", 2, "input_json_delta"),
+        ("content_block_stop", 2, None),
+        ("message_delta", None, None),
+        ("message_stop", None, None),
+    ]
+    assert sent[7]["content_block"] == {"type": "tool_use", "id": "c0", "name": "f", "input": {}}
+    assert sent[-2]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    assert sent[-2]["usage"] == {"output_tokens": 7}
