@@ -17,8 +17,6 @@ reasoning items out."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,16 +125,6 @@ def _check_fields(body: dict[str, Any], counting: bool) -> None:
             raise bad_request(f"count_tokens counts a prompt; {extra} ask for a generation")
     elif body.get("max_tokens") is None:
         raise bad_request("'max_tokens' is required", "max_tokens")
-
-
-@contextlib.contextmanager
-def anthropic_fields() -> Iterator[None]:
-    """Errors raised for the chat request name the Messages body's fields."""
-    try:
-        yield
-    except APIError as exc:
-        exc.param = ANTHROPIC_FIELDS.get(exc.param or "", exc.param)
-        raise
 
 
 def system_of(value: Any) -> list[dict[str, Any]]:

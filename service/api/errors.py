@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +58,18 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+@contextlib.contextmanager
+def params_renamed(names: dict[str, str]) -> Iterator[None]:
+    """Errors raised for a request translated into another API's (a Responses or Messages
+    body read as a chat) name the field of the body the client sent: `names` maps the
+    other's field names to its."""
+    try:
+        yield
+    except APIError as exc:
+        exc.param = names.get(exc.param or "", exc.param)
+        raise
 
 
 def json_response(

@@ -14,7 +14,7 @@ import trio
 from quart import Blueprint, Response, request
 
 from service.api.anthropic_errors import anthropic_error_body
-from service.api.anthropic_input import MessagesRequest, anthropic_fields, messages_request
+from service.api.anthropic_input import ANTHROPIC_FIELDS, MessagesRequest, messages_request
 from service.api.anthropic_output import (
     MessageEvents,
     content_of,
@@ -24,7 +24,7 @@ from service.api.anthropic_output import (
 )
 from service.api.app_state import AppState, app_state
 from service.api.chat_output import MessageStream, OutputReader
-from service.api.errors import APIError, bad_request, json_response
+from service.api.errors import APIError, bad_request, json_response, params_renamed
 from service.api.openai_answer import abort, closed_early, failure_of, whole_body
 from service.api.openai_responses import ResponseHeader, finish_reason_of
 from service.api.openai_schema import GenerationRequest, parse_chat_request
@@ -47,7 +47,7 @@ async def messages() -> Response:
     asked = messages_request(await read_json_body())
     state = app_state()
     header = ResponseHeader("chat", f"msg_{uuid.uuid4().hex}", state.served_model_name)
-    with anthropic_fields():
+    with params_renamed(ANTHROPIC_FIELDS):
         req = chat_request(asked, state)
         await prepare(req, state)
         _, channel = await submit_prompt(req, state, header.request_id)
@@ -75,7 +75,7 @@ async def count_tokens() -> Response:
     """The prompt's tokens, as the same body sent to /v1/messages would run it."""
     asked = messages_request(await read_json_body(), counting=True)
     state = app_state()
-    with anthropic_fields():
+    with params_renamed(ANTHROPIC_FIELDS):
         req = chat_request(asked, state)
         require_served_model(req.model, state)
         prompt_ids = await tokenize_prompt(req, state)
