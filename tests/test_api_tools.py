@@ -467,8 +467,9 @@ def anthropic_tool(chat_tool: dict) -> dict:
 
 
 def test_the_messages_api_tool_loop(claude: anthropic.Anthropic) -> None:
-    """tool_use (forced by `any`, one call, streamed) then tool_result, answered with `auto` (the
-    hermes parser reads the answer); count_tokens counts the prompt the tools are in."""
+    """tool_use (forced by naming the tool: its arguments only, few tokens; streamed) then
+    tool_result, answered with `auto` (the hermes parser reads the answer); count_tokens
+    counts the prompt the tools are in."""
     tools = [anthropic_tool(ADD)]  # a short call: few tokens to generate
     messages: list[Any] = [{"role": "user", "content": "What is 10 plus 20?"}]
     fields: dict[str, Any] = {
@@ -480,7 +481,7 @@ def test_the_messages_api_tool_loop(claude: anthropic.Anthropic) -> None:
         **fields,
         messages=messages,
         max_tokens=MAX_TOKENS,
-        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        tool_choice={"type": "tool", "name": "add"},
     ) as stream:
         events = [event for event in stream if event.type.startswith("content_block")]
         first = stream.get_final_message()
