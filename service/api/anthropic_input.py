@@ -62,6 +62,7 @@ OWN_FIELDS = frozenset(
 # count_tokens counts a prompt: a field of the generation is no part of it
 COUNT_FIELDS = frozenset(
     {"model", "system", "messages", "tools", "tool_choice", "thinking", "cache_control"}
+    | {"output_config"}  # its effort is the template's: it shapes the prompt
 )
 ANTHROPIC_FIELDS = {
     "stop": "stop_sequences",
@@ -103,13 +104,19 @@ def messages_request(body: Any, counting: bool = False) -> MessagesRequest:
         chat["user"] = user
     _check_cache_control(body.get("cache_control"))
     chat.update(output_config_of(body.get("output_config")))
+    return MessagesRequest(chat, _add_thinking(body, chat))
+
+
+def _add_thinking(body: dict[str, Any], chat: dict[str, Any]) -> bool | None:
+    """The chat's options for `thinking`; whether it asks for thinking (None: not said)."""
     thinking = thinking_of(body.get("thinking"), body.get("max_tokens"), chat.get("tool_choice"))
-    if thinking is not None:
-        kwargs = chat.setdefault("chat_template_kwargs", {})
-        if isinstance(kwargs, dict):  # else the chat's parser names the problem
-            kwargs["enable_thinking"] = thinking
-        chat["include_reasoning"] = thinking and shows_thinking(body["thinking"])
-    return MessagesRequest(chat, thinking)
+    if thinking is None:
+        return None
+    kwargs = chat.get("chat_template_kwargs", {})
+    if isinstance(kwargs, dict):  # else the chat's parser names the problem
+        chat["chat_template_kwargs"] = {**kwargs, "enable_thinking": thinking}
+    chat["include_reasoning"] = thinking and shows_thinking(body["thinking"])
+    return thinking
 
 
 def _check_fields(body: dict[str, Any], counting: bool) -> None:

@@ -282,21 +282,6 @@ def _messages(max_model_len: int | None) -> Schema:
             ],
             "description": "user_id: the tenant hint, as the chat's `user`",
         },
-        "output_config": {
-            "oneOf": [
-                {"type": "null"},
-                _object(
-                    {
-                        "format": _object(
-                            {"type": {"const": "json_schema"}, "schema": {"type": "object"}},
-                            ["type", "schema"],
-                        ),
-                        "effort": {"enum": [*EFFORTS, None]},
-                    },
-                    [],
-                ),
-            ]
-        },
     }
     request = _open({**shared, **own}, ["model", "max_tokens", "messages"])
     request["additionalProperties"] = True  # as the chat's: unknown fields are logged
@@ -341,6 +326,21 @@ def _messages_prompt(max_model_len: int | None) -> Schema:
         "tool_choice": {"oneOf": [{"type": "null"}, choice]},
         "thinking": {"oneOf": [{"type": "null"}, thinking]},
         "cache_control": {"oneOf": [{"type": "null"}, _open({"type": {"const": "ephemeral"}}, [])]},
+        "output_config": {
+            "oneOf": [
+                {"type": "null"},
+                _object(
+                    {
+                        "format": _object(
+                            {"type": {"const": "json_schema"}, "schema": {"type": "object"}},
+                            ["type", "schema"],
+                        ),
+                        "effort": {"enum": [*EFFORTS, None]},
+                    },
+                    [],
+                ),
+            ]
+        },
         **{name: {"enum": _distinct(values)} for name, (values, _) in ANTHROPIC_NEUTRAL.items()},
     }
 
