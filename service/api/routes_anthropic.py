@@ -29,6 +29,7 @@ from service.api.openai_answer import abort, closed_early, failure_of, whole_bod
 from service.api.openai_responses import ResponseHeader, finish_reason_of
 from service.api.openai_schema import GenerationRequest, parse_chat_request
 from service.api.routes_openai import (
+    decided_start,
     prepare,
     prompt_bound,
     read_json_body,
@@ -37,7 +38,7 @@ from service.api.routes_openai import (
     tokenize_prompt,
 )
 from service.api.sse import SSE_HEADERS, event_groups
-from service.engine.request import FinishEvent, TokenEvent
+from service.engine.request import Event, FinishEvent, TokenEvent
 
 blueprint = Blueprint("anthropic", __name__)
 
@@ -52,8 +53,9 @@ async def messages() -> Response:
         await prepare(req, state)
         _, channel = await submit_prompt(req, state, header.request_id)
     if req.stream:
+        first = await decided_start(req, channel, header, state)
         response = Response(
-            event_stream(req, header, channel, state),
+            event_stream(req, header, channel, state, first),
             200,
             {**SSE_HEADERS, "X-Request-Id": header.request_id},
         )
@@ -103,14 +105,16 @@ async def event_stream(
     header: ResponseHeader,
     channel: trio.MemoryReceiveChannel,
     state: AppState,
+    first: list[Event],
 ) -> AsyncIterator[bytes]:
+    """`first`: events already read from the channel (a request with a deadline)."""
     events = MessageEvents(header)
     stream = MessageStream(req.reader or OutputReader())
     finished = False
     try:
         for event in events.started(req.prompt_tokens):
             yield sse_event(event)
-        async for group in event_groups(channel, state.heartbeat_seconds):
+        async for group in event_groups(channel, state.heartbeat_seconds, first):
             if not group:
                 yield PING
                 continue
