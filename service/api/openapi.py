@@ -299,8 +299,27 @@ def _count_tokens(max_model_len: int | None) -> Schema:
 
 def _messages_prompt(max_model_len: int | None) -> Schema:
     """What a Messages prompt is made of: the fields count_tokens takes too."""
-    block = {"type": "object", "properties": {"type": {"type": "string"}}, "required": ["type"]}
     text = _open({"type": {"const": "text"}, "text": {"type": "string"}}, ["type", "text"])
+    call = _open(
+        {
+            "type": {"const": "tool_use"},
+            "id": {"type": "string"},
+            "name": {"type": "string"},
+            "input": {"type": "object"},
+        },
+        ["type", "id", "name", "input"],
+    )
+    result = _open(
+        {
+            "type": {"const": "tool_result"},
+            "tool_use_id": {"type": "string"},
+            "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": text}]},
+            "is_error": {"type": "boolean"},
+        },
+        ["type", "tool_use_id"],
+    )
+    thought = _open({"type": {"const": "thinking"}, "thinking": {"type": "string"}}, ["type"])
+    block = {"oneOf": [text, call, result, thought]}  # text to the model, no images
     content = {"oneOf": [{"type": "string"}, {"type": "array", "items": block}]}
     message = _open({"role": {"enum": ["user", "assistant"]}, "content": content}, ["role"])
     tool = _open(
