@@ -1,7 +1,8 @@
 """Anthropic's Messages API with Anthropic's official SDK against the shared real server: a
 message whole and streamed (every event in order, the streamed text the whole one's), stop
 sequences and max_tokens as Anthropic's stop reasons, count_tokens equal to the prompt the
-engine ran, and bad requests as Anthropic's errors. Tools and thinking:
+engine ran, and bad requests as Anthropic's errors; without a server, a body read as the
+chat it amounts to and the stream's blocks opened and closed in turn. Tools and thinking:
 tests/test_api_tools.py (its server reads calls and reasoning); keys: tests/test_api_keys.py."""
 
 from __future__ import annotations
