@@ -82,6 +82,8 @@ def before_call(context: Any, case: Any, kwargs: dict[str, Any]) -> None:
         shorten_generation(case.body, LENGTH_FIELDS)
     elif path == "/v1/responses":
         shorten_generation(case.body, ("max_output_tokens",))
+    elif path == "/v1/messages":
+        shorten_generation(case.body, ("max_tokens",))
     elif path == "/v1/embeddings":
         shorten_embedding(case.body)
 

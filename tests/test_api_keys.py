@@ -3,10 +3,11 @@
 One server with keys from --api-key-file (team-a may set `priority`, team-b may not; the
 team-c key and the team-d tenant have connection caps):
 no key or a wrong one gets 401 in OpenAI's shape on every route but /health and the page;
-the official `openai` client works with a key; a rebound Host gets 421; a request's tenant is
-its key's (a client's `user` only a sub-tenant); the prefix cache is shared within a tenant
-and never across; `cached_tokens` is not reported; `priority` only from team-a; a connection
-past a key's or a tenant's cap gets 429 while its stream in flight goes on.
+the official `openai` client works with a key, and Anthropic's with it as `x-api-key`; a
+rebound Host gets 421; a request's tenant is its key's (a client's `user` only a
+sub-tenant); the prefix cache is shared within a tenant and never across; `cached_tokens`
+is not reported; `priority` only from team-a; a connection past a key's or a tenant's cap
+gets 429 while its stream in flight goes on.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -36,6 +38,7 @@ KEY_FILE = f"""# key tenant options
 {KEY_D1} team-d tenant-connections=2
 {KEY_D2} team-d
 """
+SAY_HI = [{"role": "user", "content": "Say hi."}]
 KEYED_ROUTES = [
     ("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1}),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
@@ -179,6 +182,33 @@ def test_the_openai_client_needs_the_key(keyed_server: RunningServer) -> None:
     )
     assert answer.choices[0].message.content
     assert answer.usage.prompt_tokens_details is None  # cached_tokens not reported
+
+
+@pytest.mark.real_model
+def test_the_anthropic_client_sends_its_key_as_x_api_key(keyed_server: RunningServer) -> None:
+    """The same keys and tenants; `metadata.user_id` a sub-tenant, as `user` is."""
+
+    def client(key: str) -> anthropic.Anthropic:
+        return anthropic.Anthropic(base_url=keyed_server.url, api_key=key, max_retries=0)
+
+    with pytest.raises(anthropic.AuthenticationError) as refused:
+        client("sk-wrong").messages.count_tokens(model=keyed_server.model, messages=SAY_HI)
+    assert refused.value.body == {
+        "type": "error",
+        "error": {
+            "type": "authentication_error",
+            "message": refused.value.body["error"]["message"],
+        },
+    }
+    assert "x-api-key" in refused.value.body["error"]["message"]
+    answer = client(KEY_B).messages.create(
+        model=keyed_server.model, max_tokens=2, messages=SAY_HI, metadata={"user_id": "bob"}
+    )
+    assert answer.content and answer.usage.output_tokens <= 2
+    (received,) = [
+        e for e in keyed_server.log_events("request.received") if e["request_id"] == answer.id
+    ]
+    assert received["tenant"] == "team-b/bob"
 
 
 @pytest.mark.real_model

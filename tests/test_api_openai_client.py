@@ -167,5 +167,8 @@ def test_stop_strings_cut_the_real_output_streamed_and_whole(
         finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
         assert whole.choices[0].text == streamed == (free[:cut] if cut >= 0 else free), stop
         assert whole.choices[0].finish_reason == finish == ("stop" if cut >= 0 else "length")
+        # vLLM's stop_reason: the stop string that matched
+        matched = min((s for s in stop if s in free), key=free.find, default=None)
+        assert whole.choices[0].model_extra["stop_reason"] == matched
         if cut >= 0:
             assert whole.usage.completion_tokens < 16

@@ -4,6 +4,8 @@ schema, greedy and sampled, whole and streamed (the deltas reassembled equal the
 an agent's two turns (a call, its result, the answer) through the client's own types;
 `auto` read by the hermes parser; reasoning opened by chat_template_kwargs and returned as
 reasoning_content; continuous usage stats; /version; and the 400s of bad tool requests.
+The Responses API and Anthropic's Messages API (its official SDK) call tools and think on
+the same server.
 
 The server runs with --chat-template (SmolLM2's own template shows no tools), so the flag
 is tested too."""
@@ -15,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import jsonschema
 import openai
@@ -448,3 +451,82 @@ def test_a_grammar_starts_after_the_reasoning_whole_and_streamed(client: openai.
     fields["extra_body"]["include_reasoning"] = False
     hidden = ask(client, "Name a city and its country.", False, **fields).choices[0].message
     assert hidden.content == whole.content and not hidden.model_extra.get("reasoning_content")
+
+
+@pytest.fixture(scope="module")
+def claude(server: RunningServer) -> anthropic.Anthropic:
+    """Anthropic's SDK, pointed at the server as ANTHROPIC_BASE_URL points it."""
+    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=300)
+
+
+def anthropic_tool(chat_tool: dict) -> dict:
+    function = chat_tool["function"]
+    return {k: function[k] for k in ("name", "description")} | {
+        "input_schema": function["parameters"]
+    }
+
+
+def test_the_messages_api_tool_loop(claude: anthropic.Anthropic) -> None:
+    """tool_use (forced by naming the tool: its arguments only, few tokens; streamed) then
+    tool_result, answered with `auto` (the hermes parser reads the answer); count_tokens
+    counts the prompt the tools are in."""
+    tools = [anthropic_tool(ADD)]  # a short call: few tokens to generate
+    messages: list[Any] = [{"role": "user", "content": "What is 10 plus 20?"}]
+    fields: dict[str, Any] = {
+        "model": "SmolLM2-135M-Instruct",
+        "tools": tools,
+        "extra_body": {"temperature": 0},
+    }
+    with claude.messages.stream(
+        **fields,
+        messages=messages,
+        max_tokens=MAX_TOKENS,
+        tool_choice={"type": "tool", "name": "add"},
+    ) as stream:
+        events = [event for event in stream if event.type.startswith("content_block")]
+        first = stream.get_final_message()
+    (call,) = first.content
+    assert call.type == "tool_use" and first.stop_reason == "tool_use"
+    jsonschema.validate(call.input, ADD["function"]["parameters"])
+    assert events[0].content_block.model_dump(include={"type", "id", "name", "input"}) == {
+        "type": "tool_use", "id": call.id, "name": "add", "input": {}
+    }  # fmt: skip
+    pieces = [e.delta.partial_json for e in events if e.type == "content_block_delta"]
+    assert json.loads("".join(pieces)) == call.input
+    messages += [
+        {"role": "assistant", "content": first.content},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "30"}],
+        },
+    ]
+    second = claude.messages.create(**fields, messages=messages, max_tokens=8)
+    assert second.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    assert [block.type == "tool_use" for block in second.content].count(True) == (
+        second.stop_reason == "tool_use"
+    )
+    assert all("<tool_call>" not in getattr(block, "text", "") for block in second.content)
+    # the call and its result were rendered into the second prompt
+    assert second.usage.input_tokens > first.usage.input_tokens + 10
+    counted = claude.messages.count_tokens(model=fields["model"], tools=tools, messages=messages)
+    assert counted.input_tokens == second.usage.input_tokens
+
+
+def test_the_messages_api_thinking_block_whole_and_streamed(claude: anthropic.Anthropic) -> None:
+    fields: dict[str, Any] = {
+        "model": "SmolLM2-135M-Instruct",
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": "Why is the sky blue?"}],
+        "extra_body": {"temperature": 0},
+    }
+    # the template opens <think>: what comes before </think> is the thinking block
+    whole = claude.messages.create(**fields, thinking={"type": "adaptive"})
+    assert whole.content[0].type == "thinking" and whole.content[0].thinking.strip()
+    with claude.messages.stream(**fields, thinking={"type": "adaptive"}) as stream:
+        deltas = [e.delta for e in stream if e.type == "content_block_delta"]
+        final = stream.get_final_message()
+    thinking = "".join(d.thinking for d in deltas if d.type == "thinking_delta")
+    assert thinking == whole.content[0].thinking
+    assert final.model_dump(exclude={"id"}) == whole.model_dump(exclude={"id"})
+    plain = claude.messages.create(**fields, thinking={"type": "disabled"})
+    assert [block.type for block in plain.content] == ["text"]

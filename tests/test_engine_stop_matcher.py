@@ -39,7 +39,7 @@ def test_one_character_at_a_time_finds_each_stop_where_it_first_ends():
                 assert matcher.held == held_reference(text[:end], [stop]), (stop, text, end)
 
 
-def test_pieces_of_any_size_report_the_earliest_stop_start():
+def test_pieces_of_any_size_report_the_earliest_stop_and_its_start():
     for stops in itertools.combinations(words(3), 2):
         for text in words(7):
             for cut in range(1, len(text)):
@@ -52,6 +52,9 @@ def test_pieces_of_any_size_report_the_earliest_stop_start():
                     found = [i for s in stops if (i := seen.find(s)) >= 0]
                     if found:
                         assert starts_back == len(seen) - min(found), (stops, pieces)
+                        # the stop it names is one that starts there (vLLM's stop_reason)
+                        assert matcher.found in stops
+                        assert seen.find(matcher.found) == min(found), (stops, pieces)
                         break
                     assert starts_back is None
                     assert matcher.held == held_reference(seen, list(stops))

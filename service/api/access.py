@@ -7,7 +7,8 @@ whose Host is not an allowed name gets 421 before anything else runs.
 
 API keys: with --api-key, --api-key-file or $CADENCE_API_KEY set, every route but /health
 and the playground page wants `Authorization: Bearer KEY` (401 in OpenAI's shape without
-one that matches). The admin routes keep their own token, which is the stronger one. The
+one that matches; `x-api-key: KEY`, as Anthropic's SDKs send it, is
+the same). The admin routes keep their own token, which is the stronger one. The
 key names the request's tenant: a client's `user` or `X-Tenant` only names a sub-tenant
 inside it, so one key's clients cannot pose as another's.
 
@@ -42,6 +43,7 @@ OPEN_PATHS = frozenset({"/health", "/"})
 # Behind the admin token instead (routes_admin.require_admin).
 ADMIN_PATHS = ("/admin/", "/reset_prefix_cache")
 METRICS_PATH = "/metrics"
+ANTHROPIC_KEY_HEADER = "x-api-key"  # how Anthropic's SDKs send the key
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,14 +113,15 @@ def install_api_keys(app: QuartTrio, config: Config) -> None:
     async def check_api_key() -> None:
         if not ring.keys or not needs_key(request.path):
             return
-        given = bearer_token()
+        given = bearer_token() or request.headers.get(ANTHROPIC_KEY_HEADER)
         if request.path == METRICS_PATH and is_admin_token(given, config.admin_token):
             return
         key = None if given is None else ring.find(given)
         if key is None:
             raise APIError(
                 401,
-                "a valid API key is required: send 'Authorization: Bearer <key>'",
+                "a valid API key is required: send 'Authorization: Bearer <key>' "
+                f"(or '{ANTHROPIC_KEY_HEADER}: <key>')",
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )

@@ -13,16 +13,18 @@ from werkzeug.exceptions import HTTPException
 from service.api import (
     openapi,
     routes_admin,
+    routes_anthropic,
     routes_embeddings,
     routes_openai,
     routes_responses,
     routes_tokenize,
 )
 from service.api.access import install_api_keys, install_host_check
+from service.api.anthropic_errors import answers_anthropic, anthropic_error_body
 from service.api.app_state import EXTENSION_KEY, AppState
 from service.api.body import drain_unread_body
 from service.api.cors import CorsPolicy
-from service.api.errors import APIError, error_body, error_response, json_response
+from service.api.errors import APIError, error_body, json_response
 from service.api.metrics import Metrics
 from service.config import Config
 from service.engine import trace_context
@@ -59,6 +61,7 @@ def create_app(
     app.register_blueprint(routes_tokenize.blueprint)
     app.register_blueprint(routes_embeddings.blueprint)
     app.register_blueprint(routes_responses.blueprint)
+    app.register_blueprint(routes_anthropic.blueprint)
     app.register_blueprint(routes_admin.blueprint)
     app.register_blueprint(openapi.blueprint)
     _install_page(app)
@@ -152,7 +155,7 @@ def _install_body_drain(app: QuartTrio) -> None:
 def _install_error_handlers(app: QuartTrio) -> None:
     @app.errorhandler(APIError)
     async def api_error(error: APIError) -> Response:
-        return error_response(error)
+        return _error_response(error)
 
     @app.errorhandler(HTTPException)
     async def http_error(error: HTTPException) -> Response:
@@ -166,11 +169,19 @@ def _install_error_handlers(app: QuartTrio) -> None:
         message = error.description or error.name
         if status == 413:
             message = f"the request body is larger than {app.config['MAX_CONTENT_LENGTH']} bytes"
-        return json_response(error_body(message, status, code=code), status)
+        return _error_response(APIError(status, message, code=code))
 
     @app.errorhandler(Exception)
     async def unexpected_error(error: Exception) -> Response:
         log.exception("http.error", path=request.path, error=repr(error))
-        return json_response(
-            error_body(f"internal error: {type(error).__name__}", 500, code="internal_error"), 500
-        )
+        message = f"internal error: {type(error).__name__}"
+        return _error_response(APIError(500, message, code="internal_error"))
+
+
+def _error_response(error: APIError) -> Response:
+    """In the shape of the API the request was for: Anthropic's on its routes, else OpenAI's."""
+    if answers_anthropic(request.path):
+        body = anthropic_error_body(error.message, error.status)
+    else:
+        body = error_body(error.message, error.status, param=error.param, code=error.code)
+    return json_response(body, error.status, error.headers)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,13 +60,21 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+@contextlib.contextmanager
+def params_renamed(names: dict[str, str]) -> Iterator[None]:
+    """Errors raised for a request translated into another API's (a Responses or Messages
+    body read as a chat) name the field of the body the client sent: `names` maps the
+    other's field names to its."""
+    try:
+        yield
+    except APIError as exc:
+        exc.param = names.get(exc.param or "", exc.param)
+        raise
+
+
 def json_response(
     body: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None
 ) -> Response:
     return Response(
         orjson.dumps(body), status, {"Content-Type": "application/json", **(headers or {})}
     )
-
-
-def error_response(error: APIError) -> Response:
-    return json_response(error.body(), error.status, error.headers)

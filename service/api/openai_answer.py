@@ -131,7 +131,7 @@ async def whole_body(
         echo = echoes[i // req.best_of] if echoes else None
         text = (echo.text if echo else "") + "".join(event.text for event in tokens[i])
         logprobs = logprobs_of(req, state.tokenizer.pieces, tokens[i], 0, echo)
-        choices.append(answer(req, text, finishes[i].reason, logprobs))
+        choices.append(answer(req, text, finishes[i], logprobs))
     ordered = [finishes[i] for i in range(req.sequences)]
     usage_ = usage(ordered, state.config.reports_cached_tokens(), req.best_of)
     body = full_response(header, choices, usage_)
@@ -148,12 +148,13 @@ def with_metrics(body: dict[str, Any], finishes: list[FinishEvent], state: AppSt
     return body
 
 
-def answer(req: GenerationRequest, text: str, reason: str, logprobs: Any) -> Choice:
+def answer(req: GenerationRequest, text: str, finish: FinishEvent, logprobs: Any) -> Choice:
     """One returned sequence, its message read by the request's reader if it has one."""
     if req.reader is None:
-        return Choice(text, reason, logprobs)
+        return Choice(text, finish.reason, logprobs, stop_reason=finish.stop_string)
     message = req.reader.message(text)
-    return Choice(text, finish_reason_of(reason, "tool_calls" in message), logprobs, message)
+    reason = finish_reason_of(finish.reason, "tool_calls" in message)
+    return Choice(text, reason, logprobs, message, finish.stop_string)
 
 
 def ranked_sequences(tokens: dict[int, list[TokenEvent]], n: int, best_of: int) -> list[int]:

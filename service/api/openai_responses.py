@@ -130,6 +130,7 @@ class Choice:
     finish_reason: str
     logprobs: dict[str, Any] | None
     message: dict[str, Any] | None = None  # a chat's, when its answer was read for more
+    stop_reason: str | None = None  # vLLM's: the stop string that ended it, if one did
 
 
 def finish_reason_of(reason: str, called: bool) -> str:
@@ -162,12 +163,14 @@ def _full_choice(header: ResponseHeader, index: int, choice: Choice) -> dict[str
             "message": choice.message or {"role": "assistant", "content": choice.text},
             "logprobs": choice.logprobs,
             "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
         }
     return {
         "index": index,
         "text": choice.text,
         "logprobs": choice.logprobs,
         "finish_reason": choice.finish_reason,
+        "stop_reason": choice.stop_reason,
     }
 
 

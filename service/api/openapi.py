@@ -15,6 +15,10 @@ from quart import Blueprint, Response
 
 from policies.registry import POLICIES
 from service.api.access import METRICS_PATH, needs_key
+from service.api.anthropic_errors import answers_anthropic
+from service.api.anthropic_input import CHAT_ONLY as ANTHROPIC_CHAT_ONLY
+from service.api.anthropic_input import EFFORTS, THINKING_DISPLAYS, THINKING_TYPES
+from service.api.anthropic_input import NEUTRAL as ANTHROPIC_NEUTRAL
 from service.api.app_state import app_state
 from service.api.counts import count_schema
 from service.api.errors import json_response
@@ -69,7 +73,7 @@ def openapi_document(max_model_len: int | None, model_name: str, api_keys: bool 
         "info": {"title": "cadence", "version": "1", "description": f"Serving {model_name}."},
         "paths": {**public, **_admin_paths()},
         "components": {
-            "schemas": {"Error": _error_schema()},
+            "schemas": {"Error": _error_schema(), "AnthropicError": _anthropic_error_schema()},
             "securitySchemes": {
                 "admin": {"type": "http", "scheme": "bearer"},
                 "apiKey": {"type": "http", "scheme": "bearer"},
@@ -83,11 +87,12 @@ def _keyed(path: str, operations: Schema) -> Schema:
     `priority` the key may not set, or of /metrics to a key not granted it."""
     if not needs_key(path):
         return operations
+    errors = _anthropic_errors if answers_anthropic(path) else _errors
     for operation in operations.values():
         operation["security"] = [{"apiKey": []}]
-        operation["responses"].update(_errors(401))
-        if path in GENERATION_PATHS or path == METRICS_PATH:
-            operation["responses"].update(_errors(403))
+        operation["responses"].update(errors(401))
+        if path in GENERATION_PATHS or path == METRICS_PATH or answers_anthropic(path):
+            operation["responses"].update(errors(403))
     return operations
 
 
@@ -108,6 +113,8 @@ def _public_paths(max_model_len: int | None) -> Schema:
         },
         "/tokenize": {"post": _tokenize()},
         "/v1/responses": {"post": _responses(max_model_len)},
+        "/v1/messages": {"post": _messages(max_model_len)},
+        "/v1/messages/count_tokens": {"post": _count_tokens(max_model_len)},
         "/v1/embeddings": {"post": _embeddings(max_model_len)},
         "/detokenize": {"post": _detokenize()},
         "/health": {
@@ -251,6 +258,147 @@ def _responses(max_model_len: int | None) -> Schema:
     )
     operation["responses"]["200"]["content"][JSON]["schema"] = {"type": "object"}
     return operation
+
+
+def _messages(max_model_len: int | None) -> Schema:
+    """Anthropic's Messages API (served as the chat it amounts to): its own fields, and the
+    chat's sampling fields but those with a Messages name; its errors are Anthropic's."""
+    shared = _request({}, [], max_model_len)["properties"]
+    for name in (*ANTHROPIC_CHAT_ONLY, "tools", "tool_choice", "metadata", "service_tier"):
+        shared.pop(name, None)
+    own = {
+        **_messages_prompt(max_model_len),
+        "model": {"type": "string"},
+        "max_tokens": count_schema("max_tokens", max_model_len),
+        "stop_sequences": {
+            "type": ["array", "null"],
+            "items": {"type": "string", "minLength": 1},
+            "maxItems": MAX_STOP_STRINGS,
+        },
+        "metadata": {
+            "oneOf": [
+                {"type": "null"},
+                _object({"user_id": {"type": ["string", "null"]}}, []),
+            ],
+            "description": "user_id: the tenant hint, as the chat's `user`",
+        },
+    }
+    request = _open({**shared, **own}, ["model", "max_tokens", "messages"])
+    request["additionalProperties"] = True  # as the chat's: unknown fields are logged
+    summary = "A message (Anthropic's Messages API); stream=true: its events"
+    return _anthropic_operation(summary, request, _open(_MESSAGE_FIELDS, list(_MESSAGE_FIELDS)))
+
+
+def _count_tokens(max_model_len: int | None) -> Schema:
+    request = _object({"model": {"type": "string"}, **_messages_prompt(max_model_len)}, [])
+    request["required"] = ["model", "messages"]
+    counted = _object({"input_tokens": {"type": "integer", "minimum": 0}}, ["input_tokens"])
+    summary = "The prompt's tokens, as /v1/messages runs it"
+    return _anthropic_operation(summary, request, counted, streams=False)
+
+
+def _messages_prompt(max_model_len: int | None) -> Schema:
+    """What a Messages prompt is made of: the fields count_tokens takes too."""
+    text = _open({"type": {"const": "text"}, "text": {"type": "string"}}, ["type", "text"])
+    call = _open(
+        {
+            "type": {"const": "tool_use"},
+            "id": {"type": "string"},
+            "name": {"type": "string"},
+            "input": {"type": "object"},
+        },
+        ["type", "id", "name", "input"],
+    )
+    result = _open(
+        {
+            "type": {"const": "tool_result"},
+            "tool_use_id": {"type": "string"},
+            "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": text}]},
+            "is_error": {"type": "boolean"},
+        },
+        ["type", "tool_use_id"],
+    )
+    thought = _open({"type": {"const": "thinking"}, "thinking": {"type": "string"}}, ["type"])
+    block = {"oneOf": [text, call, result, thought]}  # text to the model, no images
+    content = {"oneOf": [{"type": "string"}, {"type": "array", "items": block}]}
+    message = _open({"role": {"enum": ["user", "assistant"]}, "content": content}, ["role"])
+    tool = _open(
+        {"name": {"type": "string", "minLength": 1}, "input_schema": {"type": "object"}},
+        ["name", "input_schema"],
+    )
+    choice = _open({"type": {"enum": ["auto", "any", "tool", "none"]}}, ["type"])
+    thinking = _open(
+        {"type": {"enum": list(THINKING_TYPES)}, "display": {"enum": list(THINKING_DISPLAYS)}},
+        ["type"],
+    )
+    return {
+        "system": {
+            "oneOf": [{"type": "null"}, {"type": "string"}, {"type": "array", "items": text}]
+        },
+        "messages": {
+            "type": "array",
+            "items": message,
+            "minItems": 1,
+            "maxItems": MAX_CHAT_MESSAGES,
+        },
+        "tools": {"type": ["array", "null"], "items": tool},
+        "tool_choice": {"oneOf": [{"type": "null"}, choice]},
+        "thinking": {"oneOf": [{"type": "null"}, thinking]},
+        "cache_control": {"oneOf": [{"type": "null"}, _open({"type": {"const": "ephemeral"}}, [])]},
+        "output_config": {
+            "oneOf": [
+                {"type": "null"},
+                _object(
+                    {
+                        "format": _object(
+                            {"type": {"const": "json_schema"}, "schema": {"type": "object"}},
+                            ["type", "schema"],
+                        ),
+                        "effort": {"enum": [*EFFORTS, None]},
+                    },
+                    [],
+                ),
+            ]
+        },
+        **{name: {"enum": _distinct(values)} for name, (values, _) in ANTHROPIC_NEUTRAL.items()},
+    }
+
+
+_MESSAGE_FIELDS: Schema = {
+    "id": {"type": "string"},
+    "type": {"const": "message"},
+    "role": {"const": "assistant"},
+    "content": {"type": "array", "items": {"type": "object"}},
+    "stop_reason": {"enum": ["end_turn", "max_tokens", "stop_sequence", "tool_use"]},
+    "usage": _open(
+        {"input_tokens": {"type": "integer"}, "output_tokens": {"type": "integer"}},
+        ["input_tokens", "output_tokens"],
+    ),
+}
+
+
+def _anthropic_operation(
+    summary: str, request: Schema, response: Schema, streams: bool = True
+) -> Schema:
+    content = {JSON: {"schema": response}, **({SSE: {"schema": {}}} if streams else {})}
+    return {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {JSON: {"schema": request}}},
+        "responses": {
+            "200": {"description": summary, "content": content},
+            **_anthropic_errors(400, 404, 413, 415, 429, 503),
+        },
+    }
+
+
+def _anthropic_errors(*statuses: int) -> Schema:
+    reference = {"$ref": "#/components/schemas/AnthropicError"}
+    return {str(status): _json_content(_ERROR_TEXT[status], reference) for status in statuses}
+
+
+def _anthropic_error_schema() -> Schema:
+    error = _object_open({"type": {"type": "string"}, "message": {"type": "string"}})
+    return _object_open({"type": {"const": "error"}, "error": error})
 
 
 def _text_format() -> Schema:

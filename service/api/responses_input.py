@@ -9,11 +9,9 @@ Nothing is stored: `previous_response_id` (a conversation kept by the server) is
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
-from service.api.errors import APIError, bad_request
+from service.api.errors import bad_request
 from service.api.responses_options import OWN_FIELDS, chat_options_of
 
 # Chat Completions fields with no place in a Responses body: a 400 naming each, as a field
@@ -53,16 +51,6 @@ def chat_body_of(body: Any) -> dict[str, Any]:
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
     return {**chat, **chat_options_of(body)}
-
-
-@contextlib.contextmanager
-def responses_fields() -> Iterator[None]:
-    """Errors raised for the chat request name the Responses body's fields."""
-    try:
-        yield
-    except APIError as exc:
-        exc.param = RESPONSES_FIELDS.get(exc.param or "", exc.param)
-        raise
 
 
 def _instructions(value: Any) -> list[dict[str, Any]]:

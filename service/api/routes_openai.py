@@ -297,12 +297,22 @@ async def respond(
     """`echoes`: each prompt's, when the request asked for it."""
     if not req.stream:
         return await whole_response(req, header, channel, state, echoes)
-    first: list[Event] = []
-    if req.deadline_ms is not None or state.config.max_queue_time is not None:
-        # A request that may miss its deadline is answered once it is decided: its first
-        # token (200, streamed) or its refusal (an HTTP error a client can retry on).
-        first = await first_event(channel, header, state)
+    first = await decided_start(req, channel, header, state)
     return stream_response(req, header, channel, state, first, echoes)
+
+
+async def decided_start(
+    req: GenerationRequest,
+    channel: trio.MemoryReceiveChannel,
+    header: ResponseHeader,
+    state: AppState,
+) -> list[Event]:
+    """The events a stream starts with. A request that may miss its deadline is answered
+    once it is decided: its first token (200, streamed) or its refusal (an HTTP error a
+    client can retry on)."""
+    if req.deadline_ms is None and state.config.max_queue_time is None:
+        return []
+    return await first_event(channel, header, state)
 
 
 def field_of(param: str | None, req: GenerationRequest) -> str | None:

@@ -14,12 +14,12 @@ from quart import Blueprint, Response, request
 
 from service.api.app_state import AppState, app_state
 from service.api.chat_output import MessageStream, OutputReader
-from service.api.errors import json_response
+from service.api.errors import json_response, params_renamed
 from service.api.openai_answer import abort, closed_early, failure_of, whole_body, with_metrics
 from service.api.openai_logprobs import logprobs_of
 from service.api.openai_responses import ResponseHeader, finish_reason_of, usage
 from service.api.openai_schema import GenerationRequest, parse_chat_request
-from service.api.responses_input import chat_body_of, responses_fields
+from service.api.responses_input import RESPONSES_FIELDS, chat_body_of
 from service.api.responses_output import ResponseEvents, output_of, response_object
 from service.api.routes_openai import prepare, prompt_bound, read_json_body, submit_prompt
 from service.api.sse import HEARTBEAT, SSE_HEADERS, event_groups
@@ -34,7 +34,7 @@ async def responses() -> Response:
     chat = chat_body_of(body)
     state = app_state()
     header = ResponseHeader("chat", f"resp_{uuid.uuid4().hex}", state.served_model_name)
-    with responses_fields():
+    with params_renamed(RESPONSES_FIELDS):
         req = parse_chat_request(chat, request.headers.get("X-Tenant"), prompt_bound())
         await prepare(req, state)
         _, channel = await submit_prompt(req, state, header.request_id)

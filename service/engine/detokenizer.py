@@ -60,6 +60,11 @@ class Detokenizer:
     def text(self) -> str:
         return self._sent.getvalue()
 
+    @property
+    def stopped_by(self) -> str | None:
+        """The stop string that ended the text, if one did."""
+        return self._matcher.found
+
     def add_token(self, token_id: int) -> Delta:
         self._ids.append(token_id)
         checked = self._unchecked_tokens <= 0
@@ -116,6 +121,7 @@ class StopMatcher:
         self._stops = stops
         self._fallbacks = [_fallback_table(s) for s in stops]
         self._matched = [0] * len(stops)
+        self.found: str | None = None  # the earliest stop string found
 
     @property
     def held(self) -> int:
@@ -135,7 +141,8 @@ class StopMatcher:
             self._matched[i] = matched
             if end >= 0:  # the farthest back from the end is the earliest in the text
                 starts_back = len(piece) - end + len(stop)
-                earliest = max(starts_back, earliest or 0)
+                if earliest is None or starts_back > earliest:
+                    earliest, self.found = starts_back, stop
         return earliest
 
 

@@ -575,6 +575,8 @@ class Engine:
         event.phases = request.phases
         if (reason, detail) == POOLED:
             event.embedding = request.pooled
+        elif detail == "stop_string":
+            event.stop_string = request.detokenizer.stopped_by
         if request.kv_hold is not None and self.handshake is not None:
             fingerprint = Fingerprint.of(self.handshake)
             params = producer_params(request.kv_hold, self.handshake, self.engine_id, fingerprint)

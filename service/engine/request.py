@@ -128,6 +128,7 @@ class FinishEvent:
     # a producer's request whose blocks it holds for a consumer: where they are (the
     # answer's kv_transfer_params, service.engine.kv_transfer.producer_params)
     kv_transfer_params: dict[str, Any] | None = None
+    stop_string: str | None = None  # the stop string that ended it (vLLM's stop_reason)
 
 
 Event = TokenEvent | FinishEvent
