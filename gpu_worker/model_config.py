@@ -49,6 +49,9 @@ class Family:
     # Without layer_types, every n-th layer is global and the others windowed (Gemma:
     # sliding_window_pattern, or this default); 0: every layer is windowed.
     window_pattern: int = 0
+    # Without no_rope_layers, every n-th layer rotates nothing (SmolLM3's NoPE layers:
+    # no_rope_layer_interval, or this default); 0: every layer has RoPE.
+    no_rope_interval: int = 0
 
 
 FAMILIES = {
@@ -68,6 +71,7 @@ FAMILIES = {
     "MixtralForCausalLM": Family(moe="mixtral"),
     "Qwen2MoeForCausalLM": Family(qkv_bias_default=True, moe="qwen", window_opt_in=True),
     "Qwen3MoeForCausalLM": Family(qk_norm=True, moe="qwen", window_opt_in=True),
+    "SmolLM3ForCausalLM": Family(window_opt_in=True, no_rope_interval=4),
 }
 assert set(FAMILIES) == set(ARCHITECTURES.values())
 
@@ -131,6 +135,9 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...] = ()
     # The RoPE of the windowed layers where it differs from the others' (Gemma 3).
     sliding_rope: Rope | None = None
+    # Whether each layer rotates its queries and keys (SmolLM3's NoPE layers do not);
+    # () when every layer does.
+    rope_layers: tuple[bool, ...] = ()
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
@@ -199,6 +206,7 @@ class ModelConfig:
                 sliding_window=_common_window(windows),
                 layer_windows=windows if any(windows) else (),
                 sliding_rope=None if sliding_rope == rope else sliding_rope,
+                rope_layers=_rope_layers(raw, layers, family),
                 query_pre_attn_scalar=_optional_float(raw.get("query_pre_attn_scalar")),
                 attn_logit_softcapping=_optional_float(raw.get("attn_logit_softcapping")),
                 final_logit_softcapping=_optional_float(raw.get("final_logit_softcapping")),
@@ -248,8 +256,10 @@ class ModelConfig:
     def window_of(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
 
-    def rope_of(self, layer: int) -> Rope:
-        """The RoPE layer `layer` rotates its queries and keys with."""
+    def rope_of(self, layer: int) -> Rope | None:
+        """The RoPE layer `layer` rotates its queries and keys with; None where it has none."""
+        if self.rope_layers and not self.rope_layers[layer]:
+            return None
         if self.sliding_rope is not None and self.window_of(layer):
             return self.sliding_rope
         return Rope(self.rope_theta, self.rope_scaling)
@@ -426,6 +436,20 @@ def _layer_windows(raw: dict[str, Any], layers: int, family: Family) -> tuple[in
             "bidirectional attention (use_bidirectional_attention) is not supported"
         )
     return tuple(int(window) if kind == "sliding_attention" else None for kind in types)
+
+
+def _rope_layers(raw: dict[str, Any], layers: int, family: Family) -> tuple[bool, ...]:
+    """Whether each layer has RoPE, as transformers' SmolLM3 config gives it: no_rope_layers
+    (1: rotates, 0: NoPE) where the config lists them, else all but every n-th layer."""
+    flags = raw.get("no_rope_layers")
+    interval = int(raw.get("no_rope_layer_interval") or family.no_rope_interval)
+    if flags is None and interval:
+        flags = [(i + 1) % interval != 0 for i in range(layers)]
+    if flags is None or all(flags):
+        return ()
+    if len(flags) != layers:
+        raise ConfigError(f"no_rope_layers lists {len(flags)} layers, the model has {layers}")
+    return tuple(bool(flag) for flag in flags)
 
 
 def _moe(raw: dict[str, Any], family: Family, layers: int) -> MoE | None:

@@ -77,12 +77,24 @@ def _yarn_frequencies(dim: int, base: float, scaling: RopeScaling) -> torch.Tens
 
 
 def rope_tables(
-    head_dim: int, rope: Rope, max_positions: int, dtype: torch.dtype, device: torch.device
+    head_dim: int,
+    rope: Rope | None,
+    max_positions: int,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and signed sin [max_positions, head_dim], computed in float32 like transformers.
 
     The signed sin is sin with its first half negated, the form layer_ops.apply_rope takes.
+    `rope` None (a NoPE layer, SmolLM3's): cos 1 and sin 0, a rotation that leaves q and k
+    as they are bit for bit (x * 1 + roll(x) * 0), so every kernel that rotates and caches
+    in one pass serves such a layer unchanged, for one wasted multiply-add per element.
     """
+    if rope is None:
+        shape = (max_positions, head_dim)
+        return torch.ones(shape, dtype=dtype, device=device), torch.zeros(
+            shape, dtype=dtype, device=device
+        )
     scaling = rope.scaling
     long = scaling is not None and max_positions > scaling.original_max_position_embeddings
     positions = torch.arange(max_positions, dtype=torch.float32)

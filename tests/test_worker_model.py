@@ -54,6 +54,7 @@ ARCHITECTURES = {
     "mixtral": ("mixtral", {}),
     "qwen3-moe": ("qwen3_moe", {}),
     "qwen2-moe-shared": ("qwen2_moe", {}),
+    "smollm3-nope": ("smollm3", {}),
 }
 # A family's prompts, where they differ: longrope matches transformers within one factor set.
 PROMPT_LENGTHS = {"phi3-longrope": (49, 90), "phi3-longrope-short": (1, 5, 37, 48)}
@@ -160,7 +161,15 @@ def test_architecture_chunked_batched_and_prefix_cached(architecture, one_torch_
 
 @pytest.mark.parametrize(
     "name",
-    ["mistral-window", "gemma3", "gemma2-softcap", "mixtral", "qwen3-moe", "qwen2-moe-shared"],
+    [
+        "mistral-window",
+        "gemma3",
+        "gemma2-softcap",
+        "mixtral",
+        "qwen3-moe",
+        "qwen2-moe-shared",
+        "smollm3-nope",
+    ],
 )
 def test_architecture_rows_keep_their_bits_batched_and_chunked_in_bfloat16(
     name, tiny_models, one_torch_thread

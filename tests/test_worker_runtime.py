@@ -57,6 +57,17 @@ def test_config_parses_defaults_and_variants():
     assert windowed.layer_windows == (None, 32)
 
 
+def test_smollm3_configs_give_every_fourth_layer_no_rope_unless_they_list_them():
+    smollm3 = {"architectures": ["SmolLM3ForCausalLM"], "num_hidden_layers": 8}
+    default = config_with(**smollm3)
+    assert [default.rope_of(i) is None for i in range(8)] == [False, False, False, True] * 2
+    listed = config_with(**{**smollm3, "no_rope_layers": [1, 0, 1, 1, 0, 1, 1, 1]})
+    assert listed.rope_layers == (True, False, True, True, False, True, True, True)
+    assert config_with(**{**smollm3, "no_rope_layers": [1] * 8}).rope_layers == ()
+    with pytest.raises(ConfigError, match="no_rope_layers lists 2 layers"):
+        config_with(**{**smollm3, "no_rope_layers": [1, 0]})
+
+
 def test_gemma3_configs_old_and_new_give_each_layer_its_window_and_rope():
     common = {**BASE_CONFIG, "num_hidden_layers": 7, "sliding_window": 512}
     old = ModelConfig.from_dict(

@@ -101,6 +101,12 @@ ARCHITECTURE_KINDS = {
             "shared_expert_intermediate_size": 48,
         },
     ),
+    # Layer 1 without RoPE (NoPE), as every 4th layer of SmolLM3 3B.
+    "smollm3": (
+        "SmolLM3Config",
+        "SmolLM3ForCausalLM",
+        {"num_hidden_layers": 3, "no_rope_layers": [1, 0, 1], "pad_token_id": 0},
+    ),
 }
 
 
