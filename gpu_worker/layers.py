@@ -39,6 +39,7 @@ class Layer:
     attn_out_norm: torch.Tensor | None = None  # Gemma's post_attention_layernorm
     mlp_out_norm: torch.Tensor | None = None  # Gemma's post_feedforward_layernorm
     moe: MoEMLP | None = None
+    sinks: torch.Tensor | None = None  # [heads]: gpt-oss's per-head logit in the softmax
 
 
 def load_layer(
@@ -55,7 +56,7 @@ def load_layer(
     layer = Layer(
         input_norm=take.norm(prefix + "input_layernorm.weight", hidden),
         qkv=_qkv(take, cfg, attn),
-        o_proj=take.matmul([attn + "o_proj.weight"], [(hidden, heads * head_dim)], split=COLUMNS),
+        o_proj=_o_proj(take, cfg, attn),
         mlp_norm=take.norm(
             prefix
             + ("pre_feedforward_layernorm" if family.gemma else "post_attention_layernorm")
@@ -75,6 +76,8 @@ def load_layer(
         layer.qk_norm = torch.cat(
             [q_norm.expand(local_heads, -1), k_norm.expand(local_kv_heads, -1)]
         )
+    if family.attention_sinks:
+        layer.sinks = take(attn + "sinks", (heads,), ROWS)
     if family.gemma:
         layer.attn_out_norm = take.norm(prefix + "post_attention_layernorm.weight", hidden)
         layer.mlp_out_norm = take.norm(prefix + "post_feedforward_layernorm.weight", hidden)
@@ -113,3 +116,13 @@ def _qkv(take: WeightTaker, cfg: ModelConfig, attn: str) -> Matmul:
         qkv_bias = take.fused(biases, [(r,) for r in qkv_rows], split=ROWS)
     qkv_weights = [n + ".weight" for n in qkv_names]
     return take.matmul(qkv_weights, [(r, hidden) for r in qkv_rows], qkv_bias, split=ROWS)
+
+
+def _o_proj(take: WeightTaker, cfg: ModelConfig, attn: str) -> Matmul:
+    """The attention's output projection; with gpt-oss's bias (tensor parallelism, which
+    would add it on every rank, refuses gpt-oss as a mixture of experts)."""
+    shape = (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim)
+    bias = None
+    if cfg.family.o_proj_bias and cfg.attention_bias:
+        bias = take(attn + "o_proj.bias", (cfg.hidden_size,))
+    return take.matmul([attn + "o_proj.weight"], [shape], bias, split=COLUMNS)

@@ -1,6 +1,6 @@
 """The decoder over a paged KV cache, for every family FAMILIES lists (Llama 2/3, SmolLM2,
-TinyLlama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, SmolLM3, and the Mixtral and Qwen mixtures
-of experts).
+TinyLlama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, SmolLM3, and the Mixtral, Qwen and gpt-oss
+mixtures of experts).
 
 One forward pass takes the flattened tokens of a whole mixed batch (prefill chunks and
 decode tokens, [T] ids at [T] absolute positions) and returns hidden states [T, hidden];
@@ -115,7 +115,8 @@ class Model:
         )
         # for recomputing single logits: the served rows (a quantized head dequantizes its own)
         self.lm_head_rows = dense if isinstance(self.lm_head, Linear) else None
-        self.capturable = config.moe is None  # see gpu_worker.moe
+        # see gpu_worker.moe; and the graphs' attention pieces pass no sinks (attend)
+        self.capturable = config.moe is None and not config.family.attention_sinks
 
     def _pick_functions(self, gemma: bool) -> None:
         ops = self.ops
@@ -144,7 +145,7 @@ class Model:
         for index, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
             meta = metas[layer.attention]
             qkv = self.before_attention(index, h, positions, kv, meta.slots)
-            h = self.after_attention(index, x, self.attend(qkv, kv, meta))
+            h = self.after_attention(index, x, self.attend(qkv, kv, meta, layer.sinks))
         return h
 
     def embedded(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,15 +176,22 @@ class Model:
         )
         return qkv
 
-    def attend(self, qkv: torch.Tensor, kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
-        """The attention output [T, heads * d] of a layer's qkv."""
+    def attend(
+        self,
+        qkv: torch.Tensor,
+        kv: LayerKV,
+        meta: AttentionMetadata,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The attention output [T, heads * d] of a layer's qkv (with its `sinks`, gpt-oss's:
+        a model with sinks is never captured, so the graphs' pieces need not pass them)."""
         cfg = self.config
         heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q_width, kv_width = heads * head_dim, kv_heads * head_dim
         q = qkv[:, :q_width].view(-1, heads, head_dim)
         k = qkv[:, q_width : q_width + kv_width].view(-1, kv_heads, head_dim)
         v = qkv[:, q_width + kv_width :].view(-1, kv_heads, head_dim)
-        return paged_attention(q, k, v, kv, meta)
+        return paged_attention(q, k, v, kv, meta, sinks)
 
     def after_attention(self, index: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Layer `index` from its attention output on (x updated in place) -> the next
@@ -296,7 +304,12 @@ class Model:
 
 def _layer_attention(config: ModelConfig, index: int) -> LayerAttention:
     scale = None if config.query_pre_attn_scalar is None else config.attention_scale
-    return LayerAttention(scale, config.window_of(index), config.attn_logit_softcapping)
+    return LayerAttention(
+        scale,
+        config.window_of(index),
+        config.attn_logit_softcapping,
+        config.family.attention_sinks,
+    )
 
 
 def attention_kinds(config: ModelConfig) -> list[LayerAttention]:

@@ -40,7 +40,10 @@ class Family:
     # scaled by sqrt(hidden), GeGLU, the attention scale from query_pre_attn_scalar
     gemma: bool = False
     fused_projections: bool = False  # the checkpoint holds qkv_proj and gate_up_proj (Phi-3)
-    moe: str | None = None  # the experts' layout: "mixtral" or "qwen"
+    moe: str | None = None  # the experts' layout: "mixtral", "qwen" or "gpt_oss"
+    # a per-head logit in each attention softmax's denominator (gpt-oss's self_attn.sinks)
+    attention_sinks: bool = False
+    o_proj_bias: bool = False  # o_proj has a bias where attention_bias says so (gpt-oss)
     # A sliding window counts only with use_sliding_window (Qwen's configs default it off).
     window_opt_in: bool = False
     # The decoder is the text model of a multimodal one (Gemma 3's text_config): its
@@ -72,6 +75,9 @@ FAMILIES = {
     "Qwen2MoeForCausalLM": Family(qkv_bias_default=True, moe="qwen", window_opt_in=True),
     "Qwen3MoeForCausalLM": Family(qk_norm=True, moe="qwen", window_opt_in=True),
     "SmolLM3ForCausalLM": Family(window_opt_in=True, no_rope_interval=4),
+    "GptOssForCausalLM": Family(
+        moe="gpt_oss", attention_sinks=True, o_proj_bias=True, window_pattern=2
+    ),
 }
 assert set(FAMILIES) == set(ARCHITECTURES.values())
 
@@ -99,6 +105,15 @@ class Rope:
 
 
 @dataclass(frozen=True, slots=True)
+class SwiGLU:
+    """gpt-oss's experts' activation: gate clamped above and up on both sides at `limit`,
+    then (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    alpha: float
+    limit: float
+
+
+@dataclass(frozen=True, slots=True)
 class MoE:
     """A mixture-of-experts MLP: top-k of a softmax over the router's logits."""
 
@@ -109,6 +124,11 @@ class MoE:
     float32_weights: bool  # the weights stay float32 (Mixtral) or round to the model's dtype
     sparse_layers: tuple[bool, ...]  # which layers are MoE (the others are dense MLPs)
     shared_intermediate_size: int = 0  # a gated shared expert beside the routed ones (Qwen2-MoE)
+    # gpt-oss: a softmax over the router's top k logits (not the top k of a softmax over
+    # all), biases on the router and the experts, and the experts' clamped SwiGLU
+    top_k_first: bool = False
+    biases: bool = False
+    swiglu: SwiGLU | None = None  # None: the model's own activation
 
 
 @dataclass(slots=True)
@@ -456,6 +476,20 @@ def _moe(raw: dict[str, Any], family: Family, layers: int) -> MoE | None:
     if family.moe is None:
         return None
     experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
+    if family.moe == "gpt_oss":
+        return MoE(
+            experts,
+            int(raw["num_experts_per_tok"]),
+            int(raw["intermediate_size"]),
+            renormalize=False,
+            float32_weights=False,
+            sparse_layers=(True,) * layers,
+            top_k_first=True,
+            biases=True,
+            swiglu=SwiGLU(
+                float(raw.get("swiglu_alpha", 1.702)), float(raw.get("swiglu_limit", 7.0))
+            ),
+        )
     if family.moe == "mixtral":
         return MoE(
             experts,

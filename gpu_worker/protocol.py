@@ -51,6 +51,7 @@ ARCHITECTURES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 # A longer wait for a plan is the service having no work, not the cost of preparing a step.

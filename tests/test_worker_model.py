@@ -55,6 +55,7 @@ ARCHITECTURES = {
     "qwen3-moe": ("qwen3_moe", {}),
     "qwen2-moe-shared": ("qwen2_moe", {}),
     "smollm3-nope": ("smollm3", {}),
+    "gpt-oss-sinks": ("gpt_oss", {}),
 }
 # A family's prompts, where they differ: longrope matches transformers within one factor set.
 PROMPT_LENGTHS = {"phi3-longrope": (49, 90), "phi3-longrope-short": (1, 5, 37, 48)}

@@ -107,6 +107,20 @@ ARCHITECTURE_KINDS = {
         "SmolLM3ForCausalLM",
         {"num_hidden_layers": 3, "no_rope_layers": [1, 0, 1], "pad_token_id": 0},
     ),
+    # A windowed layer and a full one, attention sinks, yarn RoPE, and a SwiGLU limit low
+    # enough that its clamps bite.
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {
+            "head_dim": 16,
+            "sliding_window": 11,
+            "num_local_experts": 5,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 32,
+            "swiglu_limit": 1.0,
+        },
+    ),
 }
 
 
