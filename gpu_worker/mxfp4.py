@@ -56,7 +56,8 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
 
 def dequantize_all(stored: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The dense weights of `stored` pairs of NAME_blocks and NAME_scales, by NAME."""
-    names = [name.removesuffix(BLOCKS) for name in stored if name.endswith(BLOCKS)]
+    names = [n.removesuffix(BLOCKS) for n in stored if n.endswith(BLOCKS)]
+    names = [n for n in names if n + SCALES in stored]
     unpaired = set(stored) - {n + suffix for n in names for suffix in (BLOCKS, SCALES)}
     if unpaired:
         raise ValueError(f"MXFP4 tensors without their pair: {', '.join(sorted(unpaired))}")

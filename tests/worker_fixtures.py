@@ -119,6 +119,13 @@ ARCHITECTURE_KINDS = {
             "num_experts_per_tok": 2,
             "intermediate_size": 32,
             "swiglu_limit": 1.0,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+                "rope_theta": 150000.0,
+            },
         },
     ),
 }
