@@ -4,7 +4,8 @@ One Layer record serves every family (gpu_worker.model_config.FAMILIES): the par
 family lacks are None, and the model's forward pass skips them. q/k/v and gate/up are
 fused into single matmuls at load (Phi-3's checkpoint holds them fused already), each
 part leaving the checkpoint's dict as it is taken (gpu_worker.weights). Gemma's norm weights
-are stored as 1 + w in float32, the form layer_ops.gemma_rms_norm takes. With a
+are stored as 1 + w in float32 (Gemma 4's as w), the form layer_ops.gemma_rms_norm takes. A
+Gemma 4 layer that reads an earlier layer's K/V has a q projection alone. With a
 quantization (gpu_worker.quant) the attention and MLP matmuls are QuantLinears, their
 weights quantized here or taken quantized from a GGUF conversion; a mixture of experts'
 matmuls stay dense. Under tensor parallelism (gpu_worker.tensor_parallel) each rank takes
@@ -40,6 +41,11 @@ class Layer:
     mlp_out_norm: torch.Tensor | None = None  # Gemma's post_feedforward_layernorm
     moe: MoEMLP | None = None
     sinks: torch.Tensor | None = None  # [heads]: gpt-oss's per-head logit in the softmax
+    # Gemma 4's per-layer input: gate [P, hidden], projection [hidden, P] and its norm
+    per_layer_gate: Matmul | None = None
+    per_layer_projection: Matmul | None = None
+    per_layer_norm: torch.Tensor | None = None
+    scalar: torch.Tensor | None = None  # [1]: Gemma 4 scales the residual stream by it
 
 
 def load_layer(
@@ -50,12 +56,11 @@ def load_layer(
     kind: int,
 ) -> Layer:
     prefix = f"model.layers.{index}."
-    hidden, head_dim, family = cfg.hidden_size, cfg.head_dim, cfg.family
-    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    hidden, family = cfg.hidden_size, cfg.family
     attn = prefix + "self_attn."
     layer = Layer(
         input_norm=take.norm(prefix + "input_layernorm.weight", hidden),
-        qkv=_qkv(take, cfg, attn),
+        qkv=_qkv(take, cfg, attn) if cfg.kv_source(index) == index else _q(take, cfg, attn),
         o_proj=_o_proj(take, cfg, attn),
         mlp_norm=take.norm(
             prefix
@@ -70,17 +75,14 @@ def load_layer(
         attention=kind,
     )
     if family.qk_norm:
-        q_norm = take.norm(attn + "q_norm.weight", head_dim)
-        k_norm = take.norm(attn + "k_norm.weight", head_dim)
-        local_heads, local_kv_heads = take.shard.local(heads), take.shard.local(kv_heads)
-        layer.qk_norm = torch.cat(
-            [q_norm.expand(local_heads, -1), k_norm.expand(local_kv_heads, -1)]
-        )
+        layer.qk_norm = _head_norms(take, cfg, attn, cfg.kv_source(index) == index)
     if family.attention_sinks:
-        layer.sinks = take(attn + "sinks", (heads,), ROWS)
+        layer.sinks = take(attn + "sinks", (cfg.num_attention_heads,), ROWS)
     if family.gemma:
         layer.attn_out_norm = take.norm(prefix + "post_attention_layernorm.weight", hidden)
         layer.mlp_out_norm = take.norm(prefix + "post_feedforward_layernorm.weight", hidden)
+    if family.gemma4:
+        _add_gemma4_parts(take, cfg, prefix, layer)
     if cfg.moe is not None and cfg.moe.sparse_layers[index]:
         layer.moe = load_moe(take, cfg, prefix)
     elif family.fused_projections:
@@ -94,7 +96,7 @@ def load_layer(
             [prefix + "mlp.down_proj.weight"], [(hidden, inter)], split=COLUMNS
         )
     else:
-        mlp, inter = prefix + "mlp.", cfg.intermediate_size
+        mlp, inter = prefix + "mlp.", cfg.intermediate_of(index)
         names = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
         layer.gate_up = take.matmul(names, [(inter, hidden)] * 2, split=ROWS)
         layer.down = take.matmul([mlp + "down_proj.weight"], [(hidden, inter)], split=COLUMNS)
@@ -126,3 +128,40 @@ def _o_proj(take: WeightTaker, cfg: ModelConfig, attn: str) -> Matmul:
     if cfg.family.o_proj_bias and cfg.attention_bias:
         bias = take(attn + "o_proj.bias", (cfg.hidden_size,))
     return take.matmul([attn + "o_proj.weight"], [shape], bias, split=COLUMNS)
+
+
+def _q(take: WeightTaker, cfg: ModelConfig, attn: str) -> Matmul:
+    """The queries alone, of a layer that reads another layer's K/V (Gemma 4)."""
+    shape = (cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size)
+    return take.matmul([attn + "q_proj.weight"], [shape], split=ROWS)
+
+
+def _head_norms(take: WeightTaker, cfg: ModelConfig, attn: str, owns_kv: bool) -> torch.Tensor:
+    """The norms over each q head, then each k head, and for Gemma 4 each v head (an
+    unscaled norm: ones) [heads (+ 2 kv_heads), head_dim]; a layer that reads another
+    layer's K/V norms its q heads alone."""
+    head_dim = cfg.head_dim
+    local_heads, local_kv_heads = (
+        take.shard.local(cfg.num_attention_heads),
+        take.shard.local(cfg.num_key_value_heads),
+    )
+    norms = [take.norm(attn + "q_norm.weight", head_dim).expand(local_heads, -1)]
+    if owns_kv:
+        k_norm = take.norm(attn + "k_norm.weight", head_dim)
+        norms.append(k_norm.expand(local_kv_heads, -1))
+    if owns_kv and cfg.family.gemma4:
+        norms.append(torch.ones_like(k_norm).expand(local_kv_heads, -1))
+    return torch.cat(norms)
+
+
+def _add_gemma4_parts(take: WeightTaker, cfg: ModelConfig, prefix: str, layer: Layer) -> None:
+    """Gemma 4's layer scalar, and its per-layer input's gate, projection and norm."""
+    layer.scalar = take(prefix + "layer_scalar", (1,))
+    size, hidden = cfg.per_layer_input_size, cfg.hidden_size
+    if not size:
+        return
+    layer.per_layer_gate = take.matmul([prefix + "per_layer_input_gate.weight"], [(size, hidden)])
+    layer.per_layer_projection = take.matmul(
+        [prefix + "per_layer_projection.weight"], [(hidden, size)]
+    )
+    layer.per_layer_norm = take.norm(prefix + "post_per_layer_input_norm.weight", hidden)

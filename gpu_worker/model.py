@@ -1,5 +1,5 @@
 """The decoder over a paged KV cache, for every family FAMILIES lists (Llama 2/3, SmolLM2,
-TinyLlama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, SmolLM3, and the Mixtral, Qwen and gpt-oss
+TinyLlama, Mistral, Qwen2/3, Gemma 2/3/4, Phi-3, SmolLM3, and the Mixtral, Qwen and gpt-oss
 mixtures of experts).
 
 One forward pass takes the flattened tokens of a whole mixed batch (prefill chunks and
@@ -22,6 +22,7 @@ cache allocated from it), and the collectives that join the ranks' results.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -31,10 +32,17 @@ from gpu_worker.attention import AttentionMetadata, LayerAttention, paged_attent
 from gpu_worker.kernels import Kernels
 from gpu_worker.kv_cache import LayerKV
 from gpu_worker.kv_groups import KVGroups
-from gpu_worker.layer_ops import add_gemma_rms_norm_, gelu_tanh_and_mul, gemma_rms_norm, rms_norm
+from gpu_worker.layer_ops import (
+    add_gemma_rms_norm_,
+    gelu_tanh_and_mul,
+    gemma_rms_norm,
+    rms_norm,
+    rotate_,
+)
 from gpu_worker.layers import load_layer
 from gpu_worker.linear import LM_HEAD_ROW_SIZES, Linear
 from gpu_worker.model_config import ModelConfig
+from gpu_worker.per_layer_inputs import PerLayerInputs
 from gpu_worker.quant import QUANTIZERS, QuantLinear, QuantWeight
 from gpu_worker.rope import rope_tables
 from gpu_worker.sampler import Logits
@@ -71,7 +79,7 @@ class Model:
         self.device = device
         self.kernels = kernels
         self.ops = kernels.layer_ops
-        gemma = config.family.gemma
+        gemma, gemma4 = config.family.gemma, config.family.gemma4
         self._pick_functions(gemma)
         prefixes = config.family.text_prefixes
         take = WeightTaker(
@@ -79,7 +87,7 @@ class Model:
             dtype,
             device,
             kernels.matmul,
-            gemma,
+            (0.0 if gemma4 else 1.0) if gemma else None,  # Gemma's norms: 1 + w; Gemma 4's: w
             prefixes,
             quantizer=QUANTIZERS.get(quantization),
             quantized=quantized,
@@ -104,6 +112,11 @@ class Model:
                 ropes[rope] = rope_tables(config.head_dim, rope, max_positions, dtype, device)
             self.layers.append(load_layer(take, config, i, ropes[rope], groups.group_of(i)))
         self.norm = take.norm("model.norm.weight", config.hidden_size)
+        self.per_layer_inputs = (
+            PerLayerInputs.load(take, config) if config.per_layer_input_size else None
+        )
+        # the layers whose K/V later layers read (Gemma 4): their k/v rows are kept per step
+        self.kv_sources = {config.kv_source(i) for i in range(config.num_hidden_layers)}
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
         # Tied, the embedding stays dense for its lookups and a quantized head is a copy.
         name = "model.embed_tokens.weight" if tied else "lm_head.weight"
@@ -115,8 +128,9 @@ class Model:
         )
         # for recomputing single logits: the served rows (a quantized head dequantizes its own)
         self.lm_head_rows = dense if isinstance(self.lm_head, Linear) else None
-        # see gpu_worker.moe; and the graphs' attention pieces pass no sinks (attend)
-        self.capturable = config.moe is None and not config.family.attention_sinks
+        # see gpu_worker.moe; the graphs' attention pieces pass no sinks (attend), nor
+        # Gemma 4's per-layer inputs and shared K/V (forward)
+        self.capturable = config.moe is None and not (config.family.attention_sinks or gemma4)
 
     def _pick_functions(self, gemma: bool) -> None:
         ops = self.ops
@@ -125,6 +139,7 @@ class Model:
         self.qk_norm = gemma_rms_norm if gemma else rms_norm
         gelu = self.config.hidden_act == "gelu_pytorch_tanh"
         self.act_and_mul = gelu_tanh_and_mul if gelu else ops.silu_and_mul
+        self.act = functools.partial(F.gelu, approximate="tanh") if gelu else F.silu
 
     def forward(
         self,
@@ -142,10 +157,20 @@ class Model:
         (gpu_worker.mixed_graphs).
         """
         x, h = self.embedded(input_ids)
+        per_layer = None
+        if self.per_layer_inputs is not None:
+            per_layer = self.per_layer_inputs(input_ids, x, self.rms_norm)
+        kv_rows: dict[int, torch.Tensor] = {}  # the k/v rows of the layers others read
         for index, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
             meta = metas[layer.attention]
             qkv = self.before_attention(index, h, positions, kv, meta.slots)
-            h = self.after_attention(index, x, self.attend(qkv, kv, meta, layer.sinks))
+            source = self.config.kv_source(index)
+            if source != index:  # its q beside the k/v its source wrote
+                qkv = torch.cat([qkv, kv_rows[source]], dim=1)
+            elif index in self.kv_sources:
+                kv_rows[index] = qkv[:, self.config.num_attention_heads * self.config.head_dim :]
+            attn = self.attend(qkv, kv, meta, layer.sinks)
+            h = self.after_attention(index, x, attn, per_layer)
         return h
 
     def embedded(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,13 +189,18 @@ class Model:
         kv: LayerKV,
         slots: torch.Tensor,
     ) -> torch.Tensor:
-        """Layer `index`'s qkv [T, (heads + 2 kv_heads) * d], rotated, its k/v in the cache."""
+        """Layer `index`'s qkv [T, (heads + 2 kv_heads) * d], rotated, its k/v in the cache;
+        a layer that reads another's K/V (Gemma 4) gives its rotated q [T, heads * d] alone."""
         cfg, layer = self.config, self.layers[index]
         heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         qkv = layer.qkv(h)
-        if layer.qk_norm is not None:
-            qk = qkv[:, : (heads + kv_heads) * head_dim].view(-1, heads + kv_heads, head_dim)
-            qk.copy_(self.qk_norm(qk, layer.qk_norm, cfg.rms_norm_eps))
+        if layer.qk_norm is not None:  # q and k heads (and Gemma 4's v heads) normed
+            normed = layer.qk_norm.shape[0]
+            heads_normed = qkv[:, : normed * head_dim].view(-1, normed, head_dim)
+            heads_normed.copy_(self.qk_norm(heads_normed, layer.qk_norm, cfg.rms_norm_eps))
+        if cfg.kv_source(index) != index:
+            rotate_(qkv.view(-1, heads, head_dim), positions, layer.cos, layer.signed_sin)
+            return qkv
         self.ops.rope_and_cache_(
             qkv, positions, layer.cos, layer.signed_sin, kv, slots, heads, kv_heads
         )
@@ -193,9 +223,16 @@ class Model:
         v = qkv[:, q_width + kv_width :].view(-1, kv_heads, head_dim)
         return paged_attention(q, k, v, kv, meta, sinks)
 
-    def after_attention(self, index: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def after_attention(
+        self,
+        index: int,
+        x: torch.Tensor,
+        attn: torch.Tensor,
+        per_layer: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Layer `index` from its attention output on (x updated in place) -> the next
-        layer's normed input, or the final norm's after the last layer."""
+        layer's normed input, or the final norm's after the last layer. `per_layer`:
+        Gemma 4's per-layer inputs [T, layers, width]."""
         layer, eps, norm, add_norm_ = (
             self.layers[index],
             self.config.rms_norm_eps,
@@ -216,7 +253,21 @@ class Model:
             self.shard.all_reduce(mlp)
         if layer.mlp_out_norm is not None:
             mlp = norm(mlp, layer.mlp_out_norm, eps)
-        return add_norm_(x, mlp, next_norm, eps)
+        if layer.scalar is None:
+            return add_norm_(x, mlp, next_norm, eps)
+        x.add_(mlp)
+        if layer.per_layer_gate is not None and layer.per_layer_projection is not None:
+            assert per_layer is not None and layer.per_layer_norm is not None
+            gated = self._row_invariant_act(layer.per_layer_gate(x)) * per_layer[:, index]
+            x.add_(norm(layer.per_layer_projection(gated), layer.per_layer_norm, eps))
+        return norm(x.mul_(layer.scalar), next_norm, eps)
+
+    def _row_invariant_act(self, x: torch.Tensor) -> torch.Tensor:
+        """The activation of a narrow contiguous x [T, n], in float64 and rounded back: a
+        CPU computes such a tensor as one flat run, its vectorized part and scalar tail
+        (which elements get which depends on T) disagreeing in the last bit of float32,
+        where they agree once rounded back from float64."""
+        return self.act(x.double()).to(x.dtype)
 
     def _embedding(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The ids' embedding rows; under tensor parallelism each rank looks up the ids of

@@ -16,7 +16,7 @@ from typing import Any
 
 from gpu_worker.protocol import ARCHITECTURES
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 # transformers' defaults where a config names no base (Gemma 3's differ by layer type)
 DEFAULT_THETA = {("gemma3_text", "full_attention"): 1e6}
 
@@ -55,6 +55,10 @@ class Family:
     # Without no_rope_layers, every n-th layer rotates nothing (SmolLM3's NoPE layers:
     # no_rope_layer_interval, or this default); 0: every layer has RoPE.
     no_rope_interval: int = 0
+    # Gemma 4, beyond Gemma: norms scale by w (not 1 + w), v is RMS-normed too (unscaled),
+    # scores are not scaled (the q/k norms size them), per-layer input embeddings, the last
+    # layers reading earlier layers' KV, and a scalar per layer on the residual stream
+    gemma4: bool = False
 
 
 FAMILIES = {
@@ -75,6 +79,14 @@ FAMILIES = {
     "Qwen2MoeForCausalLM": Family(qkv_bias_default=True, moe="qwen", window_opt_in=True),
     "Qwen3MoeForCausalLM": Family(qk_norm=True, moe="qwen", window_opt_in=True),
     "SmolLM3ForCausalLM": Family(window_opt_in=True, no_rope_interval=4),
+    "Gemma4ForCausalLM": Family(qk_norm=True, gemma=True, gemma4=True, window_pattern=6),
+    "Gemma4ForConditionalGeneration": Family(
+        qk_norm=True,
+        gemma=True,
+        gemma4=True,
+        text_prefixes=("model.language_model.",),
+        window_pattern=6,
+    ),
     "GptOssForCausalLM": Family(
         moe="gpt_oss", attention_sinks=True, o_proj_bias=True, window_pattern=2
     ),
@@ -96,6 +108,9 @@ class RopeScaling:
     truncate: bool = True
     short_factor: tuple[float, ...] = ()  # longrope
     long_factor: tuple[float, ...] = ()
+    # proportional (Gemma 4's global layers): the share of the head's dimensions rotated,
+    # the others' frequencies zero
+    rotary_fraction: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +178,16 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     hidden_act: str = "silu"
     moe: MoE | None = None
+    # The layer whose K/V each layer attends over: itself, or for Gemma 4's last
+    # num_kv_shared_layers the last earlier layer of its kind, whose cache it reads
+    # (allocating none); () when every layer has its own.
+    kv_sources: tuple[int, ...] = ()
+    # Gemma 4's per-layer inputs: the width of each layer's slice (0: none) and the
+    # vocabulary of their embedding
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
+    # Each layer's MLP width where they differ (Gemma 4's double-wide shared-KV layers)
+    layer_intermediate_sizes: tuple[int, ...] = ()
 
     @property
     def family(self) -> Family:
@@ -233,6 +258,8 @@ class ModelConfig:
                 hidden_act=str(raw.get("hidden_activation") or raw.get("hidden_act") or "silu"),
                 moe=_moe(raw, family, layers),
             )
+            if family.gemma4:
+                _add_gemma4(config, raw)
         except UnsupportedModel:
             raise
         except KeyError as exc:
@@ -276,6 +303,16 @@ class ModelConfig:
     def window_of(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
 
+    def kv_source(self, layer: int) -> int:
+        """The layer whose K/V cache `layer` attends over (itself, unless it shares one)."""
+        return self.kv_sources[layer] if self.kv_sources else layer
+
+    def intermediate_of(self, layer: int) -> int:
+        """Layer `layer`'s MLP width."""
+        if self.layer_intermediate_sizes:
+            return self.layer_intermediate_sizes[layer]
+        return self.intermediate_size
+
     def rope_of(self, layer: int) -> Rope | None:
         """The RoPE layer `layer` rotates its queries and keys with; None where it has none."""
         if self.rope_layers and not self.rope_layers[layer]:
@@ -312,6 +349,7 @@ def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(text, dict):
         raise ConfigError("config.json lacks the text model's text_config")
     inherited = {k: raw[k] for k in ("tie_word_embeddings", "bos_token_id") if k in raw}
+    # the text config's own model_type where it names one (Gemma 4's), else Gemma 3's
     return {"model_type": "gemma3_text", **inherited, **text}
 
 
@@ -354,12 +392,17 @@ def _rope_scaling(raw: dict[str, Any], rope: dict[str, Any]) -> RopeScaling | No
         raise UnsupportedModel(
             f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
         )
-    if float(rope.get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 1.0) != 1:
+    fraction = float(rope.get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 1.0)
+    if fraction != 1 and rope_type != "proportional":
         raise UnsupportedModel(
             "partial rotary embeddings (partial_rotary_factor) are not supported"
         )
     if rope_type == "default":
         return None
+    if rope_type == "proportional":
+        return RopeScaling(
+            "proportional", float(rope.get("factor") or 1.0), rotary_fraction=fraction
+        )
     longest = int(raw.get("max_position_embeddings", 2048))
     original = int(
         rope.get("original_max_position_embeddings")
@@ -512,3 +555,49 @@ def _moe(raw: dict[str, Any], family: Family, layers: int) -> MoE | None:
         ),
         shared_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
     )
+
+
+def _add_gemma4(config: ModelConfig, raw: dict[str, Any]) -> None:
+    """Gemma 4's per-layer inputs, shared KV and double-wide MLPs, and its scores' scale of
+    1 (a query_pre_attn_scalar of 1); UnsupportedModel for what is not served yet."""
+    _check_gemma4(config, raw)
+    layers = config.num_hidden_layers
+    config.query_pre_attn_scalar = 1.0
+    config.per_layer_input_size = int(raw.get("hidden_size_per_layer_input") or 0)
+    config.per_layer_vocab_size = int(raw.get("vocab_size_per_layer_input") or config.vocab_size)
+    shared = int(raw.get("num_kv_shared_layers") or 0)
+    if not shared:
+        return
+    windows = config.layer_windows or (None,) * layers
+    first_shared = layers - shared
+    owners = {windows[i]: i for i in range(first_shared)}  # each kind's last owner
+    if set(windows[first_shared:]) - set(owners):
+        raise ConfigError("a layer shares the KV of a kind of layer that no earlier layer has")
+    config.kv_sources = tuple(i if i < first_shared else owners[windows[i]] for i in range(layers))
+    if raw.get("use_double_wide_mlp"):
+        wide = 2 * config.intermediate_size
+        config.layer_intermediate_sizes = tuple(
+            config.intermediate_size if i < first_shared else wide for i in range(layers)
+        )
+
+
+def _check_gemma4(config: ModelConfig, raw: dict[str, Any]) -> None:
+    if raw.get("enable_moe_block"):
+        raise UnsupportedModel("Gemma 4's mixture-of-experts block is not supported yet")
+    if raw.get("attention_k_eq_v"):
+        raise UnsupportedModel("Gemma 4's keys as values (attention_k_eq_v) is not supported yet")
+    overrides = list((raw.get("per_layer_config") or {}).values())
+    if "global_head_dim" in raw:
+        overrides.append({"head_dim": raw["global_head_dim"]})
+    for override in overrides:
+        if int(override.get("head_dim", config.head_dim)) != config.head_dim:
+            raise UnsupportedModel(
+                f"Gemma 4's global layers with a head_dim of their own ({override['head_dim']}, "
+                f"beside {config.head_dim}) are not supported yet"
+            )
+        if int(override.get("num_key_value_heads", config.num_key_value_heads)) != (
+            config.num_key_value_heads
+        ):
+            raise UnsupportedModel(
+                "Gemma 4's global layers with key/value heads of their own are not supported yet"
+            )

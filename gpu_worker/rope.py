@@ -1,7 +1,7 @@
 """Rotary position embeddings: the cos and sin tables of each RoPE a model uses.
 
 Each follows transformers' ROPE_INIT_FUNCTIONS step by step, in float32 (default, linear,
-llama3, yarn, longrope), including the attention factor that scales cos and sin (yarn,
+llama3, yarn, longrope, proportional), including the attention factor that scales cos and sin (yarn,
 longrope).
 
 Longrope has two factor sets, short and long. transformers picks one per forward call by
@@ -38,6 +38,13 @@ def inverse_frequencies(head_dim: int, rope: Rope, long: bool = False) -> torch.
         return inv_freq / scaling.factor
     if scaling.rope_type == "yarn":
         return _yarn_frequencies(head_dim, rope.theta, scaling)
+    if scaling.rope_type == "proportional":
+        # Gemma 4's global layers: the first share of the frequencies, the others zero
+        # (cos 1, sin 0: those dimensions pass unrotated)
+        rotated = int(scaling.rotary_fraction * head_dim // 2)
+        return (
+            torch.cat([inv_freq[:rotated], torch.zeros(len(inv_freq) - rotated)]) / scaling.factor
+        )
     return _llama3_frequencies(inv_freq, scaling)
 
 

@@ -56,6 +56,7 @@ ARCHITECTURES = {
     "qwen2-moe-shared": ("qwen2_moe", {}),
     "smollm3-nope": ("smollm3", {}),
     "gpt-oss-sinks": ("gpt_oss", {}),
+    "gemma4-shared-kv": ("gemma4", {}),
 }
 # A family's prompts, where they differ: longrope matches transformers within one factor set.
 PROMPT_LENGTHS = {"phi3-longrope": (49, 90), "phi3-longrope-short": (1, 5, 37, 48)}
@@ -380,16 +381,23 @@ def test_prompt_logprobs_over_chunks_equal_transformers_log_softmax(tiny_llama_d
     assert top_ids == reference[:-1].topk(3, dim=-1).indices.tolist()
 
 
-def test_a_multimodal_gemma3_checkpoint_serves_its_text_model(tiny_models, tmp_path):
-    """model_type gemma3: the text_config's decoder, its weights under model.language_model
-    (the vision tower's are left unread), gives the text model's logits."""
+@pytest.mark.parametrize(
+    ("kind", "architecture"),
+    [("gemma3", "Gemma3ForConditionalGeneration"), ("gemma4", "Gemma4ForConditionalGeneration")],
+)
+def test_a_multimodal_gemma_checkpoint_serves_its_text_model(
+    kind, architecture, tiny_models, tmp_path
+):
+    """model_type gemma3 or gemma4: the text_config's decoder, its weights under
+    model.language_model (the vision tower's are left unread), gives the text model's
+    logits."""
     from safetensors.torch import load_file, save_file
 
-    text_dir = tiny_models("gemma3")
+    text_dir = tiny_models(kind)
     text_config = json.loads((text_dir / "config.json").read_text())
     config = {
-        "architectures": ["Gemma3ForConditionalGeneration"],
-        "model_type": "gemma3",
+        "architectures": [architecture],
+        "model_type": kind,
         "text_config": {k: v for k, v in text_config.items() if k != "architectures"},
         "vision_config": {"model_type": "siglip_vision_model"},
     }
@@ -404,5 +412,5 @@ def test_a_multimodal_gemma3_checkpoint_serves_its_text_model(tiny_models, tmp_p
     plan = plan_for(text_runner, [Chunk(0, random_prompt(30, seed=4), 0, blocks_for(0, 30))])
     expected = text_runner.step_logits(plan)
     runner = make_runner(tmp_path)
-    assert runner.handshake.architecture == "Gemma3ForConditionalGeneration"
+    assert runner.handshake.architecture == architecture
     assert torch.equal(runner.step_logits(plan), expected)

@@ -151,6 +151,26 @@ def test_mixture_of_experts_configs_say_which_layers_route():
             UnsupportedModel,
             "Gemma3ForCausalLM: bidirectional",
         ),
+        (
+            {"architectures": ["Gemma4ForCausalLM"], "global_head_dim": 32},
+            UnsupportedModel,
+            "Gemma4ForCausalLM: Gemma 4's global layers with a head_dim of their own",
+        ),
+        (
+            {"architectures": ["Gemma4ForCausalLM"], "per_layer_config": {"1": {"head_dim": 32}}},
+            UnsupportedModel,
+            "head_dim of their own",
+        ),
+        (
+            {"architectures": ["Gemma4ForCausalLM"], "enable_moe_block": True},
+            UnsupportedModel,
+            "Gemma 4's mixture-of-experts block",
+        ),
+        (
+            {"architectures": ["Gemma4ForCausalLM"], "attention_k_eq_v": True},
+            UnsupportedModel,
+            "attention_k_eq_v",
+        ),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, UnsupportedModel, "dynamic"),
         ({"hidden_act": "relu"}, UnsupportedModel, "activation"),
         ({"partial_rotary_factor": 0.5}, UnsupportedModel, "partial"),

@@ -107,6 +107,33 @@ ARCHITECTURE_KINDS = {
         "SmolLM3ForCausalLM",
         {"num_hidden_layers": 3, "no_rope_layers": [1, 0, 1], "pad_token_id": 0},
     ),
+    # Windowed and global layers with RoPEs of their own (proportional on the global ones),
+    # per-layer inputs, the last two layers reading the first two's K/V with double-wide
+    # MLPs, and the final soft-capping.
+    "gemma4": (
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        {
+            "num_hidden_layers": 4,
+            "head_dim": 16,
+            "global_head_dim": 16,
+            "sliding_window": 11,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {
+                    "rope_type": "proportional",
+                    "partial_rotary_factor": 0.5,
+                    "rope_theta": 1e6,
+                },
+            },
+            "vocab_size_per_layer_input": VOCAB,
+            "hidden_size_per_layer_input": 8,
+            "num_kv_shared_layers": 2,
+            "use_double_wide_mlp": True,
+            "final_logit_softcapping": 3.0,
+        },
+    ),
     # A windowed layer and a full one, attention sinks, yarn RoPE, and a SwiGLU limit low
     # enough that its clamps bite.
     "gpt_oss": (
@@ -169,6 +196,9 @@ def save_tiny_model(path: Path, kind: str = "llama", **overrides) -> Path:
                 param.normal_(0, 0.5)
             elif "norm" in name and kind in ARCHITECTURE_KINDS:
                 param.uniform_(-0.5, 0.5).add_(0.0 if kind.startswith("gemma") else 1.0)
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4's, saved with the weights
+                buffer.uniform_(0.5, 1.5)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
