@@ -28,7 +28,8 @@ from gpu_worker.weights import WeightTaker
 @dataclass(slots=True)
 class Layer:
     input_norm: torch.Tensor
-    qkv: Matmul  # [(heads + 2 * kv_heads) * head_dim, hidden], with Qwen2's biases
+    # [(heads + 2 * kv_heads) * head_dim, hidden] (the layer's own head_dim), with Qwen2's biases
+    qkv: Matmul
     o_proj: Matmul
     mlp_norm: torch.Tensor  # before the MLP (Llama's post_attention_layernorm)
     gate_up: Matmul | None  # [2 * intermediate, hidden]; None in a mixture-of-experts layer
@@ -56,12 +57,14 @@ def load_layer(
     kind: int,
 ) -> Layer:
     prefix = f"model.layers.{index}."
-    hidden, family = cfg.hidden_size, cfg.family
+    hidden, family, head_dim = cfg.hidden_size, cfg.family, cfg.head_dim_of(index)
     attn = prefix + "self_attn."
     layer = Layer(
         input_norm=take.norm(prefix + "input_layernorm.weight", hidden),
-        qkv=_qkv(take, cfg, attn) if cfg.kv_source(index) == index else _q(take, cfg, attn),
-        o_proj=_o_proj(take, cfg, attn),
+        qkv=_qkv(take, cfg, attn, head_dim)
+        if cfg.kv_source(index) == index
+        else _q(take, cfg, attn, head_dim),
+        o_proj=_o_proj(take, cfg, attn, head_dim),
         mlp_norm=take.norm(
             prefix
             + ("pre_feedforward_layernorm" if family.gemma else "post_attention_layernorm")
@@ -75,7 +78,7 @@ def load_layer(
         attention=kind,
     )
     if family.qk_norm:
-        layer.qk_norm = _head_norms(take, cfg, attn, cfg.kv_source(index) == index)
+        layer.qk_norm = _head_norms(take, cfg, attn, head_dim, cfg.kv_source(index) == index)
     if family.attention_sinks:
         layer.sinks = take(attn + "sinks", (cfg.num_attention_heads,), ROWS)
     if family.gemma:
@@ -103,8 +106,8 @@ def load_layer(
     return layer
 
 
-def _qkv(take: WeightTaker, cfg: ModelConfig, attn: str) -> Matmul:
-    hidden, head_dim = cfg.hidden_size, cfg.head_dim
+def _qkv(take: WeightTaker, cfg: ModelConfig, attn: str, head_dim: int) -> Matmul:
+    hidden = cfg.hidden_size
     q_rows = cfg.num_attention_heads * head_dim
     kv_rows = cfg.num_key_value_heads * head_dim
     qkv_rows = [q_rows, kv_rows, kv_rows]
@@ -120,27 +123,28 @@ def _qkv(take: WeightTaker, cfg: ModelConfig, attn: str) -> Matmul:
     return take.matmul(qkv_weights, [(r, hidden) for r in qkv_rows], qkv_bias, split=ROWS)
 
 
-def _o_proj(take: WeightTaker, cfg: ModelConfig, attn: str) -> Matmul:
+def _o_proj(take: WeightTaker, cfg: ModelConfig, attn: str, head_dim: int) -> Matmul:
     """The attention's output projection; with gpt-oss's bias (tensor parallelism, which
     would add it on every rank, refuses gpt-oss as a mixture of experts)."""
-    shape = (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim)
+    shape = (cfg.hidden_size, cfg.num_attention_heads * head_dim)
     bias = None
     if cfg.family.o_proj_bias and cfg.attention_bias:
         bias = take(attn + "o_proj.bias", (cfg.hidden_size,))
     return take.matmul([attn + "o_proj.weight"], [shape], bias, split=COLUMNS)
 
 
-def _q(take: WeightTaker, cfg: ModelConfig, attn: str) -> Matmul:
+def _q(take: WeightTaker, cfg: ModelConfig, attn: str, head_dim: int) -> Matmul:
     """The queries alone, of a layer that reads another layer's K/V (Gemma 4)."""
-    shape = (cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size)
+    shape = (cfg.num_attention_heads * head_dim, cfg.hidden_size)
     return take.matmul([attn + "q_proj.weight"], [shape], split=ROWS)
 
 
-def _head_norms(take: WeightTaker, cfg: ModelConfig, attn: str, owns_kv: bool) -> torch.Tensor:
+def _head_norms(
+    take: WeightTaker, cfg: ModelConfig, attn: str, head_dim: int, owns_kv: bool
+) -> torch.Tensor:
     """The norms over each q head, then each k head, and for Gemma 4 each v head (an
     unscaled norm: ones) [heads (+ 2 kv_heads), head_dim]; a layer that reads another
     layer's K/V norms its q heads alone."""
-    head_dim = cfg.head_dim
     local_heads, local_kv_heads = (
         take.shard.local(cfg.num_attention_heads),
         take.shard.local(cfg.num_key_value_heads),

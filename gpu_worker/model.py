@@ -38,6 +38,7 @@ from gpu_worker.layer_ops import (
     gemma_rms_norm,
     rms_norm,
     rotate_,
+    write_kv,
 )
 from gpu_worker.layers import load_layer
 from gpu_worker.linear import LM_HEAD_ROW_SIZES, Linear
@@ -107,10 +108,10 @@ class Model:
         ropes = {}
         self.layers = []
         for i in range(config.num_hidden_layers):
-            rope = config.rope_of(i)
-            if rope not in ropes:
-                ropes[rope] = rope_tables(config.head_dim, rope, max_positions, dtype, device)
-            self.layers.append(load_layer(take, config, i, ropes[rope], groups.group_of(i)))
+            key = (config.rope_of(i), config.head_dim_of(i))
+            if key not in ropes:
+                ropes[key] = rope_tables(key[1], key[0], max_positions, dtype, device)
+            self.layers.append(load_layer(take, config, i, ropes[key], groups.group_of(i)))
         self.norm = take.norm("model.norm.weight", config.hidden_size)
         self.per_layer_inputs = (
             PerLayerInputs.load(take, config) if config.per_layer_input_size else None
@@ -169,7 +170,7 @@ class Model:
                 qkv = torch.cat([qkv, kv_rows[source]], dim=1)
             elif index in self.kv_sources:
                 kv_rows[index] = qkv[:, self.config.num_attention_heads * self.config.head_dim :]
-            attn = self.attend(qkv, kv, meta, layer.sinks)
+            attn = self._own_width(index, self.attend(qkv, kv, meta, layer.sinks))
             h = self.after_attention(index, x, attn, per_layer)
         return h
 
@@ -190,21 +191,31 @@ class Model:
         slots: torch.Tensor,
     ) -> torch.Tensor:
         """Layer `index`'s qkv [T, (heads + 2 kv_heads) * d], rotated, its k/v in the cache;
-        a layer that reads another's K/V (Gemma 4) gives its rotated q [T, heads * d] alone."""
+        a layer that reads another's K/V (Gemma 4) gives its rotated q [T, heads * d] alone.
+        A layer narrower than the cache (Gemma 4's sliding layers) pads its heads with zeros
+        to the cache's d: the scores and the first d of each output row are unchanged."""
         cfg, layer = self.config, self.layers[index]
         heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        own_dim, owns_kv = cfg.head_dim_of(index), cfg.kv_source(index) == index
         qkv = layer.qkv(h)
         if layer.qk_norm is not None:  # q and k heads (and Gemma 4's v heads) normed
             normed = layer.qk_norm.shape[0]
-            heads_normed = qkv[:, : normed * head_dim].view(-1, normed, head_dim)
+            heads_normed = qkv[:, : normed * own_dim].view(-1, normed, own_dim)
             heads_normed.copy_(self.qk_norm(heads_normed, layer.qk_norm, cfg.rms_norm_eps))
-        if cfg.kv_source(index) != index:
-            rotate_(qkv.view(-1, heads, head_dim), positions, layer.cos, layer.signed_sin)
+        if owns_kv and own_dim == head_dim:
+            self.ops.rope_and_cache_(
+                qkv, positions, layer.cos, layer.signed_sin, kv, slots, heads, kv_heads
+            )
             return qkv
-        self.ops.rope_and_cache_(
-            qkv, positions, layer.cos, layer.signed_sin, kv, slots, heads, kv_heads
-        )
-        return qkv
+        # the reference ops: a q alone, or heads to pad between the rotation and the cache
+        by_head = qkv.view(qkv.shape[0], -1, own_dim)
+        rotated = heads + kv_heads if owns_kv else heads
+        rotate_(by_head[:, :rotated], positions, layer.cos, layer.signed_sin)
+        if own_dim != head_dim:
+            by_head = F.pad(by_head, (0, head_dim - own_dim))
+        if owns_kv:
+            write_kv(kv, by_head[:, heads:rotated], by_head[:, rotated:], slots)
+        return by_head.reshape(qkv.shape[0], -1)
 
     def attend(
         self,
@@ -261,6 +272,14 @@ class Model:
             gated = self._row_invariant_act(layer.per_layer_gate(x)) * per_layer[:, index]
             x.add_(norm(layer.per_layer_projection(gated), layer.per_layer_norm, eps))
         return norm(x.mul_(layer.scalar), next_norm, eps)
+
+    def _own_width(self, index: int, attn: torch.Tensor) -> torch.Tensor:
+        """The attention output [T, heads * d] of layer `index` at its own head_dim: the
+        first of each head's zero-padded columns (before_attention)."""
+        own_dim, head_dim = self.config.head_dim_of(index), self.config.head_dim
+        if own_dim == head_dim:
+            return attn
+        return attn.view(attn.shape[0], -1, head_dim)[..., :own_dim].reshape(attn.shape[0], -1)
 
     def _row_invariant_act(self, x: torch.Tensor) -> torch.Tensor:
         """The activation of a narrow contiguous x [T, n], in float64 and rounded back: a

@@ -188,6 +188,10 @@ class ModelConfig:
     per_layer_vocab_size: int = 0
     # Each layer's MLP width where they differ (Gemma 4's double-wide shared-KV layers)
     layer_intermediate_sizes: tuple[int, ...] = ()
+    # Each layer's own head_dim where they differ (Gemma 4's global layers: 512 beside the
+    # sliding ones' 256); head_dim is then the largest, the cache's and the attention's,
+    # and a narrower layer's heads are zero-padded to it (gpu_worker.model)
+    layer_head_dims: tuple[int, ...] = ()
 
     @property
     def family(self) -> Family:
@@ -306,6 +310,10 @@ class ModelConfig:
     def kv_source(self, layer: int) -> int:
         """The layer whose K/V cache `layer` attends over (itself, unless it shares one)."""
         return self.kv_sources[layer] if self.kv_sources else layer
+
+    def head_dim_of(self, layer: int) -> int:
+        """Layer `layer`'s own head_dim (its q/k/v projections'), at most head_dim."""
+        return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
 
     def intermediate_of(self, layer: int) -> int:
         """Layer `layer`'s MLP width."""
@@ -558,10 +566,14 @@ def _moe(raw: dict[str, Any], family: Family, layers: int) -> MoE | None:
 
 
 def _add_gemma4(config: ModelConfig, raw: dict[str, Any]) -> None:
-    """Gemma 4's per-layer inputs, shared KV and double-wide MLPs, and its scores' scale of
-    1 (a query_pre_attn_scalar of 1); UnsupportedModel for what is not served yet."""
+    """Gemma 4's per-layer inputs, its global layers' head_dim, shared KV and double-wide
+    MLPs, and its scores' scale of 1 (a query_pre_attn_scalar of 1); UnsupportedModel for
+    what is not served yet."""
     _check_gemma4(config, raw)
     layers = config.num_hidden_layers
+    dims = _gemma4_head_dims(config, raw)
+    if len(set(dims)) > 1:
+        config.layer_head_dims, config.head_dim = dims, max(dims)
     config.query_pre_attn_scalar = 1.0
     config.per_layer_input_size = int(raw.get("hidden_size_per_layer_input") or 0)
     config.per_layer_vocab_size = int(raw.get("vocab_size_per_layer_input") or config.vocab_size)
@@ -586,18 +598,30 @@ def _check_gemma4(config: ModelConfig, raw: dict[str, Any]) -> None:
         raise UnsupportedModel("Gemma 4's mixture-of-experts block is not supported yet")
     if raw.get("attention_k_eq_v"):
         raise UnsupportedModel("Gemma 4's keys as values (attention_k_eq_v) is not supported yet")
-    overrides = list((raw.get("per_layer_config") or {}).values())
-    if "global_head_dim" in raw:
-        overrides.append({"head_dim": raw["global_head_dim"]})
-    for override in overrides:
-        if int(override.get("head_dim", config.head_dim)) != config.head_dim:
-            raise UnsupportedModel(
-                f"Gemma 4's global layers with a head_dim of their own ({override['head_dim']}, "
-                f"beside {config.head_dim}) are not supported yet"
-            )
+    for override in _gemma4_overrides(config, raw).values():
         if int(override.get("num_key_value_heads", config.num_key_value_heads)) != (
             config.num_key_value_heads
         ):
             raise UnsupportedModel(
                 "Gemma 4's global layers with key/value heads of their own are not supported yet"
             )
+
+
+def _gemma4_overrides(config: ModelConfig, raw: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """Each global layer's overrides, as transformers' Gemma4TextConfig makes them: the
+    per_layer_config it writes (by layer index), else a head_dim of global_head_dim (512
+    where the config names none)."""
+    if "per_layer_config" in raw:
+        written = raw.get("per_layer_config") or {}
+        return {int(layer): dict(override) for layer, override in written.items()}
+    windows = config.layer_windows or (None,) * config.num_hidden_layers
+    global_dim = int(raw.get("global_head_dim") or 512)
+    return {i: {"head_dim": global_dim} for i, window in enumerate(windows) if window is None}
+
+
+def _gemma4_head_dims(config: ModelConfig, raw: dict[str, Any]) -> tuple[int, ...]:
+    overrides = _gemma4_overrides(config, raw)
+    return tuple(
+        int(overrides.get(i, {}).get("head_dim", config.head_dim))
+        for i in range(config.num_hidden_layers)
+    )

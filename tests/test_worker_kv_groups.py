@@ -72,13 +72,14 @@ def test_a_block_holds_the_slots_not_every_layer():
 def test_gemma4_layers_that_read_another_layers_kv_allocate_none():
     """Gemma 4 E2B's pattern: 35 layers, every 5th global, the last 20 reading the K/V of
     the last earlier layer of their kind: 15 layers hold K/V, in 3 slots, and the other 20
-    attend in their sources' groups over their sources' slots."""
+    attend in their sources' groups over their sources' slots. The slots are as wide as
+    the global layers' heads (512), the sliding layers' (256) padded to them."""
     config = config_of(
         "Gemma4TextConfig",
         "Gemma4ForCausalLM",
         num_hidden_layers=35,
         head_dim=256,
-        global_head_dim=256,
+        global_head_dim=512,
         layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7,
         num_kv_shared_layers=20,
     )
@@ -88,6 +89,7 @@ def test_gemma4_layers_that_read_another_layers_kv_allocate_none():
     assert groups.num_slots == 3
     assert groups.group_of(34) == 0 and groups.slot_of(34) == groups.slot_of(14) == 2
     assert groups.group_of(33) == groups.group_of(13) == 4
+    assert (config.head_dim, config.head_dim_of(4), config.head_dim_of(33)) == (512, 512, 256)
     one_row = 2 * config.num_key_value_heads * config.head_dim * 2  # K and V, bfloat16
     assert kv_cache.block_bytes(config, 16, torch.bfloat16) == 3 * 16 * one_row
     cache = kv_cache.allocate(config, 4, 16, torch.bfloat16, torch.device("cpu"))

@@ -152,14 +152,12 @@ def test_mixture_of_experts_configs_say_which_layers_route():
             "Gemma3ForCausalLM: bidirectional",
         ),
         (
-            {"architectures": ["Gemma4ForCausalLM"], "global_head_dim": 32},
+            {
+                "architectures": ["Gemma4ForCausalLM"],
+                "per_layer_config": {"1": {"head_dim": 32, "num_key_value_heads": 1}},
+            },
             UnsupportedModel,
-            "Gemma4ForCausalLM: Gemma 4's global layers with a head_dim of their own",
-        ),
-        (
-            {"architectures": ["Gemma4ForCausalLM"], "per_layer_config": {"1": {"head_dim": 32}}},
-            UnsupportedModel,
-            "head_dim of their own",
+            "Gemma4ForCausalLM: Gemma 4's global layers with key/value heads of their own",
         ),
         (
             {"architectures": ["Gemma4ForCausalLM"], "enable_moe_block": True},

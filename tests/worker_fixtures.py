@@ -107,7 +107,8 @@ ARCHITECTURE_KINDS = {
         "SmolLM3ForCausalLM",
         {"num_hidden_layers": 3, "no_rope_layers": [1, 0, 1], "pad_token_id": 0},
     ),
-    # Windowed and global layers with RoPEs of their own (proportional on the global ones),
+    # Windowed and global layers with head_dims and RoPEs of their own (proportional on the
+    # global ones),
     # per-layer inputs, the last two layers reading the first two's K/V with double-wide
     # MLPs, and the final soft-capping.
     "gemma4": (
@@ -116,7 +117,7 @@ ARCHITECTURE_KINDS = {
         {
             "num_hidden_layers": 4,
             "head_dim": 16,
-            "global_head_dim": 16,
+            "global_head_dim": 32,
             "sliding_window": 11,
             "layer_types": ["sliding_attention", "full_attention"] * 2,
             "rope_parameters": {
