@@ -57,6 +57,8 @@ class WorkerLoop:
         try:
             return self._serve()
         finally:
+            if self.runner is not None and self.runner.kv is not None:
+                self.runner.kv.close()  # its pulls' thread ends before the process
             if self.group is not None:
                 self.group.close()
 

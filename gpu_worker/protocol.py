@@ -70,6 +70,9 @@ QUANTIZED_WEIGHTS = "quantized.safetensors"
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")
 # A drafted token the worker's draft model is to choose (Row.drafts)
 DRAFT_MODEL_TOKEN = -1
+# WorkerConfig.kv_transfer_engine's values: Mooncake's transfer engine, or the in-process
+# one of the unit tests (gpu_worker.kv_connector_local)
+KV_ENGINE_MOONCAKE, KV_ENGINE_LOCAL = "mooncake", "local"
 
 
 BLOCK_SIZE = 16
@@ -117,6 +120,11 @@ class WorkerConfig:
     # many ranks rank 0 starts on its host (None: all); the others join from elsewhere
     tensor_parallel_address: str | None = None
     tensor_parallel_size_local: int | None = None
+    # disaggregated prefill and decode (gpu_worker.kv_connector): the transfer engine that
+    # serves this worker's cache to consumers and pulls from producers (None: none, or
+    # KV_ENGINE_MOONCAKE), and the host it listens on
+    kv_transfer_engine: str | None = None
+    kv_transfer_host: str = "127.0.0.1"
 
 
 def parse_kernel_pins(text: str) -> dict[str, str]:
@@ -176,6 +184,11 @@ class Handshake:
     # each rank of the group, rank 0 first: {"rank", "pid", "device", "kv_bytes"} (one entry
     # without tensor parallelism); kv_bytes above is their sum
     ranks: list[dict[str, Any]] = field(default_factory=list)
+    # with a KV transfer engine (WorkerConfig.kv_transfer_engine): where it listens
+    # (host:port), and the base address of each cache tensor it registered, in
+    # gpu_worker.kv_connector.cache_tensors' order (a KvPull's remote_tensors)
+    kv_transfer_address: str | None = None
+    kv_tensor_addresses: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -312,6 +325,31 @@ class Row:
 
 
 @dataclass(slots=True)
+class KvPull:
+    """Copy a prompt's K/V that another worker (the producer) holds into blocks of this
+    worker's cache, then tell the producer `transfer_id` is done (it frees its blocks).
+    Both caches have the same layout (the service checked their fingerprints); the
+    producer's tensors start at `remote_tensors` and have `remote_num_blocks` blocks."""
+
+    transfer_id: str
+    peer: str  # the producer's transfer engine, host:port (Handshake.kv_transfer_address)
+    remote_blocks: list[int]
+    local_blocks: list[int]  # as many, in the same order
+    remote_tensors: list[int]
+    remote_num_blocks: int
+
+
+@dataclass(slots=True)
+class PullDone:
+    """A KvPull ended: its blocks hold the producer's K/V, or `error` says why not."""
+
+    transfer_id: str
+    error: str | None = None
+    bytes: int = 0
+    segments: int = 0
+
+
+@dataclass(slots=True)
 class StepPlan:
     """One forward pass over a mixed batch (prefill chunks and decode tokens together),
     carrying only what changed: `finished` are dropped first (unknown ids are ignored),
@@ -323,6 +361,9 @@ class StepPlan:
     input_ids: list[int]
     new: list[NewSeq] = field(default_factory=list)
     finished: list[int] = field(default_factory=list)  # sequences the worker forgets
+    # transfers the worker starts beside the step (never in its path): their blocks are
+    # no row's until StepResult.pulls_done reports them
+    pulls: list[KvPull] = field(default_factory=list)
 
     @property
     def seq_ids(self) -> list[int]:
@@ -370,6 +411,10 @@ class StepResult:
     # how long the worker waited for this plan after sending its previous result; None for
     # a first step, after a ping, or after more than MAX_IDLE_GAP_S (the service was idle)
     idle_ms: float | None = None
+    # KvPulls that ended since the previous result, and the transfer ids whose K/V a
+    # consumer has pulled from this worker (its notices)
+    pulls_done: list[PullDone] = field(default_factory=list)
+    notices: list[str] = field(default_factory=list)
 
 
 def to_message(kind: str, record: Any) -> dict[str, Any]:
@@ -382,7 +427,8 @@ def to_message(kind: str, record: Any) -> dict[str, Any]:
 def step_plan_from_message(msg: dict[str, Any]) -> StepPlan:
     new = [NewSeq(**{**n, "sampling": SamplingSpec(**n["sampling"])}) for n in msg.get("new", [])]
     rows = [Row(**row) for row in msg["rows"]]
-    return StepPlan(msg["step_id"], rows, msg["input_ids"], new, msg.get("finished", []))
+    pulls = [KvPull(**pull) for pull in msg.get("pulls", [])]
+    return StepPlan(msg["step_id"], rows, msg["input_ids"], new, msg.get("finished", []), pulls)
 
 
 def record_from_message(cls: type, msg: dict[str, Any]) -> Any:
@@ -397,6 +443,7 @@ def step_result_from_message(msg: dict[str, Any]) -> StepResult:
     fields["prompt_logprobs"] = [
         None if p is None else TokenLogprobs(**p) for p in fields.get("prompt_logprobs", [])
     ]
+    fields["pulls_done"] = [PullDone(**done) for done in fields.get("pulls_done", [])]
     return StepResult(**fields)
 
 

@@ -18,6 +18,7 @@ from gpu_worker.draft_model import Drafter, asks_draft_model
 from gpu_worker.faults import DeviceFault, is_device_fault
 from gpu_worker.graphs import DecodeRunner
 from gpu_worker.kv_cache import KVCache
+from gpu_worker.kv_connector import KvConnector
 from gpu_worker.mixed_graphs import MixedGraphs
 from gpu_worker.model import Model
 from gpu_worker.protocol import POOL_LAST, Handshake, StepPlan, StepResult, TokenLogprobs
@@ -52,17 +53,22 @@ class ModelRunner:
         if drafter is not None:  # its cache is laid out as this one: the same tables
             drafter.runner.table = self.table
         self.mixed = mixed  # mixed steps from graphs, whole or piecewise (CUDA)
+        self.kv: KvConnector | None = None  # disaggregated prefill/decode's transfers
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         """Runs one step; a failure comes back as a result with `error` set, except one
         that leaves the device unusable: that raises DeviceFault (gpu_worker.faults)."""
         started = time.perf_counter()
+        if self.kv is not None:
+            self.kv.submit(plan.pulls)  # before the forward pass, which they never wait for
         try:
             result = self.run(plan)
+            result.step_ms = (time.perf_counter() - started) * 1000
         except Exception as exc:
-            return StepResult(step_id=plan.step_id, error=_step_error(exc))
-        result.step_ms = (time.perf_counter() - started) * 1000
+            result = StepResult(step_id=plan.step_id, error=_step_error(exc))
+        if self.kv is not None:
+            result.pulls_done, result.notices = self.kv.poll_done(), self.kv.poll_notices()
         return result
 
     @torch.inference_mode()

@@ -37,6 +37,7 @@ from gpu_worker.draft_model import Drafter
 from gpu_worker.graphs import DecodeRunner, graph_capturer
 from gpu_worker.kernels import Kernels, quant_kernels
 from gpu_worker.kv_cache import KVCache
+from gpu_worker.kv_connector import make_connector
 from gpu_worker.kv_groups import KVGroups
 from gpu_worker.mixed_graphs import MixedGraphs, piece_capturer, static_records
 from gpu_worker.model import Model
@@ -122,6 +123,7 @@ def start(config: WorkerConfig, group: Group | None = None) -> ModelRunner:
         memory.release_cached(place.device)
     ranks = _ranks(group, place.device, caches.cache.bytes)
     runner = _runner(config, place, model, caches, decode_runner, mixed)
+    _connect_kv(config, runner, clock)
     warmed = None
     kernels, device = model.kernels, place.device
     if kernels.attention.compiles(device) or kernels.layer_ops.compiles(device):
@@ -265,6 +267,18 @@ def _runner(
     )
 
 
+def _connect_kv(config: WorkerConfig, runner: ModelRunner, clock: Stopwatch) -> None:
+    """With a KV transfer engine (disaggregated prefill and decode): the runner's
+    connector, its cache registered for peers to read."""
+    if config.kv_transfer_engine is None:
+        return
+    if runner.limits.num_groups > 1:
+        raise ValueError("a KV transfer engine moves one KV group's blocks; this model has more")
+    with clock.step("kv transfer"):
+        runner.kv = make_connector(config.kv_transfer_engine, config.kv_transfer_host)
+        runner.kv.register(runner.cache)
+
+
 def _handshake(
     config: WorkerConfig,
     place: _Placement,
@@ -302,6 +316,8 @@ def _handshake(
         quantization=_quantization_text(config.quantization, runner.model),
         draft_model=None if draft_dir is None else Path(draft_dir).resolve().name,
         ranks=ranks,
+        kv_transfer_address=None if runner.kv is None else runner.kv.address,
+        kv_tensor_addresses=[] if runner.kv is None else runner.kv.addresses,
     )
 
 
@@ -314,6 +330,8 @@ def _ranks(group: Group | None, device: torch.device, kv_bytes: int) -> list[dic
 
 
 def _check_worker_config(config: WorkerConfig) -> None:
+    if config.kv_transfer_engine is not None and config.tensor_parallel_size > 1:
+        raise ValueError("a KV transfer engine serves one rank's cache: tensor_parallel_size 1")
     if config.block_size is not None and config.block_size < 1:
         raise ValueError(f"block_size must be at least 1, got {config.block_size}")
     if config.max_num_seqs < 1:

@@ -49,7 +49,12 @@ def bench(argv: list[str] | None = None) -> int:
 
 
 def logs(argv: list[str] | None = None) -> int:
-    """`cadence logs report LOGFILE ...`."""
+    """`cadence logs report LOGFILE ...` or `cadence logs story LOGFILE... REQUEST_ID`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["story"]:
+        from ops.request_story import main
+
+        return main(argv[1:])
     from ops.logs_report import main
 
     return main(argv)

@@ -12,7 +12,7 @@ torch, triton and transformers), the one command, within the device tool's 10 mi
     tar czf $OUT/check-logs.tar.gz -C /tmp/check logs sections; exit $rc
 
 `wheels/` is a folder of the service's wheels carried beside the tree (README: Device
-check; without `--wheels` only `serve_http` is skipped). $OUT then holds report.md (the
+check; without `--wheels` only the service's sections are skipped). $OUT then holds report.md (the
 tables), report.json (the same, whole) and check-logs.tar.gz (each process's output and
 each section's result JSON): three files, within what the device tool brings back. The run
 keeps to a deadline of 8 minutes (`--deadline-s`), so the copies run whatever it finds.
@@ -20,7 +20,8 @@ keeps to a deadline of 8 minutes (`--deadline-s`), so the copies run whatever it
 Sections run in processes of their own (`--sections NAME ...`, this same script), so that
 a failure, a hang or a crashed CUDA context in one never hides the others. The agreement
 sections (AGREEMENT) share one process and its check-model workers, each still recorded
-as a section of its own: a worker started is reused by the sections after it. A section's
+as a section of its own: a worker started is reused by the sections after it; so do the
+service's (SERVICE) with one server. A section's
 clock starts when the one before it in its process wrote its result (the first one's when
 its process started, imports included), and it is killed at its timeout, about 1.5 times
 the seconds it took on the H200; the sections after it in that process start again in a
@@ -39,9 +40,11 @@ last report.
 The sections (ops.device_sections: agreement; ops.device_probes: probes and decode
 timings) build random-weight Llama and Qwen2 models with transformers (no downloads) in the
 work folder, and import gpu_worker, torch, transformers and numpy only: a GPU host may lack
-the service's dependencies. `serve_http` (ops.device_serve) starts the real service,
-installing them first from a folder of wheels when given `--wheels` (`--requirements`
-prints what that folder must hold, ops.device_wheels). `--device cpu --quick` runs tiny
+the service's dependencies. `serve_http` (ops.device_serve) starts the real service with
+the timing model, installing them first from a folder of wheels when given `--wheels`
+(`--requirements` prints what that folder must hold, ops.device_wheels); `interference`
+and `capacity` (ops.device_promise) put cadence's headline scenario and a capacity sweep
+on that same server. `--device cpu --quick` runs tiny
 models and a few rows on a CPU, through the same code as on a GPU wherever a CPU can run
 it: the test suite runs it, so that the script is known to run unchanged on a GPU host.
 
@@ -81,6 +84,7 @@ MIN_SECTION_S = 10  # less left of the deadline than this: the section is skippe
 DEADLINE_S = 480  # the whole run's, by default: 8 minutes, within the device tool's 10
 POLL_S = 0.2  # how often the runner looks for a running process's results
 AGREEMENT = "agreement"  # the group of sections that share a process and its workers
+SERVICE = "service"  # the group of sections that share a process and its server
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,9 +102,14 @@ class Section:
 
 
 # Seconds as the H200 runs of early December measured them (shared/gpu/device-report-h200-*),
-# each section then in a process of its own, imports and worker starts included; the
-# agreement sections take less now that they share workers. flex_probes and decode_timings
-# have rows added since (event and graph timings, the profile and the floors): estimated.
+# imports and worker starts included: the agreement sections' each alone in a fresh process
+# (its section_seconds there, plus the 5 s of imports they left out, without the teardown
+# that os._exit now skips), as one needs when it runs again after a crash; in their shared
+# process they take less. flex_probes and decode_timings have rows added since (event and
+# graph timings, the profile and the floors): estimated. The service's sections share one
+# process and one server: serve_http starts it, with the 1B model on a GPU (the 4-layer
+# model's start took 37 s there; estimated), the promise sections load it (estimated from
+# their load: about 5-6 s a policy, and 3 rates of 3 s of arrivals and their drain).
 SECTIONS = (
     Section("environment", 6, "versions, the GPU, its capability and driver, nvcc"),
     Section("machine", 5, "measured copy bandwidth and bf16 matmul rate"),
@@ -118,22 +127,37 @@ SECTIONS = (
     ),
     Section(
         "logits_vs_transformers",
-        60,
+        57,
         "last logits against transformers, fp32 and bf16",
         group=AGREEMENT,
     ),
-    Section("chunked_vs_unchunked", 28, "a prompt in chunks against in one step", group=AGREEMENT),
+    Section("chunked_vs_unchunked", 21, "a prompt in chunks against in one step", group=AGREEMENT),
     Section(
-        "mixed_vs_alone", 30, "a sequence decoded beside others against alone", group=AGREEMENT
+        "mixed_vs_alone", 23, "a sequence decoded beside others against alone", group=AGREEMENT
     ),
-    Section("graphs_on_vs_off", 25, "greedy tokens with CUDA graphs and without", group=AGREEMENT),
-    Section("long_prompt", 29, "a long prompt in chunks beside decoders", group=AGREEMENT),
-    Section("sampler_with_seeds", 29, "seeded sampling across rows and runs", group=AGREEMENT),
+    Section("graphs_on_vs_off", 24, "greedy tokens with CUDA graphs and without", group=AGREEMENT),
+    Section("long_prompt", 22, "a long prompt in chunks beside decoders", group=AGREEMENT),
+    Section("sampler_with_seeds", 20, "seeded sampling across rows and runs", group=AGREEMENT),
     Section(
         "serve_http",
-        37,
+        42,
         "`cadence serve` answering a chat completion over HTTP",
         "ops.device_serve",
+        group=SERVICE,
+    ),
+    Section(
+        "interference",
+        25,
+        "streams decoding while long prompts arrive, under fcfs and stall_free: worst gaps",
+        "ops.device_promise",
+        group=SERVICE,
+    ),
+    Section(
+        "capacity",
+        20,
+        "a mixed load at three rates under stall_free: SLO attainment",
+        "ops.device_promise",
+        group=SERVICE,
     ),
     Section("transformers_generate", 18, "the same weights through transformers.generate"),
 )
@@ -415,6 +439,7 @@ def run_child(names: list[str], args: argparse.Namespace) -> int:
     for name in names:
         section = next(section for section in SECTIONS if section.name == name)
         starts = ctx.worker_starts
+        ctx.last_in_process = name == names[-1]
         try:
             run: Callable[[Context], dict[str, Any]]
             run = getattr(importlib.import_module(section.module), section.name)

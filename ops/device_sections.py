@@ -173,8 +173,8 @@ def _quiet_transformers() -> None:
 
 @dataclass(slots=True)
 class Context:
-    """What every section is given: the run's settings, and the runners started in its
-    process (kept for the sections after it)."""
+    """What every section is given: the run's settings, and the runners and the service
+    started in its process (kept for the sections after it)."""
 
     out: Path
     work: Path
@@ -185,6 +185,8 @@ class Context:
     wheels: Path | None
     runners: dict[tuple, ModelRunner] = field(default_factory=dict)
     worker_starts: int = 0  # in this process
+    server: Any = None  # an ops.device_serve.Server (which imports this), kept for the next
+    last_in_process: bool = True  # of the running section: it stops the service it keeps
 
     @classmethod
     def of(cls, args: Any) -> Context:

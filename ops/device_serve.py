@@ -1,19 +1,24 @@
-"""The device check's `serve_http` section: the real service (`cadence serve`) started on
-loopback with the check's tiny Llama (and a word-level tokenizer written beside it),
-asked for one chat completion over HTTP, and stopped.
+"""The device check's service: the real service (`cadence serve`) started on loopback with
+the check's timing model (the 1B Llama widths on a GPU, the tiny one with --quick) and a
+word-level tokenizer written beside it, kept for the sections after the one that started
+it in its process (`serve_http`, then ops.device_promise's `interference` and `capacity`),
+and stopped gracefully by the last of them; and the `serve_http` section: one chat
+completion over HTTP.
 
 A GPU host has torch, transformers and numpy, but maybe not the service's dependencies.
-Given `--wheels DIR`, the section installs them from that folder (pip, no index) before it
-starts the service; without it, a host that lacks them has the section skipped, saying
-which are missing. What the folder must hold is pyproject.toml's dependencies less torch
-and numpy, the host's own, with theirs (ops.device_wheels; `python -m ops.device_check
---requirements` prints them). It reads HTTP with urllib: httpx is one of the dependencies
-that may be missing.
+Given `--wheels DIR`, the first section that needs them installs them from that folder
+(pip, no index) before it starts the service; without it, a host that lacks them has the
+sections skipped, saying which are missing. What the folder must hold is pyproject.toml's
+dependencies less torch and numpy, the host's own, with theirs (ops.device_wheels;
+`python -m ops.device_check --requirements` prints them). It reads HTTP with urllib: httpx
+is one of the dependencies that may be missing.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -21,6 +26,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +34,10 @@ from ops.device_report import ROOT, say
 from ops.device_sections import Context
 from ops.device_wheels import distribution, install_command, service_requirements
 
-START_TIMEOUT_S = 50  # until /health answers 200
+START_TIMEOUT_S = 90  # until /health answers 200: the 1B model loads, chooses and captures
 REQUEST_TIMEOUT_S = 20
 STOP_TIMEOUT_S = 10
+MAX_NUM_SEQS = 32  # the interference scenario's streams and prompts, in one decode batch
 
 
 def missing_modules(env: dict[str, str] | None = None) -> list[str]:
@@ -67,30 +74,75 @@ def install(wheels: Path) -> float:
     return round(time.perf_counter() - started, 1)
 
 
-def serve_http(ctx: Context) -> dict[str, Any]:
-    found: dict[str, Any] = {}
+def prepare(ctx: Context) -> dict[str, Any]:
+    """Makes the service's dependencies importable, installing them from --wheels when
+    some are missing: what that took (install_s), or, with no wheels given, the skipped
+    result a section returns as it is (its "skipped" says which are missing)."""
+    if ctx.server is not None:
+        return {}
     missing = missing_modules()
-    if missing and ctx.wheels is None:
+    if not missing:
+        return {}
+    if ctx.wheels is None:
         return {
             "skipped": "service dependencies missing: " + ", ".join(missing),
             "hint": "give --wheels DIR (README: Device check)",
             "ok": True,
         }
-    if missing:
-        assert ctx.wheels is not None
-        say(f"installing {', '.join(missing)} from {ctx.wheels}")
-        found["install_s"] = install(ctx.wheels)
-        if still := missing_modules():
-            raise RuntimeError(f"still missing after the install: {', '.join(still)}")
-    model = with_tokenizer(ctx.model_dir("llama"), ctx.vocab)
-    server = Server(ctx, model)
-    try:
-        found |= server.start()
-        found |= server.chat()
-    finally:
-        found["exit_code"] = server.stop()
-    found["ok"] = found["status"] == 200 and found["completion_tokens"] > 0
+    say(f"installing {', '.join(missing)} from {ctx.wheels}")
+    found = {"install_s": install(ctx.wheels)}
+    if still := missing_modules():
+        raise RuntimeError(f"still missing after the install: {', '.join(still)}")
     return found
+
+
+def service(ctx: Context) -> tuple[Server, dict[str, Any]]:
+    """The service this process keeps, started now if no section before started it, and
+    the seconds its start took (none when it was kept)."""
+    if ctx.server is not None:
+        return ctx.server, {}
+    model = ctx.model_dir("llama", timing=True)
+    server = Server(ctx, with_tokenizer(model, ctx.profile.timing_model["vocab_size"]))
+    try:
+        started = server.start()
+    except BaseException:
+        server.stop()
+        raise
+    ctx.server = server
+    return server, started
+
+
+def finish(ctx: Context, found: dict[str, Any]) -> dict[str, Any]:
+    """Stops the service gracefully when this section is the last of its process, and
+    records the exit code in `found`; a later section of the process keeps it."""
+    if ctx.server is not None and ctx.last_in_process:
+        found["exit_code"] = ctx.server.stop()
+        ctx.server = None
+    return found
+
+
+def on_service(ctx: Context, measure: Callable[[Server], dict[str, Any]]) -> dict[str, Any]:
+    """A section on the service: its dependencies made ready (or the section skipped
+    without them), the service kept or started, `measure` run against it (its result,
+    "ok" included), and the service stopped if this section is its process's last."""
+    found = prepare(ctx)
+    if "skipped" in found:
+        return found
+    server, started = service(ctx)
+    try:
+        found |= started | measure(server)
+    finally:
+        finish(ctx, found)
+    return found
+
+
+def serve_http(ctx: Context) -> dict[str, Any]:
+    return on_service(ctx, _chat)
+
+
+def _chat(server: Server) -> dict[str, Any]:
+    found = server.chat()
+    return found | {"ok": found["status"] == 200 and found["completion_tokens"] > 0}
 
 
 def with_tokenizer(model_dir: Path, vocab: int) -> Path:
@@ -110,14 +162,17 @@ def with_tokenizer(model_dir: Path, vocab: int) -> Path:
 
 class Server:
     """`python -m service.cli serve` on loopback, in the section's process group: the
-    section's timeout stops it too, and its worker dies with it."""
+    section's timeout stops it too, and its worker dies with it. Prefix caching is off, so
+    that a workload run twice (once per policy) computes its prompts twice."""
 
     def __init__(self, ctx: Context, model: Path) -> None:
         self.ctx = ctx
         self.model = model
         self.url = ""
         self.name = ""
-        self.log = ctx.out / "logs" / "serve_http.server.log"
+        self.admin_token = secrets.token_hex(16)
+        self.log = ctx.out / "logs" / "service.server.log"
+        self.iterations = ctx.out / "logs" / "service.jsonl"  # one JSON line per iteration
         self.process: subprocess.Popen | None = None
 
     def command(self) -> list[str]:
@@ -130,17 +185,20 @@ class Server:
             "--host", "127.0.0.1",
             "--port", "0",
             "--kv-memory", "0.1",
-            "--max-num-seqs", "8",
+            "--max-num-seqs", str(MAX_NUM_SEQS),
+            "--no-enable-prefix-caching",
             "--kernels", ctx.kernels,
             "--cache-dir", str(ctx.work),  # the kernel choices the sections measured
             "--step-timeout", "120",  # a first step may compile
-            "--log-file", str(ctx.out / "logs" / "serve_http.jsonl"),
+            "--log-file", str(self.iterations),
         ]  # fmt: skip
 
     def start(self) -> dict[str, Any]:
         started = time.monotonic()
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "CADENCE_ADMIN_TOKEN": self.admin_token}
         self.process = subprocess.Popen(
-            self.command(), cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log.open("wb")
+            self.command(), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=self.log.open("wb")
         )
         self.url = self._listening_url(started + START_TIMEOUT_S)
         listening = time.monotonic() - started

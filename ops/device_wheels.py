@@ -1,7 +1,8 @@
-"""What a GPU host must be given for the device check's `serve_http` section: the service's
-dependencies less the host's own torch and numpy, and the pip command that installs them
-from a folder of wheels. Standard library only: `python -m ops.device_check
---requirements` prints the list on a host without torch."""
+"""What a GPU host must be given for the device check's service sections (`serve_http`,
+`interference`, `capacity`): the service's dependencies less the host's own torch and
+numpy, and the pip command that installs them from a folder of wheels. Standard library
+only: `python -m ops.device_check --requirements` prints the list on a host without
+torch."""
 
 from __future__ import annotations
 

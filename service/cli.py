@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import os
 import sys
 from collections.abc import Iterable
@@ -250,6 +251,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         make_policy(config.policy, config.policy_params)
     except PolicyError as exc:
         parser.error(f"--policy {config.policy}: {exc}")  # exits 2
+    check_tracing_flags(parser, config)
     from service.model_files.resolve import ModelFileError
     from service.server import build_server
 
@@ -259,6 +261,29 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(f"cadence: {exc}", file=sys.stderr)
         return 1
     return trio.run(server.serve)
+
+
+def check_tracing_flags(parser: argparse.ArgumentParser, config: Config) -> None:
+    """Exits 2 where a tracing flag cannot be honoured."""
+    if not config.otlp_traces_endpoint:
+        if config.otlp_trace_steps or config.otlp_traces_protocol:
+            parser.error(
+                "--otlp-trace-steps and --otlp-traces-protocol need an endpoint: "
+                "--otlp-traces-endpoint"
+            )
+    elif not tracing_installed():
+        parser.error(
+            "--otlp-traces-endpoint needs the OpenTelemetry SDK: pip install 'cadence[otel]'"
+        )
+
+
+def tracing_installed() -> bool:
+    """Whether the optional extra `otel` is installed (looked up, not imported)."""
+    needed = ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http")
+    try:
+        return all(importlib.util.find_spec(name) is not None for name in needed)
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
 
 
 if __name__ == "__main__":

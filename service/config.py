@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpu_worker.protocol import QUANTIZATIONS, WorkerConfig
+from gpu_worker.protocol import KV_ENGINE_MOONCAKE, QUANTIZATIONS, WorkerConfig
+from service.engine.kv_transfer import KV_TRANSFER_ROLES
 from service.engine.request import POOLING_TYPES
 from service.engine.speculation import SpeculativeConfig
 from service.flag_types import (
@@ -22,8 +23,10 @@ from service.flag_types import (
     kernel_pins,
     non_negative_int,
     origins,
+    otlp_endpoint,
     positive_float,
     positive_int,
+    ratio,
     share,
     speculative_config,
 )
@@ -31,6 +34,7 @@ from service.reasoning import PARSERS as REASONING_PARSERS
 from service.tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 _WORKER = WorkerConfig(model_dir="")  # the worker's defaults, the server's too
+OTLP_PROTOCOLS = ("http/protobuf", "grpc")  # OpenTelemetry's names (service.tracing)
 
 
 def default_cache_dir() -> Path:
@@ -133,6 +137,34 @@ class Config:
         _WORKER.tensor_parallel_address,
         "HOST:PORT the group's rendezvous store listens on, for ranks on other hosts "
         "(default: loopback, a free port)",
+    )
+    # disaggregated prefill and decode (README: Prefill and decode on two servers)
+    kv_transfer_role: str | None = flag(
+        None,
+        "producer: compute prompts and hold their K/V for a decode server (requests with "
+        "kv_transfer_params.do_remote_decode); consumer: pull a producer's K/V and decode "
+        "(do_remote_prefill); both (default: neither, kv_transfer_params refused)",
+        choices=KV_TRANSFER_ROLES,
+    )
+    kv_engine: str = flag(
+        KV_ENGINE_MOONCAKE,
+        "the transfer engine moving K/V between the two (the pd extra installs it)",
+        choices=(KV_ENGINE_MOONCAKE,),
+        name="--kv-transfer-engine",
+    )
+    kv_transfer_host: str = flag(
+        _WORKER.kv_transfer_host, "the address the transfer engine listens on for consumers"
+    )
+    kv_hold_timeout: float = flag(
+        30.0,
+        "seconds a producer holds a prompt's K/V for the consumer's pull before freeing it",
+        type=positive_float,
+    )
+    kv_transfer_timeout: float = flag(
+        30.0,
+        "seconds a consumer's pull of a prompt's K/V may take before its request ends "
+        "kv_transfer_failed (never recomputed)",
+        type=positive_float,
     )
     cache_dir: Path = flag(
         help="converted models and measured kernel choices (default: $CADENCE_CACHE, "
@@ -364,6 +396,32 @@ class Config:
         3, "rotated log files kept (server.jsonl.1 ... .N)", type=non_negative_int
     )
     debug_invariants: bool = flag(False, "check KV block accounting every iteration")
+    # tracing (the optional extra `otel`: service.tracing)
+    otlp_traces_endpoint: str | None = flag(
+        None,
+        "send a span per request to this OpenTelemetry collector (OTLP, e.g. "
+        "http://HOST:4318/v1/traces, or grpc://HOST:4317); needs pip install 'cadence[otel]'",
+        type=otlp_endpoint,
+        metavar="URL",
+    )
+    otlp_traces_protocol: str | None = flag(
+        None,
+        "default: grpc for a grpc:// URL, else $OTEL_EXPORTER_OTLP_TRACES_PROTOCOL or "
+        "http/protobuf",
+        choices=OTLP_PROTOCOLS,
+    )
+    otlp_trace_steps: float = flag(
+        0.0,
+        "the fraction of worker steps traced as spans of their own (plan size, tokens, step "
+        "ms), evenly spread; 0: none",
+        type=ratio,
+        metavar="RATIO",
+    )
+    enable_per_request_metrics: bool = flag(
+        False,
+        "add vLLM's per-request `metrics` object (queue, prefill and decode times) to "
+        "completions, chat completions and responses",
+    )
 
     def isolates_tenants(self) -> bool:
         """Whether the prefix cache is salted by each request's tenant."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import urllib.parse
 from pathlib import Path
 
 from gpu_worker.protocol import parse_kernel_pins
@@ -47,6 +48,21 @@ def fraction(text: str) -> float:
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 0 and < 1, got {value}")
     return value
+
+
+def ratio(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be >= 0 and <= 1, got {value}")
+    return value
+
+
+def otlp_endpoint(text: str) -> str:
+    """An OpenTelemetry collector's URL: http(s)://HOST[:PORT][/PATH] or grpc://HOST:PORT."""
+    parts = urllib.parse.urlsplit(text)
+    if parts.scheme not in ("http", "https", "grpc") or not parts.netloc:
+        raise argparse.ArgumentTypeError(f"expected http(s)://HOST or grpc://HOST, got {text!r}")
+    return text
 
 
 def kernel_pins(text: str) -> str:

@@ -59,7 +59,7 @@ from service.config import Config
 from service.engine.assembly import open_engine
 from service.engine.engine import Engine
 from service.engine.request import Event, FinishEvent, SamplingParams, SamplingSpec, TokenEvent
-from service.engine.stats import IterationStats, RequestStats
+from service.engine.stats import IterationStats, RequestEvent, RequestStats
 from service.engine.worker_link import WorkerDeviceFault, WorkerDied, WorkerStartError
 
 EOS = 256
@@ -464,6 +464,7 @@ class RecordingObserver:
     preempted: list[str] = field(default_factory=list)
     swaps: list[tuple[str, str, int]] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)
+    events: list[RequestEvent] = field(default_factory=list)
 
     def on_request_received(self, request_id: str, tenant: str, prompt_tokens: int) -> None:
         self.received.append(request_id)
@@ -482,6 +483,9 @@ class RecordingObserver:
 
     def on_request_refused(self, reason: str) -> None:
         self.refused.append(reason)
+
+    def on_request_event(self, event: RequestEvent) -> None:
+        self.events.append(event)
 
 
 @dataclass

@@ -313,6 +313,9 @@ def check_truncate_prompt_tokens(send: Send) -> None:
 
 YES_NO = {"type": "json_schema", "json_schema": {"name": "yn", "schema": {"enum": ["yes", "no"]}}}
 CHECKS: dict[str, Callable[[Send], None]] = {
+    # refused by a server without --kv-transfer-role; a producer and a consumer honour it
+    # (tests/test_api_pd_disaggregation.py, tests/test_engine_kv_transfer.py)
+    "kv_transfer_params": check_refused("kv_transfer_params", {"do_remote_decode": True}),
     "model": check_model,
     "max_tokens": check_max_tokens("max_tokens"),
     "max_completion_tokens": check_max_tokens("max_completion_tokens"),

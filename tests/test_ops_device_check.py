@@ -18,8 +18,15 @@ from pathlib import Path
 import pytest
 
 from gpu_worker.model_config import ModelConfig
-from ops import device_check, device_probes, device_report, device_sections, device_wheels
-from ops.device_check import AGREEMENT, Deadline, Section, run_sections
+from ops import (
+    device_check,
+    device_load,
+    device_probes,
+    device_report,
+    device_sections,
+    device_wheels,
+)
+from ops.device_check import AGREEMENT, SERVICE, Deadline, Section, run_sections
 from ops.roofline import Machine, ModelCost
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,12 +65,15 @@ def test_the_quick_check_runs_every_section_on_a_cpu_without_the_service_package
     sections = report["sections"]
     assert list(sections) == list(device_check.SECTION_NAMES)
     table = (tmp_path / "out" / "report.md").read_text()
+    served = {s.name for s in device_check.SECTIONS if s.group == device_check.SERVICE}
+    assert served == {"serve_http", "interference", "capacity"}
     for name, record in sections.items():
         assert f"## {name}" in table
-        assert record["status"] == ("skipped" if name == "serve_http" else "passed"), name
-    skipped = sections["serve_http"]["result"]["skipped"]
-    assert skipped.startswith("service dependencies missing: ")
-    assert set(skipped.split(": ")[1].split(", ")) == set(ABSENT_ON_GPU_HOSTS)
+        assert record["status"] == ("skipped" if name in served else "passed"), name
+    for name in served:
+        skipped = sections[name]["result"]["skipped"]
+        assert skipped.startswith("service dependencies missing: ")
+        assert set(skipped.split(": ")[1].split(", ")) == set(ABSENT_ON_GPU_HOSTS)
     assert sections["environment"]["result"]["nvcc"]  # its version, or that it is absent
     probes = sections["flex_probes"]["result"]
     assert len(probes["short_chunks"]) == 4 * 7  # every GQA group at every short length
@@ -76,9 +86,11 @@ def test_the_quick_check_runs_every_section_on_a_cpu_without_the_service_package
         "logits_vs_transformers": 4,  # Llama and Qwen2 in fp32 and bf16, without graphs
         "mixed_vs_alone": 1,  # with graphs: kept for graphs_on_vs_off, long_prompt, sampler
     }
+    # A process's log is named for its first section.
     logs = {path.stem for path in (tmp_path / "out" / "logs").iterdir()}
-    grouped = {s.name for s in device_check.SECTIONS if s.group == AGREEMENT}
-    assert logs == set(device_check.SECTION_NAMES) - grouped | {"logits_vs_transformers"}
+    grouped = {s.name for s in device_check.SECTIONS if s.group in (AGREEMENT, SERVICE)}
+    firsts = {"logits_vs_transformers", "serve_http"}
+    assert logs == set(device_check.SECTION_NAMES) - grouped | firsts
     check_decode_timings(sections["decode_timings"]["result"])
     assert "| batch | context | kernels | memcpy_us | attention_us | gemm_us |" in table
     print(f"quick check: {seconds:.0f} s")
@@ -118,15 +130,58 @@ def check_decode_timings(timings: dict) -> None:
     assert timings["row_sizes"]
 
 
-def test_the_service_answers_a_chat_completion_over_http(tmp_path):
-    done = check(tmp_path, "--only", "serve_http")
+def test_the_service_answers_then_keeps_its_promise_under_load(tmp_path):
+    """serve_http, interference and capacity in one process, on one server it stops
+    gracefully after the last of them."""
+    done = check(tmp_path, "--only", "serve_http", "interference", "capacity")
     assert done.returncode == 0, done.stdout[-4000:]
     report = json.loads((tmp_path / "out" / "report.json").read_text())
-    served = report["sections"]["serve_http"]
-    assert served["status"] == "passed"
-    assert served["result"]["status"] == 200
-    assert served["result"]["completion_tokens"] == 8
-    assert served["result"]["exit_code"] == 0  # stopped gracefully
+    sections = report["sections"]
+    assert [sections[name]["status"] for name in ("serve_http", "interference", "capacity")] == [
+        "passed"
+    ] * 3
+    served = sections["serve_http"]["result"]
+    assert (served["status"], served["completion_tokens"]) == (200, 8)
+    assert served["healthy_s"] > 0 and "exit_code" not in served  # kept for the others
+    check_interference(sections["interference"]["result"], device_load.QUICK_INTERFERENCE)
+    check_capacity(sections["capacity"]["result"], device_load.QUICK_CAPACITY)
+    assert sections["capacity"]["result"]["exit_code"] == 0  # stopped gracefully
+    table = (tmp_path / "out" / "report.md").read_text()
+    assert "| policy | worst_gap_ms | itl_p99_ms | itl_p50_ms | decode_step_ms |" in table
+    assert "| rate_req_per_s | requests | failed | attainment |" in table
+
+
+def check_interference(found: dict, load: device_load.InterferenceLoad) -> None:
+    """Both policies ran on the server (each has worker steps in the server's log under its
+    name), every prompt was answered while every stream decoded, and the gaps add up."""
+    assert [row["policy"] for row in found["policies"]] == ["fcfs", "stall_free"]
+    for row in found["policies"]:
+        assert row["worst_gap_ms"] >= row["itl_p50_ms"] > 0
+        assert row["itl_p99_ms"] >= row["itl_p50_ms"] and row["decode_step_ms"] > 0
+        ratio = row["worst_gap_ms"] / row["decode_step_ms"]
+        assert row["worst_gap_over_step"] == pytest.approx(ratio, rel=0.01)  # of rounded ms
+        assert row["worker_decode_step_ms"] > 0 and row["worker_largest_prefill_step_ms"] > 0
+    prompts = [(row["policy"], row["prompt_tokens"]) for row in found["prompt_rows"]]
+    assert prompts == [(policy, n) for policy in ("fcfs", "stall_free") for n in load.prompts]
+    for row in found["prompt_rows"]:
+        assert row["ttft_ms"] > 0 and row["streams_active"] == load.streams
+        assert row["gap_max_ms"] >= row["gap_p99_ms"] > 0
+    longest = found["prompt_rows"][-1]
+    assert found["stall_free_gap_over_step"] == longest["gap_max_over_step"]
+    assert found["bar"] == 2  # the issue's: stall_free's worst gap at most 2 decode steps
+    assert found["meets_bar"] == (longest["gap_max_over_step"] <= 2)
+
+
+def check_capacity(found: dict, load: device_load.CapacityLoad) -> None:
+    rates = found["rates"]
+    assert [row["rate_req_per_s"] for row in rates] == list(load.rates)
+    for row in rates:
+        assert row["requests"] > 0 and row["failed"] == 0
+        assert 0 <= row["attainment"] <= 1 and row["ttft_p50_ms"] > 0
+        met_per_s = row["attainment"] * row["requests"] / load.duration_s
+        assert row["goodput_req_per_s"] == pytest.approx(met_per_s, abs=0.01)
+    assert found["capacity_req_per_s"] in (None, *load.rates)
+    assert found["itl_p99_ms"] == load.itl_p99_ms and found["policy"] == "stall_free"
 
 
 def test_missing_service_packages_are_a_failure_once_wheels_are_given(tmp_path):

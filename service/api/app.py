@@ -25,6 +25,7 @@ from service.api.cors import CorsPolicy
 from service.api.errors import APIError, error_body, error_response, json_response
 from service.api.metrics import Metrics
 from service.config import Config
+from service.engine import trace_context
 from service.engine.engine import Engine
 from service.engine.grammar import GrammarCompiler, hf_tokenizer_info
 from service.tokenizer import Tokenizer
@@ -50,6 +51,7 @@ def create_app(
     app.config["RESPONSE_TIMEOUT"] = None
     metrics = Metrics(frozenset(key.tenant for key in config.api_keys))
     engine.add_observer(metrics)
+    _install_tracing(app, config, engine, metrics, served_model_name)
     state = AppState(config, engine, tokenizer, served_model_name, metrics)
     state.grammars = GrammarCompiler(lambda: _tokenizer_info(engine, tokenizer))
     app.extensions[EXTENSION_KEY] = state
@@ -74,6 +76,22 @@ def _tokenizer_info(engine: Engine, tokenizer: Tokenizer) -> Any:
     assert engine.handshake is not None, "a grammar compiled before the worker started"
     vocab_size = engine.handshake.vocab_size
     return hf_tokenizer_info(tokenizer.backend, vocab_size, tokenizer.eos_token_ids)
+
+
+def _install_tracing(
+    app: QuartTrio, config: Config, engine: Engine, metrics: Metrics, model: str
+) -> None:
+    """Every route's caller's W3C trace context goes with what it submits; with
+    --otlp-traces-endpoint, the engine's requests become spans (service.tracing)."""
+
+    @app.before_request
+    async def keep_trace_context() -> None:
+        trace_context.current.set(trace_context.headers_of(request.headers.get))
+
+    if config.otlp_traces_endpoint:
+        from service.tracing.lifetime import start_tracing
+
+        start_tracing(app, config, engine, metrics.spans_dropped.inc, model)
 
 
 def _install_page(app: QuartTrio) -> None:

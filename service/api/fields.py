@@ -41,9 +41,8 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "return_hidden_states": (False, None),
     "lora_path": (None,),
     "lora_request": (None,),
-    "kv_transfer_params": (None,),
     # nothing to ask for: reasoning is always returned apart (--reasoning-parser), and
-    # this server keeps no sessions and is never one half of a prefill/decode pair
+    # this server keeps no sessions
     "separate_reasoning": (),
     "add_special_tokens": (),  # the tokenizer's own choice either way: no BOS is configured
     "stream_reasoning": (),

@@ -10,7 +10,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from service.engine.stats import IterationStats, RequestStats
+from service.engine.stats import IterationStats, RequestEvent, RequestStats
 from service.logging import log_lines_dropped
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -111,6 +111,8 @@ _DEFINITIONS = [
      "Speculative decoding: drafted tokens the worker accepted."),
     ("spec_acceptance", "gauge", "spec_decode_draft_acceptance_rate",
      "Speculative decoding: accepted / drafted tokens since the start."),
+    ("spans_dropped", "counter", "otlp_spans_dropped_total",
+     "Trace spans dropped: the export queue was full, or the collector did not take them."),
     ("policy", "gauge", "policy_info",
      "The scheduling policy in force (value 1)."),
     ("cache_config", "gauge", "cache_config_info",
@@ -147,6 +149,7 @@ class _CountersReadAtScrape(Collector):
             "prefix_cache_queries": 0.0,
             "prefix_cache_hits": 0.0,
         }
+        self.kv_holds: dict[str, float] = {}  # a producer's (--kv-transfer-role), by outcome
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         # vLLM's names: tokens of the prompts admitted, and of those the ones found cached
@@ -165,6 +168,16 @@ class _CountersReadAtScrape(Collector):
             "Workers started again after one died or hung.",
             value=self.values["worker_restarts"],
         )
+        if self.kv_holds:
+            holds = CounterMetricFamily(
+                "cadence:kv_transfer_holds",
+                "A producer's prompt K/V held for consumers: held, then released by the "
+                "consumer's notice or expired at --kv-hold-timeout.",
+                labels=["outcome"],
+            )
+            for outcome, value in self.kv_holds.items():
+                holds.add_metric([outcome], value)
+            yield holds
         yield CounterMetricFamily(
             "cadence:log_lines_dropped",
             "Log lines dropped because the log's reader fell behind.",
@@ -236,6 +249,9 @@ class Metrics:
     def on_request_refused(self, reason: str) -> None:
         self.refused.labels(reason=reason).inc()
 
+    def on_request_event(self, event: RequestEvent) -> None:
+        """The story's milestones are counted where they have their own hooks."""
+
     def on_policy_swap(self, old: str, new: str, iteration: int) -> None:
         self.policy_swaps.inc()
         self.policy.labels(policy=old).set(0)
@@ -265,6 +281,9 @@ class Metrics:
         self._read_at_scrape.values["prefix_cache_queries"] = prefix.get("queries_tokens", 0)
         self._read_at_scrape.values["prefix_cache_hits"] = prefix.get("hits_tokens", 0)
         self._read_at_scrape.values["log_lines_dropped"] = log_lines_dropped()
+        holds = (engine_state.get("kv_transfer") or {}).get("holds") or {}
+        outcomes = ("held", "released", "expired")
+        self._read_at_scrape.kv_holds = {o: float(holds[o]) for o in outcomes if o in holds}
         self._render_tenants(engine_state.get("tenants") or {})
         return generate_latest(self.registry)
 

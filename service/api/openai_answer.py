@@ -23,12 +23,14 @@ from service.api.openai_responses import (
     finish_reason_of,
     full_response,
     message_chunk,
+    request_metrics,
     running_usage,
     usage,
     usage_chunk,
 )
 from service.api.openai_schema import GenerationRequest
 from service.api.sse import DONE, HEARTBEAT, SSE_HEADERS, event_groups, sse_data
+from service.engine.kv_transfer import KV_TRANSFER_FAILED
 from service.engine.request import Event, FinishEvent, TokenEvent
 
 SERVER_STATE_FAILURES = (
@@ -36,6 +38,7 @@ SERVER_STATE_FAILURES = (
     "worker_hung",
     "worker_unavailable",
     "kv_capacity_exceeded",
+    KV_TRANSFER_FAILED,  # the producer is gone or its hold expired: a router retries
 )
 
 
@@ -131,7 +134,18 @@ async def whole_body(
         choices.append(answer(req, text, finishes[i].reason, logprobs))
     ordered = [finishes[i] for i in range(req.sequences)]
     usage_ = usage(ordered, state.config.reports_cached_tokens(), req.best_of)
-    return full_response(header, choices, usage_)
+    body = full_response(header, choices, usage_)
+    if ordered[0].kv_transfer_params is not None:  # a producer's: where its K/V waits
+        body["kv_transfer_params"] = ordered[0].kv_transfer_params
+    return with_metrics(body, ordered, state)
+
+
+def with_metrics(body: dict[str, Any], finishes: list[FinishEvent], state: AppState) -> dict:
+    """A body that carries usage, with vLLM's per-request `metrics` where the server is
+    asked for them (--enable-per-request-metrics)."""
+    if state.config.enable_per_request_metrics:
+        body["metrics"] = request_metrics(finishes)
+    return body
 
 
 def answer(req: GenerationRequest, text: str, reason: str, logprobs: Any) -> Choice:
@@ -245,8 +259,9 @@ def stream_ending(
     if not req.include_usage:
         return [DONE]
     report_cached = state.config.reports_cached_tokens()
-    usage_ = usage([finishes[i] for i in range(choices)], report_cached, req.n)
-    return [sse_data(usage_chunk(header, usage_)), DONE]
+    ordered = [finishes[i] for i in range(choices)]
+    usage_ = usage(ordered, report_cached, req.n)
+    return [sse_data(with_metrics(usage_chunk(header, usage_), ordered, state)), DONE]
 
 
 @dataclasses.dataclass(slots=True)

@@ -63,6 +63,28 @@ def usage(finishes: list[FinishEvent], cached_tokens: bool, per_prompt: int) -> 
     }
 
 
+def request_metrics(finishes: list[FinishEvent]) -> dict[str, Any] | None:
+    """vLLM's per-request `metrics` (--enable-per-request-metrics) from the one sequence's
+    phases, in ms; None for several sequences (n > 1, several prompts), as vLLM's: the
+    times are one stream's. vLLM's time_to_first_token_ms runs from the first schedule."""
+    if len(finishes) != 1 or finishes[0].phases is None:
+        return None
+    phases = finishes[0].phases
+    prefill, decode, tokens = phases.prefill, phases.decode, phases.tokens
+    inference = None if prefill is None or decode is None else prefill + decode
+    return {
+        "time_to_first_token_ms": _ms(prefill),
+        "generation_time_ms": _ms(decode),
+        "queue_time_ms": _ms(phases.queue),
+        "mean_itl_ms": _ms(decode / (tokens - 1)) if decode is not None and tokens > 1 else None,
+        "tokens_per_second": tokens / inference if inference else None,
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
+
+
 def completion_logprobs(tokens: TokenPieces, text_offset: int, top_k: int) -> dict[str, Any]:
     """OpenAI's legacy shape; as vLLM, each `top_logprobs` entry holds the k best and the
     chosen token (so up to k + 1), and there are none when k is 0."""

@@ -18,6 +18,7 @@ from gpu_worker.protocol import SamplingSpec
 from service.api.chat_output import OutputReader
 from service.api.errors import APIError, bad_request
 from service.api.fields import Fields
+from service.api.kv_transfer_params import kv_transfer_fields
 from service.api.openai_chat import ChatOptions, parse_chat_options, parse_message
 from service.api.openai_grammar import parse_grammar, structural_tag_format
 from service.api.openai_sampling import params_fields, spec_fields
@@ -287,10 +288,16 @@ def _parse_common(
         cache_salt=_parse_cache_salt(fields.raw("cache_salt")),
         sampling=sampling,
         **params_fields(fields),
+        **kv_transfer_fields(fields.raw("kv_transfer_params")),
     )
     stream = fields.boolean("stream", False)
     if stream and best_of > n:
         raise bad_request("'best_of' greater than 'n' cannot be streamed", "best_of")
+    if stream and params.remote_decode:  # the whole answer says where the K/V waits
+        raise bad_request(
+            "'kv_transfer_params' with do_remote_decode asks for a whole answer (stream false)",
+            "kv_transfer_params",
+        )
     return GenerationRequest(
         kind=kind,
         model=model,

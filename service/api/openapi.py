@@ -469,6 +469,12 @@ def _routing() -> dict[str, Schema]:
             "description": "cadence: milliseconds the request may wait to start; if it "
             "cannot, 429 (overloaded at arrival, deadline_exceeded later; with Retry-After)",
         },
+        "kv_transfer_params": {
+            "type": ["object", "null"],
+            "description": "vLLM's prefill/decode handover, with --kv-transfer-role: "
+            "{do_remote_decode: true} to a producer, whose answer's kv_transfer_params go "
+            "whole to a consumer (README: Prefill and decode on two servers); 400 otherwise",
+        },
     }
 
 

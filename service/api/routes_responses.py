@@ -15,7 +15,7 @@ from quart import Blueprint, Response, request
 from service.api.app_state import AppState, app_state
 from service.api.chat_output import MessageStream, OutputReader
 from service.api.errors import json_response
-from service.api.openai_answer import abort, closed_early, failure_of, whole_body
+from service.api.openai_answer import abort, closed_early, failure_of, whole_body, with_metrics
 from service.api.openai_logprobs import logprobs_of
 from service.api.openai_responses import ResponseHeader, finish_reason_of, usage
 from service.api.openai_schema import GenerationRequest, parse_chat_request
@@ -50,6 +50,8 @@ async def responses() -> Response:
     choice = chat_body["choices"][0]
     output = output_of(choice["message"], (choice["logprobs"] or {}).get("content"))
     answer = response_object(header, body, output, choice["finish_reason"], chat_body["usage"])
+    if "metrics" in chat_body:  # --enable-per-request-metrics
+        answer["metrics"] = chat_body["metrics"]
     return json_response(answer, 200, {"X-Request-Id": header.request_id})
 
 
@@ -103,7 +105,9 @@ def closing_events(
         return [events.event("error", **error_fields(error.body()))]
     last = events.deltas(stream.delta("", final=True), [])
     reason = finish_reason_of(finish.reason, stream.called)
-    return last + events.finished(reason, usage([finish], state.config.reports_cached_tokens(), 1))
+    done = events.finished(reason, usage([finish], state.config.reports_cached_tokens(), 1))
+    with_metrics(done[-1]["response"], [finish], state)  # in the final response, as vLLM's
+    return last + done
 
 
 def error_fields(body: dict[str, Any]) -> dict[str, Any]:

@@ -53,6 +53,7 @@ class Ticket:
     received: float
     deadline_s: float | None  # seconds it may wait to start, as the client asked
     n: int  # sequences of the prompt to generate
+    trace_headers: dict[str, str] | None = None  # the caller's W3C trace context
     done: trio.Event = dataclasses.field(default_factory=trio.Event)
     channel: trio.MemoryReceiveChannel | None = None  # the verdict: a stream, or
     error: Exception | None = None  # why not

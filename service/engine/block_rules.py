@@ -128,6 +128,14 @@ class BlockRules:
         self.running.remove(request)
         self.tenants.leave_running(request)
 
+    def join_received(self, request: Request) -> None:
+        """A request whose prompt's K/V was pulled (all but its last token computed, its
+        blocks allocated) runs: admitted without a waiting turn."""
+        request.status = Status.RUNNING
+        request.admitted_order = self._admissions
+        self._admissions += 1
+        self._join_running(request)
+
     # ---- admission ------------------------------------------------------------------
 
     def admit(self, request: Request, draft: StepDraft) -> bool:

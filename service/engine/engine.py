@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,7 @@ import trio
 from gpu_worker.protocol import BLOCK_SIZE, Handshake
 from policies.registry import make_policy
 from service.config import Config
+from service.engine import trace_context
 from service.engine.admission import (
     AdmissionControl,
     AdmissionQueue,
@@ -60,8 +62,17 @@ from service.engine.engine_state import (
     step_cost_state,
 )
 from service.engine.invariants import check_blocks_kept, check_invariants
+from service.engine.kv_transfer import (
+    KV_TRANSFER_FAILED,
+    ROLE_BOTH,
+    ROLE_PRODUCER,
+    Fingerprint,
+    KvHolds,
+    check_kv_transfer,
+    producer_params,
+)
 from service.engine.masks import MaskFiller, unmasked, waits_for_masks
-from service.engine.reporting import Reporter, since_received
+from service.engine.reporting import Reporter
 from service.engine.request import FinishEvent, Request, SamplingParams, Status, TokenEvent
 from service.engine.sampling import worker_sampling
 from service.engine.scheduler import Scheduler
@@ -77,6 +88,10 @@ log = structlog.get_logger()
 # With Config.overlap "auto" and the worker on the CPU, the most sequences a step may have
 # and overlap (module docstring)
 CPU_OVERLAP_SEQS = 4
+# While nothing computes, how often a rowless step asks the worker how K/V transfers are
+# going: a consumer's pulls (a request waits for each), or only a producer's holds (their
+# notices free blocks, which no request waits for)
+PULL_POLL_S, HOLD_POLL_S = 0.005, 0.05
 
 
 class EngineUnavailable(Exception):
@@ -120,6 +135,9 @@ class Engine:
             tenant_share=config.tenant_share(),
             speculator=None if spec is None else Speculator(spec),
         )
+        if config.kv_transfer_role in (ROLE_PRODUCER, ROLE_BOTH):
+            self._scheduler.kv_holds = KvHolds(config.kv_hold_timeout)
+        self.engine_id = uuid.uuid4().hex  # vLLM's remote_engine_id of a producer's answers
         self._requests: dict[str, Request] = {}  # open streams, by request id
         self._admission = AdmissionControl(config, self._scheduler, self._requests)
         self._sequences = Sequences(tokenizer, config.max_stream_buffer_bytes)
@@ -212,6 +230,7 @@ class Engine:
 
         `deadline_s`: seconds it may wait to start (the server's --max-queue-time bounds it
         too); not started by then, it finishes with ("error", "deadline_exceeded").
+        The caller's trace context, if it set one (service.engine.trace_context), goes with it.
         Raises InvalidRequest, Overloaded or EngineUnavailable, and then nothing was queued.
         """
         if not self._accepting or not self._ready:
@@ -226,6 +245,7 @@ class Engine:
             trio.current_time(),
             deadline_s,
             n,
+            trace_context.current.get(),
         )
         return await self._queue.submit(ticket, self.abort)
 
@@ -277,7 +297,17 @@ class Engine:
             "speculative": speculative_state(
                 self.config.speculative_config, self._scheduler.speculator, stats
             ),
+            "kv_transfer": self._kv_transfer_state(),
         }
+
+    def _kv_transfer_state(self) -> dict[str, Any] | None:
+        """A producer's holds and a consumer's pulls now; None without a role."""
+        if self.config.kv_transfer_role is None:
+            return None
+        sched = self._scheduler
+        holds = sched.kv_holds.state() if sched.kv_holds is not None else None
+        pulls = {"waiting": len(sched.kv_pulls.waiting), "pulling": len(sched.kv_pulls.pulling)}
+        return {"role": self.config.kv_transfer_role, "holds": holds, "pulls": pulls}
 
     def _overlap_limit(self) -> int | None:
         """The most sequences a step may have and overlap; None: every step does."""
@@ -306,6 +336,14 @@ class Engine:
         # checked first: nothing is sized by `n` before validation bounds it (the offline
         # API reaches here without the HTTP layer's bounds)
         deadline = self._admission.check(ticket, self._cache_shape())
+        assert self.handshake is not None  # checked by _cache_shape
+        check_kv_transfer(
+            ticket.params,
+            len(ticket.prompt_token_ids),
+            ticket.n,
+            self.config.kv_transfer_role,
+            self.handshake,
+        )
         ids = sequence_ids(ticket.request_id, ticket.n)
         if any(request_id in self._requests for request_id in ids):
             raise InvalidRequest(
@@ -315,7 +353,7 @@ class Engine:
         made, receive = self._sequences.make(ticket, params, deadline)
         for request in made:
             self._requests[request.request_id] = request
-            self._report.received(request)
+            self._report.received(request, ticket.n)
         self._all_done = trio.Event()
         sched, (leader, *siblings) = self._scheduler, made
         if siblings and self.config.enable_prefix_caching:
@@ -341,6 +379,14 @@ class Engine:
             self._report.refused(request.request_id, "deadline_exceeded")
             self._finish(request, "error", "deadline_exceeded", error=message)
 
+    def _end_overdue_pulls(self, now: float) -> None:
+        """A pull that takes longer than --kv-transfer-timeout fails its request (never
+        recomputed); the blocks wait for the worker's word that the pull is done."""
+        timeout = self.config.kv_transfer_timeout
+        for request in self._scheduler.overdue_pulls(now, timeout):
+            message = f"pulling the prompt's K/V took longer than {timeout:g} s"
+            self._finish(request, "error", KV_TRANSFER_FAILED, error=message)
+
     def tenant_load(self) -> dict[str, TenantLoad]:
         """What each tenant has in the engine now: its quotas' measure (/metrics shows it)."""
         return self._admission.tenant_load()
@@ -360,10 +406,13 @@ class Engine:
         sched = self._scheduler
         while True:
             self._expire_deadlines(trio.current_time())
+            self._end_overdue_pulls(trio.current_time())
             try:
                 if not await self._iterate(sched):
                     # nothing to do, or nothing could be scheduled: wait for a request or an abort
                     await self._wait_for_work()
+                elif sched.transfers_pending and not sched.running:
+                    await self._pause_for_transfers()
             except WorkerDied as exc:
                 await self._recover(exc)
 
@@ -378,6 +427,13 @@ class Engine:
     def _fail_masks(self, requests: list[Request], error: str) -> None:
         for request in requests:
             self._finish(request, "error", "grammar_error", error)
+
+    async def _pause_for_transfers(self) -> None:
+        """Only K/V is moving: the next rowless step a little later, or at a request."""
+        self._wakeup = trio.Event()
+        sched = self._scheduler
+        with trio.move_on_after(PULL_POLL_S if sched.kv_pulls.pulling else HOLD_POLL_S):
+            await self._wakeup.wait()
 
     async def _wait_for_work(self) -> None:
         """Sleep until woken (a request, an abort), the idle worker watched meanwhile."""
@@ -452,7 +508,8 @@ class Engine:
             check_invariants(sched)
         step.service_s += time.perf_counter() - started
         assert step.result is not None
-        self._report.iteration(step.out, step.result, sched.stats(), step.service_s)
+        if step.out.scheduled:  # a rowless step only asked after K/V transfers
+            self._report.iteration(step.out, step.result, sched.stats(), step.service_s)
         return True
 
     def _emit_committed(self, request: Request) -> None:
@@ -479,7 +536,7 @@ class Engine:
             request.first_token = now
             event.prompt_logprobs = request.prompt_logprobs
             self._release_siblings(request)
-            since_received("request.first_token", request, now, "ttft_ms")
+            self._report.first_token(request, now)
         # as vLLM: a stop token's text is not the output's
         stop_token = finish == STOP_TOKEN
         delta = Delta("", False) if stop_token else request.detokenizer.add_token(outcome.token)
@@ -515,8 +572,13 @@ class Engine:
         event = FinishEvent(
             reason, detail, request.prompt_len, completion, error, cached, request.index
         )
+        event.phases = request.phases
         if (reason, detail) == POOLED:
             event.embedding = request.pooled
+        if request.kv_hold is not None and self.handshake is not None:
+            fingerprint = Fingerprint.of(self.handshake)
+            params = producer_params(request.kv_hold, self.handshake, self.engine_id, fingerprint)
+            event.kv_transfer_params = params
         request.send(event)
         request.stream.close()
         self._requests.pop(request.request_id, None)
@@ -576,7 +638,7 @@ class Engine:
         self._ready = False
         sched = self._scheduler
         failure = await self._supervisor.put_down(exc, running=len(sched.running))
-        for request in list(sched.running):
+        for request in [*sched.running, *sched.transferring]:
             self._finish(request, "error", failure.detail, error=failure.error)
         if await self._supervisor.restart():
             return

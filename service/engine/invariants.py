@@ -37,7 +37,8 @@ def _check_blocks_held(sched: Scheduler) -> None:
     if None in blocks.windows:  # all-windowed tables may drop every block held
         computed = {r.seq_id for r in sched.running if r.num_computed_tokens}
         assert held >= computed, "lost blocks"
-    tables = [blocks.held(r.seq_id) for r in sched.sequences]
+    owners = {r.seq_id for r in sched.sequences} | sched.kv_owners
+    tables = [blocks.held(seq_id) for seq_id in owners]
     assert blocks.num_used == len({b for table in tables for b in table}), "stray block"
 
 

@@ -8,12 +8,13 @@ disagree about what happened.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import structlog
 
 from gpu_worker.protocol import Handshake, StepResult
 from service.engine.request import Request
-from service.engine.stats import IterationStats, Observer, RequestStats
+from service.engine.stats import IterationStats, Observer, RequestEvent, RequestStats
 from service.engine.step import ScheduleOutput, SchedulerStats
 
 log = structlog.get_logger()
@@ -23,6 +24,7 @@ class Reporter:
     def __init__(self, log_iterations: int) -> None:
         self.log_iterations = log_iterations  # every Nth iteration is logged; 0: none
         self.observers: list[Observer] = []
+        self._preempted: set[str] = set()  # request ids preempted and not yet resumed
 
     def worker_started(self, handshake: Handshake, overlap_seqs: int | None) -> None:
         """`overlap_seqs`: the most sequences a step overlaps with (None: any)."""
@@ -42,15 +44,20 @@ class Reporter:
         if handshake.device_warning is not None:
             log.warning("worker.device_warning", warning=handshake.device_warning)
 
-    def received(self, request: Request) -> None:
-        log.info(
-            "request.received",
-            request_id=request.request_id,
-            tenant=request.tenant,
-            priority=request.priority,
-            prompt_tokens=request.prompt_len,
-            max_tokens=request.params.max_tokens,
-        )
+    def received(self, request: Request, n: int) -> None:
+        """`n`: the sequences of its client request (it is one of them)."""
+        sampling = request.params.sampling
+        fields = {
+            "n": n,
+            "tenant": request.tenant,
+            "priority": request.priority,
+            "prompt_tokens": request.prompt_len,
+            "max_tokens": request.params.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            **(request.trace_headers or {}),  # the caller's trace, so a log line finds it
+        }
+        self._event(request, "received", request.received, fields)
         for observer in self.observers:
             observer.on_request_received(request.request_id, request.tenant, request.prompt_len)
 
@@ -61,17 +68,36 @@ class Reporter:
             observer.on_request_refused(reason)
 
     def scheduled(self, out: ScheduleOutput, now: float) -> None:
-        """The requests a step starts for the first time, and those it preempted."""
+        """A step's milestones: the requests it starts for the first time, those it takes
+        back after a preemption, each prefill chunk, and the requests it preempted."""
         for request in out.started:
-            since_received("request.admitted", request, now, "queue_ms")
+            at = request.first_scheduled
+            assert at is not None  # what `started` means
+            queue_ms = (at - request.received) * 1000  # Phases.queue's
+            fields = {"policy": out.policy, "queue_ms": queue_ms, "iteration": out.iteration}
+            self._event(request, "admitted", at, fields)
+        if self._preempted:  # rarely: only then is every row looked at
+            for item in out.scheduled:
+                self._resumed(item.request, out, now)
+        for item in out.chunks:
+            fields = {"tokens": item.num_tokens, "start": item.start, "iteration": out.iteration}
+            self._event(item.request, "prefill_chunk", now, fields)
         for request in out.preempted:
-            log.info(
-                "request.preempted",
-                request_id=request.request_id,
-                num_generated=request.num_generated,
-            )
+            self._preempted.add(request.request_id)
+            fields = {"num_generated": request.num_generated, "iteration": out.iteration}
+            self._event(request, "preempted", now, fields)
             for observer in self.observers:
                 observer.on_preemption(request.request_id)
+
+    def _resumed(self, request: Request, out: ScheduleOutput, now: float) -> None:
+        if request.request_id in self._preempted:
+            self._preempted.discard(request.request_id)
+            fields = {"policy": out.policy, "iteration": out.iteration}
+            self._event(request, "resumed", now, fields)
+
+    def first_token(self, request: Request, now: float) -> None:
+        ttft_ms = (now - request.received) * 1000
+        self._event(request, "first_token", now, {"ttft_ms": ttft_ms})
 
     def iteration(
         self, out: ScheduleOutput, result: StepResult, stats: SchedulerStats, service_s: float
@@ -104,10 +130,18 @@ class Reporter:
             observer.on_iteration(record)
 
     def finished(self, request: Request, policy: str, iteration: int) -> None:
+        self._preempted.discard(request.request_id)
         stats = RequestStats.of(request, policy, iteration)
         log.info("request.finished", **stats.log_fields())
         for observer in self.observers:
             observer.on_request_finished(stats)
+
+    def _event(self, request: Request, name: str, at: float, fields: Mapping[str, object]) -> None:
+        """A milestone of `request`: its log line, and the same record to every observer."""
+        log.info(f"request.{name}", request_id=request.request_id, **fields)
+        event = RequestEvent(request.request_id, name, at, fields)
+        for observer in self.observers:
+            observer.on_request_event(event)
 
     def policy_swap(self, old: dict, new: dict, iteration: int, by: str) -> None:
         log.info(
@@ -123,8 +157,3 @@ class Reporter:
 
 
 _ITERATION_FIELDS = dataclasses.fields(IterationStats)
-
-
-def since_received(event: str, request: Request, now: float, key: str) -> None:
-    """A request's milestone, logged with the milliseconds since it arrived."""
-    log.info(event, request_id=request.request_id, **{key: (now - request.received) * 1000})

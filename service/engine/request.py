@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,7 @@ from service.engine.acceptance import Acceptance
 if TYPE_CHECKING:
     from service.engine.detokenizer import Detokenizer
     from service.engine.grammar import Matcher
+    from service.engine.kv_transfer import KvHold, RemoteKv
 
 
 DEFAULT_TENANT = "default"
@@ -65,6 +67,11 @@ class SamplingParams:
     # the LoRA adapter the request runs with (issue 54 names it from the request's `model`):
     # carried to the worker's table, applied once adapters load
     adapter: str | None = None
+    # disaggregated prefill and decode (service.engine.kv_transfer): a producer keeps the
+    # prompt's blocks for a consumer when the request ends (vLLM's do_remote_decode); a
+    # consumer pulls them from the producer that holds them (do_remote_prefill)
+    remote_decode: bool = False
+    remote_kv: RemoteKv | None = None
 
 
 @dataclass(slots=True)
@@ -75,6 +82,34 @@ class TokenEvent:
     # the first event of a request that asked for its prompt's: tokens 1.. of the prompt
     prompt_logprobs: TokenLogprobs | None = None
     index: int = 0  # which of the request's n sequences (`n` > 1 share one stream)
+
+
+@dataclass(frozen=True, slots=True)
+class Phases:
+    """Where a request's time went, in seconds (None: it never got that far): waiting to be
+    first scheduled, then its prefill up to its first token, then its decode up to its last.
+    Its span, its `request.finished` line's queue_ms and a response's `metrics` read this."""
+
+    queue: float | None
+    prefill: float | None
+    decode: float | None
+    tokens: int  # output tokens sent
+
+    @classmethod
+    def at(
+        cls,
+        received: float,
+        first_scheduled: float | None,
+        first_token: float | None,
+        token_times: Sequence[float],
+    ) -> Phases:
+        queue = prefill = decode = None
+        if first_scheduled is not None:
+            queue = first_scheduled - received
+            if first_token is not None:
+                prefill = first_token - first_scheduled
+                decode = token_times[-1] - first_token
+        return cls(queue, prefill, decode, len(token_times))
 
 
 @dataclass(slots=True)
@@ -89,6 +124,10 @@ class FinishEvent:
     cached_tokens: int = 0  # prompt tokens found in the prefix cache, not computed
     index: int = 0  # which of the request's n sequences finished
     embedding: list[float] | None = None  # a pooled request's (SamplingParams.pooling)
+    phases: Phases | None = None  # where its time went
+    # a producer's request whose blocks it holds for a consumer: where they are (the
+    # answer's kv_transfer_params, service.engine.kv_transfer.producer_params)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 Event = TokenEvent | FinishEvent
@@ -140,6 +179,7 @@ class UnreadBytes:
 
 class Status(enum.Enum):
     WAITING = "waiting"
+    RECEIVING = "receiving"  # its prompt's K/V is being pulled: never scheduled for compute
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -171,6 +211,8 @@ class Request:
     admitted_order: int = -1  # increasing each time it is admitted, for "most recently admitted"
     preemptions: int = 0
     deadline: float | None = None  # engine clock: not started by then, it is refused
+    # the caller's W3C trace context (service.engine.trace_context): its span's parent
+    trace_headers: dict[str, str] | None = None
     acceptance: Acceptance = field(default_factory=Acceptance)  # of its drafted tokens
     first_scheduled: float | None = None
     first_token: float | None = None
@@ -178,6 +220,7 @@ class Request:
     finished: float | None = None
     finish_reason: str | None = None
     finish_detail: str | None = None
+    kv_hold: KvHold | None = None  # a producer's: its blocks held for a consumer's pull
 
     @property
     def num_tokens(self) -> int:
@@ -207,6 +250,10 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def phases(self) -> Phases:
+        return Phases.at(self.received, self.first_scheduled, self.first_token, self.token_times)
 
     def reset_for_recompute(self) -> None:
         """Preemption by recompute: the cache is gone, the tokens are kept."""

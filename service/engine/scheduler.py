@@ -42,6 +42,14 @@ Pooling (embeddings). A pooled request never samples: the worker pools its chunk
 (NewSeq.pooling), and update() finishes it (POOLED) with the step that
 computes its prompt's last token. A mean-pooled one takes no prefix-cache hit, since every
 row's state is summed, so its sum starts again at 0 after a preemption.
+
+Prefill and decode on two servers (--kv-transfer-role, service.engine.kv_transfer). A
+producer's do_remote_decode request that ends by its own tokens keeps its blocks under a
+hold (kv_holds) until a step's notices release it or schedule() finds it expired. A
+consumer's request with the producer's K/V waits in kv_pulls, never in a policy's view:
+schedule() gives it blocks for its prompt and a KvPull in the plan (rowless plans while
+only K/V moves), update() takes the worker's PullDone and makes it a running sequence with
+all but the prompt's last token computed, or fails it kv_transfer_failed.
 """
 
 from __future__ import annotations
@@ -50,10 +58,12 @@ import collections
 from collections.abc import Collection
 from typing import Any, cast
 
-from gpu_worker.protocol import DRAFT_MODEL_TOKEN, StepResult, TokenLogprobs
+from gpu_worker.protocol import DRAFT_MODEL_TOKEN, PullDone, StepResult, TokenLogprobs
 from policies.base import Decision, Policy, View
 from service.engine.block_manager import BlockManager
 from service.engine.block_rules import BlockRules
+from service.engine.kv_pulls import KvPulls
+from service.engine.kv_transfer import KV_TRANSFER_FAILED, KvHolds
 from service.engine.plan import PlanBuilder
 from service.engine.prefix_cache import prefix_hit, register_blocks
 from service.engine.request import MEAN_POOLING, Request, Status
@@ -121,6 +131,11 @@ class Scheduler:
         self.speculator = speculator  # None: nothing is drafted
         self.draft_tokens = 0  # verified since the start
         self.accepted_tokens = 0
+        # disaggregated prefill and decode (module docstring): a producer's holds, and a
+        # consumer's requests on their way in (kv_pulls)
+        self.kv_holds: KvHolds | None = None
+        self.kv_pulls = KvPulls()
+        self.now = 0.0  # the engine clock at the last schedule()
 
     # ---- membership -------------------------------------------------------------------
 
@@ -128,7 +143,10 @@ class Scheduler:
         self._by_seq[request.seq_id] = request
         if request.grammar is not None:
             self._constrained[request.seq_id] = request
-        self.rules.join_waiting(request)
+        if request.params.remote_kv is not None:
+            self.kv_pulls.waiting.append(request)  # no policy sees it before its K/V is in
+        else:
+            self.rules.join_waiting(request)
 
     def hold(self, leader: Request, siblings: list[Request]) -> None:
         """Queue `siblings` behind `leader`: they join the waiting once release_held(leader)."""
@@ -163,8 +181,40 @@ class Scheduler:
             return
         self._constrained.pop(request.seq_id, None)
         self.plans.forget(request.seq_id)
-        self.blocks.free(request.seq_id)
+        if request.params.remote_kv is not None and request.status is not Status.RUNNING:
+            if self.kv_pulls.leave(request):  # else a pull still writes its blocks
+                self.blocks.free(request.seq_id)
+            return
+        if request.kv_hold is None:  # a held request's blocks are freed when its hold ends
+            self.blocks.free(request.seq_id)
         self.rules.leave(request)
+
+    def _retire(self, request: Request) -> None:
+        """`request` ended by its own tokens: a producer holds a do_remote_decode one's
+        blocks for the consumer (kv_transfer.KvHolds) before it leaves."""
+        if (
+            self.kv_holds is not None
+            and request.params.remote_decode
+            and request.num_computed_tokens >= request.prompt_len
+        ):
+            entries = -(-request.prompt_len // self.blocks.block_size)
+            blocks = list(self.blocks.table(request.seq_id)[:entries])
+            request.kv_hold = self.kv_holds.hold(
+                request.seq_id, blocks, request.prompt_len, self.now
+            )
+        self.remove(request)
+
+    @property
+    def transferring(self) -> list[Request]:
+        """Requests whose K/V is being pulled or was: a dead worker's cache lost it."""
+        return [*self.kv_pulls.pulling.values(), *self.kv_pulls.pulled]
+
+    @property
+    def kv_owners(self) -> set[int]:
+        """Sequences that left but whose blocks are still held: by a producer's hold, or
+        under a pull still writing them."""
+        held = self.kv_holds.seq_ids if self.kv_holds is not None else set()
+        return held | self.kv_pulls.ended_mid_pull(self._by_seq)
 
     @property
     def sequences(self) -> Collection[Request]:
@@ -177,7 +227,13 @@ class Scheduler:
         return self._constrained.values()
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.transfers_pending)
+
+    @property
+    def transfers_pending(self) -> bool:
+        """K/V on the move: steps go on (rowless if need be) to hear how it ends."""
+        holding = self.kv_holds is not None and bool(self.kv_holds.by_id)
+        return self.kv_pulls.pending or holding
 
     # ---- policy -----------------------------------------------------------------------
 
@@ -225,6 +281,10 @@ class Scheduler:
     def replace_blocks(self, blocks: BlockManager) -> None:
         """A restarted worker's fresh cache; only while nothing runs."""
         assert not self.running, "blocks replaced under running sequences"
+        assert not self.kv_pulls.pulled, "blocks replaced under pulled sequences"
+        self.kv_pulls.forget_pulls()  # their requests ended with the old worker
+        if self.kv_holds is not None:  # the held blocks went with the old cache
+            self.kv_holds.expire(float("inf"))
         self.blocks = self.rules.blocks = blocks
         self._last_step_ms = None
         self.plans.reset(blocks)
@@ -236,6 +296,9 @@ class Scheduler:
         if self._pending_policy is not None:
             self.policy, self._pending_policy = self._pending_policy, None
         self.iteration += 1
+        self.now = now
+        self._end_expired_holds(now)
+        self._run_received()
         self.rules.resume_admission_if_room()
         out = ScheduleOutput(iteration=self.iteration, policy=self.policy.name, plan=None)
         self.rules.yield_slots(out)
@@ -256,10 +319,54 @@ class Scheduler:
             if item.request.first_scheduled is None:
                 item.request.first_scheduled = now
                 out.started.append(item.request)
-        if out.scheduled:
+        pulls = self.kv_pulls.start(self.blocks, now)
+        if out.scheduled or self.transfers_pending:
             out.plan = self.plans.build(out.scheduled, out.iteration)
+            out.plan.pulls = pulls
             out.written = [self._written(item) for item in out.scheduled]
         return out
+
+    def _take_transfers(self, result: StepResult) -> list[Outcome]:
+        """A step's news of K/V transfers: the consumers' notices end holds; pulls done."""
+        if self.kv_holds is not None:
+            for hold in self.kv_holds.release(result.notices):
+                self.blocks.free(hold.seq_id)
+        return [o for done in result.pulls_done if (o := self._pulled(done)) is not None]
+
+    def _pulled(self, done: PullDone) -> Outcome | None:
+        """A pull ended: its request computes the prompt's last token next, or fails
+        (never recomputed: vLLM's rule); an aborted one's blocks are freed now."""
+        request = self.kv_pulls.finish(done.transfer_id)
+        if request is None:
+            return None
+        if request.seq_id not in self._by_seq:  # it ended while its blocks were written
+            self.blocks.free(request.seq_id)
+            return None
+        if done.error is not None:
+            self.remove(request)
+            error = f"pulling the prompt's K/V from its producer failed: {done.error}"
+            return Outcome(request, finish=("error", KV_TRANSFER_FAILED), error=error)
+        request.num_computed_tokens = request.prompt_len - 1
+        request.status = Status.WAITING
+        register_blocks(self.blocks, request)
+        self.kv_pulls.pulled.append(request)
+        return None
+
+    def overdue_pulls(self, now: float, timeout: float) -> list[Request]:
+        """Requests whose pull began `timeout` s ago or more and is not done (the engine
+        ends them; their blocks stay theirs until the worker reports the pull done)."""
+        return [r for r in self.kv_pulls.overdue(now, timeout) if r.seq_id in self._by_seq]
+
+    def _run_received(self) -> None:
+        """Pulled requests join the running while there are slots."""
+        pulled = self.kv_pulls.pulled
+        while pulled and len(self.running) < self.max_num_seqs:
+            self.rules.join_received(pulled.pop(0))
+
+    def _end_expired_holds(self, now: float) -> None:
+        if self.kv_holds is not None:
+            for hold in self.kv_holds.expire(now):
+                self.blocks.free(hold.seq_id)
 
     def _written(self, item: Scheduled) -> list[int]:
         """The blocks of group 0 a row writes, from its first position on, as sent: the
@@ -270,9 +377,12 @@ class Scheduler:
     def update(self, out: ScheduleOutput, result: StepResult) -> list[Outcome]:
         """The step ran: commit progress, append sampled tokens, finish on EOS or length."""
         assert out.plan is not None
+        transfers = self._take_transfers(result)
         error = self._result_error(out, result)
         if error is not None:
-            return [self._fail(item.request, error) for item in out.scheduled]
+            return transfers + [self._fail(item.request, error) for item in out.scheduled]
+        if not out.scheduled:
+            return transfers  # a step that only moved K/V: no cost to learn from
         self._last_step_ms = result.step_ms
         self._last_step_tokens = out.plan.total_tokens
         drafted = [len(item.drafts) for item in out.scheduled]
@@ -295,6 +405,7 @@ class Scheduler:
                 ):
                     outcomes.append(self._pooled_outcome(request))
         self._observe_payoff(out, result.step_ms)
+        outcomes += transfers
         sampled = [item.request for item in out.scheduled if item.samples]
         row = 0  # result.logprobs has a row per token, in the order of result.tokens
         for request, tokens in zip(sampled, result.tokens, strict=True):
@@ -400,7 +511,7 @@ class Scheduler:
         elif request.num_generated >= request.params.max_tokens:
             outcome.finish = ("length", "max_tokens")
         if outcome.finish is not None:
-            self.remove(request)
+            self._retire(request)
         return outcome
 
     # ---- validation of a decision -------------------------------------------------------
@@ -487,14 +598,16 @@ class Scheduler:
         self.blocks.allocate(request.seq_id, request.num_computed_tokens + tokens)
         ends_prompt = request.num_computed_tokens + tokens >= request.num_tokens
         samples = ends_prompt and request.params.pooling is None
-        start = request.num_computed_tokens
-        draft.out.scheduled.append(Scheduled(request, tokens, samples, start))
+        row = Scheduled(request, tokens, samples, request.num_computed_tokens)
+        draft.out.scheduled.append(row)
         draft.chosen.add(request.seq_id)
         draft.budget -= tokens
         if request.remaining == 1:
             draft.out.decode_seqs += 1
         else:
             draft.out.prefill_tokens += tokens
+        if request.remaining > 1 or not request.num_generated:
+            draft.out.chunks.append(row)  # a one-token prompt's row is a chunk too
 
     # ---- drafts (speculative decoding: service.engine.speculation) --------------------
 

@@ -125,6 +125,7 @@ class Sequences:
             ),
             grammar=None if params.grammar is None else Matcher(params.grammar),
             deadline=deadline,
+            trace_headers=ticket.trace_headers,
             prompt_logprobs=None if params.sampling.prompt_logprobs is None else TokenLogprobs(),
             index=index,
         )

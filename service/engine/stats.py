@@ -7,8 +7,11 @@ engine does not know who listens (see Engine.add_observer).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
+
+from service.engine.request import Phases
 
 if TYPE_CHECKING:
     from service.engine.request import Request
@@ -38,6 +41,18 @@ class IterationStats:
     drafting_seqs: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestEvent:
+    """One milestone of a request's story (received, admitted, prefill_chunk, preempted,
+    resumed, first_token): its log line `request.<name>` and what observers (the traces)
+    get are this one record, so that logs and traces tell the same story."""
+
+    request_id: str
+    name: str
+    at: float  # engine clock, seconds
+    fields: Mapping[str, object]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +103,11 @@ class RequestStats:
 
     @property
     def queue_time(self) -> float | None:
-        return None if self.first_scheduled is None else self.first_scheduled - self.received
+        return self.phases.queue
+
+    @property
+    def phases(self) -> Phases:
+        return Phases.at(self.received, self.first_scheduled, self.first_token, self.token_times)
 
     @property
     def ttft(self) -> float | None:
@@ -103,13 +122,20 @@ class RequestStats:
         return [b - a for a, b in itertools.pairwise(self.token_times)]
 
     @property
+    def largest_gap(self) -> tuple[int, float] | None:
+        """The longest wait between two of its tokens: (the index of the token that ended
+        it, its seconds); None with fewer than two tokens."""
+        return _largest_gap(self.itls)
+
+    @property
     def tpot(self) -> float | None:
         n = len(self.token_times)
         return None if n < 2 else (self.token_times[-1] - self.token_times[0]) / (n - 1)
 
     def log_fields(self) -> dict[str, object]:
         """The `request.finished` log line: the record's facts and its latency summary."""
-        itls = sorted(self.itls)
+        gaps = self.itls
+        gap, itls = _largest_gap(gaps), sorted(gaps)
         return {
             "request_id": self.request_id,
             "tenant": self.tenant,
@@ -122,7 +148,8 @@ class RequestStats:
             "ttft_ms": _ms(self.ttft),
             "itl_p50_ms": _ms(_percentile(itls, 0.50)),
             "itl_p99_ms": _ms(_percentile(itls, 0.99)),
-            "itl_max_ms": _ms(itls[-1] if itls else None),
+            "itl_max_ms": _ms(gap[1] if gap else None),
+            "itl_max_token": gap[0] if gap else None,  # the token that ended that gap
             "queue_ms": _ms(self.queue_time),
             "e2e_ms": _ms(self.e2e),
             "preemptions": self.preemptions,
@@ -130,6 +157,13 @@ class RequestStats:
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
         }
+
+
+def _largest_gap(itls: list[float]) -> tuple[int, float] | None:
+    if not itls:
+        return None
+    index = max(range(len(itls)), key=itls.__getitem__)
+    return index + 1, itls[index]
 
 
 def _percentile(sorted_values: list[float], q: float) -> float | None:
@@ -150,3 +184,4 @@ class Observer(Protocol):
     def on_preemption(self, request_id: str) -> None: ...
     def on_policy_swap(self, old: str, new: str, iteration: int) -> None: ...
     def on_request_refused(self, reason: str) -> None: ...
+    def on_request_event(self, event: RequestEvent) -> None: ...

@@ -41,6 +41,8 @@ class ScheduleOutput:
     written: list[list[int]] = field(default_factory=list)  # each row's blocks it writes
     preempted: list[Request] = field(default_factory=list)
     started: list[Request] = field(default_factory=list)  # scheduled for the first time
+    # the rows that compute a prompt (or, after a preemption, prompt and output again)
+    chunks: list[Scheduled] = field(default_factory=list)
     prefill_tokens: int = 0
     decode_seqs: int = 0
     drafting_seqs: int = 0  # sequences with drafted tokens

@@ -87,6 +87,7 @@ def worker_config_for(config: Config, model_dir: Path | str) -> WorkerConfig:
         draft_quantization="none" if spec is None else spec.quantization,
         # a rank lost mid-step is reported by rank 0 before the step's watchdog fires
         collective_timeout=config.step_timeout / 2,
+        kv_transfer_engine=config.kv_engine if config.kv_transfer_role else None,
         **shared,
     )
 

@@ -1,0 +1,166 @@
+"""Disaggregated prefill and decode between two engines on a tiny model, their workers in
+this process moving K/V through the in-process connector: the producer holds a prompt's
+blocks until the consumer's notice (or the hold's deadline), the consumer's request waits
+in a receiving state no step computes, then computes only the prompt's last token, and its
+greedy output is the one an engine of its own computes. A failed pull ends the request
+kv_transfer_failed; every block comes back on both sides."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+
+import pytest
+import trio
+
+from service.api.kv_transfer_params import kv_transfer_fields
+from service.config import Config
+from service.engine.assembly import open_engine
+from service.engine.engine import Engine
+from service.engine.kv_transfer import KV_TRANSFER_FAILED
+from service.engine.request import SamplingParams, SamplingSpec
+from service.engine.validation import InvalidRequest
+from tests.in_process_worker import InProcessWorker
+from tests.sim_worker import SimTokenizer, collect, run_together
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+BLOCK = 4  # tests.worker_fixtures.BLOCK_SIZE
+KV_MEMORY = float(1024 * 1024)
+PROMPTS = [[(13 * s + 7 * i) % 250 + 3 for i in range(5 + 6 * s)] for s in range(4)]
+GENERATED = 8
+
+
+def config(role: str | None, **overrides: object) -> Config:
+    settings: dict = dict(
+        dtype="float32",
+        device="cpu",
+        block_size=BLOCK,
+        max_batched_tokens=8,  # the producer computes the longer prompts in chunks
+        kv_memory=KV_MEMORY,
+        use_cuda_graphs=False,
+        kv_transfer_role=role,
+        debug_invariants=True,
+    )
+    return Config(**{**settings, **overrides})
+
+
+@asynccontextmanager
+async def engines(
+    model_dir: Path, *roles: str | None, **overrides: object
+) -> AsyncIterator[tuple[list[Engine], list[InProcessWorker]]]:
+    workers = [InProcessWorker(model_dir, KV_MEMORY) for _ in roles]
+    async with AsyncExitStack() as stack:
+        started = [
+            await stack.enter_async_context(
+                open_engine(config(role, **overrides), worker=worker, tokenizer=SimTokenizer())
+            )
+            for role, worker in zip(roles, workers, strict=True)
+        ]
+        yield started, workers
+
+
+def greedy(max_tokens: int, **fields: object) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, sampling=SamplingSpec(), **fields)
+
+
+def seeded(max_tokens: int, **fields: object) -> SamplingParams:
+    spec = SamplingSpec(temperature=1.0, seed=7)
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, sampling=spec, **fields)
+
+
+async def prefill(producer: Engine, prompt: list[int], request_id: str) -> dict:
+    """The producer's half: one token, and where it holds the prompt's K/V."""
+    channel = await producer.submit(prompt, greedy(1, remote_decode=True), request_id=request_id)
+    finish = (await collect(channel)).finish
+    assert finish is not None and finish.kv_transfer_params is not None, finish
+    return finish.kv_transfer_params
+
+
+async def decode(consumer: Engine, prompt: list[int], params: dict, request_id: str, how=greedy):
+    fields = kv_transfer_fields(params)  # as the API reads what the router copied
+    channel = await consumer.submit(prompt, how(GENERATED, **fields), request_id=request_id)
+    return await collect(channel)
+
+
+async def wait_until(condition, timeout: float = 10.0) -> None:
+    with trio.fail_after(timeout):
+        while not condition():
+            await trio.sleep(0.01)
+
+
+async def test_handed_over_prompts_decode_as_one_engine_computes_them(tiny_models):
+    model = tiny_models("llama")
+    async with engines(model, None, "producer", "consumer") as ([alone, producer, consumer], w):
+        reference = await run_together(alone, PROMPTS, greedy(GENERATED), "ref")
+        outputs = []
+        for i, prompt in enumerate(PROMPTS):
+            params = await prefill(producer, prompt, f"p{i}")
+            assert params["remote_block_ids"] and params["prompt_tokens"] == len(prompt)
+            outputs.append((await decode(consumer, prompt, params, f"d{i}")).token_ids)
+        assert outputs == reference
+        # seeded sampling too: the consumer's first sample is the request's first
+        sampled_alone = await run_together(alone, PROMPTS[:2], seeded(GENERATED), "seeded")
+        for i, prompt in enumerate(PROMPTS[:2]):
+            params = await prefill(producer, prompt, f"ps{i}")
+            handed = await decode(consumer, prompt, params, f"ds{i}", seeded)
+            assert handed.token_ids == sampled_alone[i]
+        holds = producer.scheduler.kv_holds
+        assert holds is not None
+        await wait_until(lambda: holds.released == len(PROMPTS) + 2)
+        assert holds.expired == 0 and not holds.by_id
+        for engine in (producer, consumer):
+            await wait_until(lambda e=engine: not e.scheduler.has_work())
+            assert engine.scheduler.blocks.num_used == 0  # cached blocks are evictable
+    # the consumer computed one token of each prompt, the last, and none before its pull
+    # (one request at a time: the pulls and the sequences' first rows come in one order)
+    handed = [*PROMPTS, *PROMPTS[:2]]
+    pulls = [step for step, plan in enumerate(w[2].plans) for _ in plan.pulls]
+    first_rows: dict[int, tuple[int, int, int]] = {}  # seq -> its first row's step, start, size
+    for step, plan in enumerate(w[2].plans):
+        for row in plan.rows:
+            first_rows.setdefault(row.seq_id, (step, row.start_pos, row.num_tokens))
+    handed_rows = [first_rows[seq] for seq in sorted(first_rows)][-len(handed) :]
+    assert len(pulls) == len(handed)
+    for prompt, pulled, (step, start, size) in zip(handed, pulls, handed_rows, strict=True):
+        assert (start, size) == (len(prompt) - 1, 1) and step > pulled
+
+
+async def test_a_hold_nobody_pulls_expires_and_frees_its_blocks(tiny_models):
+    async with engines(tiny_models("llama"), "producer", kv_hold_timeout=0.3) as ([producer], _):
+        params = await prefill(producer, PROMPTS[3], "p")
+        holds = producer.scheduler.kv_holds
+        assert holds is not None and holds.held == 1
+        assert producer.scheduler.blocks.num_used == len(params["remote_block_ids"])
+        assert producer.state()["kv_transfer"]["holds"]["holding"] == 1
+        await wait_until(lambda: holds.expired == 1)
+        assert producer.scheduler.blocks.num_used == 0 and holds.released == 0
+
+
+async def test_a_failed_pull_ends_the_request_and_frees_its_blocks(tiny_models):
+    async with engines(tiny_models("llama"), "producer", "consumer") as ([producer, consumer], w):
+        params = await prefill(producer, PROMPTS[2], "p")
+        gone = {**params, "remote_host": "local", "remote_port": 999999}  # no such peer
+        out = await decode(consumer, PROMPTS[2], gone, "d")
+        assert out.finish is not None and out.finish.detail == KV_TRANSFER_FAILED
+        assert out.token_ids == [] and "no peer" in (out.finish.error or "")
+        assert not any(plan.rows for plan in w[1].plans)  # nothing recomputed the prompt
+        await wait_until(lambda: not consumer.scheduler.has_work())
+        assert consumer.scheduler.blocks.num_used == 0
+
+
+async def test_a_mismatched_layout_or_role_is_refused_naming_what_differs(tiny_models):
+    async with engines(tiny_models("llama"), "producer", "consumer") as ([producer, consumer], _):
+        params = await prefill(producer, PROMPTS[1], "p")
+        other = {**params, "fingerprint": {**params["fingerprint"], "block_size": 16}}
+        with pytest.raises(InvalidRequest, match="block_size"):
+            await decode(consumer, PROMPTS[1], other, "d1")
+        with pytest.raises(InvalidRequest, match="prompt has"):
+            await decode(consumer, PROMPTS[1][:-1], params, "d2")
+        with pytest.raises(InvalidRequest, match="not a KV producer"):
+            await consumer.submit(PROMPTS[0], greedy(1, remote_decode=True), request_id="x")
+        with pytest.raises(InvalidRequest, match="not a KV consumer"):
+            await decode(producer, PROMPTS[1], params, "d3")
+        out = await decode(consumer, PROMPTS[1], params, "d4")  # the hold is still there
+        assert out.finish is not None and out.finish.reason == "length"

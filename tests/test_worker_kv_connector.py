@@ -1,0 +1,97 @@
+"""The worker's KV connectors move a prompt's blocks between two caches: segments coalesce
+runs of consecutive blocks, the copy lands in the right blocks of every tensor and head, the
+producer is notified, and a failed pull is reported, on the in-process connector and on
+Mooncake's real transfer engine over loopback TCP."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from gpu_worker.kv_cache import KVCache, LayerKV
+from gpu_worker.kv_connector import KvConnector, block_runs, make_connector
+from gpu_worker.protocol import KV_ENGINE_LOCAL, KV_ENGINE_MOONCAKE, KvPull, PullDone
+
+HEADS, BLOCK, DIM = 3, 4, 8
+
+
+def _cache(num_blocks: int, seed: int) -> KVCache:
+    gen = torch.Generator().manual_seed(seed)
+    shape = (HEADS, num_blocks + 1, BLOCK, DIM)
+    slots = [
+        LayerKV(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+        for _ in range(2)
+    ]
+    return KVCache(slots=slots, layers=slots, num_blocks=num_blocks, block_size=BLOCK)
+
+
+def _wait_done(connector: KvConnector) -> PullDone:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if done := connector.poll_done():
+            return done[0]
+        time.sleep(0.005)
+    raise AssertionError("the pull never ended")
+
+
+def test_block_runs_coalesce_blocks_consecutive_on_both_sides() -> None:
+    runs = list(block_runs([4, 5, 6, 9, 10, 11], [0, 1, 3, 4, 5, 7]))
+    assert runs == [(4, 0, 2), (6, 3, 1), (9, 4, 2), (11, 7, 1)]
+
+
+@pytest.mark.parametrize("engine", [KV_ENGINE_LOCAL, KV_ENGINE_MOONCAKE])
+def test_a_pull_copies_the_blocks_and_notifies_the_producer(engine: str) -> None:
+    producer_cache, consumer_cache = _cache(12, 1), _cache(20, 2)
+    producer = make_connector(engine, "127.0.0.1")
+    consumer = make_connector(engine, "127.0.0.1")
+    try:
+        addresses = producer.register(producer_cache)
+        consumer.register(consumer_cache)
+        remote, local = [2, 3, 4, 7], [10, 11, 5, 6]
+        untouched = consumer_cache.slots[0].k[:, 12].clone()
+        pull = KvPull("t-1", producer.address, remote, local, addresses, 12)
+        consumer.submit([pull])
+        done = _wait_done(consumer)
+        assert done.error is None
+        # runs (10,2,2) (5,4,1) (6,7,1): three segments per head of each of 4 tensors
+        assert done.segments == 3 * HEADS * 4
+        assert done.bytes == len(remote) * HEADS * BLOCK * DIM * 4 * 4
+        for mine, theirs in zip(consumer_cache.slots, producer_cache.slots, strict=True):
+            for a, b in ((mine.k, theirs.k), (mine.v, theirs.v)):
+                assert torch.equal(a[:, local], b[:, remote])
+        assert torch.equal(consumer_cache.slots[0].k[:, 12], untouched)
+        deadline = time.monotonic() + 10
+        notices: list[str] = []
+        while not notices and time.monotonic() < deadline:
+            notices = producer.poll_notices()
+            time.sleep(0.005)
+        assert notices == ["t-1"]
+        # a producer that is gone: the pull fails, it is reported, nothing hangs
+        gone = KvPull(
+            "t-2",
+            "127.0.0.1:1" if engine == KV_ENGINE_MOONCAKE else "local:x",
+            [0],
+            [0],
+            addresses,
+            12,
+        )
+        consumer.submit([gone])
+        failed = _wait_done(consumer)
+        assert failed.transfer_id == "t-2" and failed.error
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_a_pull_whose_layout_differs_fails_without_copying() -> None:
+    producer, consumer = make_connector(KV_ENGINE_LOCAL, ""), make_connector(KV_ENGINE_LOCAL, "")
+    try:
+        consumer.register(_cache(4, 2))
+        consumer.submit([KvPull("t-3", producer.address, [0], [0], [1, 2, 3], 4)])
+        done = consumer.poll_done()  # refused at once, before any thread
+        assert [d.transfer_id for d in done] == ["t-3"] and "cache tensors" in (done[0].error or "")
+    finally:
+        consumer.close()
+        producer.close()
