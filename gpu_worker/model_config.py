@@ -226,7 +226,9 @@ class ModelConfig:
     @classmethod
     def _parse(cls, raw: dict[str, Any], architecture: str) -> ModelConfig:
         family = FAMILIES[architecture]
-        if raw.get("use_bidirectional_attention"):
+        # "vision" (Gemma 4): bidirectional among an image's tokens alone, which the text
+        # model served here never sees; causal for text
+        if raw.get("use_bidirectional_attention") not in (None, False, "vision"):
             raise UnsupportedModel("bidirectional attention is not supported")
         try:
             hidden = int(raw["hidden_size"])
@@ -502,10 +504,6 @@ def _layer_windows(raw: dict[str, Any], layers: int, family: Family) -> tuple[in
         raise ConfigError(f"layer_types lists {len(types)} layers, the model has {layers}")
     for kind in set(types) - {"sliding_attention", "full_attention"}:
         raise UnsupportedModel(f"unsupported layer type {kind!r}")
-    if raw.get("use_bidirectional_attention"):
-        raise UnsupportedModel(
-            "bidirectional attention (use_bidirectional_attention) is not supported"
-        )
     return tuple(int(window) if kind == "sliding_attention" else None for kind in types)
 
 
@@ -572,8 +570,9 @@ def _add_gemma4(config: ModelConfig, raw: dict[str, Any]) -> None:
     _check_gemma4(config, raw)
     layers = config.num_hidden_layers
     dims = _gemma4_head_dims(config, raw)
+    config.head_dim = max(dims)
     if len(set(dims)) > 1:
-        config.layer_head_dims, config.head_dim = dims, max(dims)
+        config.layer_head_dims = dims
     config.query_pre_attn_scalar = 1.0
     config.per_layer_input_size = int(raw.get("hidden_size_per_layer_input") or 0)
     config.per_layer_vocab_size = int(raw.get("vocab_size_per_layer_input") or config.vocab_size)

@@ -68,6 +68,14 @@ def test_smollm3_configs_give_every_fourth_layer_no_rope_unless_they_list_them()
         config_with(**{**smollm3, "no_rope_layers": [1, 0]})
 
 
+def test_gemma4_text_is_causal_beside_a_vision_tower_that_attends_both_ways():
+    """And its global layers' heads are global_head_dim wide, 512 where the config names
+    none, as transformers' Gemma4TextConfig makes them (here every layer is global)."""
+    config = config_with(architectures=["Gemma4ForCausalLM"], use_bidirectional_attention="vision")
+    assert config.family.gemma4 and config.attention_scale == 1.0
+    assert config.head_dim == 512 and config.layer_head_dims == ()
+
+
 def test_gemma3_configs_old_and_new_give_each_layer_its_window_and_rope():
     common = {**BASE_CONFIG, "num_hidden_layers": 7, "sliding_window": 512}
     old = ModelConfig.from_dict(
@@ -158,6 +166,11 @@ def test_mixture_of_experts_configs_say_which_layers_route():
             },
             UnsupportedModel,
             "Gemma4ForCausalLM: Gemma 4's global layers with key/value heads of their own",
+        ),
+        (
+            {"architectures": ["Gemma4ForCausalLM"], "use_bidirectional_attention": "all"},
+            UnsupportedModel,
+            "Gemma4ForCausalLM: bidirectional",
         ),
         (
             {"architectures": ["Gemma4ForCausalLM"], "enable_moe_block": True},
