@@ -171,6 +171,7 @@ def test_architecture_chunked_batched_and_prefix_cached(architecture, one_torch_
         "qwen3-moe",
         "qwen2-moe-shared",
         "smollm3-nope",
+        "gemma4-shared-kv",
     ],
 )
 def test_architecture_rows_keep_their_bits_batched_and_chunked_in_bfloat16(
