@@ -61,7 +61,7 @@ def load_layer(
     attn = prefix + "self_attn."
     layer = Layer(
         input_norm=take.norm(prefix + "input_layernorm.weight", hidden),
-        qkv=_qkv(take, cfg, attn, head_dim)
+        qkv=_qkv(take, cfg, attn, index)
         if cfg.kv_source(index) == index
         else _q(take, cfg, attn, head_dim),
         o_proj=_o_proj(take, cfg, attn, head_dim),
@@ -78,7 +78,7 @@ def load_layer(
         attention=kind,
     )
     if family.qk_norm:
-        layer.qk_norm = _head_norms(take, cfg, attn, head_dim, cfg.kv_source(index) == index)
+        layer.qk_norm = _head_norms(take, cfg, attn, index)
     if family.attention_sinks:
         layer.sinks = take(attn + "sinks", (cfg.num_attention_heads,), ROWS)
     if family.gemma:
@@ -106,10 +106,15 @@ def load_layer(
     return layer
 
 
-def _qkv(take: WeightTaker, cfg: ModelConfig, attn: str, head_dim: int) -> Matmul:
-    hidden = cfg.hidden_size
+def _qkv(take: WeightTaker, cfg: ModelConfig, attn: str, index: int) -> Matmul:
+    """q, k and v fused; q and k alone where the values are the keys' projection (Gemma 4's
+    attention_k_eq_v: the model copies them)."""
+    hidden, head_dim = cfg.hidden_size, cfg.head_dim_of(index)
     q_rows = cfg.num_attention_heads * head_dim
-    kv_rows = cfg.num_key_value_heads * head_dim
+    kv_rows = cfg.kv_heads_of(index) * head_dim
+    if cfg.values_from_keys(index):
+        names = [f"{attn}{p}_proj.weight" for p in ("q", "k")]
+        return take.matmul(names, [(q_rows, hidden), (kv_rows, hidden)], split=ROWS)
     qkv_rows = [q_rows, kv_rows, kv_rows]
     if cfg.family.fused_projections:
         fused = [attn + "qkv_proj.weight"]
@@ -139,16 +144,13 @@ def _q(take: WeightTaker, cfg: ModelConfig, attn: str, head_dim: int) -> Matmul:
     return take.matmul([attn + "q_proj.weight"], [shape], split=ROWS)
 
 
-def _head_norms(
-    take: WeightTaker, cfg: ModelConfig, attn: str, head_dim: int, owns_kv: bool
-) -> torch.Tensor:
+def _head_norms(take: WeightTaker, cfg: ModelConfig, attn: str, index: int) -> torch.Tensor:
     """The norms over each q head, then each k head, and for Gemma 4 each v head (an
-    unscaled norm: ones) [heads (+ 2 kv_heads), head_dim]; a layer that reads another
-    layer's K/V norms its q heads alone."""
-    local_heads, local_kv_heads = (
-        take.shard.local(cfg.num_attention_heads),
-        take.shard.local(cfg.num_key_value_heads),
-    )
+    unscaled norm: ones) [heads (+ 2 kv_heads), head_dim], at the layer's own head_dim and
+    key/value heads; a layer that reads another layer's K/V norms its q heads alone."""
+    head_dim, owns_kv = cfg.head_dim_of(index), cfg.kv_source(index) == index
+    local_heads = take.shard.local(cfg.num_attention_heads)
+    local_kv_heads = take.shard.local(cfg.kv_heads_of(index))
     norms = [take.norm(attn + "q_norm.weight", head_dim).expand(local_heads, -1)]
     if owns_kv:
         k_norm = take.norm(attn + "k_norm.weight", head_dim)

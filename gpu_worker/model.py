@@ -196,25 +196,50 @@ class Model:
         to the cache's d: the scores and the first d of each output row are unchanged."""
         cfg, layer = self.config, self.layers[index]
         heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        own_dim, owns_kv = cfg.head_dim_of(index), cfg.kv_source(index) == index
+        own_dim, own_kv_heads = cfg.head_dim_of(index), cfg.kv_heads_of(index)
+        owns_kv = cfg.kv_source(index) == index
         qkv = layer.qkv(h)
+        if cfg.values_from_keys(index):  # v: the keys' projection, normed as v
+            qkv = torch.cat([qkv, qkv[:, heads * own_dim :]], dim=1)
         if layer.qk_norm is not None:  # q and k heads (and Gemma 4's v heads) normed
             normed = layer.qk_norm.shape[0]
             heads_normed = qkv[:, : normed * own_dim].view(-1, normed, own_dim)
             heads_normed.copy_(self.qk_norm(heads_normed, layer.qk_norm, cfg.rms_norm_eps))
-        if owns_kv and own_dim == head_dim:
+        if owns_kv and (own_dim, own_kv_heads) == (head_dim, kv_heads):
             self.ops.rope_and_cache_(
                 qkv, positions, layer.cos, layer.signed_sin, kv, slots, heads, kv_heads
             )
             return qkv
-        # the reference ops: a q alone, or heads to pad between the rotation and the cache
+        return self._fitted_to_cache(index, qkv, positions, kv, slots)
+
+    def _fitted_to_cache(
+        self,
+        index: int,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        kv: LayerKV,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """before_attention's end through the reference ops, for a layer whose heads are
+        not the cache's: a q alone (Gemma 4's layers that read another's K/V), heads
+        narrower than the cache's zero-padded to its d, and fewer k/v heads than it has each
+        repeated (a query head's k/v head is then a copy of its own: the same scores)."""
+        cfg, layer = self.config, self.layers[index]
+        heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        own_dim, own_kv_heads = cfg.head_dim_of(index), cfg.kv_heads_of(index)
+        owns_kv = cfg.kv_source(index) == index
         by_head = qkv.view(qkv.shape[0], -1, own_dim)
-        rotated = heads + kv_heads if owns_kv else heads
+        rotated = heads + own_kv_heads if owns_kv else heads
         rotate_(by_head[:, :rotated], positions, layer.cos, layer.signed_sin)
         if own_dim != head_dim:
             by_head = F.pad(by_head, (0, head_dim - own_dim))
         if owns_kv:
-            write_kv(kv, by_head[:, heads:rotated], by_head[:, rotated:], slots)
+            k, v = by_head[:, heads:rotated], by_head[:, rotated:]
+            if own_kv_heads != kv_heads:
+                repeats = kv_heads // own_kv_heads
+                k, v = k.repeat_interleave(repeats, 1), v.repeat_interleave(repeats, 1)
+                by_head = torch.cat([by_head[:, :heads], k, v], dim=1)
+            write_kv(kv, k, v, slots)
         return by_head.reshape(qkv.shape[0], -1)
 
     def attend(

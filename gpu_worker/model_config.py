@@ -192,6 +192,13 @@ class ModelConfig:
     # sliding ones' 256); head_dim is then the largest, the cache's and the attention's,
     # and a narrower layer's heads are zero-padded to it (gpu_worker.model)
     layer_head_dims: tuple[int, ...] = ()
+    # Each layer's own key/value heads where they differ (Gemma 4's global layers with
+    # attention_k_eq_v); num_key_value_heads is then the most, the cache's, and a layer with
+    # fewer repeats each of its heads to it (gpu_worker.model)
+    layer_kv_heads: tuple[int, ...] = ()
+    # Whether each layer's values are its keys' projection (Gemma 4's attention_k_eq_v on
+    # the global layers: no v_proj); () when no layer's are
+    keys_as_values: tuple[bool, ...] = ()
 
     @property
     def family(self) -> Family:
@@ -312,6 +319,13 @@ class ModelConfig:
     def kv_source(self, layer: int) -> int:
         """The layer whose K/V cache `layer` attends over (itself, unless it shares one)."""
         return self.kv_sources[layer] if self.kv_sources else layer
+
+    def kv_heads_of(self, layer: int) -> int:
+        """Layer `layer`'s own key/value heads (its k/v projections'), at most the cache's."""
+        return self.layer_kv_heads[layer] if self.layer_kv_heads else self.num_key_value_heads
+
+    def values_from_keys(self, layer: int) -> bool:
+        return bool(self.keys_as_values) and self.keys_as_values[layer]
 
     def head_dim_of(self, layer: int) -> int:
         """Layer `layer`'s own head_dim (its q/k/v projections'), at most head_dim."""
@@ -569,10 +583,26 @@ def _add_gemma4(config: ModelConfig, raw: dict[str, Any]) -> None:
     what is not served yet."""
     _check_gemma4(config, raw)
     layers = config.num_hidden_layers
-    dims = _gemma4_head_dims(config, raw)
+    overrides = _gemma4_overrides(config, raw)
+    dims = tuple(int(overrides.get(i, {}).get("head_dim", config.head_dim)) for i in range(layers))
     config.head_dim = max(dims)
     if len(set(dims)) > 1:
         config.layer_head_dims = dims
+    kv_heads = tuple(
+        int(overrides.get(i, {}).get("num_key_value_heads", config.num_key_value_heads))
+        for i in range(layers)
+    )
+    config.num_key_value_heads = max(kv_heads)
+    if any(config.num_key_value_heads % n for n in kv_heads):
+        raise UnsupportedModel(
+            f"Gemma 4's key/value heads {sorted(set(kv_heads))} do not divide one another"
+        )
+    if len(set(kv_heads)) > 1:
+        config.layer_kv_heads = kv_heads
+    if raw.get("attention_k_eq_v"):
+        config.keys_as_values = tuple(window is None for window in config.layer_windows) or (
+            (True,) * layers
+        )
     config.query_pre_attn_scalar = 1.0
     config.per_layer_input_size = int(raw.get("hidden_size_per_layer_input") or 0)
     config.per_layer_vocab_size = int(raw.get("vocab_size_per_layer_input") or config.vocab_size)
@@ -595,32 +625,17 @@ def _add_gemma4(config: ModelConfig, raw: dict[str, Any]) -> None:
 def _check_gemma4(config: ModelConfig, raw: dict[str, Any]) -> None:
     if raw.get("enable_moe_block"):
         raise UnsupportedModel("Gemma 4's mixture-of-experts block is not supported yet")
-    if raw.get("attention_k_eq_v"):
-        raise UnsupportedModel("Gemma 4's keys as values (attention_k_eq_v) is not supported yet")
-    for override in _gemma4_overrides(config, raw).values():
-        if int(override.get("num_key_value_heads", config.num_key_value_heads)) != (
-            config.num_key_value_heads
-        ):
-            raise UnsupportedModel(
-                "Gemma 4's global layers with key/value heads of their own are not supported yet"
-            )
 
 
 def _gemma4_overrides(config: ModelConfig, raw: dict[str, Any]) -> dict[int, dict[str, Any]]:
     """Each global layer's overrides, as transformers' Gemma4TextConfig makes them: the
     per_layer_config it writes (by layer index), else a head_dim of global_head_dim (512
-    where the config names none)."""
+    where the config names none) and, with attention_k_eq_v, num_global_key_value_heads."""
     if "per_layer_config" in raw:
         written = raw.get("per_layer_config") or {}
         return {int(layer): dict(override) for layer, override in written.items()}
+    override: dict[str, Any] = {"head_dim": int(raw.get("global_head_dim") or 512)}
+    if raw.get("attention_k_eq_v") and raw.get("num_global_key_value_heads"):
+        override["num_key_value_heads"] = int(raw["num_global_key_value_heads"])
     windows = config.layer_windows or (None,) * config.num_hidden_layers
-    global_dim = int(raw.get("global_head_dim") or 512)
-    return {i: {"head_dim": global_dim} for i, window in enumerate(windows) if window is None}
-
-
-def _gemma4_head_dims(config: ModelConfig, raw: dict[str, Any]) -> tuple[int, ...]:
-    overrides = _gemma4_overrides(config, raw)
-    return tuple(
-        int(overrides.get(i, {}).get("head_dim", config.head_dim))
-        for i in range(config.num_hidden_layers)
-    )
+    return {i: override for i, window in enumerate(windows) if window is None}

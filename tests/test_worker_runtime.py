@@ -162,10 +162,10 @@ def test_mixture_of_experts_configs_say_which_layers_route():
         (
             {
                 "architectures": ["Gemma4ForCausalLM"],
-                "per_layer_config": {"1": {"head_dim": 32, "num_key_value_heads": 1}},
+                "per_layer_config": {"1": {"head_dim": 32, "num_key_value_heads": 3}},
             },
             UnsupportedModel,
-            "Gemma4ForCausalLM: Gemma 4's global layers with key/value heads of their own",
+            r"Gemma4ForCausalLM: Gemma 4's key/value heads \[2, 3\] do not divide",
         ),
         (
             {"architectures": ["Gemma4ForCausalLM"], "use_bidirectional_attention": "all"},
@@ -176,11 +176,6 @@ def test_mixture_of_experts_configs_say_which_layers_route():
             {"architectures": ["Gemma4ForCausalLM"], "enable_moe_block": True},
             UnsupportedModel,
             "Gemma 4's mixture-of-experts block",
-        ),
-        (
-            {"architectures": ["Gemma4ForCausalLM"], "attention_k_eq_v": True},
-            UnsupportedModel,
-            "attention_k_eq_v",
         ),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, UnsupportedModel, "dynamic"),
         ({"hidden_act": "relu"}, UnsupportedModel, "activation"),

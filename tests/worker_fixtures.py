@@ -108,7 +108,7 @@ ARCHITECTURE_KINDS = {
         {"num_hidden_layers": 3, "no_rope_layers": [1, 0, 1], "pad_token_id": 0},
     ),
     # Windowed and global layers with head_dims and RoPEs of their own (proportional on the
-    # global ones),
+    # global ones; their values the keys' projection, one k/v head),
     # per-layer inputs, the last two layers reading the first two's K/V with double-wide
     # MLPs, and the final soft-capping.
     "gemma4": (
@@ -118,6 +118,8 @@ ARCHITECTURE_KINDS = {
             "num_hidden_layers": 4,
             "head_dim": 16,
             "global_head_dim": 32,
+            "attention_k_eq_v": True,
+            "num_global_key_value_heads": 1,
             "sliding_window": 11,
             "layer_types": ["sliding_attention", "full_attention"] * 2,
             "rope_parameters": {
