@@ -88,22 +88,24 @@ def load_layer(
         _add_gemma4_parts(take, cfg, prefix, layer)
     if cfg.moe is not None and cfg.moe.sparse_layers[index]:
         layer.moe = load_moe(take, cfg, prefix)
-    elif family.fused_projections:
-        inter = cfg.intermediate_size
-        layer.gate_up = take.matmul(
-            [prefix + "mlp.gate_up_proj.weight"],
-            [(2 * inter, hidden)],
-            split=fused_rows(inter, inter),
-        )
-        layer.down = take.matmul(
-            [prefix + "mlp.down_proj.weight"], [(hidden, inter)], split=COLUMNS
-        )
-    else:
-        mlp, inter = prefix + "mlp.", cfg.intermediate_of(index)
-        names = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
-        layer.gate_up = take.matmul(names, [(inter, hidden)] * 2, split=ROWS)
-        layer.down = take.matmul([mlp + "down_proj.weight"], [(hidden, inter)], split=COLUMNS)
+    if layer.moe is None or layer.moe.config.beside_dense:
+        layer.gate_up, layer.down = _dense_mlp(take, cfg, prefix, index)
     return layer
+
+
+def _dense_mlp(
+    take: WeightTaker, cfg: ModelConfig, prefix: str, index: int
+) -> tuple[Matmul, Matmul]:
+    """(gate_up [2 * intermediate, hidden], down) of the layer's dense MLP."""
+    hidden, mlp, inter = cfg.hidden_size, prefix + "mlp.", cfg.intermediate_of(index)
+    down = take.matmul([mlp + "down_proj.weight"], [(hidden, inter)], split=COLUMNS)
+    if cfg.family.fused_projections:
+        gate_up = take.matmul(
+            [mlp + "gate_up_proj.weight"], [(2 * inter, hidden)], split=fused_rows(inter, inter)
+        )
+        return gate_up, down
+    names = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
+    return take.matmul(names, [(inter, hidden)] * 2, split=ROWS), down
 
 
 def _qkv(take: WeightTaker, cfg: ModelConfig, attn: str, index: int) -> Matmul:

@@ -282,11 +282,13 @@ class Model:
         if layer.attn_out_norm is not None:
             attn = norm(attn, layer.attn_out_norm, eps)
         h = add_norm_(x, attn, layer.mlp_norm, eps)
-        if layer.moe is not None:
+        if layer.moe is not None and not layer.moe.config.beside_dense:
             mlp = layer.moe(h, self.act_and_mul)
         else:
             mlp = layer.down(self.act_and_mul(layer.gate_up(h)))  # type: ignore[misc]
             self.shard.all_reduce(mlp)
+        if layer.moe is not None and layer.moe.config.beside_dense:  # from x, before its norm
+            mlp = layer.moe.beside_dense(x, mlp, self.act_and_mul, norm, eps)
         if layer.mlp_out_norm is not None:
             mlp = norm(mlp, layer.mlp_out_norm, eps)
         if layer.scalar is None:

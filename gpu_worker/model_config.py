@@ -40,7 +40,7 @@ class Family:
     # scaled by sqrt(hidden), GeGLU, the attention scale from query_pre_attn_scalar
     gemma: bool = False
     fused_projections: bool = False  # the checkpoint holds qkv_proj and gate_up_proj (Phi-3)
-    moe: str | None = None  # the experts' layout: "mixtral", "qwen" or "gpt_oss"
+    moe: str | None = None  # the experts' layout: "mixtral", "qwen", "gpt_oss" or "gemma4"
     # a per-head logit in each attention softmax's denominator (gpt-oss's self_attn.sinks)
     attention_sinks: bool = False
     o_proj_bias: bool = False  # o_proj has a bias where attention_bias says so (gpt-oss)
@@ -79,11 +79,14 @@ FAMILIES = {
     "Qwen2MoeForCausalLM": Family(qkv_bias_default=True, moe="qwen", window_opt_in=True),
     "Qwen3MoeForCausalLM": Family(qk_norm=True, moe="qwen", window_opt_in=True),
     "SmolLM3ForCausalLM": Family(window_opt_in=True, no_rope_interval=4),
-    "Gemma4ForCausalLM": Family(qk_norm=True, gemma=True, gemma4=True, window_pattern=6),
+    "Gemma4ForCausalLM": Family(
+        qk_norm=True, gemma=True, gemma4=True, moe="gemma4", window_pattern=6
+    ),
     "Gemma4ForConditionalGeneration": Family(
         qk_norm=True,
         gemma=True,
         gemma4=True,
+        moe="gemma4",
         text_prefixes=("model.language_model.",),
         window_pattern=6,
     ),
@@ -144,6 +147,9 @@ class MoE:
     top_k_first: bool = False
     biases: bool = False
     swiglu: SwiGLU | None = None  # None: the model's own activation
+    # Gemma 4: the experts run beside the layer's dense MLP (not instead of it), routed
+    # from the residual stream by a normed and scaled router, their weights scaled per expert
+    beside_dense: bool = False
 
 
 @dataclass(slots=True)
@@ -538,6 +544,18 @@ def _rope_layers(raw: dict[str, Any], layers: int, family: Family) -> tuple[bool
 def _moe(raw: dict[str, Any], family: Family, layers: int) -> MoE | None:
     if family.moe is None:
         return None
+    if family.moe == "gemma4":
+        if not raw.get("enable_moe_block"):
+            return None
+        return MoE(
+            int(raw["num_experts"]),
+            int(raw["top_k_experts"]),
+            int(raw["moe_intermediate_size"]),
+            renormalize=True,
+            float32_weights=True,
+            sparse_layers=(True,) * layers,
+            beside_dense=True,
+        )
     experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
     if family.moe == "gpt_oss":
         return MoE(
@@ -578,10 +596,9 @@ def _moe(raw: dict[str, Any], family: Family, layers: int) -> MoE | None:
 
 
 def _add_gemma4(config: ModelConfig, raw: dict[str, Any]) -> None:
-    """Gemma 4's per-layer inputs, its global layers' head_dim, shared KV and double-wide
-    MLPs, and its scores' scale of 1 (a query_pre_attn_scalar of 1); UnsupportedModel for
-    what is not served yet."""
-    _check_gemma4(config, raw)
+    """Gemma 4's per-layer inputs, its global layers' head_dim and k/v heads, keys as
+    values, shared KV and double-wide MLPs, and its scores' scale of 1 (a
+    query_pre_attn_scalar of 1)."""
     layers = config.num_hidden_layers
     overrides = _gemma4_overrides(config, raw)
     dims = tuple(int(overrides.get(i, {}).get("head_dim", config.head_dim)) for i in range(layers))
@@ -620,11 +637,6 @@ def _add_gemma4(config: ModelConfig, raw: dict[str, Any]) -> None:
         config.layer_intermediate_sizes = tuple(
             config.intermediate_size if i < first_shared else wide for i in range(layers)
         )
-
-
-def _check_gemma4(config: ModelConfig, raw: dict[str, Any]) -> None:
-    if raw.get("enable_moe_block"):
-        raise UnsupportedModel("Gemma 4's mixture-of-experts block is not supported yet")
 
 
 def _gemma4_overrides(config: ModelConfig, raw: dict[str, Any]) -> dict[int, dict[str, Any]]:

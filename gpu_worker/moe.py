@@ -8,6 +8,10 @@ gated MLPs. gpt-oss routes the other way round (the top k logits, then a softmax
 them, in the model's dtype), its router and experts have biases, and its experts apply a
 clamped SwiGLU; its checkpoint holds each layer's experts stacked ([experts, in, out],
 gate and up interleaved), split here into one (gate_up, down) pair of Linears per expert.
+Gemma 4's experts run beside its dense MLP (`beside_dense`): routed from the residual
+stream (normed, scaled by a vector and by hidden ** -0.5), fed its own norm of it, their
+weights renormalized and scaled per expert, and their sum normed before it joins the
+dense MLP's normed output.
 The tokens are grouped by expert with one sort, so the work is a loop over the experts
 that were chosen (index_select in, index_add out), never over tokens.
 
@@ -31,6 +35,20 @@ from gpu_worker.model_config import ModelConfig, MoE, SwiGLU
 from gpu_worker.weights import WeightTaker
 
 Activation = Callable[[torch.Tensor], torch.Tensor]  # gate_up [T, 2I] -> [T, I]
+Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+@dataclass(slots=True)
+class BesideDense:
+    """Gemma 4's parts around experts that run beside the dense MLP."""
+
+    router_norm: torch.Tensor  # [hidden] ones: an unscaled norm of the residual stream
+    router_scale: torch.Tensor  # [hidden]
+    router_scalar: float  # hidden ** -0.5
+    expert_scale: torch.Tensor  # [experts]: each chosen expert's weight is scaled by its
+    dense_out_norm: torch.Tensor  # post_feedforward_layernorm_1
+    experts_in_norm: torch.Tensor  # pre_feedforward_layernorm_2
+    experts_out_norm: torch.Tensor  # post_feedforward_layernorm_2
 
 
 @dataclass(slots=True)
@@ -40,11 +58,14 @@ class MoEMLP:
     config: MoE
     shared: tuple[Linear, Linear] | None = None  # Qwen2-MoE's shared expert
     shared_gate: Linear | None = None  # [1, hidden]: sigmoid of it scales the shared expert
+    gemma4: BesideDense | None = None
 
-    def __call__(self, h: torch.Tensor, act_and_mul: Activation) -> torch.Tensor:
-        """h [T, hidden] -> [T, hidden]."""
+    def __call__(
+        self, h: torch.Tensor, act_and_mul: Activation, routed: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """h [T, hidden] -> [T, hidden]; `routed`: what the router scores, where not h."""
         cfg = self.config
-        weights, chosen = self._route(h)
+        weights, chosen = self._route(h if routed is None else routed)
         if cfg.swiglu is not None:
             act_and_mul = functools.partial(clamped_swiglu, cfg.swiglu)
         out = torch.zeros_like(h)
@@ -69,6 +90,18 @@ class MoEMLP:
             out = out + gate * shared
         return out
 
+    def beside_dense(
+        self, x: torch.Tensor, dense: torch.Tensor, act_and_mul: Activation, norm: Norm, eps: float
+    ) -> torch.Tensor:
+        """Gemma 4: the dense MLP's output `dense` [T, hidden] joined by the experts' on
+        the residual stream x [T, hidden] (before the MLP's norm)."""
+        parts = self.gemma4
+        assert parts is not None
+        routed = norm(x, parts.router_norm, eps) * parts.router_scale * parts.router_scalar
+        experts = self(norm(x, parts.experts_in_norm, eps), act_and_mul, routed)
+        dense = norm(dense, parts.dense_out_norm, eps)
+        return dense + norm(experts, parts.experts_out_norm, eps)
+
     def _route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's experts' weights and ids [T, top_k]."""
         cfg = self.config
@@ -80,6 +113,8 @@ class MoEMLP:
         weights, chosen = probs.topk(cfg.top_k, dim=-1)
         if cfg.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.gemma4 is not None:
+            weights = weights * self.gemma4.expert_scale[chosen]
         if not cfg.float32_weights:
             weights = weights.to(h.dtype)
         return weights, chosen
@@ -100,6 +135,8 @@ def load_moe(take: WeightTaker, cfg: ModelConfig, prefix: str) -> MoEMLP:
     inter = moe.intermediate_size
     if cfg.family.moe == "gpt_oss":
         return _load_stacked_moe(take, moe, hidden, prefix + "mlp.")
+    if cfg.family.moe == "gemma4":
+        return _load_gemma4_moe(take, moe, hidden, prefix)
     if cfg.family.moe == "mixtral":
         block = prefix + "block_sparse_moe."
         names = [
@@ -149,3 +186,30 @@ def _load_stacked_moe(take: WeightTaker, moe: MoE, hidden: int, block: str) -> M
         kernel=kernel,
     )
     return MoEMLP(router=router, experts=pairs, config=moe)
+
+
+def _load_gemma4_moe(take: WeightTaker, moe: MoE, hidden: int, prefix: str) -> MoEMLP:
+    """Gemma 4's experts: gate_up_proj [experts, 2I, hidden] (gate, then up) and down_proj
+    [experts, hidden, I], each expert's slices already in a Linear's layout."""
+    experts, inter, kernel = moe.num_experts, moe.intermediate_size, take.matmul_kernel
+    gate_up = take(prefix + "experts.gate_up_proj", (experts, 2 * inter, hidden))
+    down = take(prefix + "experts.down_proj", (experts, hidden, inter))
+    router = prefix + "router."
+    parts = BesideDense(
+        router_norm=torch.ones(hidden, dtype=torch.float32, device=take.device),
+        router_scale=take(router + "scale", (hidden,)),
+        router_scalar=hidden**-0.5,
+        expert_scale=take(router + "per_expert_scale", (experts,)),
+        dense_out_norm=take.norm(prefix + "post_feedforward_layernorm_1.weight", hidden),
+        experts_in_norm=take.norm(prefix + "pre_feedforward_layernorm_2.weight", hidden),
+        experts_out_norm=take.norm(prefix + "post_feedforward_layernorm_2.weight", hidden),
+    )
+    return MoEMLP(
+        router=take.linear(router + "proj", (experts, hidden)),
+        experts=[
+            (Linear(gate_up[e].clone(), kernel=kernel), Linear(down[e].clone(), kernel=kernel))
+            for e in range(experts)
+        ],
+        config=moe,
+        gemma4=parts,
+    )

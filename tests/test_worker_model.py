@@ -57,6 +57,15 @@ ARCHITECTURES = {
     "smollm3-nope": ("smollm3", {}),
     "gpt-oss-sinks": ("gpt_oss", {}),
     "gemma4-shared-kv": ("gemma4", {}),
+    "gemma4-moe": (
+        "gemma4",
+        {
+            "enable_moe_block": True,
+            "num_experts": 5,
+            "top_k_experts": 2,
+            "moe_intermediate_size": 24,
+        },
+    ),
 }
 # A family's prompts, where they differ: longrope matches transformers within one factor set.
 PROMPT_LENGTHS = {"phi3-longrope": (49, 90), "phi3-longrope-short": (1, 5, 37, 48)}

@@ -199,6 +199,8 @@ def save_tiny_model(path: Path, kind: str = "llama", **overrides) -> Path:
                 param.normal_(0, 0.5)
             elif "norm" in name and kind in ARCHITECTURE_KINDS:
                 param.uniform_(-0.5, 0.5).add_(0.0 if kind.startswith("gemma") else 1.0)
+            elif name.endswith(("router.scale", "per_expert_scale")):  # Gemma 4's, ones
+                param.uniform_(0.5, 1.5)
         for name, buffer in model.named_buffers():
             if name.endswith("layer_scalar"):  # Gemma 4's, saved with the weights
                 buffer.uniform_(0.5, 1.5)
