@@ -70,7 +70,7 @@ def test_a_block_holds_the_slots_not_every_layer():
 
 
 def test_gemma4_layers_that_read_another_layers_kv_allocate_none():
-    """Gemma 4 E2B's pattern: 35 layers, every 5th global, the last 20 reading the K/V of
+    """A Gemma 4 of 35 layers, every 5th global, the last 20 reading the K/V of
     the last earlier layer of their kind: 15 layers hold K/V, in 3 slots, and the other 20
     attend in their sources' groups over their sources' slots. The slots are as wide as
     the global layers' heads (512), the sliding layers' (256) padded to them."""
