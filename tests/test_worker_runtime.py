@@ -174,8 +174,8 @@ def test_mixture_of_experts_configs_say_which_layers_route():
         ),
         (
             {"architectures": ["Gemma4ForCausalLM"], "enable_moe_block": True},
-            UnsupportedModel,
-            "Gemma 4's mixture-of-experts block",
+            ConfigError,
+            "lacks the required key 'num_experts'",
         ),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, UnsupportedModel, "dynamic"),
         ({"hidden_act": "relu"}, UnsupportedModel, "activation"),
