@@ -197,6 +197,17 @@ def test_architecture_rows_keep_their_bits_batched_and_chunked_in_bfloat16(
     check_chunked_prefill(runner)
 
 
+def test_attention_sinks_through_the_cpu_flash_path(tiny_models, monkeypatch, one_torch_thread):
+    """gpt-oss's full layers on PyTorch's flash kernel (every context long enough here):
+    over a chunk alone, and merged with a cached prefix, each row weighted by its sink."""
+    monkeypatch.setattr(torch_backend, "FLASH_MIN_CONTEXT", 0)
+    kind, overrides = ARCHITECTURES["gpt-oss-sinks"]
+    path = tiny_models(kind, **overrides)
+    runner = make_runner(path, kv_memory=ARCH_KV_MEMORY)
+    check_prefill_logits(runner, hf_model(path), (5, 37))
+    check_prefix_cache(runner)
+
+
 def test_chunked_prefill_equals_unchunked(tiny_llama_dir, prefill_path):
     check_chunked_prefill(make_runner(tiny_llama_dir, kernels=prefill_path))
 

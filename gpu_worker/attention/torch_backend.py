@@ -10,8 +10,8 @@ and the values are never copied: embedding_bag sums the probability-weighted val
 straight from the cache.
 
 Attention sinks (gpt-oss) join each softmax as one more column, the layer's logit for the
-row's head, which is dropped before the values are summed; the flash path does not take
-them (a sink layer's long chunks go through the query blocks).
+row's head, which is dropped before the values are summed; on the flash path each row's
+output is scaled by its share of the denominator, sigmoid(log-sum-exp - sink).
 
 An 8-bit cache (gpu_worker.kv_quant) is gathered and dequantized row by row where needed
 (embedding_bag cannot read codes, so its decode multiplies gathered values instead).
@@ -137,7 +137,10 @@ class TorchAttention(AttentionBackend):
         out = q.new_empty(q.shape)
         for chunk in meta.prefills:
             rows = chunk.rows
-            out[rows] = _blocked_prefill_attention(q[rows], k[rows], v[rows], kv, chunk, sinks)
+            attend = _flash_prefill_attention
+            if not cpu_flash_serves(q.device, chunk, kv):
+                attend = _blocked_prefill_attention
+            out[rows] = attend(q[rows], k[rows], v[rows], kv, chunk, sinks)
         group = meta.decode
         if group is not None:
             out[group.rows] = _gathered_decode_attention(
@@ -299,13 +302,19 @@ def _softcapped(scores: torch.Tensor, cap: float) -> torch.Tensor:
 
 
 def _flash_prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, chunk: PrefillChunk
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv: LayerKV,
+    chunk: PrefillChunk,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """As _blocked_prefill_attention, for long contexts.
 
     Two flash-attention passes, which never hold a score matrix: the queries over the
     cached prefix (every key visible, no mask) and over the chunk's own keys (plain causal,
-    square), merged by their log-sum-exps.
+    square), merged by their log-sum-exps; with `sinks`, each row then weighted by its
+    keys' share of a denominator that holds its sink too.
     """
     num_queries, heads, head_dim = q.shape
     kv_heads = k.shape[1]
@@ -322,26 +331,31 @@ def _flash_prefill_attention(
         values = _gather(kv.v, None, chunk.prepared.cache_rows, chunk.start, q.dtype)[None]
         queries = grouped.reshape(1, kv_heads, -1, head_dim)
         prefix_out, prefix_lse = _FLASH(queries, keys, values, scale=scale)
-        out = _merge(
+        out, lse = _merge(
             prefix_out.view(1, heads, num_queries, head_dim),
             prefix_lse.reshape(1, heads, num_queries),
             out,
             lse,
         )
+    if sinks is not None:
+        # the keys' share of exp(lse) + exp(sink): a sink is a key whose value is zero
+        share = torch.sigmoid(lse - sinks.float().view(1, heads, 1)).unsqueeze(-1)
+        out = (out.float() * share).to(out.dtype)
     return out[0].transpose(0, 1)
 
 
 def _merge(
     out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
-) -> torch.Tensor:
-    """Attention over two disjoint key sets -> attention over their union.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over two disjoint key sets -> attention over their union, and its
+    log-sum-exp.
 
     Each part is weighted by its share of the softmax denominator, exp(lse_a) / (exp(lse_a)
     + exp(lse_b)) = sigmoid(lse_a - lse_b) for part a, computed in float32.
     """
     weight_a = torch.sigmoid(lse_a - lse_b).unsqueeze(-1)
     merged = torch.lerp(out_b.float(), out_a.float(), weight_a)
-    return merged.to(out_a.dtype)
+    return merged.to(out_a.dtype), torch.logaddexp(lse_a, lse_b)
 
 
 def _gathered_decode_attention(
