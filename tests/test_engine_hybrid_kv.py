@@ -4,15 +4,20 @@ back the blocks behind their windows while the full group keeps all, others take
 and every output is the one computed with every block kept.
 
 A tiny Gemma 3 (two windowed layers, one full) shows the accounting and the reuse; what a
-long prompt holds on Gemma 3 270M is shown by tests/test_api_gemma.py."""
+long prompt holds on Gemma 3 270M is shown by tests/test_api_gemma.py. The newer hybrid
+families (gpt-oss's sinks, Gemma 4's layers that read others' K/V) keep their outputs
+through preemption and prefix hits too."""
 
 from __future__ import annotations
 
 import copy
 
 import pytest
+import torch
 import trio
 
+from gpu_worker.kv_cache import block_bytes
+from gpu_worker.model_config import ModelConfig
 from service.config import Config
 from service.engine.assembly import open_engine
 from service.engine.block_manager import BlockManager
@@ -129,3 +134,42 @@ async def test_preempted_sequences_are_recomputed_to_the_same_outputs(tiny_model
         squeezed, seen = await generate(engine, FAMILY, LONGER)
     assert squeezed == kept["family"][0]
     assert seen.preempted
+
+
+@pytest.mark.parametrize("kind", ["gpt_oss", "gemma4"])
+async def test_newer_hybrid_families_keep_their_outputs_preempted_and_from_prefix_hits(
+    kind, tiny_models
+):
+    """gpt-oss (sinks, a windowed and a full layer) and Gemma 4 (its last layers reading
+    the first ones' K/V: two groups, one slot): squeezed until growth preempts, and with
+    prompts that share 24 tokens starting from another's blocks, every sequence continues
+    as it does with every block kept."""
+    model = tiny_models(kind)
+    one_block = block_bytes(ModelConfig.from_dir(model), BLOCK, torch.float32)
+
+    def config(blocks: int, caching: bool = False) -> Config:
+        return Config(
+            dtype="float32",
+            device="cpu",
+            block_size=BLOCK,
+            max_batched_tokens=CHUNK,
+            kv_memory=float(blocks * one_block),
+            use_cuda_graphs=False,
+            enable_prefix_caching=caching,
+            watermark=0.0,
+        )
+
+    async with open_engine(config(512), model_dir=model, tokenizer=SimTokenizer()) as engine:
+        assert engine.handshake is not None and len(engine.handshake.kv_group_windows) == 2
+        keep_every_block(engine)
+        reference, _ = await generate(engine, FAMILY, GENERATED)
+    async with open_engine(config(40), model_dir=model, tokenizer=SimTokenizer()) as engine:
+        squeezed, seen = await generate(engine, FAMILY, GENERATED)
+    assert squeezed == reference and seen.preempted
+    async with open_engine(
+        config(512, caching=True), model_dir=model, tokenizer=SimTokenizer()
+    ) as engine:
+        first, _ = await generate(engine, FAMILY[:1], GENERATED)
+        rest, seen = await generate(engine, FAMILY[1:], GENERATED)
+    assert first + rest == reference
+    assert [stats.cached_tokens for stats in seen.finished] == [24] * 3
