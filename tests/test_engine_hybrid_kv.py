@@ -33,15 +33,19 @@ GENERATED = 40
 PROMPTS = [[(7 * s + i) % 250 + 3 for i in range(12 + 5 * s)] for s in range(4)]
 
 
-def tiny_config(blocks: int, *, caching: bool = False) -> Config:
-    # a float32 block of the tiny Gemma 3 (one slot): K and V, 2 kv heads x 16, 4 positions
-    block_bytes = 2 * 1 * 2 * 16 * BLOCK * 4
+# a float32 block of the tiny Gemma 3 (one slot): K and V, 2 kv heads x 16, 4 positions
+GEMMA3_BLOCK_BYTES = 2 * 1 * 2 * 16 * BLOCK * 4
+
+
+def tiny_config(
+    blocks: int, *, caching: bool = False, one_block: int = GEMMA3_BLOCK_BYTES
+) -> Config:
     return Config(
         dtype="float32",
         device="cpu",
         block_size=BLOCK,
         max_batched_tokens=CHUNK,
-        kv_memory=float(blocks * block_bytes),
+        kv_memory=float(blocks * one_block),
         use_cuda_graphs=False,
         enable_prefix_caching=caching,
         watermark=0.0,
@@ -148,16 +152,7 @@ async def test_newer_hybrid_families_keep_their_outputs_preempted_and_from_prefi
     one_block = block_bytes(ModelConfig.from_dir(model), BLOCK, torch.float32)
 
     def config(blocks: int, caching: bool = False) -> Config:
-        return Config(
-            dtype="float32",
-            device="cpu",
-            block_size=BLOCK,
-            max_batched_tokens=CHUNK,
-            kv_memory=float(blocks * one_block),
-            use_cuda_graphs=False,
-            enable_prefix_caching=caching,
-            watermark=0.0,
-        )
+        return tiny_config(blocks, caching=caching, one_block=one_block)
 
     async with open_engine(config(512), model_dir=model, tokenizer=SimTokenizer()) as engine:
         assert engine.handshake is not None and len(engine.handshake.kv_group_windows) == 2
