@@ -143,9 +143,8 @@ class MoE:
     sparse_layers: tuple[bool, ...]  # which layers are MoE (the others are dense MLPs)
     shared_intermediate_size: int = 0  # a gated shared expert beside the routed ones (Qwen2-MoE)
     # gpt-oss: a softmax over the router's top k logits (not the top k of a softmax over
-    # all), biases on the router and the experts, and the experts' clamped SwiGLU
+    # all), and the experts' clamped SwiGLU (its layout has biases: gpu_worker.moe)
     top_k_first: bool = False
-    biases: bool = False
     swiglu: SwiGLU | None = None  # None: the model's own activation
     # Gemma 4: the experts run beside the layer's dense MLP (not instead of it), routed
     # from the residual stream by a normed and scaled router, their weights scaled per expert
@@ -566,7 +565,6 @@ def _moe(raw: dict[str, Any], family: Family, layers: int) -> MoE | None:
             float32_weights=False,
             sparse_layers=(True,) * layers,
             top_k_first=True,
-            biases=True,
             swiglu=SwiGLU(
                 float(raw.get("swiglu_alpha", 1.702)), float(raw.get("swiglu_limit", 7.0))
             ),
