@@ -37,7 +37,8 @@ class Layer:
     cos: torch.Tensor  # the layer's RoPE tables (rope.rope_tables), shared with its kind
     signed_sin: torch.Tensor
     attention: int  # its KV group (gpu_worker.kv_groups), whose attention records it reads
-    qk_norm: torch.Tensor | None = None  # [heads + kv_heads, head_dim]: q heads', then k's
+    # [heads + kv_heads, head_dim]: q heads', then k's (and Gemma 4's v heads', ones)
+    qk_norm: torch.Tensor | None = None
     attn_out_norm: torch.Tensor | None = None  # Gemma's post_attention_layernorm
     mlp_out_norm: torch.Tensor | None = None  # Gemma's post_feedforward_layernorm
     moe: MoEMLP | None = None
