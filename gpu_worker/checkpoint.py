@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from gpu_worker import mxfp4
 from gpu_worker.protocol import QUANTIZED_WEIGHTS
 from gpu_worker.quant import QuantWeight, kind_of
 
@@ -72,8 +73,10 @@ def load_weights(
     on_use: bool = False,
 ) -> dict[str, Any]:
     """All tensors of the checkpoint, converted to `dtype` and placed on `device`; with
-    `on_use`, StoredTensors, read (and converted by the taker) as the model takes them."""
+    `on_use`, StoredTensors, read (and converted by the taker) as the model takes them.
+    MXFP4 weights (uint8 NAME_blocks and NAME_scales) come dequantized, as NAME."""
     weights: dict[str, Any] = {}
+    packed: dict[str, torch.Tensor] = {}
     for path in weight_files(model_dir):
         try:
             if on_use:
@@ -83,9 +86,17 @@ def load_weights(
             with safe_open(str(path), framework="pt", device="cpu") as handle:
                 for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
                     tensor = handle.get_tensor(name)
-                    weights[name] = tensor.to(device=device, dtype=dtype)
+                    if name.endswith((mxfp4.BLOCKS, mxfp4.SCALES)) and tensor.dtype == torch.uint8:
+                        packed[name] = tensor
+                    else:
+                        weights[name] = tensor.to(device=device, dtype=dtype)
         except (SafetensorError, OSError, RuntimeError) as exc:
             raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    try:
+        dense = mxfp4.dequantize_all(packed, dtype)
+    except ValueError as exc:
+        raise CheckpointError(f"{Path(model_dir).name}: {exc}") from exc
+    weights.update({name: tensor.to(device) for name, tensor in dense.items()})
     return weights
 
 

@@ -15,6 +15,9 @@ Gemma 3 270M has 3 full layers and 15 windowed ones (512 positions): one group o
 layers, 5 of 3 windowed, in 3 slots. A sequence of n blocks' worth of tokens holds n blocks
 of the full group and about 5 x 33 of the windowed ones (block_size 16), where a cache with
 a block for all 18 layers would hold 6n blocks of the same size.
+
+A layer that reads another layer's K/V (Gemma 4's last num_kv_shared_layers) is in no group
+and allocates nothing: it attends in its source's group, over its source's slot.
 """
 
 from __future__ import annotations
@@ -28,16 +31,19 @@ from gpu_worker.model_config import ModelConfig
 class KVGroups:
     windows: tuple[int | None, ...]  # each group's sliding window, None for full attention
     layers: tuple[tuple[int, ...], ...]  # each group's layers: its i-th keeps K/V in slot i
+    sources: tuple[int, ...] = ()  # the layer whose K/V each layer reads (ModelConfig.kv_source)
 
     @classmethod
     def of(cls, config: ModelConfig) -> KVGroups:
         """Full groups first (group 0 is one whenever the model has a full layer)."""
         by_window: dict[int | None, list[int]] = {}
-        for layer in range(config.num_hidden_layers):
+        owners = [i for i in range(config.num_hidden_layers) if config.kv_source(i) == i]
+        for layer in owners:
             by_window.setdefault(config.window_of(layer), []).append(layer)
+        sources = tuple(config.kv_source(i) for i in range(config.num_hidden_layers))
         if len(by_window) == 1:
             (window, layers), *_ = by_window.items()
-            return cls((window,), (tuple(layers),))
+            return cls((window,), (tuple(layers),), sources)
         counts = [len(layers) for layers in by_window.values()]
         size = max(counts) if max(counts) < 1.25 * min(counts) else min(counts)
         windows, groups = [], []
@@ -46,7 +52,7 @@ class KVGroups:
             for start in range(0, len(layers), size):
                 windows.append(window)
                 groups.append(tuple(layers[start : start + size]))
-        return cls(tuple(windows), tuple(groups))
+        return cls(tuple(windows), tuple(groups), sources)
 
     @property
     def num_slots(self) -> int:
@@ -57,7 +63,11 @@ class KVGroups:
         return len(self.windows)
 
     def group_of(self, layer: int) -> int:
-        return next(g for g, layers in enumerate(self.layers) if layer in layers)
+        source = self._source(layer)
+        return next(g for g, layers in enumerate(self.layers) if source in layers)
 
     def slot_of(self, layer: int) -> int:
-        return self.layers[self.group_of(layer)].index(layer)
+        return self.layers[self.group_of(layer)].index(self._source(layer))
+
+    def _source(self, layer: int) -> int:
+        return self.sources[layer] if self.sources else layer

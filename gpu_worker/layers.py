@@ -4,7 +4,8 @@ One Layer record serves every family (gpu_worker.model_config.FAMILIES): the par
 family lacks are None, and the model's forward pass skips them. q/k/v and gate/up are
 fused into single matmuls at load (Phi-3's checkpoint holds them fused already), each
 part leaving the checkpoint's dict as it is taken (gpu_worker.weights). Gemma's norm weights
-are stored as 1 + w in float32, the form layer_ops.gemma_rms_norm takes. With a
+are stored as 1 + w in float32 (Gemma 4's as w), the form layer_ops.gemma_rms_norm takes. A
+Gemma 4 layer that reads an earlier layer's K/V has a q projection alone. With a
 quantization (gpu_worker.quant) the attention and MLP matmuls are QuantLinears, their
 weights quantized here or taken quantized from a GGUF conversion; a mixture of experts'
 matmuls stay dense. Under tensor parallelism (gpu_worker.tensor_parallel) each rank takes
@@ -27,7 +28,8 @@ from gpu_worker.weights import WeightTaker
 @dataclass(slots=True)
 class Layer:
     input_norm: torch.Tensor
-    qkv: Matmul  # [(heads + 2 * kv_heads) * head_dim, hidden], with Qwen2's biases
+    # [(heads + 2 * kv_heads) * head_dim, hidden] (the layer's own head_dim), with Qwen2's biases
+    qkv: Matmul
     o_proj: Matmul
     mlp_norm: torch.Tensor  # before the MLP (Llama's post_attention_layernorm)
     gate_up: Matmul | None  # [2 * intermediate, hidden]; None in a mixture-of-experts layer
@@ -35,10 +37,17 @@ class Layer:
     cos: torch.Tensor  # the layer's RoPE tables (rope.rope_tables), shared with its kind
     signed_sin: torch.Tensor
     attention: int  # its KV group (gpu_worker.kv_groups), whose attention records it reads
-    qk_norm: torch.Tensor | None = None  # [heads + kv_heads, head_dim]: q heads', then k's
+    # [heads + kv_heads, head_dim]: q heads', then k's (and Gemma 4's v heads', ones)
+    qk_norm: torch.Tensor | None = None
     attn_out_norm: torch.Tensor | None = None  # Gemma's post_attention_layernorm
     mlp_out_norm: torch.Tensor | None = None  # Gemma's post_feedforward_layernorm
     moe: MoEMLP | None = None
+    sinks: torch.Tensor | None = None  # [heads]: gpt-oss's per-head logit in the softmax
+    # Gemma 4's per-layer input: gate [P, hidden], projection [hidden, P] and its norm
+    per_layer_gate: Matmul | None = None
+    per_layer_projection: Matmul | None = None
+    per_layer_norm: torch.Tensor | None = None
+    scalar: torch.Tensor | None = None  # [1]: Gemma 4 scales the residual stream by it
 
 
 def load_layer(
@@ -49,13 +58,14 @@ def load_layer(
     kind: int,
 ) -> Layer:
     prefix = f"model.layers.{index}."
-    hidden, head_dim, family = cfg.hidden_size, cfg.head_dim, cfg.family
-    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    hidden, family, head_dim = cfg.hidden_size, cfg.family, cfg.head_dim_of(index)
     attn = prefix + "self_attn."
     layer = Layer(
         input_norm=take.norm(prefix + "input_layernorm.weight", hidden),
-        qkv=_qkv(take, cfg, attn),
-        o_proj=take.matmul([attn + "o_proj.weight"], [(hidden, heads * head_dim)], split=COLUMNS),
+        qkv=_qkv(take, cfg, attn, index)
+        if cfg.kv_source(index) == index
+        else _q(take, cfg, attn, head_dim),
+        o_proj=_o_proj(take, cfg, attn, head_dim),
         mlp_norm=take.norm(
             prefix
             + ("pre_feedforward_layernorm" if family.gemma else "post_attention_layernorm")
@@ -69,39 +79,45 @@ def load_layer(
         attention=kind,
     )
     if family.qk_norm:
-        q_norm = take.norm(attn + "q_norm.weight", head_dim)
-        k_norm = take.norm(attn + "k_norm.weight", head_dim)
-        local_heads, local_kv_heads = take.shard.local(heads), take.shard.local(kv_heads)
-        layer.qk_norm = torch.cat(
-            [q_norm.expand(local_heads, -1), k_norm.expand(local_kv_heads, -1)]
-        )
+        layer.qk_norm = _head_norms(take, cfg, attn, index)
+    if family.attention_sinks:
+        layer.sinks = take(attn + "sinks", (cfg.num_attention_heads,), ROWS)
     if family.gemma:
         layer.attn_out_norm = take.norm(prefix + "post_attention_layernorm.weight", hidden)
         layer.mlp_out_norm = take.norm(prefix + "post_feedforward_layernorm.weight", hidden)
+    if family.gemma4:
+        _add_gemma4_parts(take, cfg, prefix, layer)
     if cfg.moe is not None and cfg.moe.sparse_layers[index]:
         layer.moe = load_moe(take, cfg, prefix)
-    elif family.fused_projections:
-        inter = cfg.intermediate_size
-        layer.gate_up = take.matmul(
-            [prefix + "mlp.gate_up_proj.weight"],
-            [(2 * inter, hidden)],
-            split=fused_rows(inter, inter),
-        )
-        layer.down = take.matmul(
-            [prefix + "mlp.down_proj.weight"], [(hidden, inter)], split=COLUMNS
-        )
-    else:
-        mlp, inter = prefix + "mlp.", cfg.intermediate_size
-        names = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
-        layer.gate_up = take.matmul(names, [(inter, hidden)] * 2, split=ROWS)
-        layer.down = take.matmul([mlp + "down_proj.weight"], [(hidden, inter)], split=COLUMNS)
+    if layer.moe is None or layer.moe.config.beside_dense:
+        layer.gate_up, layer.down = _dense_mlp(take, cfg, prefix, index)
     return layer
 
 
-def _qkv(take: WeightTaker, cfg: ModelConfig, attn: str) -> Matmul:
-    hidden, head_dim = cfg.hidden_size, cfg.head_dim
+def _dense_mlp(
+    take: WeightTaker, cfg: ModelConfig, prefix: str, index: int
+) -> tuple[Matmul, Matmul]:
+    """(gate_up [2 * intermediate, hidden], down) of the layer's dense MLP."""
+    hidden, mlp, inter = cfg.hidden_size, prefix + "mlp.", cfg.intermediate_of(index)
+    down = take.matmul([mlp + "down_proj.weight"], [(hidden, inter)], split=COLUMNS)
+    if cfg.family.fused_projections:
+        gate_up = take.matmul(
+            [mlp + "gate_up_proj.weight"], [(2 * inter, hidden)], split=fused_rows(inter, inter)
+        )
+        return gate_up, down
+    names = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
+    return take.matmul(names, [(inter, hidden)] * 2, split=ROWS), down
+
+
+def _qkv(take: WeightTaker, cfg: ModelConfig, attn: str, index: int) -> Matmul:
+    """q, k and v fused; q and k alone where the values are the keys' projection (Gemma 4's
+    attention_k_eq_v: the model copies them)."""
+    hidden, head_dim = cfg.hidden_size, cfg.head_dim_of(index)
     q_rows = cfg.num_attention_heads * head_dim
-    kv_rows = cfg.num_key_value_heads * head_dim
+    kv_rows = cfg.kv_heads_of(index) * head_dim
+    if cfg.values_from_keys(index):
+        names = [f"{attn}{p}_proj.weight" for p in ("q", "k")]
+        return take.matmul(names, [(q_rows, hidden), (kv_rows, hidden)], split=ROWS)
     qkv_rows = [q_rows, kv_rows, kv_rows]
     if cfg.family.fused_projections:
         fused = [attn + "qkv_proj.weight"]
@@ -113,3 +129,48 @@ def _qkv(take: WeightTaker, cfg: ModelConfig, attn: str) -> Matmul:
         qkv_bias = take.fused(biases, [(r,) for r in qkv_rows], split=ROWS)
     qkv_weights = [n + ".weight" for n in qkv_names]
     return take.matmul(qkv_weights, [(r, hidden) for r in qkv_rows], qkv_bias, split=ROWS)
+
+
+def _o_proj(take: WeightTaker, cfg: ModelConfig, attn: str, head_dim: int) -> Matmul:
+    """The attention's output projection; with gpt-oss's bias (tensor parallelism, which
+    would add it on every rank, refuses gpt-oss as a mixture of experts)."""
+    shape = (cfg.hidden_size, cfg.num_attention_heads * head_dim)
+    bias = None
+    if cfg.family.o_proj_bias and cfg.attention_bias:
+        bias = take(attn + "o_proj.bias", (cfg.hidden_size,))
+    return take.matmul([attn + "o_proj.weight"], [shape], bias, split=COLUMNS)
+
+
+def _q(take: WeightTaker, cfg: ModelConfig, attn: str, head_dim: int) -> Matmul:
+    """The queries alone, of a layer that reads another layer's K/V (Gemma 4)."""
+    shape = (cfg.num_attention_heads * head_dim, cfg.hidden_size)
+    return take.matmul([attn + "q_proj.weight"], [shape], split=ROWS)
+
+
+def _head_norms(take: WeightTaker, cfg: ModelConfig, attn: str, index: int) -> torch.Tensor:
+    """The norms over each q head, then each k head, and for Gemma 4 each v head (an
+    unscaled norm: ones) [heads (+ 2 kv_heads), head_dim], at the layer's own head_dim and
+    key/value heads; a layer that reads another layer's K/V norms its q heads alone."""
+    head_dim, owns_kv = cfg.head_dim_of(index), cfg.kv_source(index) == index
+    local_heads = take.shard.local(cfg.num_attention_heads)
+    local_kv_heads = take.shard.local(cfg.kv_heads_of(index))
+    norms = [take.norm(attn + "q_norm.weight", head_dim).expand(local_heads, -1)]
+    if owns_kv:
+        k_norm = take.norm(attn + "k_norm.weight", head_dim)
+        norms.append(k_norm.expand(local_kv_heads, -1))
+    if owns_kv and cfg.family.gemma4:
+        norms.append(torch.ones_like(k_norm).expand(local_kv_heads, -1))
+    return torch.cat(norms)
+
+
+def _add_gemma4_parts(take: WeightTaker, cfg: ModelConfig, prefix: str, layer: Layer) -> None:
+    """Gemma 4's layer scalar, and its per-layer input's gate, projection and norm."""
+    layer.scalar = take(prefix + "layer_scalar", (1,))
+    size, hidden = cfg.per_layer_input_size, cfg.hidden_size
+    if not size:
+        return
+    layer.per_layer_gate = take.matmul([prefix + "per_layer_input_gate.weight"], [(size, hidden)])
+    layer.per_layer_projection = take.matmul(
+        [prefix + "per_layer_projection.weight"], [(hidden, size)]
+    )
+    layer.per_layer_norm = take.norm(prefix + "post_per_layer_input_norm.weight", hidden)

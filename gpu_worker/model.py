@@ -1,5 +1,6 @@
 """The decoder over a paged KV cache, for every family FAMILIES lists (Llama 2/3, SmolLM2,
-TinyLlama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, and the Mixtral and Qwen mixtures of experts).
+TinyLlama, Mistral, Qwen2/3, Gemma 2/3/4, Phi-3, SmolLM3, and the Mixtral, Qwen and gpt-oss
+mixtures of experts).
 
 One forward pass takes the flattened tokens of a whole mixed batch (prefill chunks and
 decode tokens, [T] ids at [T] absolute positions) and returns hidden states [T, hidden];
@@ -21,6 +22,7 @@ cache allocated from it), and the collectives that join the ranks' results.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -30,10 +32,18 @@ from gpu_worker.attention import AttentionMetadata, LayerAttention, paged_attent
 from gpu_worker.kernels import Kernels
 from gpu_worker.kv_cache import LayerKV
 from gpu_worker.kv_groups import KVGroups
-from gpu_worker.layer_ops import add_gemma_rms_norm_, gelu_tanh_and_mul, gemma_rms_norm, rms_norm
+from gpu_worker.layer_ops import (
+    add_gemma_rms_norm_,
+    gelu_tanh_and_mul,
+    gemma_rms_norm,
+    rms_norm,
+    rotate_,
+    write_kv,
+)
 from gpu_worker.layers import load_layer
 from gpu_worker.linear import LM_HEAD_ROW_SIZES, Linear
 from gpu_worker.model_config import ModelConfig
+from gpu_worker.per_layer_inputs import PerLayerInputs
 from gpu_worker.quant import QUANTIZERS, QuantLinear, QuantWeight
 from gpu_worker.rope import rope_tables
 from gpu_worker.sampler import Logits
@@ -70,7 +80,7 @@ class Model:
         self.device = device
         self.kernels = kernels
         self.ops = kernels.layer_ops
-        gemma = config.family.gemma
+        gemma, gemma4 = config.family.gemma, config.family.gemma4
         self._pick_functions(gemma)
         prefixes = config.family.text_prefixes
         take = WeightTaker(
@@ -78,7 +88,7 @@ class Model:
             dtype,
             device,
             kernels.matmul,
-            gemma,
+            (0.0 if gemma4 else 1.0) if gemma else None,  # Gemma's norms: 1 + w; Gemma 4's: w
             prefixes,
             quantizer=QUANTIZERS.get(quantization),
             quantized=quantized,
@@ -98,11 +108,16 @@ class Model:
         ropes = {}
         self.layers = []
         for i in range(config.num_hidden_layers):
-            rope = config.rope_of(i)
-            if rope not in ropes:
-                ropes[rope] = rope_tables(config.head_dim, rope, max_positions, dtype, device)
-            self.layers.append(load_layer(take, config, i, ropes[rope], groups.group_of(i)))
+            key = (config.rope_of(i), config.head_dim_of(i))
+            if key not in ropes:
+                ropes[key] = rope_tables(key[1], key[0], max_positions, dtype, device)
+            self.layers.append(load_layer(take, config, i, ropes[key], groups.group_of(i)))
         self.norm = take.norm("model.norm.weight", config.hidden_size)
+        self.per_layer_inputs = (
+            PerLayerInputs.load(take, config) if config.per_layer_input_size else None
+        )
+        # the layers whose K/V later layers read (Gemma 4): their k/v rows are kept per step
+        self.kv_sources = {config.kv_source(i) for i in range(config.num_hidden_layers)}
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
         # Tied, the embedding stays dense for its lookups and a quantized head is a copy.
         name = "model.embed_tokens.weight" if tied else "lm_head.weight"
@@ -114,7 +129,9 @@ class Model:
         )
         # for recomputing single logits: the served rows (a quantized head dequantizes its own)
         self.lm_head_rows = dense if isinstance(self.lm_head, Linear) else None
-        self.capturable = config.moe is None  # see gpu_worker.moe
+        # see gpu_worker.moe; the graphs' attention pieces pass no sinks (attend), nor
+        # Gemma 4's per-layer inputs and shared K/V (forward)
+        self.capturable = config.moe is None and not (config.family.attention_sinks or gemma4)
 
     def _pick_functions(self, gemma: bool) -> None:
         ops = self.ops
@@ -123,6 +140,7 @@ class Model:
         self.qk_norm = gemma_rms_norm if gemma else rms_norm
         gelu = self.config.hidden_act == "gelu_pytorch_tanh"
         self.act_and_mul = gelu_tanh_and_mul if gelu else ops.silu_and_mul
+        self.act = functools.partial(F.gelu, approximate="tanh") if gelu else F.silu
 
     def forward(
         self,
@@ -140,10 +158,20 @@ class Model:
         (gpu_worker.mixed_graphs).
         """
         x, h = self.embedded(input_ids)
+        per_layer = None
+        if self.per_layer_inputs is not None:
+            per_layer = self.per_layer_inputs(input_ids, x, self.rms_norm)
+        kv_rows: dict[int, torch.Tensor] = {}  # the k/v rows of the layers others read
         for index, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
             meta = metas[layer.attention]
             qkv = self.before_attention(index, h, positions, kv, meta.slots)
-            h = self.after_attention(index, x, self.attend(qkv, kv, meta))
+            source = self.config.kv_source(index)
+            if source != index:  # its q beside the k/v its source wrote
+                qkv = torch.cat([qkv, kv_rows[source]], dim=1)
+            elif index in self.kv_sources:
+                kv_rows[index] = qkv[:, self.config.num_attention_heads * self.config.head_dim :]
+            attn = self._own_width(index, self.attend(qkv, kv, meta, layer.sinks))
+            h = self.after_attention(index, x, attn, per_layer)
         return h
 
     def embedded(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,31 +190,85 @@ class Model:
         kv: LayerKV,
         slots: torch.Tensor,
     ) -> torch.Tensor:
-        """Layer `index`'s qkv [T, (heads + 2 kv_heads) * d], rotated, its k/v in the cache."""
+        """Layer `index`'s qkv [T, (heads + 2 kv_heads) * d], rotated, its k/v in the cache;
+        a layer that reads another's K/V (Gemma 4) gives its rotated q [T, heads * d] alone.
+        A layer narrower than the cache (Gemma 4's sliding layers) pads its heads with zeros
+        to the cache's d: the scores and the first d of each output row are unchanged."""
         cfg, layer = self.config, self.layers[index]
         heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        own_dim, own_kv_heads = cfg.head_dim_of(index), cfg.kv_heads_of(index)
+        owns_kv = cfg.kv_source(index) == index
         qkv = layer.qkv(h)
-        if layer.qk_norm is not None:
-            qk = qkv[:, : (heads + kv_heads) * head_dim].view(-1, heads + kv_heads, head_dim)
-            qk.copy_(self.qk_norm(qk, layer.qk_norm, cfg.rms_norm_eps))
-        self.ops.rope_and_cache_(
-            qkv, positions, layer.cos, layer.signed_sin, kv, slots, heads, kv_heads
-        )
-        return qkv
+        if cfg.values_from_keys(index):  # v: the keys' projection, normed as v
+            qkv = torch.cat([qkv, qkv[:, heads * own_dim :]], dim=1)
+        if layer.qk_norm is not None:  # q and k heads (and Gemma 4's v heads) normed
+            normed = layer.qk_norm.shape[0]
+            heads_normed = qkv[:, : normed * own_dim].view(-1, normed, own_dim)
+            heads_normed.copy_(self.qk_norm(heads_normed, layer.qk_norm, cfg.rms_norm_eps))
+        if owns_kv and (own_dim, own_kv_heads) == (head_dim, kv_heads):
+            self.ops.rope_and_cache_(
+                qkv, positions, layer.cos, layer.signed_sin, kv, slots, heads, kv_heads
+            )
+            return qkv
+        return self._fitted_to_cache(index, qkv, positions, kv, slots)
 
-    def attend(self, qkv: torch.Tensor, kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
-        """The attention output [T, heads * d] of a layer's qkv."""
+    def _fitted_to_cache(
+        self,
+        index: int,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        kv: LayerKV,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """before_attention's end through the reference ops, for a layer whose heads are
+        not the cache's: a q alone (Gemma 4's layers that read another's K/V), heads
+        narrower than the cache's zero-padded to its d, and fewer k/v heads than it has each
+        repeated (a query head's k/v head is then a copy of its own: the same scores)."""
+        cfg, layer = self.config, self.layers[index]
+        heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        own_dim, own_kv_heads = cfg.head_dim_of(index), cfg.kv_heads_of(index)
+        owns_kv = cfg.kv_source(index) == index
+        by_head = qkv.view(qkv.shape[0], -1, own_dim)
+        rotated = heads + own_kv_heads if owns_kv else heads
+        rotate_(by_head[:, :rotated], positions, layer.cos, layer.signed_sin)
+        if own_dim != head_dim:
+            by_head = F.pad(by_head, (0, head_dim - own_dim))
+        if owns_kv:
+            k, v = by_head[:, heads:rotated], by_head[:, rotated:]
+            if own_kv_heads != kv_heads:
+                repeats = kv_heads // own_kv_heads
+                k, v = k.repeat_interleave(repeats, 1), v.repeat_interleave(repeats, 1)
+                by_head = torch.cat([by_head[:, :heads], k, v], dim=1)
+            write_kv(kv, k, v, slots)
+        return by_head.reshape(qkv.shape[0], -1)
+
+    def attend(
+        self,
+        qkv: torch.Tensor,
+        kv: LayerKV,
+        meta: AttentionMetadata,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The attention output [T, heads * d] of a layer's qkv (with its `sinks`, gpt-oss's:
+        a model with sinks is never captured, so the graphs' pieces need not pass them)."""
         cfg = self.config
         heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q_width, kv_width = heads * head_dim, kv_heads * head_dim
         q = qkv[:, :q_width].view(-1, heads, head_dim)
         k = qkv[:, q_width : q_width + kv_width].view(-1, kv_heads, head_dim)
         v = qkv[:, q_width + kv_width :].view(-1, kv_heads, head_dim)
-        return paged_attention(q, k, v, kv, meta)
+        return paged_attention(q, k, v, kv, meta, sinks)
 
-    def after_attention(self, index: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def after_attention(
+        self,
+        index: int,
+        x: torch.Tensor,
+        attn: torch.Tensor,
+        per_layer: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Layer `index` from its attention output on (x updated in place) -> the next
-        layer's normed input, or the final norm's after the last layer."""
+        layer's normed input, or the final norm's after the last layer. `per_layer`:
+        Gemma 4's per-layer inputs [T, layers, width]."""
         layer, eps, norm, add_norm_ = (
             self.layers[index],
             self.config.rms_norm_eps,
@@ -200,14 +282,38 @@ class Model:
         if layer.attn_out_norm is not None:
             attn = norm(attn, layer.attn_out_norm, eps)
         h = add_norm_(x, attn, layer.mlp_norm, eps)
-        if layer.moe is not None:
+        if layer.moe is not None and not layer.moe.config.beside_dense:
             mlp = layer.moe(h, self.act_and_mul)
         else:
             mlp = layer.down(self.act_and_mul(layer.gate_up(h)))  # type: ignore[misc]
             self.shard.all_reduce(mlp)
+        if layer.moe is not None and layer.moe.config.beside_dense:  # from x, before its norm
+            mlp = layer.moe.beside_dense(x, mlp, self.act_and_mul, norm, eps)
         if layer.mlp_out_norm is not None:
             mlp = norm(mlp, layer.mlp_out_norm, eps)
-        return add_norm_(x, mlp, next_norm, eps)
+        if layer.scalar is None:
+            return add_norm_(x, mlp, next_norm, eps)
+        x.add_(mlp)
+        if layer.per_layer_gate is not None and layer.per_layer_projection is not None:
+            assert per_layer is not None and layer.per_layer_norm is not None
+            gated = self._row_invariant_act(layer.per_layer_gate(x)) * per_layer[:, index]
+            x.add_(norm(layer.per_layer_projection(gated), layer.per_layer_norm, eps))
+        return norm(x.mul_(layer.scalar), next_norm, eps)
+
+    def _own_width(self, index: int, attn: torch.Tensor) -> torch.Tensor:
+        """The attention output [T, heads * d] of layer `index` at its own head_dim: the
+        first of each head's zero-padded columns (before_attention)."""
+        own_dim, head_dim = self.config.head_dim_of(index), self.config.head_dim
+        if own_dim == head_dim:
+            return attn
+        return attn.view(attn.shape[0], -1, head_dim)[..., :own_dim].reshape(attn.shape[0], -1)
+
+    def _row_invariant_act(self, x: torch.Tensor) -> torch.Tensor:
+        """The activation of a narrow contiguous x [T, n], in float64 and rounded back: a
+        CPU computes such a tensor as one flat run, its vectorized part and scalar tail
+        (which elements get which depends on T) disagreeing in the last bit of float32,
+        where they agree once rounded back from float64."""
+        return self.act(x.double()).to(x.dtype)
 
     def _embedding(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The ids' embedding rows; under tensor parallelism each rank looks up the ids of
@@ -295,7 +401,12 @@ class Model:
 
 def _layer_attention(config: ModelConfig, index: int) -> LayerAttention:
     scale = None if config.query_pre_attn_scalar is None else config.attention_scale
-    return LayerAttention(scale, config.window_of(index), config.attn_logit_softcapping)
+    return LayerAttention(
+        scale,
+        config.window_of(index),
+        config.attn_logit_softcapping,
+        config.family.attention_sinks,
+    )
 
 
 def attention_kinds(config: ModelConfig) -> list[LayerAttention]:

@@ -16,7 +16,7 @@ from typing import Any
 
 from gpu_worker.protocol import ARCHITECTURES
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 # transformers' defaults where a config names no base (Gemma 3's differ by layer type)
 DEFAULT_THETA = {("gemma3_text", "full_attention"): 1e6}
 
@@ -40,7 +40,10 @@ class Family:
     # scaled by sqrt(hidden), GeGLU, the attention scale from query_pre_attn_scalar
     gemma: bool = False
     fused_projections: bool = False  # the checkpoint holds qkv_proj and gate_up_proj (Phi-3)
-    moe: str | None = None  # the experts' layout: "mixtral" or "qwen"
+    moe: str | None = None  # the experts' layout: "mixtral", "qwen", "gpt_oss" or "gemma4"
+    # a per-head logit in each attention softmax's denominator (gpt-oss's self_attn.sinks)
+    attention_sinks: bool = False
+    o_proj_bias: bool = False  # o_proj has a bias where attention_bias says so (gpt-oss)
     # A sliding window counts only with use_sliding_window (Qwen's configs default it off).
     window_opt_in: bool = False
     # The decoder is the text model of a multimodal one (Gemma 3's text_config): its
@@ -49,6 +52,13 @@ class Family:
     # Without layer_types, every n-th layer is global and the others windowed (Gemma:
     # sliding_window_pattern, or this default); 0: every layer is windowed.
     window_pattern: int = 0
+    # Without no_rope_layers, every n-th layer rotates nothing (SmolLM3's NoPE layers:
+    # no_rope_layer_interval, or this default); 0: every layer has RoPE.
+    no_rope_interval: int = 0
+    # Gemma 4, beyond Gemma: norms scale by w (not 1 + w), v is RMS-normed too (unscaled),
+    # scores are not scaled (the q/k norms size them), per-layer input embeddings, the last
+    # layers reading earlier layers' KV, and a scalar per layer on the residual stream
+    gemma4: bool = False
 
 
 FAMILIES = {
@@ -68,6 +78,21 @@ FAMILIES = {
     "MixtralForCausalLM": Family(moe="mixtral"),
     "Qwen2MoeForCausalLM": Family(qkv_bias_default=True, moe="qwen", window_opt_in=True),
     "Qwen3MoeForCausalLM": Family(qk_norm=True, moe="qwen", window_opt_in=True),
+    "SmolLM3ForCausalLM": Family(window_opt_in=True, no_rope_interval=4),
+    "Gemma4ForCausalLM": Family(
+        qk_norm=True, gemma=True, gemma4=True, moe="gemma4", window_pattern=6
+    ),
+    "Gemma4ForConditionalGeneration": Family(
+        qk_norm=True,
+        gemma=True,
+        gemma4=True,
+        moe="gemma4",
+        text_prefixes=("model.language_model.",),
+        window_pattern=6,
+    ),
+    "GptOssForCausalLM": Family(
+        moe="gpt_oss", attention_sinks=True, o_proj_bias=True, window_pattern=2
+    ),
 }
 assert set(FAMILIES) == set(ARCHITECTURES.values())
 
@@ -86,12 +111,24 @@ class RopeScaling:
     truncate: bool = True
     short_factor: tuple[float, ...] = ()  # longrope
     long_factor: tuple[float, ...] = ()
+    # proportional (Gemma 4's global layers): the share of the head's dimensions rotated,
+    # the others' frequencies zero
+    rotary_fraction: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
 class Rope:
     theta: float
     scaling: RopeScaling | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SwiGLU:
+    """gpt-oss's experts' activation: gate clamped above and up on both sides at `limit`,
+    then (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    alpha: float
+    limit: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +142,13 @@ class MoE:
     float32_weights: bool  # the weights stay float32 (Mixtral) or round to the model's dtype
     sparse_layers: tuple[bool, ...]  # which layers are MoE (the others are dense MLPs)
     shared_intermediate_size: int = 0  # a gated shared expert beside the routed ones (Qwen2-MoE)
+    # gpt-oss: a softmax over the router's top k logits (not the top k of a softmax over
+    # all), and the experts' clamped SwiGLU (its layout has biases: gpu_worker.moe)
+    top_k_first: bool = False
+    swiglu: SwiGLU | None = None  # None: the model's own activation
+    # Gemma 4: the experts run beside the layer's dense MLP (not instead of it), routed
+    # from the residual stream by a normed and scaled router, their weights scaled per expert
+    beside_dense: bool = False
 
 
 @dataclass(slots=True)
@@ -131,11 +175,35 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...] = ()
     # The RoPE of the windowed layers where it differs from the others' (Gemma 3).
     sliding_rope: Rope | None = None
+    # Whether each layer rotates its queries and keys (SmolLM3's NoPE layers do not);
+    # () when every layer does.
+    rope_layers: tuple[bool, ...] = ()
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     hidden_act: str = "silu"
     moe: MoE | None = None
+    # The layer whose K/V each layer attends over: itself, or for Gemma 4's last
+    # num_kv_shared_layers the last earlier layer of its kind, whose cache it reads
+    # (allocating none); () when every layer has its own.
+    kv_sources: tuple[int, ...] = ()
+    # Gemma 4's per-layer inputs: the width of each layer's slice (0: none) and the
+    # vocabulary of their embedding
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
+    # Each layer's MLP width where they differ (Gemma 4's double-wide shared-KV layers)
+    layer_intermediate_sizes: tuple[int, ...] = ()
+    # Each layer's own head_dim where they differ (Gemma 4's global layers: 512 beside the
+    # sliding ones' 256); head_dim is then the largest, the cache's and the attention's,
+    # and a narrower layer's heads are zero-padded to it (gpu_worker.model)
+    layer_head_dims: tuple[int, ...] = ()
+    # Each layer's own key/value heads where they differ (Gemma 4's global layers with
+    # attention_k_eq_v); num_key_value_heads is then the most, the cache's, and a layer with
+    # fewer repeats each of its heads to it (gpu_worker.model)
+    layer_kv_heads: tuple[int, ...] = ()
+    # Whether each layer's values are its keys' projection (Gemma 4's attention_k_eq_v on
+    # the global layers: no v_proj); () when no layer's are
+    keys_as_values: tuple[bool, ...] = ()
 
     @property
     def family(self) -> Family:
@@ -170,7 +238,9 @@ class ModelConfig:
     @classmethod
     def _parse(cls, raw: dict[str, Any], architecture: str) -> ModelConfig:
         family = FAMILIES[architecture]
-        if raw.get("use_bidirectional_attention"):
+        # "vision" (Gemma 4): bidirectional among an image's tokens alone, which the text
+        # model served here never sees; causal for text
+        if raw.get("use_bidirectional_attention") not in (None, False, "vision"):
             raise UnsupportedModel("bidirectional attention is not supported")
         try:
             hidden = int(raw["hidden_size"])
@@ -199,12 +269,15 @@ class ModelConfig:
                 sliding_window=_common_window(windows),
                 layer_windows=windows if any(windows) else (),
                 sliding_rope=None if sliding_rope == rope else sliding_rope,
+                rope_layers=_rope_layers(raw, layers, family),
                 query_pre_attn_scalar=_optional_float(raw.get("query_pre_attn_scalar")),
                 attn_logit_softcapping=_optional_float(raw.get("attn_logit_softcapping")),
                 final_logit_softcapping=_optional_float(raw.get("final_logit_softcapping")),
                 hidden_act=str(raw.get("hidden_activation") or raw.get("hidden_act") or "silu"),
                 moe=_moe(raw, family, layers),
             )
+            if family.gemma4:
+                _add_gemma4(config, raw)
         except UnsupportedModel:
             raise
         except KeyError as exc:
@@ -248,8 +321,31 @@ class ModelConfig:
     def window_of(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
 
-    def rope_of(self, layer: int) -> Rope:
-        """The RoPE layer `layer` rotates its queries and keys with."""
+    def kv_source(self, layer: int) -> int:
+        """The layer whose K/V cache `layer` attends over (itself, unless it shares one)."""
+        return self.kv_sources[layer] if self.kv_sources else layer
+
+    def kv_heads_of(self, layer: int) -> int:
+        """Layer `layer`'s own key/value heads (its k/v projections'), at most the cache's."""
+        return self.layer_kv_heads[layer] if self.layer_kv_heads else self.num_key_value_heads
+
+    def values_from_keys(self, layer: int) -> bool:
+        return bool(self.keys_as_values) and self.keys_as_values[layer]
+
+    def head_dim_of(self, layer: int) -> int:
+        """Layer `layer`'s own head_dim (its q/k/v projections'), at most head_dim."""
+        return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
+
+    def intermediate_of(self, layer: int) -> int:
+        """Layer `layer`'s MLP width."""
+        if self.layer_intermediate_sizes:
+            return self.layer_intermediate_sizes[layer]
+        return self.intermediate_size
+
+    def rope_of(self, layer: int) -> Rope | None:
+        """The RoPE layer `layer` rotates its queries and keys with; None where it has none."""
+        if self.rope_layers and not self.rope_layers[layer]:
+            return None
         if self.sliding_rope is not None and self.window_of(layer):
             return self.sliding_rope
         return Rope(self.rope_theta, self.rope_scaling)
@@ -282,6 +378,7 @@ def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(text, dict):
         raise ConfigError("config.json lacks the text model's text_config")
     inherited = {k: raw[k] for k in ("tie_word_embeddings", "bos_token_id") if k in raw}
+    # the text config's own model_type where it names one (Gemma 4's), else Gemma 3's
     return {"model_type": "gemma3_text", **inherited, **text}
 
 
@@ -324,12 +421,17 @@ def _rope_scaling(raw: dict[str, Any], rope: dict[str, Any]) -> RopeScaling | No
         raise UnsupportedModel(
             f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
         )
-    if float(rope.get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 1.0) != 1:
+    fraction = float(rope.get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 1.0)
+    if fraction != 1 and rope_type != "proportional":
         raise UnsupportedModel(
             "partial rotary embeddings (partial_rotary_factor) are not supported"
         )
     if rope_type == "default":
         return None
+    if rope_type == "proportional":
+        return RopeScaling(
+            "proportional", float(rope.get("factor") or 1.0), rotary_fraction=fraction
+        )
     longest = int(raw.get("max_position_embeddings", 2048))
     original = int(
         rope.get("original_max_position_embeddings")
@@ -421,17 +523,52 @@ def _layer_windows(raw: dict[str, Any], layers: int, family: Family) -> tuple[in
         raise ConfigError(f"layer_types lists {len(types)} layers, the model has {layers}")
     for kind in set(types) - {"sliding_attention", "full_attention"}:
         raise UnsupportedModel(f"unsupported layer type {kind!r}")
-    if raw.get("use_bidirectional_attention"):
-        raise UnsupportedModel(
-            "bidirectional attention (use_bidirectional_attention) is not supported"
-        )
     return tuple(int(window) if kind == "sliding_attention" else None for kind in types)
+
+
+def _rope_layers(raw: dict[str, Any], layers: int, family: Family) -> tuple[bool, ...]:
+    """Whether each layer has RoPE, as transformers' SmolLM3 config gives it: no_rope_layers
+    (1: rotates, 0: NoPE) where the config lists them, else all but every n-th layer."""
+    flags = raw.get("no_rope_layers")
+    interval = int(raw.get("no_rope_layer_interval") or family.no_rope_interval)
+    if flags is None and interval:
+        flags = [(i + 1) % interval != 0 for i in range(layers)]
+    if flags is None or all(flags):
+        return ()
+    if len(flags) != layers:
+        raise ConfigError(f"no_rope_layers lists {len(flags)} layers, the model has {layers}")
+    return tuple(bool(flag) for flag in flags)
 
 
 def _moe(raw: dict[str, Any], family: Family, layers: int) -> MoE | None:
     if family.moe is None:
         return None
+    if family.moe == "gemma4":
+        if not raw.get("enable_moe_block"):
+            return None
+        return MoE(
+            int(raw["num_experts"]),
+            int(raw["top_k_experts"]),
+            int(raw["moe_intermediate_size"]),
+            renormalize=True,
+            float32_weights=True,
+            sparse_layers=(True,) * layers,
+            beside_dense=True,
+        )
     experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
+    if family.moe == "gpt_oss":
+        return MoE(
+            experts,
+            int(raw["num_experts_per_tok"]),
+            int(raw["intermediate_size"]),
+            renormalize=False,
+            float32_weights=False,
+            sparse_layers=(True,) * layers,
+            top_k_first=True,
+            swiglu=SwiGLU(
+                float(raw.get("swiglu_alpha", 1.702)), float(raw.get("swiglu_limit", 7.0))
+            ),
+        )
     if family.moe == "mixtral":
         return MoE(
             experts,
@@ -454,3 +591,61 @@ def _moe(raw: dict[str, Any], family: Family, layers: int) -> MoE | None:
         ),
         shared_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
     )
+
+
+def _add_gemma4(config: ModelConfig, raw: dict[str, Any]) -> None:
+    """Gemma 4's per-layer inputs, its global layers' head_dim and k/v heads, keys as
+    values, shared KV and double-wide MLPs, and its scores' scale of 1 (a
+    query_pre_attn_scalar of 1)."""
+    layers = config.num_hidden_layers
+    overrides = _gemma4_overrides(config, raw)
+    dims = tuple(int(overrides.get(i, {}).get("head_dim", config.head_dim)) for i in range(layers))
+    config.head_dim = max(dims)
+    if len(set(dims)) > 1:
+        config.layer_head_dims = dims
+    kv_heads = tuple(
+        int(overrides.get(i, {}).get("num_key_value_heads", config.num_key_value_heads))
+        for i in range(layers)
+    )
+    config.num_key_value_heads = max(kv_heads)
+    if any(config.num_key_value_heads % n for n in kv_heads):
+        raise UnsupportedModel(
+            f"Gemma 4's key/value heads {sorted(set(kv_heads))} do not divide one another"
+        )
+    if len(set(kv_heads)) > 1:
+        config.layer_kv_heads = kv_heads
+    if raw.get("attention_k_eq_v"):
+        config.keys_as_values = tuple(window is None for window in config.layer_windows) or (
+            (True,) * layers
+        )
+    config.query_pre_attn_scalar = 1.0
+    config.per_layer_input_size = int(raw.get("hidden_size_per_layer_input") or 0)
+    config.per_layer_vocab_size = int(raw.get("vocab_size_per_layer_input") or config.vocab_size)
+    shared = int(raw.get("num_kv_shared_layers") or 0)
+    if not shared:
+        return
+    windows = config.layer_windows or (None,) * layers
+    first_shared = layers - shared
+    owners = {windows[i]: i for i in range(first_shared)}  # each kind's last owner
+    if set(windows[first_shared:]) - set(owners):
+        raise ConfigError("a layer shares the KV of a kind of layer that no earlier layer has")
+    config.kv_sources = tuple(i if i < first_shared else owners[windows[i]] for i in range(layers))
+    if raw.get("use_double_wide_mlp"):
+        wide = 2 * config.intermediate_size
+        config.layer_intermediate_sizes = tuple(
+            config.intermediate_size if i < first_shared else wide for i in range(layers)
+        )
+
+
+def _gemma4_overrides(config: ModelConfig, raw: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """Each global layer's overrides, as transformers' Gemma4TextConfig makes them: the
+    per_layer_config it writes (by layer index), else a head_dim of global_head_dim (512
+    where the config names none) and, with attention_k_eq_v, num_global_key_value_heads."""
+    if "per_layer_config" in raw:
+        written = raw.get("per_layer_config") or {}
+        return {int(layer): dict(override) for layer, override in written.items()}
+    override: dict[str, Any] = {"head_dim": int(raw.get("global_head_dim") or 512)}
+    if raw.get("attention_k_eq_v") and raw.get("num_global_key_value_heads"):
+        override["num_key_value_heads"] = int(raw["num_global_key_value_heads"])
+    windows = config.layer_windows or (None,) * config.num_hidden_layers
+    return {i: override for i, window in enumerate(windows) if window is None}

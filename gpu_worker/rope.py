@@ -1,7 +1,7 @@
 """Rotary position embeddings: the cos and sin tables of each RoPE a model uses.
 
 Each follows transformers' ROPE_INIT_FUNCTIONS step by step, in float32 (default, linear,
-llama3, yarn, longrope), including the attention factor that scales cos and sin (yarn,
+llama3, yarn, longrope, proportional), including the attention factor that scales cos and sin (yarn,
 longrope).
 
 Longrope has two factor sets, short and long. transformers picks one per forward call by
@@ -38,6 +38,13 @@ def inverse_frequencies(head_dim: int, rope: Rope, long: bool = False) -> torch.
         return inv_freq / scaling.factor
     if scaling.rope_type == "yarn":
         return _yarn_frequencies(head_dim, rope.theta, scaling)
+    if scaling.rope_type == "proportional":
+        # Gemma 4's global layers: the first share of the frequencies, the others zero
+        # (cos 1, sin 0: those dimensions pass unrotated)
+        rotated = int(scaling.rotary_fraction * head_dim // 2)
+        return (
+            torch.cat([inv_freq[:rotated], torch.zeros(len(inv_freq) - rotated)]) / scaling.factor
+        )
     return _llama3_frequencies(inv_freq, scaling)
 
 
@@ -77,12 +84,24 @@ def _yarn_frequencies(dim: int, base: float, scaling: RopeScaling) -> torch.Tens
 
 
 def rope_tables(
-    head_dim: int, rope: Rope, max_positions: int, dtype: torch.dtype, device: torch.device
+    head_dim: int,
+    rope: Rope | None,
+    max_positions: int,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and signed sin [max_positions, head_dim], computed in float32 like transformers.
 
     The signed sin is sin with its first half negated, the form layer_ops.apply_rope takes.
+    `rope` None (a NoPE layer, SmolLM3's): cos 1 and sin 0, a rotation that leaves q and k
+    as they are bit for bit (x * 1 + roll(x) * 0), so every kernel that rotates and caches
+    in one pass serves such a layer unchanged, for one wasted multiply-add per element.
     """
+    if rope is None:
+        shape = (max_positions, head_dim)
+        return torch.ones(shape, dtype=dtype, device=device), torch.zeros(
+            shape, dtype=dtype, device=device
+        )
     scaling = rope.scaling
     long = scaling is not None and max_positions > scaling.original_max_position_embeddings
     positions = torch.arange(max_positions, dtype=torch.float32)

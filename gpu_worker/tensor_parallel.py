@@ -208,6 +208,11 @@ def check_shardable(config: ModelConfig, world_size: int, quantization: str = "n
             f"tensor parallelism does not split a mixture of experts ({config.architecture}); "
             "serve it with tensor parallel size 1"
         )
+    if config.family.gemma4:
+        raise ValueError(
+            "tensor parallelism does not split Gemma 4's per-layer inputs and shared K/V yet; "
+            "serve it with tensor parallel size 1"
+        )
     if quantization == "gguf":
         raise ValueError(
             "tensor parallelism does not split a GGUF conversion's quantized weights; "

@@ -44,7 +44,7 @@ class WeightTaker:
         dtype: torch.dtype,
         device: torch.device,
         matmul_kernel: str,
-        gemma_norms: bool = False,
+        norm_offset: float | None = None,
         text_prefixes: tuple[str, ...] = (),
         *,
         quantizer: Quantizer | None = None,
@@ -61,7 +61,7 @@ class WeightTaker:
         self.dtype = dtype
         self.device = device
         self.matmul_kernel = matmul_kernel
-        self.gemma_norms = gemma_norms
+        self.norm_offset = norm_offset
         self.quantizer = quantizer
         self.quantized = {} if quantized is None else quantized
         self.quant_kernels = quant_kernels
@@ -77,13 +77,14 @@ class WeightTaker:
         return self.shard.slice(tensor, split).to(self.device, self.dtype).contiguous()
 
     def norm(self, name: str, size: int) -> torch.Tensor:
-        """An RMSNorm's weight; Gemma's as 1 + w in float32."""
-        if not self.gemma_norms:
+        """An RMSNorm's weight; with a `norm_offset` (Gemma's), offset + w in float32: 1 + w
+        for Gemma 2 and 3, w for Gemma 4."""
+        if self.norm_offset is None:
             return self(name, (size,))
         weight = self.weights.get(name)
         self(name, (size,))  # checks and removes it
         assert weight is not None
-        return (1.0 + weight.to(self.device, torch.float32)).contiguous()
+        return (self.norm_offset + weight.to(self.device, torch.float32)).contiguous()
 
     def fused(
         self, names: list[str], shapes: Sequence[tuple[int, ...]], split: Split = WHOLE

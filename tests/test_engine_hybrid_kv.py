@@ -4,15 +4,20 @@ back the blocks behind their windows while the full group keeps all, others take
 and every output is the one computed with every block kept.
 
 A tiny Gemma 3 (two windowed layers, one full) shows the accounting and the reuse; what a
-long prompt holds on Gemma 3 270M is shown by tests/test_api_gemma.py."""
+long prompt holds on Gemma 3 270M is shown by tests/test_api_gemma.py. The newer hybrid
+families (gpt-oss's sinks, Gemma 4's layers that read others' K/V) keep their outputs
+through preemption and prefix hits too."""
 
 from __future__ import annotations
 
 import copy
 
 import pytest
+import torch
 import trio
 
+from gpu_worker.kv_cache import block_bytes
+from gpu_worker.model_config import ModelConfig
 from service.config import Config
 from service.engine.assembly import open_engine
 from service.engine.block_manager import BlockManager
@@ -28,15 +33,19 @@ GENERATED = 40
 PROMPTS = [[(7 * s + i) % 250 + 3 for i in range(12 + 5 * s)] for s in range(4)]
 
 
-def tiny_config(blocks: int, *, caching: bool = False) -> Config:
-    # a float32 block of the tiny Gemma 3 (one slot): K and V, 2 kv heads x 16, 4 positions
-    block_bytes = 2 * 1 * 2 * 16 * BLOCK * 4
+# a float32 block of the tiny Gemma 3 (one slot): K and V, 2 kv heads x 16, 4 positions
+GEMMA3_BLOCK_BYTES = 2 * 1 * 2 * 16 * BLOCK * 4
+
+
+def tiny_config(
+    blocks: int, *, caching: bool = False, one_block: int = GEMMA3_BLOCK_BYTES
+) -> Config:
     return Config(
         dtype="float32",
         device="cpu",
         block_size=BLOCK,
         max_batched_tokens=CHUNK,
-        kv_memory=float(blocks * block_bytes),
+        kv_memory=float(blocks * one_block),
         use_cuda_graphs=False,
         enable_prefix_caching=caching,
         watermark=0.0,
@@ -129,3 +138,27 @@ async def test_preempted_sequences_are_recomputed_to_the_same_outputs(tiny_model
         squeezed, seen = await generate(engine, FAMILY, LONGER)
     assert squeezed == kept["family"][0]
     assert seen.preempted
+
+
+@pytest.mark.parametrize("kind", ["gpt_oss", "gemma4"])
+async def test_newer_hybrid_families_continue_alike_preempted_and_from_prefix_hits(
+    kind, tiny_models
+):
+    """gpt-oss (sinks, a windowed and a full layer) and Gemma 4 (its last layers reading
+    the first ones' K/V: two groups, one slot): prompts that share 24 tokens, the others
+    starting from the first one's blocks, continue as the same prompts squeezed side by
+    side until growth preempts them (each way checked against transformers by the
+    worker's family tests)."""
+    model = tiny_models(kind)
+    one_block = block_bytes(ModelConfig.from_dir(model), BLOCK, torch.float32)
+    roomy = tiny_config(512, caching=True, one_block=one_block)
+    async with open_engine(roomy, model_dir=model, tokenizer=SimTokenizer()) as engine:
+        assert engine.handshake is not None and len(engine.handshake.kv_group_windows) == 2
+        first, _ = await generate(engine, FAMILY[:1], GENERATED)
+        rest, seen = await generate(engine, FAMILY[1:], GENERATED)
+    assert [stats.cached_tokens for stats in seen.finished] == [24] * 3
+    squeezed = tiny_config(40, one_block=one_block)
+    async with open_engine(squeezed, model_dir=model, tokenizer=SimTokenizer()) as engine:
+        together, seen = await generate(engine, FAMILY, GENERATED)
+    assert seen.preempted
+    assert together == first + rest

@@ -165,6 +165,15 @@ def test_a_windowed_model_is_offered_and_checked_on_what_serves_windows():
     assert failure is not None and failure.startswith("decode differs from the reference")
 
 
+def test_a_model_with_attention_sinks_is_offered_only_what_serves_them():
+    """gpt-oss: neither the C++ kernels nor FlexAttention nor TritonAttention add the sinks
+    to their softmax, so the reference alone is offered, on either device."""
+    layers = (LayerAttention(window=128, sinks=True), LayerAttention(sinks=True))
+    for device in (CPU, torch.device("cuda")):
+        offered = kernels.attention_candidates(device, torch.bfloat16, 64, layers)
+        assert [b.name for b in offered] == ["torch"]
+
+
 class ShortChunkDependentAttention(NativeRowsAttention):
     """Row invariant on long chunks, but a short chunk's rows are computed otherwise."""
 

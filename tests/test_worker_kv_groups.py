@@ -69,6 +69,33 @@ def test_a_block_holds_the_slots_not_every_layer():
     assert cache.bytes == 5 * kv_cache.block_bytes(config, 16, torch.bfloat16)  # + scratch
 
 
+def test_gemma4_layers_that_read_another_layers_kv_allocate_none():
+    """A Gemma 4 of 35 layers, every 5th global, the last 20 reading the K/V of
+    the last earlier layer of their kind: 15 layers hold K/V, in 3 slots, and the other 20
+    attend in their sources' groups over their sources' slots. The slots are as wide as
+    the global layers' heads (512), the sliding layers' (256) padded to them."""
+    config = config_of(
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        num_hidden_layers=35,
+        head_dim=256,
+        global_head_dim=512,
+        layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7,
+        num_kv_shared_layers=20,
+    )
+    assert [config.kv_source(i) for i in (13, 14, 15, 19, 34)] == [13, 14, 13, 14, 14]
+    groups = KVGroups.of(config)
+    assert groups.layers == ((4, 9, 14), (0, 1, 2), (3, 5, 6), (7, 8, 10), (11, 12, 13))
+    assert groups.num_slots == 3
+    assert groups.group_of(34) == 0 and groups.slot_of(34) == groups.slot_of(14) == 2
+    assert groups.group_of(33) == groups.group_of(13) == 4
+    assert (config.head_dim, config.head_dim_of(4), config.head_dim_of(33)) == (512, 512, 256)
+    one_row = 2 * config.num_key_value_heads * config.head_dim * 2  # K and V, bfloat16
+    assert kv_cache.block_bytes(config, 16, torch.bfloat16) == 3 * 16 * one_row
+    cache = kv_cache.allocate(config, 4, 16, torch.bfloat16, torch.device("cpu"))
+    assert cache.layers[34] is cache.layers[14] and len(cache.slots) == 3
+
+
 def test_a_hybrid_models_plan_must_name_a_table_for_every_group(tiny_models):
     runner = make_runner(tiny_models("gemma3"))  # a full group and two windowed ones
     assert runner.limits.num_groups == 3

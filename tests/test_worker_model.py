@@ -54,6 +54,18 @@ ARCHITECTURES = {
     "mixtral": ("mixtral", {}),
     "qwen3-moe": ("qwen3_moe", {}),
     "qwen2-moe-shared": ("qwen2_moe", {}),
+    "smollm3-nope": ("smollm3", {}),
+    "gpt-oss-sinks": ("gpt_oss", {}),
+    "gemma4-shared-kv": ("gemma4", {}),
+    "gemma4-moe": (
+        "gemma4",
+        {
+            "enable_moe_block": True,
+            "num_experts": 5,
+            "top_k_experts": 2,
+            "moe_intermediate_size": 24,
+        },
+    ),
 }
 # A family's prompts, where they differ: longrope matches transformers within one factor set.
 PROMPT_LENGTHS = {"phi3-longrope": (49, 90), "phi3-longrope-short": (1, 5, 37, 48)}
@@ -160,7 +172,16 @@ def test_architecture_chunked_batched_and_prefix_cached(architecture, one_torch_
 
 @pytest.mark.parametrize(
     "name",
-    ["mistral-window", "gemma3", "gemma2-softcap", "mixtral", "qwen3-moe", "qwen2-moe-shared"],
+    [
+        "mistral-window",
+        "gemma3",
+        "gemma2-softcap",
+        "mixtral",
+        "qwen3-moe",
+        "qwen2-moe-shared",
+        "smollm3-nope",
+        "gemma4-shared-kv",
+    ],
 )
 def test_architecture_rows_keep_their_bits_batched_and_chunked_in_bfloat16(
     name, tiny_models, one_torch_thread
@@ -174,6 +195,17 @@ def test_architecture_rows_keep_their_bits_batched_and_chunked_in_bfloat16(
     assert runner.model.kernels.attention.row_invariant
     check_mixed_batch(runner)
     check_chunked_prefill(runner)
+
+
+def test_attention_sinks_through_the_cpu_flash_path(tiny_models, monkeypatch, one_torch_thread):
+    """gpt-oss's full layers on PyTorch's flash kernel (every context long enough here):
+    over a chunk alone, and merged with a cached prefix, each row weighted by its sink."""
+    monkeypatch.setattr(torch_backend, "FLASH_MIN_CONTEXT", 0)
+    kind, overrides = ARCHITECTURES["gpt-oss-sinks"]
+    path = tiny_models(kind, **overrides)
+    runner = make_runner(path, kv_memory=ARCH_KV_MEMORY)
+    check_prefill_logits(runner, hf_model(path), (5, 37))
+    check_prefix_cache(runner)
 
 
 def test_chunked_prefill_equals_unchunked(tiny_llama_dir, prefill_path):
@@ -370,16 +402,23 @@ def test_prompt_logprobs_over_chunks_equal_transformers_log_softmax(tiny_llama_d
     assert top_ids == reference[:-1].topk(3, dim=-1).indices.tolist()
 
 
-def test_a_multimodal_gemma3_checkpoint_serves_its_text_model(tiny_models, tmp_path):
-    """model_type gemma3: the text_config's decoder, its weights under model.language_model
-    (the vision tower's are left unread), gives the text model's logits."""
+@pytest.mark.parametrize(
+    ("kind", "architecture"),
+    [("gemma3", "Gemma3ForConditionalGeneration"), ("gemma4", "Gemma4ForConditionalGeneration")],
+)
+def test_a_multimodal_gemma_checkpoint_serves_its_text_model(
+    kind, architecture, tiny_models, tmp_path
+):
+    """model_type gemma3 or gemma4: the text_config's decoder, its weights under
+    model.language_model (the vision tower's are left unread), gives the text model's
+    logits."""
     from safetensors.torch import load_file, save_file
 
-    text_dir = tiny_models("gemma3")
+    text_dir = tiny_models(kind)
     text_config = json.loads((text_dir / "config.json").read_text())
     config = {
-        "architectures": ["Gemma3ForConditionalGeneration"],
-        "model_type": "gemma3",
+        "architectures": [architecture],
+        "model_type": kind,
         "text_config": {k: v for k, v in text_config.items() if k != "architectures"},
         "vision_config": {"model_type": "siglip_vision_model"},
     }
@@ -394,5 +433,5 @@ def test_a_multimodal_gemma3_checkpoint_serves_its_text_model(tiny_models, tmp_p
     plan = plan_for(text_runner, [Chunk(0, random_prompt(30, seed=4), 0, blocks_for(0, 30))])
     expected = text_runner.step_logits(plan)
     runner = make_runner(tmp_path)
-    assert runner.handshake.architecture == "Gemma3ForConditionalGeneration"
+    assert runner.handshake.architecture == architecture
     assert torch.equal(runner.step_logits(plan), expected)

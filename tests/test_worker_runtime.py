@@ -57,6 +57,25 @@ def test_config_parses_defaults_and_variants():
     assert windowed.layer_windows == (None, 32)
 
 
+def test_smollm3_configs_give_every_fourth_layer_no_rope_unless_they_list_them():
+    smollm3 = {"architectures": ["SmolLM3ForCausalLM"], "num_hidden_layers": 8}
+    default = config_with(**smollm3)
+    assert [default.rope_of(i) is None for i in range(8)] == [False, False, False, True] * 2
+    listed = config_with(**{**smollm3, "no_rope_layers": [1, 0, 1, 1, 0, 1, 1, 1]})
+    assert listed.rope_layers == (True, False, True, True, False, True, True, True)
+    assert config_with(**{**smollm3, "no_rope_layers": [1] * 8}).rope_layers == ()
+    with pytest.raises(ConfigError, match="no_rope_layers lists 2 layers"):
+        config_with(**{**smollm3, "no_rope_layers": [1, 0]})
+
+
+def test_gemma4_text_is_causal_beside_a_vision_tower_that_attends_both_ways():
+    """And its global layers' heads are global_head_dim wide, 512 where the config names
+    none, as transformers' Gemma4TextConfig makes them (here every layer is global)."""
+    config = config_with(architectures=["Gemma4ForCausalLM"], use_bidirectional_attention="vision")
+    assert config.family.gemma4 and config.attention_scale == 1.0
+    assert config.head_dim == 512 and config.layer_head_dims == ()
+
+
 def test_gemma3_configs_old_and_new_give_each_layer_its_window_and_rope():
     common = {**BASE_CONFIG, "num_hidden_layers": 7, "sliding_window": 512}
     old = ModelConfig.from_dict(
@@ -139,6 +158,24 @@ def test_mixture_of_experts_configs_say_which_layers_route():
             {"architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True},
             UnsupportedModel,
             "Gemma3ForCausalLM: bidirectional",
+        ),
+        (
+            {
+                "architectures": ["Gemma4ForCausalLM"],
+                "per_layer_config": {"1": {"head_dim": 32, "num_key_value_heads": 3}},
+            },
+            UnsupportedModel,
+            r"Gemma4ForCausalLM: Gemma 4's key/value heads \[2, 3\] do not divide",
+        ),
+        (
+            {"architectures": ["Gemma4ForCausalLM"], "use_bidirectional_attention": "all"},
+            UnsupportedModel,
+            "Gemma4ForCausalLM: bidirectional",
+        ),
+        (
+            {"architectures": ["Gemma4ForCausalLM"], "enable_moe_block": True},
+            ConfigError,
+            "lacks the required key 'num_experts'",
         ),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, UnsupportedModel, "dynamic"),
         ({"hidden_act": "relu"}, UnsupportedModel, "activation"),

@@ -101,6 +101,63 @@ ARCHITECTURE_KINDS = {
             "shared_expert_intermediate_size": 48,
         },
     ),
+    # Layer 1 without RoPE (NoPE), as every 4th layer of SmolLM3 3B.
+    "smollm3": (
+        "SmolLM3Config",
+        "SmolLM3ForCausalLM",
+        {"num_hidden_layers": 3, "no_rope_layers": [1, 0, 1], "pad_token_id": 0},
+    ),
+    # Windowed and global layers with head_dims and RoPEs of their own (proportional on the
+    # global ones; their values the keys' projection, one k/v head),
+    # per-layer inputs, the last two layers reading the first two's K/V with double-wide
+    # MLPs, and the final soft-capping.
+    "gemma4": (
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        {
+            "num_hidden_layers": 4,
+            "head_dim": 16,
+            "global_head_dim": 32,
+            "attention_k_eq_v": True,
+            "num_global_key_value_heads": 1,
+            "sliding_window": 11,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {
+                    "rope_type": "proportional",
+                    "partial_rotary_factor": 0.5,
+                    "rope_theta": 1e6,
+                },
+            },
+            "vocab_size_per_layer_input": VOCAB,
+            "hidden_size_per_layer_input": 8,
+            "num_kv_shared_layers": 2,
+            "use_double_wide_mlp": True,
+            "final_logit_softcapping": 3.0,
+        },
+    ),
+    # A windowed layer and a full one, attention sinks, yarn RoPE, and a SwiGLU limit low
+    # enough that its clamps bite.
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {
+            "head_dim": 16,
+            "sliding_window": 11,
+            "num_local_experts": 5,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 32,
+            "swiglu_limit": 1.0,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+                "rope_theta": 150000.0,
+            },
+        },
+    ),
 }
 
 
@@ -142,6 +199,11 @@ def save_tiny_model(path: Path, kind: str = "llama", **overrides) -> Path:
                 param.normal_(0, 0.5)
             elif "norm" in name and kind in ARCHITECTURE_KINDS:
                 param.uniform_(-0.5, 0.5).add_(0.0 if kind.startswith("gemma") else 1.0)
+            elif name.endswith(("router.scale", "per_expert_scale")):  # Gemma 4's, ones
+                param.uniform_(0.5, 1.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4's, saved with the weights
+                buffer.uniform_(0.5, 1.5)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

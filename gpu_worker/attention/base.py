@@ -26,13 +26,17 @@ QUERY_BLOCK = 128  # prefill queries per attention block
 @dataclass(frozen=True, slots=True)
 class LayerAttention:
     """How a layer attends, where layers differ: its scale, its sliding window (a query at
-    position p sees keys at positions p - window < k <= p) and Gemma 2's soft-capping of
-    the scores (cap * tanh(score / cap), before the mask). A step's records are built once
-    per distinct kind (a Llama model has one), and every layer of that kind shares them."""
+    position p sees keys at positions p - window < k <= p), Gemma 2's soft-capping of
+    the scores (cap * tanh(score / cap), before the mask) and whether it has attention
+    sinks (gpt-oss: a logit per head that joins each softmax's denominator and takes no
+    value; the values are the layer's own, passed to paged_attention). A step's records
+    are built once per distinct kind (a Llama model has one), and every layer of that kind
+    shares them."""
 
     scale: float | None = None  # None: head_dim ** -0.5
     window: int | None = None
     softcap: float | None = None
+    sinks: bool = False
 
     def scale_for(self, head_dim: int) -> float:
         return head_dim**-0.5 if self.scale is None else self.scale
@@ -70,6 +74,7 @@ class AttentionBackend:
     paged: bool = True  # reads K/V in place through the block tables, copying no context
     windows: bool = False  # serves sliding windows (LayerAttention.window)
     softcap: bool = False  # serves soft-capped scores (LayerAttention.softcap)
+    sinks: bool = False  # serves attention sinks (LayerAttention.sinks): attend_sinks
     # its cost does not grow with the block tables' width, only with the contexts: decode
     # steps pad every table to the longest (gpu_worker.graphs)
     any_width: bool = False
@@ -85,7 +90,9 @@ class AttentionBackend:
     def serves_layers(self, layers: list[LayerAttention]) -> bool:
         """Whether it computes every one of a model's kinds of attention layer."""
         return all(
-            (self.windows or layer.window is None) and (self.softcap or layer.softcap is None)
+            (self.windows or layer.window is None)
+            and (self.softcap or layer.softcap is None)
+            and (self.sinks or not layer.sinks)
             for layer in layers
         )
 
@@ -147,6 +154,19 @@ class AttentionBackend:
         """One sequence's chunk: q [n, heads, d], its own k/v [n, kv_heads, d] -> [n, heads, d]."""
         raise NotImplementedError
 
+    def attend_sinks(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv: LayerKV,
+        meta: AttentionMetadata,
+        sinks: torch.Tensor,
+    ) -> torch.Tensor:
+        """paged_attention's rows [T, heads, d] of a layer with attention sinks [heads].
+        Backends that serve sinks; never captured (such a model runs eagerly)."""
+        raise NotImplementedError
+
 
 @dataclass(slots=True)
 class CapturedStep:
@@ -177,13 +197,21 @@ class AttentionMetadata:
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, meta: AttentionMetadata
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv: LayerKV,
+    meta: AttentionMetadata,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """New tokens' q [T, heads, d] and k/v [T, kv_heads, d] -> attention output [T, heads * d].
+    """New tokens' q [T, heads, d] and k/v [T, kv_heads, d] -> attention output [T, heads * d];
+    `sinks` [heads]: the layer's attention sinks, where its kind has them.
 
     The new tokens' K/V must already be in their cache slots (layer_ops.rope_and_cache_).
     """
     num_tokens, backend, group = q.shape[0], meta.backend, meta.decode
+    if sinks is not None:
+        return backend.attend_sinks(q, k, v, kv, meta, sinks).view(num_tokens, -1)
     if meta.captured is not None:
         # zeros: a padding token's row is no chunk's or decode row's, and its output goes on
         # to write the scratch block's K/V, which padding decode slots read

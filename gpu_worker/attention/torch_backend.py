@@ -9,6 +9,10 @@ gathered into a buffer for one batched matmul, the softmax is masked by context 
 and the values are never copied: embedding_bag sums the probability-weighted value rows
 straight from the cache.
 
+Attention sinks (gpt-oss) join each softmax as one more column, the layer's logit for the
+row's head, which is dropped before the values are summed; on the flash path each row's
+output is scaled by its share of the denominator, sigmoid(log-sum-exp - sink).
+
 An 8-bit cache (gpu_worker.kv_quant) is gathered and dequantized row by row where needed
 (embedding_bag cannot read codes, so its decode multiplies gathered values instead).
 PyTorch agrees with the native kernels only to float tolerance (not `row_invariant`).
@@ -25,6 +29,7 @@ import torch.nn.functional as F
 from gpu_worker.attention.base import (
     QUERY_BLOCK,
     AttentionBackend,
+    AttentionMetadata,
     DecodeGroup,
     LayerAttention,
     PrefillChunk,
@@ -80,6 +85,7 @@ class TorchAttention(AttentionBackend):
     paged = False
     windows = True
     softcap = True
+    sinks = True
 
     def decode_group(
         self, group: DecodeGroup, cache_like: torch.Tensor, group_size: int
@@ -118,6 +124,29 @@ class TorchAttention(AttentionBackend):
         if cpu_flash_serves(q.device, chunk, kv):
             return _flash_prefill_attention(q, k, v, kv, chunk)
         return _blocked_prefill_attention(q, k, v, kv, chunk)
+
+    def attend_sinks(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv: LayerKV,
+        meta: AttentionMetadata,
+        sinks: torch.Tensor,
+    ) -> torch.Tensor:
+        out = q.new_empty(q.shape)
+        for chunk in meta.prefills:
+            rows = chunk.rows
+            attend = _flash_prefill_attention
+            if not cpu_flash_serves(q.device, chunk, kv):
+                attend = _blocked_prefill_attention
+            out[rows] = attend(q[rows], k[rows], v[rows], kv, chunk, sinks)
+        group = meta.decode
+        if group is not None:
+            out[group.rows] = _gathered_decode_attention(
+                q[group.rows], kv, group.prepared, group.layer, sinks
+            )
+        return out
 
 
 def cpu_flash_serves(device: torch.device, chunk: PrefillChunk, kv: LayerKV) -> bool:
@@ -202,9 +231,15 @@ def _window_tables(
 
 
 def _blocked_prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, chunk: PrefillChunk
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv: LayerKV,
+    chunk: PrefillChunk,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """As _prefill_attention, with matmuls over query blocks.
+    """As _prefill_attention, with matmuls over query blocks; `sinks` [heads], the layer's
+    attention sinks.
 
     Query block [i, e) sees keys [0, start + e): every key before start + i is visible to
     all its queries, so only the last e - i columns need the causal triangle. In a
@@ -223,6 +258,8 @@ def _blocked_prefill_attention(
     scale, unused = layer.scale_for(head_dim), q.new_zeros(())  # beta=0: baddbmm ignores it
     out = q.new_empty(q.shape)
     grouped = q.view(num_queries, kv_heads, group_size, head_dim)
+    # each score row's sink: [kv_heads, group, 1, 1], broadcast over its queries
+    sink_logits = None if sinks is None else sinks.view(kv_heads, group_size, 1, 1)
     for index, first in enumerate(range(0, num_queries, QUERY_BLOCK)):
         end = min(first + QUERY_BLOCK, num_queries)
         size, visible = end - first, chunk.start + end
@@ -239,12 +276,24 @@ def _blocked_prefill_attention(
             scores[..., visible - size :].add_(prepared.causal_tile[:size, :size])
         else:
             scores.add_(prepared.window_masks[index][1])
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        probs = _softmax(scores, sink_logits, q.dtype)
         probs = probs.view(kv_heads, -1, visible - lowest)
         block_out = torch.bmm(probs, values[:, seen])
         by_query = block_out.view(kv_heads, group_size, size, head_dim).permute(2, 0, 1, 3)
         out[first:end] = by_query.reshape(size, heads, head_dim)
     return out
+
+
+def _softmax(
+    scores: torch.Tensor, sink_logits: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """The probabilities of `scores` [..., keys], computed in float32 and rounded to `dtype`;
+    with `sink_logits` (broadcast to [..., 1]), each row's sink joins the denominator."""
+    if sink_logits is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+    sink_column = sink_logits.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    with_sinks = torch.cat([scores, sink_column], dim=-1)
+    return torch.softmax(with_sinks, dim=-1, dtype=torch.float32)[..., :-1].to(dtype).contiguous()
 
 
 def _softcapped(scores: torch.Tensor, cap: float) -> torch.Tensor:
@@ -253,13 +302,19 @@ def _softcapped(scores: torch.Tensor, cap: float) -> torch.Tensor:
 
 
 def _flash_prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, chunk: PrefillChunk
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv: LayerKV,
+    chunk: PrefillChunk,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """As _blocked_prefill_attention, for long contexts.
 
     Two flash-attention passes, which never hold a score matrix: the queries over the
     cached prefix (every key visible, no mask) and over the chunk's own keys (plain causal,
-    square), merged by their log-sum-exps.
+    square), merged by their log-sum-exps; with `sinks`, each row then weighted by its
+    keys' share of a denominator that holds its sink too.
     """
     num_queries, heads, head_dim = q.shape
     kv_heads = k.shape[1]
@@ -276,32 +331,41 @@ def _flash_prefill_attention(
         values = _gather(kv.v, None, chunk.prepared.cache_rows, chunk.start, q.dtype)[None]
         queries = grouped.reshape(1, kv_heads, -1, head_dim)
         prefix_out, prefix_lse = _FLASH(queries, keys, values, scale=scale)
-        out = _merge(
+        out, lse = _merge(
             prefix_out.view(1, heads, num_queries, head_dim),
             prefix_lse.reshape(1, heads, num_queries),
             out,
             lse,
         )
+    if sinks is not None:
+        # the keys' share of exp(lse) + exp(sink): a sink is a key whose value is zero
+        share = torch.sigmoid(lse - sinks.float().view(1, heads, 1)).unsqueeze(-1)
+        out = (out.float() * share).to(out.dtype)
     return out[0].transpose(0, 1)
 
 
 def _merge(
     out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
-) -> torch.Tensor:
-    """Attention over two disjoint key sets -> attention over their union.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over two disjoint key sets -> attention over their union, and its
+    log-sum-exp.
 
     Each part is weighted by its share of the softmax denominator, exp(lse_a) / (exp(lse_a)
     + exp(lse_b)) = sigmoid(lse_a - lse_b) for part a, computed in float32.
     """
     weight_a = torch.sigmoid(lse_a - lse_b).unsqueeze(-1)
     merged = torch.lerp(out_b.float(), out_a.float(), weight_a)
-    return merged.to(out_a.dtype)
+    return merged.to(out_a.dtype), torch.logaddexp(lse_a, lse_b)
 
 
 def _gathered_decode_attention(
-    q: torch.Tensor, kv: LayerKV, group: DecodeGather, layer: LayerAttention
+    q: torch.Tensor,
+    kv: LayerKV,
+    group: DecodeGather,
+    layer: LayerAttention,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """As _decode_attention, in PyTorch.
+    """As _decode_attention, in PyTorch; `sinks` [heads], the layer's attention sinks.
 
     The query heads that share a key/value head become that head's query rows, so grouped-
     query attention needs no copy of K per query head: (kv_heads * B) small matmuls of
@@ -330,7 +394,12 @@ def _gathered_decode_attention(
     else:  # capped before the mask
         scores = _softcapped(torch.bmm(queries, keys.transpose(1, 2)) * scale, layer.softcap)
         scores = scores + group.bias.to(q.dtype)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    # each score row's sink: rows are (kv head, sequence), columns the group's query heads
+    sink_logits = None
+    if sinks is not None:
+        by_head = sinks.view(kv_heads, 1, group_size, 1).expand(kv_heads, batch, group_size, 1)
+        sink_logits = by_head.reshape(kv_heads * batch, group_size, 1)
+    probs = _softmax(scores, sink_logits, q.dtype)
     if kv.quantized:
         values = _rows_of(kv.v, kv.v_scales, group.key_rows, q.dtype).view(keys.shape)
         out = torch.bmm(probs, values)
