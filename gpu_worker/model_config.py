@@ -359,6 +359,29 @@ def _optional_float(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
+# Families transformers has that cadence does not serve yet, by model_type and architecture
+# name: what each lacks (issue 53), so that the refusal names it.
+_LINEAR_ATTENTION = (
+    "Gated DeltaNet linear-attention layers, whose recurrent and convolution state per "
+    "sequence needs a state cache beside the paged KV, which cadence does not have yet"
+)
+NOT_YET_SERVED = {
+    name: _LINEAR_ATTENTION
+    for name in (
+        "qwen3_next",
+        "qwen3_5",
+        "qwen3_5_text",
+        "qwen3_5_moe",
+        "qwen3_5_moe_text",
+        "Qwen3NextForCausalLM",
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5ForConditionalGeneration",
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3_5MoeForConditionalGeneration",
+    )
+}
+
+
 def _architecture(raw: dict[str, Any]) -> str:
     names = raw.get("architectures") or []
     if not names and raw.get("model_type") in ARCHITECTURES:
@@ -367,6 +390,9 @@ def _architecture(raw: dict[str, Any]) -> str:
         if name in ARCHITECTURES.values():
             return name
     found = ", ".join(names) or f"model_type {raw.get('model_type')!r}"
+    for name in [*names, raw.get("model_type")]:
+        if name in NOT_YET_SERVED:
+            raise UnsupportedModel(f"{found} is not served yet: it has {NOT_YET_SERVED[name]}")
     raise UnsupportedModel(
         f"unsupported architecture {found}; supported: {', '.join(ARCHITECTURES.values())}"
     )

@@ -155,6 +155,16 @@ def test_mixture_of_experts_configs_say_which_layers_route():
     [
         ({"architectures": ["GPT2LMHeadModel"]}, UnsupportedModel, "GPT2LMHeadModel"),
         (
+            {"architectures": ["Qwen3NextForCausalLM"]},
+            UnsupportedModel,
+            "Qwen3NextForCausalLM is not served yet: it has Gated DeltaNet linear-attention",
+        ),
+        (
+            {"architectures": None, "model_type": "qwen3_5_moe"},
+            UnsupportedModel,
+            "model_type 'qwen3_5_moe' is not served yet: .* a state cache beside the paged KV",
+        ),
+        (
             {"architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True},
             UnsupportedModel,
             "Gemma3ForCausalLM: bidirectional",
