@@ -120,6 +120,9 @@ class WorkerConfig:
     # many ranks rank 0 starts on its host (None: all); the others join from elsewhere
     tensor_parallel_address: str | None = None
     tensor_parallel_size_local: int | None = None
+    # threads of a CPU rank's model work (None: the cores it may run on, shared among the
+    # host's ranks); fewer leave cores to the front end
+    cpu_threads: int | None = None
     # disaggregated prefill and decode (gpu_worker.kv_connector): the transfer engine that
     # serves this worker's cache to consumers and pulls from producers (None: none, or
     # KV_ENGINE_MOONCAKE), and the host it listens on

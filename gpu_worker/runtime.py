@@ -165,6 +165,8 @@ def _place(config: WorkerConfig, group: Group | None) -> _Placement:
     device, dtype = resolve_device(config.device), resolve_dtype(config.dtype)
     if group is not None:
         device = group.place(device)
+    if device.type == "cpu" and config.cpu_threads is not None:
+        torch.set_num_threads(config.cpu_threads)
     block_size = block_size_for(config.block_size, device.type)
     cache_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, dtype)
     if device.type == "cuda":
@@ -322,8 +324,12 @@ def _handshake(
 
 
 def _ranks(group: Group | None, device: torch.device, kv_bytes: int) -> list[dict]:
-    """Each rank's facts for the handshake, on rank 0 ([] on the others)."""
-    mine = {"rank": 0, "pid": os.getpid(), "device": str(device), "kv_bytes": kv_bytes}
+    """Each rank's facts for the handshake, on rank 0 ([] on the others); on a CPU with its
+    threads."""
+    mine: dict[str, Any] = {"rank": 0, "pid": os.getpid(), "device": str(device)}
+    mine["kv_bytes"] = kv_bytes
+    if device.type == "cpu":
+        mine["threads"] = torch.get_num_threads()
     if group is None:
         return [mine]
     return group.gather({**mine, "rank": group.rank})

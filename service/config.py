@@ -138,6 +138,13 @@ class Config:
         "HOST:PORT the group's rendezvous store listens on, for ranks on other hosts "
         "(default: loopback, a free port)",
     )
+    cpu_threads: int | None = flag(
+        _WORKER.cpu_threads,
+        "on a CPU, the threads of each rank's model work (default: the cores it may run on, "
+        "shared among the host's ranks); fewer leave cores to the HTTP front end (README: "
+        "Serving on a CPU)",
+        type=positive_int,
+    )
     # disaggregated prefill and decode (README: Prefill and decode on two servers)
     kv_transfer_role: str | None = flag(
         None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import os
 import resource
 import signal
@@ -117,6 +118,10 @@ class Server:
             nursery.start_soon(Connections.close_stalled_bodies, stalled_after)
             binds = await nursery.start(serve_until_shut_down)
             url = binds[0] if binds else f"http://{self.config.host}:{self.config.port}"
+            # the start's heap (app, tokenizer, engine) out of the collector's reach, as
+            # vLLM's server does: a full collection under a flood of connections then walks
+            # what the flood made, not everything, and a stream's gap stays short
+            gc.freeze()
             print(f"cadence listening on {url}", flush=True)
             log.info("server.listening", url=url)
 

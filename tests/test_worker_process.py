@@ -174,6 +174,8 @@ def test_steps_before_init_are_refused(worker):
 class InstantRunner:
     """Stands in for the model: answers every plan at once."""
 
+    kv = None  # no KV transfer connector
+
     def execute(self, plan) -> StepResult:
         return StepResult(step_id=plan.step_id)
 
