@@ -78,6 +78,11 @@ class QuantWeight:
         part = (self.values[start:stop], self.scales[start:stop], mins)
         return QuantWeight(self.kind, *part, self.group)
 
+    def select(self, ids: torch.Tensor) -> QuantWeight:
+        """Output rows `ids`, in their order (a copy)."""
+        mins = None if self.mins is None else self.mins[ids]
+        return QuantWeight(self.kind, self.values[ids], self.scales[ids], mins, self.group)
+
     def to(self, device: torch.device) -> QuantWeight:
         mins = None if self.mins is None else self.mins.to(device)
         values, scales = self.values.to(device), self.scales.to(device)
