@@ -20,9 +20,8 @@ that were chosen (index_select in, index_add out), never over tokens.
 A row's result does not depend on its company: every expert matmul is a Linear or a
 QuantLinear (fixed call sizes, gpu_worker.linear), softmax and top-k work row by row, and
 each row's expert outputs are added in the order of the experts, whichever other rows
-chose them. The
-per-expert token counts are read on the host, so a mixture-of-experts step cannot be
-captured in a CUDA graph (gpu_worker.graphs runs such models eagerly).
+chose them. The per-expert token counts are read on the host, so a mixture-of-experts step
+cannot be captured in a CUDA graph (gpu_worker.graphs runs such models eagerly).
 """
 
 from __future__ import annotations

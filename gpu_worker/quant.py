@@ -259,8 +259,7 @@ def pack(weight: QuantWeight) -> PackedWeight:
         lines = torch.cat(parts, dim=-1)
     data = lines.contiguous().flatten()
     mins = None if weight.mins is None else _blocked(weight.mins.float(), blocks)
-    mxfp4 = weight.kind == "mxfp4"
-    scales = e8m0_exponents(weight.scales) if mxfp4 else weight.scales.float()
+    scales = e8m0_exponents(weight.scales) if weight.kind == "mxfp4" else weight.scales.float()
     return PackedWeight(weight.kind, n, k, weight.group, data, _blocked(scales, blocks), mins)
 
 
