@@ -108,7 +108,9 @@ def resident_bytes(model: Model) -> int:
         if id(item) in seen:
             continue
         seen.add(id(item))
-        if isinstance(item, torch.Tensor):
+        if isinstance(item, torch.Tensor) and item.is_mkldnn:  # oneDNN's: no storage to see
+            storages[id(item)] = item.numel() * item.element_size()
+        elif isinstance(item, torch.Tensor):
             storage = item.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
         elif isinstance(item, dict):
@@ -117,6 +119,6 @@ def resident_bytes(model: Model) -> int:
             pending.extend(item)
         elif hasattr(item, "__dict__") or hasattr(item, "__slots__"):
             pending.extend(vars(item).values() if hasattr(item, "__dict__") else [])
-            for slot in getattr(type(item), "__slots__", ()):
-                pending.append(getattr(item, slot, None))
+            for cls in type(item).__mro__:
+                pending.extend(getattr(item, slot, None) for slot in getattr(cls, "__slots__", ()))
     return sum(storages.values())
