@@ -49,6 +49,7 @@ from gpu_worker.protocol import (
     block_size_for,
     parse_kernel_pins,
 )
+from gpu_worker.recurrent_state import RecurrentState
 from gpu_worker.runner import ModelRunner
 from gpu_worker.sampler import Sampler
 from gpu_worker.step_inputs import PlanLimits
@@ -89,7 +90,30 @@ def check(config: WorkerConfig) -> ModelConfig:
     _check_worker_config(config)
     model_config = ModelConfig.from_dir(Path(config.model_dir))
     check_shardable(model_config, config.tensor_parallel_size, config.quantization)
+    _check_recurrent(config, model_config)
     return model_config
+
+
+def _check_recurrent(config: WorkerConfig, model_config: ModelConfig) -> None:
+    """What a model with linear-attention layers (a recurrent state per sequence,
+    gpu_worker.recurrent_state) cannot be served with, each refusal naming the feature."""
+    if model_config.linear_attention is None:
+        return
+    refused = {
+        "a draft model (speculative decoding: a rejected draft cannot be taken back out of "
+        "the recurrent state)": config.draft_model_dir is not None,
+        "tensor parallelism (the linear-attention layers are not split across ranks)": (
+            config.tensor_parallel_size > 1
+        ),
+        "a KV transfer engine (disaggregated prefill: the recurrent state is not "
+        "transferred)": config.kv_transfer_engine is not None,
+    }
+    for feature, asked in refused.items():
+        if asked:
+            raise ValueError(
+                f"{model_config.architecture} has linear-attention layers, which are not "
+                f"served with {feature}"
+            )
 
 
 def start(config: WorkerConfig, group: Group | None = None) -> ModelRunner:
@@ -264,8 +288,18 @@ def _runner(
         place.block_size, cache.num_blocks, model_config.vocab_size, caches.max_model_len, groups
     )
     sampler = Sampler(config.seed, place.device)
+    state = None
+    if model_config.linear_attention is not None:
+        state = RecurrentState(model_config, model.dtype, model.device)
     return ModelRunner(
-        model, cache, decode_runner, sampler, limits, drafter=caches.drafter, mixed=mixed
+        model,
+        cache,
+        decode_runner,
+        sampler,
+        limits,
+        drafter=caches.drafter,
+        mixed=mixed,
+        state=state,
     )
 
 
@@ -315,6 +349,7 @@ def _handshake(
         warm_up=warmed,
         startup=clock.steps,
         kv_group_windows=list(KVGroups.of(model_config).windows),
+        recurrent_state_bytes=0 if runner.state is None else runner.state.bytes_per_slot,
         quantization=_quantization_text(config.quantization, runner.model),
         draft_model=None if draft_dir is None else Path(draft_dir).resolve().name,
         ranks=ranks,

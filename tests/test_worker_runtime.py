@@ -155,14 +155,14 @@ def test_mixture_of_experts_configs_say_which_layers_route():
     [
         ({"architectures": ["GPT2LMHeadModel"]}, UnsupportedModel, "GPT2LMHeadModel"),
         (
-            {"architectures": ["Qwen3NextForCausalLM"]},
-            UnsupportedModel,
-            "Qwen3NextForCausalLM is not served yet: it has Gated DeltaNet linear-attention",
+            {"architectures": ["Qwen3_5ForCausalLM"]},
+            ConfigError,
+            "lacks the required key 'linear_num_key_heads'",
         ),
         (
             {"architectures": None, "model_type": "qwen3_5_moe"},
-            UnsupportedModel,
-            "model_type 'qwen3_5_moe' is not served yet: .* a state cache beside the paged KV",
+            ConfigError,
+            "lacks the text model's text_config",
         ),
         (
             {"architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True},
