@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpu_worker.attention import torch_backend
-from gpu_worker.protocol import SamplingSpec
+from gpu_worker.protocol import SamplingSpec, StepPlan
 from tests.worker_fixtures import (
     BLOCK_SIZE,
     Chunk,
@@ -57,6 +57,10 @@ ARCHITECTURES = {
     "smollm3-nope": ("smollm3", {}),
     "gpt-oss-sinks": ("gpt_oss", {}),
     "gemma4-shared-kv": ("gemma4", {}),
+    "qwen3-next": ("qwen3_next", {}),
+    "qwen3-next-moe": ("qwen3_next_moe", {}),
+    "qwen3.5": ("qwen3_5", {}),
+    "qwen3.5-moe": ("qwen3_5_moe", {}),
     "gemma4-moe": (
         "gemma4",
         {
@@ -67,6 +71,9 @@ ARCHITECTURES = {
         },
     ),
 }
+# The hybrid linear-attention families (a recurrent state per sequence): 32 greedy tokens,
+# and a forced preemption instead of a prefix-cache hit, which they cannot resume.
+LINEAR_ATTENTION = ("qwen3-next", "qwen3-next-moe", "qwen3.5", "qwen3.5-moe")
 # A family's prompts, where they differ: longrope matches transformers within one factor set.
 PROMPT_LENGTHS = {"phi3-longrope": (49, 90), "phi3-longrope-short": (1, 5, 37, 48)}
 ARCH_KV_MEMORY = float(4 * 1024 * 1024)  # three layers, and the checks' block ids up to 730
@@ -155,7 +162,8 @@ def test_architecture_logits_match_transformers(architecture):
     check_prefill_logits(runner, hf, PROMPT_LENGTHS.get(name, (1, 5, 37, 90)))
     first = PROMPT_LENGTHS.get(name, (0,))[0] - 1
     check_token_by_token_logits(runner, hf, first + 30, first=max(first, 0))
-    check_greedy_decoding(runner, hf, random_prompt(max(12, first + 1), seed=7), 16)
+    steps = 32 if name in LINEAR_ATTENTION else 16
+    check_greedy_decoding(runner, hf, random_prompt(max(12, first + 1), seed=7), steps)
 
 
 @pytest.mark.parametrize(
@@ -164,10 +172,14 @@ def test_architecture_logits_match_transformers(architecture):
     indirect=True,
 )
 def test_architecture_chunked_batched_and_prefix_cached(architecture, one_torch_thread):
-    _, _, runner, _ = architecture
+    name, _, runner, _ = architecture
     check_chunked_prefill(runner)
     check_mixed_batch(runner)
-    check_prefix_cache(runner)
+    if name in LINEAR_ATTENTION:
+        check_preempted_recompute(runner)
+        check_prefix_hit_refused(runner)
+    else:
+        check_prefix_cache(runner)
 
 
 @pytest.mark.parametrize(
@@ -215,7 +227,7 @@ def test_chunked_prefill_equals_unchunked(tiny_llama_dir, prefill_path):
 def check_chunked_prefill(runner) -> None:
     """Bit for bit where the attention claims row invariance: recompute after a
     preemption (chunks of any size, one token each among them) gives the decoded bits."""
-    exact = runner.model.kernels.attention.row_invariant
+    exact = claims_row_invariance(runner)
     prompt = random_prompt(100, seed=5)
     whole_table = blocks_for(0, len(prompt) + 20)
     whole = runner.step_logits(plan_for(runner, [Chunk(0, prompt, 0, whole_table)]))[0]
@@ -284,8 +296,14 @@ def check_mixed_batch(runner) -> None:
     )
     logits = runner.step_logits(mixed)
     assert max_diff(logits[2], alone) < tolerance(alone)
-    if runner.model.kernels.attention.row_invariant:
+    if claims_row_invariance(runner):
         assert torch.equal(logits[2], alone)
+
+
+def claims_row_invariance(runner) -> bool:
+    """The attention claims it, and no linear-attention layer (gpu_worker.linear_attention
+    claims none) serves beside it."""
+    return runner.model.kernels.attention.row_invariant and runner.state is None
 
 
 def check_prefix_cache(runner) -> None:
@@ -301,6 +319,40 @@ def check_prefix_cache(runner) -> None:
         0
     ]
     assert max_diff(cached, whole) < tolerance(whole)
+
+
+def check_preempted_recompute(runner) -> None:
+    """A sequence preempted while decoding (finished, then introduced again from position
+    0 with its prompt and the tokens it took, recomputed beside another sequence's decode)
+    continues with the tokens it would have taken unpreempted."""
+    prompt = random_prompt(21, seed=41)
+    expected = generate_greedy(runner, prompt, steps=12, seq_id=60)
+    table = blocks_for(800, len(prompt) + 12)
+    tokens = sampled(runner.execute(plan_for(runner, [Chunk(61, prompt, 0, table)])))
+    for _ in range(4):
+        position = len(prompt) + len(tokens) - 1
+        step = plan_for(runner, [Chunk(61, [tokens[-1]], position, table)])
+        tokens += sampled(runner.execute(step))
+    runner.execute(StepPlan(1, [], [], finished=[61]))  # preempted: its state is gone
+    neighbour = Chunk(62, random_prompt(9, seed=42), 0, blocks_for(900, 9))
+    history = prompt + tokens
+    recompute = [Chunk(61, history[:-1], 0, blocks_for(840, len(prompt) + 12)), neighbour]
+    result = runner.execute(plan_for(runner, recompute))
+    assert sampled(result)[0] == tokens[-1]  # the recompute's last row predicts it again
+    table = blocks_for(840, len(prompt) + 12)
+    while len(tokens) < len(expected):
+        position = len(prompt) + len(tokens) - 1
+        tokens += sampled(
+            runner.execute(plan_for(runner, [Chunk(61, [tokens[-1]], position, table)]))
+        )
+    assert tokens == expected
+
+
+def check_prefix_hit_refused(runner) -> None:
+    """A new sequence that would start past position 0 (a prefix-cache hit) is refused,
+    naming why: the recurrent state at the hit's end was never saved."""
+    result = runner.execute(plan_for(runner, [Chunk(63, [5, 6], 8, blocks_for(950, 10))]))
+    assert result.error is not None and "recurrent state stands at 0" in result.error
 
 
 def test_decodes_in_a_mixed_batch_match_decoding_alone(tiny_llama_dir):
