@@ -17,6 +17,8 @@ a rejected draft cannot be taken back out of a recurrent state.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +31,16 @@ MIN_SLOTS = 8  # rows allocated at first, doubled as the table grows
 
 
 class RecurrentState:
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        slots: int = 0,
+        checked: bool = True,
+    ) -> None:
+        """`slots` allocated at once (more as the table grows); `checked`: each row must
+        continue its sequence's state (StateStep.of), except in trial steps."""
         linear = config.linear_attention
         assert linear is not None
         self.linear: LinearAttention = linear
@@ -39,7 +50,8 @@ class RecurrentState:
         self.conv: dict[int, torch.Tensor] = {}  # layer -> [slots, conv_dim, kernel - 1]
         self.recurrent: dict[int, torch.Tensor] = {}  # layer -> [slots, heads, k_dim, v_dim]
         self.positions: list[int] = []  # each slot's next position (host)
-        self._allocate(0)
+        self.checked = checked
+        self._allocate(slots)
 
     @property
     def num_slots(self) -> int:
@@ -61,6 +73,16 @@ class RecurrentState:
             self.conv[layer][slot].zero_()
             self.recurrent[layer][slot].zero_()
         self.positions[slot] = 0
+
+    @contextmanager
+    def trials(self) -> Iterator[None]:
+        """The start-up's trial steps, whose rows start anywhere: unchecked meanwhile (their
+        slots are zeroed when given again)."""
+        self.checked = False
+        try:
+            yield
+        finally:
+            self.checked = True
 
     @torch.inference_mode(False)  # they outlive the step that grows them
     def _allocate(self, slots: int) -> None:
@@ -113,7 +135,7 @@ class StateStep:
                     "speculative drafts are not served with linear-attention layers: a "
                     "rejected draft cannot be taken back out of the recurrent state"
                 )
-            if start != state.positions[slot]:
+            if state.checked and start != state.positions[slot]:
                 raise ValueError(
                     f"a row starts at position {start}, but its sequence's recurrent state "
                     f"stands at {state.positions[slot]}: a linear-attention model's sequence "

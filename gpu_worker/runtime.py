@@ -23,7 +23,7 @@ import gc
 import os
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -133,6 +133,12 @@ def start(config: WorkerConfig, group: Group | None = None) -> ModelRunner:
     if config.draft_model_dir is not None:
         with clock.step("draft model"):
             draft = _load_draft(config, place, choice.kernels)
+    state = None
+    if place.model_config.linear_attention is not None:
+        # before the cache is sized: the memory measured free then excludes it
+        with clock.step("recurrent state"):
+            slots = config.max_num_seqs + 1  # a row per running sequence, and the padding row
+            state = RecurrentState(model.config, model.dtype, model.device, slots)
     reserved = 0
     if place.device.type == "cuda":
         with clock.step("profile"):
@@ -146,12 +152,12 @@ def start(config: WorkerConfig, group: Group | None = None) -> ModelRunner:
         graphs["mixed"] = mixed.capture_all()
         memory.release_cached(place.device)
     ranks = _ranks(group, place.device, caches.cache.bytes)
-    runner = _runner(config, place, model, caches, decode_runner, mixed)
+    runner = _runner(config, place, model, caches, decode_runner, mixed, state)
     _connect_kv(config, runner, clock)
     warmed = None
     kernels, device = model.kernels, place.device
     if kernels.attention.compiles(device) or kernels.layer_ops.compiles(device):
-        with clock.step("warm-up"):  # compiles before serving, as the captures
+        with clock.step("warm-up"), _trials(state):  # compiles before serving, as the captures
             warmed = warm_up(runner, config.max_num_batched_tokens)
     runner.handshake = _handshake(config, place, runner, clock, choice, graphs, warmed, ranks)
     return runner
@@ -281,6 +287,7 @@ def _runner(
     caches: _Caches,
     decode_runner: DecodeRunner,
     mixed: MixedGraphs,
+    state: RecurrentState | None,
 ) -> ModelRunner:
     model_config, cache = place.model_config, caches.cache
     groups = KVGroups.of(model_config).num_groups
@@ -288,9 +295,6 @@ def _runner(
         place.block_size, cache.num_blocks, model_config.vocab_size, caches.max_model_len, groups
     )
     sampler = Sampler(config.seed, place.device)
-    state = None
-    if model_config.linear_attention is not None:
-        state = RecurrentState(model_config, model.dtype, model.device)
     return ModelRunner(
         model,
         cache,
@@ -529,7 +533,17 @@ def runner_on(model: Model, cache: KVCache, config: WorkerConfig) -> ModelRunner
         max_num_seqs=config.max_num_seqs,
         max_blocks_per_seq=-(-limit // cache.block_size),
     )
-    return ModelRunner(model, cache, decodes, Sampler(config.seed, model.device), limits)
+    state = None  # the trial steps' rows start anywhere: their states are not checked
+    if model.config.linear_attention is not None:
+        state = RecurrentState(model.config, model.dtype, model.device, checked=False)
+    sampler = Sampler(config.seed, model.device)
+    return ModelRunner(model, cache, decodes, sampler, limits, state=state)
+
+
+def _trials(state: RecurrentState | None) -> AbstractContextManager[None]:
+    """The start-up's trial steps on the worker's own runner (warm-up): their rows start
+    past position 0, so the recurrent states are not checked meanwhile."""
+    return nullcontext() if state is None else state.trials()
 
 
 def profile_mixed(runner: ModelRunner, config: WorkerConfig) -> None:

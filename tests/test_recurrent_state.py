@@ -77,6 +77,9 @@ def test_a_row_must_continue_its_sequences_state():
         StateStep.of(state, [0], [16], [3], [False])  # a prefix-cache hit
     with pytest.raises(ValueError, match="rejected draft cannot be taken back"):
         StateStep.of(state, [0], [0], [3], [True])
+    with state.trials():  # the start-up's trial steps start anywhere
+        StateStep.of(state, [0], [16], [3], [False])
+    state.give(0)
     step = StateStep.of(state, [0], [0], [1], [False])  # a decode row
     assert step.chunks == [] and step.decode_slots.tolist() == [0]
 

@@ -456,12 +456,14 @@ def test_prompt_logprobs_over_chunks_equal_transformers_log_softmax(tiny_llama_d
 
 @pytest.mark.parametrize(
     ("kind", "architecture"),
-    [("gemma3", "Gemma3ForConditionalGeneration"), ("gemma4", "Gemma4ForConditionalGeneration")],
+    [
+        ("gemma3", "Gemma3ForConditionalGeneration"),
+        ("gemma4", "Gemma4ForConditionalGeneration"),
+        ("qwen3_5", "Qwen3_5ForConditionalGeneration"),
+    ],
 )
-def test_a_multimodal_gemma_checkpoint_serves_its_text_model(
-    kind, architecture, tiny_models, tmp_path
-):
-    """model_type gemma3 or gemma4: the text_config's decoder, its weights under
+def test_a_multimodal_checkpoint_serves_its_text_model(kind, architecture, tiny_models, tmp_path):
+    """model_type gemma3, gemma4 or qwen3_5: the text_config's decoder, its weights under
     model.language_model (the vision tower's are left unread), gives the text model's
     logits."""
     from safetensors.torch import load_file, save_file
