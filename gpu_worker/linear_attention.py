@@ -126,7 +126,7 @@ def linear_attention(
         found, new_state = _recurrent_rule(
             q, k, v, decay.index_select(0, tokens), beta.index_select(0, tokens), recurrent[slots]
         )
-        out.index_copy_(0, tokens, found)
+        out.index_copy_(0, tokens, found.to(out.dtype))
         recurrent.index_copy_(0, slots, new_state)
     return _gated_norm(layer, out, z.view_as(out)).view(projected.shape[0], -1)
 

@@ -411,6 +411,30 @@ def test_bfloat16_logits_stay_close_to_float32(tiny_llama_dir):
     assert result.logprobs is not None and result.logprobs.logprobs[0] <= 0
 
 
+def test_a_hybrid_model_in_bfloat16_matches_transformers_bfloat16(tiny_models, one_torch_thread):
+    """Qwen3-Next's layers in bfloat16 (the recurrent state kept in float32): a chunked
+    prompt, then decode steps beside another sequence's chunk, within a few bfloat16 steps
+    of transformers' logits in bfloat16 (both are far from float32's in this tiny model:
+    its experts' choices flip)."""
+    from transformers import AutoModelForCausalLM
+
+    kind, overrides = ARCHITECTURES["qwen3-next-moe"]
+    path = tiny_models(kind, **overrides)
+    runner = make_runner(path, dtype="bfloat16", kv_memory=ARCH_KV_MEMORY)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    prompt, table = random_prompt(40, seed=9), blocks_for(0, 48)
+    with torch.no_grad():
+        reference = hf(torch.tensor([[*prompt, 5, 6]])).logits[0, 39:42].float()
+    runner.execute(plan_for(runner, [Chunk(0, prompt[:30], 0, table, sample=False)]))
+    steps = [[Chunk(0, prompt[30:], 30, table)]] + [
+        [Chunk(0, [token], position, table), Chunk(1, prompt[:9], 0, blocks_for(60, 9))]
+        for position, token in ((40, 5), (41, 6))
+    ]
+    for chunks, expected in zip(steps, reference, strict=True):
+        logits = runner.step_logits(plan_for(runner, chunks))[0]
+        assert max_diff(logits, expected) < 0.03 * expected.abs().max().item()
+
+
 def test_prompt_logprobs_over_chunks_equal_transformers_log_softmax(tiny_llama_dir):
     """`echo`: each prompt token's log-probability and top alternatives, chunk by chunk
     (PROMPT_ROWS positions at a time), beside a sequence that wants none."""
