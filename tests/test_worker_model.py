@@ -11,6 +11,7 @@ from gpu_worker.attention import torch_backend
 from gpu_worker.protocol import SamplingSpec, StepPlan
 from tests.worker_fixtures import (
     BLOCK_SIZE,
+    QWEN_EXPERTS,
     Chunk,
     blocks_for,
     generate_greedy,
@@ -409,6 +410,33 @@ def test_bfloat16_logits_stay_close_to_float32(tiny_llama_dir):
     result = bfloat16.execute(decode)
     assert len(sampled(result)) == 1
     assert result.logprobs is not None and result.logprobs.logprobs[0] <= 0
+
+
+def test_experts_stacked_as_transformers_holds_them_load_as_one_per_expert(tiny_models, tmp_path):
+    """A Qwen3.5-MoE checkpoint whose experts are stacked (mlp.experts.gate_up_proj and
+    down_proj, transformers 5's layout) serves the logits of the same weights kept one
+    tensor per expert."""
+    from safetensors.torch import load_file, save_file
+
+    kind, overrides = ARCHITECTURES["qwen3.5-moe"]
+    per_expert = tiny_models(kind, **overrides)
+    weights = load_file(per_expert / "model.safetensors")
+    for layer in range(4):
+        block = f"model.layers.{layer}.mlp.experts."
+        gate_up, down = [], []
+        for e in range(QWEN_EXPERTS["num_experts"]):
+            gate, up = (weights.pop(f"{block}{e}.{p}_proj.weight") for p in ("gate", "up"))
+            gate_up.append(torch.cat([gate, up]))
+            down.append(weights.pop(f"{block}{e}.down_proj.weight"))
+        weights[block + "gate_up_proj"] = torch.stack(gate_up)
+        weights[block + "down_proj"] = torch.stack(down)
+    save_file(weights, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((per_expert / "config.json").read_text())
+    plan_prompt = [Chunk(0, random_prompt(20, seed=4), 0, blocks_for(0, 20))]
+    expected = make_runner(per_expert, kv_memory=ARCH_KV_MEMORY)
+    runner = make_runner(tmp_path, kv_memory=ARCH_KV_MEMORY)
+    logits = runner.step_logits(plan_for(runner, plan_prompt))
+    assert torch.equal(logits, expected.step_logits(plan_for(expected, plan_prompt)))
 
 
 def test_a_hybrid_model_in_bfloat16_matches_transformers_bfloat16(tiny_models, one_torch_thread):
