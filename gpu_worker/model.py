@@ -1,6 +1,6 @@
 """The decoder over a paged KV cache, for every family FAMILIES lists (Llama 2/3, SmolLM2,
-TinyLlama, Mistral, Qwen2/3, Gemma 2/3/4, Phi-3, SmolLM3, and the Mixtral, Qwen and gpt-oss
-mixtures of experts).
+TinyLlama, Mistral, Qwen2/3, Gemma 2/3/4, Phi-3, SmolLM3, the hybrid Qwen3-Next and Qwen3.5,
+and the Mixtral, Qwen and gpt-oss mixtures of experts).
 
 One forward pass takes the flattened tokens of a whole mixed batch (prefill chunks and
 decode tokens, [T] ids at [T] absolute positions) and returns hidden states [T, hidden];

@@ -1,5 +1,5 @@
-"""Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss): top-k softmax routing
-and the routed experts, exactly as transformers computes them.
+"""Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, gpt-oss,
+Gemma 4): top-k softmax routing and the routed experts, exactly as transformers computes them.
 
 A router (a Linear) scores each token's experts; softmax in float32, the top k kept
 (renormalized to sum to one where the config says so: always for Mixtral,
