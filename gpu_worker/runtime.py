@@ -142,7 +142,9 @@ def start(config: WorkerConfig, group: Group | None = None) -> ModelRunner:
     reserved = 0
     if place.device.type == "cuda":
         with clock.step("profile"):
-            reserved = _activation_reserve(model, config, place.block_size, place.cache_dtype)
+            reserved = _activation_reserve(
+                model, config, place.block_size, place.cache_dtype, state
+            )
     with clock.step("cache"):
         caches = _allocate_caches(config, place, model, draft, reserved, group)
     decode_runner, mixed = _graph_runners(config, place, model, caches)
@@ -509,21 +511,27 @@ def _activation_reserve(
     config: WorkerConfig,
     block_size: int,
     cache_dtype: torch.dtype,
+    state: RecurrentState | None = None,
 ) -> int:
     """The activations to keep out of the cache on CUDA (see gpu_worker.memory): the peaks
     of the largest mixed step and of the largest captured decode step, run on a one-block
-    cache that is gone when this returns."""
+    cache that is gone when this returns (and on the worker's recurrent `state`, already
+    allocated: not counted twice)."""
     cache = kv_cache.allocate(model.config, 1, block_size, cache_dtype, model.device)
-    probe = runner_on(model, cache, config)
+    probe = runner_on(model, cache, config, state)
     width = probe.decode_runner.widths[-1]  # the widest table a captured graph reads
-    mixed = memory.peak_bytes(model.device, lambda: profile_mixed(probe, config))
-    decode = memory.peak_bytes(model.device, lambda: profile_decode(probe, config, width))
+    with _trials(state):
+        mixed = memory.peak_bytes(model.device, lambda: profile_mixed(probe, config))
+        decode = memory.peak_bytes(model.device, lambda: profile_decode(probe, config, width))
     return kv_cache.activation_reserve(mixed, decode, graphs=config.use_cuda_graphs)
 
 
-def runner_on(model: Model, cache: KVCache, config: WorkerConfig) -> ModelRunner:
+def runner_on(
+    model: Model, cache: KVCache, config: WorkerConfig, state: RecurrentState | None = None
+) -> ModelRunner:
     """A runner over `cache`, with its own sampler: the worker's random stream must not
-    depend on the profile."""
+    depend on the profile. A model with linear-attention layers runs on `state`, or on a
+    state of its own, unchecked: the trial steps' rows start anywhere."""
     limit = model.config.context_limit
     groups = KVGroups.of(model.config).num_groups
     limits = PlanLimits(cache.block_size, cache.num_blocks, model.config.vocab_size, limit, groups)
@@ -533,16 +541,15 @@ def runner_on(model: Model, cache: KVCache, config: WorkerConfig) -> ModelRunner
         max_num_seqs=config.max_num_seqs,
         max_blocks_per_seq=-(-limit // cache.block_size),
     )
-    state = None  # the trial steps' rows start anywhere: their states are not checked
-    if model.config.linear_attention is not None:
+    if state is None and model.config.linear_attention is not None:
         state = RecurrentState(model.config, model.dtype, model.device, checked=False)
     sampler = Sampler(config.seed, model.device)
     return ModelRunner(model, cache, decodes, sampler, limits, state=state)
 
 
 def _trials(state: RecurrentState | None) -> AbstractContextManager[None]:
-    """The start-up's trial steps on the worker's own runner (warm-up): their rows start
-    past position 0, so the recurrent states are not checked meanwhile."""
+    """The start-up's trial steps on the worker's recurrent state (profile, warm-up): their
+    rows start past position 0, so the state's rows are not checked meanwhile."""
     return nullcontext() if state is None else state.trials()
 
 
