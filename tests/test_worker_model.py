@@ -356,8 +356,12 @@ def check_prefix_hit_refused(runner) -> None:
     assert result.error is not None and "recurrent state stands at 0" in result.error
 
 
-def test_decodes_in_a_mixed_batch_match_decoding_alone(tiny_llama_dir):
-    runner = make_runner(tiny_llama_dir)
+@pytest.mark.parametrize("name", ["llama", "qwen3.5-moe"])
+def test_decodes_in_a_mixed_batch_match_decoding_alone(name, tiny_models):
+    """Three decode rows among prefill chunks: a hybrid model's decode rows run the
+    recurrent form batched, each on its own sequence's state."""
+    kind, overrides = ARCHITECTURES.get(name, (name, {}))
+    runner = make_runner(tiny_models(kind, **overrides), kv_memory=ARCH_KV_MEMORY)
     prompts = [random_prompt(n, seed=20 + n) for n in (9, 14, 23)]
     alone = []
     for i, prompt in enumerate(prompts):
