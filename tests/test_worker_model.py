@@ -358,28 +358,32 @@ def check_prefix_hit_refused(runner) -> None:
 
 @pytest.mark.parametrize("name", ["llama", "qwen3.5-moe"])
 def test_decodes_in_a_mixed_batch_match_decoding_alone(name, tiny_models):
-    """Three decode rows among prefill chunks: a hybrid model's decode rows run the
-    recurrent form batched, each on its own sequence's state."""
+    """Three decode rows among prefill chunks, two steps running: a hybrid model's decode
+    rows run the recurrent form batched, each on (and into) its own sequence's state."""
     kind, overrides = ARCHITECTURES.get(name, (name, {}))
     runner = make_runner(tiny_models(kind, **overrides), kv_memory=ARCH_KV_MEMORY)
     prompts = [random_prompt(n, seed=20 + n) for n in (9, 14, 23)]
+    decoded = (5, 6)  # the tokens each sequence decodes, a step each
     alone = []
     for i, prompt in enumerate(prompts):
         table = blocks_for(10 * i, 30)
         runner.execute(plan_for(runner, [Chunk(i, prompt, 0, table, sample=False)]))
-        decode = Chunk(i, [5], len(prompt), table)
-        alone.append(runner.step_logits(plan_for(runner, [decode]))[0])
+        steps = [Chunk(i, [token], len(prompt) + t, table) for t, token in enumerate(decoded)]
+        alone.append([runner.step_logits(plan_for(runner, [step]))[0] for step in steps])
     # Same decodes, interleaved with prefill chunks (non-contiguous decode rows).
     for i, prompt in enumerate(prompts):
         table = blocks_for(100 + 10 * i, 30)
         runner.execute(plan_for(runner, [Chunk(10 + i, prompt, 0, table, sample=False)]))
-    chunks = []
-    for i, prompt in enumerate(prompts):
-        chunks.append(Chunk(10 + i, [5], len(prompt), blocks_for(100 + 10 * i, 30)))
-        chunks.append(Chunk(20 + i, random_prompt(4, seed=i), 0, blocks_for(200 + 10 * i, 4)))
-    logits = runner.step_logits(plan_for(runner, chunks))
-    for i in range(len(prompts)):
-        assert max_diff(logits[2 * i], alone[i]) < tolerance(alone[i])
+    for t, token in enumerate(decoded):
+        chunks = []
+        for i, prompt in enumerate(prompts):
+            table = blocks_for(100 + 10 * i, 30)
+            chunks.append(Chunk(10 + i, [token], len(prompt) + t, table))
+            neighbour = random_prompt(4, seed=i + 10 * t)
+            chunks.append(Chunk(20 + i, neighbour, 0, blocks_for(200 + 10 * i, 4)))
+        logits = runner.step_logits(plan_for(runner, chunks))
+        for i in range(len(prompts)):
+            assert max_diff(logits[2 * i], alone[i][t]) < tolerance(alone[i][t])
 
 
 def test_greedy_decoding_equals_transformers_generate(variant_dir):
