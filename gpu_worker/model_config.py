@@ -293,7 +293,12 @@ class ModelConfig:
             config = cls(
                 architecture=architecture,
                 hidden_size=hidden,
-                intermediate_size=int(raw["intermediate_size"]),
+                # Qwen3.5-MoE's config names none: every layer is a mixture of experts
+                intermediate_size=int(
+                    raw.get("intermediate_size")
+                    or raw.get("moe_intermediate_size")
+                    or raw["intermediate_size"]
+                ),
                 num_hidden_layers=layers,
                 num_attention_heads=heads,
                 num_key_value_heads=int(raw.get("num_key_value_heads") or heads),

@@ -158,7 +158,12 @@ ARCHITECTURE_KINDS = {
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {**LINEAR, "num_experts": 0}),
     "qwen3_next_moe": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {**LINEAR, **QWEN_EXPERTS}),
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", LINEAR),
-    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", {**LINEAR, **QWEN_EXPERTS}),
+    # (Qwen3.5-MoE's config has no intermediate_size: every layer is a mixture of experts)
+    "qwen3_5_moe": (
+        "Qwen3_5MoeTextConfig",
+        "Qwen3_5MoeForCausalLM",
+        {**LINEAR, **QWEN_EXPERTS, "intermediate_size": None},
+    ),
     # A windowed layer and a full one, attention sinks, yarn RoPE, and a SwiGLU limit low
     # enough that its clamps bite.
     "gpt_oss": (
