@@ -98,3 +98,16 @@ def test_a_linear_attention_model_refuses_what_a_recurrent_state_cannot_serve(
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_5))
     with pytest.raises(ValueError, match=f"linear-attention layers, .* served with {feature}"):
         runtime.check(WorkerConfig(model_dir=str(tmp_path), **setting))
+
+
+def test_a_config_without_layer_types_has_every_fourth_layer_full():
+    """Qwen3-Next's first configs: full_attention_interval instead of layer_types, and
+    partial_rotary_factor beside rope_theta."""
+    older = {k: v for k, v in QWEN3_5.items() if k not in ("layer_types", "rope_parameters")}
+    older |= {"architectures": ["Qwen3NextForCausalLM"], "num_hidden_layers": 8}
+    older |= {"full_attention_interval": 4, "rope_theta": 1e7, "partial_rotary_factor": 0.25}
+    older |= {"num_experts": 0, "num_experts_per_tok": 1, "moe_intermediate_size": 8}
+    config = ModelConfig.from_dict(older)
+    assert [config.is_linear(i) for i in range(8)] == [True, True, True, False] * 2
+    assert config.rotary_dim == 4 and config.rope_theta == 1e7
+    assert KVGroups.of(config).layers == ((3, 7),)
