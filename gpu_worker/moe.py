@@ -1,5 +1,5 @@
-"""Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss): top-k softmax routing
-and the routed experts, exactly as transformers computes them.
+"""Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, gpt-oss,
+Gemma 4): top-k softmax routing and the routed experts, exactly as transformers computes them.
 
 A router (a Linear) scores each token's experts; softmax in float32, the top k kept
 (renormalized to sum to one where the config says so: always for Mixtral,
@@ -147,6 +147,7 @@ def load_moe(take: WeightTaker, cfg: ModelConfig, prefix: str) -> MoEMLP:
         ]
     else:
         block = prefix + "mlp."
+        _unstack_experts(take.weights, block)
         names = [
             tuple(f"{block}experts.{e}.{p}_proj" for p in ("gate", "up", "down"))
             for e in range(moe.num_experts)
@@ -161,6 +162,20 @@ def load_moe(take: WeightTaker, cfg: ModelConfig, prefix: str) -> MoEMLP:
         mlp.shared = take.gated_mlp(shared, hidden, moe.shared_intermediate_size)
         mlp.shared_gate = take.linear(block + "shared_expert_gate", (1, hidden))
     return mlp
+
+
+def _unstack_experts(weights: dict[str, torch.Tensor], block: str) -> None:
+    """A checkpoint that stacks a layer's experts as transformers 5 holds them (gate_up_proj
+    [experts, 2I, hidden]: gate, then up; down_proj [experts, hidden, I]) in the dict as
+    each expert's gate_proj, up_proj and down_proj, the names the loader takes."""
+    gate_up = weights.pop(block + "experts.gate_up_proj", None)
+    down = weights.pop(block + "experts.down_proj", None)
+    if gate_up is None or down is None:
+        return
+    for e in range(gate_up.shape[0]):  # the loader checks the count against the config
+        gate, up = gate_up[e].chunk(2, dim=0)
+        for name, tensor in (("gate", gate), ("up", up), ("down", down[e])):
+            weights[f"{block}experts.{e}.{name}_proj.weight"] = tensor
 
 
 def _load_stacked_moe(take: WeightTaker, moe: MoE, hidden: int, block: str) -> MoEMLP:

@@ -54,6 +54,11 @@ ARCHITECTURES = {
     "gpt_oss": "GptOssForCausalLM",
     "gemma4_text": "Gemma4ForCausalLM",
     "gemma4": "Gemma4ForConditionalGeneration",  # its text model only (text_config)
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",  # its text model only (text_config)
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",  # its text model only
 }
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 # A longer wait for a plan is the service having no work, not the cost of preparing a step.
@@ -180,6 +185,9 @@ class Handshake:
     # query at p sees keys p - w + 1 .. p) or None for full attention: the service keeps a
     # table per group and frees a windowed group's blocks behind its window
     kv_group_windows: list[int | None] = field(default_factory=lambda: [None])
+    # the bytes one sequence's recurrent-state slot holds (gpu_worker.recurrent_state: the
+    # linear-attention layers' conv and recurrent states); 0: the model has none
+    recurrent_state_bytes: int = 0
     # WorkerConfig.quantization, and which kernel serves the quantized weights
     quantization: str = "none"
     # the draft model's directory name (WorkerConfig.draft_model_dir), None without one
