@@ -16,7 +16,8 @@ recompute after a preemption must reproduce the tokens decoded before it, and a 
 tokens must not depend on its batch (tests/test_worker_batch_invariance.py shows it on the
 real model). Where none is offered (CUDA), candidates that read the cache in place (paged,
 as FlexAttention) win over the gathering reference, whose copy of the context is memory
-the KV budget does not count.
+the KV budget does not count. A model with attention sinks (gpt-oss) has its candidates
+checked with sinks (`decode_sinks`, `prefill_sinks`), row invariance included.
 
 The choice is cached in a JSON file (the service passes <cache dir>/kernels.json), one
 entry per CPU model and ISA flags, torch version, kernel sources, device, dtype, model
