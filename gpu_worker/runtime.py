@@ -403,9 +403,12 @@ def _load_model(
     linear.recall_checked_sizes(kernel_choice.recall(cache_file, ROW_SIZES_SECTION))
     # A rank of a group reads its slices only, as the model takes them.
     dtype, device = place.dtype, place.device
-    weights = load_weights(model_dir, dtype, device, on_use=group is not None)
+    # MXFP4 experts stay packed on the CPU, for the quantized matmul (gpu_worker.mxfp4);
+    # on CUDA they are dequantized: its matmuls are not the CPU's kernels.
+    cpu = device.type == "cpu"
+    weights = load_weights(model_dir, dtype, device, on_use=group is not None, packed_mxfp4=cpu)
     quantized = load_quantized(model_dir, device) if quantization == "gguf" else None
-    if quantization != "none":
+    if quantization != "none" or cpu:
         kernels = dataclasses.replace(kernels, quant_matmul=quant_kernels(device))
     # The rope tables cover the whole context limit of the model.
     model = Model(
