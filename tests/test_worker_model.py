@@ -158,8 +158,10 @@ def check_token_by_token_logits(runner, hf, length: int, first: int = 0) -> None
 
 def test_architecture_logits_match_transformers(architecture):
     """A prompt's last logits, every position decoded token by token, and greedy decoding,
-    past each window."""
+    past each window (gpt-oss's sinks on the C++ kernels, the row-invariant choice)."""
     name, _, runner, hf = architecture
+    if name == "gpt-oss-sinks":
+        assert runner.model.kernels.attention.name == "native-rows"
     check_prefill_logits(runner, hf, PROMPT_LENGTHS.get(name, (1, 5, 37, 90)))
     first = PROMPT_LENGTHS.get(name, (0,))[0] - 1
     check_token_by_token_logits(runner, hf, first + 30, first=max(first, 0))
@@ -193,16 +195,17 @@ def test_architecture_chunked_batched_and_prefix_cached(architecture, one_torch_
         "qwen3-moe",
         "qwen2-moe-shared",
         "smollm3-nope",
+        "gpt-oss-sinks",
         "gemma4-shared-kv",
     ],
 )
 def test_architecture_rows_keep_their_bits_batched_and_chunked_in_bfloat16(
     name, tiny_models, one_torch_thread
 ):
-    """Where a row-invariant attention serves (the decode kernel's windows and Gemma 2's
-    soft-capping too), a row's bfloat16 logits are the same bits beside other sequences
-    and in chunks of any size: the experts' routing and matmuls (gpu_worker.moe) keep the
-    claim."""
+    """Where a row-invariant attention serves (the decode kernel's windows, Gemma 2's
+    soft-capping and gpt-oss's sinks too), a row's bfloat16 logits are the same bits beside
+    other sequences and in chunks of any size: the experts' routing and matmuls
+    (gpu_worker.moe) keep the claim."""
     kind, overrides = ARCHITECTURES[name]
     runner = make_runner(tiny_models(kind, **overrides), dtype="bfloat16", kv_memory=ARCH_KV_MEMORY)
     assert runner.model.kernels.attention.row_invariant
@@ -216,7 +219,7 @@ def test_attention_sinks_through_the_cpu_flash_path(tiny_models, monkeypatch, on
     monkeypatch.setattr(torch_backend, "FLASH_MIN_CONTEXT", 0)
     kind, overrides = ARCHITECTURES["gpt-oss-sinks"]
     path = tiny_models(kind, **overrides)
-    runner = make_runner(path, kv_memory=ARCH_KV_MEMORY)
+    runner = make_runner(path, kv_memory=ARCH_KV_MEMORY, kernels="attention=torch")
     check_prefill_logits(runner, hf_model(path), (5, 37))
     check_prefix_cache(runner)
 
