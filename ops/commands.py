@@ -10,7 +10,7 @@ import sys
 def bench(argv: list[str] | None = None) -> int:
     """`cadence bench SCENARIO | compare | capacity | chat | prefix | structured | engine |
     sampler | processors | roofline | attention | kv-accuracy | weight-accuracy |
-    speculation | tensor-parallel | plan | quant`."""
+    speculation | tensor-parallel | plan | quant | hybrid`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command, rest = (argv[0], argv[1:]) if argv else ("", argv)
     if command == "compare":
@@ -45,6 +45,8 @@ def bench(argv: list[str] | None = None) -> int:
         from ops.plan_bench import main
     elif command == "quant":
         from ops.quant_bench import main
+    elif command == "hybrid":
+        from ops.hybrid_bench import main
     else:
         from ops.bench import main
 
