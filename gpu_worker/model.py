@@ -49,6 +49,7 @@ from gpu_worker.layer_ops import (
 from gpu_worker.layers import load_layer
 from gpu_worker.linear import LM_HEAD_ROW_SIZES, Linear
 from gpu_worker.linear_attention import linear_attention
+from gpu_worker.lora import LoraSlots
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.per_layer_inputs import PerLayerInputs
 from gpu_worker.quant import QUANTIZERS, QuantLinear, QuantWeight
@@ -145,6 +146,9 @@ class Model:
         self.capturable = config.moe is None and not (
             config.family.attention_sinks or gemma4 or linear
         )
+        # LoRA adapters' slots (gpu_worker.runtime allocates them): each adapted linear's
+        # output gains its adapted tokens' deltas; a step without such tokens adds nothing
+        self.lora: LoraSlots | None = None
 
     def _pick_functions(self, zero_centred: bool) -> None:
         """`zero_centred`: the norms scale by 1 + w (Gemma's, Qwen3-Next's)."""
@@ -221,7 +225,7 @@ class Model:
         heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         own_dim, own_kv_heads = cfg.head_dim_of(index), cfg.kv_heads_of(index)
         owns_kv = cfg.kv_source(index) == index
-        qkv = layer.qkv(h)
+        qkv = self._adapted(index, "qkv", h, layer.qkv(h))
         if cfg.values_from_keys(index):  # v: the keys' projection, normed as v
             qkv = torch.cat([qkv, qkv[:, heads * own_dim :]], dim=1)
         if layer.qk_norm is not None:  # q and k heads (and Gemma 4's v heads) normed
@@ -303,7 +307,7 @@ class Model:
         )
         last = index == len(self.layers) - 1
         next_norm = self.norm if last else self.layers[index + 1].input_norm
-        attn = layer.o_proj(attn)
+        attn = self._adapted(index, "o_proj", attn, layer.o_proj(attn))
         self.shard.all_reduce(attn)  # the ranks' partial sums, as down's below
         if layer.attn_out_norm is not None:
             attn = norm(attn, layer.attn_out_norm, eps)
@@ -311,7 +315,9 @@ class Model:
         if layer.moe is not None and not layer.moe.config.beside_dense:
             mlp = layer.moe(h, self.act_and_mul)
         else:
-            mlp = layer.down(self.act_and_mul(layer.gate_up(h)))  # type: ignore[misc]
+            up = self._adapted(index, "gate_up", h, layer.gate_up(h))  # type: ignore[misc]
+            act = self.act_and_mul(up)
+            mlp = self._adapted(index, "down", act, layer.down(act))  # type: ignore[misc]
             self.shard.all_reduce(mlp)
         if layer.moe is not None and layer.moe.config.beside_dense:  # from x, before its norm
             mlp = layer.moe.beside_dense(x, mlp, self.act_and_mul, norm, eps)
@@ -325,6 +331,11 @@ class Model:
             gated = self._row_invariant_act(layer.per_layer_gate(x)) * per_layer[:, index]
             x.add_(norm(layer.per_layer_projection(gated), layer.per_layer_norm, eps))
         return norm(x.mul_(layer.scalar), next_norm, eps)
+
+    def _adapted(self, index: int, linear: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Layer `index`'s `linear` output for input x, with the LoRA deltas of the step's
+        adapted tokens (gpu_worker.lora)."""
+        return out if self.lora is None else self.lora.add_(index, linear, x, out)
 
     def _own_width(self, index: int, attn: torch.Tensor) -> torch.Tensor:
         """The attention output [T, heads * d] of layer `index` at its own head_dim: the

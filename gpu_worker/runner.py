@@ -104,6 +104,7 @@ class ModelRunner:
                 raise ValueError("the plan asks for a draft model's drafts; this worker has none")
             plan = self.drafter.fill(plan)
             inputs = StepInputs.of(plan, self.table)
+            self._begin_lora(inputs)
         verification = Verification.of(inputs)
         self.table.histories.count_step(plan)
         logits, hidden = self._forward_and_logits(inputs, verification)
@@ -188,10 +189,27 @@ class ModelRunner:
 
     @torch.inference_mode()
     def inputs(self, plan: StepPlan) -> StepInputs:
-        """The plan applied to the table (ValueError for one that does not fit it), and its
-        facts."""
+        """The plan's adapters loaded, the plan applied to the table (ValueError for one
+        that does not fit it), and its facts."""
+        lora = self.model.lora
+        if plan.adapters:
+            if lora is None:
+                raise ValueError("the plan loads LoRA adapters; this worker has no slots")
+            lora.load_all(plan.adapters)  # before `new`, whose adapters they may be
         self.table.apply(plan)
-        return StepInputs.of(plan, self.table)
+        inputs = StepInputs.of(plan, self.table)
+        self._begin_lora(inputs)
+        return inputs
+
+    def _begin_lora(self, inputs: StepInputs) -> None:
+        if self.model.lora is not None:
+            self.model.lora.begin(inputs.adapter_of_token)
+
+    @property
+    def _eager_lora(self) -> bool:
+        """The running step has adapted tokens: it runs eagerly, as the graphs were
+        captured without their deltas."""
+        return self.model.lora is not None and self.model.lora.step is not None
 
     @torch.inference_mode()
     def logits(self, inputs: StepInputs) -> Logits:
@@ -199,7 +217,7 @@ class ModelRunner:
         sampled = inputs.sampled
         if not inputs.num_seqs:
             return Logits(torch.empty((0, self.model.config.vocab_size), device=self.model.device))
-        if inputs.decode_only and self.state is None:
+        if inputs.decode_only and self.state is None and not self._eager_lora:
             logits = self.decode_runner.run(inputs)
             if len(sampled) == inputs.num_seqs:
                 return logits
@@ -216,7 +234,7 @@ class ModelRunner:
             step = self._state_step(inputs)
             layers, metas = self.cache.layers, self.metadata(inputs)
             return self.model.forward(input_ids, positions, layers, metas, step)
-        if self.mixed is not None:
+        if self.mixed is not None and not self._eager_lora:
             return self.mixed.forward(inputs, input_ids, positions, self.metadata)
         return self.model.forward(input_ids, positions, self.cache.layers, self.metadata(inputs))
 

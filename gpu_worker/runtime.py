@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gpu_worker import kernel_choice, kv_cache, linear, memory
+from gpu_worker import kernel_choice, kv_cache, linear, lora, memory
 from gpu_worker.checkpoint import load_quantized, load_weights
 from gpu_worker.device import free_memory_bytes, resolve_device, resolve_dtype
 from gpu_worker.draft_model import Drafter
@@ -39,6 +39,7 @@ from gpu_worker.kernels import Kernels, quant_kernels
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.kv_connector import make_connector
 from gpu_worker.kv_groups import KVGroups
+from gpu_worker.lora import LoraSlots
 from gpu_worker.mixed_graphs import MixedGraphs, piece_capturer, static_records
 from gpu_worker.model import Model
 from gpu_worker.model_config import ModelConfig
@@ -129,6 +130,7 @@ def start(config: WorkerConfig, group: Group | None = None) -> ModelRunner:
         model = _load_model(
             config, model_dir, place.model_config, quantization, place, choice.kernels, group
         )
+    _add_lora_slots(config, model, clock)  # before the cache is sized: it counts them
     draft = None
     if config.draft_model_dir is not None:
         with clock.step("draft model"):
@@ -297,7 +299,7 @@ def _runner(
         place.block_size, cache.num_blocks, model_config.vocab_size, caches.max_model_len, groups
     )
     sampler = Sampler(config.seed, place.device)
-    return ModelRunner(
+    runner = ModelRunner(
         model,
         cache,
         decode_runner,
@@ -307,6 +309,21 @@ def _runner(
         mixed=mixed,
         state=state,
     )
+    if model.lora is not None:
+        runner.table.adapter_slot_of = model.lora.slot_of
+    return runner
+
+
+def _add_lora_slots(config: WorkerConfig, model: Model, clock: Stopwatch) -> None:
+    """With max_loras: the LoRA adapters' slots, every buffer allocated (ValueError where
+    the model or the worker cannot serve adapters)."""
+    if config.max_loras <= 0:
+        return
+    lora.check_supported(model.config, model.shard.world_size)
+    with clock.step("lora slots"):
+        model.lora = LoraSlots(
+            model.config, config.max_loras, config.max_lora_rank, model.dtype, model.device
+        )
 
 
 def _connect_kv(config: WorkerConfig, runner: ModelRunner, clock: Stopwatch) -> None:

@@ -75,6 +75,7 @@ class Seq:
     pooling: str | None
     adapter: str | None
     num_blocks: int = 0  # entries of its tables in use (every group's are as long)
+    adapter_slot: int = -1  # its adapter's LoRA slot (gpu_worker.lora); -1: the base model
 
 
 PAD_SLOT = 0  # the tables' row of no sequence: every entry the scratch block
@@ -92,6 +93,9 @@ class SeqTable:
         # told each slot given to a sequence: the linear-attention layers' states, kept in
         # the same rows (gpu_worker.recurrent_state), start it from zeros
         self.slot_given: Callable[[int], None] | None = None
+        # an adapter's name -> its LoRA slot, ValueError where none holds it
+        # (gpu_worker.lora.LoraSlots.slot_of); None: the worker serves no adapters
+        self.adapter_slot_of: Callable[[str], int] | None = None
 
     def __len__(self) -> int:
         return len(self._seqs)
@@ -132,6 +136,7 @@ class SeqTable:
             raise ValueError("plan introduces a sequence twice")
         for new in plan.new:
             _check_new(new)
+            self._adapter_slot(new)
         seq_ids = plan.seq_ids
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError("plan lists a sequence more than once")
@@ -168,11 +173,28 @@ class SeqTable:
         if not self._free:
             self._grow()
         slot = self._free.pop()
-        self._seqs[new.seq_id] = Seq(slot, new.sampling, new.prompt_len, new.pooling, new.adapter)
+        self._seqs[new.seq_id] = Seq(
+            slot,
+            new.sampling,
+            new.prompt_len,
+            new.pooling,
+            new.adapter,
+            adapter_slot=self._adapter_slot(new),
+        )
         if self.slot_given is not None:
             self.slot_given(slot)
         if new.sampling.reads_history:
             self.histories.begin(new.seq_id, new.prompt_len, new.prefix)
+
+    def _adapter_slot(self, new: NewSeq) -> int:
+        if new.adapter is None:
+            return -1
+        if self.adapter_slot_of is None:
+            raise ValueError(
+                f"sequence {new.seq_id} names adapter {new.adapter!r}; this worker has no "
+                "LoRA slots (max_loras 0)"
+            )
+        return self.adapter_slot_of(new.adapter)
 
     def _forget(self, seq_id: int) -> None:
         seq = self._seqs.pop(seq_id, None)

@@ -44,6 +44,8 @@ class StepInputs:
     # what each row pools (embeddings): every row of a POOL_SUM sequence, the row that ends
     # a POOL_LAST sequence's prompt; None for the others ([] when no row pools)
     pooling: list[str | None]
+    # [T] each token's LoRA slot (host; -1: the base model); None where no row is adapted
+    adapter_of_token: torch.Tensor | None = None
     _on_device: tuple[torch.Tensor, torch.Tensor] | None = None  # (tables, slots) once built
 
     @classmethod
@@ -67,6 +69,7 @@ class StepInputs:
             torch.from_numpy(positions),
             [i for i, row in enumerate(plan.rows) if row.sample],
             _pooling(plan, seqs),
+            _adapter_of_token(seqs, row_of_token),
         )
 
     @property
@@ -122,6 +125,13 @@ class StepInputs:
     def sampling(self) -> list[SamplingSpec]:
         """The sampled rows' settings, in plan order."""
         return [self.seqs[i].sampling for i in self.sampled]
+
+
+def _adapter_of_token(seqs: list[Seq], row_of_token: np.ndarray) -> torch.Tensor | None:
+    slots = np.array([seq.adapter_slot for seq in seqs], dtype=np.int64)
+    if not (slots >= 0).any():
+        return None
+    return torch.from_numpy(slots[row_of_token])
 
 
 def _pooling(plan: StepPlan, seqs: list[Seq]) -> list[str | None]:

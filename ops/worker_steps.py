@@ -30,6 +30,7 @@ class Seq:
     bitmask: str | None = None
     prompt_targets: list[int] | None = None
     pooling: str | None = None  # NewSeq.pooling, when it is introduced
+    adapter: str | None = None  # NewSeq.adapter (its LoRA adapter's name), when introduced
 
 
 @dataclass(slots=True)
@@ -59,7 +60,16 @@ class Steps:
                 prompt_len = (
                     seq.start + len(seq.tokens) if seq.prompt_len is None else seq.prompt_len
                 )
-                new.append(NewSeq(seq.seq_id, seq.spec, prompt_len, list(seq.prefix), seq.pooling))
+                new.append(
+                    NewSeq(
+                        seq.seq_id,
+                        seq.spec,
+                        prompt_len,
+                        list(seq.prefix),
+                        seq.pooling,
+                        adapter=seq.adapter,
+                    )
+                )
                 held = _Held(seq.spec, [])
             at = _common_prefix(held.table, seq.table)
             added = seq.table[at:]

@@ -1,0 +1,315 @@
+"""LoRA adapters in the worker (gpu_worker.lora, lora_files, triton_lora) against PEFT.
+
+Adapters are made here with peft on the tiny random Llama and on the default model
+(random non-zero A and B, ranks 8, 16 and 64, one with rsLoRA, one targeting three of the
+seven modules), saved, and loaded by the worker into its slots: prefill logits and greedy
+continuations equal PEFT's in float32, for each adapter alone and for rows of three
+adapters and the base in one step; in bfloat16 a row's bits are the same beside other
+adapters' rows; loading another adapter into a slot replaces it exactly; malformed
+adapters are refused naming the field. The Triton kernels run under Triton's interpreter
+against the float64 reference.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_worker import lora
+from gpu_worker.lora_files import TARGET_MODULES, read_adapter, tensor_name
+from gpu_worker.model_config import ModelConfig
+from gpu_worker.protocol import AdapterLoad, StepPlan
+from gpu_worker.runner import ModelRunner
+from ops.worker_steps import Blocks
+from tests.triton_interpreter import interpreted_outputs
+from tests.worker_fixtures import (
+    BLOCK_SIZE,
+    Chunk,
+    hf_model,
+    make_runner,
+    max_diff,
+    plan_for,
+    random_prompt,
+    sampled,
+)
+
+# name -> (rank, alpha, rsLoRA, target modules, seed)
+ADAPTERS = {
+    "r8": (8, 16, False, TARGET_MODULES, 1),
+    "r64-rs": (64, 32, True, TARGET_MODULES, 2),
+    "r16-qv-down": (16, 8, False, ("q_proj", "v_proj", "down_proj"), 3),
+}
+DECODED = 5  # greedy tokens after each prompt
+
+
+def tolerance(reference: torch.Tensor) -> float:
+    return 1e-4 * max(1.0, reference.abs().max().item())  # as tests/test_worker_model.py
+
+
+def make_adapter(base_dir: Path, out: Path, spec: tuple) -> torch.nn.Module:
+    """A PEFT model of `base_dir` with random non-zero A and B, its adapter saved to `out`."""
+    from peft import LoraConfig, get_peft_model
+
+    rank, alpha, rslora, targets, seed = spec
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora)
+    model = get_peft_model(hf_model(base_dir), config).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:  # A's rows and B's columns about unit-norm products
+                param.copy_(torch.randn(param.shape, generator=generator) / param.shape[-1] ** 0.5)
+    model.save_pretrained(out)
+    return model
+
+
+def reference_logits(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0, -1]
+
+
+def reference_greedy(model: torch.nn.Module, prompt: list[int], count: int) -> list[int]:
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(count):
+            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt) :]
+
+
+def load_plan(loads: list[AdapterLoad], step_id: int = 0) -> StepPlan:
+    return StepPlan(step_id, [], [], adapters=loads)
+
+
+def run_greedy(
+    runner: ModelRunner, prompts: dict[int, tuple[list[int], str | None]], count: int
+) -> dict[int, list[int]]:
+    """Every (prompt, adapter) of `prompts` in one step per token: the prompts' prefill
+    together, then `count - 1` decode steps of all of them."""
+    blocks = Blocks(BLOCK_SIZE)
+    tables = {seq_id: blocks.take(len(p) + count) for seq_id, (p, _) in prompts.items()}
+    chunks = [Chunk(i, p, 0, tables[i], adapter=a) for i, (p, a) in prompts.items()]
+    found = dict(
+        zip(prompts, ([t] for t in sampled(runner.execute(plan_for(runner, chunks)))), strict=True)
+    )
+    for _ in range(count - 1):
+        chunks = [
+            Chunk(i, found[i][-1:], len(p) + len(found[i]) - 1, tables[i], adapter=a)
+            for i, (p, a) in prompts.items()
+        ]
+        for seq_id, token in zip(
+            prompts, sampled(runner.execute(plan_for(runner, chunks))), strict=True
+        ):
+            found[seq_id].append(token)
+    return found
+
+
+def step_logits(
+    runner: ModelRunner, prompts: dict[int, tuple[list[int], str | None]]
+) -> torch.Tensor:
+    """The prompts' prefill in one step: each one's last logits [S, vocab]."""
+    blocks = Blocks(BLOCK_SIZE)
+    chunks = [Chunk(i, p, 0, blocks.take(len(p)), adapter=a) for i, (p, a) in prompts.items()]
+    return runner.step_logits(plan_for(runner, chunks))
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama_dir, tmp_path_factory) -> dict[str, tuple[Path, torch.nn.Module]]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        name: (root / name, make_adapter(tiny_llama_dir, root / name, spec))
+        for name, spec in ADAPTERS.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_llama_dir, adapters) -> ModelRunner:
+    """A float32 runner with the three adapters in slots 0..2."""
+    runner = make_runner(tiny_llama_dir, max_loras=3, max_lora_rank=64)
+    loads = [
+        AdapterLoad(slot, name, str(path))
+        for slot, (name, (path, _)) in enumerate(adapters.items())
+    ]
+    assert runner.execute(load_plan(loads)).error is None
+    return runner
+
+
+PROMPTS = {name: random_prompt(5 + i, 10 + i) for i, name in enumerate([*ADAPTERS, None])}
+
+
+def test_each_adapter_alone_matches_peft(loaded, adapters, tiny_llama_dir, one_torch_thread):
+    base = hf_model(tiny_llama_dir)
+    for name, (_, model) in adapters.items():
+        prompt = PROMPTS[name]
+        reference = reference_logits(model, prompt)
+        assert max_diff(reference, reference_logits(base, prompt)) > 0.1, "the adapter is a no-op"
+        logits = step_logits(loaded, {0: (prompt, name)})[0]
+        assert max_diff(logits, reference) < tolerance(reference), name
+        tokens = run_greedy(loaded, {0: (prompt, name)}, DECODED)[0]
+        assert tokens == reference_greedy(model, prompt, DECODED), name
+
+
+def test_three_adapters_and_the_base_in_one_step_match_peft(
+    loaded, adapters, tiny_llama_dir, one_torch_thread
+):
+    models = {name: model for name, (_, model) in adapters.items()} | {
+        None: hf_model(tiny_llama_dir)
+    }
+    prompts = {i: (PROMPTS[name], name) for i, name in enumerate(models)}
+    logits = step_logits(loaded, prompts)
+    for i, name in enumerate(models):
+        reference = reference_logits(models[name], PROMPTS[name])
+        assert max_diff(logits[i], reference) < tolerance(reference), name
+    found = run_greedy(loaded, prompts, DECODED)
+    for i, name in enumerate(models):
+        assert found[i] == reference_greedy(models[name], PROMPTS[name], DECODED), name
+
+
+def test_loading_into_a_held_slot_replaces_it_exactly(loaded, adapters, one_torch_thread):
+    prompt = PROMPTS["r16-qv-down"]
+    before = step_logits(loaded, {0: (prompt, "r16-qv-down")})[0]
+    path_r8, path_qv = adapters["r8"][0], adapters["r16-qv-down"][0]
+    assert loaded.execute(load_plan([AdapterLoad(0, "again", str(path_qv))])).error is None
+    assert torch.equal(step_logits(loaded, {0: (prompt, "again")})[0], before)
+    gone = loaded.execute(plan_for(loaded, [Chunk(0, prompt, 0, [0, 1], adapter="r8")]))
+    assert gone.error is not None and "'r8'" in gone.error  # a plan error: the worker serves on
+    assert loaded.execute(load_plan([AdapterLoad(0, "r8", str(path_r8))])).error is None
+    reference = reference_logits(adapters["r8"][1], PROMPTS["r8"])
+    logits = step_logits(loaded, {0: (PROMPTS["r8"], "r8")})[0]
+    assert max_diff(logits, reference) < tolerance(reference)
+
+
+def test_bfloat16_rows_keep_their_bits_beside_other_adapters(
+    tiny_llama_dir, adapters, one_torch_thread
+):
+    runner = make_runner(tiny_llama_dir, dtype="bfloat16", max_loras=3, max_lora_rank=64)
+    loads = [
+        AdapterLoad(slot, name, str(path))
+        for slot, (name, (path, _)) in enumerate(adapters.items())
+    ]
+    assert runner.execute(load_plan(loads)).error is None
+    prompt = PROMPTS["r64-rs"]
+    alone = step_logits(runner, {0: (prompt, "r64-rs")})[0]
+    crowd = {i: (PROMPTS[name], name) for i, name in enumerate([*ADAPTERS, None])}
+    beside = step_logits(runner, crowd)[1]  # seq 1: r64-rs among r8, r16-qv-down and the base
+    assert torch.equal(alone, beside)
+    decoded_alone = run_greedy(runner, {1: (prompt, "r64-rs")}, 3)[1]
+    assert run_greedy(runner, crowd, 3)[1] == decoded_alone
+
+
+def test_malformed_adapters_are_refused_naming_the_field(
+    adapters, tiny_llama_dir, tmp_path, loaded
+):
+    good = adapters["r8"][0]
+    config = ModelConfig.from_dir(tiny_llama_dir)
+    cases = {
+        "r is 8, above": ({}, 4),
+        "target_modules ['lm_head']": ({"target_modules": ["q_proj", "lm_head"]}, 64),
+        "use_dora": ({"use_dora": True}, 64),
+        "bias": ({"bias": "lora_only"}, 64),
+        "modules_to_save": ({"modules_to_save": ["lm_head"]}, 64),
+        "lora_alpha": ({"lora_alpha": "big"}, 64),
+    }
+    for expected, (changes, max_rank) in cases.items():
+        bad = tmp_path / expected.split()[0]
+        shutil.copytree(good, bad)
+        settings = json.loads((bad / "adapter_config.json").read_text()) | changes
+        (bad / "adapter_config.json").write_text(json.dumps(settings))
+        with pytest.raises(ValueError, match=expected.replace("[", r"\[").replace("]", r"\]")):
+            read_adapter(bad, config, max_rank)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(good / "adapter_model.safetensors")
+    name = tensor_name(1, "up_proj", "B")
+    for index, (expected, changed) in enumerate(
+        {
+            f"{name} has shape \\[128, 4\\]": tensors | {name: torch.zeros(128, 4)},
+            f"{name} missing": {k: v for k, v in tensors.items() if k != name},
+            "cannot apply": tensors | {"base_model.model.lm_head.weight": torch.zeros(1)},
+        }.items()
+    ):
+        bad = tmp_path / f"tensors{index}"
+        shutil.copytree(good, bad)
+        save_file(changed, bad / "adapter_model.safetensors")
+        with pytest.raises(ValueError, match=expected):
+            read_adapter(bad, config, 64)
+    with pytest.raises(ValueError, match=r"adapter_config\.json not found"):
+        read_adapter(tmp_path, config, 64)
+    # through a plan: the step fails naming the field, the slot keeps its adapter
+    refused = loaded.execute(load_plan([AdapterLoad(0, "dora", str(tmp_path / "use_dora"))]))
+    assert refused.error is not None and "use_dora" in refused.error
+    assert loaded.model.lora is not None and loaded.model.lora.slot_of("r8") == 0
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        lora.check_supported(config, 2)
+
+
+# the Triton kernels: (tokens, in, [out of each part], max rank, slots' ranks)
+KERNEL_CASE = (11, 80, [48, 16, 16], 16, [16, 4, 8])
+TOKEN_SLOTS = [2, -1, 0, 2, 1, -1, 0, 0, 2, 1, -1]
+
+
+def kernel_inputs(dtype: torch.dtype) -> tuple:
+    tokens, inp, outs, max_rank, ranks = KERNEL_CASE
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn((tokens, inp), generator=generator).to(dtype)
+    a_parts, b_parts = [], []
+    for out in outs:
+        a = torch.randn((len(ranks), max_rank, inp), generator=generator) / inp**0.5
+        b = torch.randn((len(ranks), out, max_rank), generator=generator) / max_rank**0.5
+        for slot, rank in enumerate(ranks):  # zero beyond each slot's rank, as LoraSlots
+            a[slot, rank:], b[slot, :, rank:] = 0, 0
+        a_parts.append(a.to(dtype))
+        b_parts.append(b.to(dtype))
+    base = torch.randn((tokens, sum(outs)), generator=generator).to(dtype)
+    scales = torch.tensor([0.5, 2.0, 1.25])
+    return x, a_parts, b_parts, base, scales
+
+
+def reference_output(dtype: torch.dtype) -> torch.Tensor:
+    """The CPU path's rule: each adapted token's delta in float64, rounded, added."""
+    x, a_parts, b_parts, base, scales = kernel_inputs(dtype)
+    out = base.clone()
+    for token, slot in enumerate(TOKEN_SLOTS):
+        if slot < 0:
+            continue
+        column = 0
+        for a, b in zip(a_parts, b_parts, strict=True):
+            delta = (
+                (x[token].double() @ a[slot].double().T) @ b[slot].double().T * float(scales[slot])
+            )
+            out[token, column : column + b.shape[1]] += delta.to(dtype)
+            column += b.shape[1]
+    return out
+
+
+def interpret(path: str) -> None:
+    """Runs in the subprocess, under TRITON_INTERPRET=1: the kernels' outputs per dtype."""
+    from gpu_worker.triton_lora import lora_expand, lora_shrink
+
+    step = lora.LoraStep.of(torch.tensor(TOKEN_SLOTS), torch.device("cpu"))
+    assert step is not None
+    outputs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x, a_parts, b_parts, out, scales = kernel_inputs(dtype)
+        column = 0
+        for a, b in zip(a_parts, b_parts, strict=True):
+            shrunk = lora_shrink(x, a, step.tokens, step.slots)
+            lora_expand(shrunk, b, scales, step.tokens, step.slots, out, column)
+            column += b.shape[1]
+        outputs[str(dtype)] = out
+    torch.save(outputs, path)
+
+
+def test_triton_kernels_match_the_reference(tmp_path_factory):
+    outputs = interpreted_outputs(__name__, tmp_path_factory)
+    for dtype in (torch.float32, torch.bfloat16):
+        expected = reference_output(dtype)
+        found = outputs[str(dtype)]
+        untouched = [t for t, slot in enumerate(TOKEN_SLOTS) if slot < 0]
+        assert torch.equal(found[untouched], kernel_inputs(dtype)[3][untouched])
+        # float32 sums in another order than float64's rounding; bfloat16 may round the
+        # delta to the neighbouring value
+        limit = 1e-5 if dtype == torch.float32 else 0.02
+        assert max_diff(found, expected) < limit * expected.abs().max().item(), dtype
