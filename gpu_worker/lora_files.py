@@ -148,9 +148,7 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"{WEIGHTS_FILE}: unreadable ({exc})") from None
 
 
-def _take(
-    tensors: dict[str, torch.Tensor], name: str, shape: tuple[int, int]
-) -> torch.Tensor:
+def _take(tensors: dict[str, torch.Tensor], name: str, shape: tuple[int, int]) -> torch.Tensor:
     tensor = tensors.pop(name, None)
     if tensor is None:
         raise ValueError(f"{WEIGHTS_FILE}: {name} missing")
