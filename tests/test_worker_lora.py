@@ -193,6 +193,7 @@ def test_bfloat16_rows_keep_their_bits_beside_other_adapters(
     prompt = PROMPTS["r64-rs"]
     alone = step_logits(runner, {0: (prompt, "r64-rs")})[0]
     crowd = {i: (PROMPTS[name], name) for i, name in enumerate([*ADAPTERS, None])}
+    crowd[4] = (random_prompt(9, 20), "r64-rs")  # its segment of the delta grows too
     beside = step_logits(runner, crowd)[1]  # seq 1: r64-rs among r8, r16-qv-down and the base
     assert torch.equal(alone, beside)
     decoded_alone = run_greedy(runner, {1: (prompt, "r64-rs")}, 3)[1]
@@ -313,3 +314,24 @@ def test_triton_kernels_match_the_reference(tmp_path_factory):
         # delta to the neighbouring value
         limit = 1e-5 if dtype == torch.float32 else 0.02
         assert max_diff(found, expected) < limit * expected.abs().max().item(), dtype
+
+
+@pytest.mark.real_model
+def test_the_default_model_with_an_adapter_beside_the_base_matches_peft(
+    default_model_dir, tmp_path
+):
+    """SmolLM2-135M-Instruct with a rank-64 rsLoRA adapter of all seven modules, its row
+    beside the base's in one step: prefill logits and greedy tokens as PEFT's (kept small:
+    the tiny model's tests cover the other adapters and their mixes)."""
+    path = tmp_path / "r64-rs"
+    models = {"r64-rs": make_adapter(default_model_dir, path, ADAPTERS["r64-rs"])}
+    models[None] = hf_model(default_model_dir)
+    runner = make_runner(default_model_dir, kv_memory=float(1 << 24), max_loras=1, max_lora_rank=64)
+    assert runner.execute(load_plan([AdapterLoad(0, "r64-rs", str(path))])).error is None
+    prompts = {i: (random_prompt(5, 30 + i), name) for i, name in enumerate(models)}
+    logits = step_logits(runner, prompts)
+    found = run_greedy(runner, prompts, 2)
+    for i, (prompt, name) in prompts.items():
+        reference = reference_logits(models[name], prompt)
+        assert max_diff(logits[i], reference) < tolerance(reference), name
+        assert found[i] == reference_greedy(models[name], prompt, 2), name
