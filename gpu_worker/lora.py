@@ -136,7 +136,15 @@ class LoraSlots:
         except ValueError:
             raise ValueError(f"adapter {name!r} is loaded in no slot of this worker") from None
 
-    def load_all(self, loads: list[AdapterLoad]) -> None:
+    def load_all(self, loads: list[AdapterLoad], busy: set[int]) -> None:
+        """Each load in turn; ValueError before any where one would replace the adapter
+        of a `busy` slot (one that a sequence the worker holds runs with)."""
+        for load in loads:
+            if load.slot in busy:
+                raise ValueError(
+                    f"adapter slot {load.slot} holds {self.names[load.slot]!r}, which a "
+                    f"running sequence uses; {load.name!r} cannot replace it"
+                )
         for load in loads:
             self.load(load)
 

@@ -195,7 +195,8 @@ class ModelRunner:
         if plan.adapters:
             if lora is None:
                 raise ValueError("the plan loads LoRA adapters; this worker has no slots")
-            lora.load_all(plan.adapters)  # before `new`, whose adapters they may be
+            # before `new`, whose adapters they may be; never a slot a sequence still runs on
+            lora.load_all(plan.adapters, self.table.adapter_slots_held(plan.finished))
         self.table.apply(plan)
         inputs = StepInputs.of(plan, self.table)
         self._begin_lora(inputs)

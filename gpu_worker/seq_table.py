@@ -111,6 +111,12 @@ class SeqTable:
         seq = self._seqs[seq_id]
         return self.tables[group, seq.slot, : seq.num_blocks].tolist()
 
+    def adapter_slots_held(self, finished: list[int]) -> set[int]:
+        """The LoRA slots of the sequences still held once `finished` are forgotten."""
+        gone = set(finished)
+        held = (seq for seq_id, seq in self._seqs.items() if seq_id not in gone)
+        return {seq.adapter_slot for seq in held if seq.adapter_slot >= 0}
+
     def apply(self, plan: StepPlan) -> None:
         """Forget `finished`, introduce `new`, write each row's new block ids. ValueError,
         before anything changes, for a plan that does not fit what the worker holds."""

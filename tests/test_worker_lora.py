@@ -171,10 +171,16 @@ def test_loading_into_a_held_slot_replaces_it_exactly(loaded, adapters, one_torc
     prompt = PROMPTS["r16-qv-down"]
     before = step_logits(loaded, {0: (prompt, "r16-qv-down")})[0]
     path_r8, path_qv = adapters["r8"][0], adapters["r16-qv-down"][0]
+    running = step_logits(loaded, {1: (PROMPTS["r8"], "r8")})  # seq 1 runs on slot 0
+    busy = loaded.execute(load_plan([AdapterLoad(0, "again", str(path_qv))]))
+    assert busy.error is not None and "slot 0 holds 'r8'" in busy.error
+    assert torch.equal(step_logits(loaded, {2: (PROMPTS["r8"], "r8")})[0], running[0])
+    assert loaded.execute(StepPlan(1, [], [], finished=[1, 2])).error is None
     assert loaded.execute(load_plan([AdapterLoad(0, "again", str(path_qv))])).error is None
     assert torch.equal(step_logits(loaded, {0: (prompt, "again")})[0], before)
     gone = loaded.execute(plan_for(loaded, [Chunk(0, prompt, 0, [0, 1], adapter="r8")]))
     assert gone.error is not None and "'r8'" in gone.error  # a plan error: the worker serves on
+    assert loaded.execute(StepPlan(2, [], [], finished=[0])).error is None
     assert loaded.execute(load_plan([AdapterLoad(0, "r8", str(path_r8))])).error is None
     reference = reference_logits(adapters["r8"][1], PROMPTS["r8"])
     logits = step_logits(loaded, {0: (PROMPTS["r8"], "r8")})[0]
@@ -239,6 +245,7 @@ def test_malformed_adapters_are_refused_naming_the_field(
     with pytest.raises(ValueError, match=r"adapter_config\.json not found"):
         read_adapter(tmp_path, config, 64)
     # through a plan: the step fails naming the field, the slot keeps its adapter
+    assert loaded.execute(StepPlan(3, [], [], finished=list(range(4)))).error is None
     refused = loaded.execute(load_plan([AdapterLoad(0, "dora", str(tmp_path / "use_dora"))]))
     assert refused.error is not None and "use_dora" in refused.error
     assert loaded.model.lora is not None and loaded.model.lora.slot_of("r8") == 0
