@@ -202,8 +202,9 @@ class LoraSlots:
     def _add_triton(
         self, layer: int, linear: str, x: torch.Tensor, out: torch.Tensor, step: LoraStep
     ) -> torch.Tensor:
-        assert self.kernels is not None
+        assert self.kernels is not None and out.stride(1) == 1  # the kernels' row layout
         shrink, expand = self.kernels
+        x = x.contiguous()
         column = 0
         for module in FUSED_PARTS[linear]:
             a, b = self.a[(layer, module)], self.b[(layer, module)]
