@@ -159,5 +159,6 @@ def test_a_sequences_adapter_reaches_the_workers_table():
     sched.add(request)
     out = planned(sched, [(0, 6)])
     table = SeqTable(PlanLimits(4, 16, vocab_size=256, max_model_len=64), torch.device("cpu"))
+    table.adapter_slot_of = {"support-bot": 2}.__getitem__  # the worker's LoRA slots' names
     table.apply(out.plan)  # type: ignore[arg-type]
-    assert table.seq(0).adapter == "support-bot"
+    assert table.seq(0).adapter == "support-bot" and table.seq(0).adapter_slot == 2

@@ -25,7 +25,7 @@ from gpu_worker.model_config import ModelConfig
 from gpu_worker.protocol import AdapterLoad, StepPlan
 from gpu_worker.runner import ModelRunner
 from ops.worker_steps import Blocks
-from tests.triton_interpreter import interpreted_outputs
+from tests.triton_interpreter import run_interpreted
 from tests.worker_fixtures import (
     BLOCK_SIZE,
     Chunk,
@@ -292,13 +292,15 @@ def reference_output(dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def interpret(path: str) -> None:
-    """Runs in the subprocess, under TRITON_INTERPRET=1: the kernels' outputs per dtype."""
+def interpret(path: str, model_dir: str, *adapter_dirs: str) -> None:
+    """Runs in the subprocess, under TRITON_INTERPRET=1: the kernels' outputs per dtype,
+    and each fused linear's output from LoraSlots' CPU path and its Triton path (slots of
+    the adapters at `adapter_dirs`)."""
     from gpu_worker.triton_lora import lora_expand, lora_shrink
 
     step = lora.LoraStep.of(torch.tensor(TOKEN_SLOTS), torch.device("cpu"))
     assert step is not None
-    outputs = {}
+    outputs = slots_outputs(model_dir, adapter_dirs)
     for dtype in (torch.float32, torch.bfloat16):
         x, a_parts, b_parts, out, scales = kernel_inputs(dtype)
         column = 0
@@ -310,8 +312,38 @@ def interpret(path: str) -> None:
     torch.save(outputs, path)
 
 
-def test_triton_kernels_match_the_reference(tmp_path_factory):
-    outputs = interpreted_outputs(__name__, tmp_path_factory)
+@pytest.fixture(scope="module")
+def interpreted(tiny_llama_dir, adapters, tmp_path_factory) -> dict:
+    path = tmp_path_factory.mktemp("triton") / "outputs.pt"
+    dirs = [str(adapter_dir) for adapter_dir, _ in adapters.values()]
+    run_interpreted(__name__, str(path), str(tiny_llama_dir), *dirs)
+    return torch.load(path, weights_only=False)
+
+
+def slots_outputs(model_dir: str, adapter_dirs: tuple[str, ...]) -> dict:
+    """{(path, linear): output} for path "cpu" and "triton", of layer 1's fused linears."""
+    config = ModelConfig.from_dir(model_dir)
+    slots = lora.LoraSlots(config, len(adapter_dirs), 64, torch.float32, torch.device("cpu"))
+    for slot, adapter_dir in enumerate(adapter_dirs):
+        slots.load(AdapterLoad(slot, f"a{slot}", adapter_dir))
+    slots.begin(torch.tensor(TOKEN_SLOTS))
+    generator = torch.Generator().manual_seed(0)
+    widths = {"qkv": 64, "o_proj": 64, "gate_up": 64, "down": config.intermediate_size}
+    outputs = {}
+    for path, kernels in (("cpu", None), ("triton", lora._triton_kernels())):
+        slots.kernels = kernels
+        for linear, width in widths.items():
+            x = torch.randn((len(TOKEN_SLOTS), width), generator=generator)
+            parts = lora.FUSED_PARTS[linear]
+            out_width = sum(slots.b[(1, module)].shape[1] for module in parts)
+            out = torch.zeros((len(TOKEN_SLOTS), out_width))
+            outputs[(path, linear)] = slots.add_(1, linear, x, out)
+        generator.manual_seed(0)  # the same inputs for the other path
+    return outputs
+
+
+def test_triton_kernels_match_the_reference(interpreted):
+    outputs = interpreted
     for dtype in (torch.float32, torch.bfloat16):
         expected = reference_output(dtype)
         found = outputs[str(dtype)]
@@ -321,6 +353,16 @@ def test_triton_kernels_match_the_reference(tmp_path_factory):
         # delta to the neighbouring value
         limit = 1e-5 if dtype == torch.float32 else 0.02
         assert max_diff(found, expected) < limit * expected.abs().max().item(), dtype
+
+
+def test_the_slots_triton_path_matches_their_cpu_path(interpreted):
+    """LoraSlots on CUDA (gpu_worker.triton_lora), interpreted: every fused linear's parts
+    in their columns, each slot's rank and scale, the base's tokens untouched."""
+    outputs = interpreted
+    for linear in lora.FUSED_PARTS:
+        expected, found = outputs[("cpu", linear)], outputs[("triton", linear)]
+        assert expected.abs().max() > 0.1, linear
+        assert max_diff(found, expected) < 1e-5 * expected.abs().max().item(), linear
 
 
 @pytest.mark.real_model
