@@ -127,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.adapters = list(dict.fromkeys(args.adapters))  # each count once: its own sequences
     model_dir = Path(args.model) if args.model else resolve_model(None, default_cache_dir())
     config = ModelConfig.from_dir(model_dir)
     runner = start(model_dir, args)
