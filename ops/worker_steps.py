@@ -37,12 +37,13 @@ class Seq:
 class _Held:
     spec: SamplingSpec
     table: list[int]
+    adapter: str | None = None
 
 
 class Steps:
     """Plans for one worker from whole descriptions of its sequences, as the service's
     PlanBuilder writes them: a sequence is introduced when it is new to the worker, has
-    other sampling settings, or starts again at position 0 (then finished first), and
+    other sampling settings or adapter, or starts again at position 0 (then finished first), and
     otherwise its row carries the blocks its table gained (or from where it changed)."""
 
     def __init__(self, num_groups: int = 1) -> None:
@@ -55,7 +56,11 @@ class Steps:
         new, finished, rows = [], [], []
         for seq in seqs:
             held = None if standalone else self._held.get(seq.seq_id)
-            if held is None or held.spec != seq.spec or seq.start == 0:
+            if (
+                held is None
+                or (held.spec, held.adapter) != (seq.spec, seq.adapter)
+                or seq.start == 0
+            ):
                 finished.append(seq.seq_id)
                 prompt_len = (
                     seq.start + len(seq.tokens) if seq.prompt_len is None else seq.prompt_len
@@ -87,7 +92,7 @@ class Steps:
                     prompt_targets=seq.prompt_targets,
                 )
             )
-            self._held[seq.seq_id] = _Held(seq.spec, list(seq.table))
+            self._held[seq.seq_id] = _Held(seq.spec, list(seq.table), seq.adapter)
         input_ids = [t for s in seqs for t in s.tokens]
         return StepPlan(step_id, rows, input_ids, new=new, finished=finished)
 
