@@ -25,9 +25,13 @@ the other adapters' rows beside it. On CUDA one Triton kernel pair does every se
 (gpu_worker.triton_lora, shrink then expand, float32 accumulation), and a step with
 adapted rows runs eagerly: the decode and mixed graphs are captured without LoRA.
 
-Tensor parallelism and the models whose layers are not plain q/k/v/o and gate/up/down
-(mixtures of experts, linear attention, Gemma 4's shared K/V) are refused at start
-(`check_supported`).
+Under tensor parallelism each rank holds its slice of every adapter as of the base
+weights (gpu_worker.tensor_parallel): the column-parallel q/k/v and gate/up keep their B's
+rows of the rank's heads or features (A whole), the row-parallel o_proj and down keep
+their A's columns (B whole): B(A_r x_r) is then the rank's partial sum of the delta, which
+the all-reduce after the linear adds up with the base's. The models whose layers are not
+plain q/k/v/o and gate/up/down (mixtures of experts, linear attention, Gemma 4's shared
+K/V) are refused at start (`check_supported`).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import torch
 from gpu_worker.lora_files import LoraAdapter, module_shape, read_adapter
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.protocol import AdapterLoad
+from gpu_worker.tensor_parallel import COLUMNS, NO_SHARD, ROWS, Shard
 
 # the model's fused linears and the PEFT modules whose deltas fill their columns, in order
 FUSED_PARTS = {
@@ -48,12 +53,11 @@ FUSED_PARTS = {
     "down": ("down_proj",),
 }
 BASE = -1  # the adapter slot of a sequence that runs the base model
+ROW_PARALLEL = ("o_proj", "down_proj")  # split by input features: each rank's A columns
 
 
-def check_supported(config: ModelConfig, world_size: int) -> None:
-    """ValueError naming why this model or worker cannot serve LoRA adapters."""
-    if world_size > 1:
-        raise ValueError("LoRA adapters with tensor parallelism are not supported yet")
+def check_supported(config: ModelConfig) -> None:
+    """ValueError naming why this model cannot serve LoRA adapters."""
     family = config.family
     if config.moe is not None or family.linear_attention is not None or family.gemma4:
         raise ValueError(
@@ -98,17 +102,20 @@ class LoraSlots:
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        shard: Shard = NO_SHARD,
     ) -> None:
+        """`config`: the checkpoint's (every rank's adapters are read whole and sliced)."""
         self.config = config
         self.max_rank = max_rank
         self.device = device
+        self.shard = shard
         # (layer, module) -> A [slots, max_rank, in], B [slots, out, max_rank]
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
         for layer in range(config.num_hidden_layers):
             for parts in FUSED_PARTS.values():
                 for module in parts:
-                    out, inp = module_shape(config, layer, module)
+                    out, inp = self._local_shape(layer, module)
                     key = (layer, module)
                     self.a[key] = torch.zeros((slots, max_rank, inp), dtype=dtype, device=device)
                     self.b[key] = torch.zeros((slots, out, max_rank), dtype=dtype, device=device)
@@ -119,6 +126,12 @@ class LoraSlots:
         self.scale_tensor = torch.zeros(slots, dtype=torch.float32, device=device)
         self.step: LoraStep | None = None  # the running step's adapted tokens
         self.kernels = _triton_kernels() if device.type == "cuda" else None
+
+    def _local_shape(self, layer: int, module: str) -> tuple[int, int]:
+        out, inp = module_shape(self.config, layer, module)
+        if module in ROW_PARALLEL:
+            return out, self.shard.local(inp)
+        return self.shard.local(out), inp
 
     @property
     def num_slots(self) -> int:
@@ -168,6 +181,10 @@ class LoraSlots:
             b[slot].zero_()
             if key in adapter.weights:
                 lora_a, lora_b = adapter.weights[key]
+                if key[1] in ROW_PARALLEL:
+                    lora_a = self.shard.slice(lora_a, COLUMNS)
+                else:
+                    lora_b = self.shard.slice(lora_b, ROWS)
                 a[slot, :rank].copy_(lora_a)
                 b[slot, :, :rank].copy_(lora_b)
         self.ranks[slot], self.scales[slot] = rank, adapter.scale

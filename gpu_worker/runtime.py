@@ -130,7 +130,7 @@ def start(config: WorkerConfig, group: Group | None = None) -> ModelRunner:
         model = _load_model(
             config, model_dir, place.model_config, quantization, place, choice.kernels, group
         )
-    _add_lora_slots(config, model, clock)  # before the cache is sized: it counts them
+    _add_lora_slots(config, place.model_config, model, clock)  # before the cache is sized
     draft = None
     if config.draft_model_dir is not None:
         with clock.step("draft model"):
@@ -314,15 +314,22 @@ def _runner(
     return runner
 
 
-def _add_lora_slots(config: WorkerConfig, model: Model, clock: Stopwatch) -> None:
-    """With max_loras: the LoRA adapters' slots, every buffer allocated (ValueError where
-    the model or the worker cannot serve adapters)."""
+def _add_lora_slots(
+    config: WorkerConfig, model_config: ModelConfig, model: Model, clock: Stopwatch
+) -> None:
+    """With max_loras: the LoRA adapters' slots, every buffer allocated (this rank's
+    slices of them), ValueError where the model cannot serve adapters."""
     if config.max_loras <= 0:
         return
-    lora.check_supported(model.config, model.shard.world_size)
+    lora.check_supported(model_config)
     with clock.step("lora slots"):
         model.lora = LoraSlots(
-            model.config, config.max_loras, config.max_lora_rank, model.dtype, model.device
+            model_config,
+            config.max_loras,
+            config.max_lora_rank,
+            model.dtype,
+            model.device,
+            model.shard,
         )
 
 

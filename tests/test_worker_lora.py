@@ -24,7 +24,9 @@ from gpu_worker.lora_files import TARGET_MODULES, read_adapter, tensor_name
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.protocol import AdapterLoad, StepPlan
 from gpu_worker.runner import ModelRunner
+from gpu_worker.tensor_parallel import Shard
 from ops.worker_steps import Blocks
+from tests.tensor_parallel_helpers import build_runner, run_ranks
 from tests.triton_interpreter import run_interpreted
 from tests.worker_fixtures import (
     BLOCK_SIZE,
@@ -249,8 +251,36 @@ def test_malformed_adapters_are_refused_naming_the_field(
     refused = loaded.execute(load_plan([AdapterLoad(0, "dora", str(tmp_path / "use_dora"))]))
     assert refused.error is not None and "use_dora" in refused.error
     assert loaded.model.lora is not None and loaded.model.lora.slot_of("r8") == 0
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        lora.check_supported(config, 2)
+
+
+def tp_logits(shard: Shard, model_dir: str, adapter_dirs: list[str]) -> torch.Tensor:
+    """On each rank (tests.tensor_parallel_helpers.run_ranks): the three adapters loaded
+    into this rank's slices, and the step of their rows and the base's: its logits."""
+    runner = build_runner(Path(model_dir), torch.float32, shard)
+    config = ModelConfig.from_dir(model_dir)
+    slots = lora.LoraSlots(config, len(adapter_dirs), 64, torch.float32, torch.device("cpu"), shard)
+    runner.model.lora, runner.table.adapter_slot_of = slots, slots.slot_of
+    loads = [
+        AdapterLoad(slot, name, path)
+        for slot, (name, path) in enumerate(zip(ADAPTERS, adapter_dirs, strict=True))
+    ]
+    assert runner.execute(load_plan(loads)).error is None
+    return step_logits(
+        runner, {i: (PROMPTS[name], name) for i, name in enumerate([*ADAPTERS, None])}
+    )
+
+
+def test_two_tensor_parallel_ranks_give_one_ranks_logits(
+    loaded, adapters, tiny_llama_dir, tmp_path
+):
+    """Each rank's slices of A (o_proj, down) or B (q/k/v, gate/up) sum, through the
+    all-reduces, to TP=1's deltas."""
+    dirs = [str(path) for path, _ in adapters.values()]
+    split = run_ranks(tp_logits, (str(tiny_llama_dir), dirs), 2, tmp_path)
+    whole = step_logits(
+        loaded, {i: (PROMPTS[name], name) for i, name in enumerate([*ADAPTERS, None])}
+    )
+    assert max_diff(split, whole) < tolerance(whole)
 
 
 # the Triton kernels: (tokens, in, [out of each part], max rank, slots' ranks)
