@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--host", default="127.0.0.1", help="for the servers and the router")
-    parser.add_argument("--port", type=int, default=8000, help="the router's")
+    parser.add_argument("--port", type=int, default=8000, help="the router's (0: a free one)")
     parser.add_argument("--router-metrics-port", type=int, default=0, help="0: a free one")
     parser.add_argument("--prefill-port", type=int, default=0, help="the producer's (0: free)")
     parser.add_argument("--decode-port", type=int, default=0, help="the consumer's (0: free)")
@@ -96,11 +96,11 @@ def serve_command(host: str, port: int, role: str, serve_args: Sequence[str]) ->
 
 
 def router_command(
-    router: str, args: argparse.Namespace, producer: str, consumer: str
+    router: str, args: argparse.Namespace, port: int, producer: str, consumer: str
 ) -> list[str]:
     metrics_port = args.router_metrics_port or free_port(args.host)
     return [
-        router, "--host", args.host, "--port", str(args.port),
+        router, "--host", args.host, "--port", str(port),
         "--prometheus-host", args.host, "--prometheus-port", str(metrics_port),
         "--vllm-pd-disaggregation", "--prefill", producer, "--decode", consumer,
         *args.router_arg,
@@ -230,10 +230,11 @@ async def start_router(
     nursery: trio.Nursery, args: argparse.Namespace, router: str, servers: tuple[Child, Child],
     first_exit: FirstExit,
 ) -> Child:  # fmt: skip
-    command = router_command(router, args, servers[0].url, servers[1].url)
+    port = args.port or free_port(args.host)  # chosen late: the servers have theirs
+    command = router_command(router, args, port, servers[0].url, servers[1].url)
     log = open_log(args.log_dir, "router")
     child = await start_child(nursery, "router", command, log, log, args.stop_timeout, first_exit)
-    child.url = f"http://{args.host}:{args.port}"
+    child.url = f"http://{args.host}:{port}"
     # the models list goes through the router to a server: the whole path answers
     await wait_ready(child, f"{child.url}/v1/models", args.startup_timeout)
     return child
