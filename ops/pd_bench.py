@@ -12,9 +12,10 @@ submitted to done, the producer notified), --repeats times each. Printed for a f
 fragmented one: both sides' block managers (the service's own, prefix caching on) first
 serve --requests mixed requests (prompts of 16 to 1,500 tokens, 16 to 256 generated, up
 to 16 at once, each admitted while its whole life fits), so the prompt's blocks are what
-such a cache hands out next. For each: blocks, segments, bytes moved against blocks x block
-bytes, the pull's median time and GB/s, the prefill's, and the pull as a share of it. The
-pulled blocks are compared with the producer's, bit for bit.
+such a cache hands out next. For each: blocks, runs (of blocks consecutive on both sides),
+segments, bytes moved against blocks x block bytes, the pull's median time and GB/s, the
+prefill's, and the pull as a share of it. The pulled blocks are compared with the
+producer's, bit for bit. Mooncake's own log lines go to stderr.
 """
 
 from __future__ import annotations
@@ -166,11 +167,13 @@ def measure(producer: Side, consumer: Side, tokens: list[int], repeats: int) -> 
     return Measured(count, done, pull_s, prefill_s, identical)
 
 
-def report(name: str, measured: Measured, per_block: int) -> None:
+def report(name: str, measured: Measured, per_block: int, per_run: int) -> None:
+    """One line; per_run: the segments of a run of consecutive blocks (tensors x heads)."""
     done = measured.done
     expected = measured.blocks * per_block
     print(
-        f"{name:10} {measured.blocks:6} {done.segments:8} {done.bytes:12,} {expected:12,} "
+        f"{name:10} {measured.blocks:6} {done.segments // per_run:5} {done.segments:8} "
+        f"{done.bytes:12,} {expected:12,} "
         f"{'yes' if done.bytes == expected else 'NO':>5} {measured.pull_s * 1e3:9.2f} "
         f"{done.bytes / measured.pull_s / 1e9:7.2f} {measured.prefill_s * 1e3:10.1f} "
         f"{measured.pull_s / measured.prefill_s:8.2%} {'yes' if measured.identical else 'NO':>9}"
@@ -198,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = resolve_model(args.model, default_cache_dir())
     producer, consumer = start_side(model_dir, args), start_side(model_dir, args)
     per_block = block_bytes(producer.runner)
-    tokens = tokens_of(args.prompt_tokens, args.seed, producer.runner.handshake.vocab_size)
+    per_run = sum(t.shape[0] for t in cache_tensors(producer.runner.cache))
+    tokens = tokens_of(args.prompt_tokens, args.seed, producer.runner.limits.vocab_size)
     print(
         f"{model_dir.name}, {args.dtype}: a {args.prompt_tokens}-token prompt; blocks of "
         f"{producer.blocks.block_size} tokens, {per_block:,} bytes each over "
@@ -206,14 +210,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{producer.blocks.num_blocks} blocks; medians of {args.repeats}"
     )
     print(
-        "cache      blocks segments        bytes  blocks x B equal  pull ms    GB/s "
+        "cache      blocks  runs segments        bytes  blocks x B equal  pull ms    GB/s "
         "prefill ms pull/pre identical"
     )
-    report("fresh", measure(producer, consumer, tokens, args.repeats), per_block)
+    report("fresh", measure(producer, consumer, tokens, args.repeats), per_block, per_run)
     for offset, side in enumerate((producer, consumer)):
         fragment(side.blocks, args.requests, args.seed + 1 + offset)
     name = f"{args.requests} reqs"
-    report(name, measure(producer, consumer, tokens, args.repeats), per_block)
+    report(name, measure(producer, consumer, tokens, args.repeats), per_block, per_run)
     return 0
 
 
