@@ -4,6 +4,9 @@ batch read releases the GIL and carries the notify that tells the producer it is
 
 from __future__ import annotations
 
+import math
+import os
+
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.kv_connector import KvConnector, KvTransferError, Segments
 
@@ -15,8 +18,13 @@ MAX_BATCH_SEGMENTS = 1024
 
 
 class MooncakeConnector(KvConnector):
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, timeout: float = 30.0) -> None:
         super().__init__()
+        # A peer that hangs (stopped, or its host gone) holds a read until the engine's own
+        # timeout, 30 s unless MC_TRANSFER_TIMEOUT says otherwise (read as an engine starts;
+        # 5 s at least): meanwhile the blocks stay written to and later pulls wait behind it.
+        # (A first contact with a hung peer waits out the handshake's 60 s regardless.)
+        os.environ["MC_TRANSFER_TIMEOUT"] = str(max(1, math.ceil(timeout)))
         try:
             from mooncake.engine import TransferEngine
         except ImportError as exc:

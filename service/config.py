@@ -168,7 +168,7 @@ class Config:
         type=positive_float,
     )
     kv_transfer_timeout: float = flag(
-        30.0,
+        _WORKER.kv_transfer_timeout,
         "seconds a consumer's pull of a prompt's K/V may take before its request ends "
         "kv_transfer_failed (never recomputed)",
         type=positive_float,
