@@ -71,10 +71,12 @@ def load_weights(
     device: torch.device | str = "cpu",
     *,
     on_use: bool = False,
+    packed_mxfp4: bool = False,
 ) -> dict[str, Any]:
     """All tensors of the checkpoint, converted to `dtype` and placed on `device`; with
     `on_use`, StoredTensors, read (and converted by the taker) as the model takes them.
-    MXFP4 weights (uint8 NAME_blocks and NAME_scales) come dequantized, as NAME."""
+    MXFP4 weights (uint8 NAME_blocks and NAME_scales) come dequantized, as NAME, or with
+    `packed_mxfp4` as they are stored (the WeightTaker's mxfp4_experts takes them)."""
     weights: dict[str, Any] = {}
     packed: dict[str, torch.Tensor] = {}
     for path in weight_files(model_dir):
@@ -93,10 +95,14 @@ def load_weights(
         except (SafetensorError, OSError, RuntimeError) as exc:
             raise CheckpointError(f"cannot read {path}: {exc}") from exc
     try:
-        dense = mxfp4.dequantize_all(packed, dtype)
+        if packed_mxfp4:
+            mxfp4.pairs(packed)
+            weights.update(packed)
+        else:
+            dense = mxfp4.dequantize_all(packed, dtype)
+            weights.update({name: tensor.to(device) for name, tensor in dense.items()})
     except ValueError as exc:
         raise CheckpointError(f"{Path(model_dir).name}: {exc}") from exc
-    weights.update({name: tensor.to(device) for name, tensor in dense.items()})
     return weights
 
 

@@ -16,7 +16,8 @@ recompute after a preemption must reproduce the tokens decoded before it, and a 
 tokens must not depend on its batch (tests/test_worker_batch_invariance.py shows it on the
 real model). Where none is offered (CUDA), candidates that read the cache in place (paged,
 as FlexAttention) win over the gathering reference, whose copy of the context is memory
-the KV budget does not count.
+the KV budget does not count. A model with attention sinks (gpt-oss) has its candidates
+checked with sinks (`decode_sinks`, `prefill_sinks`), row invariance included.
 
 The choice is cached in a JSON file (the service passes <cache dir>/kernels.json), one
 entry per CPU model and ISA flags, torch version, kernel sources, device, dtype, model
@@ -46,7 +47,13 @@ import torch.nn.functional as F
 
 from gpu_worker import kernels as kernel_set
 from gpu_worker import native
-from gpu_worker.attention import FULL, AttentionBackend, LayerAttention, metadata_for
+from gpu_worker.attention import (
+    FULL,
+    AttentionBackend,
+    DecodeGroup,
+    LayerAttention,
+    metadata_for,
+)
 from gpu_worker.kernels import Kernels
 from gpu_worker.kv_cache import LayerKV
 from gpu_worker.kv_quant import quantize_rows
@@ -299,6 +306,7 @@ class AttentionCase:
     chunk_table: torch.Tensor  # [W]
     group_size: int
     layer: LayerAttention = FULL  # how the case's layer attends (Shapes.checked_layer)
+    sinks: torch.Tensor | None = None  # [heads]: the layer's attention sinks, where it has them
 
 
 def attention_case(
@@ -324,6 +332,9 @@ def attention_case(
     q_decode = randn(batch, shapes.heads + kv_heads, d)[:, : shapes.heads]
     q_chunk = randn(chunk, shapes.heads + kv_heads, d)[:, : shapes.heads]
     group_size = shapes.heads // kv_heads
+    layer = shapes.checked_layer()
+    # Sinks near the log-sum-exp of a few hundred keys: each takes a real share of its row.
+    sinks = 6 + 2 * randn(shapes.heads) if layer.sinks else None
     return AttentionCase(
         kv,
         q_decode,
@@ -335,7 +346,8 @@ def attention_case(
         start,
         chunk_table,
         group_size,
-        shapes.checked_layer(),
+        layer,
+        sinks,
     )
 
 
@@ -356,7 +368,7 @@ def run_decode(
         case.layer,
     )
     assert meta.decode is not None  # every row decodes
-    return backend.decode(case.q_decode[list(seqs)], case.kv, meta.decode)
+    return _decode(backend, case, case.q_decode[list(seqs)], meta.decode)
 
 
 def run_prefill(backend: AttentionBackend, case: AttentionCase) -> torch.Tensor:
@@ -371,8 +383,10 @@ def run_prefill(backend: AttentionBackend, case: AttentionCase) -> torch.Tensor:
         backend,
         case.layer,
     )
-    chunk = meta.prefills[0]
-    return backend.prefill(case.q_chunk, case.k_chunk, case.v_chunk, case.kv, chunk)
+    chunk, q, k, v = meta.prefills[0], case.q_chunk, case.k_chunk, case.v_chunk
+    if case.sinks is not None:
+        return backend.prefill_sinks(q, k, v, case.kv, chunk, case.sinks)
+    return backend.prefill(q, k, v, case.kv, chunk)
 
 
 def decode_chunk_rows(
@@ -391,7 +405,16 @@ def decode_chunk_rows(
         case.layer,
     )
     assert meta.decode is not None  # every row decodes
-    return backend.decode(case.q_chunk[rows], case.kv, meta.decode)
+    return _decode(backend, case, case.q_chunk[rows], meta.decode)
+
+
+def _decode(
+    backend: AttentionBackend, case: AttentionCase, q: torch.Tensor, group: DecodeGroup
+) -> torch.Tensor:
+    """Decode rows q of the case's layer, with its sinks where it has them."""
+    if case.sinks is not None:
+        return backend.decode_sinks(q, case.kv, group, case.sinks)
+    return backend.decode(q, case.kv, group)
 
 
 def check_attention(

@@ -18,6 +18,9 @@ a block for all 18 layers would hold 6n blocks of the same size.
 
 A layer that reads another layer's K/V (Gemma 4's last num_kv_shared_layers) is in no group
 and allocates nothing: it attends in its source's group, over its source's slot.
+A linear-attention layer (Qwen3-Next, Qwen3.5) is in no group either and allocates no
+blocks: its state is a recurrent one per sequence (gpu_worker.recurrent_state). It is named
+group 0's slot 0, which it never reads.
 """
 
 from __future__ import annotations
@@ -37,7 +40,11 @@ class KVGroups:
     def of(cls, config: ModelConfig) -> KVGroups:
         """Full groups first (group 0 is one whenever the model has a full layer)."""
         by_window: dict[int | None, list[int]] = {}
-        owners = [i for i in range(config.num_hidden_layers) if config.kv_source(i) == i]
+        owners = [
+            i
+            for i in range(config.num_hidden_layers)
+            if config.kv_source(i) == i and not config.is_linear(i)
+        ]
         for layer in owners:
             by_window.setdefault(config.window_of(layer), []).append(layer)
         sources = tuple(config.kv_source(i) for i in range(config.num_hidden_layers))
@@ -63,11 +70,14 @@ class KVGroups:
         return len(self.windows)
 
     def group_of(self, layer: int) -> int:
+        """The group whose records `layer` reads (0 for a layer in none: linear attention)."""
         source = self._source(layer)
-        return next(g for g, layers in enumerate(self.layers) if source in layers)
+        return next((g for g, layers in enumerate(self.layers) if source in layers), 0)
 
     def slot_of(self, layer: int) -> int:
-        return self.layers[self.group_of(layer)].index(self._source(layer))
+        group = self.layers[self.group_of(layer)]
+        source = self._source(layer)
+        return group.index(source) if source in group else 0
 
     def _source(self, layer: int) -> int:
         return self.sources[layer] if self.sources else layer

@@ -5,7 +5,10 @@ family lacks are None, and the model's forward pass skips them. q/k/v and gate/u
 fused into single matmuls at load (Phi-3's checkpoint holds them fused already), each
 part leaving the checkpoint's dict as it is taken (gpu_worker.weights). Gemma's norm weights
 are stored as 1 + w in float32 (Gemma 4's as w), the form layer_ops.gemma_rms_norm takes. A
-Gemma 4 layer that reads an earlier layer's K/V has a q projection alone. With a
+Gemma 4 layer that reads an earlier layer's K/V has a q projection alone. A linear-attention
+layer (Qwen3-Next, Qwen3.5) has its in_proj as qkv, its out_proj as o_proj and its other
+parts in `linear` (gpu_worker.linear_attention); their full-attention layers' q_proj gives
+each head's queries then its gate, split at load into qkv's q and `attn_gate`. With a
 quantization (gpu_worker.quant) the attention and MLP matmuls are QuantLinears, their
 weights quantized here or taken quantized from a GGUF conversion; a mixture of experts'
 matmuls stay dense. Under tensor parallelism (gpu_worker.tensor_parallel) each rank takes
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gpu_worker.linear_attention import GatedDeltaNet, load_gated_delta_net
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.moe import MoEMLP, load_moe
 from gpu_worker.quant import Matmul
@@ -48,6 +52,9 @@ class Layer:
     per_layer_projection: Matmul | None = None
     per_layer_norm: torch.Tensor | None = None
     scalar: torch.Tensor | None = None  # [1]: Gemma 4 scales the residual stream by it
+    linear: GatedDeltaNet | None = None  # a linear-attention layer's parts (qkv: in_proj)
+    # [heads * head_dim, hidden]: the gated attention's gate (output * sigmoid(gate))
+    attn_gate: Matmul | None = None
 
 
 def load_layer(
@@ -60,6 +67,10 @@ def load_layer(
     prefix = f"model.layers.{index}."
     hidden, family, head_dim = cfg.hidden_size, cfg.family, cfg.head_dim_of(index)
     attn = prefix + "self_attn."
+    if cfg.is_linear(index):
+        return _linear_layer(take, cfg, index, rope, kind)
+    if family.linear_attention:
+        _split_gate(take.weights, attn, cfg)
     layer = Layer(
         input_norm=take.norm(prefix + "input_layernorm.weight", hidden),
         qkv=_qkv(take, cfg, attn, index)
@@ -87,11 +98,58 @@ def load_layer(
         layer.mlp_out_norm = take.norm(prefix + "post_feedforward_layernorm.weight", hidden)
     if family.gemma4:
         _add_gemma4_parts(take, cfg, prefix, layer)
+    if family.linear_attention:
+        shape = (cfg.num_attention_heads * head_dim, hidden)
+        layer.attn_gate = take.matmul([attn + "q_gate.weight"], [shape], split=ROWS)
+    _add_mlp(take, cfg, prefix, index, layer)
+    return layer
+
+
+def _add_mlp(take: WeightTaker, cfg: ModelConfig, prefix: str, index: int, layer: Layer) -> None:
     if cfg.moe is not None and cfg.moe.sparse_layers[index]:
         layer.moe = load_moe(take, cfg, prefix)
     if layer.moe is None or layer.moe.config.beside_dense:
         layer.gate_up, layer.down = _dense_mlp(take, cfg, prefix, index)
+
+
+def _linear_layer(
+    take: WeightTaker,
+    cfg: ModelConfig,
+    index: int,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    kind: int,
+) -> Layer:
+    """A Gated DeltaNet layer (gpu_worker.linear_attention): in_proj as qkv, out_proj as
+    o_proj; its rope tables and KV group are placeholders it never reads."""
+    linear = cfg.linear_attention
+    assert linear is not None
+    hidden, prefix = cfg.hidden_size, f"model.layers.{index}."
+    in_proj, parts = load_gated_delta_net(take, cfg, prefix)
+    out_shape = (hidden, linear.value_heads * linear.value_dim)
+    layer = Layer(
+        input_norm=take.norm(prefix + "input_layernorm.weight", hidden),
+        qkv=in_proj,
+        o_proj=take.matmul([prefix + "linear_attn.out_proj.weight"], [out_shape]),
+        mlp_norm=take.norm(prefix + "post_attention_layernorm.weight", hidden),
+        gate_up=None,
+        down=None,
+        cos=rope[0],
+        signed_sin=rope[1],
+        attention=kind,
+        linear=parts,
+    )
+    _add_mlp(take, cfg, prefix, index, layer)
     return layer
+
+
+def _split_gate(weights: dict[str, torch.Tensor], attn: str, cfg: ModelConfig) -> None:
+    """The gated attention's q_proj [heads * 2 * head_dim, hidden] (each head's queries,
+    then its gate, as transformers' Qwen3NextAttention chunks them) in the checkpoint's
+    dict as q_proj and q_gate [heads * head_dim, hidden] each."""
+    fused = weights.pop(attn + "q_proj.weight")
+    by_head = fused.view(cfg.num_attention_heads, 2, cfg.head_dim, fused.shape[-1])
+    weights[attn + "q_proj.weight"] = by_head[:, 0].reshape(-1, fused.shape[-1])
+    weights[attn + "q_gate.weight"] = by_head[:, 1].reshape(-1, fused.shape[-1])
 
 
 def _dense_mlp(

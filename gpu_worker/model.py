@@ -1,10 +1,16 @@
 """The decoder over a paged KV cache, for every family FAMILIES lists (Llama 2/3, SmolLM2,
-TinyLlama, Mistral, Qwen2/3, Gemma 2/3/4, Phi-3, SmolLM3, and the Mixtral, Qwen and gpt-oss
-mixtures of experts).
+TinyLlama, Mistral, Qwen2/3, Gemma 2/3/4, Phi-3, SmolLM3, the hybrid Qwen3-Next and Qwen3.5,
+and the Mixtral, Qwen and gpt-oss mixtures of experts).
 
 One forward pass takes the flattened tokens of a whole mixed batch (prefill chunks and
 decode tokens, [T] ids at [T] absolute positions) and returns hidden states [T, hidden];
 the LM head runs separately, only on the rows that sample a token.
+
+Qwen3-Next and Qwen3.5 (gpu_worker.linear_attention) interleave Gated DeltaNet layers,
+which read and update each sequence's recurrent state (a step's StateStep) instead of the
+paged KV, with gated full-attention layers that rotate the first rotary_dim dims of each
+head; such a model runs eagerly (never captured), and its linear-attention layers claim no
+row invariance in bfloat16.
 
 The layers are plain tensors rather than nn.Modules: a decode step is hundreds of small
 kernels, and module call overhead would be a visible share of it on a CPU. What differs
@@ -42,9 +48,11 @@ from gpu_worker.layer_ops import (
 )
 from gpu_worker.layers import load_layer
 from gpu_worker.linear import LM_HEAD_ROW_SIZES, Linear
+from gpu_worker.linear_attention import linear_attention
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.per_layer_inputs import PerLayerInputs
 from gpu_worker.quant import QUANTIZERS, QuantLinear, QuantWeight
+from gpu_worker.recurrent_state import StateStep
 from gpu_worker.rope import rope_tables
 from gpu_worker.sampler import Logits
 from gpu_worker.tensor_parallel import NO_SHARD, VOCAB, Shard, check_shardable
@@ -81,14 +89,16 @@ class Model:
         self.kernels = kernels
         self.ops = kernels.layer_ops
         gemma, gemma4 = config.family.gemma, config.family.gemma4
-        self._pick_functions(gemma)
+        linear = config.family.linear_attention is not None
+        self._pick_functions(gemma or linear)
         prefixes = config.family.text_prefixes
         take = WeightTaker(
             weights,
             dtype,
             device,
             kernels.matmul,
-            (0.0 if gemma4 else 1.0) if gemma else None,  # Gemma's norms: 1 + w; Gemma 4's: w
+            # Gemma's and Qwen3-Next's norms: 1 + w; Gemma 4's: w
+            (0.0 if gemma4 else 1.0) if gemma or linear else None,
             prefixes,
             quantizer=QUANTIZERS.get(quantization),
             quantized=quantized,
@@ -108,7 +118,7 @@ class Model:
         ropes = {}
         self.layers = []
         for i in range(config.num_hidden_layers):
-            key = (config.rope_of(i), config.head_dim_of(i))
+            key = (config.rope_of(i), config.rotary_dim or config.head_dim_of(i))
             if key not in ropes:
                 ropes[key] = rope_tables(key[1], key[0], max_positions, dtype, device)
             self.layers.append(load_layer(take, config, i, ropes[key], groups.group_of(i)))
@@ -131,13 +141,17 @@ class Model:
         self.lm_head_rows = dense if isinstance(self.lm_head, Linear) else None
         # see gpu_worker.moe; the graphs' attention pieces pass no sinks (attend), nor
         # Gemma 4's per-layer inputs and shared K/V (forward)
-        self.capturable = config.moe is None and not (config.family.attention_sinks or gemma4)
+        # and a recurrent state's step is not a graph's input
+        self.capturable = config.moe is None and not (
+            config.family.attention_sinks or gemma4 or linear
+        )
 
-    def _pick_functions(self, gemma: bool) -> None:
+    def _pick_functions(self, zero_centred: bool) -> None:
+        """`zero_centred`: the norms scale by 1 + w (Gemma's, Qwen3-Next's)."""
         ops = self.ops
-        self.rms_norm = gemma_rms_norm if gemma else ops.rms_norm
-        self.add_rms_norm_ = add_gemma_rms_norm_ if gemma else ops.add_rms_norm_
-        self.qk_norm = gemma_rms_norm if gemma else rms_norm
+        self.rms_norm = gemma_rms_norm if zero_centred else ops.rms_norm
+        self.add_rms_norm_ = add_gemma_rms_norm_ if zero_centred else ops.add_rms_norm_
+        self.qk_norm = gemma_rms_norm if zero_centred else rms_norm
         gelu = self.config.hidden_act == "gelu_pytorch_tanh"
         self.act_and_mul = gelu_tanh_and_mul if gelu else ops.silu_and_mul
         self.act = functools.partial(F.gelu, approximate="tanh") if gelu else F.silu
@@ -148,10 +162,12 @@ class Model:
         positions: torch.Tensor,
         kv_caches: list[LayerKV],
         metas: Sequence[AttentionMetadata],
+        state: StateStep | None = None,
     ) -> torch.Tensor:
         """[T] token ids at [T] positions -> final-normed hidden states [T, hidden].
 
-        `metas` holds a step's attention records for each KV group (`group_attention`).
+        `metas` holds a step's attention records for each KV group (`group_attention`);
+        `state` the step's rows' recurrent states, for a model with linear-attention layers.
         Writes the tokens' K/V into their cache slots on the way. A mixed step's graph
         captures this whole, or the pieces between the attentions (`embedded`,
         `before_attention`, `after_attention`) where the attention runs eagerly
@@ -163,6 +179,11 @@ class Model:
             per_layer = self.per_layer_inputs(input_ids, x, self.rms_norm)
         kv_rows: dict[int, torch.Tensor] = {}  # the k/v rows of the layers others read
         for index, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if layer.linear is not None:
+                assert state is not None, "a linear-attention layer needs the step's state"
+                attn = linear_attention(layer.linear, layer.qkv(h), index, state)
+                h = self.after_attention(index, x, attn, per_layer)
+                continue
             meta = metas[layer.attention]
             qkv = self.before_attention(index, h, positions, kv, meta.slots)
             source = self.config.kv_source(index)
@@ -171,6 +192,8 @@ class Model:
             elif index in self.kv_sources:
                 kv_rows[index] = qkv[:, self.config.num_attention_heads * self.config.head_dim :]
             attn = self._own_width(index, self.attend(qkv, kv, meta, layer.sinks))
+            if layer.attn_gate is not None:  # Qwen3-Next's gated attention
+                attn = attn * torch.sigmoid(layer.attn_gate(h))
             h = self.after_attention(index, x, attn, per_layer)
         return h
 
@@ -205,7 +228,7 @@ class Model:
             normed = layer.qk_norm.shape[0]
             heads_normed = qkv[:, : normed * own_dim].view(-1, normed, own_dim)
             heads_normed.copy_(self.qk_norm(heads_normed, layer.qk_norm, cfg.rms_norm_eps))
-        if owns_kv and (own_dim, own_kv_heads) == (head_dim, kv_heads):
+        if owns_kv and (own_dim, own_kv_heads) == (head_dim, kv_heads) and not cfg.rotary_dim:
             self.ops.rope_and_cache_(
                 qkv, positions, layer.cos, layer.signed_sin, kv, slots, heads, kv_heads
             )
@@ -223,14 +246,17 @@ class Model:
         """before_attention's end through the reference ops, for a layer whose heads are
         not the cache's: a q alone (Gemma 4's layers that read another's K/V), heads
         narrower than the cache's zero-padded to its d, and fewer k/v heads than it has each
-        repeated (a query head's k/v head is then a copy of its own: the same scores)."""
+        repeated (a query head's k/v head is then a copy of its own: the same scores); and
+        heads rotated in their first rotary_dim dims alone (partial rotary: the layer's
+        tables are that wide)."""
         cfg, layer = self.config, self.layers[index]
         heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         own_dim, own_kv_heads = cfg.head_dim_of(index), cfg.kv_heads_of(index)
         owns_kv = cfg.kv_source(index) == index
         by_head = qkv.view(qkv.shape[0], -1, own_dim)
         rotated = heads + own_kv_heads if owns_kv else heads
-        rotate_(by_head[:, :rotated], positions, layer.cos, layer.signed_sin)
+        rotary = cfg.rotary_dim or own_dim
+        rotate_(by_head[:, :rotated, :rotary], positions, layer.cos, layer.signed_sin)
         if own_dim != head_dim:
             by_head = F.pad(by_head, (0, head_dim - own_dim))
         if owns_kv:

@@ -59,6 +59,12 @@ class Family:
     # scores are not scaled (the q/k norms size them), per-layer input embeddings, the last
     # layers reading earlier layers' KV, and a scalar per layer on the residual stream
     gemma4: bool = False
+    # Qwen3-Next and Qwen3.5: Gated DeltaNet linear-attention layers beside gated full
+    # attention (q_proj gives each head's queries and a gate), zero-centred norms (1 + w)
+    # and partial rotary embeddings; the checkpoint's in-projections: "qwen3_next" (q, k, v,
+    # z fused per key head in in_proj_qkvz, b and a in in_proj_ba) or "qwen3_5" (in_proj_qkv,
+    # in_proj_z, in_proj_b, in_proj_a)
+    linear_attention: str | None = None
 
 
 FAMILIES = {
@@ -92,6 +98,18 @@ FAMILIES = {
     ),
     "GptOssForCausalLM": Family(
         moe="gpt_oss", attention_sinks=True, o_proj_bias=True, window_pattern=2
+    ),
+    "Qwen3NextForCausalLM": Family(qk_norm=True, moe="qwen", linear_attention="qwen3_next"),
+    "Qwen3_5ForCausalLM": Family(qk_norm=True, linear_attention="qwen3_5"),
+    "Qwen3_5ForConditionalGeneration": Family(
+        qk_norm=True, linear_attention="qwen3_5", text_prefixes=("model.language_model.",)
+    ),
+    "Qwen3_5MoeForCausalLM": Family(qk_norm=True, moe="qwen", linear_attention="qwen3_5"),
+    "Qwen3_5MoeForConditionalGeneration": Family(
+        qk_norm=True,
+        moe="qwen",
+        linear_attention="qwen3_5",
+        text_prefixes=("model.language_model.",),
     ),
 }
 assert set(FAMILIES) == set(ARCHITECTURES.values())
@@ -151,6 +169,23 @@ class MoE:
     beside_dense: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class LinearAttention:
+    """The Gated DeltaNet layers of Qwen3-Next and Qwen3.5 (gpu_worker.linear_attention)."""
+
+    layers: tuple[bool, ...]  # which layers are linear attention (the others full)
+    key_heads: int
+    value_heads: int  # a multiple of key_heads: each key head serves value_heads / key_heads
+    key_dim: int
+    value_dim: int
+    conv_kernel: int  # the short causal convolution's width
+
+    @property
+    def conv_dim(self) -> int:
+        """The convolved channels: q, k and v."""
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+
 @dataclass(slots=True)
 class ModelConfig:
     architecture: str
@@ -204,6 +239,11 @@ class ModelConfig:
     # Whether each layer's values are its keys' projection (Gemma 4's attention_k_eq_v on
     # the global layers: no v_proj); () when no layer's are
     keys_as_values: tuple[bool, ...] = ()
+    # Qwen3-Next's and Qwen3.5's linear-attention layers; None for a model without them
+    linear_attention: LinearAttention | None = None
+    # The leading dims of each head that RoPE rotates (partial_rotary_factor), in pairs
+    # (i, i + rotary_dim / 2) as transformers' apply_rotary_pos_emb; 0: the whole head
+    rotary_dim: int = 0
 
     @property
     def family(self) -> Family:
@@ -246,13 +286,19 @@ class ModelConfig:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
             layers = int(raw["num_hidden_layers"])
-            rope = _rope(raw, "full_attention")
+            partial = family.linear_attention is not None
+            rope = _rope(raw, "full_attention", partial)
             windows = _layer_windows(raw, layers, family)
             sliding_rope = _rope(raw, "sliding_attention") if any(windows) else None
             config = cls(
                 architecture=architecture,
                 hidden_size=hidden,
-                intermediate_size=int(raw["intermediate_size"]),
+                # Qwen3.5-MoE's config names none: every layer is a mixture of experts
+                intermediate_size=int(
+                    raw.get("intermediate_size")
+                    or raw.get("moe_intermediate_size")
+                    or raw["intermediate_size"]
+                ),
                 num_hidden_layers=layers,
                 num_attention_heads=heads,
                 num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
@@ -278,6 +324,8 @@ class ModelConfig:
             )
             if family.gemma4:
                 _add_gemma4(config, raw)
+            if partial:
+                _add_linear_attention(config, raw)
         except UnsupportedModel:
             raise
         except KeyError as exc:
@@ -317,6 +365,11 @@ class ModelConfig:
     @property
     def attention_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether `layer` is a linear-attention layer (no KV: a recurrent state instead)."""
+        linear = self.linear_attention
+        return linear is not None and linear.layers[layer]
 
     def window_of(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
@@ -360,26 +413,8 @@ def _optional_float(value: Any) -> float | None:
 
 
 # Families transformers has that cadence does not serve yet, by model_type and architecture
-# name: what each lacks (issue 53), so that the refusal names it.
-_LINEAR_ATTENTION = (
-    "Gated DeltaNet linear-attention layers, whose recurrent and convolution state per "
-    "sequence needs a state cache beside the paged KV, which cadence does not have yet"
-)
-NOT_YET_SERVED = {
-    name: _LINEAR_ATTENTION
-    for name in (
-        "qwen3_next",
-        "qwen3_5",
-        "qwen3_5_text",
-        "qwen3_5_moe",
-        "qwen3_5_moe_text",
-        "Qwen3NextForCausalLM",
-        "Qwen3_5ForCausalLM",
-        "Qwen3_5ForConditionalGeneration",
-        "Qwen3_5MoeForCausalLM",
-        "Qwen3_5MoeForConditionalGeneration",
-    )
-}
+# name: what each lacks (issue 53), so that the refusal names it. None at present.
+NOT_YET_SERVED: dict[str, str] = {}
 
 
 def _architecture(raw: dict[str, Any]) -> str:
@@ -430,7 +465,8 @@ def _rope_dict(raw: dict[str, Any], layer_type: str) -> dict[str, Any]:
     return {}
 
 
-def _rope(raw: dict[str, Any], layer_type: str) -> Rope:
+def _rope(raw: dict[str, Any], layer_type: str, partial: bool = False) -> Rope:
+    """`partial`: the family rotates part of each head (ModelConfig.rotary_dim)."""
     rope = _rope_dict(raw, layer_type)
     theta = rope.get("rope_theta")
     if theta is None and layer_type == "sliding_attention":
@@ -438,17 +474,19 @@ def _rope(raw: dict[str, Any], layer_type: str) -> Rope:
     if theta is None:
         model_type = str(raw.get("model_type"))
         theta = raw.get("rope_theta") or DEFAULT_THETA.get((model_type, layer_type), 10000.0)
-    return Rope(float(theta), _rope_scaling(raw, rope))
+    return Rope(float(theta), _rope_scaling(raw, rope, partial))
 
 
-def _rope_scaling(raw: dict[str, Any], rope: dict[str, Any]) -> RopeScaling | None:
+def _rope_scaling(
+    raw: dict[str, Any], rope: dict[str, Any], partial: bool = False
+) -> RopeScaling | None:
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     if rope_type not in ROPE_TYPES:
         raise UnsupportedModel(
             f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
         )
     fraction = float(rope.get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 1.0)
-    if fraction != 1 and rope_type != "proportional":
+    if fraction != 1 and rope_type != "proportional" and not partial:
         raise UnsupportedModel(
             "partial rotary embeddings (partial_rotary_factor) are not supported"
         )
@@ -610,13 +648,52 @@ def _moe(raw: dict[str, Any], family: Family, layers: int) -> MoE | None:
         experts,
         int(raw["num_experts_per_tok"]),
         int(raw["moe_intermediate_size"]),
-        renormalize=bool(raw.get("norm_topk_prob", False)),
+        # Qwen3.5-MoE's router always renormalizes (its config has no norm_topk_prob)
+        renormalize=bool(raw.get("norm_topk_prob", family.linear_attention is not None)),
         float32_weights=False,
         sparse_layers=tuple(
             i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(layers)
         ),
         shared_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
     )
+
+
+def _add_linear_attention(config: ModelConfig, raw: dict[str, Any]) -> None:
+    """Qwen3-Next's and Qwen3.5's linear-attention layers (by layer_types, else every
+    full_attention_interval-th layer full, as transformers' config), and the rotary
+    dims of their full-attention layers."""
+    layers = config.num_hidden_layers
+    types = raw.get("layer_types")
+    if types is None:
+        interval = int(raw.get("full_attention_interval") or 4)
+        types = [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(layers)
+        ]
+    if len(types) != layers:
+        raise ConfigError(f"layer_types lists {len(types)} layers, the model has {layers}")
+    for kind in set(types) - {"linear_attention", "full_attention"}:
+        raise UnsupportedModel(f"unsupported layer type {kind!r}")
+    linear = LinearAttention(
+        layers=tuple(kind == "linear_attention" for kind in types),
+        key_heads=int(raw["linear_num_key_heads"]),
+        value_heads=int(raw["linear_num_value_heads"]),
+        key_dim=int(raw["linear_key_head_dim"]),
+        value_dim=int(raw["linear_value_head_dim"]),
+        conv_kernel=int(raw.get("linear_conv_kernel_dim") or 4),
+    )
+    if linear.value_heads % linear.key_heads:
+        raise UnsupportedModel(
+            f"{linear.value_heads} linear-attention value heads are not a multiple of "
+            f"{linear.key_heads} key heads"
+        )
+    config.linear_attention = linear
+    rope = _rope_dict(raw, "full_attention")
+    fraction = float(rope.get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 1.0)
+    rotary = int(config.head_dim * fraction)
+    if rotary % 2 or not 0 < rotary <= config.head_dim:
+        raise UnsupportedModel(f"partial_rotary_factor {fraction} rotates {rotary} dims")
+    config.rotary_dim = 0 if rotary == config.head_dim else rotary
 
 
 def _add_gemma4(config: ModelConfig, raw: dict[str, Any]) -> None:

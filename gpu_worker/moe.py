@@ -1,5 +1,5 @@
-"""Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss): top-k softmax routing
-and the routed experts, exactly as transformers computes them.
+"""Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE, gpt-oss,
+Gemma 4): top-k softmax routing and the routed experts, exactly as transformers computes them.
 
 A router (a Linear) scores each token's experts; softmax in float32, the top k kept
 (renormalized to sum to one where the config says so: always for Mixtral,
@@ -7,7 +7,9 @@ norm_topk_prob for Qwen), and the token's output is the weighted sum of those ex
 gated MLPs. gpt-oss routes the other way round (the top k logits, then a softmax over
 them, in the model's dtype), its router and experts have biases, and its experts apply a
 clamped SwiGLU; its checkpoint holds each layer's experts stacked ([experts, in, out],
-gate and up interleaved), split here into one (gate_up, down) pair of Linears per expert.
+gate and up interleaved), split here into one (gate_up, down) pair of matmuls per expert:
+Linears, or on the CPU, where the checkpoint holds them in MXFP4, QuantLinears of kind
+mxfp4 (gpu_worker.mxfp4; the activations quantized to int8 per 32, as llama.cpp does).
 Gemma 4's experts run beside its dense MLP (`beside_dense`): routed from the residual
 stream (normed, scaled by a vector and by hidden ** -0.5), fed its own norm of it, their
 weights renormalized and scaled per expert, and their sum normed before it joins the
@@ -15,11 +17,11 @@ dense MLP's normed output.
 The tokens are grouped by expert with one sort, so the work is a loop over the experts
 that were chosen (index_select in, index_add out), never over tokens.
 
-A row's result does not depend on its company: every expert matmul is a Linear (fixed
-call sizes, gpu_worker.linear), softmax and top-k work row by row, and each row's expert
-outputs are added in the order of the experts, whichever other rows chose them. The
-per-expert token counts are read on the host, so a mixture-of-experts step cannot be
-captured in a CUDA graph (gpu_worker.graphs runs such models eagerly).
+A row's result does not depend on its company: every expert matmul is a Linear or a
+QuantLinear (fixed call sizes, gpu_worker.linear), softmax and top-k work row by row, and
+each row's expert outputs are added in the order of the experts, whichever other rows
+chose them. The per-expert token counts are read on the host, so a mixture-of-experts step
+cannot be captured in a CUDA graph (gpu_worker.graphs runs such models eagerly).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 
 from gpu_worker.linear import Linear
 from gpu_worker.model_config import ModelConfig, MoE, SwiGLU
+from gpu_worker.quant import Matmul, QuantLinear
 from gpu_worker.weights import WeightTaker
 
 Activation = Callable[[torch.Tensor], torch.Tensor]  # gate_up [T, 2I] -> [T, I]
@@ -54,7 +57,7 @@ class BesideDense:
 @dataclass(slots=True)
 class MoEMLP:
     router: Linear  # [experts, hidden]
-    experts: list[tuple[Linear, Linear]]  # each expert's (gate_up, down)
+    experts: list[tuple[Matmul, Matmul]]  # each expert's (gate_up, down)
     config: MoE
     shared: tuple[Linear, Linear] | None = None  # Qwen2-MoE's shared expert
     shared_gate: Linear | None = None  # [1, hidden]: sigmoid of it scales the shared expert
@@ -144,6 +147,7 @@ def load_moe(take: WeightTaker, cfg: ModelConfig, prefix: str) -> MoEMLP:
         ]
     else:
         block = prefix + "mlp."
+        _unstack_experts(take.weights, block)
         names = [
             tuple(f"{block}experts.{e}.{p}_proj" for p in ("gate", "up", "down"))
             for e in range(moe.num_experts)
@@ -160,32 +164,62 @@ def load_moe(take: WeightTaker, cfg: ModelConfig, prefix: str) -> MoEMLP:
     return mlp
 
 
+def _unstack_experts(weights: dict[str, torch.Tensor], block: str) -> None:
+    """A checkpoint that stacks a layer's experts as transformers 5 holds them (gate_up_proj
+    [experts, 2I, hidden]: gate, then up; down_proj [experts, hidden, I]) in the dict as
+    each expert's gate_proj, up_proj and down_proj, the names the loader takes."""
+    gate_up = weights.pop(block + "experts.gate_up_proj", None)
+    down = weights.pop(block + "experts.down_proj", None)
+    if gate_up is None or down is None:
+        return
+    for e in range(gate_up.shape[0]):  # the loader checks the count against the config
+        gate, up = gate_up[e].chunk(2, dim=0)
+        for name, tensor in (("gate", gate), ("up", up), ("down", down[e])):
+            weights[f"{block}experts.{e}.{name}_proj.weight"] = tensor
+
+
 def _load_stacked_moe(take: WeightTaker, moe: MoE, hidden: int, block: str) -> MoEMLP:
     """gpt-oss's experts: gate_up_proj [experts, hidden, 2I] (gate and up interleaved) and
-    down_proj [experts, I, hidden], with biases, split into each expert's Linears."""
-    experts, inter, kernel = moe.num_experts, moe.intermediate_size, take.matmul_kernel
-    gate_up = take(block + "experts.gate_up_proj", (experts, hidden, 2 * inter))
-    gate_up_bias = take(block + "experts.gate_up_proj_bias", (experts, 2 * inter))
-    down = take(block + "experts.down_proj", (experts, inter, hidden))
-    down_bias = take(block + "experts.down_proj_bias", (experts, hidden))
+    down_proj [experts, I, hidden], with biases, split into each expert's matmuls."""
+    experts, inter = moe.num_experts, moe.intermediate_size
+    experts_block = block + "experts."
     # Interleaved columns (gate, up, gate, ...) to the [gate | up] rows act_and_mul takes.
     gate_first = torch.cat([torch.arange(0, 2 * inter, 2), torch.arange(1, 2 * inter, 2)])
-    gate_first = gate_first.to(gate_up.device)
-    pairs = [
-        (
-            Linear(
-                gate_up[e].T[gate_first].contiguous(), gate_up_bias[e][gate_first], kernel=kernel
-            ),
-            Linear(down[e].T.contiguous(), down_bias[e].clone(), kernel=kernel),
-        )
-        for e in range(experts)
-    ]
+    gate_ups = _expert_matmuls(
+        take, experts_block + "gate_up_proj", (experts, hidden, 2 * inter), gate_first
+    )
+    downs = _expert_matmuls(take, experts_block + "down_proj", (experts, inter, hidden))
     router = Linear(
         take(block + "router.weight", (experts, hidden)),
         take(block + "router.bias", (experts,)),
-        kernel=kernel,
+        kernel=take.matmul_kernel,
     )
-    return MoEMLP(router=router, experts=pairs, config=moe)
+    return MoEMLP(router=router, experts=list(zip(gate_ups, downs, strict=True)), config=moe)
+
+
+def _expert_matmuls(
+    take: WeightTaker,
+    name: str,
+    shape: tuple[int, int, int],
+    order: torch.Tensor | None = None,
+) -> list[Matmul]:
+    """Each expert's matmul of the stacked weight `name` ([experts, in, out]) and its bias,
+    its output rows in `order` (None: as stored): kept in MXFP4 where the checkpoint has it
+    so and the weights were read packed (on the CPU), else dense."""
+    experts, _, out = shape
+    rows = torch.arange(out) if order is None else order
+    biases = take(name + "_bias", (experts, out))[:, rows.to(take.device)]
+    quantized = take.mxfp4_experts(name, shape)
+    if quantized is not None:
+        return [
+            QuantLinear([weight.select(rows)], bias, native=take.quant_kernels, dtype=take.dtype)
+            for weight, bias in zip(quantized, biases, strict=True)
+        ]
+    stacked = take(name, shape)
+    rows = rows.to(stacked.device)
+    return [
+        Linear(stacked[e].T[rows], biases[e], kernel=take.matmul_kernel) for e in range(experts)
+    ]
 
 
 def _load_gemma4_moe(take: WeightTaker, moe: MoE, hidden: int, prefix: str) -> MoEMLP:

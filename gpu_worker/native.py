@@ -151,10 +151,11 @@ def kernels() -> Any | None:
     Its ops take CPU tensors only:
     - paged_decode_attention(q [B, heads, d], k_cache, v_cache [kv_heads, blocks,
       block_size, d], block_tables [B, W], context_lens [B], scale, k_scales=None,
-      v_scales=None, window=0) -> [B, heads, d] (window > 0: each row sees its last
-      `window` tokens);
+      v_scales=None, window=0, softcap=0.0, sinks=None) -> [B, heads, d] (window > 0:
+      each row sees its last `window` tokens; sinks [heads] float32: attention sinks);
     - paged_prefill_attention(q [n, heads, d], k_cache, v_cache, block_table [W], start,
-      scale, k_scales=None, v_scales=None) -> [n, heads, d], where the CPU has AVX512-BF16;
+      scale, k_scales=None, v_scales=None, sinks=None) -> [n, heads, d], where the CPU has
+      AVX512-BF16;
     - rms_norm, add_rms_norm_, silu_and_mul, rope_and_cache_: see gpu_worker.layer_ops;
       rope_and_cache_ takes k_scales=None, v_scales=None last.
     Caches hold q's dtype, or int8 / float8_e4m3fn codes with their scales [kv_heads, blocks,

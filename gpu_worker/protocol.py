@@ -54,6 +54,11 @@ ARCHITECTURES = {
     "gpt_oss": "GptOssForCausalLM",
     "gemma4_text": "Gemma4ForCausalLM",
     "gemma4": "Gemma4ForConditionalGeneration",  # its text model only (text_config)
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",  # its text model only (text_config)
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",  # its text model only
 }
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 # A longer wait for a plan is the service having no work, not the cost of preparing a step.
@@ -130,6 +135,10 @@ class WorkerConfig:
     kv_transfer_engine: str | None = None
     kv_transfer_host: str = "127.0.0.1"
     kv_transfer_timeout: float = 30.0
+    # LoRA adapters (gpu_worker.lora): slots held at once (0: LoRA off), and the largest
+    # rank a slot holds (its buffers are allocated at start for every target module)
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
 
 def parse_kernel_pins(text: str) -> dict[str, str]:
@@ -182,6 +191,9 @@ class Handshake:
     # query at p sees keys p - w + 1 .. p) or None for full attention: the service keeps a
     # table per group and frees a windowed group's blocks behind its window
     kv_group_windows: list[int | None] = field(default_factory=lambda: [None])
+    # the bytes one sequence's recurrent-state slot holds (gpu_worker.recurrent_state: the
+    # linear-attention layers' conv and recurrent states); 0: the model has none
+    recurrent_state_bytes: int = 0
     # WorkerConfig.quantization, and which kernel serves the quantized weights
     quantization: str = "none"
     # the draft model's directory name (WorkerConfig.draft_model_dir), None without one
@@ -278,7 +290,9 @@ class NewSeq:
     # samples; each row of it pools (POOL_SUM) or the row that ends its prompt does
     # (POOL_LAST), and StepResult.pooled has the vector.
     pooling: str | None = None
-    adapter: str | None = None  # its LoRA adapter's name: carried, applied once they load
+    # its LoRA adapter's name (a StepPlan's `adapters` loaded it into a slot, this plan's
+    # or an earlier one's); None: the base model
+    adapter: str | None = None
 
 
 @dataclass(slots=True)
@@ -330,6 +344,19 @@ class Row:
 
 
 @dataclass(slots=True)
+class AdapterLoad:
+    """Load the PEFT LoRA adapter at `path` (a directory on the worker's host:
+    adapter_config.json and adapter_model.safetensors) into adapter slot `slot` (0 ..
+    WorkerConfig.max_loras - 1) under `name`, replacing whatever the slot held. The
+    service decides the slots (service.engine.adapters): it never replaces an adapter a
+    sequence the worker holds still runs with."""
+
+    slot: int
+    name: str
+    path: str
+
+
+@dataclass(slots=True)
 class KvPull:
     """Copy a prompt's K/V that another worker (the producer) holds into blocks of this
     worker's cache, then tell the producer `transfer_id` is done (it frees its blocks).
@@ -369,6 +396,8 @@ class StepPlan:
     # transfers the worker starts beside the step (never in its path): their blocks are
     # no row's until StepResult.pulls_done reports them
     pulls: list[KvPull] = field(default_factory=list)
+    # LoRA adapters loaded before `new` are introduced and the rows run
+    adapters: list[AdapterLoad] = field(default_factory=list)
 
     @property
     def seq_ids(self) -> list[int]:
@@ -433,7 +462,9 @@ def step_plan_from_message(msg: dict[str, Any]) -> StepPlan:
     new = [NewSeq(**{**n, "sampling": SamplingSpec(**n["sampling"])}) for n in msg.get("new", [])]
     rows = [Row(**row) for row in msg["rows"]]
     pulls = [KvPull(**pull) for pull in msg.get("pulls", [])]
-    return StepPlan(msg["step_id"], rows, msg["input_ids"], new, msg.get("finished", []), pulls)
+    adapters = [AdapterLoad(**load) for load in msg.get("adapters", [])]
+    finished = msg.get("finished", [])
+    return StepPlan(msg["step_id"], rows, msg["input_ids"], new, finished, pulls, adapters)
 
 
 def record_from_message(cls: type, msg: dict[str, Any]) -> Any:

@@ -3,11 +3,14 @@
 A decode step of a small model is memory-bound: it streams every weight once per step, so
 a weight in 8 or 4 bits instead of 16 costs a half or a quarter of the time. Three formats
 hold every weight cadence quantizes or takes from a GGUF file (gguf_quants maps each
-llama.cpp block type onto one of them without loss):
+llama.cpp block type onto one of them without loss), and a fourth gpt-oss's experts:
 - q8: int8 values in groups of `group` (32, or 16 for Q6_K) along K, a float32 scale per
   group and optionally a float32 min: w = scale * value + min;
 - q5: values 0..31 in groups of 32, a float32 scale and min per group (Q5_0, Q5_1, Q5_K);
-- q4: values 0..15, likewise.
+- q4: values 0..15, likewise;
+- mxfp4: E2M1 codes 0..15 in groups of 32 (gpu_worker.mxfp4), each standing for the
+  integer MXFP4_VALUES[code] (llama.cpp's kvalues_mxfp4: E2M1's values doubled), and a
+  power-of-two scale per group, 2^(e - 127) / 2 for the checkpoint's E8M0 byte e.
 
 The matmul is llama.cpp's: each row of x is quantized per 32 values to int8 with a float32
 scale, each group's dot product is exact integer arithmetic, and the groups' products are
@@ -17,6 +20,16 @@ the dense matmuls (QuantLinear still checks its call sizes the same way). The C+
 (csrc/quant_matmul.cpp, AVX512-VNNI or AVX2) and reference_matmul below compute the same
 bits; the reference is the slow correct path, used where the kernel is not built (neither,
 no compiler, CUDA) and as the tests' oracle.
+
+What is exact for mxfp4: its integer values and power-of-two scales are the dequantized
+weights exactly, and a group's integer dot times its weight scale is exact in float32 (a
+dot of at most 32 x 12 x 127 < 2^24 moved by a power of two; the subnormal scales of e < 2
+included, all short of an overflow no checkpoint has). So each group's float32 term is the
+exact product of the dequantized weights with the int8-quantized activations, rounded once
+(by the activations' scale), and the terms are summed in float32 in K order: the matmul is
+that of the dequantized weights up to the activations' quantization and float32's sum.
+The other kinds' terms round twice (the code dot times a float scale, then times the
+activations' scale), their mins' terms once more.
 """
 
 from __future__ import annotations
@@ -32,14 +45,20 @@ from gpu_worker.linear import ROW_SIZES, Linear, RowSizes, SizedCalls, agreeing_
 
 ACTIVATION_GROUP = 32  # activation values per int8 scale
 BLOCK_COLUMNS = 16  # output columns per block of the packed layout
+# llama.cpp's kvalues_mxfp4: E2M1's sixteen values (gpu_worker.mxfp4.FP4_VALUES) doubled
+MXFP4_VALUES = torch.tensor(
+    [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int8
+)
+E8M0_NAN = 255  # the E8M0 byte that is no scale
 
 
 @dataclass(frozen=True, slots=True)
 class QuantWeight:
     """A [N, K] weight: w[n, k] = scales[n, k // group] * values[n, k] + mins[n, k // group]
-    (no mins: 0). q8's values are int8; q5's uint8 in 0..31, q4's in 0..15."""
+    (no mins: 0). q8's values are int8; q5's uint8 in 0..31, q4's in 0..15; mxfp4's uint8
+    codes 0..15 stand for MXFP4_VALUES[code] (integers()), its scales powers of two."""
 
-    kind: str  # "q8" | "q5" | "q4"
+    kind: str  # "q8" | "q5" | "q4" | "mxfp4"
     values: torch.Tensor  # [N, K]
     scales: torch.Tensor  # float32 [N, K // group]
     mins: torch.Tensor | None  # float32 [N, K // group]
@@ -47,13 +66,22 @@ class QuantWeight:
 
     def dequantize(self) -> torch.Tensor:
         """The weight in float32: the values a matmul with it stands for."""
-        return _dequantized(self.values.float(), self.scales, self.mins, self.group)
+        return _dequantized(self.integers().float(), self.scales, self.mins, self.group)
+
+    def integers(self) -> torch.Tensor:
+        """[N, K]: what each group's integer dot multiplies (mxfp4's codes decoded)."""
+        return _integers(self.kind, self.values)
 
     def rows(self, start: int, stop: int) -> QuantWeight:
         """Output rows start..stop (a part of a fused weight)."""
         mins = None if self.mins is None else self.mins[start:stop]
         part = (self.values[start:stop], self.scales[start:stop], mins)
         return QuantWeight(self.kind, *part, self.group)
+
+    def select(self, ids: torch.Tensor) -> QuantWeight:
+        """Output rows `ids`, in their order (a copy)."""
+        mins = None if self.mins is None else self.mins[ids]
+        return QuantWeight(self.kind, self.values[ids], self.scales[ids], mins, self.group)
 
     def to(self, device: torch.device) -> QuantWeight:
         mins = None if self.mins is None else self.mins.to(device)
@@ -70,6 +98,28 @@ def kind_of(values: torch.Tensor) -> str:
     if top > 31:
         raise ValueError(f"uint8 weight codes run to {top}; q5 holds 0..31")
     return "q4" if top <= 15 else "q5"
+
+
+def _integers(kind: str, codes: torch.Tensor) -> torch.Tensor:
+    if kind != "mxfp4":
+        return codes
+    return MXFP4_VALUES.to(codes.device)[codes.long()]
+
+
+def e8m0_scales(exponents: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes e -> mxfp4's float32 scales 2^(e - 128): exact (e < 2 subnormal)."""
+    if bool((exponents == E8M0_NAN).any()):
+        raise ValueError("an MXFP4 scale is E8M0's NaN (255)")
+    return torch.exp2(exponents.double() - 128).float()
+
+
+def e8m0_exponents(scales: torch.Tensor) -> torch.Tensor:
+    """mxfp4's float32 scales -> their E8M0 bytes (e8m0_scales undone)."""
+    fractions, exponents = torch.frexp(scales.double())  # scale = 0.5 x 2^exponent
+    e = exponents + 127
+    if not (bool((fractions == 0.5).all()) and bool(((e >= 0) & (e < E8M0_NAN)).all())):
+        raise ValueError("mxfp4 scales are powers of two from 2^-128 to 2^126")
+    return e.to(torch.uint8)
 
 
 def _dequantized(
@@ -116,10 +166,11 @@ def _grouped(weight: torch.Tensor, group: int) -> torch.Tensor:
 class PackedWeight:
     """A QuantWeight in the kernel's layout: columns in blocks of 16, and within a block,
     per 4 values of K, the 16 columns' 4 values side by side (one 64-byte line feeds one
-    vpdpbusd). q8 stores value + 128, 8 lines per 32 values; q4 puts lines c and c + 4 of
-    each 32 values into one line's low and high nibbles, 4 lines; q5 adds to those a line
-    of the values' fifth bits, a 64-bit mask per line of 64 values (bit j: byte j).
-    scales, mins: [blocks, K // group, 16]."""
+    vpdpbusd). q8 stores value + 128, 8 lines per 32 values; q4 (and mxfp4) puts lines c
+    and c + 4 of each 32 values into one line's low and high nibbles, 4 lines; q5 adds to
+    those a line of the values' fifth bits, a 64-bit mask per line of 64 values (bit j:
+    byte j). scales, mins: [blocks, K // group, 16], float32; mxfp4's scales are E8M0
+    bytes (4.25 bits a weight in all)."""
 
     kind: str
     n: int
@@ -140,9 +191,12 @@ class PackedWeight:
             codes = codes | (fifth << 4).reshape(codes.shape)
         codes = codes.permute(0, 3, 1, 2, 4).reshape(blocks * BLOCK_COLUMNS, self.k)[: self.n]
         values = codes if self.kind != "q8" else (codes.to(torch.int16) - 128).to(torch.int8)
-        scales, mins = _unblocked(self.scales, self.n), _unblocked(self.mins, self.n)
+        scales, mins = _unblocked(self._float_scales(), self.n), _unblocked(self.mins, self.n)
         assert scales is not None
         return QuantWeight(self.kind, values, scales, mins, self.group)
+
+    def _float_scales(self) -> torch.Tensor:
+        return e8m0_scales(self.scales) if self.kind == "mxfp4" else self.scales
 
     def _lines(self) -> torch.Tensor:
         """The data as [blocks, K // 32, lines, 64]: 8 lines per 32 values (q8), 4 (q4), or
@@ -158,6 +212,8 @@ class PackedWeight:
 
     def matmul(self, native: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The C++ kernel: x [M, K] -> [M, n], in x's dtype."""
+        if self.kind == "mxfp4":
+            return native.mxfp4_matmul(x, self.data, self.scales, bias, self.n)
         return native.quant_matmul(
             x, self.data, self.scales, self.mins, bias, self.n, self.group, _BITS[self.kind]
         )
@@ -176,12 +232,13 @@ class PackedWeight:
                 masks = self._lines()[:, :, 4].unflatten(-1, (8, 8))[blocks, :, :, column // 2]
                 fields = masks >> (4 * (column % 2)).to(torch.uint8).view(*column.shape, 1, 1)
                 codes = codes | (((fields.unsqueeze(-1) >> _BIT_SHIFTS[:4]) & 1) << 4)
-            codes = codes.float()
+            codes = _integers(self.kind, codes).float()
         mins = None if self.mins is None else self.mins[blocks, :, column]
-        return _dequantized(codes.flatten(-3), self.scales[blocks, :, column], mins, self.group)
+        scales = self._float_scales()[blocks, :, column]
+        return _dequantized(codes.flatten(-3), scales, mins, self.group)
 
 
-_BITS = {"q8": 8, "q5": 5, "q4": 4}
+_BITS = {"q8": 8, "q5": 5, "q4": 4, "mxfp4": 4}
 _BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
 
 
@@ -201,14 +258,13 @@ def pack(weight: QuantWeight) -> PackedWeight:
             parts.append((fifth << _BIT_SHIFTS).sum(-1, dtype=torch.uint8))
         lines = torch.cat(parts, dim=-1)
     data = lines.contiguous().flatten()
-    mins = None if weight.mins is None else _blocked(weight.mins, blocks)
-    return PackedWeight(
-        weight.kind, n, k, weight.group, data, _blocked(weight.scales, blocks), mins
-    )
+    mins = None if weight.mins is None else _blocked(weight.mins.float(), blocks)
+    scales = e8m0_exponents(weight.scales) if weight.kind == "mxfp4" else weight.scales.float()
+    return PackedWeight(weight.kind, n, k, weight.group, data, _blocked(scales, blocks), mins)
 
 
 def _blocked(params: torch.Tensor, blocks: int) -> torch.Tensor:
-    padded = F.pad(params.float(), (0, 0, 0, blocks * BLOCK_COLUMNS - params.shape[0]))
+    padded = F.pad(params, (0, 0, 0, blocks * BLOCK_COLUMNS - params.shape[0]))
     return padded.view(blocks, BLOCK_COLUMNS, -1).transpose(1, 2).contiguous()
 
 
@@ -241,7 +297,7 @@ def reference_matmul(
     dots = torch.einsum(
         "mgk,ngk->gmn",
         codes.double().view(rows, -1, group),
-        weight.values.double().view(weight.values.shape[0], -1, group),
+        weight.integers().double().view(weight.values.shape[0], -1, group),
     ).float()
     sums = a_sums if group == 16 else a_sums.view(rows, -1, 2).sum(-1)
     acc = torch.zeros(rows, weight.values.shape[0], dtype=torch.float32, device=x.device)
@@ -303,7 +359,8 @@ class QuantLinear(SizedCalls):
         if self.native is None and len(self.parts) == 1:
             part = self.parts[0]
             mins = None if part.mins is None else part.mins[ids]
-            return _dequantized(part.values[ids].float(), part.scales[ids], mins, part.group)
+            values = _integers(part.kind, part.values[ids]).float()
+            return _dequantized(values, part.scales[ids], mins, part.group)
         if len(self.packed) != 1:
             raise ValueError("dequantized_rows serves a weight of one part")
         return self.packed[0].dequantized_rows(ids)

@@ -22,6 +22,7 @@ from gpu_worker.kv_connector import KvConnector
 from gpu_worker.mixed_graphs import MixedGraphs
 from gpu_worker.model import Model
 from gpu_worker.protocol import POOL_LAST, Handshake, StepPlan, StepResult, TokenLogprobs
+from gpu_worker.recurrent_state import RecurrentState, StateStep
 from gpu_worker.sampler import Logits, Sampler, decode_bitmask, row_index, token_logprobs
 from gpu_worker.seq_table import PlanLimits, SeqTable
 from gpu_worker.speculation import Verification
@@ -41,6 +42,7 @@ class ModelRunner:
         handshake: Handshake | None = None,
         drafter: Drafter | None = None,
         mixed: MixedGraphs | None = None,
+        state: RecurrentState | None = None,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -54,6 +56,10 @@ class ModelRunner:
             drafter.runner.table = self.table
         self.mixed = mixed  # mixed steps from graphs, whole or piecewise (CUDA)
         self.kv: KvConnector | None = None  # disaggregated prefill/decode's transfers
+        # the linear-attention layers' states, a row per slot of the table (runs eagerly)
+        self.state = state
+        if state is not None:
+            self.table.slot_given = state.give
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -193,7 +199,7 @@ class ModelRunner:
         sampled = inputs.sampled
         if not inputs.num_seqs:
             return Logits(torch.empty((0, self.model.config.vocab_size), device=self.model.device))
-        if inputs.decode_only:
+        if inputs.decode_only and self.state is None:
             logits = self.decode_runner.run(inputs)
             if len(sampled) == inputs.num_seqs:
                 return logits
@@ -206,9 +212,26 @@ class ModelRunner:
         device = self.model.device
         input_ids = torch.tensor(inputs.plan.input_ids, device=device)
         positions = inputs.positions.to(device, non_blocking=True)
+        if self.state is not None:
+            step = self._state_step(inputs)
+            layers, metas = self.cache.layers, self.metadata(inputs)
+            return self.model.forward(input_ids, positions, layers, metas, step)
         if self.mixed is not None:
             return self.mixed.forward(inputs, input_ids, positions, self.metadata)
         return self.model.forward(input_ids, positions, self.cache.layers, self.metadata(inputs))
+
+    def _state_step(self, inputs: StepInputs) -> StateStep:
+        """The step's rows in the recurrent states (ValueError for a row that does not
+        continue its sequence's state)."""
+        assert self.state is not None
+        plan = inputs.plan
+        return StateStep.of(
+            self.state,
+            [seq.slot for seq in inputs.seqs],
+            [row.start_pos for row in plan.rows],
+            plan.num_tokens,
+            [bool(row.drafts) for row in plan.rows],
+        )
 
     def metadata(self, inputs: StepInputs) -> list[AttentionMetadata]:
         """The step's attention records, one per KV group."""

@@ -23,7 +23,7 @@ import gc
 import os
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,6 +49,7 @@ from gpu_worker.protocol import (
     block_size_for,
     parse_kernel_pins,
 )
+from gpu_worker.recurrent_state import RecurrentState
 from gpu_worker.runner import ModelRunner
 from gpu_worker.sampler import Sampler
 from gpu_worker.step_inputs import PlanLimits
@@ -89,7 +90,30 @@ def check(config: WorkerConfig) -> ModelConfig:
     _check_worker_config(config)
     model_config = ModelConfig.from_dir(Path(config.model_dir))
     check_shardable(model_config, config.tensor_parallel_size, config.quantization)
+    _check_recurrent(config, model_config)
     return model_config
+
+
+def _check_recurrent(config: WorkerConfig, model_config: ModelConfig) -> None:
+    """What a model with linear-attention layers (a recurrent state per sequence,
+    gpu_worker.recurrent_state) cannot be served with, each refusal naming the feature."""
+    if model_config.linear_attention is None:
+        return
+    refused = {
+        "a draft model (speculative decoding: a rejected draft cannot be taken back out of "
+        "the recurrent state)": config.draft_model_dir is not None,
+        "tensor parallelism (the linear-attention layers are not split across ranks)": (
+            config.tensor_parallel_size > 1
+        ),
+        "a KV transfer engine (disaggregated prefill: the recurrent state is not "
+        "transferred)": config.kv_transfer_engine is not None,
+    }
+    for feature, asked in refused.items():
+        if asked:
+            raise ValueError(
+                f"{model_config.architecture} has linear-attention layers, which are not "
+                f"served with {feature}"
+            )
 
 
 def start(config: WorkerConfig, group: Group | None = None) -> ModelRunner:
@@ -109,10 +133,18 @@ def start(config: WorkerConfig, group: Group | None = None) -> ModelRunner:
     if config.draft_model_dir is not None:
         with clock.step("draft model"):
             draft = _load_draft(config, place, choice.kernels)
+    state = None
+    if place.model_config.linear_attention is not None:
+        # before the cache is sized: the memory measured free then excludes it
+        with clock.step("recurrent state"):
+            slots = config.max_num_seqs + 1  # a row per running sequence, and the padding row
+            state = RecurrentState(model.config, model.dtype, model.device, slots)
     reserved = 0
     if place.device.type == "cuda":
         with clock.step("profile"):
-            reserved = _activation_reserve(model, config, place.block_size, place.cache_dtype)
+            reserved = _activation_reserve(
+                model, config, place.block_size, place.cache_dtype, state
+            )
     with clock.step("cache"):
         caches = _allocate_caches(config, place, model, draft, reserved, group)
     decode_runner, mixed = _graph_runners(config, place, model, caches)
@@ -122,12 +154,12 @@ def start(config: WorkerConfig, group: Group | None = None) -> ModelRunner:
         graphs["mixed"] = mixed.capture_all()
         memory.release_cached(place.device)
     ranks = _ranks(group, place.device, caches.cache.bytes)
-    runner = _runner(config, place, model, caches, decode_runner, mixed)
+    runner = _runner(config, place, model, caches, decode_runner, mixed, state)
     _connect_kv(config, runner, clock)
     warmed = None
     kernels, device = model.kernels, place.device
     if kernels.attention.compiles(device) or kernels.layer_ops.compiles(device):
-        with clock.step("warm-up"):  # compiles before serving, as the captures
+        with clock.step("warm-up"), _trials(state):  # compiles before serving, as the captures
             warmed = warm_up(runner, config.max_num_batched_tokens)
     runner.handshake = _handshake(config, place, runner, clock, choice, graphs, warmed, ranks)
     return runner
@@ -257,6 +289,7 @@ def _runner(
     caches: _Caches,
     decode_runner: DecodeRunner,
     mixed: MixedGraphs,
+    state: RecurrentState | None,
 ) -> ModelRunner:
     model_config, cache = place.model_config, caches.cache
     groups = KVGroups.of(model_config).num_groups
@@ -265,7 +298,14 @@ def _runner(
     )
     sampler = Sampler(config.seed, place.device)
     return ModelRunner(
-        model, cache, decode_runner, sampler, limits, drafter=caches.drafter, mixed=mixed
+        model,
+        cache,
+        decode_runner,
+        sampler,
+        limits,
+        drafter=caches.drafter,
+        mixed=mixed,
+        state=state,
     )
 
 
@@ -317,6 +357,7 @@ def _handshake(
         warm_up=warmed,
         startup=clock.steps,
         kv_group_windows=list(KVGroups.of(model_config).windows),
+        recurrent_state_bytes=0 if runner.state is None else runner.state.bytes_per_slot,
         quantization=_quantization_text(config.quantization, runner.model),
         draft_model=None if draft_dir is None else Path(draft_dir).resolve().name,
         ranks=ranks,
@@ -405,9 +446,12 @@ def _load_model(
     linear.recall_checked_sizes(kernel_choice.recall(cache_file, ROW_SIZES_SECTION))
     # A rank of a group reads its slices only, as the model takes them.
     dtype, device = place.dtype, place.device
-    weights = load_weights(model_dir, dtype, device, on_use=group is not None)
+    # MXFP4 experts stay packed on the CPU, for the quantized matmul (gpu_worker.mxfp4);
+    # on CUDA they are dequantized: its matmuls are not the CPU's kernels.
+    cpu = device.type == "cpu"
+    weights = load_weights(model_dir, dtype, device, on_use=group is not None, packed_mxfp4=cpu)
     quantized = load_quantized(model_dir, device) if quantization == "gguf" else None
-    if quantization != "none":
+    if quantization != "none" or cpu:
         kernels = dataclasses.replace(kernels, quant_matmul=quant_kernels(device))
     # The rope tables cover the whole context limit of the model.
     model = Model(
@@ -472,21 +516,27 @@ def _activation_reserve(
     config: WorkerConfig,
     block_size: int,
     cache_dtype: torch.dtype,
+    state: RecurrentState | None = None,
 ) -> int:
     """The activations to keep out of the cache on CUDA (see gpu_worker.memory): the peaks
     of the largest mixed step and of the largest captured decode step, run on a one-block
-    cache that is gone when this returns."""
+    cache that is gone when this returns (and on the worker's recurrent `state`, already
+    allocated: not counted twice)."""
     cache = kv_cache.allocate(model.config, 1, block_size, cache_dtype, model.device)
-    probe = runner_on(model, cache, config)
+    probe = runner_on(model, cache, config, state)
     width = probe.decode_runner.widths[-1]  # the widest table a captured graph reads
-    mixed = memory.peak_bytes(model.device, lambda: profile_mixed(probe, config))
-    decode = memory.peak_bytes(model.device, lambda: profile_decode(probe, config, width))
+    with _trials(state):
+        mixed = memory.peak_bytes(model.device, lambda: profile_mixed(probe, config))
+        decode = memory.peak_bytes(model.device, lambda: profile_decode(probe, config, width))
     return kv_cache.activation_reserve(mixed, decode, graphs=config.use_cuda_graphs)
 
 
-def runner_on(model: Model, cache: KVCache, config: WorkerConfig) -> ModelRunner:
+def runner_on(
+    model: Model, cache: KVCache, config: WorkerConfig, state: RecurrentState | None = None
+) -> ModelRunner:
     """A runner over `cache`, with its own sampler: the worker's random stream must not
-    depend on the profile."""
+    depend on the profile. A model with linear-attention layers runs on `state`, or on a
+    state of its own, unchecked: the trial steps' rows start anywhere."""
     limit = model.config.context_limit
     groups = KVGroups.of(model.config).num_groups
     limits = PlanLimits(cache.block_size, cache.num_blocks, model.config.vocab_size, limit, groups)
@@ -496,7 +546,16 @@ def runner_on(model: Model, cache: KVCache, config: WorkerConfig) -> ModelRunner
         max_num_seqs=config.max_num_seqs,
         max_blocks_per_seq=-(-limit // cache.block_size),
     )
-    return ModelRunner(model, cache, decodes, Sampler(config.seed, model.device), limits)
+    if state is None and model.config.linear_attention is not None:
+        state = RecurrentState(model.config, model.dtype, model.device, checked=False)
+    sampler = Sampler(config.seed, model.device)
+    return ModelRunner(model, cache, decodes, sampler, limits, state=state)
+
+
+def _trials(state: RecurrentState | None) -> AbstractContextManager[None]:
+    """The start-up's trial steps on the worker's recurrent state (profile, warm-up): their
+    rows start past position 0, so the state's rows are not checked meanwhile."""
+    return nullcontext() if state is None else state.trials()
 
 
 def profile_mixed(runner: ModelRunner, config: WorkerConfig) -> None:

@@ -29,6 +29,7 @@ when a first sequence asks, so a worker whose requests read no history holds non
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +89,9 @@ class SeqTable:
         shape = (limits.num_groups, PAD_SLOT + 1, limits.max_blocks_per_seq)
         self.tables = torch.full(shape, limits.scratch_block, dtype=torch.long, device=device)
         self.histories = Histories(limits.vocab_size, device)
+        # told each slot given to a sequence: the linear-attention layers' states, kept in
+        # the same rows (gpu_worker.recurrent_state), start it from zeros
+        self.slot_given: Callable[[int], None] | None = None
 
     def __len__(self) -> int:
         return len(self._seqs)
@@ -165,6 +169,8 @@ class SeqTable:
             self._grow()
         slot = self._free.pop()
         self._seqs[new.seq_id] = Seq(slot, new.sampling, new.prompt_len, new.pooling, new.adapter)
+        if self.slot_given is not None:
+            self.slot_given(slot)
         if new.sampling.reads_history:
             self.histories.begin(new.seq_id, new.prompt_len, new.prefix)
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from gpu_worker import mxfp4
 from gpu_worker.linear import ROW_SIZES, Linear
 from gpu_worker.quant import Matmul, Quantizer, QuantLinear, QuantWeight
 from gpu_worker.tensor_parallel import NO_SHARD, WHOLE, Shard, Split
@@ -135,6 +136,22 @@ class WeightTaker:
                 f"{name} is stored unquantized beside quantized weights it is fused with"
             )
         return self.quantizer(self(name, shape, split) if dense is None else dense)
+
+    def mxfp4_experts(self, name: str, shape: tuple[int, int, int]) -> list[QuantWeight] | None:
+        """The weight `name` of `shape` ([experts, in, out], transformers' dense layout)
+        where the checkpoint holds it in MXFP4 kept packed (gpu_worker.mxfp4): each expert's
+        [out, in] QuantWeight; None where it holds it dense."""
+        blocks = self.weights.pop(name + mxfp4.BLOCKS, None)
+        if blocks is None:
+            return None
+        scales = self.weights.pop(name + mxfp4.SCALES)
+        experts, cols, rows = shape
+        stored = (experts, rows, cols // 32, 16)
+        if tuple(blocks.shape) != stored:
+            raise MissingWeights(
+                f"{name}{mxfp4.BLOCKS} has shape {tuple(blocks.shape)}, not {stored}"
+            )
+        return [weight.to(self.device) for weight in mxfp4.quant_weights(blocks, scales)]
 
     def gated_mlp(self, names: Sequence[str], hidden: int, inter: int) -> tuple[Linear, Linear]:
         """(gate_up, down) of a gated MLP whose gate, up and down weights are `names`: a

@@ -9,8 +9,8 @@ import sys
 
 def bench(argv: list[str] | None = None) -> int:
     """`cadence bench SCENARIO | compare | capacity | chat | prefix | structured | engine |
-    sampler | processors | roofline | kv-accuracy | weight-accuracy | speculation |
-    tensor-parallel | plan`."""
+    sampler | processors | roofline | attention | kv-accuracy | weight-accuracy |
+    speculation | tensor-parallel | plan | quant | hybrid`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command, rest = (argv[0], argv[1:]) if argv else ("", argv)
     if command == "compare":
@@ -23,6 +23,8 @@ def bench(argv: list[str] | None = None) -> int:
         from ops.processors_bench import main
     elif command == "roofline":
         from ops.roofline import main
+    elif command == "attention":
+        from ops.attention_bench import main
     elif command == "kv-accuracy":
         from ops.kv_accuracy import main
     elif command == "weight-accuracy":
@@ -41,6 +43,10 @@ def bench(argv: list[str] | None = None) -> int:
         from ops.tp_bench import main
     elif command == "plan":
         from ops.plan_bench import main
+    elif command == "quant":
+        from ops.quant_bench import main
+    elif command == "hybrid":
+        from ops.hybrid_bench import main
     else:
         from ops.bench import main
 

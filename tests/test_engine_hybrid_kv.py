@@ -11,6 +11,7 @@ through preemption and prefix hits too."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -22,6 +23,8 @@ from service.config import Config
 from service.engine.assembly import open_engine
 from service.engine.block_manager import BlockManager
 from service.engine.request import SamplingParams, SamplingSpec
+from service.engine.speculation import SpeculativeConfig
+from service.engine.worker_link import WorkerStartError
 from tests.sim_worker import RecordingObserver, SimTokenizer, run_together
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -162,3 +165,34 @@ async def test_newer_hybrid_families_continue_alike_preempted_and_from_prefix_hi
         together, seen = await generate(engine, FAMILY, GENERATED)
     assert seen.preempted
     assert together == first + rest
+
+
+async def test_a_recurrent_state_model_never_starts_from_a_prefix_hit(tiny_models):
+    """Qwen3-Next (Gated DeltaNet layers beside full attention) keeps a recurrent state per
+    sequence that no block holds: with prefix caching asked for, prompts that share 24
+    tokens are each computed whole, and continue as the same prompts squeezed side by side
+    until growth preempts them and they are recomputed from their first token."""
+    model = tiny_models("qwen3_next")
+    one_block = block_bytes(ModelConfig.from_dir(model), BLOCK, torch.float32)
+    roomy = tiny_config(512, caching=True, one_block=one_block)
+    async with open_engine(roomy, model_dir=model, tokenizer=SimTokenizer()) as engine:
+        assert engine.handshake is not None and engine.handshake.recurrent_state_bytes > 0
+        assert engine.state()["prefix_cache"]["enabled"] is False
+        first, _ = await generate(engine, FAMILY[:1], GENERATED)
+        rest, seen = await generate(engine, FAMILY[1:], GENERATED)
+    assert [stats.cached_tokens for stats in seen.finished] == [0] * 3
+    squeezed = tiny_config(24, one_block=one_block)
+    async with open_engine(squeezed, model_dir=model, tokenizer=SimTokenizer()) as engine:
+        together, seen = await generate(engine, FAMILY, GENERATED)
+    assert seen.preempted
+    assert together == first + rest
+
+
+async def test_a_recurrent_state_model_refuses_speculative_decoding(tiny_models):
+    config = replace(tiny_config(64), speculative_config=SpeculativeConfig())
+    with pytest.raises(ExceptionGroup) as raised:
+        async with open_engine(
+            config, model_dir=tiny_models("qwen3_next"), tokenizer=SimTokenizer()
+        ):
+            pass
+    assert raised.group_contains(WorkerStartError, match="speculative decoding is not served")

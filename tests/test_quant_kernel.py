@@ -11,6 +11,7 @@ from gpu_worker import kernels
 from gpu_worker.quant import (
     QuantLinear,
     QuantWeight,
+    e8m0_scales,
     pack,
     quantize_activations,
     quantize_int4,
@@ -56,7 +57,18 @@ FORMATS = {
     ),
     "q5-0": lambda: random_q5(-16),
     "q5-mins": lambda: random_q5(None),
+    "mxfp4": lambda: random_mxfp4(40, 96),
 }
+
+
+def random_mxfp4(n: int, k: int, exponents: tuple[int, int] = (118, 131)) -> QuantWeight:
+    """E2M1 codes and E8M0 scales (gpu_worker.mxfp4's checkpoint bytes); group 0 has the
+    subnormal scales of E8M0 0 and 1 (rows 0 and 1)."""
+    generator = torch.Generator().manual_seed(n + k)
+    codes = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
+    e = torch.randint(*exponents, (n, k // 32), generator=generator, dtype=torch.uint8)
+    e[:2, 0] = torch.tensor([0, 1])
+    return QuantWeight("mxfp4", codes, e8m0_scales(e), None, 32)
 
 
 def random_q5(min_scales: int | None) -> QuantWeight:
@@ -114,7 +126,7 @@ def test_quantizers_round_each_weight_within_half_a_step(quantizer):
     assert ((weight.dequantize() - w).abs() <= step / 2 + 1e-6).all()
 
 
-@pytest.mark.parametrize("name", ["int8", "int4", "q8-g16-mins", "q5-0", "q5-mins"])
+@pytest.mark.parametrize("name", ["int8", "int4", "q8-g16-mins", "q5-0", "q5-mins", "mxfp4"])
 def test_packing_keeps_every_value_and_row(name):
     weight = FORMATS[name]()
     packed = pack(weight)
@@ -126,7 +138,7 @@ def test_packing_keeps_every_value_and_row(name):
     assert torch.equal(packed.dequantized_rows(ids), weight.dequantize()[ids])
 
 
-@pytest.mark.parametrize("name", ["int8", "int4", "q8-g16", "q5-mins"])
+@pytest.mark.parametrize("name", ["int8", "int4", "q8-g16", "q5-mins", "mxfp4"])
 def test_a_rows_bits_do_not_depend_on_its_company(native, name):
     """A probe row alone, and at several positions among 1, 2, 5, 64 and 200 rows (register
     tiles of 8 rows, and their rests), gives the same bits."""
@@ -163,3 +175,35 @@ def test_the_reference_serves_without_the_kernel():
     assert torch.equal(linear(x), reference_matmul(x, weight))
     ids = torch.tensor([[1, 2]])
     assert torch.equal(linear.dequantized_rows(ids), weight.dequantize()[ids])
+
+
+# gpt-oss's experts (gpu_worker.mxfp4): a partial column block, K of 1 and of 5 groups
+@pytest.mark.parametrize("n, k", [(16, 32), (72, 160), (9, 64)])
+@pytest.mark.parametrize("rows", [1, 7, 64, 67])
+def test_the_mxfp4_kernel_gives_the_references_bits(native, n, k, rows):
+    weight = random_mxfp4(n, k)
+    bias = randn(n, seed=12)
+    x = randn(rows, k, seed=rows).bfloat16()
+    got = native_linear(weight, native, bias, torch.bfloat16).kernel(x)
+    assert torch.equal(got, reference_matmul(x, weight, bias))
+
+
+def test_mxfp4_rounds_each_groups_exact_product_once():
+    """What is exact: each group's term is the float64 product of the dequantized weights
+    and the int8-quantized activations, rounded once to float32; the reference sums those
+    terms in float32 in K order, and so stays within float32's summation of the exact
+    product."""
+    weight = random_mxfp4(24, 160, exponents=(100, 150))
+    x = randn(5, 160, seed=13)
+    codes, scales, _ = quantize_activations(x)
+    quantized = codes.double() * scales.double().repeat_interleave(32, dim=1)
+    w = weight.dequantize().double()
+    terms = torch.einsum("mgk,ngk->gmn", quantized.view(5, 5, 32), w.view(24, 5, 32)).float()
+    summed = torch.zeros(5, 24)
+    for term in terms:
+        summed = summed + term
+    got = reference_matmul(x, weight)
+    assert torch.equal(got, summed)
+    exact = quantized @ w.T
+    bound = 5 * torch.finfo(torch.float32).eps * terms.double().abs().sum(0)
+    assert ((got.double() - exact).abs() <= bound).all()

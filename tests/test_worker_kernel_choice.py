@@ -165,13 +165,49 @@ def test_a_windowed_model_is_offered_and_checked_on_what_serves_windows():
     assert failure is not None and failure.startswith("decode differs from the reference")
 
 
-def test_a_model_with_attention_sinks_is_offered_only_what_serves_them():
-    """gpt-oss: neither the C++ kernels nor FlexAttention nor TritonAttention add the sinks
-    to their softmax, so the reference alone is offered, on either device."""
-    layers = (LayerAttention(window=128, sinks=True), LayerAttention(sinks=True))
-    for device in (CPU, torch.device("cuda")):
-        offered = kernels.attention_candidates(device, torch.bfloat16, 64, layers)
-        assert [b.name for b in offered] == ["torch"]
+GPT_OSS_LAYERS = (LayerAttention(window=128, sinks=True), LayerAttention(sinks=True))
+
+
+class SinklessAttention(NativeRowsAttention):
+    """Claims attention sinks, and leaves them out of its chunks' softmax."""
+
+    name = "sinkless"
+
+    def prefill_sinks(self, q, k, v, kv, chunk, sinks):
+        return self.prefill(q, k, v, kv, chunk)
+
+
+def test_a_model_with_attention_sinks_is_offered_what_serves_them():
+    """gpt-oss: the C++ kernels and TritonAttention add the sinks to their softmax;
+    FlexAttention does not. The chunk kernel has no windows, so only a model whose layers
+    all attend in full (and bfloat16) is offered it."""
+    offered = kernels.attention_candidates(CPU, torch.bfloat16, 64, GPT_OSS_LAYERS)
+    assert [b.name for b in offered] == ["torch", "native-rows", "hybrid"]
+    full = (LayerAttention(sinks=True),)
+    offered = kernels.attention_candidates(CPU, torch.bfloat16, 64, full)
+    chunk_kernel = NativeAttention.serves(CPU, torch.bfloat16, 64)
+    expected = ["torch", "native-rows", "hybrid"] + (["native"] if chunk_kernel else [])
+    assert [b.name for b in offered] == expected
+    cuda = kernels.attention_candidates(torch.device("cuda"), torch.bfloat16, 64, GPT_OSS_LAYERS)
+    assert [b.name for b in cuda] == ["torch", "triton"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_native_kernels_pass_the_check_with_sinks_and_keep_their_rows_invariant(dtype):
+    """Checked on gpt-oss's windowed layer (and, in bfloat16, the chunk kernel on its full
+    one), with sinks: each agrees with the reference, and a row keeps its bits alone, in
+    a batch and as a chunk's row; a candidate that drops the sinks fails."""
+    for layers in (GPT_OSS_LAYERS, (LayerAttention(sinks=True),)):
+        shapes = Shapes(8, 2, 64, 512, 1024, 16, dtype, CPU, dtype, layers)
+        case, expected = case_and_expected(shapes)
+        assert case.sinks is not None and case.layer.sinks
+        short = kernel_choice.attention_case(shapes, batch=5, chunk=37, start=40)
+        native = kernels.native.kernels()
+        for backend in kernels.attention_candidates(CPU, dtype, 64, layers)[1:]:
+            failure = kernel_choice.check_attention(backend, case, expected, [short])
+            assert failure is None, (backend.name, failure)
+    failure = kernel_choice.check_attention(SinklessAttention(native), case, expected)
+    assert failure is not None and failure.startswith("prefill differs from the reference")
 
 
 class ShortChunkDependentAttention(NativeRowsAttention):

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from gpu_worker.attention import torch_backend
-from gpu_worker.protocol import SamplingSpec
+from gpu_worker.protocol import SamplingSpec, StepPlan
 from tests.worker_fixtures import (
     BLOCK_SIZE,
+    QWEN_EXPERTS,
     Chunk,
     blocks_for,
     generate_greedy,
@@ -57,6 +58,10 @@ ARCHITECTURES = {
     "smollm3-nope": ("smollm3", {}),
     "gpt-oss-sinks": ("gpt_oss", {}),
     "gemma4-shared-kv": ("gemma4", {}),
+    "qwen3-next": ("qwen3_next", {}),
+    "qwen3-next-moe": ("qwen3_next_moe", {}),
+    "qwen3.5": ("qwen3_5", {}),
+    "qwen3.5-moe": ("qwen3_5_moe", {}),
     "gemma4-moe": (
         "gemma4",
         {
@@ -67,6 +72,9 @@ ARCHITECTURES = {
         },
     ),
 }
+# The hybrid linear-attention families (a recurrent state per sequence): 32 greedy tokens,
+# and a forced preemption instead of a prefix-cache hit, which they cannot resume.
+LINEAR_ATTENTION = ("qwen3-next", "qwen3-next-moe", "qwen3.5", "qwen3.5-moe")
 # A family's prompts, where they differ: longrope matches transformers within one factor set.
 PROMPT_LENGTHS = {"phi3-longrope": (49, 90), "phi3-longrope-short": (1, 5, 37, 48)}
 ARCH_KV_MEMORY = float(4 * 1024 * 1024)  # three layers, and the checks' block ids up to 730
@@ -150,12 +158,15 @@ def check_token_by_token_logits(runner, hf, length: int, first: int = 0) -> None
 
 def test_architecture_logits_match_transformers(architecture):
     """A prompt's last logits, every position decoded token by token, and greedy decoding,
-    past each window."""
+    past each window (gpt-oss's sinks on the C++ kernels, the row-invariant choice)."""
     name, _, runner, hf = architecture
+    if name == "gpt-oss-sinks":
+        assert runner.model.kernels.attention.name == "native-rows"
     check_prefill_logits(runner, hf, PROMPT_LENGTHS.get(name, (1, 5, 37, 90)))
     first = PROMPT_LENGTHS.get(name, (0,))[0] - 1
     check_token_by_token_logits(runner, hf, first + 30, first=max(first, 0))
-    check_greedy_decoding(runner, hf, random_prompt(max(12, first + 1), seed=7), 16)
+    steps = 32 if name in LINEAR_ATTENTION else 16
+    check_greedy_decoding(runner, hf, random_prompt(max(12, first + 1), seed=7), steps)
 
 
 @pytest.mark.parametrize(
@@ -164,10 +175,14 @@ def test_architecture_logits_match_transformers(architecture):
     indirect=True,
 )
 def test_architecture_chunked_batched_and_prefix_cached(architecture, one_torch_thread):
-    _, _, runner, _ = architecture
+    name, _, runner, _ = architecture
     check_chunked_prefill(runner)
     check_mixed_batch(runner)
-    check_prefix_cache(runner)
+    if name in LINEAR_ATTENTION:
+        check_preempted_recompute(runner)
+        check_prefix_hit_refused(runner)
+    else:
+        check_prefix_cache(runner)
 
 
 @pytest.mark.parametrize(
@@ -180,16 +195,17 @@ def test_architecture_chunked_batched_and_prefix_cached(architecture, one_torch_
         "qwen3-moe",
         "qwen2-moe-shared",
         "smollm3-nope",
+        "gpt-oss-sinks",
         "gemma4-shared-kv",
     ],
 )
 def test_architecture_rows_keep_their_bits_batched_and_chunked_in_bfloat16(
     name, tiny_models, one_torch_thread
 ):
-    """Where a row-invariant attention serves (the decode kernel's windows and Gemma 2's
-    soft-capping too), a row's bfloat16 logits are the same bits beside other sequences
-    and in chunks of any size: the experts' routing and matmuls (gpu_worker.moe) keep the
-    claim."""
+    """Where a row-invariant attention serves (the decode kernel's windows, Gemma 2's
+    soft-capping and gpt-oss's sinks too), a row's bfloat16 logits are the same bits beside
+    other sequences and in chunks of any size: the experts' routing and matmuls
+    (gpu_worker.moe) keep the claim."""
     kind, overrides = ARCHITECTURES[name]
     runner = make_runner(tiny_models(kind, **overrides), dtype="bfloat16", kv_memory=ARCH_KV_MEMORY)
     assert runner.model.kernels.attention.row_invariant
@@ -203,7 +219,7 @@ def test_attention_sinks_through_the_cpu_flash_path(tiny_models, monkeypatch, on
     monkeypatch.setattr(torch_backend, "FLASH_MIN_CONTEXT", 0)
     kind, overrides = ARCHITECTURES["gpt-oss-sinks"]
     path = tiny_models(kind, **overrides)
-    runner = make_runner(path, kv_memory=ARCH_KV_MEMORY)
+    runner = make_runner(path, kv_memory=ARCH_KV_MEMORY, kernels="attention=torch")
     check_prefill_logits(runner, hf_model(path), (5, 37))
     check_prefix_cache(runner)
 
@@ -215,7 +231,7 @@ def test_chunked_prefill_equals_unchunked(tiny_llama_dir, prefill_path):
 def check_chunked_prefill(runner) -> None:
     """Bit for bit where the attention claims row invariance: recompute after a
     preemption (chunks of any size, one token each among them) gives the decoded bits."""
-    exact = runner.model.kernels.attention.row_invariant
+    exact = claims_row_invariance(runner)
     prompt = random_prompt(100, seed=5)
     whole_table = blocks_for(0, len(prompt) + 20)
     whole = runner.step_logits(plan_for(runner, [Chunk(0, prompt, 0, whole_table)]))[0]
@@ -284,8 +300,14 @@ def check_mixed_batch(runner) -> None:
     )
     logits = runner.step_logits(mixed)
     assert max_diff(logits[2], alone) < tolerance(alone)
-    if runner.model.kernels.attention.row_invariant:
+    if claims_row_invariance(runner):
         assert torch.equal(logits[2], alone)
+
+
+def claims_row_invariance(runner) -> bool:
+    """The attention claims it, and no linear-attention layer (gpu_worker.linear_attention
+    claims none) serves beside it."""
+    return runner.model.kernels.attention.row_invariant and runner.state is None
 
 
 def check_prefix_cache(runner) -> None:
@@ -303,26 +325,68 @@ def check_prefix_cache(runner) -> None:
     assert max_diff(cached, whole) < tolerance(whole)
 
 
-def test_decodes_in_a_mixed_batch_match_decoding_alone(tiny_llama_dir):
-    runner = make_runner(tiny_llama_dir)
+def check_preempted_recompute(runner) -> None:
+    """A sequence preempted while decoding (finished, then introduced again from position
+    0 with its prompt and the tokens it took, recomputed beside another sequence's decode)
+    continues with the tokens it would have taken unpreempted."""
+    prompt = random_prompt(21, seed=41)
+    expected = generate_greedy(runner, prompt, steps=12, seq_id=60)
+    table = blocks_for(800, len(prompt) + 12)
+    tokens = sampled(runner.execute(plan_for(runner, [Chunk(61, prompt, 0, table)])))
+    for _ in range(4):
+        position = len(prompt) + len(tokens) - 1
+        step = plan_for(runner, [Chunk(61, [tokens[-1]], position, table)])
+        tokens += sampled(runner.execute(step))
+    runner.execute(StepPlan(1, [], [], finished=[61]))  # preempted: its state is gone
+    neighbour = Chunk(62, random_prompt(9, seed=42), 0, blocks_for(900, 9))
+    history = prompt + tokens
+    recompute = [Chunk(61, history[:-1], 0, blocks_for(840, len(prompt) + 12)), neighbour]
+    result = runner.execute(plan_for(runner, recompute))
+    assert sampled(result)[0] == tokens[-1]  # the recompute's last row predicts it again
+    table = blocks_for(840, len(prompt) + 12)
+    while len(tokens) < len(expected):
+        position = len(prompt) + len(tokens) - 1
+        tokens += sampled(
+            runner.execute(plan_for(runner, [Chunk(61, [tokens[-1]], position, table)]))
+        )
+    assert tokens == expected
+
+
+def check_prefix_hit_refused(runner) -> None:
+    """A new sequence that would start past position 0 (a prefix-cache hit) is refused,
+    naming why: the recurrent state at the hit's end was never saved."""
+    result = runner.execute(plan_for(runner, [Chunk(63, [5, 6], 8, blocks_for(950, 10))]))
+    assert result.error is not None and "recurrent state stands at 0" in result.error
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3.5-moe"])
+def test_decodes_in_a_mixed_batch_match_decoding_alone(name, tiny_models):
+    """Three decode rows among prefill chunks, two steps running: a hybrid model's decode
+    rows run the recurrent form batched, each on (and into) its own sequence's state."""
+    kind, overrides = ARCHITECTURES.get(name, (name, {}))
+    runner = make_runner(tiny_models(kind, **overrides), kv_memory=ARCH_KV_MEMORY)
     prompts = [random_prompt(n, seed=20 + n) for n in (9, 14, 23)]
+    decoded = (5, 6)  # the tokens each sequence decodes, a step each
     alone = []
     for i, prompt in enumerate(prompts):
         table = blocks_for(10 * i, 30)
         runner.execute(plan_for(runner, [Chunk(i, prompt, 0, table, sample=False)]))
-        decode = Chunk(i, [5], len(prompt), table)
-        alone.append(runner.step_logits(plan_for(runner, [decode]))[0])
+        steps = [Chunk(i, [token], len(prompt) + t, table) for t, token in enumerate(decoded)]
+        alone.append([runner.step_logits(plan_for(runner, [step]))[0] for step in steps])
     # Same decodes, interleaved with prefill chunks (non-contiguous decode rows).
     for i, prompt in enumerate(prompts):
         table = blocks_for(100 + 10 * i, 30)
         runner.execute(plan_for(runner, [Chunk(10 + i, prompt, 0, table, sample=False)]))
-    chunks = []
-    for i, prompt in enumerate(prompts):
-        chunks.append(Chunk(10 + i, [5], len(prompt), blocks_for(100 + 10 * i, 30)))
-        chunks.append(Chunk(20 + i, random_prompt(4, seed=i), 0, blocks_for(200 + 10 * i, 4)))
-    logits = runner.step_logits(plan_for(runner, chunks))
-    for i in range(len(prompts)):
-        assert max_diff(logits[2 * i], alone[i]) < tolerance(alone[i])
+    for t, token in enumerate(decoded):
+        chunks = []
+        for i, prompt in enumerate(prompts):
+            table = blocks_for(100 + 10 * i, 30)
+            chunks.append(Chunk(10 + i, [token], len(prompt) + t, table))
+            neighbour = random_prompt(4, seed=i + 10 * t)
+            chunks.append(Chunk(20 + i, neighbour, 0, blocks_for(200 + 10 * i, 4)))
+        logits = runner.step_logits(plan_for(runner, chunks))
+        for i in range(len(prompts)):
+            assert max_diff(logits[2 * i], alone[i][t]) < tolerance(alone[i][t])
 
 
 def test_greedy_decoding_equals_transformers_generate(variant_dir):
@@ -357,6 +421,57 @@ def test_bfloat16_logits_stay_close_to_float32(tiny_llama_dir):
     result = bfloat16.execute(decode)
     assert len(sampled(result)) == 1
     assert result.logprobs is not None and result.logprobs.logprobs[0] <= 0
+
+
+def test_experts_stacked_as_transformers_holds_them_load_as_one_per_expert(tiny_models, tmp_path):
+    """A Qwen3.5-MoE checkpoint whose experts are stacked (mlp.experts.gate_up_proj and
+    down_proj, transformers 5's layout) serves the logits of the same weights kept one
+    tensor per expert."""
+    from safetensors.torch import load_file, save_file
+
+    kind, overrides = ARCHITECTURES["qwen3.5-moe"]
+    per_expert = tiny_models(kind, **overrides)
+    weights = load_file(per_expert / "model.safetensors")
+    for layer in range(4):
+        block = f"model.layers.{layer}.mlp.experts."
+        gate_up, down = [], []
+        for e in range(QWEN_EXPERTS["num_experts"]):
+            gate, up = (weights.pop(f"{block}{e}.{p}_proj.weight") for p in ("gate", "up"))
+            gate_up.append(torch.cat([gate, up]))
+            down.append(weights.pop(f"{block}{e}.down_proj.weight"))
+        weights[block + "gate_up_proj"] = torch.stack(gate_up)
+        weights[block + "down_proj"] = torch.stack(down)
+    save_file(weights, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((per_expert / "config.json").read_text())
+    plan_prompt = [Chunk(0, random_prompt(20, seed=4), 0, blocks_for(0, 20))]
+    expected = make_runner(per_expert, kv_memory=ARCH_KV_MEMORY)
+    runner = make_runner(tmp_path, kv_memory=ARCH_KV_MEMORY)
+    logits = runner.step_logits(plan_for(runner, plan_prompt))
+    assert torch.equal(logits, expected.step_logits(plan_for(expected, plan_prompt)))
+
+
+def test_a_hybrid_model_in_bfloat16_matches_transformers_bfloat16(tiny_models, one_torch_thread):
+    """Qwen3-Next's layers in bfloat16 (the recurrent state kept in float32): a chunked
+    prompt, then decode steps beside another sequence's chunk, within a few bfloat16 steps
+    of transformers' logits in bfloat16 (both are far from float32's in this tiny model:
+    its experts' choices flip)."""
+    from transformers import AutoModelForCausalLM
+
+    kind, overrides = ARCHITECTURES["qwen3-next-moe"]
+    path = tiny_models(kind, **overrides)
+    runner = make_runner(path, dtype="bfloat16", kv_memory=ARCH_KV_MEMORY)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    prompt, table = random_prompt(40, seed=9), blocks_for(0, 48)
+    with torch.no_grad():
+        reference = hf(torch.tensor([[*prompt, 5, 6]])).logits[0, 39:42].float()
+    runner.execute(plan_for(runner, [Chunk(0, prompt[:30], 0, table, sample=False)]))
+    steps = [[Chunk(0, prompt[30:], 30, table)]] + [
+        [Chunk(0, [token], position, table), Chunk(1, prompt[:9], 0, blocks_for(60, 9))]
+        for position, token in ((40, 5), (41, 6))
+    ]
+    for chunks, expected in zip(steps, reference, strict=True):
+        logits = runner.step_logits(plan_for(runner, chunks))[0]
+        assert max_diff(logits, expected) < 0.03 * expected.abs().max().item()
 
 
 def test_prompt_logprobs_over_chunks_equal_transformers_log_softmax(tiny_llama_dir):
@@ -404,12 +519,14 @@ def test_prompt_logprobs_over_chunks_equal_transformers_log_softmax(tiny_llama_d
 
 @pytest.mark.parametrize(
     ("kind", "architecture"),
-    [("gemma3", "Gemma3ForConditionalGeneration"), ("gemma4", "Gemma4ForConditionalGeneration")],
+    [
+        ("gemma3", "Gemma3ForConditionalGeneration"),
+        ("gemma4", "Gemma4ForConditionalGeneration"),
+        ("qwen3_5", "Qwen3_5ForConditionalGeneration"),
+    ],
 )
-def test_a_multimodal_gemma_checkpoint_serves_its_text_model(
-    kind, architecture, tiny_models, tmp_path
-):
-    """model_type gemma3 or gemma4: the text_config's decoder, its weights under
+def test_a_multimodal_checkpoint_serves_its_text_model(kind, architecture, tiny_models, tmp_path):
+    """model_type gemma3, gemma4 or qwen3_5: the text_config's decoder, its weights under
     model.language_model (the vision tower's are left unread), gives the text model's
     logits."""
     from safetensors.torch import load_file, save_file

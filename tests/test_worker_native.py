@@ -222,3 +222,99 @@ def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(tmp_path):
     old = time.time() - native.STALE_LOCK_SECONDS - 1
     os.utime(lock, (old, old))
     assert native.clear_stale_lock(tmp_path) and not lock.exists()
+
+
+# gpt-oss's layers: full, and windowed (a window that starts mid-block and cuts the chunks)
+SINK_LAYERS = {
+    "full": attention.LayerAttention(sinks=True),
+    "window": attention.LayerAttention(window=20, sinks=True),
+}
+SINK_STEP = ((37, 0), (20, 50), (1, 0), (1, 44), (1, 89))  # (new tokens, start) per row
+
+
+def step_with_sinks(dtype: torch.dtype, group_size: int, seed: int):
+    """A mixed step (a chunk at 0, one after a cached prefix, decode rows of 1 to 90 tokens
+    of context) over shuffled cache blocks that already hold every new token's K/V; q is
+    a strided view; the sinks are near the rows' log-sum-exps, so each takes a real share."""
+    generator = torch.Generator().manual_seed(seed)
+    kv_heads, head_dim, block_size = 2, 64, 16
+    heads, width = kv_heads * group_size, 6
+    num_blocks = len(SINK_STEP) * width
+    shape = (kv_heads, num_blocks, block_size, head_dim)
+    kv = LayerKV(*(torch.randn(shape, generator=generator).to(dtype) for _ in "kv"))
+    tables = torch.randperm(num_blocks, generator=generator).view(len(SINK_STEP), width)
+    slots = torch.cat(
+        [
+            tables[seq, positions // block_size] * block_size + positions % block_size
+            for seq, (count, start) in enumerate(SINK_STEP)
+            for positions in [torch.arange(start, start + count)]
+        ]
+    )
+    k, v = (cache.view(kv_heads, -1, head_dim)[:, slots].transpose(0, 1) for cache in (kv.k, kv.v))
+    tokens = len(slots)
+    q = torch.randn(tokens, heads + kv_heads, head_dim, generator=generator).to(dtype)[:, :heads]
+    sinks = (3 + 2 * torch.randn(heads, generator=generator)).to(dtype)
+    return q, k, v, kv, tables, slots, sinks
+
+
+def attend_step_with_sinks(backend, layer, q, k, v, kv, tables, slots, sinks) -> torch.Tensor:
+    counts, starts = [c for c, _ in SINK_STEP], [s for _, s in SINK_STEP]
+    group_size = q.shape[1] // kv.k.shape[0]
+    meta = attention.metadata_for(counts, starts, tables, slots, kv.k, group_size, backend, layer)
+    return attention.paged_attention(q, k, v, kv, meta, sinks)
+
+
+SINK_CASES = [  # (backend, dtype, layer): the chunk kernel has no windows
+    ("native-rows", torch.float32, "full"),
+    ("native-rows", torch.float32, "window"),
+    ("native-rows", torch.bfloat16, "window"),
+    pytest.param("native", torch.bfloat16, "full", marks=needs_bf16_prefill_kernel),
+    ("hybrid", torch.float32, "full"),
+    ("hybrid", torch.bfloat16, "window"),
+]
+
+
+@pytest.mark.parametrize(("backend_name", "dtype", "layer"), SINK_CASES)
+def test_the_kernels_add_attention_sinks_as_pytorch_does(backend_name, dtype, layer):
+    """gpt-oss: each row's head sink joins its softmax, in decode rows and chunks' rows
+    alike; float32 to 1e-5 of TorchAttention's sink path, bfloat16 as the kernels' other
+    tests; and where the backend claims row invariance, a chunk's row has the bits of the
+    same token decoded."""
+    layers = (SINK_LAYERS[layer],)
+    backend = {b.name: b for b in kernels_offered(dtype, layers)}[backend_name]
+    step = step_with_sinks(dtype, group_size=3, seed=len(layer))
+    got = attend_step_with_sinks(backend, SINK_LAYERS[layer], *step)
+    want = attend_step_with_sinks(attention.TorchAttention(), SINK_LAYERS[layer], *step)
+    without = attend_step_with_sinks(
+        attention.TorchAttention(), SINK_LAYERS[layer], *step[:-1], None
+    )
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (want.float() - without.float()).abs().max() > 10 * tolerance  # the sinks count
+    torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+    if backend.row_invariant:
+        assert_chunk_rows_decode_alike(backend, SINK_LAYERS[layer], got, *step)
+
+
+def kernels_offered(dtype, layers):
+    from gpu_worker import kernels
+
+    return kernels.attention_candidates(torch.device("cpu"), dtype, 64, layers)
+
+
+def assert_chunk_rows_decode_alike(backend, layer, got, q, k, v, kv, tables, slots, sinks):
+    """Rows of the second chunk (positions 50..69), decoded alone: the same bits."""
+    rows = [37, 45, 56]  # its first, a middle and its last
+    positions = [50 + row - 37 for row in rows]
+    group_size = q.shape[1] // kv.k.shape[0]
+    meta = attention.metadata_for(
+        [1] * len(rows),
+        positions,
+        tables[[1] * len(rows)],
+        slots[rows],
+        kv.k,
+        group_size,
+        backend,
+        layer,
+    )
+    decoded = attention.paged_attention(q[rows], k[rows], v[rows], kv, meta, sinks)
+    assert torch.equal(decoded, got[rows])

@@ -155,14 +155,14 @@ def test_mixture_of_experts_configs_say_which_layers_route():
     [
         ({"architectures": ["GPT2LMHeadModel"]}, UnsupportedModel, "GPT2LMHeadModel"),
         (
-            {"architectures": ["Qwen3NextForCausalLM"]},
-            UnsupportedModel,
-            "Qwen3NextForCausalLM is not served yet: it has Gated DeltaNet linear-attention",
+            {"architectures": ["Qwen3_5ForCausalLM"]},
+            ConfigError,
+            "lacks the required key 'linear_num_key_heads'",
         ),
         (
             {"architectures": None, "model_type": "qwen3_5_moe"},
-            UnsupportedModel,
-            "model_type 'qwen3_5_moe' is not served yet: .* a state cache beside the paged KV",
+            ConfigError,
+            "lacks the text model's text_config",
         ),
         (
             {"architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True},
@@ -305,16 +305,28 @@ def test_profile_plan_is_the_largest_step_on_one_block():
     assert plan.total_tokens == 9 and all(row.sample for row in plan.rows)
 
 
-def test_profiling_steps_run_on_a_one_block_cache(tiny_llama_dir):
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+def test_profiling_steps_run_on_a_one_block_cache(kind, tiny_models):
+    """And on a hybrid model's recurrent state (the worker's, allocated before), whose
+    rows the trial steps start anywhere; its warm-up steps (CUDA's) run alike."""
+    import contextlib
+
     import torch
 
-    runner = make_runner(tiny_llama_dir, max_num_batched_tokens=300, max_num_seqs=4)
+    from gpu_worker.warm_up import warm_up
+
+    path = tiny_models(kind)
+    runner = make_runner(path, max_num_batched_tokens=300, max_num_seqs=4)
     model = runner.model
     cache = kv_cache.allocate(model.config, 1, BLOCK_SIZE, torch.float32, model.device)
-    config = WorkerConfig(str(tiny_llama_dir), max_num_batched_tokens=300, max_num_seqs=4)
-    probe = runtime.runner_on(model, cache, config)
-    runtime.profile_mixed(probe, config)  # a 256-token chunk at the limit, 41 more, 3 decodes
-    runtime.profile_decode(probe, config, width=64)
+    config = WorkerConfig(str(path), max_num_batched_tokens=300, max_num_seqs=4)
+    probe = runtime.runner_on(model, cache, config, runner.state)
+    trials = contextlib.nullcontext() if runner.state is None else runner.state.trials()
+    with trials:
+        runtime.profile_mixed(probe, config)  # a 256-token chunk at the limit, 41 more, 3 decodes
+        runtime.profile_decode(probe, config, width=64)
+        if runner.state is not None:  # the others' warm-up is the attention's (CUDA's tests)
+            warm_up(runner, 300)
     assert all(not layer.k[:, 1:].any() for layer in cache.layers)  # only block 0 is named
 
 

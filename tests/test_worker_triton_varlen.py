@@ -52,7 +52,8 @@ class StepCase:
 # a cached prefix, several to a launch and beside decode rows; GQA groups of 1, 3, 4 and 8
 # (3 leaves a 64-row tile one row idle); head dims 64, 80 (padded to 128) and 128; key tiles
 # over 8 blocks of 16, 2 of 64, inside one of 64 and 3 to a block of 48; windows whose first
-# key tile some queries of a query tile do not see, soft-capping; both dtypes.
+# key tile some queries of a query tile do not see, soft-capping; both dtypes; attention
+# sinks (gpt-oss) in both kernels: decode rows merged from segments, and of one segment.
 CASES = {
     "f32-group1-three-chunks": StepCase(((0, 130), (40, 5), (0, 64))),
     "bf16-group4-dim128-block64-beside-decodes": StepCase(
@@ -66,6 +67,12 @@ CASES = {
     ),
     "bf16-group1-softcap": StepCase(((500, 5), (0, 64)), "bf16", layer=LayerAttention(softcap=1.5)),
     "f32-group3-dim80-block48": StepCase(((100, 37),), "f32", 3, 80, 48),
+    "bf16-group4-sinks-beside-decodes": StepCase(
+        ((300, 64), (77, 1), (0, 5), (500, 1)), "bf16", 4, layer=LayerAttention(sinks=True)
+    ),
+    "f32-group2-window-sinks-one-segment": StepCase(
+        ((0, 40), (20, 1), (30, 1)), "f32", 2, layer=LayerAttention(window=16, sinks=True)
+    ),
 }
 ALONE = ("f32-group1-three-chunks", "f32-group4-block64-window")
 # Steps from static records, as a graph captured whole replays them (gpu_worker.static_records)
@@ -86,6 +93,7 @@ class Step:
     poisoned: LayerKV
     clean: LayerKV
     tables: torch.Tensor
+    sinks: torch.Tensor | None  # [heads], where the case's layer has them
 
 
 @functools.cache
@@ -118,7 +126,10 @@ def step_of(name: str) -> Step:
         tables[seq, -(-(start + count) // bs) :] = nan_block
         row += count
     heads = KV_HEADS * case.group
-    return Step(randn(tokens, heads, d), k, v, poisoned, clean, tables)
+    q = randn(tokens, heads, d)
+    # near the rows' log-sum-exps, so that a sink takes a real share of its row
+    sinks = 3 + 2 * randn(heads) if case.layer.sinks else None
+    return Step(q, k, v, poisoned, clean, tables, sinks)
 
 
 def run_step(name: str, backend: AttentionBackend, kv: LayerKV) -> torch.Tensor:
@@ -134,7 +145,7 @@ def run_step(name: str, backend: AttentionBackend, kv: LayerKV) -> torch.Tensor:
         backend,
         case.layer,
     )
-    return paged_attention(step.q, step.k, step.v, kv, meta)
+    return paged_attention(step.q, step.k, step.v, kv, meta, step.sinks)
 
 
 def run_alone(name: str, backend: AttentionBackend, kv: LayerKV) -> list[torch.Tensor]:

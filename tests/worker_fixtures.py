@@ -32,6 +32,21 @@ BLOCK_SIZE = 4  # small, so short test prompts already span several blocks
 GREEDY = SamplingSpec()
 
 
+LINEAR = {
+    "num_hidden_layers": 4,
+    "head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 8,
+    "linear_conv_kernel_dim": 4,
+}
+QWEN_EXPERTS = {
+    "num_experts": 5,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+}
 # The families beyond Llama and Qwen2: transformers' config and model class names, and what
 # each tiny model sets beyond the common sizes. Windows are smaller than the test prompts;
 # the mixtures route each token to several experts.
@@ -136,6 +151,18 @@ ARCHITECTURE_KINDS = {
             "use_double_wide_mlp": True,
             "final_logit_softcapping": 3.0,
         },
+    ),
+    # Three Gated DeltaNet layers to one gated full-attention layer (the real pattern),
+    # two value heads per key head, partial rotary (a quarter of each head: transformers'
+    # default); Qwen3-Next dense (no experts) and with experts and a shared expert.
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {**LINEAR, "num_experts": 0}),
+    "qwen3_next_moe": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {**LINEAR, **QWEN_EXPERTS}),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", LINEAR),
+    # (Qwen3.5-MoE's config has no intermediate_size: every layer is a mixture of experts)
+    "qwen3_5_moe": (
+        "Qwen3_5MoeTextConfig",
+        "Qwen3_5MoeForCausalLM",
+        {**LINEAR, **QWEN_EXPERTS, "intermediate_size": None},
     ),
     # A windowed layer and a full one, attention sinks, yarn RoPE, and a SwiGLU limit low
     # enough that its clamps bite.

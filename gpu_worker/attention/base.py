@@ -74,7 +74,8 @@ class AttentionBackend:
     paged: bool = True  # reads K/V in place through the block tables, copying no context
     windows: bool = False  # serves sliding windows (LayerAttention.window)
     softcap: bool = False  # serves soft-capped scores (LayerAttention.softcap)
-    sinks: bool = False  # serves attention sinks (LayerAttention.sinks): attend_sinks
+    # serves attention sinks (LayerAttention.sinks): attend_sinks, decode_sinks, prefill_sinks
+    sinks: bool = False
     # its cost does not grow with the block tables' width, only with the contexts: decode
     # steps pad every table to the longest (gpu_worker.graphs)
     any_width: bool = False
@@ -163,8 +164,36 @@ class AttentionBackend:
         meta: AttentionMetadata,
         sinks: torch.Tensor,
     ) -> torch.Tensor:
-        """paged_attention's rows [T, heads, d] of a layer with attention sinks [heads].
+        """paged_attention's rows [T, heads, d] of a layer with attention sinks [heads]:
+        by default each chunk's `prefill_sinks` and the decode rows' `decode_sinks`.
         Backends that serve sinks; never captured (such a model runs eagerly)."""
+        out = q.new_empty(q.shape)
+        for chunk in meta.prefills:
+            rows = chunk.rows
+            out[rows] = self.prefill_sinks(q[rows], k[rows], v[rows], kv, chunk, sinks)
+        group = meta.decode
+        if group is not None:
+            out[group.rows] = self.decode_sinks(q[group.rows], kv, group, sinks)
+        return out
+
+    def decode_sinks(
+        self, q: torch.Tensor, kv: LayerKV, group: DecodeGroup, sinks: torch.Tensor
+    ) -> torch.Tensor:
+        """As `decode`, each row's softmax with its head's sink [heads]. Backends that
+        serve sinks."""
+        raise NotImplementedError
+
+    def prefill_sinks(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv: LayerKV,
+        chunk: PrefillChunk,
+        sinks: torch.Tensor,
+    ) -> torch.Tensor:
+        """As `prefill`, each row's softmax with its head's sink [heads]. Backends that
+        serve sinks."""
         raise NotImplementedError
 
 

@@ -24,6 +24,7 @@ class HybridAttention(AttentionBackend):
     paged = False
     windows = True  # both halves serve sliding windows
     softcap = True  # and Gemma 2's soft-capped scores
+    sinks = True  # and gpt-oss's attention sinks
 
     def __init__(self, kernels: Any) -> None:
         self._decoder = NativeAttention(kernels)
@@ -50,3 +51,19 @@ class HybridAttention(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, chunk: PrefillChunk
     ) -> torch.Tensor:
         return self._prefiller.prefill(q, k, v, kv, chunk)
+
+    def decode_sinks(
+        self, q: torch.Tensor, kv: LayerKV, group: DecodeGroup, sinks: torch.Tensor
+    ) -> torch.Tensor:
+        return self._decoder.decode_sinks(q, kv, group, sinks)
+
+    def prefill_sinks(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv: LayerKV,
+        chunk: PrefillChunk,
+        sinks: torch.Tensor,
+    ) -> torch.Tensor:
+        return self._prefiller.prefill_sinks(q, k, v, kv, chunk, sinks)

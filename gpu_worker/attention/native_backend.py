@@ -8,6 +8,8 @@ chunk's rows too, one query each.
 The decode kernel takes a sliding window (each row sees its last `window` tokens) and
 Gemma 2's soft-capping of the scores, so NativeRowsAttention serves windowed and soft-capped
 layers; the chunk kernel takes neither, and NativeAttention is not offered for such models.
+Both kernels take attention sinks (gpt-oss: a float32 logit per query head in each row's
+softmax), by the same arithmetic, so a row keeps its bits with them too.
 
 A query row gets the same bits whatever else is in the step and whether it is a decode
 row or a row of a prefill chunk, so recompute after a preemption reproduces the tokens
@@ -31,6 +33,7 @@ class NativeAttention(AttentionBackend):
     name = "native"
     row_invariant = True
     windows = False  # the chunk kernel has none
+    sinks = True
 
     def __init__(self, kernels: Any) -> None:
         self.kernels = kernels
@@ -49,6 +52,12 @@ class NativeAttention(AttentionBackend):
     def decode(self, q: torch.Tensor, kv: LayerKV, group: DecodeGroup) -> torch.Tensor:
         return self._decode_rows(q, kv, group.block_tables, group.context_lens, group.layer)
 
+    def decode_sinks(
+        self, q: torch.Tensor, kv: LayerKV, group: DecodeGroup, sinks: torch.Tensor
+    ) -> torch.Tensor:
+        tables, lens = group.block_tables, group.context_lens
+        return self._decode_rows(q, kv, tables, lens, group.layer, sinks)
+
     def _decode_rows(
         self,
         q: torch.Tensor,
@@ -56,22 +65,64 @@ class NativeAttention(AttentionBackend):
         tables: torch.Tensor,
         lens: torch.Tensor,
         layer: LayerAttention,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Query row i over the first lens[i] tokens of block table tables[i] (the last
-        `layer.window` of them in a windowed layer)."""
+        `layer.window` of them in a windowed layer), with the layer's `sinks` if any."""
         scale = layer.scale_for(q.shape[-1])
         window, softcap = layer.window or 0, layer.softcap or 0.0
         return self.kernels.paged_decode_attention(
-            q, kv.k, kv.v, tables, lens, scale, kv.k_scales, kv.v_scales, window, softcap
+            q,
+            kv.k,
+            kv.v,
+            tables,
+            lens,
+            scale,
+            kv.k_scales,
+            kv.v_scales,
+            window,
+            softcap,
+            _float_sinks(sinks),
         )
 
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, chunk: PrefillChunk
     ) -> torch.Tensor:
+        return self._prefill_rows(q, kv, chunk)
+
+    def prefill_sinks(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv: LayerKV,
+        chunk: PrefillChunk,
+        sinks: torch.Tensor,
+    ) -> torch.Tensor:
+        return self._prefill_rows(q, kv, chunk, sinks)
+
+    def _prefill_rows(
+        self, q: torch.Tensor, kv: LayerKV, chunk: PrefillChunk, sinks: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The chunk's queries through the chunk kernel (their own K/V already cached)."""
         scale = chunk.layer.scale_for(q.shape[-1])
         return self.kernels.paged_prefill_attention(
-            q, kv.k, kv.v, chunk.block_table, chunk.start, scale, kv.k_scales, kv.v_scales
+            q,
+            kv.k,
+            kv.v,
+            chunk.block_table,
+            chunk.start,
+            scale,
+            kv.k_scales,
+            kv.v_scales,
+            _float_sinks(sinks),
         )
+
+
+def _float_sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """The kernels take sinks as float32 (a model's are of its dtype; gpt-oss's bfloat16
+    values are exact in float32, so the softmax sees the same logits as PyTorch's)."""
+    return None if sinks is None else sinks.float().contiguous()
 
 
 @dataclass(slots=True)
@@ -100,8 +151,9 @@ class NativeRowsAttention(NativeAttention):
         chunk.prepared = RowsChunk(table.expand(count, -1).contiguous(), lens)
         return chunk
 
-    def prefill(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, chunk: PrefillChunk
+    def _prefill_rows(
+        self, q: torch.Tensor, kv: LayerKV, chunk: PrefillChunk, sinks: torch.Tensor | None = None
     ) -> torch.Tensor:
+        """The chunk's queries as decode rows, one each."""
         rows = chunk.prepared
-        return self._decode_rows(q, kv, rows.tables, rows.lens, chunk.layer)
+        return self._decode_rows(q, kv, rows.tables, rows.lens, chunk.layer, sinks)

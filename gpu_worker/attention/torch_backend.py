@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from gpu_worker.attention.base import (
     QUERY_BLOCK,
     AttentionBackend,
-    AttentionMetadata,
     DecodeGroup,
     LayerAttention,
     PrefillChunk,
@@ -125,28 +124,23 @@ class TorchAttention(AttentionBackend):
             return _flash_prefill_attention(q, k, v, kv, chunk)
         return _blocked_prefill_attention(q, k, v, kv, chunk)
 
-    def attend_sinks(
+    def decode_sinks(
+        self, q: torch.Tensor, kv: LayerKV, group: DecodeGroup, sinks: torch.Tensor
+    ) -> torch.Tensor:
+        return _gathered_decode_attention(q, kv, group.prepared, group.layer, sinks)
+
+    def prefill_sinks(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         kv: LayerKV,
-        meta: AttentionMetadata,
+        chunk: PrefillChunk,
         sinks: torch.Tensor,
     ) -> torch.Tensor:
-        out = q.new_empty(q.shape)
-        for chunk in meta.prefills:
-            rows = chunk.rows
-            attend = _flash_prefill_attention
-            if not cpu_flash_serves(q.device, chunk, kv):
-                attend = _blocked_prefill_attention
-            out[rows] = attend(q[rows], k[rows], v[rows], kv, chunk, sinks)
-        group = meta.decode
-        if group is not None:
-            out[group.rows] = _gathered_decode_attention(
-                q[group.rows], kv, group.prepared, group.layer, sinks
-            )
-        return out
+        if cpu_flash_serves(q.device, chunk, kv):
+            return _flash_prefill_attention(q, k, v, kv, chunk, sinks)
+        return _blocked_prefill_attention(q, k, v, kv, chunk, sinks)
 
 
 def cpu_flash_serves(device: torch.device, chunk: PrefillChunk, kv: LayerKV) -> bool:

@@ -14,7 +14,9 @@ for all of them, and the keys come a key tile at a time under an online softmax 
 float32; the output is q's dtype. A second kernel merges each row's segments by their
 log-sum-exps, in segment order. Sliding windows start a row's first segment at the tile
 that holds its window's first key (the keys before it masked), and Gemma 2's soft-capping
-applies to the scores before the mask.
+applies to the scores before the mask. Attention sinks (gpt-oss: a logit per query head,
+in the softmax's denominator, weighing no value) join a row where its segments are
+merged, or, where a row has one segment, at the end of its segment's online softmax.
 
 How a row's keys are cut. Key tiles lie at whole multiples of the tile size, so that a
 tile sits inside one cache block or spans whole ones. A row's segment count comes from its
@@ -94,6 +96,7 @@ from gpu_worker.attention.triton_tiles import (
     checked_key_tile,
     dim_pad,
     dot_precision,
+    join_sink,
     key_tile,
     tanh,
     tile_blocks,
@@ -111,6 +114,7 @@ class TritonAttention(AttentionBackend):
     row_invariant = False  # its decode is, and its prefill; but not each other's (see the module)
     windows = True
     softcap = True
+    sinks = True  # eagerly (attend_sinks): a model with sinks is never captured
     # Its grid and partial results are sized by the tables' width (a row's own context
     # alone sets what it reads): graphs are captured per width bucket (gpu_worker.graphs).
     any_width = False
@@ -162,6 +166,49 @@ class TritonAttention(AttentionBackend):
         _refuse_codes(kv)
         return paged_decode(q, kv.k, kv.v, group)
 
+    def attend_sinks(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv: LayerKV,
+        meta: AttentionMetadata,
+        sinks: torch.Tensor,
+    ) -> torch.Tensor:
+        """As paged_attention's eager step, each row's softmax with its head's sink: the
+        step's chunks in one launch, then its decode rows."""
+        _refuse_codes(kv)
+        out = q.new_empty(q.shape)
+        if meta.prefills:
+            paged_prefill(q, kv.k, kv.v, meta.prepared, meta.prefills[0].layer, out, sinks)
+        group = meta.decode
+        if group is not None:
+            out[group.rows] = paged_decode(q[group.rows], kv.k, kv.v, group, sinks)
+        return out
+
+    def decode_sinks(
+        self, q: torch.Tensor, kv: LayerKV, group: DecodeGroup, sinks: torch.Tensor
+    ) -> torch.Tensor:
+        _refuse_codes(kv)
+        return paged_decode(q, kv.k, kv.v, group, sinks)
+
+    def prefill_sinks(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv: LayerKV,
+        chunk: PrefillChunk,
+        sinks: torch.Tensor,
+    ) -> torch.Tensor:
+        """One chunk alone, with sinks (the kernel chooser's check), as `prefill`."""
+        _refuse_codes(kv)
+        count = chunk.context_len - chunk.start
+        chunks = chunks_on(q.device, [0], [count], [chunk.start], chunk.block_table[None])
+        out = q.new_empty(q.shape)
+        paged_prefill(q, kv.k, kv.v, chunks, chunk.layer, out, sinks)
+        return out
+
     def chunk_slots(
         self, cu_q: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, tables: torch.Tensor
     ) -> Chunks:
@@ -206,9 +253,14 @@ def split_for(width: int, block_size: int, head_dim: int, window: int | None) ->
 
 
 def paged_decode(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: DecodeGroup
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: DecodeGroup,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [B, heads, d] over caches k, v [kv_heads, blocks, block_size, d] -> [B, heads, d]."""
+    """q [B, heads, d] over caches k, v [kv_heads, blocks, block_size, d] -> [B, heads, d];
+    `sinks` [heads]: the layer's attention sinks, where it has them."""
     batch, heads, head_dim = q.shape
     block_size = k.shape[2]
     checked_key_tile(block_size, head_dim)
@@ -220,15 +272,16 @@ def paged_decode(
     if batch == 0:
         return out
     if split.segments == 1:  # [B, heads, 1, d] is out's own layout: the result is final
-        _attend(q, k, v, group, split, out, out)
+        _attend(q, k, v, group, split, out, out, sinks)
         return out
     partial = q.new_empty((batch, heads, split.segments, head_dim), dtype=torch.float32)
     lse = partial.new_empty((batch, heads, split.segments))
-    _attend(q, k, v, group, split, partial, lse)
+    _attend(q, k, v, group, split, partial, lse, None)  # the merge adds the sinks
     _merge_kernel[(batch, heads)](
         partial,
         lse,
         group.context_lens,
+        sinks,
         out,
         split.segments,
         group.layer.window or 0,
@@ -238,6 +291,7 @@ def paged_decode(
         MIN_TILES=split.min_tiles,
         MAX_SEGMENTS=MAX_SEGMENTS,
         WINDOWED=group.layer.window is not None,
+        SINKS=sinks is not None,
         num_warps=MERGE_WARPS,
     )
     return out
@@ -251,9 +305,11 @@ def _attend(
     split: Split,
     partial: torch.Tensor,
     lse: torch.Tensor,
+    sinks: torch.Tensor | None,
 ) -> None:
     """Launches one program per (row, key/value head, segment); `partial` and `lse` are
-    contiguous [B, heads, segments, d] and [B, heads, segments]."""
+    contiguous [B, heads, segments, d] and [B, heads, segments]; `sinks` [heads] join the
+    rows of a one-segment launch (DIRECT), whose output is final."""
     head_dim, kv_heads, block_size, layer = q.shape[2], k.shape[0], k.shape[2], group.layer
     tables = group.block_tables.contiguous()  # itself, as the worker builds them
     _segment_kernel[(q.shape[0], kv_heads, split.segments)](
@@ -262,6 +318,7 @@ def _attend(
         v,
         tables,
         group.context_lens,
+        sinks,
         partial,
         lse,
         *q.stride()[:2],
@@ -282,6 +339,7 @@ def _attend(
         MAX_SEGMENTS=MAX_SEGMENTS,
         WINDOWED=layer.window is not None,
         SOFTCAP=layer.softcap is not None,
+        SINKS=sinks is not None,
         DIRECT=split.segments == 1,
         PRECISION=dot_precision(q.dtype),
         UPCAST=INTERPRETED,
@@ -318,6 +376,7 @@ def _segment_kernel(
     v_ptr,
     tables_ptr,
     lens_ptr,
+    sinks_ptr,
     out_ptr,
     lse_ptr,
     stride_qb,
@@ -345,13 +404,15 @@ def _segment_kernel(
     MAX_SEGMENTS: tl.constexpr,
     WINDOWED: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
     DIRECT: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """Attention of one row's GROUP query heads of one key/value head over one segment of
     its keys -> their output, normalised (DIRECT: in q's dtype, the final one), and the
-    log2-sum-exp2 of their scores (scaled by log2 e)."""
+    log2-sum-exp2 of their scores (scaled by log2 e). SINKS (one segment only): each query
+    head's sink joins its softmax."""
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
     segment = tl.program_id(2)
@@ -421,6 +482,9 @@ def _segment_kernel(
         top = new_top
         blocks = next_blocks
 
+    if SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=head_ok, other=float("-inf")).to(tl.float32)
+        total, acc = join_sink(top, total, acc, sink * 1.4426950408889634)
     total = tl.where(total == 0.0, 1.0, total)  # no key: an empty context's output is 0
     result = acc / total[:, None]
     # Row-major [B, heads, segments(, d)]: with one segment, the output's own layout.
@@ -439,6 +503,7 @@ def _merge_kernel(
     partial_ptr,
     lse_ptr,
     lens_ptr,
+    sinks_ptr,
     out_ptr,
     segments,
     window,
@@ -448,10 +513,12 @@ def _merge_kernel(
     MIN_TILES: tl.constexpr,
     MAX_SEGMENTS: tl.constexpr,
     WINDOWED: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     """One (row, head)'s segments -> its output: each weighted by its share of the
     softmax's denominator, 2 ** (lse - max lse) over their sum, as one tile of
-    MAX_SEGMENTS slots (those past the row's count weigh 0), so one fixed order."""
+    MAX_SEGMENTS slots (those past the row's count weigh 0), so one fixed order. SINKS:
+    the head's sink joins the maximum and, last, the denominator, weighing no value."""
     row = tl.program_id(0).to(tl.int64)
     flat = row * tl.num_programs(1) + tl.program_id(1)  # its place in [B, heads]
     ctx = tl.load(lens_ptr + row).to(tl.int64)
@@ -463,6 +530,9 @@ def _merge_kernel(
     at = flat * segments + slots
     lse = tl.load(lse_ptr + at, mask=ok, other=float("-inf"))
     top = tl.max(lse, 0)
+    if SINKS:
+        sink = tl.load(sinks_ptr + tl.program_id(1)).to(tl.float32) * 1.4426950408889634
+        top = tl.maximum(top, sink)
     top = tl.where(top == float("-inf"), 0.0, top)  # an empty context: every weight 0
     weights = tl.exp2(lse - top)
     values = tl.load(
@@ -471,5 +541,7 @@ def _merge_kernel(
         other=0.0,
     )
     total = tl.sum(weights, 0)
+    if SINKS:
+        total += tl.exp2(sink - top)
     result = tl.sum(weights[:, None] * values, 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + flat * HEAD_DIM + dims, result.to(out_ptr.dtype.element_ty), mask=dim_ok)

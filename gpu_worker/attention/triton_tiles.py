@@ -79,3 +79,14 @@ def tanh(x):
     t = tl.exp2(-2.8853900817779268 * tl.abs(x))  # exp(-2|x|)
     magnitude = (1.0 - t) / (1.0 + t)
     return tl.where(x < 0, -magnitude, magnitude)
+
+
+@triton.jit
+def join_sink(top, total, acc, sink):
+    """An online softmax's running maximum `top`, denominator `total` and weighted values
+    `acc` of a tile's rows, with one more logit each, `sink` (log2 units: gpt-oss's
+    attention sink), which counts in the maximum and the denominator and weighs no value
+    -> the new denominator and values. `top` must be finite (a row saw a key)."""
+    new_top = tl.maximum(top, sink)
+    fade = tl.exp2(top - new_top)
+    return total * fade + tl.exp2(sink - new_top), acc * fade[:, None]

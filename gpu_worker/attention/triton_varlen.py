@@ -5,7 +5,8 @@ A chunk's keys are its cached prefix and its own new tokens, which the layer has
 written into their cache slots (layer_ops.rope_and_cache_), so the kernel reads every key
 through the block table alike. A query at absolute position p sees keys 0..p (and, in a
 sliding window, only those after p - window); Gemma 2's soft-capping applies to the scores
-before the mask.
+before the mask; attention sinks (gpt-oss: a logit per query head) join each row's online
+softmax after its last key tile, in the maximum and the denominator, weighing no value.
 
 The tiles. One program takes BLOCK_Q consecutive queries of one chunk and one key/value
 head, and the GROUP query heads that share it, packed into one M tile of
@@ -69,6 +70,7 @@ from gpu_worker.attention.triton_tiles import (
     checked_key_tile,
     dim_pad,
     dot_precision,
+    join_sink,
     tanh,
     tile_blocks,
 )
@@ -122,11 +124,12 @@ def paged_prefill(
     chunks: Chunks,
     layer: LayerAttention,
     out: torch.Tensor,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """The chunks' queries, rows of q [T, heads, d], over caches k, v [kv_heads, blocks,
     block_size, d] -> their rows of out [T, heads, d], contiguous in d (no other row is
-    written). q's rows bound the grid: a CUDA graph captured over a token bucket serves
-    any chunks within it."""
+    written); `sinks` [heads]: the layer's attention sinks, where it has them. q's rows
+    bound the grid: a CUDA graph captured over a token bucket serves any chunks within it."""
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads, block_size = k.shape[0], k.shape[2]
     tile = checked_key_tile(block_size, head_dim)
@@ -146,6 +149,7 @@ def paged_prefill(
         chunks.cu_q,
         chunks.rows,
         chunks.starts,
+        sinks,
         out,
         chunks.count,
         *q.stride()[:2],
@@ -166,6 +170,7 @@ def paged_prefill(
         BLOCKS_PER_TILE=max(1, tile // block_size),
         WINDOWED=layer.window is not None,
         SOFTCAP=layer.softcap is not None,
+        SINKS=sinks is not None,
         PRECISION=dot_precision(q.dtype),
         UPCAST=INTERPRETED,
         num_warps=WARPS,
@@ -182,6 +187,7 @@ def _prefill_kernel(
     cu_q_ptr,
     rows_ptr,
     starts_ptr,
+    sinks_ptr,
     out_ptr,
     chunk_count,
     stride_qt,
@@ -210,11 +216,13 @@ def _prefill_kernel(
     BLOCKS_PER_TILE: tl.constexpr,
     WINDOWED: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """BLOCK_Q queries of one chunk, the GROUP heads of one key/value head each, over the
-    keys they see -> their output rows, normalised, in out's dtype."""
+    keys they see (SINKS: and their heads' sinks) -> their output rows, normalised, in
+    out's dtype."""
     program = tl.program_id(0)
     kv_head = tl.program_id(1).to(tl.int64)
     chunk = _chunk_of(cu_q_ptr, chunk_count, program, BLOCK_Q)
@@ -243,8 +251,12 @@ def _prefill_kernel(
     q = tl.load(q_rows + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
+    sink = tl.full([BLOCK_M], float("-inf"), tl.float32)  # none: exact zeros
+    if SINKS:  # log2 units, as the scores
+        sink = tl.load(sinks_ptr + heads).to(tl.float32) * 1.4426950408889634
     result = _attend_keys(
         q,
+        sink,
         position,
         first_key,
         last_key,
@@ -268,6 +280,7 @@ def _prefill_kernel(
         BLOCKS_PER_TILE,
         WINDOWED,
         SOFTCAP,
+        SINKS,
         PRECISION,
         UPCAST,
     )
@@ -298,6 +311,7 @@ def _chunk_of(cu_q_ptr, chunk_count, program, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _attend_keys(
     q,
+    sink,
     position,
     first_key,
     last_key,
@@ -321,11 +335,13 @@ def _attend_keys(
     BLOCKS_PER_TILE: tl.constexpr,
     WINDOWED: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """Queries q [BLOCK_M, DIM_PAD] at `position` over one key/value head's keys from
-    `first_key` to `last_key`, key tile by key tile -> their output, normalised, float32."""
+    `first_key` to `last_key`, key tile by key tile (SINKS: and each row's `sink`, log2
+    units) -> their output, normalised, float32."""
     dims = tl.arange(0, DIM_PAD)
     dim_ok = dims < HEAD_DIM
     end_block = last_key // BLOCK_SIZE + 1
@@ -375,4 +391,6 @@ def _attend_keys(
         top = new_top
         blocks = next_blocks
 
+    if SINKS:  # every row saw its own key: `top` is finite
+        total, acc = join_sink(top, total, acc, sink)
     return acc / total[:, None]  # every row saw its own key: total >= 1

@@ -24,6 +24,7 @@
 #include <cstring>
 #include <vector>
 
+#include "attention_sinks.h"
 #include "cpu_vec.h"
 #include "kv_quant.h"
 
@@ -225,8 +226,12 @@ struct Unit {
   const uint32_t* queries[kUnit];  // d / 2 words each
   bf16* out[kUnit];
   int64_t lens[kUnit];  // keys each query sees
+  // Each query's attention sink (gpt-oss: its head's logit, which joins the softmax's
+  // denominator and weighs no value); -inf where the layer has none, which adds exact zeros.
+  float sinks[kUnit];
   int64_t max_len;
 };
+
 
 // Scaled scores, rounded to bfloat16, of the Q queries over keys [0, max_len) -> scores
 // [q][...]; a query's scores past its own length are computed and never read. Two key
@@ -260,12 +265,15 @@ void score_keys(const Unit& u, int64_t words, float scale, const Source& src, fl
 }
 
 // Scores [0, len) -> probabilities as bfloat16 in `probs`, zero from len to `zero_to`.
-inline void softmax_row(float* s, int64_t len, bf16* probs, int64_t zero_to) {
+// `sink` is one more logit of the row, as a column the PyTorch path appends: it counts in
+// the maximum and the denominator, last, and takes no value (-inf: none, the same bits).
+inline void softmax_row(float* s, int64_t len, bf16* probs, int64_t zero_to, float sink) {
   __m512 vmax = _mm512_set1_ps(-INFINITY);
   int64_t t = 0;
   for (; t + kKeys <= len; t += kKeys) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
   float max = _mm512_reduce_max_ps(vmax);
   for (; t < len; ++t) max = std::max(max, s[t]);
+  max = std::max(max, sink);
   __m512 vsum = _mm512_setzero_ps();
   const __m512 vmaxs = _mm512_set1_ps(max);
   t = 0;
@@ -279,6 +287,7 @@ inline void softmax_row(float* s, int64_t len, bf16* probs, int64_t zero_to) {
     s[t] = std::exp(s[t] - max);
     sum += s[t];
   }
+  sum += std::exp(sink - max);
   // vcvtneps2bf16 rounds to nearest even, as c10::BFloat16 does for finite values.
   const __m512 inv = _mm512_set1_ps(1.f / sum);
   t = 0;
@@ -325,7 +334,8 @@ void weigh_values(const Unit& u, const bf16* probs, int64_t stride, int64_t chun
   }
 }
 
-// `softcap` > 0: Gemma 2's soft-capping of the scaled scores, before the softmax.
+// `softcap` > 0: Gemma 2's soft-capping of the scaled scores, before the softmax; each
+// query's sink (Unit::sinks) joins its softmax.
 template <int64_t Q, typename Source>
 void attend_unit_of(const Unit& u, int64_t d, float scale, Workspace& w, const Source& src,
                     float softcap) {
@@ -334,7 +344,7 @@ void attend_unit_of(const Unit& u, int64_t d, float scale, Workspace& w, const S
   for (int64_t q = 0; q < Q; ++q) {
     float* scores = w.scores.data() + q * stride;
     if (softcap > 0.f) softcap_row<bf16>(scores, u.lens[q], softcap);
-    softmax_row(scores, u.lens[q], w.probs.data() + q * stride, even);
+    softmax_row(scores, u.lens[q], w.probs.data() + q * stride, even, u.sinks[q]);
   }
   weigh_values<Q>(u, w.probs.data(), stride, d / kChunk, src);
 }

@@ -17,6 +17,8 @@
 // A sliding window (`window` > 0) is a first token: a row sees the last `window` tokens of
 // its context, walked as a context of its own (the bfloat16 path's PagedKV::from). A
 // `softcap` > 0 is Gemma 2's soft-capping of the scaled scores, cap * tanh(score / cap).
+// Attention sinks (gpt-oss: a float32 logit per query head) join each row's softmax as one
+// more logit, in its maximum and, last, its denominator, and weigh no value.
 //
 // A query row's result depends only on its own query and keys, never on the other rows of
 // the call, so a float32 prefill chunk can run its rows here as well (gpu_worker.attention).
@@ -33,6 +35,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_sinks.h"
 #include "bf16_attention.h"
 #include "cpu_vec.h"
 #include "kv_quant.h"
@@ -70,6 +73,7 @@ struct Problem {
   float scale;
   int64_t window;  // > 0: a query at position p sees keys p - window < k <= p only
   float softcap;  // > 0: scores become softcap * tanh(score / softcap) before the softmax
+  const float* sinks;  // [heads] each query head's sink logit, or null: none
 
   // The first token of a context of `len` tokens that its last token sees.
   int64_t first_seen(int64_t len) const {
@@ -199,8 +203,9 @@ void axpy_rows(const float* weights, const float* rows, int64_t d, float* acc) {
   }
 }
 
-// exp(x - max) of one row in place; returns their sum.
-float exp_row(float* s, int64_t n) {
+// exp(x - max) of one row in place; returns their sum, and exp(sink - max) added last,
+// the maximum taken over the sink too (a sink of -inf adds exact zeros: none).
+float exp_row(float* s, int64_t n, float sink) {
   float max = s[0];
   int64_t m = 0;
 #if defined(__AVX512F__)
@@ -211,6 +216,7 @@ float exp_row(float* s, int64_t n) {
   }
 #endif
   for (; m < n; ++m) max = std::max(max, s[m]);
+  max = std::max(max, sink);
   float sum = 0.f;
   int64_t t = 0;
 #if defined(__AVX512F__)
@@ -226,7 +232,7 @@ float exp_row(float* s, int64_t n) {
     s[t] = std::exp(s[t] - max);
     sum += s[t];
   }
-  return sum;
+  return sum + std::exp(sink - max);
 }
 
 // Query head `head` of sequence `seq`: a row of d values.
@@ -275,14 +281,15 @@ void key_scores(const Problem<T>& p, int64_t seq, int64_t first_head, const int6
   }
 }
 
-// Scores -> probabilities, row by row; scaled scores and probabilities rounded to T.
+// Scores of query heads first_head.. -> probabilities, row by row; scaled scores and
+// probabilities rounded to T.
 template <typename T>
-void softmax_rows(const Problem<T>& p, int64_t len, const Buffers& b) {
+void softmax_rows(const Problem<T>& p, int64_t first_head, int64_t len, const Buffers& b) {
   for (int64_t g = 0; g < p.group; ++g) {
     float* row = b.scores + g * len;
     scale_and_round<T>(row, len, p.scale);  // as the PyTorch path scales after the dot
     if (p.softcap > 0.f) softcap_row<T>(row, len, p.softcap);
-    scale_and_round<T>(row, len, 1.f / exp_row(row, len));
+    scale_and_round<T>(row, len, 1.f / exp_row(row, len, sink_of(p.sinks, first_head + g)));
   }
 }
 
@@ -319,7 +326,7 @@ void attend(const Problem<T>& p, int64_t seq, int64_t head, std::vector<float>& 
 
   const int64_t first_head = head * p.group;
   key_scores(p, seq, first_head, seen, len, b, ahead);
-  softmax_rows(p, len, b);
+  softmax_rows(p, first_head, len, b);
   weighted_values(p, seen, len, b, ahead);
   T* out = p.out + (seq * p.heads + first_head) * p.head_dim;
   for (int64_t i = 0; i < p.group * p.head_dim; ++i) out[i] = static_cast<T>(b.acc[i]);
@@ -348,6 +355,7 @@ void attend_bf16(const Problem<bf16>& p, int64_t seq, int64_t head, Workspace& w
       u.queries[i] = reinterpret_cast<const uint32_t*>(query(p, seq, h));
       u.out[i] = p.out + (seq * p.heads + h) * p.head_dim;
       u.lens[i] = len;
+      u.sinks[i] = sink_of(p.sinks, h);
     }
     u.max_len = len;
     attend_unit(u, n, p.head_dim, p.scale, w, keys_and_values, p.softcap);
@@ -406,26 +414,27 @@ template <typename T>
 Problem<T> make_problem(const at::Tensor& q, const CacheRows<T>& k, const CacheRows<T>& v,
                         const at::Tensor& k_cache, const at::Tensor& tables,
                         const at::Tensor& lens, at::Tensor& out, double scale, int64_t window,
-                        double softcap) {
+                        double softcap, const float* sinks) {
   const int64_t heads = q.size(1), kv_heads = k_cache.size(0);
   return Problem<T>{q.const_data_ptr<T>(), q.stride(0), q.stride(1), k, v,
                     tables.const_data_ptr<int64_t>(), lens.const_data_ptr<int64_t>(),
                     out.mutable_data_ptr<T>(), heads, kv_heads, heads / kv_heads, q.size(2),
                     k_cache.size(1), k_cache.size(2), tables.size(1), static_cast<float>(scale),
-                    window, static_cast<float>(softcap)};
+                    window, static_cast<float>(softcap), sinks};
 }
 
 // q [batch, heads, head_dim] (last dim contiguous), caches [kv_heads, blocks, block_size,
 // head_dim] of q's dtype, or int8 / float8_e4m3fn with their scales [kv_heads, blocks,
 // block_size], block_tables [batch, width] and context_lens [batch] int64 -> [batch, heads, d].
 // A `window` > 0 is a sliding window: each row sees its last `window` tokens only; a
-// `softcap` > 0 soft-caps the scores (Gemma 2).
+// `softcap` > 0 soft-caps the scores (Gemma 2); `sinks` [heads] float32 are attention
+// sinks (gpt-oss).
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& context_lens, double scale,
                                   const std::optional<at::Tensor>& k_scales,
                                   const std::optional<at::Tensor>& v_scales, int64_t window,
-                                  double softcap) {
+                                  double softcap, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [batch, heads, d], rows contiguous");
@@ -447,6 +456,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
               "one block table and context length per sequence");
   const at::Tensor tables = block_tables.contiguous();
   const at::Tensor lens = context_lens.contiguous();
+  const float* sink_logits = checked_sinks(sinks, heads);
   at::Tensor out = at::empty({batch, heads, head_dim}, q.options());
   if (batch == 0) return out;
 
@@ -454,7 +464,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     using T = decltype(zero);
     run(make_problem<T>(q, cache_rows<T>(k_cache, k_scales, kind),
                         cache_rows<T>(v_cache, v_scales, kind), k_cache, tables, lens, out,
-                        scale, window, softcap),
+                        scale, window, softcap, sink_logits),
         batch);
   };
   AT_DISPATCH_SWITCH(q.scalar_type(), "paged_decode_attention",
@@ -468,6 +478,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 TORCH_LIBRARY(cadence, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale, Tensor? k_scales=None, Tensor? v_scales=None, "
-        "int window=0, float softcap=0.0) -> Tensor");
+        "int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
 }

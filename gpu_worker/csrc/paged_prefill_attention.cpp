@@ -11,7 +11,8 @@
 // tokens times the heads of the group), so that each vector loaded serves all of them.
 //
 // The arithmetic of a query row (bf16_attention.h) is the decode kernel's too, so a token
-// recomputed in a chunk after a preemption gets the bits it got when it was decoded.
+// recomputed in a chunk after a preemption gets the bits it got when it was decoded;
+// attention sinks (gpt-oss, attention_sinks.h) join its softmax alike.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -38,6 +39,7 @@ struct Chunk {
   bf16* out;  // [n, heads, d], contiguous
   int64_t n, start, heads, kv_heads, group, d;
   float scale;
+  const float* sinks;  // [heads] each query head's sink logit, or null: none
 };
 
 // Query tokens [first, end) under kv head `head`, in units of neighbouring tokens times
@@ -58,6 +60,7 @@ void run_task(const Chunk& c, int64_t head, int64_t first, int64_t end, Workspac
           u.queries[n] = reinterpret_cast<const uint32_t*>(c.q + t * c.q_token_stride +
                                                            h * c.q_head_stride);
           u.out[n] = c.out + (t * c.heads + h) * c.d;
+          u.sinks[n] = sink_of(c.sinks, h);
           u.lens[n++] = c.start + t + 1;
         }
       }
@@ -86,12 +89,14 @@ void run(const Chunk& c) {
 // q [n, heads, d] (rows strided, last dim contiguous) of one sequence's chunk at positions
 // start .. start + n - 1, whose K/V are already in the caches [kv_heads, blocks, block_size,
 // d] (bfloat16, or int8 / float8_e4m3fn with their scales [kv_heads, blocks, block_size]);
-// block_table [W] int64 covers them -> [n, heads, d].
+// block_table [W] int64 covers them -> [n, heads, d]; `sinks` [heads] float32 are
+// attention sinks (gpt-oss).
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                    const at::Tensor& v_cache, const at::Tensor& block_table,
                                    int64_t start, double scale,
                                    const std::optional<at::Tensor>& k_scales,
-                                   const std::optional<at::Tensor>& v_scales) {
+                                   const std::optional<at::Tensor>& v_scales,
+                                   const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "CPU tensors only");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "caches must share a dtype");
@@ -111,6 +116,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
               "block_table must be an int64 vector");
   TORCH_CHECK(start >= 0, "start must be >= 0");
   const at::Tensor table = block_table.contiguous();
+  const float* sink_logits = checked_sinks(sinks, heads);
   const int64_t cache_blocks = k_cache.size(1), block_size = k_cache.size(2);
   const int64_t needed = (start + n + block_size - 1) / block_size;
   TORCH_CHECK(table.numel() >= needed, "the block table covers ", table.numel() * block_size,
@@ -125,7 +131,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   const PagedKV kv{cache_rows<bf16>(k_cache, k_scales, kind),
                    cache_rows<bf16>(v_cache, v_scales, kind), ids, cache_blocks, block_size, d};
   run(Chunk{q.const_data_ptr<bf16>(), q.stride(0), q.stride(1), kv, out.mutable_data_ptr<bf16>(),
-            n, start, heads, kv_heads, heads / kv_heads, d, static_cast<float>(scale)});
+            n, start, heads, kv_heads, heads / kv_heads, d, static_cast<float>(scale),
+            sink_logits});
   return out;
 }
 
@@ -134,7 +141,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
 // Registered only where the CPU can run it; gpu_worker.attention checks for the op.
 TORCH_LIBRARY_FRAGMENT(cadence, m) {
   m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
-        "int start, float scale, Tensor? k_scales=None, Tensor? v_scales=None) -> Tensor");
+        "int start, float scale, Tensor? k_scales=None, Tensor? v_scales=None, Tensor? sinks=None) "
+        "-> Tensor");
   m.impl("paged_prefill_attention", c10::DispatchKey::CPU, &paged_prefill_attention);
 }
 

@@ -16,6 +16,12 @@
 // nibbles of one line, 4 lines per 32 K; q5 (codes 0..31) is q4's 4 lines of their low four
 // bits and one line of their fifth: 8 little-endian 64-bit masks, mask c holding line c's
 // 64 fifth bits (bit j: the line's byte j). Scales and mins are [blocks, K / G, 16] float32.
+//
+// mxfp4 (mxfp4_matmul) is q4's layout of E2M1 codes, decoded as llama.cpp does: a byte
+// shuffle through its kvalues_mxfp4 (E2M1's sixteen values doubled: integers -12..12), here
+// biased by 12 so that vpdpbusd takes them on its unsigned side (the tile takes 12 x the
+// activations' sum back); its scales are the E8M0 exponent bytes e [blocks, K / 32, 16],
+// the group's scale 2^(e - 127) / 2, made exactly in float32 as each group needs it.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -26,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -43,6 +50,8 @@ constexpr int64_t kGroup = 32;  // activation values per scale
 constexpr int64_t kSumGroup = 16;  // activation values per sum (the finest weight group)
 constexpr int64_t kCols = 16;  // columns per packed block
 constexpr int kMaxTile = 8;  // rows per register tile
+constexpr int32_t kMxBias = 12;  // added to mxfp4's table: its values as unsigned codes
+constexpr uint32_t kTinyScale = 0x00200000;  // 2^-128 (subnormal): E8M0 0's scale, halved
 
 // The instruction set's part: 16 float32 or int32 lanes (one per column of a block), a
 // 64-byte line of weight codes, and a line's integer dot with 4 broadcast activations. On
@@ -85,6 +94,20 @@ inline I16 dot_small(I16 acc, Line codes, int32_t a) {
 // takes 128 x the activations' sum back (kQ8Biased)
 constexpr bool kQ8Biased = true;
 inline I16 dot_q8(I16 acc, Line codes, int32_t a) { return dot_small(acc, codes, a); }
+// each byte (0..15) replaced by the 16-byte table's entry
+inline Line lookup(Line table, Line l) { return {_mm512_shuffle_epi8(table.v, l.v)}; }
+inline Line broadcast_table(const int8_t* t) {
+  return {_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)))};
+}
+// 16 E8M0 bytes -> 2^(e - 128) as float32 bits: e - 1 in the exponent field, or for e < 2
+// the subnormals 2^-128 and 2^-127, so that every scale is exact
+inline F16 e8m0_scales(const uint8_t* p) {
+  const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+  const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(kTinyScale), e);
+  const __mmask16 small = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+  return {_mm512_castsi512_ps(_mm512_mask_blend_epi32(small, normal, tiny))};
+}
 #else
 struct F16 {
   __m256 lo, hi;
@@ -157,7 +180,32 @@ inline I16 dot_q8(I16 acc, Line codes, int32_t a) {
   const __m256i as = _mm256_set1_epi32(a);
   return {dot_signed_half(acc.lo, codes.lo, as), dot_signed_half(acc.hi, codes.hi, as)};
 }
+inline Line lookup(Line table, Line l) {
+  return {_mm256_shuffle_epi8(table.lo, l.lo), _mm256_shuffle_epi8(table.hi, l.hi)};
+}
+inline Line broadcast_table(const int8_t* t) {
+  const __m256i v =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
+  return {v, v};
+}
+inline __m256 e8m0_half(__m128i bytes) {
+  const __m256i e = _mm256_cvtepu8_epi32(bytes);
+  const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+  const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(kTinyScale), e);
+  const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, small));
+}
+inline F16 e8m0_scales(const uint8_t* p) {
+  return {e8m0_half(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))),
+          e8m0_half(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)))};
+}
 #endif
+
+// llama.cpp's kvalues_mxfp4 + kMxBias
+alignas(16) constexpr int8_t kMxTable[16] = {12, 13, 14, 15, 16, 18, 20, 24,
+                                             12, 11, 10, 9,  8,  6,  4,  0};
+inline F16 load_scales(const float* p) { return fload(p); }
+inline F16 load_scales(const uint8_t* p) { return e8m0_scales(p); }
 
 #if defined(CADENCE_QUANT_AVX512)
 // 16 values as float32: a bfloat16 is the upper half of a float32's bits.
@@ -262,14 +310,20 @@ void store(Out* out, const float* values, const float* bias, int64_t n) {
   }
 }
 
+// E8M0 exponent bytes for mxfp4, float32 scales for the others
+template <bool kMx>
+using Scale = std::conditional_t<kMx, uint8_t, float>;
+
 // R rows against one block of 16 columns, all of K. kGroupSize: the weight group (16 or
 // 32); kBits: 8, or nibble codes (4; 5 with a line of fifth bits; groups of 32 only); kMins:
-// w = scale * code + min.
-template <int R, int kGroupSize, int kBits, bool kMins, typename Out>
-void tile(const Row* rows, int64_t k, const uint8_t* weights, const float* w_scales,
+// w = scale * code + min; kMx: mxfp4 (4-bit codes through kMxTable, E8M0 scales).
+template <int R, int kGroupSize, int kBits, bool kMins, bool kMx, typename Out>
+void tile(const Row* rows, int64_t k, const uint8_t* weights, const Scale<kMx>* w_scales,
           const float* w_mins, const float* bias, Out* out, int64_t out_stride, int64_t cols) {
   constexpr int kLines = kGroupSize / 4;  // 4 values of K per line
   const int64_t groups = k / kGroupSize;
+  Line table;
+  if constexpr (kMx) table = broadcast_table(kMxTable);
   F16 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = fzero();
   for (int64_t g = 0; g < groups; ++g) {
@@ -287,6 +341,10 @@ void tile(const Row* rows, int64_t k, const uint8_t* weights, const float* w_sca
           std::memcpy(&hi_fifth, lines + 256 + 8 * (c + 4), 8);
           lo = add_fifth_bits(lo, lo_fifth);
           hi = add_fifth_bits(hi, hi_fifth);
+        }
+        if constexpr (kMx) {
+          lo = lookup(table, lo);
+          hi = lookup(table, hi);
         }
         for (int r = 0; r < R; ++r) {
           int32_t a_lo, a_hi;
@@ -306,7 +364,7 @@ void tile(const Row* rows, int64_t k, const uint8_t* weights, const float* w_sca
         }
       }
     }
-    const F16 scale = fload(w_scales + g * kCols);
+    const F16 scale = load_scales(w_scales + g * kCols);
     F16 min;
     if constexpr (kMins) min = fload(w_mins + g * kCols);
     for (int r = 0; r < R; ++r) {
@@ -314,6 +372,7 @@ void tile(const Row* rows, int64_t k, const uint8_t* weights, const float* w_sca
       int32_t sum = rows[r].sums[first_sum];
       if constexpr (kGroupSize == 32) sum += rows[r].sums[first_sum + 1];
       if constexpr (kBits == 8 && kQ8Biased) dot[r] = isub(dot[r], 128 * sum);
+      if constexpr (kMx) dot[r] = isub(dot[r], kMxBias * sum);
       const float a_scale = rows[r].scales[k0 / kGroup];
       const F16 term = fmul(fmul(to_float(dot[r]), scale), fset(a_scale));
       acc[r] = fadd(acc[r], term);
@@ -330,36 +389,37 @@ void tile(const Row* rows, int64_t k, const uint8_t* weights, const float* w_sca
   }
 }
 
-template <int kGroupSize, int kBits, bool kMins, typename Out, int R = kMaxTile>
-void rest_tile(int rest, const Row* rows, int64_t k, const uint8_t* w, const float* s,
+template <int kGroupSize, int kBits, bool kMins, bool kMx, typename Out, int R = kMaxTile>
+void rest_tile(int rest, const Row* rows, int64_t k, const uint8_t* w, const Scale<kMx>* s,
                const float* m, const float* bias, Out* out, int64_t stride, int64_t cols) {
   if constexpr (R > 0) {
     if (rest == R) {
-      tile<R, kGroupSize, kBits, kMins>(rows, k, w, s, m, bias, out, stride, cols);
+      tile<R, kGroupSize, kBits, kMins, kMx>(rows, k, w, s, m, bias, out, stride, cols);
     } else {
-      rest_tile<kGroupSize, kBits, kMins, Out, R - 1>(rest, rows, k, w, s, m, bias, out, stride,
-                                                     cols);
+      rest_tile<kGroupSize, kBits, kMins, kMx, Out, R - 1>(rest, rows, k, w, s, m, bias, out,
+                                                          stride, cols);
     }
   }
 }
 
-template <int kGroupSize, int kBits, bool kMins, typename Out>
+template <int kGroupSize, int kBits, bool kMins, bool kMx = false, typename Out>
 void matmul(const std::vector<Row>& rows, int64_t k, int64_t n, const uint8_t* weights,
-            const float* scales, const float* mins, const float* bias, Out* out) {
+            const Scale<kMx>* scales, const float* mins, const float* bias, Out* out) {
   const int64_t blocks = (n + kCols - 1) / kCols, m = static_cast<int64_t>(rows.size());
   const int64_t block_bytes = k * kCols * kBits / 8;
   const int64_t block_params = k / kGroupSize * kCols;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const uint8_t* w = weights + b * block_bytes;
-      const float* s = scales + b * block_params;
+      const Scale<kMx>* s = scales + b * block_params;
       const float* mn = kMins ? mins + b * block_params : nullptr;
       const float* bb = bias == nullptr ? nullptr : bias + b * kCols;
       const int64_t cols = std::min(kCols, n - b * kCols);
       for (int64_t r = 0; r < m; r += kMaxTile) {
         const int rest = static_cast<int>(std::min<int64_t>(kMaxTile, m - r));
         Out* o = out + r * n + b * kCols;
-        rest_tile<kGroupSize, kBits, kMins>(rest, rows.data() + r, k, w, s, mn, bb, o, n, cols);
+        rest_tile<kGroupSize, kBits, kMins, kMx>(rest, rows.data() + r, k, w, s, mn, bb, o, n,
+                                                 cols);
       }
     }
   });
@@ -390,23 +450,17 @@ void dispatch(const std::vector<Row>& rows, int64_t k, int64_t n, int64_t bits, 
   return matmul<32, 8, false>(rows, k, n, w, s, mins, bias, out);
 }
 
-// x [M, K] (float32 or bfloat16) against packed weights of n columns -> [M, n] in x's dtype:
-// x quantized by quantize_activations, then the tiles. One op per call, not two: a decode
+// x [M, K] (float32 or bfloat16) quantized by quantize_activations, then `tiles(rows,
+// bias, out)` writes x @ W.T + bias [M, n] in x's dtype. One op per call, not two: a decode
 // step makes some 120 of these calls, and each op's dispatch and outputs cost microseconds.
-at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& scales,
-                        const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias,
-                        int64_t n, int64_t group, int64_t bits) {
-  TORCH_CHECK(weights.is_contiguous() && scales.is_contiguous(),
-              "quant_matmul takes contiguous weights");
+template <typename Tiles>
+at::Tensor quantized_product(const at::Tensor& x, const c10::optional<at::Tensor>& bias,
+                             int64_t n, const Tiles& tiles) {
   const auto [q, a_scales, a_sums] = quantize_activations(x);
-  const int64_t m = q.size(0), k = q.size(1), blocks = (n + kCols - 1) / kCols;
-  TORCH_CHECK(weights.numel() == blocks * k * kCols * bits / 8,
-              "packed weights do not match n and K");
-  TORCH_CHECK(scales.numel() == blocks * k / group * kCols, "scales do not match n, K, group");
+  const int64_t m = q.size(0), k = q.size(1);
   at::Tensor bias_f;
   if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
   const float* bias_p = bias.has_value() ? bias_f.const_data_ptr<float>() : nullptr;
-  const float* mins_p = mins.has_value() ? mins->const_data_ptr<float>() : nullptr;
   std::vector<Row> rows(m);
   for (int64_t r = 0; r < m; ++r) {
     rows[r] = {q.const_data_ptr<int8_t>() + r * k, a_scales.const_data_ptr<float>() + r * (k / 32),
@@ -414,13 +468,46 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& weights, const at
   }
   at::Tensor out = at::empty({m, n}, x.options());
   if (x.scalar_type() == at::kFloat) {
-    dispatch(rows, k, n, bits, group, weights, scales, mins_p, bias_p,
-             out.mutable_data_ptr<float>());
+    tiles(rows, bias_p, out.mutable_data_ptr<float>());
   } else {
-    dispatch(rows, k, n, bits, group, weights, scales, mins_p, bias_p,
-             out.mutable_data_ptr<c10::BFloat16>());
+    tiles(rows, bias_p, out.mutable_data_ptr<c10::BFloat16>());
   }
   return out;
+}
+
+int64_t blocks_of(int64_t n) { return (n + kCols - 1) / kCols; }
+
+at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias,
+                        int64_t n, int64_t group, int64_t bits) {
+  TORCH_CHECK(weights.is_contiguous() && scales.is_contiguous(),
+              "quant_matmul takes contiguous weights");
+  const int64_t k = x.size(1), blocks = blocks_of(n);
+  TORCH_CHECK(weights.numel() == blocks * k * kCols * bits / 8,
+              "packed weights do not match n and K");
+  TORCH_CHECK(scales.numel() == blocks * k / group * kCols, "scales do not match n, K, group");
+  const float* mins_p = mins.has_value() ? mins->const_data_ptr<float>() : nullptr;
+  return quantized_product(x, bias, n, [&](const auto& rows, const float* b, auto* out) {
+    dispatch(rows, k, n, bits, group, weights, scales, mins_p, b, out);
+  });
+}
+
+// x [M, K] against mxfp4 weights of n columns: packed codes as q4's, E8M0 exponents
+// [blocks, K / 32, 16] uint8.
+at::Tensor mxfp4_matmul(const at::Tensor& x, const at::Tensor& weights,
+                        const at::Tensor& exponents, const c10::optional<at::Tensor>& bias,
+                        int64_t n) {
+  TORCH_CHECK(weights.is_contiguous() && exponents.is_contiguous(),
+              "mxfp4_matmul takes contiguous weights");
+  TORCH_CHECK(exponents.scalar_type() == at::kByte, "mxfp4 scales are E8M0 exponent bytes");
+  const int64_t k = x.size(1), blocks = blocks_of(n);
+  TORCH_CHECK(weights.numel() == blocks * k * kCols / 2, "packed weights do not match n and K");
+  TORCH_CHECK(exponents.numel() == blocks * k / kGroup * kCols, "scales do not match n and K");
+  const uint8_t* w = weights.const_data_ptr<uint8_t>();
+  const uint8_t* e = exponents.const_data_ptr<uint8_t>();
+  return quantized_product(x, bias, n, [&](const auto& rows, const float* b, auto* out) {
+    matmul<32, 4, false, true>(rows, k, n, w, e, nullptr, b, out);
+  });
 }
 
 }  // namespace
@@ -430,6 +517,8 @@ TORCH_LIBRARY_FRAGMENT(cadence, m) {
   m.def("quant_matmul(Tensor x, Tensor weights, Tensor scales, Tensor? mins, Tensor? bias, "
         "int n, int group, int bits) -> Tensor");
   m.impl("quantize_activations", c10::DispatchKey::CPU, &quantize_activations);
+  m.def("mxfp4_matmul(Tensor x, Tensor weights, Tensor exponents, Tensor? bias, int n) -> Tensor");
   m.impl("quant_matmul", c10::DispatchKey::CPU, &quant_matmul);
+  m.impl("mxfp4_matmul", c10::DispatchKey::CPU, &mxfp4_matmul);
 }
 #endif

@@ -82,7 +82,7 @@ from service.engine.stats import Observer
 from service.engine.step import POOLED, STOP_TOKEN, Outcome, StepInFlight
 from service.engine.supervision import Supervisor, Worker
 from service.engine.validation import InvalidRequest, Limits
-from service.engine.worker_link import WorkerDied, WorkerHung
+from service.engine.worker_link import WorkerDied, WorkerHung, WorkerStartError
 
 log = structlog.get_logger()
 # With Config.overlap "auto" and the worker on the CPU, the most sequences a step may have
@@ -293,7 +293,7 @@ class Engine:
             "kv_cache": kv_cache_state(self.handshake),
             "overlap": {"setting": self.config.overlap, "max_seqs": self._overlap_limit()},
             "step_cost": step_cost_state(self._scheduler.step_cost),
-            "prefix_cache": prefix_cache_state(self.config.enable_prefix_caching, stats),
+            "prefix_cache": prefix_cache_state(self._prefix_caching(self.handshake), stats),
             "speculative": speculative_state(
                 self.config.speculative_config, self._scheduler.speculator, stats
             ),
@@ -356,7 +356,7 @@ class Engine:
             self._report.received(request, ticket.n)
         self._all_done = trio.Event()
         sched, (leader, *siblings) = self._scheduler, made
-        if siblings and self.config.enable_prefix_caching:
+        if siblings and self._prefix_caching(self.handshake):
             sched.hold(leader, siblings)  # until it has computed the prompt they share
         else:
             for sibling in siblings:
@@ -598,7 +598,9 @@ class Engine:
     # ---- worker supervision -----------------------------------------------------------
 
     def _worker_started(self, handshake: Handshake) -> None:
-        """A new worker's cache sizes the blocks; its device decides overlap and masks."""
+        """A new worker's cache sizes the blocks; its device decides overlap and masks.
+        WorkerStartError where its model cannot serve what the server was asked to."""
+        refuse_what_a_recurrent_state_cannot(handshake, self.config)
         self.handshake = handshake
         self._scheduler.replace_blocks(self._blocks_for(handshake))
         self._fail_what_no_longer_fits()
@@ -615,10 +617,17 @@ class Engine:
             0 if handshake is None else handshake.num_blocks,
             BLOCK_SIZE if handshake is None else handshake.block_size,  # no blocks before
             self.config.watermark,
-            enable_caching=self.config.enable_prefix_caching,
+            enable_caching=self._prefix_caching(handshake),
             windows=(None,) if handshake is None else handshake.kv_group_windows,
             max_chunk_tokens=self.config.max_batched_tokens,
         )
+
+    def _prefix_caching(self, handshake: Handshake | None) -> bool:
+        """Whether prompts share cached blocks: as configured, except for a model whose
+        layers keep a recurrent state (Qwen3-Next, Qwen3.5): a hit would skip the tokens
+        that state was computed from, and no state is kept per block (README: Models)."""
+        recurrent = handshake is not None and handshake.recurrent_state_bytes > 0
+        return self.config.enable_prefix_caching and not recurrent
 
     def _fail_what_no_longer_fits(self) -> None:
         """A restarted worker may have a smaller KV cache (free device memory changed):
@@ -649,6 +658,17 @@ class Engine:
                 request, "error", "worker_unavailable", error="the model worker cannot be restarted"
             )
         raise EngineFailed(f"the worker failed to start {self.config.max_worker_restarts} times")
+
+
+def refuse_what_a_recurrent_state_cannot(handshake: Handshake, config: Config) -> None:
+    """Speculative decoding verifies drafts by computing them; a rejected draft's tokens
+    would stay in a recurrent state, which cannot be rolled back as KV slots can."""
+    if handshake.recurrent_state_bytes and config.speculative_config is not None:
+        raise WorkerStartError(
+            f"{handshake.architecture} keeps a recurrent state per sequence (linear-attention "
+            "layers), which a rejected draft cannot be taken back from: speculative decoding "
+            "is not served for it; drop --speculative-config"
+        )
 
 
 def overlap_seqs(setting: str, device: str) -> int:

@@ -91,7 +91,11 @@ class Supervisor:
         if start.cancelled_caught:
             await self.worker.kill()
             raise WorkerStartError(f"the worker did not start within {WORKER_START_TIMEOUT_S} s")
-        self._on_started(handshake)
+        try:
+            self._on_started(handshake)
+        except WorkerStartError:  # a worker the service cannot use (what it serves refused)
+            await self.worker.kill()
+            raise
 
     async def sleep_until(self, woken: trio.Event) -> None:
         """Sleep until `woken` is set, watching the idle worker meanwhile: one that dies or

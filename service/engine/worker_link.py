@@ -162,21 +162,21 @@ class WorkerLink:
         otherwise land on the first request's TTFT, and could trip the step watchdog."""
         length = max(1, min(8, handshake.block_size - 1, handshake.max_model_len - 1))
         token = min(1, handshake.vocab_size - 1)
-        chunks = [(-1, length, 0)]  # (step id, tokens, first position)
-        if length < handshake.block_size:
-            chunks.append((-2, 1, length))
         groups = len(handshake.kv_group_windows)
+        # one sequence: its prompt, then (where a block has room) its first decode row, which
+        # continues it as any decode row does (a recurrent state's model needs that)
         plans = [
             StepPlan(
-                step_id,
+                -1,
                 # nothing owns a block yet (the engine allocates later): block 0 serves
-                [Row(0, count, start, blocks=[[0]] * groups, blocks_at=0)],
-                [token] * count,
+                [Row(0, length, 0, blocks=[[0]] * groups, blocks_at=0)],
+                [token] * length,
                 new=[NewSeq(0, SamplingSpec(), prompt_len=length)],
-                finished=[0],
             )
-            for step_id, count, start in chunks
         ]
+        if length < handshake.block_size:
+            decode = Row(0, 1, length, blocks=[[]] * groups, blocks_at=1)
+            plans.append(StepPlan(-2, [decode], [token]))
         plans.append(StepPlan(-len(plans) - 1, [], [], finished=[0]))  # the worker forgets it
         for plan in plans:
             try:
