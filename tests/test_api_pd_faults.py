@@ -123,7 +123,7 @@ def test_a_producer_hung_or_killed_before_the_pull_fails_that_request_only(serve
     signal_if_alive(producer.worker_pids()[-1], signal.SIGSTOP)
     started = time.monotonic()
     assert_kv_transfer_failed(decode(consumer, for_the_hang))
-    assert TIMEOUT_S - 0.5 < time.monotonic() - started < TIMEOUT_S + 1.5
+    assert TIMEOUT_S - 0.5 < time.monotonic() - started < TIMEOUT_S + 3.0
     # the transfer engine gives up soon after (at the timeout, 5 s at least; not its own
     # 30 s) and lets go of the blocks it wrote; later pulls wait behind it until then
     seconds_until(lambda: consumer.admin_state()["kv_blocks_used"] == 0, TIMEOUT_S + 4.0)
@@ -146,14 +146,14 @@ def test_a_consumer_killed_while_the_producer_holds_frees_the_blocks_at_the_hold
     servers: Trio,
 ) -> None:
     producer = servers.second_producer
+    released = holds(producer)["released"]
     prefill(producer)
-    held_at = time.monotonic()
     assert producer.admin_state()["kv_blocks_used"] > 0  # the prompt's blocks, held
     kill(servers.consumer)
+    assert holds(producer)["holding"] == 1  # the consumer's death alone frees nothing
+    # freed at the hold's deadline (counted from its step, which a busy machine makes long)
     seconds_until(lambda: holds(producer)["holding"] == 0, HOLD_S + 2.0)
-    # held until the deadline (taken when its step was scheduled, a little before)
-    assert time.monotonic() - held_at > HOLD_S - 1.5
-    assert holds(producer)["expired"] == 1
+    assert holds(producer)["expired"] == 1 and holds(producer)["released"] == released
     assert producer.wait_idle()["kv_blocks_used"] == 0
     # and the producer serves on
     assert httpx.post(f"{producer.url}/v1/completions", json=BODY, timeout=60).status_code == 200
