@@ -112,6 +112,13 @@ QWEN_EXPERTS = {
 HALF_HEAD = 8  # longrope: one factor per rotary frequency (head_dim 16)
 
 CASES = {
+    "smollm3": Case(
+        "smollm3",
+        transformers.SmolLM3ForCausalLM,
+        {"num_hidden_layers": 4, "head_dim": 16},  # the fourth layer has no RoPE
+        permuted=True,
+        transformers_reads_it=False,  # its loader knows no smollm3 files
+    ),
     "qwen2": Case("qwen2", transformers.Qwen2ForCausalLM, {"rope_theta": 1e6}),
     "qwen3": Case("qwen3", transformers.Qwen3ForCausalLM, {"head_dim": 24}, head_dim_keys=True),
     "gemma3": Case(

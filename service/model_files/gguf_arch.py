@@ -38,6 +38,7 @@ GLOBAL_TENSORS = {
 CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 Config = dict[str, Any]
+Tensors = dict[str, np.ndarray]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,9 @@ class Arch:
     norm_shift: float = 0.0  # llama.cpp stored every norm weight as w + norm_shift
     fields: Callable[[Meta], Config] = lambda meta: {}
     omit: tuple[str, ...] = ()  # common config fields this architecture's config lacks
+    # The renamed tensors put together as the Hugging Face checkpoint holds them (experts
+    # fused into one tensor, names without .weight).
+    assemble: Callable[[Tensors], Tensors] = lambda tensors: tensors
 
 
 class Meta:
@@ -90,6 +94,19 @@ class Meta:
 
 def _llama(meta: Meta) -> Config:
     return {"mlp_bias": False}
+
+
+def _smollm3(meta: Meta) -> Config:
+    # llama.cpp's smollm3 leaves RoPE out of every fourth layer, whatever the file says.
+    layers = int(meta.require("block_count"))
+    no_rope = [int((i + 1) % SMOLLM3_NO_ROPE_INTERVAL != 0) for i in range(layers)]
+    return {
+        **_llama(meta),
+        "no_rope_layers": no_rope,
+        "no_rope_layer_interval": SMOLLM3_NO_ROPE_INTERVAL,
+        "use_sliding_window": False,
+        "sliding_window": None,
+    }
 
 
 def _mistral(meta: Meta) -> Config:
@@ -208,6 +225,8 @@ def _phi3(meta: Meta) -> Config:
 
 _DENSE = _ATTENTION | _MLP
 LLAMA = Arch("llama", "LlamaForCausalLM", _DENSE, permuted_qk=True, fields=_llama)
+SMOLLM3_NO_ROPE_INTERVAL = 4
+SMOLLM3 = Arch("smollm3", "SmolLM3ForCausalLM", _DENSE, permuted_qk=True, fields=_smollm3)
 MISTRAL = Arch("mistral", "MistralForCausalLM", _DENSE, permuted_qk=True, fields=_mistral)
 MIXTRAL = Arch(
     "mixtral",
@@ -298,6 +317,7 @@ CONVERTIBLE: dict[str, tuple[Arch, ...]] = {
     "gemma2": (GEMMA2,),
     "gemma3": (GEMMA3,),
     "phi3": (PHI3,),
+    "smollm3": (SMOLLM3,),
 }
 
 
