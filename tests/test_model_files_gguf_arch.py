@@ -64,6 +64,9 @@ class Case:
     experts: dict[str, str] = field(default_factory=dict)  # HF part -> GGUF stacked part
     transformers_reads_it: bool = True  # transformers' own GGUF loader knows the layout
     transformers_config: bool = True  # and builds the same kind of config
+    # llama.cpp's own reshaping of a checkpoint's tensors, for names the map does not know
+    reshape: Callable[[str, np.ndarray], dict[str, np.ndarray]] | None = None
+    experts_type: Q | None = None  # the stacked experts' type, whatever the others'
 
 
 def _gemma3_metadata(writer: gguf.GGUFWriter, config: Any) -> None:
@@ -103,6 +106,44 @@ def _moe_metadata(writer: gguf.GGUFWriter, config: Any) -> None:
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
 
 
+def _gpt_oss_metadata(writer: gguf.GGUFWriter, config: Any) -> None:
+    _moe_metadata(writer, config)
+    writer.add_expert_feed_forward_length(config.intermediate_size)
+    writer.add_sliding_window(config.sliding_window)
+    rope = config.rope_parameters
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+
+
+def _gpt_oss_reshape(hf_name: str, weight: np.ndarray) -> dict[str, np.ndarray]:
+    """GptOssModel.modify_tensors: gate_up split (gate the even columns), experts
+    transposed to [experts, out, in], sinks given a .weight."""
+    if not hf_name.startswith("model.layers."):
+        return {}
+    block = "blk." + hf_name.split(".")[2]
+    part = hf_name.rsplit(".", 1)[1]
+    if part == "gate_up_proj":
+        return {
+            f"{block}.ffn_gate_exps.weight": weight[..., ::2].swapaxes(1, 2).copy(),
+            f"{block}.ffn_up_exps.weight": weight[..., 1::2].swapaxes(1, 2).copy(),
+        }
+    if part == "gate_up_proj_bias":
+        return {
+            f"{block}.ffn_gate_exps.bias": weight[..., ::2].copy(),
+            f"{block}.ffn_up_exps.bias": weight[..., 1::2].copy(),
+        }
+    if part == "down_proj":
+        return {f"{block}.ffn_down_exps.weight": weight.swapaxes(1, 2).copy()}
+    if part == "down_proj_bias":
+        return {f"{block}.ffn_down_exps.bias": weight}
+    if part == "sinks":
+        return {f"{block}.attn_sinks.weight": weight}
+    return {}
+
+
 MIXTRAL_EXPERTS = {"w1": "ffn_gate_exps", "w2": "ffn_down_exps", "w3": "ffn_up_exps"}
 QWEN_EXPERTS = {
     "gate_proj": "ffn_gate_exps",
@@ -112,6 +153,32 @@ QWEN_EXPERTS = {
 HALF_HEAD = 8  # longrope: one factor per rotary frequency (head_dim 16)
 
 CASES = {
+    "gpt-oss": Case(
+        "gpt-oss",
+        transformers.GptOssForCausalLM,
+        {
+            "intermediate_size": 32,  # one MXFP4 block per down_proj row
+            "head_dim": 16,
+            "num_hidden_layers": 3,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 8,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
+        },
+        head_dim_keys=True,
+        metadata=_gpt_oss_metadata,
+        transformers_reads_it=False,  # its loader knows no gpt-oss files
+        reshape=_gpt_oss_reshape,
+        experts_type=Q.MXFP4,  # as llama.cpp repacks the checkpoint's own MXFP4
+    ),
     "smollm3": Case(
         "smollm3",
         transformers.SmolLM3ForCausalLM,
@@ -237,7 +304,17 @@ def tiny_model(case: Case, seed: int = 0) -> Any:
                 param.normal_(0.0, 1.0)  # an uneven routing
             else:
                 param.normal_(0.0, 0.1)
+            if case.experts_type is not None and name.endswith(("gate_up_proj", "down_proj")):
+                param.copy_(_on_grid(param, case.experts_type))
     return model
+
+
+def _on_grid(fused: torch.Tensor, qtype: Q) -> torch.Tensor:
+    """Fused [experts, in, out] weights rounded to `qtype`'s values, whose blocks run along
+    `in` (so the file holds the model's weights exactly)."""
+    rows = fused.transpose(1, 2).numpy()
+    rounded = gguf.quants.dequantize(gguf.quants.quantize(rows, qtype), qtype)
+    return torch.from_numpy(np.ascontiguousarray(rounded)).transpose(1, 2)
 
 
 def checkpoint(model: Any, tmp_path: Path) -> dict[str, np.ndarray]:
@@ -268,7 +345,10 @@ def write_gguf(path: Path, case: Case, model: Any, tmp_path: Path, qtype: Q = Q.
     writer.add_eos_token_id(2)
     writer.add_pad_token_id(0)
     for name, weight in gguf_tensors(case, model, tmp_path).items():
-        _add_tensor(writer, name, weight, Q.F32 if weight.ndim == 1 else qtype)
+        kind = Q.F32 if weight.ndim == 1 else qtype
+        if case.experts_type is not None and name.endswith("_exps.weight"):
+            kind = case.experts_type
+        _add_tensor(writer, name, weight, kind)
     finish(writer)
 
 
@@ -286,6 +366,9 @@ def gguf_tensors(case: Case, model: Any, tmp_path: Path) -> dict[str, np.ndarray
             weight = permute_like_llama_cpp(weight, config.num_key_value_heads)
         if hf_name.endswith("norm.weight"):
             weight = weight + np.float32(case.norm_shift)
+        if case.reshape is not None and (reshaped := case.reshape(hf_name, weight)):
+            out.update(reshaped)
+            continue
         if ".experts." in hf_name:
             parts = hf_name.split(".")
             layer, expert, part = parts[2], int(parts[-3]), parts[-2]

@@ -170,7 +170,7 @@ def convert_tensors(
             )
     if "model.embed_tokens.weight" not in out:
         raise GGUFError("GGUF has no token_embd.weight tensor")
-    return out
+    return arch.assemble(out)
 
 
 def quantized_tensors(

@@ -156,6 +156,51 @@ def _qwen3_moe(meta: Meta) -> Config:
     return _qwen_moe(meta) | {"norm_topk_prob": True}
 
 
+def _gpt_oss(meta: Meta) -> Config:
+    # llama.cpp's openai-moe: a window on every other layer from the first, the clamped
+    # SwiGLU's constants built in, YaRN without truncating its correction range.
+    layers = int(meta.require("block_count"))
+    rope = rope_scaling(meta)
+    return {
+        **_experts(meta, "num_local_experts"),
+        "intermediate_size": int(meta.require("expert_feed_forward_length")),
+        "sliding_window": meta.sliding_window,
+        "layer_types": [("sliding_attention", "full_attention")[i % 2] for i in range(layers)],
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0,
+        "rope_scaling": rope | {"truncate": False} if rope else None,
+    }
+
+
+def _gpt_oss_tensors(tensors: Tensors) -> Tensors:
+    """gpt-oss's experts as its checkpoint holds them: gate and up interleaved column by
+    column in one [experts, hidden, 2 * intermediate] gate_up_proj, down_proj as
+    [experts, intermediate, hidden] (llama.cpp split and transposed them); sinks bare."""
+    out: Tensors = {}
+    for name, values in tensors.items():
+        if name.endswith(".self_attn.sinks.weight"):
+            out[name.removesuffix(".weight")] = values
+        elif ".mlp.experts.down_proj." in name:
+            kind = name.rsplit(".", 1)[1]
+            fused = name.replace("down_proj.weight", "down_proj")
+            out[fused.replace("down_proj.bias", "down_proj_bias")] = (
+                np.ascontiguousarray(values.swapaxes(1, 2)) if kind == "weight" else values
+            )
+        elif ".mlp.experts.gate_proj." in name:
+            up = tensors[name.replace("gate_proj", "up_proj")]
+            both = np.stack([values, up], axis=-2 if values.ndim == 3 else -1)
+            if name.endswith(".weight"):  # [E, I, 2, H] -> [E, H, 2I]
+                fused = both.reshape(values.shape[0], -1, values.shape[2]).swapaxes(1, 2)
+                out[name.replace("gate_proj.weight", "gate_up_proj")] = np.ascontiguousarray(fused)
+            else:  # [E, I, 2] -> [E, 2I]
+                out[name.replace("gate_proj.bias", "gate_up_proj_bias")] = both.reshape(
+                    values.shape[0], -1
+                )
+        elif ".mlp.experts.up_proj." not in name:
+            out[name] = values
+    return out
+
+
 def _gemma2(meta: Meta) -> Config:
     # llama.cpp's defaults: a 4096-token window on every other layer, logits soft-capped.
     attn_cap = float(meta.get("attn_logit_softcapping", 50.0))
@@ -272,6 +317,22 @@ QWEN3_MOE = Arch(
     _QWEN_EXPERTS,
     fields=_qwen3_moe,
 )
+# Experts stay stacked here ([experts, out, in], as llama.cpp stores them), fused after.
+GPT_OSS = Arch(
+    "gpt_oss",
+    "GptOssForCausalLM",
+    _ATTENTION
+    | {
+        "attn_sinks": "self_attn.sinks",
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_gate_inp": "mlp.router",
+        "ffn_gate_exps": "mlp.experts.gate_proj",
+        "ffn_up_exps": "mlp.experts.up_proj",
+        "ffn_down_exps": "mlp.experts.down_proj",
+    },
+    fields=_gpt_oss,
+    assemble=_gpt_oss_tensors,
+)
 _GEMMA_LAYER = _DENSE | {
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
@@ -318,6 +379,7 @@ CONVERTIBLE: dict[str, tuple[Arch, ...]] = {
     "gemma3": (GEMMA3,),
     "phi3": (PHI3,),
     "smollm3": (SMOLLM3,),
+    "gpt-oss": (GPT_OSS,),
 }
 
 
