@@ -58,6 +58,7 @@ class Case:
     config: dict[str, Any]
     permuted: bool = False  # llama.cpp's LlamaModel.permute
     norm_shift: float = 0.0
+    unshifted_norms: tuple[str, ...] = ()  # norms llama.cpp stores as they are
     head_dim_keys: bool = False  # llama.cpp writes attention.key_length / value_length
     metadata: Callable[[gguf.GGUFWriter, Any], None] = lambda writer, config: None
     name: str = "tiny"
@@ -144,6 +145,43 @@ def _gpt_oss_reshape(hf_name: str, weight: np.ndarray) -> dict[str, np.ndarray]:
     return {}
 
 
+def _qwen3_next_metadata(writer: gguf.GGUFWriter, config: Any) -> None:
+    _moe_metadata(writer, config)
+    writer.add_ssm_conv_kernel(config.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(config.linear_key_head_dim)
+    writer.add_ssm_group_count(config.linear_num_key_heads)
+    writer.add_ssm_time_step_rank(config.linear_num_value_heads)
+    writer.add_ssm_inner_size(config.linear_value_head_dim * config.linear_num_value_heads)
+    writer.add_full_attention_interval(4)
+    rotary = config.rope_parameters["partial_rotary_factor"]
+    writer.add_rope_dimension_count(int(config.head_dim * rotary))
+
+
+def _qwen3_next_reshape(hf_name: str, weight: np.ndarray) -> dict[str, np.ndarray]:
+    """Qwen3NextModel.modify_tensors: A as -exp(A_log), conv1d squeezed, dt_bias as
+    ssm_dt.bias, in_proj_qkvz's rows regrouped into attn_qkv and attn_gate."""
+    if not hf_name.startswith("model.layers."):
+        return {}
+    block = "blk." + hf_name.split(".")[2]
+    if hf_name.endswith(".A_log"):
+        return {f"{block}.ssm_a": -np.exp(weight)}
+    if hf_name.endswith(".dt_bias"):
+        return {f"{block}.ssm_dt.bias": weight}
+    if hf_name.endswith("conv1d.weight"):
+        return {f"{block}.ssm_conv1d.weight": weight.squeeze()}
+    if hf_name.endswith("in_proj_qkvz.weight"):
+        heads, key_dim = 2, 16  # the case's linear_num_key_heads, linear_key_head_dim
+        per_head = weight.reshape(heads, -1, weight.shape[-1])
+        value_dim = (per_head.shape[1] - 2 * key_dim) // 2
+        q, k, v, z = np.split(per_head, np.cumsum([key_dim, key_dim, value_dim]), axis=1)
+        flat = [a.reshape(-1, weight.shape[-1]) for a in (q, k, v, z)]
+        return {
+            f"{block}.attn_qkv.weight": np.concatenate(flat[:3]),
+            f"{block}.attn_gate.weight": flat[3],
+        }
+    return {}
+
+
 MIXTRAL_EXPERTS = {"w1": "ffn_gate_exps", "w2": "ffn_down_exps", "w3": "ffn_up_exps"}
 QWEN_EXPERTS = {
     "gate_proj": "ffn_gate_exps",
@@ -153,6 +191,30 @@ QWEN_EXPERTS = {
 HALF_HEAD = 8  # longrope: one factor per rotary frequency (head_dim 16)
 
 CASES = {
+    "qwen3next": Case(
+        "qwen3next",
+        transformers.Qwen3NextForCausalLM,
+        {
+            "num_hidden_layers": 4,  # three linear-attention layers, then a full one
+            "head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 64,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_conv_kernel_dim": 4,
+        },
+        norm_shift=1.0,  # its norms are 1 + w, stored as 1 + w but for the gated one
+        unshifted_norms=("linear_attn.norm.weight",),
+        head_dim_keys=True,
+        metadata=_qwen3_next_metadata,
+        experts=QWEN_EXPERTS,
+        transformers_reads_it=False,  # its loader knows no qwen3next files
+        reshape=_qwen3_next_reshape,
+    ),
     "gpt-oss": Case(
         "gpt-oss",
         transformers.GptOssForCausalLM,
@@ -300,6 +362,8 @@ def tiny_model(case: Case, seed: int = 0) -> Any:
             if name.endswith("norm.weight"):
                 # Gemma's norms multiply by 1 + w: keep both kinds near 1.
                 param.copy_(case.norm_shift * -0.9 + 1.0 + 0.1 * torch.randn_like(param))
+                if case.norm_shift:  # on a grid where w + 1 is exact, as real norms are
+                    param.copy_(torch.round(param * 4096) / 4096)
             elif name.endswith("mlp.gate.weight"):
                 param.normal_(0.0, 1.0)  # an uneven routing
             else:
@@ -364,7 +428,7 @@ def gguf_tensors(case: Case, model: Any, tmp_path: Path) -> dict[str, np.ndarray
             weight = permute_like_llama_cpp(weight, config.num_attention_heads)
         elif case.permuted and ".k_proj." in hf_name:
             weight = permute_like_llama_cpp(weight, config.num_key_value_heads)
-        if hf_name.endswith("norm.weight"):
+        if hf_name.endswith("norm.weight") and not hf_name.endswith(case.unshifted_norms):
             weight = weight + np.float32(case.norm_shift)
         if case.reshape is not None and (reshaped := case.reshape(hf_name, weight)):
             out.update(reshaped)

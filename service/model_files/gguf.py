@@ -170,7 +170,7 @@ def convert_tensors(
             )
     if "model.embed_tokens.weight" not in out:
         raise GGUFError("GGUF has no token_embd.weight tensor")
-    return arch.assemble(out)
+    return arch.assemble(out, view)
 
 
 def quantized_tensors(
@@ -186,6 +186,9 @@ def quantized_tensors(
         names = hf_tensor_names(arch, tensor.name, int(view.get("expert_count", 0) or 0))
         matmul = len(names) == 1 and names[0].endswith(MATMULS) and ".experts." not in names[0]
         if not matmul or tensor.tensor_type in FLOAT_TYPES:
+            continue
+        if any(f".{part}." in tensor.name for part in arch.fused_parts):
+            unserved.append(f"{tensor.name} ({tensor.tensor_type.name}, fused at conversion)")
             continue
         if tensor.tensor_type not in REPACKERS:
             unserved.append(f"{names[0]} ({tensor.tensor_type.name})")

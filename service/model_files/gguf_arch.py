@@ -56,7 +56,9 @@ class Arch:
     omit: tuple[str, ...] = ()  # common config fields this architecture's config lacks
     # The renamed tensors put together as the Hugging Face checkpoint holds them (experts
     # fused into one tensor, names without .weight).
-    assemble: Callable[[Tensors], Tensors] = lambda tensors: tensors
+    assemble: Callable[[Tensors, Meta], Tensors] = lambda tensors, meta: tensors
+    # GGUF tensors (name parts) that assemble fuses with others: never repacked quantized
+    fused_parts: tuple[str, ...] = ()
 
 
 class Meta:
@@ -172,7 +174,7 @@ def _gpt_oss(meta: Meta) -> Config:
     }
 
 
-def _gpt_oss_tensors(tensors: Tensors) -> Tensors:
+def _gpt_oss_tensors(tensors: Tensors, meta: Meta) -> Tensors:
     """gpt-oss's experts as its checkpoint holds them: gate and up interleaved column by
     column in one [experts, hidden, 2 * intermediate] gate_up_proj, down_proj as
     [experts, intermediate, hidden] (llama.cpp split and transposed them); sinks bare."""
@@ -199,6 +201,63 @@ def _gpt_oss_tensors(tensors: Tensors) -> Tensors:
         elif ".mlp.experts.up_proj." not in name:
             out[name] = values
     return out
+
+
+def _qwen3_next(meta: Meta) -> Config:
+    layers = int(meta.require("block_count"))
+    # llama.cpp's rule: every interval-th layer is full attention, the others linear.
+    interval = int(meta.get("full_attention_interval", 4))
+    value_heads = int(meta.require("ssm.time_step_rank"))
+    config = _qwen2_moe(meta) | {
+        "norm_topk_prob": True,
+        "linear_conv_kernel_dim": int(meta.require("ssm.conv_kernel")),
+        "linear_key_head_dim": int(meta.require("ssm.state_size")),
+        "linear_num_key_heads": int(meta.require("ssm.group_count")),
+        "linear_num_value_heads": value_heads,
+        "linear_value_head_dim": int(meta.require("ssm.inner_size")) // value_heads,
+        "layer_types": [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(layers)
+        ],
+        "full_attention_interval": interval,
+        "partial_rotary_factor": int(meta.require("rope.dimension_count")) / meta.head_dim,
+    }
+    config.pop("qkv_bias")
+    return config
+
+
+def _qwen3_next_tensors(tensors: Tensors, meta: Meta) -> Tensors:
+    """Qwen3-Next's linear attention as its checkpoint holds it, undoing llama.cpp's
+    Qwen3NextModel.modify_tensors: A stored as -exp(A_log), conv1d squeezed, dt_bias named
+    as a bias, in_proj_qkvz split into all q, k, v rows (attn_qkv) and z (attn_gate), and
+    every norm but the gated one stored as w + 1."""
+    key_heads = int(meta.require("ssm.group_count"))
+    out: Tensors = {}
+    for name, values in tensors.items():
+        if name.endswith(".linear_attn.A_log"):
+            out[name] = np.log(-values)  # within an ulp of the original: exp then log
+        elif name.endswith(".linear_attn.conv1d.weight"):
+            out[name] = values[:, None, :]
+        elif name.endswith(".linear_attn.dt_proj.bias"):
+            out[name.replace("dt_proj.bias", "dt_bias")] = values
+        elif name.endswith(".linear_attn.in_proj_qkv.weight"):
+            gate = tensors[name.replace("in_proj_qkv", "in_proj_z")]
+            out[name.replace("in_proj_qkv", "in_proj_qkvz")] = _qkvz_rows(
+                values, gate, key_heads, int(meta.require("ssm.state_size"))
+            )
+        elif name.endswith("norm.weight") and not name.endswith(".linear_attn.norm.weight"):
+            out[name] = values - np.float32(1.0)
+        elif not name.endswith(".linear_attn.in_proj_z.weight"):
+            out[name] = values
+    return out
+
+
+def _qkvz_rows(qkv: np.ndarray, z: np.ndarray, key_heads: int, key_dim: int) -> np.ndarray:
+    """[q of every head, k of every head, v of every head] and z's rows, back into
+    in_proj_qkvz's [q, k, v, z] per key head."""
+    q, k, v = np.split(qkv, [key_heads * key_dim, 2 * key_heads * key_dim])
+    per_head = [a.reshape(key_heads, -1, a.shape[-1]) for a in (q, k, v, z)]
+    return np.ascontiguousarray(np.concatenate(per_head, axis=1).reshape(-1, qkv.shape[-1]))
 
 
 def _gemma2(meta: Meta) -> Config:
@@ -333,6 +392,27 @@ GPT_OSS = Arch(
     fields=_gpt_oss,
     assemble=_gpt_oss_tensors,
 )
+QWEN3_NEXT = Arch(
+    "qwen3_next",
+    "Qwen3NextForCausalLM",
+    QWEN2_MOE.layer_tensors
+    | _QK_NORM
+    | {
+        "post_attention_norm": "post_attention_layernorm",
+        "ssm_a": "linear_attn.A_log",
+        "ssm_conv1d": "linear_attn.conv1d",
+        "ssm_dt": "linear_attn.dt_proj",
+        "ssm_norm": "linear_attn.norm",
+        "ssm_ba": "linear_attn.in_proj_ba",
+        "ssm_out": "linear_attn.out_proj",
+        "attn_qkv": "linear_attn.in_proj_qkv",
+        "attn_gate": "linear_attn.in_proj_z",
+    },
+    _QWEN_EXPERTS,
+    fields=_qwen3_next,
+    assemble=_qwen3_next_tensors,
+    fused_parts=("attn_qkv", "attn_gate"),
+)
 _GEMMA_LAYER = _DENSE | {
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
@@ -380,6 +460,7 @@ CONVERTIBLE: dict[str, tuple[Arch, ...]] = {
     "phi3": (PHI3,),
     "smollm3": (SMOLLM3,),
     "gpt-oss": (GPT_OSS,),
+    "qwen3next": (QWEN3_NEXT,),
 }
 
 
@@ -402,7 +483,8 @@ def select_arch(meta: dict[str, Any], tensor_names: list[str]) -> Arch:
     return LLAMA
 
 
-_LAYER_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# A few (Qwen3-Next's ssm_a) have no .weight, as their checkpoint names have none.
+_LAYER_NAME = re.compile(r"^blk\.(\d+)\.(\w+?)(\.weight|\.bias)?$")
 _GLOBAL_NAME = re.compile(r"^(\w+)\.(weight|bias)$")
 
 
@@ -411,11 +493,12 @@ def hf_tensor_names(arch: Arch, gguf_name: str, experts: int = 0) -> list[str]:
     tensor); GGUFError if the architecture has no such tensor."""
     if match := _LAYER_NAME.match(gguf_name):
         layer, part, kind = match.groups()
+        kind = kind or ""
         if part in arch.layer_tensors:
-            return [f"model.layers.{layer}.{arch.layer_tensors[part]}.{kind}"]
+            return [f"model.layers.{layer}.{arch.layer_tensors[part]}{kind}"]
         if part in arch.expert_tensors and experts:
             path = arch.expert_tensors[part]
-            return [f"model.layers.{layer}.{path.format(e=e)}.{kind}" for e in range(experts)]
+            return [f"model.layers.{layer}.{path.format(e=e)}{kind}" for e in range(experts)]
     elif (match := _GLOBAL_NAME.match(gguf_name)) and match.group(1) in GLOBAL_TENSORS:
         return [f"{GLOBAL_TENSORS[match.group(1)]}.{match.group(2)}"]
     raise GGUFError(f"GGUF tensor {gguf_name!r} has no {arch.hf_class} counterpart")
