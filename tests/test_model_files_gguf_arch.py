@@ -146,7 +146,8 @@ def _gpt_oss_reshape(hf_name: str, weight: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def _qwen3_next_metadata(writer: gguf.GGUFWriter, config: Any) -> None:
-    _moe_metadata(writer, config)
+    if hasattr(config, "num_experts"):
+        _moe_metadata(writer, config)
     writer.add_ssm_conv_kernel(config.linear_conv_kernel_dim)
     writer.add_ssm_state_size(config.linear_key_head_dim)
     writer.add_ssm_group_count(config.linear_num_key_heads)
@@ -155,6 +156,11 @@ def _qwen3_next_metadata(writer: gguf.GGUFWriter, config: Any) -> None:
     writer.add_full_attention_interval(4)
     rotary = config.rope_parameters["partial_rotary_factor"]
     writer.add_rope_dimension_count(int(config.head_dim * rotary))
+
+
+def _qwen3_5_metadata(writer: gguf.GGUFWriter, config: Any) -> None:
+    _qwen3_next_metadata(writer, config)
+    writer.add_rope_dimension_sections([11, 11, 10, 0])  # _Qwen35MRopeMixin's default
 
 
 def _qwen3_next_reshape(hf_name: str, weight: np.ndarray) -> dict[str, np.ndarray]:
@@ -170,7 +176,7 @@ def _qwen3_next_reshape(hf_name: str, weight: np.ndarray) -> dict[str, np.ndarra
     if hf_name.endswith("conv1d.weight"):
         return {f"{block}.ssm_conv1d.weight": weight.squeeze()}
     if hf_name.endswith("in_proj_qkvz.weight"):
-        heads, key_dim = 2, 16  # the case's linear_num_key_heads, linear_key_head_dim
+        heads, key_dim = LINEAR_HEADS["linear_num_key_heads"], LINEAR_HEADS["linear_key_head_dim"]
         per_head = weight.reshape(heads, -1, weight.shape[-1])
         value_dim = (per_head.shape[1] - 2 * key_dim) // 2
         q, k, v, z = np.split(per_head, np.cumsum([key_dim, key_dim, value_dim]), axis=1)
@@ -182,6 +188,54 @@ def _qwen3_next_reshape(hf_name: str, weight: np.ndarray) -> dict[str, np.ndarra
     return {}
 
 
+LINEAR_HEADS = {  # the linear-attention layers' heads in the Qwen3-Next and Qwen3.5 cases
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+}
+
+
+def _tiled(values: np.ndarray, axis: int, head_dim: int) -> np.ndarray:
+    """_LinearAttentionVReorderBase._reorder_v_heads: value heads grouped by key head
+    ([key, per key, head_dim]) to tiled ([per key, key, head_dim]) along `axis`."""
+    keys = LINEAR_HEADS["linear_num_key_heads"]
+    moved = np.moveaxis(values, axis, 0)
+    grouped = moved.reshape(keys, -1, head_dim, *moved.shape[1:])
+    return np.moveaxis(grouped.swapaxes(0, 1).reshape(moved.shape), 0, axis).copy()
+
+
+def _qwen3_5_reshape(hf_name: str, weight: np.ndarray) -> dict[str, np.ndarray]:
+    """Qwen3_5TextModel.modify_tensors: the value heads tiled, then Qwen3-Next's fixes."""
+    if ".linear_attn." not in hf_name:
+        return {}
+    block = "blk." + hf_name.split(".")[2]
+    value_dim = LINEAR_HEADS["linear_value_head_dim"]
+    qk_rows = 2 * LINEAR_HEADS["linear_num_key_heads"] * LINEAR_HEADS["linear_key_head_dim"]
+    part = hf_name.split(".linear_attn.")[1]
+    if part == "in_proj_qkv.weight":
+        v = _tiled(weight[qk_rows:], 0, value_dim)
+        return {f"{block}.attn_qkv.weight": np.concatenate([weight[:qk_rows], v])}
+    if part == "conv1d.weight":
+        squeezed = weight.squeeze()
+        v = _tiled(squeezed[qk_rows:], 0, value_dim)
+        return {f"{block}.ssm_conv1d.weight": np.concatenate([squeezed[:qk_rows], v])}
+    if part == "out_proj.weight":
+        return {f"{block}.ssm_out.weight": _tiled(weight, 1, value_dim)}
+    gguf_part = {
+        "in_proj_z.weight": ("attn_gate.weight", value_dim),
+        "in_proj_b.weight": ("ssm_beta.weight", 1),
+        "in_proj_a.weight": ("ssm_alpha.weight", 1),
+        "A_log": ("ssm_a", 1),
+        "dt_bias": ("ssm_dt.bias", 1),
+    }.get(part)
+    if gguf_part is None:
+        return {}
+    tiled = _tiled(weight, 0, gguf_part[1])
+    return {f"{block}.{gguf_part[0]}": -np.exp(tiled) if part == "A_log" else tiled}
+
+
 MIXTRAL_EXPERTS = {"w1": "ffn_gate_exps", "w2": "ffn_down_exps", "w3": "ffn_up_exps"}
 QWEN_EXPERTS = {
     "gate_proj": "ffn_gate_exps",
@@ -191,6 +245,37 @@ QWEN_EXPERTS = {
 HALF_HEAD = 8  # longrope: one factor per rotary frequency (head_dim 16)
 
 CASES = {
+    "qwen35": Case(
+        "qwen35",
+        transformers.Qwen3_5ForCausalLM,
+        {"num_hidden_layers": 4, "head_dim": 16, **LINEAR_HEADS},
+        norm_shift=1.0,
+        unshifted_norms=("linear_attn.norm.weight",),
+        head_dim_keys=True,
+        metadata=_qwen3_5_metadata,
+        transformers_reads_it=False,  # its loader knows no qwen35 files
+        reshape=_qwen3_5_reshape,
+    ),
+    "qwen35moe": Case(
+        "qwen35moe",
+        transformers.Qwen3_5MoeForCausalLM,
+        {
+            "num_hidden_layers": 4,
+            "head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 64,
+            **LINEAR_HEADS,
+        },
+        norm_shift=1.0,
+        unshifted_norms=("linear_attn.norm.weight",),
+        head_dim_keys=True,
+        metadata=_qwen3_5_metadata,
+        experts=QWEN_EXPERTS,
+        transformers_reads_it=False,  # its loader knows no qwen35moe files
+        reshape=_qwen3_5_reshape,
+    ),
     "qwen3next": Case(
         "qwen3next",
         transformers.Qwen3NextForCausalLM,
@@ -201,11 +286,7 @@ CASES = {
             "num_experts_per_tok": 2,
             "moe_intermediate_size": 32,
             "shared_expert_intermediate_size": 64,
-            "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4,
-            "linear_key_head_dim": 16,
-            "linear_value_head_dim": 16,
-            "linear_conv_kernel_dim": 4,
+            **LINEAR_HEADS,
         },
         norm_shift=1.0,  # its norms are 1 + w, stored as 1 + w but for the gated one
         unshifted_norms=("linear_attn.norm.weight",),
@@ -368,9 +449,21 @@ def tiny_model(case: Case, seed: int = 0) -> Any:
                 param.normal_(0.0, 1.0)  # an uneven routing
             else:
                 param.normal_(0.0, 0.1)
+            if name.endswith("A_log"):
+                param.copy_(_exp_log_fixed_point(param))
             if case.experts_type is not None and name.endswith(("gate_up_proj", "down_proj")):
                 param.copy_(_on_grid(param, case.experts_type))
     return model
+
+
+def _exp_log_fixed_point(a_log: torch.Tensor) -> torch.Tensor:
+    """Values that come back from llama.cpp's -exp(A_log) bit for bit (log of exp in float32
+    loses an ulp of most values), so the file holds the model exactly."""
+    values = a_log.numpy()
+    for _ in range(4):
+        values = np.log(np.exp(values))
+    assert np.array_equal(np.log(np.exp(values)), values)
+    return torch.from_numpy(values)
 
 
 def _on_grid(fused: torch.Tensor, qtype: Q) -> torch.Tensor:

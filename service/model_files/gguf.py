@@ -187,8 +187,8 @@ def quantized_tensors(
         matmul = len(names) == 1 and names[0].endswith(MATMULS) and ".experts." not in names[0]
         if not matmul or tensor.tensor_type in FLOAT_TYPES:
             continue
-        if any(f".{part}." in tensor.name for part in arch.fused_parts):
-            unserved.append(f"{tensor.name} ({tensor.tensor_type.name}, fused at conversion)")
+        if any(f".{part}." in tensor.name for part in arch.rearranged_parts):
+            unserved.append(f"{names[0]} ({tensor.tensor_type.name}, rearranged at conversion)")
             continue
         if tensor.tensor_type not in REPACKERS:
             unserved.append(f"{names[0]} ({tensor.tensor_type.name})")

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from service.model_files.gguf_linear_attention import qwen3_5_tensors, qwen3_next_tensors
 from service.model_files.gguf_meta import GGUFError, require
 
 _ATTENTION = {
@@ -57,8 +58,8 @@ class Arch:
     # The renamed tensors put together as the Hugging Face checkpoint holds them (experts
     # fused into one tensor, names without .weight).
     assemble: Callable[[Tensors, Meta], Tensors] = lambda tensors, meta: tensors
-    # GGUF tensors (name parts) that assemble fuses with others: never repacked quantized
-    fused_parts: tuple[str, ...] = ()
+    # GGUF tensors (name parts) whose rows assemble rearranges: never repacked quantized
+    rearranged_parts: tuple[str, ...] = ()
 
 
 class Meta:
@@ -203,13 +204,13 @@ def _gpt_oss_tensors(tensors: Tensors, meta: Meta) -> Tensors:
     return out
 
 
-def _qwen3_next(meta: Meta) -> Config:
+def _gated_deltanet(meta: Meta) -> Config:
+    """The linear-attention layers' fields (Qwen3-Next, Qwen3.5), from llama.cpp's ssm keys."""
     layers = int(meta.require("block_count"))
     # llama.cpp's rule: every interval-th layer is full attention, the others linear.
     interval = int(meta.get("full_attention_interval", 4))
     value_heads = int(meta.require("ssm.time_step_rank"))
-    config = _qwen2_moe(meta) | {
-        "norm_topk_prob": True,
+    return {
         "linear_conv_kernel_dim": int(meta.require("ssm.conv_kernel")),
         "linear_key_head_dim": int(meta.require("ssm.state_size")),
         "linear_num_key_heads": int(meta.require("ssm.group_count")),
@@ -219,45 +220,28 @@ def _qwen3_next(meta: Meta) -> Config:
             "full_attention" if (i + 1) % interval == 0 else "linear_attention"
             for i in range(layers)
         ],
-        "full_attention_interval": interval,
         "partial_rotary_factor": int(meta.require("rope.dimension_count")) / meta.head_dim,
     }
+
+
+def _qwen3_next(meta: Meta) -> Config:
+    config = _qwen2_moe(meta) | _gated_deltanet(meta) | {"norm_topk_prob": True}
+    config["full_attention_interval"] = int(meta.get("full_attention_interval", 4))
     config.pop("qkv_bias")
     return config
 
 
-def _qwen3_next_tensors(tensors: Tensors, meta: Meta) -> Tensors:
-    """Qwen3-Next's linear attention as its checkpoint holds it, undoing llama.cpp's
-    Qwen3NextModel.modify_tensors: A stored as -exp(A_log), conv1d squeezed, dt_bias named
-    as a bias, in_proj_qkvz split into all q, k, v rows (attn_qkv) and z (attn_gate), and
-    every norm but the gated one stored as w + 1."""
-    key_heads = int(meta.require("ssm.group_count"))
-    out: Tensors = {}
-    for name, values in tensors.items():
-        if name.endswith(".linear_attn.A_log"):
-            out[name] = np.log(-values)  # within an ulp of the original: exp then log
-        elif name.endswith(".linear_attn.conv1d.weight"):
-            out[name] = values[:, None, :]
-        elif name.endswith(".linear_attn.dt_proj.bias"):
-            out[name.replace("dt_proj.bias", "dt_bias")] = values
-        elif name.endswith(".linear_attn.in_proj_qkv.weight"):
-            gate = tensors[name.replace("in_proj_qkv", "in_proj_z")]
-            out[name.replace("in_proj_qkv", "in_proj_qkvz")] = _qkvz_rows(
-                values, gate, key_heads, int(meta.require("ssm.state_size"))
-            )
-        elif name.endswith("norm.weight") and not name.endswith(".linear_attn.norm.weight"):
-            out[name] = values - np.float32(1.0)
-        elif not name.endswith(".linear_attn.in_proj_z.weight"):
-            out[name] = values
-    return out
+def _qwen3_5(meta: Meta) -> Config:
+    # Its interleaved multimodal RoPE is plain RoPE for text (one position per token).
+    return _qwen2(meta) | _gated_deltanet(meta)
 
 
-def _qkvz_rows(qkv: np.ndarray, z: np.ndarray, key_heads: int, key_dim: int) -> np.ndarray:
-    """[q of every head, k of every head, v of every head] and z's rows, back into
-    in_proj_qkvz's [q, k, v, z] per key head."""
-    q, k, v = np.split(qkv, [key_heads * key_dim, 2 * key_heads * key_dim])
-    per_head = [a.reshape(key_heads, -1, a.shape[-1]) for a in (q, k, v, z)]
-    return np.ascontiguousarray(np.concatenate(per_head, axis=1).reshape(-1, qkv.shape[-1]))
+def _qwen3_5_moe(meta: Meta) -> Config:
+    return _qwen3_5(meta) | {
+        **_experts(meta, "num_experts"),
+        "moe_intermediate_size": int(meta.require("expert_feed_forward_length")),
+        "shared_expert_intermediate_size": int(meta.require("expert_shared_feed_forward_length")),
+    }
 
 
 def _gemma2(meta: Meta) -> Config:
@@ -392,26 +376,48 @@ GPT_OSS = Arch(
     fields=_gpt_oss,
     assemble=_gpt_oss_tensors,
 )
+# Qwen3-Next and Qwen3.5: three Gated DeltaNet layers to each full-attention layer.
+_LINEAR_ATTENTION = _QK_NORM | {
+    "post_attention_norm": "post_attention_layernorm",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_dt": "linear_attn.dt_proj",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+}
 QWEN3_NEXT = Arch(
     "qwen3_next",
     "Qwen3NextForCausalLM",
-    QWEN2_MOE.layer_tensors
-    | _QK_NORM
-    | {
-        "post_attention_norm": "post_attention_layernorm",
-        "ssm_a": "linear_attn.A_log",
-        "ssm_conv1d": "linear_attn.conv1d",
-        "ssm_dt": "linear_attn.dt_proj",
-        "ssm_norm": "linear_attn.norm",
-        "ssm_ba": "linear_attn.in_proj_ba",
-        "ssm_out": "linear_attn.out_proj",
-        "attn_qkv": "linear_attn.in_proj_qkv",
-        "attn_gate": "linear_attn.in_proj_z",
-    },
+    QWEN2_MOE.layer_tensors | _LINEAR_ATTENTION | {"ssm_ba": "linear_attn.in_proj_ba"},
     _QWEN_EXPERTS,
     fields=_qwen3_next,
-    assemble=_qwen3_next_tensors,
-    fused_parts=("attn_qkv", "attn_gate"),
+    assemble=qwen3_next_tensors,
+    rearranged_parts=("attn_qkv", "attn_gate"),
+)
+_QWEN3_5_LINEAR = _LINEAR_ATTENTION | {
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+}
+# llama.cpp reorders their value heads (ssm_out's columns among them).
+_QWEN3_5_REARRANGED = ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_out")
+QWEN3_5 = Arch(
+    "qwen3_5_text",
+    "Qwen3_5ForCausalLM",
+    _DENSE | _QWEN3_5_LINEAR,
+    fields=_qwen3_5,
+    assemble=qwen3_5_tensors,
+    rearranged_parts=_QWEN3_5_REARRANGED,
+)
+QWEN3_5_MOE = Arch(
+    "qwen3_5_moe_text",
+    "Qwen3_5MoeForCausalLM",
+    QWEN2_MOE.layer_tensors | _QWEN3_5_LINEAR,
+    _QWEN_EXPERTS,
+    fields=_qwen3_5_moe,
+    assemble=qwen3_5_tensors,
+    rearranged_parts=_QWEN3_5_REARRANGED,
 )
 _GEMMA_LAYER = _DENSE | {
     "post_attention_norm": "post_attention_layernorm",
@@ -461,6 +467,8 @@ CONVERTIBLE: dict[str, tuple[Arch, ...]] = {
     "smollm3": (SMOLLM3,),
     "gpt-oss": (GPT_OSS,),
     "qwen3next": (QWEN3_NEXT,),
+    "qwen35": (QWEN3_5,),
+    "qwen35moe": (QWEN3_5_MOE,),
 }
 
 
