@@ -23,7 +23,7 @@ import transformers
 from gguf import GGMLQuantizationType as Q
 from safetensors.numpy import load_file
 
-from service.model_files.gguf import convert_gguf
+from service.model_files.gguf import GGUFError, convert_gguf, gguf_model_type
 from tests.test_model_files_gguf import (
     _add_tensor,
     add_sizes,
@@ -628,3 +628,15 @@ def transformers_gguf_load(gguf_path: Path) -> tuple[Any, dict[str, torch.Tensor
         skeleton = transformers.AutoModelForCausalLM.from_config(config)
     parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)
     return config, parsed["tensors"]
+
+
+def test_gemma4_file_is_refused_naming_what_is_missing(tmp_path: Path) -> None:
+    path = tmp_path / "gemma4.gguf"
+    writer = gguf.GGUFWriter(str(path), "gemma4")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    finish(writer)
+    with pytest.raises(GGUFError, match=r"'gemma4'.*per-layer input embeddings"):
+        gguf_model_type(path)
+    with pytest.raises(GGUFError, match="'gemma4'"):
+        convert_gguf(path, tmp_path)

@@ -183,18 +183,18 @@ def _gpt_oss_tensors(tensors: Tensors, meta: Meta) -> Tensors:
     for name, values in tensors.items():
         if name.endswith(".self_attn.sinks.weight"):
             out[name.removesuffix(".weight")] = values
-        elif ".mlp.experts.down_proj." in name:
-            kind = name.rsplit(".", 1)[1]
-            fused = name.replace("down_proj.weight", "down_proj")
-            out[fused.replace("down_proj.bias", "down_proj_bias")] = (
-                np.ascontiguousarray(values.swapaxes(1, 2)) if kind == "weight" else values
-            )
+        elif name.endswith(".mlp.experts.down_proj.weight"):
+            out[name.removesuffix(".weight")] = np.ascontiguousarray(values.swapaxes(1, 2))
+        elif name.endswith(".mlp.experts.down_proj.bias"):
+            out[name.replace("down_proj.bias", "down_proj_bias")] = values
         elif ".mlp.experts.gate_proj." in name:
             up = tensors[name.replace("gate_proj", "up_proj")]
             both = np.stack([values, up], axis=-2 if values.ndim == 3 else -1)
             if name.endswith(".weight"):  # [E, I, 2, H] -> [E, H, 2I]
-                fused = both.reshape(values.shape[0], -1, values.shape[2]).swapaxes(1, 2)
-                out[name.replace("gate_proj.weight", "gate_up_proj")] = np.ascontiguousarray(fused)
+                gate_up = both.reshape(values.shape[0], -1, values.shape[2]).swapaxes(1, 2)
+                out[name.replace("gate_proj.weight", "gate_up_proj")] = np.ascontiguousarray(
+                    gate_up
+                )
             else:  # [E, I, 2] -> [E, 2I]
                 out[name.replace("gate_proj.bias", "gate_up_proj_bias")] = both.reshape(
                     values.shape[0], -1
@@ -472,9 +472,22 @@ CONVERTIBLE: dict[str, tuple[Arch, ...]] = {
 }
 
 
+# GGUF architectures the worker serves from Hugging Face files but whose GGUF files are not
+# converted: what their files hold that is not mapped back.
+NOT_CONVERTED = {
+    "gemma4": (
+        "Gemma 4's files are not converted: their per-layer head sizes and KV head counts, "
+        "the KV shared across layers, the per-layer input embeddings and the router's "
+        "scales are not mapped back to Gemma4ForCausalLM (serve its Hugging Face checkpoint)"
+    ),
+}
+
+
 def select_arch(meta: dict[str, Any], tensor_names: list[str]) -> Arch:
     """The architecture a file holds; GGUFError naming it if it is none of CONVERTIBLE."""
     arch = meta.get("general.architecture")
+    if arch in NOT_CONVERTED:
+        raise GGUFError(f"architecture {arch!r}: {NOT_CONVERTED[arch]}")
     if arch not in CONVERTIBLE:
         raise GGUFError(
             f"architecture {arch!r} is not supported (supported: {', '.join(CONVERTIBLE)})"
