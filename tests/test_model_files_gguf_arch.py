@@ -31,6 +31,7 @@ from tests.test_model_files_gguf import (
     permute_like_llama_cpp,
     tiny_vocab,
 )
+from tests.worker_fixtures import generate_greedy, make_runner
 
 TOKENS, TOKEN_TYPES = tiny_vocab()
 MERGES = ["Ġ t", "h e", "Ġt he"]
@@ -628,6 +629,16 @@ def transformers_gguf_load(gguf_path: Path) -> tuple[Any, dict[str, torch.Tensor
         skeleton = transformers.AutoModelForCausalLM.from_config(config)
     parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)
     return config, parsed["tensors"]
+
+
+@pytest.mark.parametrize("case_name", ["gpt-oss", "qwen35"])
+def test_the_worker_serves_the_converted_model(tmp_path: Path, case_name: str) -> None:
+    """The newest families' conversions through cadence's worker: transformers' greedy
+    continuation of the original model."""
+    model, _, out = converted(case_name, tmp_path)
+    with torch.no_grad():
+        want = model.generate(torch.tensor([IDS]), max_new_tokens=8, do_sample=False)
+    assert generate_greedy(make_runner(out), IDS, 8) == want[0, len(IDS) :].tolist()
 
 
 def test_gemma4_file_is_refused_naming_what_is_missing(tmp_path: Path) -> None:
