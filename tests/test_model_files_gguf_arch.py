@@ -21,8 +21,10 @@ import pytest
 import torch
 import transformers
 from gguf import GGMLQuantizationType as Q
+from safetensors import safe_open
 from safetensors.numpy import load_file
 
+from gpu_worker.protocol import QUANTIZED_WEIGHTS
 from service.model_files.gguf import GGUFError, convert_gguf, gguf_model_type
 from tests.test_model_files_gguf import (
     _add_tensor,
@@ -503,7 +505,8 @@ def write_gguf(path: Path, case: Case, model: Any, tmp_path: Path, qtype: Q = Q.
     writer.add_eos_token_id(2)
     writer.add_pad_token_id(0)
     for name, weight in gguf_tensors(case, model, tmp_path).items():
-        kind = Q.F32 if weight.ndim == 1 else qtype
+        # llama.cpp too leaves rows that fill no block (Qwen3.5's conv1d) unquantized
+        kind = Q.F32 if weight.ndim == 1 or weight.shape[-1] % 32 else qtype
         if case.experts_type is not None and name.endswith("_exps.weight"):
             kind = case.experts_type
         _add_tensor(writer, name, weight, kind)
@@ -639,6 +642,22 @@ def test_the_worker_serves_the_converted_model(tmp_path: Path, case_name: str) -
     with torch.no_grad():
         want = model.generate(torch.tensor([IDS]), max_new_tokens=8, do_sample=False)
     assert generate_greedy(make_runner(out), IDS, 8) == want[0, len(IDS) :].tolist()
+
+
+def test_matmul_weights_rearranged_at_conversion_are_listed_unserved(tmp_path: Path) -> None:
+    """Qwen3.5's out_proj (its columns in llama.cpp's value-head order) is not repacked for
+    --quantization gguf, which then refuses the model naming it; the others are repacked."""
+    _, _, out = converted("qwen35", tmp_path, Q.Q8_0)
+    with safe_open(str(out / QUANTIZED_WEIGHTS), framework="np") as handle:
+        unserved = handle.metadata()["unserved"]
+        repacked = set(handle.keys())
+    linear_layers = range(3)
+    assert unserved == ", ".join(
+        f"model.layers.{i}.linear_attn.out_proj.weight (Q8_0, rearranged at conversion)"
+        for i in linear_layers
+    )
+    assert "model.layers.3.self_attn.o_proj.weight.values" in repacked
+    assert not any("linear_attn" in name for name in repacked)
 
 
 def test_gemma4_file_is_refused_naming_what_is_missing(tmp_path: Path) -> None:

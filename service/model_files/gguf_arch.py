@@ -58,7 +58,7 @@ class Arch:
     # The renamed tensors put together as the Hugging Face checkpoint holds them (experts
     # fused into one tensor, names without .weight).
     assemble: Callable[[Tensors, Meta], Tensors] = lambda tensors, meta: tensors
-    # GGUF tensors (name parts) whose rows assemble rearranges: never repacked quantized
+    # GGUF matmul weights (name parts) that assemble rearranges: listed unserved, not repacked
     rearranged_parts: tuple[str, ...] = ()
 
 
@@ -393,15 +393,15 @@ QWEN3_NEXT = Arch(
     QWEN2_MOE.layer_tensors | _LINEAR_ATTENTION | {"ssm_ba": "linear_attn.in_proj_ba"},
     _QWEN_EXPERTS,
     fields=_qwen3_next,
-    assemble=qwen3_next_tensors,
-    rearranged_parts=("attn_qkv", "attn_gate"),
+    assemble=qwen3_next_tensors,  # what it rearranges the worker serves dense
 )
 _QWEN3_5_LINEAR = _LINEAR_ATTENTION | {
     "ssm_beta": "linear_attn.in_proj_b",
     "ssm_alpha": "linear_attn.in_proj_a",
 }
-# llama.cpp reorders their value heads (ssm_out's columns among them).
-_QWEN3_5_REARRANGED = ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_out")
+# The one matmul weight of those whose value heads llama.cpp reordered (its columns) that
+# --quantization gguf would serve quantized; the in-projections are served dense.
+_QWEN3_5_REARRANGED = ("ssm_out",)
 QWEN3_5 = Arch(
     "qwen3_5_text",
     "Qwen3_5ForCausalLM",
