@@ -71,6 +71,8 @@ class Case:
     # llama.cpp's own reshaping of a checkpoint's tensors, for names the map does not know
     reshape: Callable[[str, np.ndarray], dict[str, np.ndarray]] | None = None
     experts_type: Q | None = None  # the stacked experts' type, whatever the others'
+    # a multi-token prediction layer after the model's, as llama.cpp adds Qwen3.5's
+    draft_layer: bool = False
 
 
 def _gemma3_metadata(writer: gguf.GGUFWriter, config: Any) -> None:
@@ -258,6 +260,18 @@ CASES = {
         metadata=_qwen3_5_metadata,
         transformers_reads_it=False,  # its loader knows no qwen35 files
         reshape=_qwen3_5_reshape,
+    ),
+    "qwen35-with-mtp": Case(
+        "qwen35",
+        transformers.Qwen3_5ForCausalLM,
+        {"num_hidden_layers": 4, "head_dim": 16, **LINEAR_HEADS},
+        norm_shift=1.0,
+        unshifted_norms=("linear_attn.norm.weight",),
+        head_dim_keys=True,
+        metadata=_qwen3_5_metadata,
+        transformers_reads_it=False,
+        reshape=_qwen3_5_reshape,
+        draft_layer=True,  # left out: the causal model has none
     ),
     "qwen35moe": Case(
         "qwen35moe",
@@ -496,6 +510,9 @@ def write_gguf(path: Path, case: Case, model: Any, tmp_path: Path, qtype: Q = Q.
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
     case.metadata(writer, config)
+    if case.draft_layer:
+        writer.add_block_count(config.num_hidden_layers + 1)
+        writer.add_nextn_predict_layers(1)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(TOKENS)
@@ -540,7 +557,26 @@ def gguf_tensors(case: Case, model: Any, tmp_path: Path) -> dict[str, np.ndarray
         out[gguf_name] = weight.reshape(-1) if "shared_expert_gate" in hf_name else weight
     for name, by_expert in stacks.items():
         out[name] = np.stack([by_expert[e] for e in sorted(by_expert)])
-    return out
+    return out | (_draft_layer(out, config) if case.draft_layer else {})
+
+
+def _draft_layer(tensors: dict[str, np.ndarray], config: Any) -> dict[str, np.ndarray]:
+    """_QwenMtpMixin's layer after the model's: a full-attention layer (the last one's
+    tensors here) and the nextn projection and norms."""
+    last, draft = config.num_hidden_layers - 1, config.num_hidden_layers
+    hidden = config.hidden_size
+    layer = {
+        name.replace(f"blk.{last}.", f"blk.{draft}."): weight
+        for name, weight in tensors.items()
+        if name.startswith(f"blk.{last}.")
+    }
+    nextn = {
+        "eh_proj.weight": np.ones((hidden, 2 * hidden), np.float32),
+        "enorm.weight": np.ones(hidden, np.float32),
+        "hnorm.weight": np.ones(hidden, np.float32),
+        "shared_head_norm.weight": np.ones(hidden, np.float32),
+    }
+    return layer | {f"blk.{draft}.nextn.{name}": weight for name, weight in nextn.items()}
 
 
 def converted(case_name: str, tmp_path: Path, qtype: Q = Q.F32) -> tuple[Any, Path, Path]:

@@ -144,7 +144,7 @@ def convert_tensors(
     view = Meta(meta, {})
     experts = int(view.get("expert_count", 0) or 0)
     out: dict[str, np.ndarray] = {}
-    for tensor in reader.tensors:
+    for tensor in [t for t in reader.tensors if not view.is_draft_layer(t.name)]:
         values = dequantize(tensor)
         if tensor.name in CONFIG_TENSORS:
             out[tensor.name] = values.reshape(-1)
@@ -182,7 +182,8 @@ def quantized_tensors(
     view = Meta(meta, {})
     out: dict[str, np.ndarray] = {}
     unserved = []
-    for tensor in [t for t in reader.tensors if t.name not in CONFIG_TENSORS]:
+    kept = [t for t in reader.tensors if not view.is_draft_layer(t.name)]
+    for tensor in [t for t in kept if t.name not in CONFIG_TENSORS]:
         names = hf_tensor_names(arch, tensor.name, int(view.get("expert_count", 0) or 0))
         matmul = len(names) == 1 and names[0].endswith(MATMULS) and ".experts." not in names[0]
         if not matmul or tensor.tensor_type in FLOAT_TYPES:

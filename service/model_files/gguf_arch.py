@@ -77,6 +77,18 @@ class Meta:
         return require(self.raw, f"{self.arch}.{key}")
 
     @property
+    def num_layers(self) -> int:
+        """The model's layers: llama.cpp counts Qwen3-Next's and Qwen3.5's multi-token
+        prediction layers (nextn_predict_layers, after the model's) among its blocks."""
+        return int(self.require("block_count")) - int(self.get("nextn_predict_layers", 0) or 0)
+
+    def is_draft_layer(self, gguf_name: str) -> bool:
+        """Whether a tensor belongs to a multi-token prediction layer (a Hugging Face causal
+        model has none: it is left out)."""
+        match = _LAYER_INDEX.match(gguf_name)
+        return match is not None and int(match.group(1)) >= self.num_layers
+
+    @property
     def num_heads(self) -> int:
         return int(self.require("attention.head_count"))
 
@@ -101,7 +113,7 @@ def _llama(meta: Meta) -> Config:
 
 def _smollm3(meta: Meta) -> Config:
     # llama.cpp's smollm3 leaves RoPE out of every fourth layer, whatever the file says.
-    layers = int(meta.require("block_count"))
+    layers = meta.num_layers
     no_rope = [int((i + 1) % SMOLLM3_NO_ROPE_INTERVAL != 0) for i in range(layers)]
     return {
         **_llama(meta),
@@ -162,7 +174,7 @@ def _qwen3_moe(meta: Meta) -> Config:
 def _gpt_oss(meta: Meta) -> Config:
     # llama.cpp's openai-moe: a window on every other layer from the first, the clamped
     # SwiGLU's constants built in, YaRN without truncating its correction range.
-    layers = int(meta.require("block_count"))
+    layers = meta.num_layers
     rope = rope_scaling(meta)
     return {
         **_experts(meta, "num_local_experts"),
@@ -206,7 +218,7 @@ def _gpt_oss_tensors(tensors: Tensors, meta: Meta) -> Tensors:
 
 def _gated_deltanet(meta: Meta) -> Config:
     """The linear-attention layers' fields (Qwen3-Next, Qwen3.5), from llama.cpp's ssm keys."""
-    layers = int(meta.require("block_count"))
+    layers = meta.num_layers
     # llama.cpp's rule: every interval-th layer is full attention, the others linear.
     interval = int(meta.get("full_attention_interval", 4))
     value_heads = int(meta.require("ssm.time_step_rank"))
@@ -263,7 +275,7 @@ def _gemma3(meta: Meta) -> Config:
 
 
 def _gemma(meta: Meta, period: int, layers_27b: int, window: int | None) -> Config:
-    layers = int(meta.require("block_count"))
+    layers = meta.num_layers
     hidden = int(meta.require("embedding_length"))
     sliding = _gemma_sliding_layers(meta, layers, period) if window else [False] * layers
     # llama.cpp (and gemma_pytorch) scale queries by 1/sqrt(hidden/heads) in the 27B
@@ -504,6 +516,7 @@ def select_arch(meta: dict[str, Any], tensor_names: list[str]) -> Arch:
     return LLAMA
 
 
+_LAYER_INDEX = re.compile(r"^blk\.(\d+)\.")
 # A few (Qwen3-Next's ssm_a) have no .weight, as their checkpoint names have none.
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(\w+?)(\.weight|\.bias)?$")
 _GLOBAL_NAME = re.compile(r"^(\w+)\.(weight|bias)$")
@@ -528,7 +541,7 @@ def hf_tensor_names(arch: Arch, gguf_name: str, experts: int = 0) -> list[str]:
 def hf_config(arch: Arch, meta: Meta, bos_id: int | None, eos_ids: list[int]) -> Config:
     """config.json: the fields every architecture has, then the architecture's own."""
     tensors = meta.tensors
-    num_layers = int(meta.require("block_count"))
+    num_layers = meta.num_layers
     found_layers = {k.split(".")[2] for k in tensors if k.startswith("model.layers.")}
     if len(found_layers) != num_layers:
         raise GGUFError(
