@@ -2,8 +2,11 @@
 
 Each tiny model is a random transformers model written to a GGUF file the way llama.cpp's
 convert_hf_to_gguf.py writes it (its tensor names from the `gguf` package's own map, q/k rows
-permuted for llama-arch files, Gemma's norms as w + 1, experts stacked). cadence's conversion
-must then give back that model: the same logits, and where transformers reads the
+permuted for llama-arch files, Gemma's norms as w + 1, experts stacked, and each newer
+family's own reshaping as llama.cpp's conversion/ modules do it: gpt-oss's experts split and
+MXFP4, Qwen3-Next's and Qwen3.5's linear-attention tensors). Where the format itself loses a
+bit (MXFP4, w + 1, -exp(A_log)), the tiny model's values are ones it keeps exactly. cadence's
+conversion must then give back that model: the same logits, and where transformers reads the
 architecture's GGUF files itself, the config and the state dict of transformers' own load.
 """
 

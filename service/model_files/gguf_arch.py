@@ -3,7 +3,8 @@
 For each: the Hugging Face model type and class it becomes, the names of its tensors in a
 Hugging Face checkpoint (as the model's own repository spells them, one tensor per expert),
 the fixes llama.cpp's convert_hf_to_gguf.py applied that must be undone (the q/k row order of
-llama-arch files, Gemma's norms stored as w + 1), and its config.json fields. The keys are
+llama-arch files, Gemma's norms stored as w + 1, gpt-oss's experts split and transposed, the
+linear-attention tensors of gguf_linear_attention), and its config.json fields. The keys are
 llama.cpp's (`{arch}.embedding_length`, ...); missing ones take the defaults llama.cpp uses.
 """
 
