@@ -683,18 +683,22 @@ def test_the_worker_serves_the_converted_model(tmp_path: Path, case_name: str) -
     assert generate_greedy(make_runner(out), IDS, 8) == want[0, len(IDS) :].tolist()
 
 
-def test_matmul_weights_rearranged_at_conversion_are_listed_unserved(tmp_path: Path) -> None:
-    """Qwen3.5's out_proj (its columns in llama.cpp's value-head order) is not repacked for
-    --quantization gguf, which then refuses the model naming it; the others are repacked."""
+def test_matmul_weights_rearranged_by_cadence_are_listed_unserved(tmp_path: Path) -> None:
+    """Qwen3.5's out_proj (its columns in llama.cpp's value-head order) and its gated
+    attention's q_proj (queries and gates, split by the worker at load) are not repacked for
+    --quantization gguf, which then refuses the model naming them; the others are repacked."""
     _, _, out = converted("qwen35", tmp_path, Q.Q8_0)
     with safe_open(str(out / QUANTIZED_WEIGHTS), framework="np") as handle:
         unserved = handle.metadata()["unserved"]
         repacked = set(handle.keys())
     linear_layers = range(3)
-    assert unserved == ", ".join(
-        f"model.layers.{i}.linear_attn.out_proj.weight (Q8_0, rearranged at conversion)"
-        for i in linear_layers
-    )
+    assert {entry + ")" for entry in unserved.removesuffix(")").split("), ")} == {
+        *(
+            f"model.layers.{i}.linear_attn.out_proj.weight (Q8_0, rearranged by cadence)"
+            for i in linear_layers
+        ),
+        "model.layers.3.self_attn.q_proj.weight (Q8_0, rearranged by cadence)",
+    }
     assert "model.layers.3.self_attn.o_proj.weight.values" in repacked
     assert not any("linear_attn" in name for name in repacked)
 

@@ -189,7 +189,7 @@ def quantized_tensors(
         if not matmul or tensor.tensor_type in FLOAT_TYPES:
             continue
         if any(f".{part}." in tensor.name for part in arch.rearranged_parts):
-            unserved.append(f"{names[0]} ({tensor.tensor_type.name}, rearranged at conversion)")
+            unserved.append(f"{names[0]} ({tensor.tensor_type.name}, rearranged by cadence)")
             continue
         if tensor.tensor_type not in REPACKERS:
             unserved.append(f"{names[0]} ({tensor.tensor_type.name})")

@@ -407,14 +407,16 @@ QWEN3_NEXT = Arch(
     _QWEN_EXPERTS,
     fields=_qwen3_next,
     assemble=qwen3_next_tensors,  # what it rearranges the worker serves dense
+    rearranged_parts=("attn_q",),  # the gated attention's q_proj: the worker splits it
 )
 _QWEN3_5_LINEAR = _LINEAR_ATTENTION | {
     "ssm_beta": "linear_attn.in_proj_b",
     "ssm_alpha": "linear_attn.in_proj_a",
 }
 # The one matmul weight of those whose value heads llama.cpp reordered (its columns) that
-# --quantization gguf would serve quantized; the in-projections are served dense.
-_QWEN3_5_REARRANGED = ("ssm_out",)
+# --quantization gguf would serve quantized (the in-projections are served dense), and the
+# gated attention's q_proj, whose queries and gates the worker splits at load.
+_QWEN3_5_REARRANGED = ("ssm_out", "attn_q")
 QWEN3_5 = Arch(
     "qwen3_5_text",
     "Qwen3_5ForCausalLM",
