@@ -46,6 +46,7 @@ from gpu_worker.protocol import BLOCK_SIZE, Handshake
 from policies.registry import make_policy
 from service.config import Config
 from service.engine import trace_context
+from service.engine.adapters import AdapterSlots
 from service.engine.admission import (
     AdmissionControl,
     AdmissionQueue,
@@ -137,6 +138,8 @@ class Engine:
         )
         if config.kv_transfer_role in (ROLE_PRODUCER, ROLE_BOTH):
             self._scheduler.kv_holds = KvHolds(config.kv_hold_timeout)
+        if config.enable_lora:
+            self._scheduler.adapter_slots = AdapterSlots(config.max_loras)
         self.engine_id = uuid.uuid4().hex  # vLLM's remote_engine_id of a producer's answers
         self._requests: dict[str, Request] = {}  # open streams, by request id
         self._admission = AdmissionControl(config, self._scheduler, self._requests)

@@ -60,6 +60,7 @@ from typing import Any, cast
 
 from gpu_worker.protocol import DRAFT_MODEL_TOKEN, PullDone, StepResult, TokenLogprobs
 from policies.base import Decision, Policy, View
+from service.engine.adapters import AdapterSlots
 from service.engine.block_manager import BlockManager
 from service.engine.block_rules import BlockRules
 from service.engine.kv_pulls import KvPulls
@@ -136,6 +137,8 @@ class Scheduler:
         self.kv_holds: KvHolds | None = None
         self.kv_pulls = KvPulls()
         self.now = 0.0  # the engine clock at the last schedule()
+        # LoRA (--enable-lora): the worker's adapter slots, filled as admission needs them
+        self.adapter_slots: AdapterSlots | None = None
 
     # ---- membership -------------------------------------------------------------------
 
@@ -288,6 +291,8 @@ class Scheduler:
         self.blocks = self.rules.blocks = blocks
         self._last_step_ms = None
         self.plans.reset(blocks)
+        if self.adapter_slots is not None:  # the new worker holds no adapter
+            self.adapter_slots.reset()
 
     # ---- the iteration ----------------------------------------------------------------
 
@@ -323,6 +328,8 @@ class Scheduler:
         if out.scheduled or self.transfers_pending:
             out.plan = self.plans.build(out.scheduled, out.iteration)
             out.plan.pulls = pulls
+            if self.adapter_slots is not None:
+                out.plan.adapters = self.adapter_slots.take_loads()
             out.written = [self._written(item) for item in out.scheduled]
         return out
 
@@ -533,7 +540,7 @@ class Scheduler:
                 if tokens < 1 or draft.budget < 1:
                     self.corrections["nonpositive_tokens" if tokens < 1 else "token_budget"] += 1
                     continue
-                if not self.rules.admit(request, draft):
+                if not self._adapter_slot(request, draft) or not self.rules.admit(request, draft):
                     continue
                 tokens = self._masked_tokens(request, self._legal_tokens(request, tokens, draft))
                 if tokens < 1:
@@ -567,6 +574,19 @@ class Scheduler:
             self.corrections["max_seqs"] += 1
             return None
         return request, tokens
+
+    def _adapter_slot(self, request: Request, draft: StepDraft) -> bool:
+        """Whether a slot holds the adapter of `request`, which is being admitted (loaded
+        by this step's plan if need be); False: every slot is busy, it waits."""
+        name, path = request.params.adapter, request.params.adapter_path
+        if name is None or path is None or self.adapter_slots is None:
+            return True
+        in_use = [r.params.adapter for r in (*self.running, *self.transferring)]
+        in_use += [item.request.params.adapter for item in draft.out.scheduled]
+        if self.adapter_slots.acquire(name, path, filter(None, in_use)):
+            return True
+        self.corrections["adapter_slots_busy"] += 1
+        return False
 
     def _legal_tokens(self, request: Request, tokens: int, draft: StepDraft) -> int:
         remaining, budget = request.remaining, draft.budget
