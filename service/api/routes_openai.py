@@ -155,7 +155,7 @@ async def serve_generation(req: GenerationRequest) -> Response:
     await prepare(req, state)
     request_id = new_request_id(req)
     prompt_ids, channel = await submit_prompt(req, state, request_id)
-    header = ResponseHeader(req.kind, request_id, state.served_model_name)
+    header = ResponseHeader(req.kind, request_id, req.params.adapter or state.served_model_name)
     echoes: list[Echo | None] | None = [echo_of(req, prompt_ids, state)] if req.echo else None
     return await respond(req, header, channel, state, echoes)
 
@@ -169,7 +169,7 @@ async def serve_batch(req: GenerationRequest) -> Response:
     request_id = new_request_id(req)
     channels: list[trio.MemoryReceiveChannel] = []
     echoes: list[Echo | None] = []
-    header = ResponseHeader(req.kind, request_id, state.served_model_name)
+    header = ResponseHeader(req.kind, request_id, req.params.adapter or state.served_model_name)
     try:
         for i, prompt in enumerate(req.batch):
             one = dataclasses.replace(req, prompt=prompt, params=dataclasses.replace(req.params))

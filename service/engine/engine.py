@@ -287,6 +287,7 @@ class Engine:
             "kv_blocks_promised": stats.kv_blocks_promised,
             "admission_paused": stats.admission_paused,
             "corrections": dict(self._scheduler.corrections),
+            "adapter_slots": slots.held() if (slots := self._scheduler.adapter_slots) else None,
             "policy": self.policy_info(),
             "iteration": stats.iteration,
             "worker_ready": self._ready,
