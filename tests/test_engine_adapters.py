@@ -1,7 +1,7 @@
 """LoRA adapters on the service's side (service.engine.adapters): PEFT adapters made by peft
 validated against the base model's shapes, with a 400's field named for each fault; the
 worker's slots filled at admission, more adapters than slots served in turn; the prefix
-cache's block hashes salted by the adapter."""
+cache's block hashes salted by the adapter; a policy's bound on a step's adapters."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 import transformers
 
 from policies.base import Decision
+from policies.registry import make_policy
 from service.engine.adapters import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -27,6 +28,7 @@ from service.engine.block_manager import chain_hashes
 from service.engine.prefix_cache import prefix_hit, salt_of
 from service.engine.request import Request
 from service.engine.scheduler import Scheduler
+from tests.policy_views import seq, view
 from tests.scheduler_helpers import make_request, make_scheduler, sampled_result
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -166,3 +168,20 @@ def test_block_hashes_differ_per_adapter_and_no_prefix_is_shared_across_them():
     assert prefix_hit(sched.blocks, same_adapter).num_blocks == 3  # 12 of its 16 tokens
     assert prefix_hit(sched.blocks, requests[2]).num_blocks == 0  # b under a's prompt
     assert prefix_hit(sched.blocks, requests[0]).num_blocks == 0  # the base
+
+
+@pytest.mark.parametrize("policy", ["stall_free", "fcfs"])
+def test_a_policy_bounds_the_adapters_of_a_step(policy):
+    """max_adapters_per_step=1: the base and one adapter's rows run, another adapter's wait."""
+    decoding = [
+        dataclasses.replace(seq(i, 8, generated=1), adapter=name)
+        for i, name in enumerate(["a", "b", None, "a"])
+    ]
+    waiting = [dataclasses.replace(seq(i, 8), adapter=name) for i, name in [(4, "b"), (5, "a")]]
+    bounded = make_policy(policy, {"max_adapters_per_step": 1})
+    decision = bounded.decide(view(running=decoding))
+    assert [seq_id for seq_id, _ in decision.schedule] == [0, 2, 3]
+    decision = bounded.decide(view(waiting=waiting))
+    assert [seq_id for seq_id, _ in decision.schedule] == [4]
+    unbounded = make_policy(policy, {}).decide(view(running=decoding))
+    assert len(unbounded.schedule) == 4
