@@ -107,6 +107,8 @@ def test_completions_and_chat_name_each_adapter_streamed(lora_server):
         assert any(chunk.choices and chunk.choices[0].delta.content for chunk in chunks)
     finished = lora_server.log_events("request.finished")
     assert {"alpha", "beta"} <= {event["adapter"] for event in finished}
+    metrics = httpx.get(f"{lora_server.url}/metrics", headers=lora_server.admin_headers()).text
+    assert 'cadence:lora_requests_total{adapter="beta"} 2.0' in metrics
 
 
 def test_an_adapter_loaded_and_unloaded_while_a_stream_decodes(lora_server, adapters_root):
