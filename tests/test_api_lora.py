@@ -211,3 +211,14 @@ def test_a_key_restricted_to_adapters_gets_403_for_others(lora_server):
     with pytest.raises(openai.PermissionDeniedError) as refused:
         limited.completions.create(model="beta", prompt="Hi", max_tokens=1)
     assert "beta" in refused.value.message
+
+
+def test_without_enable_lora_adapters_and_their_routes_are_refused(cadence_server):
+    """The shared server (no --enable-lora): an adapter's name is an unknown model, and the
+    admin routes say what to enable."""
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client(cadence_server).completions.create(model="alpha", prompt="Hi", max_tokens=1)
+    assert unknown.value.code == "model_not_found" and "alpha" in unknown.value.message
+    body = {"lora_name": "alpha", "lora_path": "/nowhere"}
+    refused = admin(cadence_server, "load_lora_adapter", body)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "lora_not_enabled"
