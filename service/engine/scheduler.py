@@ -10,6 +10,11 @@ service.engine.block_rules says: whom admission takes, how a running sequence gr
 either preempts (and tenants' slots); a waiting sequence starts from its cached prefix
 (service.engine.prefix_cache).
 
+LoRA adapters (--enable-lora, service.engine.adapters). A waiting sequence with an adapter
+is admitted only once a slot holds it (a free one, or the least recently used one no
+running, transferring or joining sequence uses); the plan loads it (StepPlan.adapters)
+before the sequence is introduced. Otherwise it waits, counted as `adapter_slots_busy`.
+
 update(): the scheduled tokens are now cached; each sampled token is appended; EOS, a
 stop_token_ids token and max_tokens finish a sequence and free its blocks. A request with
 a grammar (structured output) sends the tokens it allows with each plan that samples it,
@@ -365,10 +370,15 @@ class Scheduler:
         return [r for r in self.kv_pulls.overdue(now, timeout) if r.seq_id in self._by_seq]
 
     def _run_received(self) -> None:
-        """Pulled requests join the running while there are slots."""
+        """Pulled requests join the running while there are slots (and their adapters'
+        slots: one whose adapter finds every slot busy stays pulled)."""
         pulled = self.kv_pulls.pulled
-        while pulled and len(self.running) < self.max_num_seqs:
-            self.rules.join_received(pulled.pop(0))
+        for request in list(pulled):
+            if len(self.running) >= self.max_num_seqs:
+                break
+            if self._adapter_slot(request, []):
+                pulled.remove(request)
+                self.rules.join_received(request)
 
     def _end_expired_holds(self, now: float) -> None:
         if self.kv_holds is not None:
@@ -540,7 +550,8 @@ class Scheduler:
                 if tokens < 1 or draft.budget < 1:
                     self.corrections["nonpositive_tokens" if tokens < 1 else "token_budget"] += 1
                     continue
-                if not self._adapter_slot(request, draft) or not self.rules.admit(request, draft):
+                joining = [item.request for item in draft.out.scheduled]
+                if not self._adapter_slot(request, joining) or not self.rules.admit(request, draft):
                     continue
                 tokens = self._masked_tokens(request, self._legal_tokens(request, tokens, draft))
                 if tokens < 1:
@@ -575,14 +586,15 @@ class Scheduler:
             return None
         return request, tokens
 
-    def _adapter_slot(self, request: Request, draft: StepDraft) -> bool:
-        """Whether a slot holds the adapter of `request`, which is being admitted (loaded
-        by this step's plan if need be); False: every slot is busy, it waits."""
+    def _adapter_slot(self, request: Request, joining: list[Request]) -> bool:
+        """Whether a slot holds the adapter of `request`, which is being admitted beside
+        `joining` (loaded by this step's plan if need be); False: every slot is busy with
+        adapters that running, transferring or joining sequences use, and it waits."""
         name, path = request.params.adapter, request.params.adapter_path
         if name is None or path is None or self.adapter_slots is None:
             return True
-        in_use = [r.params.adapter for r in (*self.running, *self.transferring)]
-        in_use += [item.request.params.adapter for item in draft.out.scheduled]
+        users = (*self.running, *self.transferring, *joining)
+        in_use = [r.params.adapter for r in users if r is not request]
         if self.adapter_slots.acquire(name, path, filter(None, in_use)):
             return True
         self.corrections["adapter_slots_busy"] += 1
