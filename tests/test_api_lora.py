@@ -21,6 +21,8 @@ import transformers
 import trio
 from transformers.initialization import no_init_weights
 
+from ops.client import ClientConfig, RequestSpec, run_workload
+from ops.scenarios import spread_over_adapters
 from service.model_files.resolve import resolve_model
 from tests.server_fixtures import RunningServer, cache_dir, start_server, stop_server
 
@@ -211,6 +213,16 @@ def test_a_key_restricted_to_adapters_gets_403_for_others(lora_server):
     with pytest.raises(openai.PermissionDeniedError) as refused:
         limited.completions.create(model="beta", prompt="Hi", max_tokens=1)
     assert "beta" in refused.value.message
+
+
+def test_the_bench_spreads_its_requests_over_adapters(lora_server):
+    """`cadence bench throughput --adapters alpha,beta`: request i names adapter i mod 2."""
+    specs = [RequestSpec(i, 0.0, f"Prompt {i}", 3, 2) for i in range(4)]
+    config = ClientConfig(lora_server.url, lora_server.model, api_key=FULL_KEY)
+    run = trio.run(run_workload, config, spread_over_adapters(specs, "alpha,beta"))
+    assert [(r.error, r.output_tokens) for r in run.records] == [(None, 2)] * 4
+    received = lora_server.log_events("request.received")[-4:]
+    assert sorted(event["adapter"] for event in received) == ["alpha", "alpha", "beta", "beta"]
 
 
 def test_without_enable_lora_adapters_and_their_routes_are_refused(cadence_server):
