@@ -204,7 +204,7 @@ def _check_tensor(name: str, shape: list[int], rank: int, base: BaseShapes) -> N
 class _Slot:
     name: str
     path: str
-    last_used: int  # the step that last admitted a sequence with it
+    last_used: int  # AdapterSlots.clock when a sequence last took it (least recently used)
 
 
 @dataclass(slots=True)
