@@ -161,14 +161,14 @@ class KvConnector:
         raise NotImplementedError
 
 
-def make_connector(engine: str, host: str) -> KvConnector:
-    """The connector of WorkerConfig.kv_transfer_engine."""
+def make_connector(engine: str, host: str, timeout: float = 30.0) -> KvConnector:
+    """The connector of WorkerConfig.kv_transfer_engine; `timeout`: a pull's seconds."""
     from gpu_worker.protocol import KV_ENGINE_LOCAL, KV_ENGINE_MOONCAKE
 
     if engine == KV_ENGINE_MOONCAKE:
         from gpu_worker.kv_connector_mooncake import MooncakeConnector
 
-        return MooncakeConnector(host)
+        return MooncakeConnector(host, timeout)
     if engine == KV_ENGINE_LOCAL:
         from gpu_worker.kv_connector_local import LocalConnector
 

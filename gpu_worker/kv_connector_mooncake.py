@@ -4,15 +4,27 @@ batch read releases the GIL and carries the notify that tells the producer it is
 
 from __future__ import annotations
 
+import math
+import os
+
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.kv_connector import KvConnector, KvTransferError, Segments
 
 NOTIFY_DONE = "done"  # the notify's message; its name is the transfer id
+# Its TCP transport queues 2,048 tasks: a batch of more segments fails whole (-1), and a
+# fragmented cache's pull has a segment per block, cache tensor and KV head (SmolLM2's
+# 180 a block), so a pull goes in batches of at most this many
+MAX_BATCH_SEGMENTS = 1024
 
 
 class MooncakeConnector(KvConnector):
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, timeout: float = 30.0) -> None:
         super().__init__()
+        # A peer that hangs (stopped, or its host gone) holds a read until the engine's own
+        # timeout, 30 s unless MC_TRANSFER_TIMEOUT says otherwise (read as an engine starts;
+        # 5 s at least): meanwhile the blocks stay written to and later pulls wait behind it.
+        # (A first contact with a hung peer waits out the handshake's 60 s regardless.)
+        os.environ["MC_TRANSFER_TIMEOUT"] = str(max(1, math.ceil(timeout)))
         try:
             from mooncake.engine import TransferEngine
         except ImportError as exc:
@@ -40,18 +52,22 @@ class MooncakeConnector(KvConnector):
             raise KvTransferError(f"mooncake did not register {length} bytes at {address:#x}")
 
     def _read(self, peer: str, segments: Segments, transfer_id: str) -> None:
+        """In batches of MAX_BATCH_SEGMENTS; the last one carries the notify."""
         from mooncake.engine import TransferNotify, TransferOpcode
 
-        status = self._engine.batch_transfer_sync(
-            peer,
-            segments.local,
-            segments.remote,
-            segments.lengths,
-            TransferOpcode.Read,
-            TransferNotify(transfer_id, NOTIFY_DONE),
-        )
-        if status != 0:
-            raise KvTransferError(f"mooncake's read from {peer} failed ({status})")
+        count = len(segments.lengths)
+        for start in range(0, max(count, 1), MAX_BATCH_SEGMENTS):
+            end = start + MAX_BATCH_SEGMENTS
+            status = self._engine.batch_transfer_sync(
+                peer,
+                segments.local[start:end],
+                segments.remote[start:end],
+                segments.lengths[start:end],
+                TransferOpcode.Read,
+                TransferNotify(transfer_id, NOTIFY_DONE) if end >= count else None,
+            )
+            if status != 0:
+                raise KvTransferError(f"mooncake's read from {peer} failed ({status})")
 
     def poll_notices(self) -> list[str]:
         return [n.name for n in self._engine.get_notifies() if n.msg == NOTIFY_DONE]

@@ -130,9 +130,11 @@ class WorkerConfig:
     cpu_threads: int | None = None
     # disaggregated prefill and decode (gpu_worker.kv_connector): the transfer engine that
     # serves this worker's cache to consumers and pulls from producers (None: none, or
-    # KV_ENGINE_MOONCAKE), and the host it listens on
+    # KV_ENGINE_MOONCAKE), the host it listens on, and the seconds a pull may take (the
+    # engine gives up on a peer that hangs then, and lets go of the blocks it wrote)
     kv_transfer_engine: str | None = None
     kv_transfer_host: str = "127.0.0.1"
+    kv_transfer_timeout: float = 30.0
     # LoRA adapters (gpu_worker.lora): slots held at once (0: LoRA off), and the largest
     # rank a slot holds (its buffers are allocated at start for every target module)
     max_loras: int = 0

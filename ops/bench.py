@@ -41,6 +41,11 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 WORKLOAD_ARGS: list[tuple[str, dict[str, Any], set[str]]] = [
     ("--requests", {"type": int, "default": 32, "help": "number of requests"}, {"throughput"}),
     (
+        "--adapters",
+        {"default": "", "help": "LoRA adapters (served names, a,b,c) the requests are spread over"},
+        {"throughput"},
+    ),
+    (
         "--prompt-len",
         {"default": "256", "help": "prompt tokens: N or LO:HI"},
         {"throughput", "poisson"},
@@ -159,13 +164,14 @@ def build_specs(scenario: str, args: argparse.Namespace, maker: PromptMaker) -> 
     rng = random.Random(args.seed)
     lengths = scenarios.parse_length_range
     if scenario == "throughput":
-        return scenarios.throughput(
+        specs = scenarios.throughput(
             maker,
             rng,
             requests=args.requests,
             prompt=lengths(args.prompt_len),
             output=lengths(args.output_len),
         )
+        return scenarios.spread_over_adapters(specs, args.adapters)
     if scenario == "poisson":
         return scenarios.poisson(
             maker,

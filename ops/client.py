@@ -31,6 +31,7 @@ class RequestSpec:
     tenant: str | None = None
     priority: int | None = None
     response_format: dict[str, Any] | None = None  # structured output, as OpenAI's field
+    model: str | None = None  # a LoRA adapter's name; None: the run's model
 
 
 @dataclass(slots=True)
@@ -140,6 +141,8 @@ def request_body(config: ClientConfig, spec: RequestSpec) -> dict[str, Any]:
         body["priority"] = spec.priority
     if spec.response_format is not None:
         body["response_format"] = spec.response_format
+    if spec.model is not None:
+        body["model"] = spec.model
     return body
 
 

@@ -2,13 +2,15 @@
 
     cadence bench engine --policy fcfs --policy stall_free       (64 x 256 prompt, 128 output)
     cadence bench engine --overlap both       (each policy with and without overlap)
+    cadence bench engine --adapters a=DIR,b=DIR    (requests spread over LoRA adapters)
 
 For each policy in turn it starts a fresh worker, warms it up, submits every request at
 once (ignore_eos, greedy), and prints output tokens/s, TTFT and ITL percentiles (engine
 clock, as the tokens are emitted), the service-side scheduling time per iteration against
 the worker's step time, and how long the worker waited for each plan (its idle gap, which
 overlapped scheduling is there to close). Greedy outputs are compared across runs: the
-same prompts must give the same tokens whatever the schedule.
+same prompts must give the same tokens whatever the schedule. With `--adapters`, request
+i runs with adapter i mod their number (round robin; --max-loras slots, 4 by default).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ops.prompts import PromptMaker, codec_from_tokenizer_json
 from ops.summary import distribution, format_table
 from service.cli import add_config_flags
 from service.config import Config
+from service.engine.adapters import registry_at_start
 from service.engine.assembly import open_engine
 from service.engine.engine import Engine
 from service.engine.request import FinishEvent, SamplingParams, SamplingSpec, TokenEvent
@@ -37,7 +40,15 @@ from service.tokenizer import Tokenizer
 
 GREEDY = SamplingSpec(temperature=0.0)
 
-CONFIG_FLAGS = ("model", "dtype", "kv_memory", "kv_cache_dtype", "kernels")
+CONFIG_FLAGS = (
+    "model",
+    "dtype",
+    "kv_memory",
+    "kv_cache_dtype",
+    "kernels",
+    "max_loras",
+    "max_lora_rank",
+)
 
 
 @dataclass(slots=True)
@@ -77,11 +88,20 @@ async def run_policy(
     config: Config, model_dir, tokenizer: Tokenizer, prompts: list[list[int]], output_len: int
 ) -> PolicyRun:
     recorder = IterationRecorder()
-    params = SamplingParams(max_tokens=output_len, ignore_eos=True, sampling=GREEDY)
+    params = [
+        SamplingParams(
+            max_tokens=output_len,
+            ignore_eos=True,
+            sampling=GREEDY,
+            adapter=None if adapter is None else adapter[0],
+            adapter_path=None if adapter is None else adapter[1],
+        )
+        for adapter in spread_adapters(config.lora_modules, len(prompts))
+    ]
     timelines = [Timeline() for _ in prompts]
     async with open_engine(config, model_dir=model_dir, tokenizer=tokenizer) as engine:
         engine.add_observer(recorder)
-        await _generate(engine, [prompts[0][:16]], SamplingParams(max_tokens=4), [Timeline()])
+        await _generate(engine, [prompts[0][:16]], [SamplingParams(max_tokens=4)], [Timeline()])
         recorder.iterations.clear()
         start = trio.current_time()
         await _generate(engine, prompts, params, timelines)
@@ -90,13 +110,24 @@ async def run_policy(
     return PolicyRun(label, seconds, timelines, recorder.iterations)
 
 
+def spread_adapters(modules: list[tuple[str, str]], count: int) -> list[tuple[str, str] | None]:
+    """Each request's adapter (name, path), round robin; None: the base model."""
+    if not modules:
+        return [None] * count
+    return [modules[i % len(modules)] for i in range(count)]
+
+
 async def _generate(
-    engine: Engine, prompts: list[list[int]], params: SamplingParams, timelines: list[Timeline]
+    engine: Engine,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    timelines: list[Timeline],
 ) -> None:
     async with trio.open_nursery() as readers:
         for i, (ids, timeline) in enumerate(zip(prompts, timelines, strict=True)):
             timeline.submitted = trio.current_time()
-            channel = await engine.submit(ids, params, request_id=f"bench-{i}-{time.time_ns()}")
+            request_id = f"bench-{i}-{time.time_ns()}"
+            channel = await engine.submit(ids, params[i % len(params)], request_id=request_id)
             readers.start_soon(_read, channel, timeline)
 
 
@@ -218,14 +249,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="as `cadence serve --overlap` (auto: off on the CPU); both: off, then on",
     )
     parser.add_argument("--log-file", type=Path, default=None, help="the engine's JSON log lines")
+    parser.add_argument(
+        "--adapters",
+        type=adapter_list,
+        default=[],
+        metavar="NAME=DIR,...",
+        help="LoRA adapters (PEFT directories) the requests are spread over, round robin",
+    )
     return parser
+
+
+def adapter_list(text: str) -> list[tuple[str, str]]:
+    """NAME=DIR,...; a bare DIR is named by its last part."""
+    pairs = [item.partition("=") for item in text.split(",") if item]
+    return [(name, path) if sep else (Path(name).name, name) for name, sep, path in pairs]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_file, "info" if args.log_file else "warning")
     config = Config(**{name: getattr(args, name) for name in CONFIG_FLAGS if name in args})
+    config.enable_lora, config.lora_modules = bool(args.adapters), args.adapters
     model_dir = resolve_model(config.model, config.cache_dir)
+    if config.enable_lora:  # refused here, as `cadence serve` refuses them, before any run
+        registry_at_start(model_dir, config.max_lora_rank, config.lora_modules)
     tokenizer = Tokenizer.from_dir(model_dir)
     maker = PromptMaker(codec_from_tokenizer_json(model_dir / "tokenizer.json"))
     rng = random.Random(args.seed)
@@ -249,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(
         f"{args.num_requests} requests, prompt {args.prompt_len}, output {args.output_len}, "
-        f"{config.dtype}, {config.kv_cache_dtype} KV cache, max_batched_tokens {cap}"
+        f"{config.dtype}, {config.kv_cache_dtype} KV cache, max_batched_tokens {cap}, "
+        f"{len(args.adapters)} LoRA adapters"
     )
     print_report([summarize(r) for r in runs], runs)
     return 0

@@ -152,6 +152,14 @@ def throughput(
     return factory.specs
 
 
+def spread_over_adapters(specs: list[RequestSpec], adapters: str) -> list[RequestSpec]:
+    """Request i names adapter i mod their number (`a,b,c`); none: the run's model."""
+    names = [name.strip() for name in adapters.split(",") if name.strip()]
+    for spec in specs if names else []:
+        spec.model = names[spec.index % len(names)]
+    return specs
+
+
 def poisson(
     maker: PromptMaker,
     rng: random.Random,

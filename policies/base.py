@@ -35,6 +35,7 @@ class SeqView:
     waiting: bool = False  # not admitted (View.waiting): the two fields above are its hit's
     deadline: float | None = None  # engine clock: it must start by then, or it is refused
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache, not computed
+    adapter: str | None = None  # its LoRA adapter (None: the base model)
 
     @property
     def num_tokens(self) -> int:
@@ -148,6 +149,25 @@ class View:
             return max(0, peak - seq.num_blocks)
         held = -(-seq.num_computed_tokens // self.block_size)  # its tables' entries
         return len(self.kv_caps) * max(0, entries - held)
+
+
+class AdapterBound:
+    """At most `limit` LoRA adapters in a step (0: no bound): a policy's
+    max_adapters_per_step. Each step's rows of adapters beyond it wait (the engine also
+    admits no sequence whose adapter finds every slot busy)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held: set[str] = set()
+
+    def admits(self, seq: SeqView) -> bool:
+        """Whether `seq` may join the step; its adapter is then one the step holds."""
+        if not self.limit or seq.adapter is None or seq.adapter in self.held:
+            return True
+        if len(self.held) >= self.limit:
+            return False
+        self.held.add(seq.adapter)
+        return True
 
 
 @dataclass(slots=True)

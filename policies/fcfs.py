@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from policies.base import Decision, Policy, View
+from policies.base import AdapterBound, Decision, Policy, View
 
 
 class Fcfs(Policy):
@@ -26,6 +26,8 @@ class Fcfs(Policy):
     class Params:
         # 0: the engine's hard cap
         max_batched_tokens: int = field(default=0, metadata={"min": 0, "max": 1 << 20})
+        # the most LoRA adapters one step's rows use (0: no bound)
+        max_adapters_per_step: int = field(default=0, metadata={"min": 0, "max": 1 << 10})
 
     def decide(self, view: View) -> Decision:
         budget = view.max_batched_tokens
@@ -38,11 +40,13 @@ class Fcfs(Policy):
             if decision.schedule:
                 return decision
         # no prefill, or none fits in memory right now: the decodes go on
-        decodes = [s for s in view.running if s.is_decoding][: view.max_seqs]
-        return Decision(schedule=[(s.seq_id, 1) for s in decodes], token_budget=budget)
+        adapters = AdapterBound(self.params.max_adapters_per_step)
+        decodes = [s for s in view.running if s.is_decoding and adapters.admits(s)]
+        schedule = [(s.seq_id, 1) for s in decodes[: view.max_seqs]]
+        return Decision(schedule=schedule, token_budget=budget)
 
-    @staticmethod
-    def _prefill_step(view: View, prefills: list, budget: int) -> Decision:
+    def _prefill_step(self, view: View, prefills: list, budget: int) -> Decision:
+        adapters = AdapterBound(self.params.max_adapters_per_step)
         schedule: list[tuple[int, int]] = []
         free = view.free_blocks
         left = budget
@@ -57,6 +61,8 @@ class Fcfs(Policy):
             need = view.blocks_for(seq, tokens)
             if need > free:
                 break
+            if not adapters.admits(seq):
+                continue  # its adapter waits for a step of its own
             schedule.append((seq.seq_id, tokens))
             free -= need
             left -= tokens

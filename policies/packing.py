@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from policies.base import Decision, SeqView, StepCost, View
+from policies.base import AdapterBound, Decision, SeqView, StepCost, View
 
 
 def fill_budget(
@@ -21,6 +21,7 @@ def fill_budget(
     chunk_size: int,
     prefill_ms: float | None = None,
     cost: StepCost | None = None,
+    max_adapters: int = 0,
 ) -> Decision:
     """Schedule `decodes` (one token each) then chunks of `prefills`, in the orders given.
 
@@ -31,13 +32,17 @@ def fill_budget(
     With `prefill_ms` and a `cost` model, the chunks together also add at most that much
     time by their cost at their positions (a chunk deep in a long prompt is shorter); the
     first chunk has at least one token, so a prompt always progresses.
+    With `max_adapters`, the step's rows use at most that many LoRA adapters (AdapterBound).
     """
+    adapters = AdapterBound(max_adapters)
     budget = budget_cap = min(budget, view.max_batched_tokens)
     schedule: list[tuple[int, int]] = []
     free = view.free_blocks
     for seq in decodes:
         if len(schedule) >= view.max_seqs or budget < 1:
             break
+        if not adapters.admits(seq):
+            continue
         schedule.append((seq.seq_id, 1))
         free -= view.blocks_for(seq, 1)
         budget -= 1
@@ -60,7 +65,7 @@ def fill_budget(
                 break
             chunk = cost.largest_chunk(start, prefill_ms, chunk)
         need = view.blocks_for(seq, chunk)
-        if need > free:
+        if need > free or not adapters.admits(seq):
             continue  # a smaller prompt further down may still fit
         schedule.append((seq.seq_id, chunk))
         free -= need

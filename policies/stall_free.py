@@ -35,6 +35,8 @@ class StallFree(Policy):
         solo_budget: int = field(default=2048, metadata={"min": 1, "max": 1 << 20})
         # with decodes present: chunks cost at most what one early chunk costs
         bound_cost: bool = True
+        # the most LoRA adapters one step's rows use (0: no bound)
+        max_adapters_per_step: int = field(default=0, metadata={"min": 0, "max": 1 << 10})
 
         def validate(self) -> None:
             if self.max_prefill_share * self.token_budget < 1 and self.max_prefill_share > 0:
@@ -48,7 +50,13 @@ class StallFree(Policy):
             chunk_size = max(p.chunk_size, budget)
             prefills = [*prefilling, *view.waiting]
             return fill_budget(
-                view, [], prefills, budget=budget, prefill_cap=budget, chunk_size=chunk_size
+                view,
+                [],
+                prefills,
+                budget=budget,
+                prefill_cap=budget,
+                chunk_size=chunk_size,
+                max_adapters=p.max_adapters_per_step,
             )
         budget = min(p.token_budget, view.max_batched_tokens)
         # at least one token of prefill per step, so a prompt always progresses
@@ -65,4 +73,5 @@ class StallFree(Policy):
             chunk_size=p.chunk_size,
             prefill_ms=early_chunk_ms,
             cost=cost,
+            max_adapters=p.max_adapters_per_step,
         )

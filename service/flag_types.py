@@ -115,3 +115,21 @@ def chat_template_source(text: str) -> str:
     if "{{" in text or "{%" in text:
         return text
     raise argparse.ArgumentTypeError(f"{text!r} is neither a file nor a Jinja template")
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """--lora-modules: NAME=PATH, or vLLM's JSON {"name": ..., "path": ...,
+    "base_model_name": ...} (the base is the served model whatever it says)."""
+    if text.lstrip().startswith("{"):
+        try:
+            given = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+        name, path = given.get("name"), given.get("path")
+    else:
+        name, _, path = text.partition("=")
+    if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+        raise argparse.ArgumentTypeError(
+            f'expected NAME=PATH or {{"name": .., "path": ..}}, got {text!r}'
+        )
+    return name, path

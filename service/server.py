@@ -24,6 +24,7 @@ from quart_trio import QuartTrio
 from service.api.app import create_app
 from service.config import Config
 from service.connections import Connections
+from service.engine.adapters import AdapterRegistry, registry_at_start
 from service.engine.assembly import open_engine
 from service.engine.engine import Engine
 from service.logging import configure_logging
@@ -79,6 +80,7 @@ class Server:
     model_dir: Path
     tokenizer: Tokenizer
     served_model_name: str
+    adapters: AdapterRegistry | None = None  # --enable-lora's
 
     async def serve(self) -> int:
         """Serve until SIGINT/SIGTERM (exit 0) or until the engine fails (exit 1).
@@ -91,7 +93,9 @@ class Server:
             async with open_engine(
                 self.config, model_dir=self.model_dir, tokenizer=self.tokenizer, wait_ready=False
             ) as engine:
-                app = create_app(self.config, engine, self.tokenizer, self.served_model_name)
+                app = create_app(
+                    self.config, engine, self.tokenizer, self.served_model_name, self.adapters
+                )
                 await self._serve_http(app, engine)
             failed = engine.failure is not None
         except* Exception as failure:
@@ -245,4 +249,8 @@ def build_server(config: Config) -> Server:
     report_descriptor_limit(limit, config.max_connections)
     model_dir = resolve_model(config.model, config.cache_dir, progress=print_progress)
     name = config.served_model_name or served_model_name(config.model)
-    return Server(config, model_dir, Tokenizer.from_dir(model_dir, config.chat_template), name)
+    tokenizer = Tokenizer.from_dir(model_dir, config.chat_template)
+    adapters = None
+    if config.enable_lora:  # raises AdapterError for a --lora-modules that does not fit
+        adapters = registry_at_start(model_dir, config.max_lora_rank, config.lora_modules)
+    return Server(config, model_dir, tokenizer, name, adapters)

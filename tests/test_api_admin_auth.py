@@ -251,6 +251,7 @@ async def test_the_right_token_reads_state_and_swaps_the_policy(client):
             "chunk_size": 64,
             "solo_budget": 2048,
             "bound_cost": True,
+            "max_adapters_per_step": 0,
         },
     }
     assert swap["iteration"] == 1

@@ -1,17 +1,21 @@
-"""Disaggregated prefill and decode through vllm-router's P/D mode with the official openai
-client: a producer server (--kv-transfer-role producer) computes each prompt and holds its
-K/V, the consumer (--kv-transfer-role consumer) pulls it with Mooncake's real transfer
-engine over loopback TCP and decodes. The pair's greedy output in float32 equals one
-server's; the producer generated one token per request and the consumer computed one prompt
-token per request; every hold is released by the consumer's notice; both sides end with
-every block free (--debug-invariants checks the accounting at every step meanwhile)."""
+"""Disaggregated prefill and decode through `cadence pd` (a producer, a consumer and
+vllm-router in P/D mode, started and stopped as one) with the official openai client: the
+producer (--kv-transfer-role producer) computes each prompt and holds its K/V, the consumer
+(--kv-transfer-role consumer) pulls it with Mooncake's real transfer engine over loopback
+TCP and decodes. The pair's greedy output in float32 equals one server's; the producer
+generated one token per request and the consumer computed one prompt token per request;
+every hold is released by the consumer's notice; both sides end with every block free
+(--debug-invariants checks the accounting at every step meanwhile). SIGTERM to the command
+stops all three and their workers, and it exits 0."""
 
 from __future__ import annotations
 
-import shutil
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,13 +24,18 @@ import httpx
 import openai
 import pytest
 
-from tests.server_fixtures import RunningServer, seconds_until, start_server, stop_server
+from tests.server_fixtures import (
+    ADMIN_TOKEN,
+    REPO_ROOT,
+    SMALL_KV_BYTES,
+    STARTUP_SECONDS,
+    RunningServer,
+    alive,
+    cache_dir,
+    seconds_until,
+)
 
 pytestmark = pytest.mark.real_model
-# installed beside this interpreter by the pd extra (./dev test installs it), or on the PATH
-ROUTER = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or shutil.which(
-    "vllm-router"
-)
 
 GENERATED = 8
 PROMPTS = ["The capital of France is a city that", "List three prime numbers:"]
@@ -38,6 +47,7 @@ class Pair:
     producer: RunningServer
     consumer: RunningServer
     router: str
+    pids: list[int]  # the three processes `cadence pd` started, then the servers' workers
 
 
 def free_port() -> int:
@@ -46,48 +56,52 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def router_answers(url: str, process: subprocess.Popen) -> bool:
-    assert process.poll() is None, f"vllm-router exited with {process.returncode}"
-    try:
-        return httpx.get(f"{url}/v1/models", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
+def pd_command(log_dir: Path) -> list[str]:
+    token_file = log_dir / "admin-token"
+    token_file.write_text(ADMIN_TOKEN + "\n")
+    return [
+        sys.executable, "-m", "service.cli", "pd", "--port", "0", "--log-dir", str(log_dir),
+        "--", "--dtype", "float32", "--device", "cpu", "--kv-memory", str(SMALL_KV_BYTES),
+        "--cache-dir", str(cache_dir()), "--admin-token-file", str(token_file),
+        "--debug-invariants",
+    ]  # fmt: skip
+
+
+def read_ready(process: subprocess.Popen, timeout: float) -> dict[str, tuple[str, int]]:
+    """What `cadence pd` printed once ready: each process's URL and pid, by name."""
+    assert process.stdout is not None
+    started: dict[str, tuple[str, int]] = {}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and (line := process.stdout.readline().decode()):
+        if found := re.match(r"(producer|consumer|router): (\S+) \(pid (\d+)\)", line):
+            started[found[1]] = (found[2], int(found[3]))
+        if "ready" in line:
+            return started
+    raise RuntimeError(f"cadence pd not ready: exit {process.poll()}, printed {started}")
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    assert ROUTER is not None, "vllm-router is missing: pip install -e '.[pd]'"
-    roles = ("producer", "consumer")
-    servers = [
-        start_server(
-            tmp_path_factory.mktemp(role),
-            "--kv-transfer-role",
-            role,
-            "--debug-invariants",
-            wait=False,
-        )
-        for role in roles
-    ]
-    router = None
+    log_dir = tmp_path_factory.mktemp("pd")
+    stderr = open(log_dir / "pd.stderr", "wb")  # noqa: SIM115 - closed below
+    process = subprocess.Popen(
+        pd_command(log_dir), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=stderr
+    )
     try:
-        for server in servers:
-            server.wait_healthy()
-        port = free_port()
-        log = open(tmp_path_factory.mktemp("router") / "router.log", "wb")  # noqa: SIM115
-        command = [ROUTER, "--host", "127.0.0.1", "--port", str(port)]
-        command += ["--prometheus-port", str(free_port())]
-        command += ["--vllm-pd-disaggregation", "--prefill", servers[0].url]
-        command += ["--decode", servers[1].url]
-        router = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        seconds_until(lambda: router_answers(url, router), 60)
-        yield Pair(servers[0], servers[1], url)
+        started = read_ready(process, STARTUP_SECONDS)
+        servers = [
+            RunningServer(started[role][0], process, log_dir / f"{role}.log", "")
+            for role in ("producer", "consumer")
+        ]
+        workers = [pid for server in servers for pid in server.worker_pids()]
+        pids = [pid for _, pid in started.values()] + workers
+        yield Pair(*servers, started["router"][0], pids)
     finally:
-        if router is not None:
-            router.kill()  # it holds nothing to drain
-            router.wait(10)
-        for server in servers:
-            stop_server(server)
+        process.send_signal(signal.SIGTERM)  # what Ctrl-C does
+        returncode = process.wait(60)
+        stderr.close()
+    assert returncode == 0, (log_dir / "pd.stderr").read_text()[-3000:]
+    seconds_until(lambda: not any(map(alive, pids)), 10)  # none outlived it
 
 
 def client(url: str) -> openai.OpenAI:

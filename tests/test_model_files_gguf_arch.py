@@ -2,8 +2,11 @@
 
 Each tiny model is a random transformers model written to a GGUF file the way llama.cpp's
 convert_hf_to_gguf.py writes it (its tensor names from the `gguf` package's own map, q/k rows
-permuted for llama-arch files, Gemma's norms as w + 1, experts stacked). cadence's conversion
-must then give back that model: the same logits, and where transformers reads the
+permuted for llama-arch files, Gemma's norms as w + 1, experts stacked, and each newer
+family's own reshaping as llama.cpp's conversion/ modules do it: gpt-oss's experts split and
+MXFP4, Qwen3-Next's and Qwen3.5's linear-attention tensors). Where the format itself loses a
+bit (MXFP4, w + 1, -exp(A_log)), the tiny model's values are ones it keeps exactly. cadence's
+conversion must then give back that model: the same logits, and where transformers reads the
 architecture's GGUF files itself, the config and the state dict of transformers' own load.
 """
 
@@ -21,9 +24,11 @@ import pytest
 import torch
 import transformers
 from gguf import GGMLQuantizationType as Q
+from safetensors import safe_open
 from safetensors.numpy import load_file
 
-from service.model_files.gguf import convert_gguf
+from gpu_worker.protocol import QUANTIZED_WEIGHTS
+from service.model_files.gguf import GGUFError, convert_gguf, gguf_model_type
 from tests.test_model_files_gguf import (
     _add_tensor,
     add_sizes,
@@ -31,6 +36,7 @@ from tests.test_model_files_gguf import (
     permute_like_llama_cpp,
     tiny_vocab,
 )
+from tests.worker_fixtures import generate_greedy, make_runner
 
 TOKENS, TOKEN_TYPES = tiny_vocab()
 MERGES = ["Ġ t", "h e", "Ġt he"]
@@ -58,12 +64,18 @@ class Case:
     config: dict[str, Any]
     permuted: bool = False  # llama.cpp's LlamaModel.permute
     norm_shift: float = 0.0
+    unshifted_norms: tuple[str, ...] = ()  # norms llama.cpp stores as they are
     head_dim_keys: bool = False  # llama.cpp writes attention.key_length / value_length
     metadata: Callable[[gguf.GGUFWriter, Any], None] = lambda writer, config: None
     name: str = "tiny"
     experts: dict[str, str] = field(default_factory=dict)  # HF part -> GGUF stacked part
     transformers_reads_it: bool = True  # transformers' own GGUF loader knows the layout
     transformers_config: bool = True  # and builds the same kind of config
+    # llama.cpp's own reshaping of a checkpoint's tensors, for names the map does not know
+    reshape: Callable[[str, np.ndarray], dict[str, np.ndarray]] | None = None
+    experts_type: Q | None = None  # the stacked experts' type, whatever the others'
+    # a multi-token prediction layer after the model's, as llama.cpp adds Qwen3.5's
+    draft_layer: bool = False
 
 
 def _gemma3_metadata(writer: gguf.GGUFWriter, config: Any) -> None:
@@ -103,6 +115,135 @@ def _moe_metadata(writer: gguf.GGUFWriter, config: Any) -> None:
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
 
 
+def _gpt_oss_metadata(writer: gguf.GGUFWriter, config: Any) -> None:
+    _moe_metadata(writer, config)
+    writer.add_expert_feed_forward_length(config.intermediate_size)
+    writer.add_sliding_window(config.sliding_window)
+    rope = config.rope_parameters
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+
+
+def _gpt_oss_reshape(hf_name: str, weight: np.ndarray) -> dict[str, np.ndarray]:
+    """GptOssModel.modify_tensors: gate_up split (gate the even columns), experts
+    transposed to [experts, out, in], sinks given a .weight."""
+    if not hf_name.startswith("model.layers."):
+        return {}
+    block = "blk." + hf_name.split(".")[2]
+    part = hf_name.rsplit(".", 1)[1]
+    if part == "gate_up_proj":
+        return {
+            f"{block}.ffn_gate_exps.weight": weight[..., ::2].swapaxes(1, 2).copy(),
+            f"{block}.ffn_up_exps.weight": weight[..., 1::2].swapaxes(1, 2).copy(),
+        }
+    if part == "gate_up_proj_bias":
+        return {
+            f"{block}.ffn_gate_exps.bias": weight[..., ::2].copy(),
+            f"{block}.ffn_up_exps.bias": weight[..., 1::2].copy(),
+        }
+    if part == "down_proj":
+        return {f"{block}.ffn_down_exps.weight": weight.swapaxes(1, 2).copy()}
+    if part == "down_proj_bias":
+        return {f"{block}.ffn_down_exps.bias": weight}
+    if part == "sinks":
+        return {f"{block}.attn_sinks.weight": weight}
+    return {}
+
+
+def _qwen3_next_metadata(writer: gguf.GGUFWriter, config: Any) -> None:
+    if hasattr(config, "num_experts"):
+        _moe_metadata(writer, config)
+    writer.add_ssm_conv_kernel(config.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(config.linear_key_head_dim)
+    writer.add_ssm_group_count(config.linear_num_key_heads)
+    writer.add_ssm_time_step_rank(config.linear_num_value_heads)
+    writer.add_ssm_inner_size(config.linear_value_head_dim * config.linear_num_value_heads)
+    writer.add_full_attention_interval(4)
+    rotary = config.rope_parameters["partial_rotary_factor"]
+    writer.add_rope_dimension_count(int(config.head_dim * rotary))
+
+
+def _qwen3_5_metadata(writer: gguf.GGUFWriter, config: Any) -> None:
+    _qwen3_next_metadata(writer, config)
+    writer.add_rope_dimension_sections([11, 11, 10, 0])  # _Qwen35MRopeMixin's default
+
+
+def _qwen3_next_reshape(hf_name: str, weight: np.ndarray) -> dict[str, np.ndarray]:
+    """Qwen3NextModel.modify_tensors: A as -exp(A_log), conv1d squeezed, dt_bias as
+    ssm_dt.bias, in_proj_qkvz's rows regrouped into attn_qkv and attn_gate."""
+    if not hf_name.startswith("model.layers."):
+        return {}
+    block = "blk." + hf_name.split(".")[2]
+    if hf_name.endswith(".A_log"):
+        return {f"{block}.ssm_a": -np.exp(weight)}
+    if hf_name.endswith(".dt_bias"):
+        return {f"{block}.ssm_dt.bias": weight}
+    if hf_name.endswith("conv1d.weight"):
+        return {f"{block}.ssm_conv1d.weight": weight.squeeze()}
+    if hf_name.endswith("in_proj_qkvz.weight"):
+        heads, key_dim = LINEAR_HEADS["linear_num_key_heads"], LINEAR_HEADS["linear_key_head_dim"]
+        per_head = weight.reshape(heads, -1, weight.shape[-1])
+        value_dim = (per_head.shape[1] - 2 * key_dim) // 2
+        q, k, v, z = np.split(per_head, np.cumsum([key_dim, key_dim, value_dim]), axis=1)
+        flat = [a.reshape(-1, weight.shape[-1]) for a in (q, k, v, z)]
+        return {
+            f"{block}.attn_qkv.weight": np.concatenate(flat[:3]),
+            f"{block}.attn_gate.weight": flat[3],
+        }
+    return {}
+
+
+LINEAR_HEADS = {  # the linear-attention layers' heads in the Qwen3-Next and Qwen3.5 cases
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+}
+
+
+def _tiled(values: np.ndarray, axis: int, head_dim: int) -> np.ndarray:
+    """_LinearAttentionVReorderBase._reorder_v_heads: value heads grouped by key head
+    ([key, per key, head_dim]) to tiled ([per key, key, head_dim]) along `axis`."""
+    keys = LINEAR_HEADS["linear_num_key_heads"]
+    moved = np.moveaxis(values, axis, 0)
+    grouped = moved.reshape(keys, -1, head_dim, *moved.shape[1:])
+    return np.moveaxis(grouped.swapaxes(0, 1).reshape(moved.shape), 0, axis).copy()
+
+
+def _qwen3_5_reshape(hf_name: str, weight: np.ndarray) -> dict[str, np.ndarray]:
+    """Qwen3_5TextModel.modify_tensors: the value heads tiled, then Qwen3-Next's fixes."""
+    if ".linear_attn." not in hf_name:
+        return {}
+    block = "blk." + hf_name.split(".")[2]
+    value_dim = LINEAR_HEADS["linear_value_head_dim"]
+    qk_rows = 2 * LINEAR_HEADS["linear_num_key_heads"] * LINEAR_HEADS["linear_key_head_dim"]
+    part = hf_name.split(".linear_attn.")[1]
+    if part == "in_proj_qkv.weight":
+        v = _tiled(weight[qk_rows:], 0, value_dim)
+        return {f"{block}.attn_qkv.weight": np.concatenate([weight[:qk_rows], v])}
+    if part == "conv1d.weight":
+        squeezed = weight.squeeze()
+        v = _tiled(squeezed[qk_rows:], 0, value_dim)
+        return {f"{block}.ssm_conv1d.weight": np.concatenate([squeezed[:qk_rows], v])}
+    if part == "out_proj.weight":
+        return {f"{block}.ssm_out.weight": _tiled(weight, 1, value_dim)}
+    gguf_part = {
+        "in_proj_z.weight": ("attn_gate.weight", value_dim),
+        "in_proj_b.weight": ("ssm_beta.weight", 1),
+        "in_proj_a.weight": ("ssm_alpha.weight", 1),
+        "A_log": ("ssm_a", 1),
+        "dt_bias": ("ssm_dt.bias", 1),
+    }.get(part)
+    if gguf_part is None:
+        return {}
+    tiled = _tiled(weight, 0, gguf_part[1])
+    return {f"{block}.{gguf_part[0]}": -np.exp(tiled) if part == "A_log" else tiled}
+
+
 MIXTRAL_EXPERTS = {"w1": "ffn_gate_exps", "w2": "ffn_down_exps", "w3": "ffn_up_exps"}
 QWEN_EXPERTS = {
     "gate_proj": "ffn_gate_exps",
@@ -112,6 +253,102 @@ QWEN_EXPERTS = {
 HALF_HEAD = 8  # longrope: one factor per rotary frequency (head_dim 16)
 
 CASES = {
+    "qwen35": Case(
+        "qwen35",
+        transformers.Qwen3_5ForCausalLM,
+        {"num_hidden_layers": 4, "head_dim": 16, **LINEAR_HEADS},
+        norm_shift=1.0,
+        unshifted_norms=("linear_attn.norm.weight",),
+        head_dim_keys=True,
+        metadata=_qwen3_5_metadata,
+        transformers_reads_it=False,  # its loader knows no qwen35 files
+        reshape=_qwen3_5_reshape,
+    ),
+    "qwen35-with-mtp": Case(
+        "qwen35",
+        transformers.Qwen3_5ForCausalLM,
+        {"num_hidden_layers": 4, "head_dim": 16, **LINEAR_HEADS},
+        norm_shift=1.0,
+        unshifted_norms=("linear_attn.norm.weight",),
+        head_dim_keys=True,
+        metadata=_qwen3_5_metadata,
+        transformers_reads_it=False,
+        reshape=_qwen3_5_reshape,
+        draft_layer=True,  # left out: the causal model has none
+    ),
+    "qwen35moe": Case(
+        "qwen35moe",
+        transformers.Qwen3_5MoeForCausalLM,
+        {
+            "num_hidden_layers": 4,
+            "head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 64,
+            **LINEAR_HEADS,
+        },
+        norm_shift=1.0,
+        unshifted_norms=("linear_attn.norm.weight",),
+        head_dim_keys=True,
+        metadata=_qwen3_5_metadata,
+        experts=QWEN_EXPERTS,
+        transformers_reads_it=False,  # its loader knows no qwen35moe files
+        reshape=_qwen3_5_reshape,
+    ),
+    "qwen3next": Case(
+        "qwen3next",
+        transformers.Qwen3NextForCausalLM,
+        {
+            "num_hidden_layers": 4,  # three linear-attention layers, then a full one
+            "head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 64,
+            **LINEAR_HEADS,
+        },
+        norm_shift=1.0,  # its norms are 1 + w, stored as 1 + w but for the gated one
+        unshifted_norms=("linear_attn.norm.weight",),
+        head_dim_keys=True,
+        metadata=_qwen3_next_metadata,
+        experts=QWEN_EXPERTS,
+        transformers_reads_it=False,  # its loader knows no qwen3next files
+        reshape=_qwen3_next_reshape,
+    ),
+    "gpt-oss": Case(
+        "gpt-oss",
+        transformers.GptOssForCausalLM,
+        {
+            "intermediate_size": 32,  # one MXFP4 block per down_proj row
+            "head_dim": 16,
+            "num_hidden_layers": 3,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 8,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
+        },
+        head_dim_keys=True,
+        metadata=_gpt_oss_metadata,
+        transformers_reads_it=False,  # its loader knows no gpt-oss files
+        reshape=_gpt_oss_reshape,
+        experts_type=Q.MXFP4,  # as llama.cpp repacks the checkpoint's own MXFP4
+    ),
+    "smollm3": Case(
+        "smollm3",
+        transformers.SmolLM3ForCausalLM,
+        {"num_hidden_layers": 4, "head_dim": 16},  # the fourth layer has no RoPE
+        permuted=True,
+        transformers_reads_it=False,  # its loader knows no smollm3 files
+    ),
     "qwen2": Case("qwen2", transformers.Qwen2ForCausalLM, {"rope_theta": 1e6}),
     "qwen3": Case("qwen3", transformers.Qwen3ForCausalLM, {"head_dim": 24}, head_dim_keys=True),
     "gemma3": Case(
@@ -226,11 +463,35 @@ def tiny_model(case: Case, seed: int = 0) -> Any:
             if name.endswith("norm.weight"):
                 # Gemma's norms multiply by 1 + w: keep both kinds near 1.
                 param.copy_(case.norm_shift * -0.9 + 1.0 + 0.1 * torch.randn_like(param))
+                if case.norm_shift:  # on a grid where w + 1 is exact, as real norms are
+                    param.copy_(torch.round(param * 4096) / 4096)
             elif name.endswith("mlp.gate.weight"):
                 param.normal_(0.0, 1.0)  # an uneven routing
             else:
                 param.normal_(0.0, 0.1)
+            if name.endswith("A_log"):
+                param.copy_(_exp_log_fixed_point(param))
+            if case.experts_type is not None and name.endswith(("gate_up_proj", "down_proj")):
+                param.copy_(_on_grid(param, case.experts_type))
     return model
+
+
+def _exp_log_fixed_point(a_log: torch.Tensor) -> torch.Tensor:
+    """Values that come back from llama.cpp's -exp(A_log) bit for bit (log of exp in float32
+    loses an ulp of most values), so the file holds the model exactly."""
+    values = a_log.numpy()
+    for _ in range(4):
+        values = np.log(np.exp(values))
+    assert np.array_equal(np.log(np.exp(values)), values)
+    return torch.from_numpy(values)
+
+
+def _on_grid(fused: torch.Tensor, qtype: Q) -> torch.Tensor:
+    """Fused [experts, in, out] weights rounded to `qtype`'s values, whose blocks run along
+    `in` (so the file holds the model's weights exactly)."""
+    rows = fused.transpose(1, 2).numpy()
+    rounded = gguf.quants.dequantize(gguf.quants.quantize(rows, qtype), qtype)
+    return torch.from_numpy(np.ascontiguousarray(rounded)).transpose(1, 2)
 
 
 def checkpoint(model: Any, tmp_path: Path) -> dict[str, np.ndarray]:
@@ -252,6 +513,9 @@ def write_gguf(path: Path, case: Case, model: Any, tmp_path: Path, qtype: Q = Q.
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
     case.metadata(writer, config)
+    if case.draft_layer:
+        writer.add_block_count(config.num_hidden_layers + 1)
+        writer.add_nextn_predict_layers(1)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(TOKENS)
@@ -261,7 +525,11 @@ def write_gguf(path: Path, case: Case, model: Any, tmp_path: Path, qtype: Q = Q.
     writer.add_eos_token_id(2)
     writer.add_pad_token_id(0)
     for name, weight in gguf_tensors(case, model, tmp_path).items():
-        _add_tensor(writer, name, weight, Q.F32 if weight.ndim == 1 else qtype)
+        # llama.cpp too leaves rows that fill no block (Qwen3.5's conv1d) unquantized
+        kind = Q.F32 if weight.ndim == 1 or weight.shape[-1] % 32 else qtype
+        if case.experts_type is not None and name.endswith("_exps.weight"):
+            kind = case.experts_type
+        _add_tensor(writer, name, weight, kind)
     finish(writer)
 
 
@@ -277,8 +545,11 @@ def gguf_tensors(case: Case, model: Any, tmp_path: Path) -> dict[str, np.ndarray
             weight = permute_like_llama_cpp(weight, config.num_attention_heads)
         elif case.permuted and ".k_proj." in hf_name:
             weight = permute_like_llama_cpp(weight, config.num_key_value_heads)
-        if hf_name.endswith("norm.weight"):
+        if hf_name.endswith("norm.weight") and not hf_name.endswith(case.unshifted_norms):
             weight = weight + np.float32(case.norm_shift)
+        if case.reshape is not None and (reshaped := case.reshape(hf_name, weight)):
+            out.update(reshaped)
+            continue
         if ".experts." in hf_name:
             parts = hf_name.split(".")
             layer, expert, part = parts[2], int(parts[-3]), parts[-2]
@@ -289,7 +560,26 @@ def gguf_tensors(case: Case, model: Any, tmp_path: Path) -> dict[str, np.ndarray
         out[gguf_name] = weight.reshape(-1) if "shared_expert_gate" in hf_name else weight
     for name, by_expert in stacks.items():
         out[name] = np.stack([by_expert[e] for e in sorted(by_expert)])
-    return out
+    return out | (_draft_layer(out, config) if case.draft_layer else {})
+
+
+def _draft_layer(tensors: dict[str, np.ndarray], config: Any) -> dict[str, np.ndarray]:
+    """_QwenMtpMixin's layer after the model's: a full-attention layer (the last one's
+    tensors here) and the nextn projection and norms."""
+    last, draft = config.num_hidden_layers - 1, config.num_hidden_layers
+    hidden = config.hidden_size
+    layer = {
+        name.replace(f"blk.{last}.", f"blk.{draft}."): weight
+        for name, weight in tensors.items()
+        if name.startswith(f"blk.{last}.")
+    }
+    nextn = {
+        "eh_proj.weight": np.ones((hidden, 2 * hidden), np.float32),
+        "enorm.weight": np.ones(hidden, np.float32),
+        "hnorm.weight": np.ones(hidden, np.float32),
+        "shared_head_norm.weight": np.ones(hidden, np.float32),
+    }
+    return layer | {f"blk.{draft}.nextn.{name}": weight for name, weight in nextn.items()}
 
 
 def converted(case_name: str, tmp_path: Path, qtype: Q = Q.F32) -> tuple[Any, Path, Path]:
@@ -381,3 +671,45 @@ def transformers_gguf_load(gguf_path: Path) -> tuple[Any, dict[str, torch.Tensor
         skeleton = transformers.AutoModelForCausalLM.from_config(config)
     parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)
     return config, parsed["tensors"]
+
+
+@pytest.mark.parametrize("case_name", ["gpt-oss", "qwen35"])
+def test_the_worker_serves_the_converted_model(tmp_path: Path, case_name: str) -> None:
+    """The newest families' conversions through cadence's worker: transformers' greedy
+    continuation of the original model."""
+    model, _, out = converted(case_name, tmp_path)
+    with torch.no_grad():
+        want = model.generate(torch.tensor([IDS]), max_new_tokens=8, do_sample=False)
+    assert generate_greedy(make_runner(out), IDS, 8) == want[0, len(IDS) :].tolist()
+
+
+def test_matmul_weights_rearranged_by_cadence_are_listed_unserved(tmp_path: Path) -> None:
+    """Qwen3.5's out_proj (its columns in llama.cpp's value-head order) and its gated
+    attention's q_proj (queries and gates, split by the worker at load) are not repacked for
+    --quantization gguf, which then refuses the model naming them; the others are repacked."""
+    _, _, out = converted("qwen35", tmp_path, Q.Q8_0)
+    with safe_open(str(out / QUANTIZED_WEIGHTS), framework="np") as handle:
+        unserved = handle.metadata()["unserved"]
+        repacked = set(handle.keys())
+    linear_layers = range(3)
+    assert {entry + ")" for entry in unserved.removesuffix(")").split("), ")} == {
+        *(
+            f"model.layers.{i}.linear_attn.out_proj.weight (Q8_0, rearranged by cadence)"
+            for i in linear_layers
+        ),
+        "model.layers.3.self_attn.q_proj.weight (Q8_0, rearranged by cadence)",
+    }
+    assert "model.layers.3.self_attn.o_proj.weight.values" in repacked
+    assert not any("linear_attn" in name for name in repacked)
+
+
+def test_gemma4_file_is_refused_naming_what_is_missing(tmp_path: Path) -> None:
+    path = tmp_path / "gemma4.gguf"
+    writer = gguf.GGUFWriter(str(path), "gemma4")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    finish(writer)
+    with pytest.raises(GGUFError, match=r"'gemma4'.*per-layer input embeddings"):
+        gguf_model_type(path)
+    with pytest.raises(GGUFError, match="'gemma4'"):
+        convert_gguf(path, tmp_path)

@@ -879,7 +879,8 @@ def test_unknown_parameters_are_named_sorted_with_the_known_ones():
     with pytest.raises(PolicyError) as info:
         make_policy("fcfs", {"zeta": 1, "alpha": 2})
     assert str(info.value) == (
-        "unknown parameter(s) ['alpha', 'zeta']; expected some of ['max_batched_tokens']"
+        "unknown parameter(s) ['alpha', 'zeta']; expected some of "
+        "['max_adapters_per_step', 'max_batched_tokens']"
     )
 
 

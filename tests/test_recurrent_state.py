@@ -8,6 +8,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpu_worker import runtime
 from gpu_worker.kv_groups import KVGroups
@@ -111,3 +113,51 @@ def test_a_config_without_layer_types_has_every_fourth_layer_full():
     assert [config.is_linear(i) for i in range(8)] == [True, True, True, False] * 2
     assert config.rotary_dim == 4 and config.rope_theta == 1e7
     assert KVGroups.of(config).layers == ((3, 7),)
+
+
+OPERATIONS = st.lists(
+    st.tuples(
+        st.sampled_from(["introduce"] * 4 + ["compute"] * 3 + ["finish"] * 2 + ["restart"]),
+        st.integers(0, 2 * MIN_SLOTS),  # enough live sequences to grow the slots
+    ),
+    min_size=30,
+    max_size=80,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(OPERATIONS)
+def test_every_live_sequence_keeps_its_own_state_whatever_comes_and_goes(operations):
+    """Sequences introduced, computed, finished, preempted (finished and introduced again)
+    and a restart (every one forgotten), in any order: each live sequence has a slot of its
+    own, holds exactly what it computed (no other's introduction, growth or zeroing touches
+    it), starts from zeros when (re)introduced, and the slots never outgrow twice the most
+    sequences held at once (or the first allocation)."""
+    state = RecurrentState(ModelConfig.from_dict(QWEN3_5), torch.float32, torch.device("cpu"))
+    table = SeqTable(PlanLimits(4, 64, 256, 64), torch.device("cpu"))
+    table.slot_given = state.give
+    computed: dict[int, float] = {}  # live sequence -> the value its state holds
+    most = 0
+    for operation, seq_id in operations:
+        if operation == "introduce":
+            introduce(table, seq_id, finished=(seq_id,))  # new, or preempted and recomputed
+            computed[seq_id] = 0.0
+        elif operation == "finish":
+            table.apply(StepPlan(0, [], [], finished=[seq_id]))
+            computed.pop(seq_id, None)
+        elif operation == "compute" and seq_id in computed:
+            computed[seq_id] = float(seq_id + 1 + len(computed))
+            for layer in state.layers:
+                state.recurrent[layer][table.seq(seq_id).slot].fill_(computed[seq_id])
+                state.conv[layer][table.seq(seq_id).slot].fill_(computed[seq_id])
+        elif operation == "restart":
+            table.clear()
+            computed.clear()
+        most = max(most, len(computed))
+        slots = {seq_id: table.seq(seq_id).slot for seq_id in computed}
+        assert len(set(slots.values())) == len(slots)
+        for seq_id, value in computed.items():
+            for layer in state.layers:
+                assert bool((state.recurrent[layer][slots[seq_id]] == value).all())
+                assert bool((state.conv[layer][slots[seq_id]] == value).all())
+        assert state.num_slots <= max(MIN_SLOTS, 2 * most)

@@ -95,3 +95,33 @@ def test_a_pull_whose_layout_differs_fails_without_copying() -> None:
     finally:
         consumer.close()
         producer.close()
+
+
+def test_a_fragmented_pull_of_more_segments_than_mooncake_queues_succeeds() -> None:
+    """A run per block (nothing consecutive) over every tensor and head: 2,200 segments of
+    4 KiB, past the 2,048 tasks Mooncake's TCP transport takes in one batch."""
+    blocks, heads, dim = 1100, 1, 64
+    shape = (heads, 2 * blocks + 1, BLOCK, dim)
+    caches = [
+        KVCache(slots=[slot], layers=[slot], num_blocks=2 * blocks, block_size=BLOCK)
+        for slot in (LayerKV(torch.randn(shape), torch.randn(shape)) for _ in range(2))
+    ]
+    producer = make_connector(KV_ENGINE_MOONCAKE, "127.0.0.1")
+    consumer = make_connector(KV_ENGINE_MOONCAKE, "127.0.0.1")
+    try:
+        addresses = producer.register(caches[0])
+        consumer.register(caches[1])
+        remote, local = list(range(0, 2 * blocks, 2)), list(range(1, 2 * blocks, 2))
+        consumer.submit([KvPull("t-4", producer.address, remote, local, addresses, 2 * blocks)])
+        done = _wait_done(consumer)
+        assert done.error is None and done.segments == 2 * blocks * heads
+        for mine, theirs in zip(caches[1].slots, caches[0].slots, strict=True):
+            assert torch.equal(mine.k[:, local], theirs.k[:, remote])
+            assert torch.equal(mine.v[:, local], theirs.v[:, remote])
+        deadline = time.monotonic() + 10
+        while not (notices := producer.poll_notices()) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert notices == ["t-4"]  # once, after the last batch
+    finally:
+        consumer.close()
+        producer.close()

@@ -41,7 +41,7 @@ ANY_HOST = "*"
 # Never behind a key: probes must reach /health, and the page itself holds no secret.
 OPEN_PATHS = frozenset({"/health", "/"})
 # Behind the admin token instead (routes_admin.require_admin).
-ADMIN_PATHS = ("/admin/", "/reset_prefix_cache")
+ADMIN_PATHS = ("/admin/", "/reset_prefix_cache", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 METRICS_PATH = "/metrics"
 ANTHROPIC_KEY_HEADER = "x-api-key"  # how Anthropic's SDKs send the key
 

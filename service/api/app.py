@@ -15,6 +15,7 @@ from service.api import (
     routes_admin,
     routes_anthropic,
     routes_embeddings,
+    routes_lora,
     routes_openai,
     routes_responses,
     routes_tokenize,
@@ -28,6 +29,7 @@ from service.api.errors import APIError, error_body, json_response
 from service.api.metrics import Metrics
 from service.config import Config
 from service.engine import trace_context
+from service.engine.adapters import AdapterRegistry
 from service.engine.engine import Engine
 from service.engine.grammar import GrammarCompiler, hf_tokenizer_info
 from service.tokenizer import Tokenizer
@@ -42,7 +44,11 @@ PAGE_FRAMING_HEADERS = {
 
 
 def create_app(
-    config: Config, engine: Engine, tokenizer: Tokenizer, served_model_name: str
+    config: Config,
+    engine: Engine,
+    tokenizer: Tokenizer,
+    served_model_name: str,
+    adapters: AdapterRegistry | None = None,
 ) -> QuartTrio:
     """The HTTP front end of a running engine (service.server runs both)."""
     # Import name -> root path service/api/, so service/api/static is served at /static.
@@ -55,6 +61,7 @@ def create_app(
     engine.add_observer(metrics)
     _install_tracing(app, config, engine, metrics, served_model_name)
     state = AppState(config, engine, tokenizer, served_model_name, metrics)
+    state.adapters = adapters
     state.grammars = GrammarCompiler(lambda: _tokenizer_info(engine, tokenizer))
     app.extensions[EXTENSION_KEY] = state
     app.register_blueprint(routes_openai.blueprint)
@@ -63,6 +70,7 @@ def create_app(
     app.register_blueprint(routes_responses.blueprint)
     app.register_blueprint(routes_anthropic.blueprint)
     app.register_blueprint(routes_admin.blueprint)
+    app.register_blueprint(routes_lora.blueprint)
     app.register_blueprint(openapi.blueprint)
     _install_page(app)
     install_host_check(app, config)

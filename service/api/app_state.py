@@ -11,6 +11,7 @@ from quart import current_app
 if TYPE_CHECKING:
     from service.api.metrics import Metrics
     from service.config import Config
+    from service.engine.adapters import AdapterRegistry
     from service.engine.engine import Engine
     from service.engine.grammar import GrammarCompiler
     from service.tokenizer import Tokenizer
@@ -37,6 +38,7 @@ class AppState:
         default_factory=lambda: trio.CapacityLimiter(GRAMMAR_THREADS)
     )
     grammars: GrammarCompiler | None = None  # None: no structured output (response_format)
+    adapters: AdapterRegistry | None = None  # None: no LoRA (--enable-lora not given)
 
 
 def app_state() -> AppState:

@@ -99,6 +99,10 @@ _DEFINITIONS = [
      "or not started by its deadline."),
     ("finished", "counter", "request_success_total",
      "Finished requests by finish reason."),
+    ("lora_requests", "counter", "lora_requests_total",
+     "Finished requests of each LoRA adapter (the base model's are not counted)."),
+    ("lora_generation_tokens", "counter", "lora_generation_tokens_total",
+     "Generated tokens of each LoRA adapter's finished requests."),
     ("tenant_waiting", "gauge", "tenant_requests_waiting",
      "Sequences waiting, by API key tenant."),
     ("tenant_kv_blocks", "gauge", "tenant_kv_blocks_reserved",
@@ -121,6 +125,9 @@ _DEFINITIONS = [
 # fmt: on
 _LABELS = {
     "finished": ("finished_reason",),
+    # the adapters an operator registered (--lora-modules, the admin routes): a bounded set
+    "lora_requests": ("adapter",),
+    "lora_generation_tokens": ("adapter",),
     "refused": ("reason",),
     "tenant_waiting": ("tenant",),
     "tenant_kv_blocks": ("tenant",),
@@ -229,6 +236,9 @@ class Metrics:
 
     def on_request_finished(self, stats: RequestStats) -> None:
         self.finished.labels(finished_reason=stats.finish_reason).inc()
+        if stats.adapter is not None:
+            self.lora_requests.labels(adapter=stats.adapter).inc()
+            self.lora_generation_tokens.labels(adapter=stats.adapter).inc(stats.completion_tokens)
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.generation_tokens.inc(stats.completion_tokens)
         self.e2e.observe(stats.e2e)

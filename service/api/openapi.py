@@ -857,7 +857,30 @@ def _admin_paths() -> Schema:
                 }
             )
         },
+        "/v1/load_lora_adapter": {
+            "post": _lora_route(
+                "Serve a LoRA adapter (vLLM's endpoint)", ["lora_name", "lora_path"]
+            )
+        },
+        "/v1/unload_lora_adapter": {
+            "post": _lora_route("Stop serving a LoRA adapter (vLLM's endpoint)", ["lora_name"])
+        },
     }
+
+
+def _lora_route(summary: str, fields: list[str]) -> Schema:
+    """vLLM's run-time LoRA routes: a JSON body of strings, a text answer (--enable-lora)."""
+    body = _object_open({name: {"type": "string", "minLength": 1} for name in fields})
+    return _admin(
+        {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {JSON: {"schema": body}}},
+            "responses": {
+                "200": _content("Done", "text/plain", {"type": "string"}),
+                **_errors(400, 404),
+            },
+        }
+    )
 
 
 def _admin(operation: Schema) -> Schema:

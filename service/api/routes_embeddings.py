@@ -20,6 +20,7 @@ from quart import Blueprint, Response, request
 from service.api.access import request_key
 from service.api.app_state import AppState, app_state
 from service.api.errors import json_response
+from service.api.lora_models import with_adapter
 from service.api.openai_answer import failure_of, unavailable
 from service.api.openai_schema import EmbeddingRequest, parse_embedding_request
 from service.api.routes_openai import (
@@ -32,6 +33,7 @@ from service.api.routes_openai import (
     require_served_model,
     tenant_of,
 )
+from service.engine.adapters import Adapter
 from service.engine.request import FinishEvent, SamplingParams, SamplingSpec
 from service.tokenizer import Tokenizer
 
@@ -45,7 +47,7 @@ async def embeddings() -> Response:
     req = parse_embedding_request(
         await read_json_body(), request.headers.get("X-Tenant"), prompt_bound()
     )
-    require_served_model(req.model, state)
+    adapter = require_served_model(req.model, state)
     if not state.engine.ready:
         raise unavailable("the model worker is not ready yet; retry shortly")
     request_id = request_id_for("embd", req.ignored)
@@ -56,7 +58,7 @@ async def embeddings() -> Response:
     vectors: list[list[float]] = []
     for start in range(0, len(prompts), IN_FLIGHT):
         wave = prompts[start : start + IN_FLIGHT]
-        vectors += await embed_wave(req, wave, f"{request_id}-{start}", state)
+        vectors += await embed_wave(req, wave, f"{request_id}-{start}", state, adapter)
     tokens = sum(map(len, prompts))
     body = {
         "id": request_id,
@@ -86,17 +88,21 @@ def token_ids_of(req: EmbeddingRequest, tokenizer: Tokenizer) -> list[list[int]]
 
 
 async def embed_wave(
-    req: EmbeddingRequest, prompts: list[list[int]], wave_id: str, state: AppState
+    req: EmbeddingRequest,
+    prompts: list[list[int]],
+    wave_id: str,
+    state: AppState,
+    adapter: Adapter | None = None,
 ) -> list[list[float]]:
     """The pooled vectors of `prompts`, computed together; a refusal or failure of one ends
     the others (and so does the client going away)."""
     tenant = tenant_of(req.tenant, request_key())
     priority = priority_of(req.priority, request_key())
-    params = isolated(
-        SamplingParams(max_tokens=0, sampling=SamplingSpec(), pooling=state.config.pooling_type),
-        tenant,
-        state,
+    params = SamplingParams(
+        max_tokens=0, sampling=SamplingSpec(), pooling=state.config.pooling_type
     )
+    with_adapter(params, adapter)
+    params = isolated(params, tenant, state)
     channels: list[trio.MemoryReceiveChannel] = []
     ids = [f"{wave_id}-{i}" for i in range(len(prompts))]
     try:

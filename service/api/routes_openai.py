@@ -29,6 +29,7 @@ from service.api.chat_setup import (
     template_args,
 )
 from service.api.errors import APIError, bad_request, json_response
+from service.api.lora_models import adapter_cards, adapter_of, with_adapter
 from service.api.openai_answer import (
     abort,
     failure_of,
@@ -47,6 +48,7 @@ from service.api.openai_schema import (
     parse_completion_request,
 )
 from service.config import ApiKey
+from service.engine.adapters import Adapter
 from service.engine.admission import Overloaded
 from service.engine.engine import EngineUnavailable
 from service.engine.grammar import GrammarUnavailable, InvalidGrammar, ResponseFormat
@@ -106,7 +108,7 @@ async def list_models() -> Response:
     }
     if max_model_len is not None:
         card["max_model_len"] = max_model_len
-    return json_response({"object": "list", "data": [card]}, 200)
+    return json_response({"object": "list", "data": [card, *adapter_cards(state)]}, 200)
 
 
 @blueprint.post("/v1/completions")
@@ -142,15 +144,10 @@ async def read_json_body() -> Any:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
 
 
-def require_served_model(model: str | None, state: AppState) -> None:
-    """A request naming another model is a 404, as OpenAI and vLLM answer it."""
-    if model is not None and model != state.served_model_name:
-        raise APIError(
-            404,
-            f"The model `{model}` does not exist. This server serves `{state.served_model_name}`.",
-            param="model",
-            code="model_not_found",
-        )
+def require_served_model(model: str | None, state: AppState) -> Adapter | None:
+    """The LoRA adapter a request's `model` names (None: the served model); any other
+    model is a 404, as OpenAI and vLLM answer it."""
+    return adapter_of(model, state)
 
 
 async def serve_generation(req: GenerationRequest) -> Response:
@@ -158,7 +155,7 @@ async def serve_generation(req: GenerationRequest) -> Response:
     await prepare(req, state)
     request_id = new_request_id(req)
     prompt_ids, channel = await submit_prompt(req, state, request_id)
-    header = ResponseHeader(req.kind, request_id, state.served_model_name)
+    header = ResponseHeader(req.kind, request_id, req.params.adapter or state.served_model_name)
     echoes: list[Echo | None] | None = [echo_of(req, prompt_ids, state)] if req.echo else None
     return await respond(req, header, channel, state, echoes)
 
@@ -172,7 +169,7 @@ async def serve_batch(req: GenerationRequest) -> Response:
     request_id = new_request_id(req)
     channels: list[trio.MemoryReceiveChannel] = []
     echoes: list[Echo | None] = []
-    header = ResponseHeader(req.kind, request_id, state.served_model_name)
+    header = ResponseHeader(req.kind, request_id, req.params.adapter or state.served_model_name)
     try:
         for i, prompt in enumerate(req.batch):
             one = dataclasses.replace(req, prompt=prompt, params=dataclasses.replace(req.params))
@@ -200,8 +197,8 @@ def abort_all(
 
 
 async def prepare(req: GenerationRequest, state: AppState) -> None:
-    """What every prompt of a request shares: the checks, the grammar."""
-    require_served_model(req.model, state)
+    """What every prompt of a request shares: the checks, the adapter, the grammar."""
+    with_adapter(req.params, require_served_model(req.model, state))
     if not state.engine.ready:
         raise unavailable("the model worker is not ready yet; retry shortly")
     if req.chat is not None:

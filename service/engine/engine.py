@@ -46,6 +46,7 @@ from gpu_worker.protocol import BLOCK_SIZE, Handshake
 from policies.registry import make_policy
 from service.config import Config
 from service.engine import trace_context
+from service.engine.adapters import AdapterSlots
 from service.engine.admission import (
     AdmissionControl,
     AdmissionQueue,
@@ -137,6 +138,8 @@ class Engine:
         )
         if config.kv_transfer_role in (ROLE_PRODUCER, ROLE_BOTH):
             self._scheduler.kv_holds = KvHolds(config.kv_hold_timeout)
+        if config.enable_lora:
+            self._scheduler.adapter_slots = AdapterSlots(config.max_loras)
         self.engine_id = uuid.uuid4().hex  # vLLM's remote_engine_id of a producer's answers
         self._requests: dict[str, Request] = {}  # open streams, by request id
         self._admission = AdmissionControl(config, self._scheduler, self._requests)
@@ -284,6 +287,7 @@ class Engine:
             "kv_blocks_promised": stats.kv_blocks_promised,
             "admission_paused": stats.admission_paused,
             "corrections": dict(self._scheduler.corrections),
+            "adapter_slots": slots.held() if (slots := self._scheduler.adapter_slots) else None,
             "policy": self.policy_info(),
             "iteration": stats.iteration,
             "worker_ready": self._ready,

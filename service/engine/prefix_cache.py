@@ -32,5 +32,18 @@ def register_blocks(blocks: BlockManager, request: Request) -> None:
 
 def _hashes(blocks: BlockManager, request: Request) -> list[bytes]:
     """The chained hashes of `request`'s full blocks (computed once each)."""
-    size, salt = blocks.block_size, request.params.cache_salt
-    return chain_hashes(request.token_ids, size, request.block_hashes, salt)
+    return chain_hashes(
+        request.token_ids, blocks.block_size, request.block_hashes, salt_of(request)
+    )
+
+
+def salt_of(request: Request) -> str | None:
+    """The salt of a request's block hashes: its cache_salt (a tenant's, a client's), and
+    its LoRA adapter's name and path, as the same tokens under two adapters have different
+    K/V (an adapter changes k_proj and v_proj, and every layer's input)."""
+    params = request.params
+    if params.adapter is None:
+        return params.cache_salt
+    return "\0".join(
+        ["adapter", params.adapter, params.adapter_path or "", params.cache_salt or ""]
+    )

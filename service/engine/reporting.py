@@ -50,6 +50,7 @@ class Reporter:
         fields = {
             "n": n,
             "tenant": request.tenant,
+            "adapter": request.params.adapter,
             "priority": request.priority,
             "prompt_tokens": request.prompt_len,
             "max_tokens": request.params.max_tokens,
@@ -121,6 +122,8 @@ class Reporter:
             drafting_seqs=out.drafting_seqs,
             draft_tokens=out.draft_tokens,
             accepted_tokens=out.accepted_tokens,
+            adapters=out.adapters,
+            adapter_loads=len(out.plan.adapters),
         )
         every = self.log_iterations
         if every and out.iteration % every == 0:

@@ -64,9 +64,10 @@ class SamplingParams:
     # an embedding, not a completion (POOLING_TYPES; then max_tokens is 0): the prompt's
     # final hidden states pooled, in the FinishEvent
     pooling: str | None = None
-    # the LoRA adapter the request runs with (issue 54 names it from the request's `model`):
-    # carried to the worker's table, applied once adapters load
+    # the LoRA adapter the request runs with (its `model` named it), and its directory when
+    # the request was accepted: it runs with that one even if the name is unloaded meanwhile
     adapter: str | None = None
+    adapter_path: str | None = None
     # disaggregated prefill and decode (service.engine.kv_transfer): a producer keeps the
     # prompt's blocks for a consumer when the request ends (vLLM's do_remote_decode); a
     # consumer pulls them from the producer that holds them (do_remote_prefill)

@@ -10,6 +10,11 @@ service.engine.block_rules says: whom admission takes, how a running sequence gr
 either preempts (and tenants' slots); a waiting sequence starts from its cached prefix
 (service.engine.prefix_cache).
 
+LoRA adapters (--enable-lora, service.engine.adapters). A waiting sequence with an adapter
+is admitted only once a slot holds it (a free one, or the least recently used one no
+running, transferring or joining sequence uses); the plan loads it (StepPlan.adapters)
+before the sequence is introduced. Otherwise it waits, counted as `adapter_slots_busy`.
+
 update(): the scheduled tokens are now cached; each sampled token is appended; EOS, a
 stop_token_ids token and max_tokens finish a sequence and free its blocks. A request with
 a grammar (structured output) sends the tokens it allows with each plan that samples it,
@@ -60,6 +65,7 @@ from typing import Any, cast
 
 from gpu_worker.protocol import DRAFT_MODEL_TOKEN, PullDone, StepResult, TokenLogprobs
 from policies.base import Decision, Policy, View
+from service.engine.adapters import AdapterSlots
 from service.engine.block_manager import BlockManager
 from service.engine.block_rules import BlockRules
 from service.engine.kv_pulls import KvPulls
@@ -136,6 +142,8 @@ class Scheduler:
         self.kv_holds: KvHolds | None = None
         self.kv_pulls = KvPulls()
         self.now = 0.0  # the engine clock at the last schedule()
+        # LoRA (--enable-lora): the worker's adapter slots, filled as admission needs them
+        self.adapter_slots: AdapterSlots | None = None
 
     # ---- membership -------------------------------------------------------------------
 
@@ -288,6 +296,8 @@ class Scheduler:
         self.blocks = self.rules.blocks = blocks
         self._last_step_ms = None
         self.plans.reset(blocks)
+        if self.adapter_slots is not None:  # the new worker holds no adapter
+            self.adapter_slots.reset()
 
     # ---- the iteration ----------------------------------------------------------------
 
@@ -323,6 +333,8 @@ class Scheduler:
         if out.scheduled or self.transfers_pending:
             out.plan = self.plans.build(out.scheduled, out.iteration)
             out.plan.pulls = pulls
+            if self.adapter_slots is not None:
+                out.plan.adapters = self.adapter_slots.take_loads()
             out.written = [self._written(item) for item in out.scheduled]
         return out
 
@@ -358,10 +370,15 @@ class Scheduler:
         return [r for r in self.kv_pulls.overdue(now, timeout) if r.seq_id in self._by_seq]
 
     def _run_received(self) -> None:
-        """Pulled requests join the running while there are slots."""
+        """Pulled requests join the running while there are slots (and their adapters'
+        slots: one whose adapter finds every slot busy stays pulled)."""
         pulled = self.kv_pulls.pulled
-        while pulled and len(self.running) < self.max_num_seqs:
-            self.rules.join_received(pulled.pop(0))
+        for request in list(pulled):
+            if len(self.running) >= self.max_num_seqs:
+                break
+            if self._adapter_slot(request, []):
+                pulled.remove(request)
+                self.rules.join_received(request)
 
     def _end_expired_holds(self, now: float) -> None:
         if self.kv_holds is not None:
@@ -533,7 +550,8 @@ class Scheduler:
                 if tokens < 1 or draft.budget < 1:
                     self.corrections["nonpositive_tokens" if tokens < 1 else "token_budget"] += 1
                     continue
-                if not self.rules.admit(request, draft):
+                joining = [item.request for item in draft.out.scheduled]
+                if not self._adapter_slot(request, joining) or not self.rules.admit(request, draft):
                     continue
                 tokens = self._masked_tokens(request, self._legal_tokens(request, tokens, draft))
                 if tokens < 1:
@@ -567,6 +585,20 @@ class Scheduler:
             self.corrections["max_seqs"] += 1
             return None
         return request, tokens
+
+    def _adapter_slot(self, request: Request, joining: list[Request]) -> bool:
+        """Whether a slot holds the adapter of `request`, which is being admitted beside
+        `joining` (loaded by this step's plan if need be); False: every slot is busy with
+        adapters that running, transferring or joining sequences use, and it waits."""
+        name, path = request.params.adapter, request.params.adapter_path
+        if name is None or path is None or self.adapter_slots is None:
+            return True
+        users = (*self.running, *self.transferring, *joining)
+        in_use = [r.params.adapter for r in users if r is not request]
+        if self.adapter_slots.acquire(name, path, filter(None, in_use)):
+            return True
+        self.corrections["adapter_slots_busy"] += 1
+        return False
 
     def _legal_tokens(self, request: Request, tokens: int, draft: StepDraft) -> int:
         remaining, budget = request.remaining, draft.budget

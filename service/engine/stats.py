@@ -41,6 +41,9 @@ class IterationStats:
     drafting_seqs: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    # LoRA: the adapters its rows ran with, and those its plan loaded into slots
+    adapters: tuple[str, ...] = ()
+    adapter_loads: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +80,7 @@ class RequestStats:
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission
     draft_tokens: int = 0  # tokens it drafted (speculative decoding), over its life
     accepted_tokens: int = 0  # of those, accepted
+    adapter: str | None = None  # its LoRA adapter; None: the base model
 
     @classmethod
     def of(cls, request: Request, policy: str, iteration: int) -> RequestStats:
@@ -97,6 +101,7 @@ class RequestStats:
             preemptions=request.preemptions,
             iteration=iteration,
             cached_tokens=request.num_cached_tokens,
+            adapter=request.params.adapter,
             draft_tokens=request.acceptance.drafted,
             accepted_tokens=request.acceptance.accepted,
         )
@@ -139,6 +144,7 @@ class RequestStats:
         return {
             "request_id": self.request_id,
             "tenant": self.tenant,
+            "adapter": self.adapter,
             "policy": self.policy,
             "finish_reason": self.finish_reason,
             "finish_detail": self.finish_detail,

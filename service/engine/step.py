@@ -49,6 +49,12 @@ class ScheduleOutput:
     draft_tokens: int = 0  # drafted tokens, over all of them
     accepted_tokens: int = 0  # of those, accepted (known once update() ran)
 
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        """The LoRA adapters the step's rows run with, each once, in row order."""
+        named = (item.request.params.adapter for item in self.scheduled)
+        return tuple(dict.fromkeys(name for name in named if name is not None))
+
     def sampled_ids(self) -> list[int]:
         """The sequences that sample, in the order of the result's tokens."""
         return [item.request.seq_id for item in self.scheduled if item.samples]

@@ -26,6 +26,7 @@ def seq_view(r: Request, blocks: BlockManager) -> SeqView:
         preempted=r.preemptions,
         deadline=r.deadline if r.first_scheduled is None else None,
         num_cached_tokens=r.num_cached_tokens,
+        adapter=r.params.adapter,
     )
 
 

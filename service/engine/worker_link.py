@@ -75,6 +75,7 @@ def worker_config_for(config: Config, model_dir: Path | str) -> WorkerConfig:
     draft model (--speculative-config) is resolved as --model is."""
     named = {f.name for f in fields(Config)}
     shared = {f.name: getattr(config, f.name) for f in fields(WorkerConfig) if f.name in named}
+    shared["max_loras"] = config.max_loras if config.enable_lora else 0  # 0: no slots
     spec = config.speculative_config
     draft_dir = None
     if spec is not None and spec.method == DRAFT_MODEL:

@@ -144,7 +144,7 @@ def convert_tensors(
     view = Meta(meta, {})
     experts = int(view.get("expert_count", 0) or 0)
     out: dict[str, np.ndarray] = {}
-    for tensor in reader.tensors:
+    for tensor in [t for t in reader.tensors if not view.is_draft_layer(t.name)]:
         values = dequantize(tensor)
         if tensor.name in CONFIG_TENSORS:
             out[tensor.name] = values.reshape(-1)
@@ -170,7 +170,7 @@ def convert_tensors(
             )
     if "model.embed_tokens.weight" not in out:
         raise GGUFError("GGUF has no token_embd.weight tensor")
-    return out
+    return arch.assemble(out, view)
 
 
 def quantized_tensors(
@@ -182,10 +182,14 @@ def quantized_tensors(
     view = Meta(meta, {})
     out: dict[str, np.ndarray] = {}
     unserved = []
-    for tensor in [t for t in reader.tensors if t.name not in CONFIG_TENSORS]:
+    kept = [t for t in reader.tensors if not view.is_draft_layer(t.name)]
+    for tensor in [t for t in kept if t.name not in CONFIG_TENSORS]:
         names = hf_tensor_names(arch, tensor.name, int(view.get("expert_count", 0) or 0))
         matmul = len(names) == 1 and names[0].endswith(MATMULS) and ".experts." not in names[0]
         if not matmul or tensor.tensor_type in FLOAT_TYPES:
+            continue
+        if any(f".{part}." in tensor.name for part in arch.rearranged_parts):
+            unserved.append(f"{names[0]} ({tensor.tensor_type.name}, rearranged by cadence)")
             continue
         if tensor.tensor_type not in REPACKERS:
             unserved.append(f"{names[0]} ({tensor.tensor_type.name})")

@@ -3,7 +3,8 @@
 For each: the Hugging Face model type and class it becomes, the names of its tensors in a
 Hugging Face checkpoint (as the model's own repository spells them, one tensor per expert),
 the fixes llama.cpp's convert_hf_to_gguf.py applied that must be undone (the q/k row order of
-llama-arch files, Gemma's norms stored as w + 1), and its config.json fields. The keys are
+llama-arch files, Gemma's norms stored as w + 1, gpt-oss's experts split and transposed, the
+linear-attention tensors of gguf_linear_attention), and its config.json fields. The keys are
 llama.cpp's (`{arch}.embedding_length`, ...); missing ones take the defaults llama.cpp uses.
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from service.model_files.gguf_linear_attention import qwen3_5_tensors, qwen3_next_tensors
 from service.model_files.gguf_meta import GGUFError, require
 
 _ATTENTION = {
@@ -38,6 +40,7 @@ GLOBAL_TENSORS = {
 CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 Config = dict[str, Any]
+Tensors = dict[str, np.ndarray]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +56,11 @@ class Arch:
     norm_shift: float = 0.0  # llama.cpp stored every norm weight as w + norm_shift
     fields: Callable[[Meta], Config] = lambda meta: {}
     omit: tuple[str, ...] = ()  # common config fields this architecture's config lacks
+    # The renamed tensors put together as the Hugging Face checkpoint holds them (experts
+    # fused into one tensor, names without .weight).
+    assemble: Callable[[Tensors, Meta], Tensors] = lambda tensors, meta: tensors
+    # GGUF matmul weights (name parts) that assemble rearranges: listed unserved, not repacked
+    rearranged_parts: tuple[str, ...] = ()
 
 
 class Meta:
@@ -68,6 +76,18 @@ class Meta:
 
     def require(self, key: str) -> Any:
         return require(self.raw, f"{self.arch}.{key}")
+
+    @property
+    def num_layers(self) -> int:
+        """The model's layers: llama.cpp counts Qwen3-Next's and Qwen3.5's multi-token
+        prediction layers (nextn_predict_layers, after the model's) among its blocks."""
+        return int(self.require("block_count")) - int(self.get("nextn_predict_layers", 0) or 0)
+
+    def is_draft_layer(self, gguf_name: str) -> bool:
+        """Whether a tensor belongs to a multi-token prediction layer (a Hugging Face causal
+        model has none: it is left out)."""
+        match = _LAYER_INDEX.match(gguf_name)
+        return match is not None and int(match.group(1)) >= self.num_layers
 
     @property
     def num_heads(self) -> int:
@@ -90,6 +110,19 @@ class Meta:
 
 def _llama(meta: Meta) -> Config:
     return {"mlp_bias": False}
+
+
+def _smollm3(meta: Meta) -> Config:
+    # llama.cpp's smollm3 leaves RoPE out of every fourth layer, whatever the file says.
+    layers = meta.num_layers
+    no_rope = [int((i + 1) % SMOLLM3_NO_ROPE_INTERVAL != 0) for i in range(layers)]
+    return {
+        **_llama(meta),
+        "no_rope_layers": no_rope,
+        "no_rope_layer_interval": SMOLLM3_NO_ROPE_INTERVAL,
+        "use_sliding_window": False,
+        "sliding_window": None,
+    }
 
 
 def _mistral(meta: Meta) -> Config:
@@ -139,6 +172,91 @@ def _qwen3_moe(meta: Meta) -> Config:
     return _qwen_moe(meta) | {"norm_topk_prob": True}
 
 
+def _gpt_oss(meta: Meta) -> Config:
+    # llama.cpp's openai-moe: a window on every other layer from the first, the clamped
+    # SwiGLU's constants built in, YaRN without truncating its correction range.
+    layers = meta.num_layers
+    rope = rope_scaling(meta)
+    return {
+        **_experts(meta, "num_local_experts"),
+        "intermediate_size": int(meta.require("expert_feed_forward_length")),
+        "sliding_window": meta.sliding_window,
+        "layer_types": [("sliding_attention", "full_attention")[i % 2] for i in range(layers)],
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0,
+        "rope_scaling": rope | {"truncate": False} if rope else None,
+    }
+
+
+def _gpt_oss_tensors(tensors: Tensors, meta: Meta) -> Tensors:
+    """gpt-oss's experts as its checkpoint holds them: gate and up interleaved column by
+    column in one [experts, hidden, 2 * intermediate] gate_up_proj, down_proj as
+    [experts, intermediate, hidden] (llama.cpp split and transposed them); sinks bare."""
+    out: Tensors = {}
+    for name, values in tensors.items():
+        if name.endswith(".self_attn.sinks.weight"):
+            out[name.removesuffix(".weight")] = values
+        elif name.endswith(".mlp.experts.down_proj.weight"):
+            out[name.removesuffix(".weight")] = np.ascontiguousarray(values.swapaxes(1, 2))
+        elif name.endswith(".mlp.experts.down_proj.bias"):
+            out[name.replace("down_proj.bias", "down_proj_bias")] = values
+        elif ".mlp.experts.gate_proj." in name:
+            up = tensors[name.replace("gate_proj", "up_proj")]
+            both = np.stack([values, up], axis=-2 if values.ndim == 3 else -1)
+            if name.endswith(".weight"):  # [E, I, 2, H] -> [E, H, 2I]
+                gate_up = both.reshape(values.shape[0], -1, values.shape[2]).swapaxes(1, 2)
+                out[name.replace("gate_proj.weight", "gate_up_proj")] = np.ascontiguousarray(
+                    gate_up
+                )
+            else:  # [E, I, 2] -> [E, 2I]
+                out[name.replace("gate_proj.bias", "gate_up_proj_bias")] = both.reshape(
+                    values.shape[0], -1
+                )
+        elif ".mlp.experts.up_proj." not in name:
+            out[name] = values
+    return out
+
+
+def _gated_deltanet(meta: Meta) -> Config:
+    """The linear-attention layers' fields (Qwen3-Next, Qwen3.5), from llama.cpp's ssm keys."""
+    layers = meta.num_layers
+    # llama.cpp's rule: every interval-th layer is full attention, the others linear.
+    interval = int(meta.get("full_attention_interval", 4))
+    value_heads = int(meta.require("ssm.time_step_rank"))
+    return {
+        "linear_conv_kernel_dim": int(meta.require("ssm.conv_kernel")),
+        "linear_key_head_dim": int(meta.require("ssm.state_size")),
+        "linear_num_key_heads": int(meta.require("ssm.group_count")),
+        "linear_num_value_heads": value_heads,
+        "linear_value_head_dim": int(meta.require("ssm.inner_size")) // value_heads,
+        "layer_types": [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(layers)
+        ],
+        "partial_rotary_factor": int(meta.require("rope.dimension_count")) / meta.head_dim,
+    }
+
+
+def _qwen3_next(meta: Meta) -> Config:
+    config = _qwen2_moe(meta) | _gated_deltanet(meta) | {"norm_topk_prob": True}
+    config["full_attention_interval"] = int(meta.get("full_attention_interval", 4))
+    config.pop("qkv_bias")
+    return config
+
+
+def _qwen3_5(meta: Meta) -> Config:
+    # Its interleaved multimodal RoPE is plain RoPE for text (one position per token).
+    return _qwen2(meta) | _gated_deltanet(meta)
+
+
+def _qwen3_5_moe(meta: Meta) -> Config:
+    return _qwen3_5(meta) | {
+        **_experts(meta, "num_experts"),
+        "moe_intermediate_size": int(meta.require("expert_feed_forward_length")),
+        "shared_expert_intermediate_size": int(meta.require("expert_shared_feed_forward_length")),
+    }
+
+
 def _gemma2(meta: Meta) -> Config:
     # llama.cpp's defaults: a 4096-token window on every other layer, logits soft-capped.
     attn_cap = float(meta.get("attn_logit_softcapping", 50.0))
@@ -158,7 +276,7 @@ def _gemma3(meta: Meta) -> Config:
 
 
 def _gemma(meta: Meta, period: int, layers_27b: int, window: int | None) -> Config:
-    layers = int(meta.require("block_count"))
+    layers = meta.num_layers
     hidden = int(meta.require("embedding_length"))
     sliding = _gemma_sliding_layers(meta, layers, period) if window else [False] * layers
     # llama.cpp (and gemma_pytorch) scale queries by 1/sqrt(hidden/heads) in the 27B
@@ -208,6 +326,8 @@ def _phi3(meta: Meta) -> Config:
 
 _DENSE = _ATTENTION | _MLP
 LLAMA = Arch("llama", "LlamaForCausalLM", _DENSE, permuted_qk=True, fields=_llama)
+SMOLLM3_NO_ROPE_INTERVAL = 4
+SMOLLM3 = Arch("smollm3", "SmolLM3ForCausalLM", _DENSE, permuted_qk=True, fields=_smollm3)
 MISTRAL = Arch("mistral", "MistralForCausalLM", _DENSE, permuted_qk=True, fields=_mistral)
 MIXTRAL = Arch(
     "mixtral",
@@ -252,6 +372,67 @@ QWEN3_MOE = Arch(
     _ATTENTION | _QK_NORM | {"ffn_gate_inp": "mlp.gate"},
     _QWEN_EXPERTS,
     fields=_qwen3_moe,
+)
+# Experts stay stacked here ([experts, out, in], as llama.cpp stores them), fused after.
+GPT_OSS = Arch(
+    "gpt_oss",
+    "GptOssForCausalLM",
+    _ATTENTION
+    | {
+        "attn_sinks": "self_attn.sinks",
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_gate_inp": "mlp.router",
+        "ffn_gate_exps": "mlp.experts.gate_proj",
+        "ffn_up_exps": "mlp.experts.up_proj",
+        "ffn_down_exps": "mlp.experts.down_proj",
+    },
+    fields=_gpt_oss,
+    assemble=_gpt_oss_tensors,
+)
+# Qwen3-Next and Qwen3.5: three Gated DeltaNet layers to each full-attention layer.
+_LINEAR_ATTENTION = _QK_NORM | {
+    "post_attention_norm": "post_attention_layernorm",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_dt": "linear_attn.dt_proj",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+}
+QWEN3_NEXT = Arch(
+    "qwen3_next",
+    "Qwen3NextForCausalLM",
+    QWEN2_MOE.layer_tensors | _LINEAR_ATTENTION | {"ssm_ba": "linear_attn.in_proj_ba"},
+    _QWEN_EXPERTS,
+    fields=_qwen3_next,
+    assemble=qwen3_next_tensors,  # what it rearranges the worker serves dense
+    rearranged_parts=("attn_q",),  # the gated attention's q_proj: the worker splits it
+)
+_QWEN3_5_LINEAR = _LINEAR_ATTENTION | {
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+}
+# The one matmul weight of those whose value heads llama.cpp reordered (its columns) that
+# --quantization gguf would serve quantized (the in-projections are served dense), and the
+# gated attention's q_proj, whose queries and gates the worker splits at load.
+_QWEN3_5_REARRANGED = ("ssm_out", "attn_q")
+QWEN3_5 = Arch(
+    "qwen3_5_text",
+    "Qwen3_5ForCausalLM",
+    _DENSE | _QWEN3_5_LINEAR,
+    fields=_qwen3_5,
+    assemble=qwen3_5_tensors,
+    rearranged_parts=_QWEN3_5_REARRANGED,
+)
+QWEN3_5_MOE = Arch(
+    "qwen3_5_moe_text",
+    "Qwen3_5MoeForCausalLM",
+    QWEN2_MOE.layer_tensors | _QWEN3_5_LINEAR,
+    _QWEN_EXPERTS,
+    fields=_qwen3_5_moe,
+    assemble=qwen3_5_tensors,
+    rearranged_parts=_QWEN3_5_REARRANGED,
 )
 _GEMMA_LAYER = _DENSE | {
     "post_attention_norm": "post_attention_layernorm",
@@ -298,12 +479,30 @@ CONVERTIBLE: dict[str, tuple[Arch, ...]] = {
     "gemma2": (GEMMA2,),
     "gemma3": (GEMMA3,),
     "phi3": (PHI3,),
+    "smollm3": (SMOLLM3,),
+    "gpt-oss": (GPT_OSS,),
+    "qwen3next": (QWEN3_NEXT,),
+    "qwen35": (QWEN3_5,),
+    "qwen35moe": (QWEN3_5_MOE,),
+}
+
+
+# GGUF architectures the worker serves from Hugging Face files but whose GGUF files are not
+# converted: what their files hold that is not mapped back.
+NOT_CONVERTED = {
+    "gemma4": (
+        "Gemma 4's files are not converted: their per-layer head sizes and KV head counts, "
+        "the KV shared across layers, the per-layer input embeddings and the router's "
+        "scales are not mapped back to Gemma4ForCausalLM (serve its Hugging Face checkpoint)"
+    ),
 }
 
 
 def select_arch(meta: dict[str, Any], tensor_names: list[str]) -> Arch:
     """The architecture a file holds; GGUFError naming it if it is none of CONVERTIBLE."""
     arch = meta.get("general.architecture")
+    if arch in NOT_CONVERTED:
+        raise GGUFError(f"architecture {arch!r}: {NOT_CONVERTED[arch]}")
     if arch not in CONVERTIBLE:
         raise GGUFError(
             f"architecture {arch!r} is not supported (supported: {', '.join(CONVERTIBLE)})"
@@ -320,7 +519,9 @@ def select_arch(meta: dict[str, Any], tensor_names: list[str]) -> Arch:
     return LLAMA
 
 
-_LAYER_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_LAYER_INDEX = re.compile(r"^blk\.(\d+)\.")
+# A few (Qwen3-Next's ssm_a) have no .weight, as their checkpoint names have none.
+_LAYER_NAME = re.compile(r"^blk\.(\d+)\.(\w+?)(\.weight|\.bias)?$")
 _GLOBAL_NAME = re.compile(r"^(\w+)\.(weight|bias)$")
 
 
@@ -329,11 +530,12 @@ def hf_tensor_names(arch: Arch, gguf_name: str, experts: int = 0) -> list[str]:
     tensor); GGUFError if the architecture has no such tensor."""
     if match := _LAYER_NAME.match(gguf_name):
         layer, part, kind = match.groups()
+        kind = kind or ""
         if part in arch.layer_tensors:
-            return [f"model.layers.{layer}.{arch.layer_tensors[part]}.{kind}"]
+            return [f"model.layers.{layer}.{arch.layer_tensors[part]}{kind}"]
         if part in arch.expert_tensors and experts:
             path = arch.expert_tensors[part]
-            return [f"model.layers.{layer}.{path.format(e=e)}.{kind}" for e in range(experts)]
+            return [f"model.layers.{layer}.{path.format(e=e)}{kind}" for e in range(experts)]
     elif (match := _GLOBAL_NAME.match(gguf_name)) and match.group(1) in GLOBAL_TENSORS:
         return [f"{GLOBAL_TENSORS[match.group(1)]}.{match.group(2)}"]
     raise GGUFError(f"GGUF tensor {gguf_name!r} has no {arch.hf_class} counterpart")
@@ -342,7 +544,7 @@ def hf_tensor_names(arch: Arch, gguf_name: str, experts: int = 0) -> list[str]:
 def hf_config(arch: Arch, meta: Meta, bos_id: int | None, eos_ids: list[int]) -> Config:
     """config.json: the fields every architecture has, then the architecture's own."""
     tensors = meta.tensors
-    num_layers = int(meta.require("block_count"))
+    num_layers = meta.num_layers
     found_layers = {k.split(".")[2] for k in tensors if k.startswith("model.layers.")}
     if len(found_layers) != num_layers:
         raise GGUFError(
