@@ -3,10 +3,9 @@ openai client: adapters made by peft for the served model, named by a request's 
 listed by /v1/models, loaded and unloaded at run time (vLLM's routes) while a stream
 decodes, refused with a 400 naming the field when they do not fit, served in turn when
 more are asked for than there are slots, kept apart in the prefix cache, and refused (403)
-to an API key restricted to others.
-
-Until the worker applies adapters (its half of issue 54) the tokens are the base model's:
-these tests check the routing, the slots and the errors, not the numbers."""
+to an API key restricted to others. The adapters' numbers (each against transformers + peft,
+several in one step) are tests/test_worker_lora.py's; here an adapter's answer is its own,
+not the base model's."""
 
 from __future__ import annotations
 
@@ -99,6 +98,9 @@ def test_models_lists_each_adapter_with_the_base_as_parent(lora_server, adapters
 
 
 def test_completions_and_chat_name_each_adapter_streamed(lora_server):
+    base = streamed_completion(lora_server, lora_server.model, max_tokens=8)
+    alpha = streamed_completion(lora_server, "alpha", max_tokens=8)
+    assert alpha != base and streamed_completion(lora_server, "alpha", max_tokens=8) == alpha
     for name in ("alpha", "beta"):
         assert streamed_completion(lora_server, name)
         stream = client(lora_server).chat.completions.create(
