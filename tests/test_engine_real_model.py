@@ -1,9 +1,9 @@
 """The engine on the real default model (CPU, in float32 and in bfloat16, the default dtype):
 greedy outputs do not depend on batch company, prefill chunk size, or a preemption and
-recompute. In bfloat16 on CPUs with AVX512-BF16 this runs the C++ prefill kernel. Each
-holds for a worker of its own and for a tensor-parallel group of three ranks (the
-model's 3 KV heads, one each): the group's all-reduce sums in rank order, so a row's bits
-do not depend on its company there either."""
+recompute. In bfloat16 on CPUs with AVX512-BF16 this runs the C++ prefill kernel. The
+preemption's holds for a worker of its own and for a tensor-parallel group of three ranks
+(the model's 3 KV heads, one each): the group's all-reduce sums in rank order, so a row's
+bits do not depend on its company there either."""
 
 from __future__ import annotations
 
@@ -34,8 +34,9 @@ DTYPES = ("float32", "bfloat16")
 # independence of its company and of its chunks, which these outputs rest on, is checked in
 # both dtypes by tests/test_worker_batch_invariance.py, and above)
 USERS_DTYPE = ("bfloat16",)
-# (dtype, tensor parallel size): one worker in each dtype, and the group in the users'
-ALONE_AND_GROUPED = [(d, 1) for d in DTYPES] + [(d, 3) for d in USERS_DTYPE]
+# (dtype, tensor parallel size): one worker in each dtype; the group in the users' dtype
+# after preemption (its company and chunks change its rows' bits no more than one worker's:
+# tests/test_worker_group.py shows its answers equal one worker's, for CI time)
 USERS_ALONE_AND_GROUPED = [(d, tp) for d in USERS_DTYPE for tp in (1, 3)]
 PREEMPTED = "request.preempted"
 
@@ -76,7 +77,7 @@ ARGMAX = SamplingSpec(temperature=0.0)
 GREEDY = SamplingParams(max_tokens=16, sampling=ARGMAX)
 
 
-@pytest.mark.parametrize(("dtype", "tp"), ALONE_AND_GROUPED)
+@pytest.mark.parametrize(("dtype", "tp"), [(d, 1) for d in DTYPES])
 async def test_greedy_same_alone_together_and_with_chunk_16_or_512(model_dir, tokenizer, dtype, tp):
     config = Config(
         dtype=dtype, device="cpu", kv_memory=0.05, use_cuda_graphs=False, tensor_parallel_size=tp

@@ -58,7 +58,7 @@ def answer(model_dir: Path, decode_kernels: Kernels | None = None) -> tuple[list
     if decode_kernels is not None:  # as the model takes them at its start
         model = runner.model
         model.kernels, model.ops = decode_kernels, decode_kernels.layer_ops
-        model._pick_functions(gemma=False)
+        model._pick_functions(zero_centred=False)
     logits = runner.step_logits(plan_for(runner, [Chunk(0, tokens, len(prompt), table)], 1))[0]
     return [*tokens, int(logits.argmax())], logits.tolist()
 
