@@ -73,22 +73,31 @@ class Priority(Policy):
         budget = min(self.params.token_budget, view.max_batched_tokens)
         chunk = min(blocked.remaining, budget, self.params.chunk_size)
         slots_short = len(view.running) + 1 - view.max_seqs
-        # the core admits a whole prompt's blocks, not a chunk's
-        blocks_short = view.blocks_for(blocked, blocked.remaining) - view.admittable_blocks
-        if slots_short <= 0 and blocks_short <= 0:
+        by_id = {s.seq_id: s for s in (*view.running, *view.waiting)}
+
+        def blocks_short(victims: list[int]) -> int:
+            """What the step lacks with `victims` gone: the blocks of what it keeps and of the
+            blocked prompt whole (the core admits a whole prompt's, not a chunk's), beyond
+            the admittable ones and the victims'."""
+            kept = [(i, t) for i, t in decision.schedule if i not in victims]
+            need = sum(view.blocks_for(by_id[i], t) for i, t in kept)
+            need += view.blocks_for(blocked, blocked.remaining)
+            freed = sum(by_id[i].num_blocks for i in victims)
+            return need - view.admittable_blocks - freed
+
+        if slots_short <= 0 and blocks_short([]) <= 0:
             return []  # left out for the token budget alone: no one is in its way
-        victims = []
+        victims: list[int] = []
         # the least important first: the largest effective value, latest deadline, arrival
         for seq in sorted(view.running, key=rank, reverse=True):
-            if slots_short <= 0 and blocks_short <= 0:
+            if slots_short <= 0 and blocks_short(victims) <= 0:
                 break
             if seq.priority > blocked.priority:  # strictly less important, by base value
                 victims.append(seq.seq_id)
                 slots_short -= 1
-                blocks_short -= seq.num_blocks
         kept = [e for e in decision.schedule if e[0] not in set(victims)]
         chunk = min(chunk, budget - sum(tokens for _, tokens in kept))
-        if slots_short > 0 or blocks_short > 0 or chunk < 1:
+        if slots_short > 0 or blocks_short(victims) > 0 or chunk < 1:
             return []  # evicting them would not make room: keep everyone running
         decision.schedule = [*kept, (blocked.seq_id, chunk)]
         return victims

@@ -518,13 +518,25 @@ def test_priority_victims_are_the_lowest_ranked_and_only_as_many_as_needed():
 
 def test_priority_a_victim_freeing_exactly_the_shortfall_is_enough():
     policy = make_policy("priority", {"aging_rate": 0.0})
-    running = [
-        seq(1, 32, generated=1, priority=5, blocks=2),
-        seq(2, 32, generated=1, priority=5, blocks=2),
+    running = [  # decoding within their second blocks: their next tokens need no new block
+        seq(1, 30, generated=1, priority=5, blocks=2),
+        seq(2, 30, generated=1, priority=5, blocks=2),
     ]
     d = policy.decide(view(running, [seq(10, 48, priority=0)], free=1))  # 3 needed, 1 free
     assert d.preempt == [2]  # the later-arrived of two equals is ranked lower
     assert (10, 48) in d.schedule
+
+
+def test_priority_counts_the_blocks_of_the_decodes_it_keeps():
+    """Decodes that cross into a new block take one each: the victims must free those too
+    (the core runs the decision as is, tests above)."""
+    policy = make_policy("priority", {"aging_rate": 0.0})
+    running = [
+        seq(1, 32, generated=1, priority=5, blocks=2),
+        seq(2, 32, generated=1, priority=5, blocks=2),
+    ]
+    d = policy.decide(view(running, [seq(10, 48, priority=0)], free=1))  # 3 + 1 kept, 1 free
+    assert d.preempt == [2, 1] and d.schedule == [(10, 48)]
 
 
 def test_priority_keeps_everyone_when_eviction_would_not_make_room():
