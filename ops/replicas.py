@@ -23,28 +23,27 @@ import signal
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import IO
 
 import httpx
 import trio
 
+from service.pd_launch import (  # child-process helpers shared with `cadence pd`
+    LISTENING,
+    Child,
+    drain,
+    open_log,
+    split_at_dashes,
+    stop_gently,
+)
+
 PROG = "cadence replicas"
 POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
-LISTENING = b"cadence listening on "
 
 
 class ReplicasError(RuntimeError):
     """A child that would not start; every child started so far is stopped."""
-
-
-@dataclass(slots=True)
-class Child:
-    name: str
-    process: trio.Process
-    url: str = ""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,15 +83,6 @@ def router_command(args: argparse.Namespace, worker_urls: Sequence[str]) -> list
         "--worker-urls", *worker_urls,
         *args.router_arg,
     ]  # fmt: skip
-
-
-async def stop_gently(process: trio.Process, timeout: float) -> None:
-    """run_process's deliver_cancel: SIGTERM, then SIGKILL after `timeout` seconds."""
-    process.terminate()
-    with trio.move_on_after(timeout):
-        await process.wait()
-    if process.returncode is None:
-        process.kill()
 
 
 async def start_child(
@@ -140,11 +130,6 @@ async def read_url(child: Child, nursery: trio.Nursery, timeout: float) -> str:
     raise ReplicasError(f"{child.name} not listening after {timeout} s")
 
 
-async def drain(stream: trio.abc.ReceiveStream) -> None:
-    while await stream.receive_some():
-        pass
-
-
 async def wait_ready(child: Child, url: str, timeout: float) -> None:
     """Poll `url` until it answers 200; fail at once if the child exits."""
     async with httpx.AsyncClient(timeout=5.0) as client:
@@ -158,13 +143,6 @@ async def wait_ready(child: Child, url: str, timeout: float) -> None:
                 await trio.sleep(0.2)
             raise ReplicasError(f"{child.name} exited with {child.process.returncode}")
     raise ReplicasError(f"{child.name} not ready at {url} after {timeout} s")
-
-
-def open_log(log_dir: Path | None, name: str) -> IO[bytes] | None:
-    if log_dir is None:
-        return None  # the terminal's
-    log_dir.mkdir(parents=True, exist_ok=True)
-    return open(log_dir / f"{name}.log", "ab")  # lives as long as the child
 
 
 async def start_replicas(
@@ -233,14 +211,6 @@ def main(argv: list[str] | None = None) -> int:
         for exc in group.exceptions:
             print(f"{PROG}: {exc}", file=sys.stderr)
     return 1
-
-
-def split_at_dashes(argv: list[str]) -> tuple[list[str], list[str]]:
-    """Our flags before `--`, cadence serve's after it."""
-    if "--" in argv:
-        at = argv.index("--")
-        return argv[:at], argv[at + 1 :]
-    return argv, []
 
 
 if __name__ == "__main__":
