@@ -12,7 +12,9 @@ group goes away. It receives every message rank 0
 receives, in order: the init, from which it builds its shard of the model as rank 0 does
 (gpu_worker.runtime), then each plan, whose step it runs as far as the collectives reach
 (ModelRunner.follow: the forward and the logits, nothing sampled); each ping becomes a
-heartbeat. It answers nobody: rank 0 alone samples and speaks to the service. A step
+heartbeat. With a KV transfer engine it pulls its shard of each plan's pulls and
+serves its shard to consumers (gpu_worker.kv_ranks). It answers nobody: rank 0 alone
+samples and speaks to the service. A step
 error here is rank 0's error too (the same plan fails the same way before any
 collective), so it is only logged. When a collective fails here (another rank lost) it
 waits for rank 0's end, which ends it: exiting would show rank 0 a rank lost where a rank
@@ -113,7 +115,13 @@ def main(argv: list[str] | None = None) -> int:
 
     group = Group.join(args.store, args.rank, args.local_rank, args.local_size)
     runner = start(group)
-    return 1 if runner is None else follow(group, runner)
+    if runner is None:
+        return 1
+    try:
+        return follow(group, runner)
+    finally:
+        if runner.kv is not None:
+            runner.kv.close()  # its pulls' thread ends before the process, as rank 0's
 
 
 if __name__ == "__main__":

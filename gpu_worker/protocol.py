@@ -199,7 +199,8 @@ class Handshake:
     # the draft model's directory name (WorkerConfig.draft_model_dir), None without one
     draft_model: str | None = None
     # each rank of the group, rank 0 first: {"rank", "pid", "device", "kv_bytes"} (one entry
-    # without tensor parallelism); kv_bytes above is their sum
+    # without tensor parallelism); kv_bytes above is their sum. With a KV transfer engine
+    # each also has its own "kv_transfer_address" and "kv_tensor_addresses" (below: rank 0's)
     ranks: list[dict[str, Any]] = field(default_factory=list)
     # with a KV transfer engine (WorkerConfig.kv_transfer_engine): where it listens
     # (host:port), and the base address of each cache tensor it registered, in
@@ -357,6 +358,15 @@ class AdapterLoad:
 
 
 @dataclass(slots=True)
+class RemoteRank:
+    """Where one rank of a producer's tensor-parallel group serves its shard of the cache
+    (its Handshake.ranks entry's kv_transfer_address and kv_tensor_addresses)."""
+
+    peer: str  # host:port
+    tensors: list[int]
+
+
+@dataclass(slots=True)
 class KvPull:
     """Copy a prompt's K/V that another worker (the producer) holds into blocks of this
     worker's cache, then tell the producer `transfer_id` is done (it frees its blocks).
@@ -369,6 +379,21 @@ class KvPull:
     local_blocks: list[int]  # as many, in the same order
     remote_tensors: list[int]
     remote_num_blocks: int
+    # at tensor parallel size N > 1, each producer rank's, by rank (rank 0's repeats peer
+    # and remote_tensors): rank r pulls its shard, its KV heads, from producer rank r
+    ranks: list[RemoteRank] = field(default_factory=list)
+
+    def for_rank(self, rank: int) -> KvPull:
+        """The part of this pull that rank `rank` of the consumer's group makes."""
+        if not self.ranks:
+            return self
+        mine = self.ranks[rank]
+        return dataclasses.replace(self, peer=mine.peer, remote_tensors=mine.tensors, ranks=[])
+
+    @classmethod
+    def from_message(cls, msg: dict[str, Any]) -> KvPull:
+        ranks = [RemoteRank(**rank) for rank in msg.get("ranks", [])]
+        return cls(**{**msg, "ranks": ranks})
 
 
 @dataclass(slots=True)
@@ -398,6 +423,9 @@ class StepPlan:
     pulls: list[KvPull] = field(default_factory=list)
     # LoRA adapters loaded before `new` are introduced and the rows run
     adapters: list[AdapterLoad] = field(default_factory=list)
+    # the service awaits news of transfers (pulls in flight, holds outstanding): a
+    # tensor-parallel group gathers its ranks' news on such steps only (gpu_worker.kv_ranks)
+    transfer_news: bool = False
 
     @property
     def seq_ids(self) -> list[int]:
@@ -461,10 +489,13 @@ def to_message(kind: str, record: Any) -> dict[str, Any]:
 def step_plan_from_message(msg: dict[str, Any]) -> StepPlan:
     new = [NewSeq(**{**n, "sampling": SamplingSpec(**n["sampling"])}) for n in msg.get("new", [])]
     rows = [Row(**row) for row in msg["rows"]]
-    pulls = [KvPull(**pull) for pull in msg.get("pulls", [])]
+    pulls = [KvPull.from_message(pull) for pull in msg.get("pulls", [])]
     adapters = [AdapterLoad(**load) for load in msg.get("adapters", [])]
     finished = msg.get("finished", [])
-    return StepPlan(msg["step_id"], rows, msg["input_ids"], new, finished, pulls, adapters)
+    news = msg.get("transfer_news", False)
+    return StepPlan(
+        msg["step_id"], rows, msg["input_ids"], new, finished, pulls, adapters, transfer_news=news
+    )
 
 
 def record_from_message(cls: type, msg: dict[str, Any]) -> Any:

@@ -19,6 +19,7 @@ from gpu_worker.faults import DeviceFault, is_device_fault
 from gpu_worker.graphs import DecodeRunner
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.kv_connector import KvConnector
+from gpu_worker.kv_ranks import GroupTransfers, RankNews
 from gpu_worker.mixed_graphs import MixedGraphs
 from gpu_worker.model import Model
 from gpu_worker.protocol import POOL_LAST, Handshake, StepPlan, StepResult, TokenLogprobs
@@ -56,6 +57,7 @@ class ModelRunner:
             drafter.runner.table = self.table
         self.mixed = mixed  # mixed steps from graphs, whole or piecewise (CUDA)
         self.kv: KvConnector | None = None  # disaggregated prefill/decode's transfers
+        self.transfers = GroupTransfers(model.shard.world_size)  # its ranks', on rank 0
         # the linear-attention layers' states, a row per slot of the table (runs eagerly)
         self.state = state
         if state is not None:
@@ -66,15 +68,15 @@ class ModelRunner:
         """Runs one step; a failure comes back as a result with `error` set, except one
         that leaves the device unusable: that raises DeviceFault (gpu_worker.faults)."""
         started = time.perf_counter()
-        if self.kv is not None:
-            self.kv.submit(plan.pulls)  # before the forward pass, which they never wait for
+        self._submit_pulls(plan)
         try:
             result = self.run(plan)
             result.step_ms = (time.perf_counter() - started) * 1000
         except Exception as exc:
             result = StepResult(step_id=plan.step_id, error=_step_error(exc))
         if self.kv is not None:
-            result.pulls_done, result.notices = self.kv.poll_done(), self.kv.poll_notices()
+            news = self._transfer_news(plan)
+            result.pulls_done, result.notices = news.done, news.notices
         return result
 
     @torch.inference_mode()
@@ -82,7 +84,9 @@ class ModelRunner:
         """A follower rank's part of a step (gpu_worker.follower): the plan applied to its
         table as rank 0 applies it, every collective `run` makes on rank 0, in its order
         (_forward_and_logits), and nothing sampled. The step's error, as `execute`
-        reports it; None when it ran."""
+        reports it; None when it ran. Its transfers as rank 0's (`execute`)."""
+        self._submit_pulls(plan)
+        error = None
         try:
             inputs = self.inputs(plan)
             _, hidden = self._forward_and_logits(inputs, Verification.of(inputs))
@@ -90,8 +94,30 @@ class ModelRunner:
                 for _ in self._prompt_logit_chunks(inputs, hidden):
                     pass
         except Exception as exc:
-            return _step_error(exc)
-        return None
+            error = _step_error(exc)
+        if self.kv is not None:
+            self._transfer_news(plan)  # its part of rank 0's gather
+        return error
+
+    def _submit_pulls(self, plan: StepPlan) -> None:
+        """This rank's part of the plan's pulls, started before the forward pass, which
+        never waits for them."""
+        if self.kv is not None:
+            rank = self.model.shard.rank
+            self.kv.submit([pull.for_rank(rank) for pull in plan.pulls])
+
+    def _transfer_news(self, plan: StepPlan) -> RankNews:
+        """The pulls ended and the notices received since the last news: the connector's
+        alone; in a tensor-parallel group, on the steps that await news, those complete on
+        every rank (gpu_worker.kv_ranks), on rank 0 (nothing on the others)."""
+        assert self.kv is not None
+        shard = self.model.shard
+        if shard.world_size == 1:
+            return RankNews(self.kv.poll_done(), self.kv.poll_notices())
+        if not plan.transfer_news:
+            return RankNews()
+        news = shard.gather_object(RankNews(self.kv.poll_done(), self.kv.poll_notices()))
+        return self.transfers.combine(news) if news else RankNews()
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepResult:

@@ -155,9 +155,9 @@ def start(config: WorkerConfig, group: Group | None = None) -> ModelRunner:
         graphs = decode_runner.capture_all()
         graphs["mixed"] = mixed.capture_all()
         memory.release_cached(place.device)
-    ranks = _ranks(group, place.device, caches.cache.bytes)
     runner = _runner(config, place, model, caches, decode_runner, mixed, state)
     _connect_kv(config, runner, clock)
+    ranks = _ranks(group, place.device, runner)
     warmed = None
     kernels, device = model.kernels, place.device
     if kernels.attention.compiles(device) or kernels.layer_ops.compiles(device):
@@ -335,7 +335,8 @@ def _add_lora_slots(
 
 def _connect_kv(config: WorkerConfig, runner: ModelRunner, clock: Stopwatch) -> None:
     """With a KV transfer engine (disaggregated prefill and decode): the runner's
-    connector, its cache registered for peers to read."""
+    connector, its cache registered for peers to read. Each rank of a group has its own,
+    for its shard of the cache (gpu_worker.kv_ranks)."""
     if config.kv_transfer_engine is None:
         return
     if runner.limits.num_groups > 1:
@@ -390,21 +391,22 @@ def _handshake(
     )
 
 
-def _ranks(group: Group | None, device: torch.device, kv_bytes: int) -> list[dict]:
+def _ranks(group: Group | None, device: torch.device, runner: ModelRunner) -> list[dict]:
     """Each rank's facts for the handshake, on rank 0 ([] on the others); on a CPU with its
-    threads."""
+    threads; with a KV transfer engine where its connector serves its shard."""
     mine: dict[str, Any] = {"rank": 0, "pid": os.getpid(), "device": str(device)}
-    mine["kv_bytes"] = kv_bytes
+    mine["kv_bytes"] = runner.cache.bytes
     if device.type == "cpu":
         mine["threads"] = torch.get_num_threads()
+    if runner.kv is not None:
+        mine["kv_transfer_address"] = runner.kv.address
+        mine["kv_tensor_addresses"] = runner.kv.addresses
     if group is None:
         return [mine]
     return group.gather({**mine, "rank": group.rank})
 
 
 def _check_worker_config(config: WorkerConfig) -> None:
-    if config.kv_transfer_engine is not None and config.tensor_parallel_size > 1:
-        raise ValueError("a KV transfer engine serves one rank's cache: tensor_parallel_size 1")
     if config.block_size is not None and config.block_size < 1:
         raise ValueError(f"block_size must be at least 1, got {config.block_size}")
     if config.max_num_seqs < 1:

@@ -158,6 +158,16 @@ class Shard:
             dist.gather(tensor, parts or None, group=self.group, group_dst=0)
         return parts
 
+    def gather_object(self, value: Any) -> list[Any]:
+        """Every rank's picklable `value`, in rank order, on rank 0; [] on the others
+        (a step's KV transfer news, gpu_worker.kv_ranks)."""
+        if self.world_size == 1:
+            return [value]
+        found: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        with _collective("gather"):
+            dist.gather_object(value, found, group=self.group, group_dst=0)
+        return found or []
+
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
         """The [S, vocab] logits on rank 0, from each rank's [S, rows] of its vocabulary
         slice (the padding dropped); None on the others."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpu_worker.protocol import RemoteRank
 from service.api.errors import bad_request
 from service.engine.kv_transfer import PARAM, RemoteKv
 
@@ -30,29 +31,52 @@ def kv_transfer_fields(value: Any) -> dict[str, Any]:
 
 
 def _remote_kv(value: dict[str, Any]) -> RemoteKv:
-    def typed(name: str, kind: type) -> Any:
-        found = value.get(name)
-        if not isinstance(found, kind) or isinstance(found, bool):
-            raise bad_request(
-                f"'{PARAM}.{name}' must be a {kind.__name__} (as the producer answered it)",
-                PARAM,
-            )
-        return found
-
-    def ints(name: str) -> list[int]:
-        found = typed(name, list)
-        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in found):
-            raise bad_request(f"'{PARAM}.{name}' must be a list of non-negative integers", PARAM)
-        return found
-
     return RemoteKv(
-        transfer_id=typed("transfer_id", str),
-        engine_id=typed("remote_engine_id", str),
-        host=typed("remote_host", str),
-        port=typed("remote_port", int),
-        block_ids=ints("remote_block_ids"),
-        tensors=ints("remote_tensors"),
-        num_blocks=typed("remote_num_blocks", int),
-        prompt_tokens=typed("prompt_tokens", int),
-        fingerprint=typed("fingerprint", dict),
+        transfer_id=_typed(value, "transfer_id", str),
+        engine_id=_typed(value, "remote_engine_id", str),
+        host=_typed(value, "remote_host", str),
+        port=_typed(value, "remote_port", int),
+        block_ids=_ints(value, "remote_block_ids"),
+        tensors=_ints(value, "remote_tensors"),
+        num_blocks=_typed(value, "remote_num_blocks", int),
+        prompt_tokens=_typed(value, "prompt_tokens", int),
+        fingerprint=_typed(value, "fingerprint", dict),
+        ranks=_remote_ranks(value.get("remote_ranks", [])),
     )
+
+
+def _remote_ranks(value: Any) -> list[RemoteRank]:
+    """A tensor-parallel producer's ranks (its answer's remote_ranks): where each serves
+    its shard; whether they are as many as this server's is the engine's check."""
+    where = "remote_ranks"
+    if not isinstance(value, list) or not all(isinstance(rank, dict) for rank in value):
+        raise bad_request(f"'{PARAM}.{where}' must be a list of objects", PARAM)
+    return [
+        RemoteRank(
+            f"{_typed(rank, 'remote_host', str, where)}:{_typed(rank, 'remote_port', int, where)}",
+            _ints(rank, "remote_tensors", where),
+        )
+        for rank in value
+    ]
+
+
+def _typed(value: dict[str, Any], name: str, kind: type, within: str = "") -> Any:
+    found = value.get(name)
+    if not isinstance(found, kind) or isinstance(found, bool):
+        raise bad_request(
+            f"'{_path(name, within)}' must be a {kind.__name__} (as the producer answered it)",
+            PARAM,
+        )
+    return found
+
+
+def _ints(value: dict[str, Any], name: str, within: str = "") -> list[int]:
+    found = _typed(value, name, list, within)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in found):
+        raise bad_request(f"'{_path(name, within)}' must be a list of non-negative integers", PARAM)
+    return found
+
+
+def _path(name: str, within: str) -> str:
+    """A field's name in an error: kv_transfer_params.name, or .within[].name."""
+    return f"{PARAM}.{within}[].{name}" if within else f"{PARAM}.{name}"

@@ -16,7 +16,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from gpu_worker.protocol import Handshake
+from gpu_worker.protocol import Handshake, RemoteRank
 from service.engine.validation import InvalidRequest
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ class Fingerprint:
             handshake.head_dim,
             handshake.block_size,
             len(handshake.kv_group_windows),
-            max(1, len(handshake.ranks)),
+            tp_size(handshake),
         )
 
     def check(self, theirs: dict[str, Any]) -> None:
@@ -82,6 +82,8 @@ class RemoteKv:
     num_blocks: int  # the producer's cache's blocks
     prompt_tokens: int
     fingerprint: dict[str, Any] = field(default_factory=dict)
+    # at tensor parallel size > 1 every producer rank's (remote_ranks), rank 0's first
+    ranks: list[RemoteRank] = field(default_factory=list)
 
     @property
     def peer(self) -> str:
@@ -174,16 +176,35 @@ def check_kv_transfer(
             f"{len(remote.block_ids)} remote_block_ids do not hold a {prompt_len}-token prompt",
             PARAM,
         )
+    _check_remote_ranks(remote, tp_size(handshake))
+
+
+def tp_size(handshake: Handshake) -> int:
+    """The worker group's ranks (one without tensor parallelism)."""
+    return max(1, len(handshake.ranks))
+
+
+def _check_remote_ranks(remote: RemoteKv, tp: int) -> None:
+    """InvalidRequest unless the producer lists a rank for each of this server's (its rank r
+    serves this one's rank r its shard), or none at tensor parallel size 1."""
+    wanted = tp if tp > 1 else 0
+    if len(remote.ranks) != wanted:
+        raise InvalidRequest(
+            f"'{PARAM}.remote_ranks' lists {len(remote.ranks)} producer ranks; this server, at "
+            f"tensor parallel size {tp}, pulls from {wanted} (as the producer answered them)",
+            PARAM,
+        )
 
 
 def producer_params(
     hold: KvHold, handshake: Handshake, engine_id: str, fingerprint: Fingerprint
 ) -> dict[str, Any]:
     """The kv_transfer_params of a producer's answer: vLLM's connectors' fields, then
-    cadence's own (the router copies them whole into the consumer's request)."""
+    cadence's own (the router copies them whole into the consumer's request); at tensor
+    parallel size > 1 every rank's address and tensors (remote_ranks)."""
     assert handshake.kv_transfer_address is not None  # a producer's worker has an engine
-    host, _, port = handshake.kv_transfer_address.rpartition(":")
-    return {
+    host, port = _host_port(handshake.kv_transfer_address)
+    params = {
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "remote_engine_id": engine_id,
@@ -196,3 +217,17 @@ def producer_params(
         "remote_tensors": handshake.kv_tensor_addresses,
         "remote_num_blocks": handshake.num_blocks,
     }
+    if tp_size(handshake) > 1:
+        params["remote_ranks"] = [_remote_rank(rank) for rank in handshake.ranks]
+    return params
+
+
+def _remote_rank(rank: dict[str, Any]) -> dict[str, Any]:
+    """A remote_ranks entry: where a producer rank (Handshake.ranks) serves its shard."""
+    host, port = _host_port(rank["kv_transfer_address"])
+    return {"remote_host": host, "remote_port": port, "remote_tensors": rank["kv_tensor_addresses"]}
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host, int(port)

@@ -333,6 +333,7 @@ class Scheduler:
         if out.scheduled or self.transfers_pending:
             out.plan = self.plans.build(out.scheduled, out.iteration)
             out.plan.pulls = pulls
+            out.plan.transfer_news = self.transfers_pending
             if self.adapter_slots is not None:
                 out.plan.adapters = self.adapter_slots.take_loads()
             out.written = [self._written(item) for item in out.scheduled]
