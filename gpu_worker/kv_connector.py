@@ -107,12 +107,14 @@ class KvConnector:
         """The registered tensors' base addresses (a KvPull's remote_tensors, to a peer)."""
         return [t.data_ptr() for t in self._tensors]
 
-    def submit(self, pulls: list[KvPull]) -> None:
-        """Start `pulls`; each ends in a later poll_done, failed or not."""
+    def submit(self, pulls: list[KvPull], rank: int = 0) -> None:
+        """Start `pulls` (this rank's part of each, in a tensor-parallel group); each ends
+        in a later poll_done, failed or not."""
         for pull in pulls:
             try:
-                self._pulls.put_nowait((pull, plan_segments(pull, self._tensors)))
-            except (KvTransferError, queue.Full) as exc:
+                part = pull.for_rank(rank)
+                self._pulls.put_nowait((part, plan_segments(part, self._tensors)))
+            except (KvTransferError, ValueError, queue.Full) as exc:
                 self._report(PullDone(pull.transfer_id, error=str(exc) or "too many pulls"))
                 continue
             self._ensure_thread()

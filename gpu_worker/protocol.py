@@ -384,9 +384,14 @@ class KvPull:
     ranks: list[RemoteRank] = field(default_factory=list)
 
     def for_rank(self, rank: int) -> KvPull:
-        """The part of this pull that rank `rank` of the consumer's group makes."""
-        if not self.ranks:
+        """The part of this pull that rank `rank` of the consumer's group makes; ValueError
+        where the pull lists no producer rank for it."""
+        if not self.ranks and rank == 0:
             return self
+        if rank >= len(self.ranks):
+            raise ValueError(
+                f"the pull lists {len(self.ranks)} producer ranks: none for rank {rank}"
+            )
         mine = self.ranks[rank]
         return dataclasses.replace(self, peer=mine.peer, remote_tensors=mine.tensors, ranks=[])
 

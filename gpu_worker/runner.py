@@ -103,8 +103,7 @@ class ModelRunner:
         """This rank's part of the plan's pulls, started before the forward pass, which
         never waits for them."""
         if self.kv is not None:
-            rank = self.model.shard.rank
-            self.kv.submit([pull.for_rank(rank) for pull in plan.pulls])
+            self.kv.submit(plan.pulls, self.model.shard.rank)
 
     def _transfer_news(self, plan: StepPlan) -> RankNews:
         """The pulls ended and the notices received since the last news: the connector's

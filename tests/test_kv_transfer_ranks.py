@@ -12,8 +12,10 @@ import dataclasses
 import orjson
 import pytest
 
+from gpu_worker.kv_connector import make_connector
 from gpu_worker.kv_ranks import GroupTransfers, RankNews
 from gpu_worker.protocol import (
+    KV_ENGINE_LOCAL,
     Handshake,
     KvPull,
     PullDone,
@@ -76,6 +78,17 @@ def test_each_rank_pulls_its_shard_from_the_same_producer_rank() -> None:
     assert (mine.remote_blocks, mine.local_blocks) == ([4, 5], [7, 8])
     one_rank = dataclasses.replace(pull, ranks=[])
     assert one_rank.for_rank(0) is one_rank
+
+
+def test_a_pull_that_lists_no_producer_rank_for_this_one_fails_as_a_pull() -> None:
+    consumer = make_connector(KV_ENGINE_LOCAL, "")
+    try:
+        pull = KvPull("t", "local:x", [0], [0], [1], 4, [RemoteRank("local:x", [1])])
+        consumer.submit([pull], rank=1)
+        done = consumer.poll_done()  # refused at once, the step goes on
+        assert [d.transfer_id for d in done] == ["t"] and "rank 1" in (done[0].error or "")
+    finally:
+        consumer.close()
 
 
 def handshake(ranks: int) -> Handshake:
