@@ -29,6 +29,7 @@ PROMPTS = [
     "Once upon a time, in a quiet village by the sea, there lived an old fisherman who",
 ]
 MAX_TOKENS = 6
+KV_BYTES = str(48 * 1024 * 1024)  # the group's cache, small: it is zeroed at start
 
 
 @dataclass(slots=True)
@@ -39,7 +40,7 @@ class Pair:
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    group = ("--tensor-parallel-size", str(WORLD), "--debug-invariants")
+    group = ("--tensor-parallel-size", str(WORLD), "--debug-invariants", "--kv-memory", KV_BYTES)
     started = [
         start_server(
             tmp_path_factory.mktemp(f"tp-{role}"), "--kv-transfer-role", role, *group, wait=False
