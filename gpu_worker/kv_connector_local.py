@@ -24,6 +24,9 @@ class LocalConnector(KvConnector):
     def _register(self, address: int, length: int) -> None:
         pass  # its memory is this process's
 
+    def _unregister(self, address: int) -> None:
+        pass
+
     def _read(self, peer: str, segments: Segments, transfer_id: str) -> None:
         producer = _peers.get(peer)
         if producer is None:

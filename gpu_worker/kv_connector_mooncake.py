@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 import os
 
+import torch
+
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.kv_connector import KvConnector, KvTransferError, Segments
 
@@ -37,7 +39,7 @@ class MooncakeConnector(KvConnector):
             raise KvTransferError(f"the mooncake transfer engine did not start on {host}")
         self.address = f"{host}:{self._engine.get_rpc_port()}"
 
-    def register(self, cache: KVCache) -> list[int]:
+    def register(self, cache: KVCache, arena: torch.Tensor | None = None) -> list[int]:
         from mooncake import engine
 
         if cache.like.device.type != "cpu" and not engine.SUPPORT_CUDA:
@@ -45,11 +47,15 @@ class MooncakeConnector(KvConnector):
                 "this Mooncake build moves host memory only (mooncake-transfer-engine-non-cuda); "
                 "a cache on the GPU needs its CUDA build"
             )
-        return super().register(cache)
+        return super().register(cache, arena)
 
     def _register(self, address: int, length: int) -> None:
         if self._engine.register_memory(address, length) != 0:
             raise KvTransferError(f"mooncake did not register {length} bytes at {address:#x}")
+
+    def _unregister(self, address: int) -> None:
+        if self._engine.unregister_memory(address) != 0:
+            raise KvTransferError(f"mooncake did not unregister the memory at {address:#x}")
 
     def _read(self, peer: str, segments: Segments, transfer_id: str) -> None:
         """In batches of MAX_BATCH_SEGMENTS; the last one carries the notify."""

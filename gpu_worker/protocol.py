@@ -135,6 +135,10 @@ class WorkerConfig:
     kv_transfer_engine: str | None = None
     kv_transfer_host: str = "127.0.0.1"
     kv_transfer_timeout: float = 30.0
+    # a producer's staging arena (gpu_worker.kv_staging), in tokens of K/V (rounded up to
+    # blocks; tokens, not blocks, as the block size differs by device): a held prompt
+    # gathered into one region that a consumer reads in one segment; 0: none
+    kv_staging_tokens: int = 8192
     # LoRA adapters (gpu_worker.lora): slots held at once (0: LoRA off), and the largest
     # rank a slot holds (its buffers are allocated at start for every target module)
     max_loras: int = 0
@@ -206,6 +210,11 @@ class Handshake:
     # gpu_worker.kv_connector.cache_tensors' order (a KvPull's remote_tensors)
     kv_transfer_address: str | None = None
     kv_tensor_addresses: list[int] = field(default_factory=list)
+    # one block's bytes over every cache tensor and KV head (what a pull moves a block), and
+    # the staging arena (WorkerConfig.kv_staging_tokens): its address and its blocks (0: none)
+    kv_block_bytes: int = 0
+    kv_staging_address: int | None = None
+    kv_staging_blocks: int = 0
 
 
 @dataclass(slots=True)
@@ -369,6 +378,19 @@ class KvPull:
     local_blocks: list[int]  # as many, in the same order
     remote_tensors: list[int]
     remote_num_blocks: int
+    # where the producer gathered the blocks (a KvStage's region of its arena), read in one
+    # segment then; None: read from its cache, a segment per run, cache tensor and KV head
+    remote_staging_address: int | None = None
+
+
+@dataclass(slots=True)
+class KvStage:
+    """Gather `blocks`' K/V into the staging arena from block `offset` on, after the step's
+    forward pass and before its result (gpu_worker.kv_staging): a producer's prompt that the
+    step ends, so its region is written before the answer names it."""
+
+    blocks: list[int]
+    offset: int
 
 
 @dataclass(slots=True)
@@ -398,6 +420,8 @@ class StepPlan:
     pulls: list[KvPull] = field(default_factory=list)
     # LoRA adapters loaded before `new` are introduced and the rows run
     adapters: list[AdapterLoad] = field(default_factory=list)
+    # gathers into the staging arena, run once the rows' K/V is written
+    stages: list[KvStage] = field(default_factory=list)
 
     @property
     def seq_ids(self) -> list[int]:
@@ -464,7 +488,8 @@ def step_plan_from_message(msg: dict[str, Any]) -> StepPlan:
     pulls = [KvPull(**pull) for pull in msg.get("pulls", [])]
     adapters = [AdapterLoad(**load) for load in msg.get("adapters", [])]
     finished = msg.get("finished", [])
-    return StepPlan(msg["step_id"], rows, msg["input_ids"], new, finished, pulls, adapters)
+    stages = [KvStage(**stage) for stage in msg.get("stages", [])]
+    return StepPlan(msg["step_id"], rows, msg["input_ids"], new, finished, pulls, adapters, stages)
 
 
 def record_from_message(cls: type, msg: dict[str, Any]) -> Any:

@@ -71,11 +71,18 @@ class ModelRunner:
         try:
             result = self.run(plan)
             result.step_ms = (time.perf_counter() - started) * 1000
+            if plan.stages:  # the rows' K/V is written: gathered before the result names it
+                self._stage(plan)
         except Exception as exc:
             result = StepResult(step_id=plan.step_id, error=_step_error(exc))
         if self.kv is not None:
             result.pulls_done, result.notices = self.kv.poll_done(), self.kv.poll_notices()
         return result
+
+    def _stage(self, plan: StepPlan) -> None:
+        if self.kv is None:
+            raise ValueError("the plan stages K/V; this worker has no transfer engine")
+        self.kv.stage(plan.stages)
 
     @torch.inference_mode()
     def follow(self, plan: StepPlan) -> str | None:
