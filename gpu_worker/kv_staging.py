@@ -18,6 +18,7 @@ part straight into its cache (no copy after the read; tensors x heads segments).
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -36,7 +37,9 @@ def allocate_arena(blocks: int, per_block: int, device: torch.device) -> torch.T
     return torch.zeros(blocks * per_block, dtype=torch.uint8, device=device)
 
 
-def region_views(region: torch.Tensor, tensors: list[torch.Tensor], count: int) -> list[torch.Tensor]:
+def region_views(
+    region: torch.Tensor, tensors: list[torch.Tensor], count: int
+) -> list[torch.Tensor]:
     """`region` (bytes from a region's start) as each cache tensor's part of a region of
     `count` blocks: [kv_heads, count, *the block's shape], of the tensor's dtype."""
     views, at = [], 0
@@ -70,4 +73,4 @@ def scatter(tensors: list[torch.Tensor], landing: torch.Tensor, blocks: list[int
 
 
 def is_one_run(blocks: list[int]) -> bool:
-    return all(b == a + 1 for a, b in zip(blocks, blocks[1:], strict=False))
+    return all(b == a + 1 for a, b in itertools.pairwise(blocks))

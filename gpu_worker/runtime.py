@@ -38,8 +38,8 @@ from gpu_worker.graphs import DecodeRunner, graph_capturer
 from gpu_worker.kernels import Kernels, quant_kernels
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.kv_connector import make_connector
-from gpu_worker.kv_staging import allocate_arena
 from gpu_worker.kv_groups import KVGroups
+from gpu_worker.kv_staging import allocate_arena
 from gpu_worker.lora import LoraSlots
 from gpu_worker.mixed_graphs import MixedGraphs, piece_capturer, static_records
 from gpu_worker.model import Model

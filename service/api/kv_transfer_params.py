@@ -45,6 +45,15 @@ def _remote_kv(value: dict[str, Any]) -> RemoteKv:
             raise bad_request(f"'{PARAM}.{name}' must be a list of non-negative integers", PARAM)
         return found
 
+    def address(name: str) -> int | None:
+        """Null (the producer staged nothing), or a non-negative integer."""
+        if value.get(name) is None:
+            return None
+        found = typed(name, int)
+        if found < 0:
+            raise bad_request(f"'{PARAM}.{name}' must be a non-negative integer or null", PARAM)
+        return found
+
     return RemoteKv(
         transfer_id=typed("transfer_id", str),
         engine_id=typed("remote_engine_id", str),
@@ -55,4 +64,5 @@ def _remote_kv(value: dict[str, Any]) -> RemoteKv:
         num_blocks=typed("remote_num_blocks", int),
         prompt_tokens=typed("prompt_tokens", int),
         fingerprint=typed("fingerprint", dict),
+        staging_address=address("remote_staging_address"),
     )

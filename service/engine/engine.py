@@ -69,6 +69,7 @@ from service.engine.kv_transfer import (
     ROLE_PRODUCER,
     Fingerprint,
     KvHolds,
+    StagingArena,
     check_kv_transfer,
     producer_params,
 )
@@ -138,6 +139,7 @@ class Engine:
         )
         if config.kv_transfer_role in (ROLE_PRODUCER, ROLE_BOTH):
             self._scheduler.kv_holds = KvHolds(config.kv_hold_timeout)
+            self._scheduler.kv_staging = StagingArena()  # its blocks: the worker's handshake
         if config.enable_lora:
             self._scheduler.adapter_slots = AdapterSlots(config.max_loras)
         self.engine_id = uuid.uuid4().hex  # vLLM's remote_engine_id of a producer's answers
@@ -310,8 +312,10 @@ class Engine:
             return None
         sched = self._scheduler
         holds = sched.kv_holds.state() if sched.kv_holds is not None else None
+        staging = sched.kv_staging.state() if sched.kv_staging is not None else None
         pulls = {"waiting": len(sched.kv_pulls.waiting), "pulling": len(sched.kv_pulls.pulling)}
-        return {"role": self.config.kv_transfer_role, "holds": holds, "pulls": pulls}
+        role = self.config.kv_transfer_role
+        return {"role": role, "holds": holds, "staging": staging, "pulls": pulls}
 
     def _overlap_limit(self) -> int | None:
         """The most sequences a step may have and overlap; None: every step does."""
@@ -607,6 +611,8 @@ class Engine:
         refuse_what_a_recurrent_state_cannot(handshake, self.config)
         self.handshake = handshake
         self._scheduler.replace_blocks(self._blocks_for(handshake))
+        if self._scheduler.kv_staging is not None:
+            self._scheduler.kv_staging.reset(handshake.kv_staging_blocks)
         self._fail_what_no_longer_fits()
         self._overlap_seqs = overlap_seqs(self.config.overlap, handshake.device)
         # on the CPU, fills would take the cores the step needs: only between steps there

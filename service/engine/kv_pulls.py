@@ -53,6 +53,7 @@ class KvPulls:
                     local,
                     remote.tensors,
                     remote.num_blocks,
+                    remote.staging_address,
                 )
             )
         return pulls

@@ -7,6 +7,11 @@ or the hold's deadline (KvHolds); its answer's kv_transfer_params say where they
 consumer (consumer|both) checks that the producer's cache is laid out as its own (the
 fingerprint), pulls the blocks (the scheduler's receiving sequences), and computes only the
 prompt's last token. The transfer itself is the worker's (gpu_worker.kv_connector).
+
+A producer with a staging arena (--kv-staging-tokens, gpu_worker.kv_staging) has the step
+that ends a do_remote_decode request gather its prompt into one region of it, so a consumer
+reads it in one segment however fragmented the caches are; StagingArena places the regions.
+A prompt that finds no room is held unstaged and pulled from the cache as before.
 """
 
 from __future__ import annotations
@@ -82,6 +87,7 @@ class RemoteKv:
     num_blocks: int  # the producer's cache's blocks
     prompt_tokens: int
     fingerprint: dict[str, Any] = field(default_factory=dict)
+    staging_address: int | None = None  # where the producer staged it (None: unstaged)
 
     @property
     def peer(self) -> str:
@@ -97,6 +103,7 @@ class KvHold:
     block_ids: list[int]
     prompt_tokens: int
     deadline: float  # engine clock
+    staged_at: int | None = None  # its region's first block in the staging arena
 
 
 @dataclass(slots=True)
@@ -110,9 +117,17 @@ class KvHolds:
     expired: int = 0
     _ids: itertools.count = field(default_factory=itertools.count)
 
-    def hold(self, seq_id: int, block_ids: list[int], prompt_tokens: int, now: float) -> KvHold:
+    def hold(
+        self,
+        seq_id: int,
+        block_ids: list[int],
+        prompt_tokens: int,
+        now: float,
+        staged_at: int | None = None,
+    ) -> KvHold:
         transfer_id = f"kvx-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
-        hold = KvHold(transfer_id, seq_id, block_ids, prompt_tokens, now + self.timeout)
+        deadline = now + self.timeout
+        hold = KvHold(transfer_id, seq_id, block_ids, prompt_tokens, deadline, staged_at)
         self.by_id[transfer_id] = hold
         self.held += 1
         return hold
@@ -140,6 +155,65 @@ class KvHolds:
             "held": self.held,
             "released": self.released,
             "expired": self.expired,
+        }
+
+
+@dataclass(slots=True)
+class StagingArena:
+    """Where in the producer worker's staging arena each prompt's region lies, by sequence:
+    taken in the step that ends the request (first fit; no room: the prompt goes unstaged),
+    kept by its hold, freed with it, or when the request ends otherwise."""
+
+    blocks: int = 0  # the worker's arena (Handshake.kv_staging_blocks)
+    regions: dict[int, tuple[int, int]] = field(default_factory=dict)  # seq -> (first, count)
+    staged: int = 0
+    unstaged: int = 0  # prompts that found no room
+
+    def take(self, seq_id: int, count: int) -> int | None:
+        """The first block of a free region of `count` blocks, now `seq_id`'s; None: none."""
+        start = 0
+        for first, taken in sorted(self.regions.values()):
+            if first - start >= count:
+                break
+            start = first + taken
+        if start + count > self.blocks:
+            self.unstaged += 1
+            return None
+        self.regions[seq_id] = (start, count)
+        self.staged += 1
+        return start
+
+    def first_block(self, seq_id: int) -> int | None:
+        region = self.regions.get(seq_id)
+        return None if region is None else region[0]
+
+    def free(self, seq_id: int) -> None:
+        self.regions.pop(seq_id, None)
+
+    def reset(self, blocks: int) -> None:
+        """A new worker's arena: the old one's regions went with it."""
+        self.blocks = blocks
+        self.regions.clear()
+
+    @property
+    def used(self) -> int:
+        return sum(count for _, count in self.regions.values())
+
+    def check_invariants(self, owners: set[int]) -> None:
+        """Regions lie inside the arena, apart, each of a sequence in `owners`."""
+        end = 0
+        for first, count in sorted(self.regions.values()):
+            assert first >= end and count > 0, "staging regions overlap"
+            end = first + count
+        assert end <= self.blocks, "a staging region past the arena"
+        assert set(self.regions) <= owners, "a staging region outlived its sequence"
+
+    def state(self) -> dict[str, int]:
+        return {
+            "blocks": self.blocks,
+            "used": self.used,
+            "staged": self.staged,
+            "unstaged": self.unstaged,
         }
 
 
@@ -183,6 +257,9 @@ def producer_params(
     cadence's own (the router copies them whole into the consumer's request)."""
     assert handshake.kv_transfer_address is not None  # a producer's worker has an engine
     host, _, port = handshake.kv_transfer_address.rpartition(":")
+    staging = None
+    if hold.staged_at is not None and handshake.kv_staging_address is not None:
+        staging = handshake.kv_staging_address + hold.staged_at * handshake.kv_block_bytes
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -195,4 +272,5 @@ def producer_params(
         "fingerprint": asdict(fingerprint),
         "remote_tensors": handshake.kv_tensor_addresses,
         "remote_num_blocks": handshake.num_blocks,
+        "remote_staging_address": staging,
     }
