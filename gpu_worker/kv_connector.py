@@ -1,13 +1,14 @@
-"""The worker's side of disaggregated prefill and decode: a KV connector moves blocks of
-one worker's paged cache into another's, beside the steps and never in their path.
+"""The worker's side of disaggregated prefill and decode: a KV connector moves blocks of one
+worker's paged cache into another's, beside the steps and never in their path.
 
-A producer's connector only registers its cache: consumers read from it and notify it when
-they are done (poll_notices). A consumer's connector pulls (a StepPlan's KvPulls): each
-pull becomes segments, a run of consecutive blocks on both sides making one segment per
-cache tensor and KV head (the cache is [kv_heads, blocks, block_size, ...]), so a fresh
-cache moves a prompt in a few large copies. The copies run on one thread of the
-connector's, fed by a bounded queue: the engines' calls release the GIL, so the step goes
-on while a transfer runs; poll_done reports the pulls that ended since it was last asked.
+A producer's connector only registers its cache: consumers read from it and notify it as
+they begin (a one-byte read that carries the notice: the producer keeps the hold while the
+read runs) and when they are done (poll_notices). A consumer's connector pulls (a StepPlan's
+KvPulls): each pull becomes segments, a run of consecutive blocks on both sides making one
+segment per cache tensor and KV head (the cache is [kv_heads, blocks, block_size, ...]), so
+a fresh cache moves a prompt in a few large copies. The copies run on one thread of the
+connector's, fed by a bounded queue: the engines' calls release the GIL, so the step goes on
+while a transfer runs; poll_done reports the pulls that ended since it was last asked.
 
 A producer with a staging arena (gpu_worker.kv_staging) gathers a held prompt into one
 region of it (`stage`); a pull of such a region reads it in one segment into a landing
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -34,6 +36,9 @@ from gpu_worker.protocol import KvPull, KvStage, PullDone
 
 # pulls waiting for the thread: more than a step admits; a full queue fails the pull
 MAX_QUEUED_PULLS = 256
+# a consumer's notices to the producer, by transfer id: it begins to read, it has read
+NOTICE_READING, NOTICE_DONE = "reading", "done"
+Notice = tuple[str, str]  # (transfer id, NOTICE_READING or NOTICE_DONE)
 
 
 class KvTransferError(RuntimeError):
@@ -77,6 +82,16 @@ class Transfer:
 
     pull: KvPull
     segments: Segments | None
+    queued: float = field(default_factory=time.monotonic)
+
+    def check_in_time(self) -> None:
+        """KvTransferError where the pull waited past its start_within (the hold's end)."""
+        waited = time.monotonic() - self.queued
+        if self.pull.start_within is not None and waited > self.pull.start_within:
+            raise KvTransferError(
+                f"the producer's hold ends before this pull could start (it waited {waited:.1f} "
+                "s behind others)"
+            )
 
 
 def plan_transfer(pull: KvPull, tensors: list[torch.Tensor]) -> Transfer:
@@ -196,8 +211,9 @@ class KvConnector:
             done, self._done = self._done, []
         return done
 
-    def poll_notices(self) -> list[str]:
-        """Transfer ids consumers have pulled from this worker since the last call."""
+    def poll_notices(self) -> list[Notice]:
+        """The notices of consumers that began to read, or read, from this worker since the
+        last call."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -216,9 +232,11 @@ class KvConnector:
         while (transfer := self._pulls.get()) is not None:
             pull, segments, error = transfer.pull, transfer.segments, None
             try:
+                transfer.check_in_time()
+                self._read(pull.peer, self._announcement(pull), pull.transfer_id, NOTICE_READING)
                 if segments is None:
                     segments = self._landing_segments(pull)
-                self._read(pull.peer, segments, pull.transfer_id)
+                self._read(pull.peer, segments, pull.transfer_id, NOTICE_DONE)
                 if transfer.segments is None:
                     assert self._landing is not None
                     scatter(self._tensors, self._landing, pull.local_blocks)
@@ -229,6 +247,14 @@ class KvConnector:
             if segments is not None:
                 done.bytes, done.segments = segments.bytes, len(segments.lengths)
             self._report(done)
+
+    def _announcement(self, pull: KvPull) -> Segments:
+        """A one-byte read that carries the reading notice (a notice goes only with a read):
+        the producer's first cache byte into this cache's scratch block, which only
+        padding writes and nothing reads as K/V."""
+        first = self._tensors[0]
+        scratch = first.data_ptr() + (first.shape[1] - 1) * first.stride(1) * first.element_size()
+        return Segments([scratch], [pull.remote_tensors[0]], [1])
 
     def _landing_segments(self, pull: KvPull) -> Segments:
         """The one copy that lands `pull`'s staged region, the landing buffer grown (and
@@ -252,8 +278,8 @@ class KvConnector:
     def _unregister(self, address: int) -> None:
         raise NotImplementedError
 
-    def _read(self, peer: str, segments: Segments, transfer_id: str) -> None:
-        """Copy `segments` from `peer`, then notify it of `transfer_id`; raises
+    def _read(self, peer: str, segments: Segments, transfer_id: str, notice: str) -> None:
+        """Copy `segments` from `peer`, then send it `notice` of `transfer_id`; raises
         KvTransferError. Runs on the connector's thread."""
         raise NotImplementedError
 

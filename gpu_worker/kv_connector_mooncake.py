@@ -10,9 +10,15 @@ import os
 import torch
 
 from gpu_worker.kv_cache import KVCache
-from gpu_worker.kv_connector import KvConnector, KvTransferError, Segments
+from gpu_worker.kv_connector import (
+    NOTICE_DONE,
+    NOTICE_READING,
+    KvConnector,
+    KvTransferError,
+    Notice,
+    Segments,
+)
 
-NOTIFY_DONE = "done"  # the notify's message; its name is the transfer id
 # Its TCP transport queues 2,048 tasks: a batch of more segments fails whole (-1), and a
 # fragmented cache's pull has a segment per block, cache tensor and KV head (SmolLM2's
 # 180 a block), so a pull goes in batches of at most this many
@@ -57,8 +63,9 @@ class MooncakeConnector(KvConnector):
         if self._engine.unregister_memory(address) != 0:
             raise KvTransferError(f"mooncake did not unregister the memory at {address:#x}")
 
-    def _read(self, peer: str, segments: Segments, transfer_id: str) -> None:
-        """In batches of MAX_BATCH_SEGMENTS; the last one carries the notify."""
+    def _read(self, peer: str, segments: Segments, transfer_id: str, notice: str) -> None:
+        """In batches of MAX_BATCH_SEGMENTS; the last one carries the notify (its name the
+        transfer id, its message the notice)."""
         from mooncake.engine import TransferNotify, TransferOpcode
 
         count = len(segments.lengths)
@@ -70,10 +77,11 @@ class MooncakeConnector(KvConnector):
                 segments.remote[start:end],
                 segments.lengths[start:end],
                 TransferOpcode.Read,
-                TransferNotify(transfer_id, NOTIFY_DONE) if end >= count else None,
+                TransferNotify(transfer_id, notice) if end >= count else None,
             )
             if status != 0:
                 raise KvTransferError(f"mooncake's read from {peer} failed ({status})")
 
-    def poll_notices(self) -> list[str]:
-        return [n.name for n in self._engine.get_notifies() if n.msg == NOTIFY_DONE]
+    def poll_notices(self) -> list[Notice]:
+        notices = self._engine.get_notifies()
+        return [(n.name, n.msg) for n in notices if n.msg in (NOTICE_READING, NOTICE_DONE)]

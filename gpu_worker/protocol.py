@@ -381,6 +381,9 @@ class KvPull:
     # where the producer gathered the blocks (a KvStage's region of its arena), read in one
     # segment then; None: read from its cache, a segment per run, cache tensor and KV head
     remote_staging_address: int | None = None
+    # seconds from now within which its read must start: the producer's hold ends soon after
+    # (a pull queued behind others past it fails instead of reading freed blocks); None: any
+    start_within: float | None = None
 
 
 @dataclass(slots=True)
@@ -470,9 +473,11 @@ class StepResult:
     # a first step, after a ping, or after more than MAX_IDLE_GAP_S (the service was idle)
     idle_ms: float | None = None
     # KvPulls that ended since the previous result, and the transfer ids whose K/V a
-    # consumer has pulled from this worker (its notices)
+    # consumer has pulled from this worker (its notices), or has begun to read (its hold is
+    # then kept while the read runs)
     pulls_done: list[PullDone] = field(default_factory=list)
     notices: list[str] = field(default_factory=list)
+    reading: list[str] = field(default_factory=list)
 
 
 def to_message(kind: str, record: Any) -> dict[str, Any]:

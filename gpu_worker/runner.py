@@ -18,7 +18,7 @@ from gpu_worker.draft_model import Drafter, asks_draft_model
 from gpu_worker.faults import DeviceFault, is_device_fault
 from gpu_worker.graphs import DecodeRunner
 from gpu_worker.kv_cache import KVCache
-from gpu_worker.kv_connector import KvConnector
+from gpu_worker.kv_connector import NOTICE_DONE, KvConnector
 from gpu_worker.mixed_graphs import MixedGraphs
 from gpu_worker.model import Model
 from gpu_worker.protocol import POOL_LAST, Handshake, StepPlan, StepResult, TokenLogprobs
@@ -76,7 +76,10 @@ class ModelRunner:
         except Exception as exc:
             result = StepResult(step_id=plan.step_id, error=_step_error(exc))
         if self.kv is not None:
-            result.pulls_done, result.notices = self.kv.poll_done(), self.kv.poll_notices()
+            result.pulls_done = self.kv.poll_done()
+            for transfer_id, notice in self.kv.poll_notices():
+                kind = result.notices if notice == NOTICE_DONE else result.reading
+                kind.append(transfer_id)
         return result
 
     def _stage(self, plan: StepPlan) -> None:

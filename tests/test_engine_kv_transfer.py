@@ -21,7 +21,7 @@ from service.api.kv_transfer_params import kv_transfer_fields
 from service.config import Config
 from service.engine.assembly import open_engine
 from service.engine.engine import Engine
-from service.engine.kv_transfer import KV_TRANSFER_FAILED
+from service.engine.kv_transfer import HOLD_MARGIN_S, KV_TRANSFER_FAILED
 from service.engine.request import SamplingParams, SamplingSpec
 from service.engine.validation import InvalidRequest
 from tests.in_process_worker import InProcessWorker
@@ -154,6 +154,27 @@ async def test_a_hold_nobody_pulls_expires_and_frees_its_blocks(tiny_models):
         assert staging.used == 0
 
 
+async def test_a_pull_that_would_start_too_near_the_holds_end_fails_unread(tiny_models):
+    async with engines(tiny_models("llama"), "producer", "consumer") as (pair, w):
+        producer, consumer = pair
+        params = await prefill(producer, PROMPTS[2], "p")
+        assert 0 < params["remote_hold_seconds"] <= config(None).kv_hold_timeout
+        # as if the router took the hold's time: less than the margin is left
+        late = {**params, "remote_hold_seconds": HOLD_MARGIN_S / 2}
+        out = await decode(consumer, PROMPTS[2], late, "late")
+        assert out.finish is not None and out.finish.detail == KV_TRANSFER_FAILED
+        assert "hold ends before" in (out.finish.error or "")
+        assert not any(plan.rows for plan in w[1].plans)
+        holds = producer.scheduler.kv_holds
+        assert holds is not None and holds.kept == 0  # never read
+        out = await decode(consumer, PROMPTS[2], params, "d")  # in time: read, then released
+        assert out.finish is not None and out.finish.reason == "length"
+        await wait_until(lambda: holds.released == 1)
+        assert holds.kept == 1  # its reading notice came first
+        await wait_until(lambda: not consumer.scheduler.has_work())
+        assert consumer.scheduler.blocks.num_used == 0
+
+
 async def test_a_failed_pull_ends_the_request_and_frees_its_blocks(tiny_models):
     async with engines(tiny_models("llama"), "producer", "consumer") as ([producer, consumer], w):
         params = await prefill(producer, PROMPTS[2], "p")
@@ -169,9 +190,11 @@ async def test_a_failed_pull_ends_the_request_and_frees_its_blocks(tiny_models):
 async def test_a_mismatched_layout_or_role_is_refused_naming_what_differs(tiny_models):
     async with engines(tiny_models("llama"), "producer", "consumer") as ([producer, consumer], _):
         params = await prefill(producer, PROMPTS[1], "p")
-        for wrong in (-1, "0x10", True):  # the API's 400, naming the field
-            with pytest.raises(APIError, match="remote_staging_address") as refused:
-                kv_transfer_fields({**params, "remote_staging_address": wrong})
+        staging, hold = "remote_staging_address", "remote_hold_seconds"
+        wrongs = ((staging, -1), (staging, "0x10"), (staging, True), (hold, -1), (hold, "2"))
+        for name, wrong in wrongs:  # the API's 400, naming the field
+            with pytest.raises(APIError, match=name) as refused:
+                kv_transfer_fields({**params, name: wrong})
             assert (refused.value.status, refused.value.param) == (400, "kv_transfer_params")
         other = {**params, "fingerprint": {**params["fingerprint"], "block_size": 16}}
         with pytest.raises(InvalidRequest, match="block_size"):

@@ -2,7 +2,8 @@
 for blocks in arrival order, is never offered to the policy while its K/V is on the move,
 and one that ends mid-pull keeps its blocks until the worker reports the pull done (the pull
 still writes them). A producer's step that ends a do_remote_decode request stages its prompt
-in a region of the arena, which the hold keeps until it ends, and an abort frees."""
+in a region of the arena, which the hold keeps until it ends, and an abort frees. A
+consumer's reading notice keeps its hold while the read may run."""
 
 from __future__ import annotations
 
@@ -140,3 +141,20 @@ def test_a_staged_request_that_ends_otherwise_frees_its_region() -> None:
     sched.update(failed, StepResult(failed.iteration, error="boom"))
     assert sched.kv_staging.used == 0 and sched.blocks.num_used == 0
     check_invariants(sched)
+
+
+def test_a_reading_notice_keeps_the_hold_while_the_read_may_run() -> None:
+    sched = producer(arena_blocks=0)
+    assert sched.kv_holds is not None
+    sched.kv_holds.read_timeout = 200.0
+    out = ended_prompt(sched, producing(0, 6), [6])
+    sched.update(out, sampled_result(out))
+    (hold,) = sched.kv_holds.by_id.values()
+    assert hold.deadline == 50.0  # made at 0.0, the hold timeout 50
+    reading = sched.schedule(40.0)
+    sched.update(reading, StepResult(reading.iteration, reading=[hold.transfer_id, "gone"]))
+    assert hold.deadline == 240.0 and sched.kv_holds.kept == 1
+    later = sched.schedule(100.0)  # past its first deadline: still held
+    assert sched.kv_holds.by_id and sched.blocks.num_used == 2
+    sched.update(later, StepResult(later.iteration, notices=[hold.transfer_id]))
+    assert sched.kv_holds.released == 1 and sched.blocks.num_used == 0

@@ -54,6 +54,15 @@ def _remote_kv(value: dict[str, Any]) -> RemoteKv:
             raise bad_request(f"'{PARAM}.{name}' must be a non-negative integer or null", PARAM)
         return found
 
+    def seconds(name: str) -> float | None:
+        """Null or absent (a producer that does not say), or a non-negative number."""
+        found = value.get(name)
+        if found is None:
+            return None
+        if isinstance(found, bool) or not isinstance(found, int | float) or found < 0:
+            raise bad_request(f"'{PARAM}.{name}' must be a non-negative number or null", PARAM)
+        return float(found)
+
     return RemoteKv(
         transfer_id=typed("transfer_id", str),
         engine_id=typed("remote_engine_id", str),
@@ -65,4 +74,5 @@ def _remote_kv(value: dict[str, Any]) -> RemoteKv:
         prompt_tokens=typed("prompt_tokens", int),
         fingerprint=typed("fingerprint", dict),
         staging_address=address("remote_staging_address"),
+        hold_seconds=seconds("remote_hold_seconds"),
     )

@@ -138,7 +138,8 @@ class Engine:
             speculator=None if spec is None else Speculator(spec),
         )
         if config.kv_transfer_role in (ROLE_PRODUCER, ROLE_BOTH):
-            self._scheduler.kv_holds = KvHolds(config.kv_hold_timeout)
+            holds = KvHolds(config.kv_hold_timeout, config.kv_transfer_timeout)
+            self._scheduler.kv_holds = holds
             self._scheduler.kv_staging = StagingArena()  # its blocks: the worker's handshake
         if config.enable_lora:
             self._scheduler.adapter_slots = AdapterSlots(config.max_loras)
@@ -587,7 +588,8 @@ class Engine:
             event.stop_string = request.detokenizer.stopped_by
         if request.kv_hold is not None and self.handshake is not None:
             fingerprint = Fingerprint.of(self.handshake)
-            params = producer_params(request.kv_hold, self.handshake, self.engine_id, fingerprint)
+            hold, now = request.kv_hold, trio.current_time()
+            params = producer_params(hold, self.handshake, self.engine_id, fingerprint, now)
             event.kv_transfer_params = params
         request.send(event)
         request.stream.close()

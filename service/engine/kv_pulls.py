@@ -54,6 +54,7 @@ class KvPulls:
                     remote.tensors,
                     remote.num_blocks,
                     remote.staging_address,
+                    remote.start_within(request.received, now),
                 )
             )
         return pulls

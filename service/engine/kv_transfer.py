@@ -12,6 +12,12 @@ A producer with a staging arena (--kv-staging-tokens, gpu_worker.kv_staging) has
 that ends a do_remote_decode request gather its prompt into one region of it, so a consumer
 reads it in one segment however fragmented the caches are; StagingArena places the regions.
 A prompt that finds no room is held unstaged and pulled from the cache as before.
+
+A hold outlives the pull that reads it: the consumer's connector notifies the producer as
+its read begins, which keeps the hold for --kv-transfer-timeout more (the read fails by
+then), and the producer's answer says how long its hold has left (remote_hold_seconds),
+so a consumer never starts a read later than HOLD_MARGIN_S before the hold ends: such a
+pull fails kv_transfer_failed unread (vLLM's rule: fail, never read freed blocks).
 """
 
 from __future__ import annotations
@@ -31,6 +37,10 @@ ROLE_PRODUCER, ROLE_CONSUMER, ROLE_BOTH = "producer", "consumer", "both"
 KV_TRANSFER_ROLES = (ROLE_PRODUCER, ROLE_CONSUMER, ROLE_BOTH)
 KV_TRANSFER_FAILED = "kv_transfer_failed"  # a consumer's request whose pull failed ends so
 PARAM = "kv_transfer_params"
+# A consumer's read starts at least this long before the producer's hold ends: its reading
+# notice must reach the producer's engine (after a step of the producer's) before the hold
+# expires there.
+HOLD_MARGIN_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +98,13 @@ class RemoteKv:
     prompt_tokens: int
     fingerprint: dict[str, Any] = field(default_factory=dict)
     staging_address: int | None = None  # where the producer staged it (None: unstaged)
+    hold_seconds: float | None = None  # the producer's hold's time left as it answered
+
+    def start_within(self, received: float, now: float) -> float | None:
+        """Seconds from `now` within which a read must start (None: no limit said)."""
+        if self.hold_seconds is None:
+            return None
+        return received + self.hold_seconds - HOLD_MARGIN_S - now
 
     @property
     def peer(self) -> str:
@@ -111,10 +128,12 @@ class KvHolds:
     """The producer's holds by transfer id, and how many ended each way."""
 
     timeout: float
+    read_timeout: float = 30.0  # how long a reading notice keeps its hold (a pull's limit)
     by_id: dict[str, KvHold] = field(default_factory=dict)
     held: int = 0
     released: int = 0
     expired: int = 0
+    kept: int = 0  # reading notices that kept their holds
     _ids: itertools.count = field(default_factory=itertools.count)
 
     def hold(
@@ -138,6 +157,13 @@ class KvHolds:
         self.released += len(ended)
         return ended
 
+    def keep_reading(self, transfer_ids: list[str], now: float) -> None:
+        """Consumers began to read these: their holds last while a read may (unknown ids:
+        already ended)."""
+        for hold in (h for t in transfer_ids if (h := self.by_id.get(t)) is not None):
+            hold.deadline = max(hold.deadline, now + self.read_timeout)
+            self.kept += 1
+
     def expire(self, now: float) -> list[KvHold]:
         ended = [h for h in self.by_id.values() if h.deadline <= now]
         for hold in ended:
@@ -155,6 +181,7 @@ class KvHolds:
             "held": self.held,
             "released": self.released,
             "expired": self.expired,
+            "kept": self.kept,
         }
 
 
@@ -251,7 +278,7 @@ def check_kv_transfer(
 
 
 def producer_params(
-    hold: KvHold, handshake: Handshake, engine_id: str, fingerprint: Fingerprint
+    hold: KvHold, handshake: Handshake, engine_id: str, fingerprint: Fingerprint, now: float
 ) -> dict[str, Any]:
     """The kv_transfer_params of a producer's answer: vLLM's connectors' fields, then
     cadence's own (the router copies them whole into the consumer's request)."""
@@ -273,4 +300,5 @@ def producer_params(
         "remote_tensors": handshake.kv_tensor_addresses,
         "remote_num_blocks": handshake.num_blocks,
         "remote_staging_address": staging,
+        "remote_hold_seconds": round(max(0.0, hold.deadline - now), 3),
     }

@@ -373,6 +373,7 @@ class Scheduler:
     def _take_transfers(self, result: StepResult) -> list[Outcome]:
         """A step's news of K/V transfers: the consumers' notices end holds; pulls done."""
         if self.kv_holds is not None:
+            self.kv_holds.keep_reading(result.reading, self.now)
             self._end_holds(self.kv_holds.release(result.notices))
         return [o for done in result.pulls_done if (o := self._pulled(done)) is not None]
 
