@@ -316,7 +316,9 @@ class Engine:
         staging = sched.kv_staging.state() if sched.kv_staging is not None else None
         pulls = {"waiting": len(sched.kv_pulls.waiting), "pulling": len(sched.kv_pulls.pulling)}
         role = self.config.kv_transfer_role
-        return {"role": role, "holds": holds, "staging": staging, "pulls": pulls}
+        kept = sched.kv_holds.kept if sched.kv_holds is not None else None
+        state = {"role": role, "holds": holds, "holds_kept": kept, "staging": staging}
+        return {**state, "pulls": pulls}
 
     def _overlap_limit(self) -> int | None:
         """The most sequences a step may have and overlap; None: every step does."""

@@ -181,7 +181,6 @@ class KvHolds:
             "held": self.held,
             "released": self.released,
             "expired": self.expired,
-            "kept": self.kept,
         }
 
 
