@@ -86,11 +86,11 @@ class Transfer:
 
     def check_in_time(self) -> None:
         """KvTransferError where the pull waited past its start_within (the hold's end)."""
-        waited = time.monotonic() - self.queued
-        if self.pull.start_within is not None and waited > self.pull.start_within:
+        waited, allowed = time.monotonic() - self.queued, self.pull.start_within
+        if allowed is not None and waited > allowed:
             raise KvTransferError(
-                f"the producer's hold ends before this pull could start (it waited {waited:.1f} "
-                "s behind others)"
+                f"the producer's hold ends before this pull could start (it had {allowed:.1f} "
+                f"s, and waited {waited:.1f} s for the pulls before it)"
             )
 
 
@@ -230,23 +230,29 @@ class KvConnector:
 
     def _serve(self) -> None:
         while (transfer := self._pulls.get()) is not None:
-            pull, segments, error = transfer.pull, transfer.segments, None
+            segments, error = transfer.segments, None
             try:
-                transfer.check_in_time()
-                self._read(pull.peer, self._announcement(pull), pull.transfer_id, NOTICE_READING)
-                if segments is None:
-                    segments = self._landing_segments(pull)
-                self._read(pull.peer, segments, pull.transfer_id, NOTICE_DONE)
-                if transfer.segments is None:
-                    assert self._landing is not None
-                    scatter(self._tensors, self._landing, pull.local_blocks)
-                    settle(self._landing.device)
+                segments = self._pull(transfer)
             except KvTransferError as exc:
                 error = str(exc)
-            done = PullDone(pull.transfer_id, error)
+            done = PullDone(transfer.pull.transfer_id, error)
             if segments is not None:
                 done.bytes, done.segments = segments.bytes, len(segments.lengths)
             self._report(done)
+
+    def _pull(self, transfer: Transfer) -> Segments:
+        """Runs `transfer`, the producer told as the read begins and when it is done;
+        returns the copies made. Raises KvTransferError."""
+        pull = transfer.pull
+        transfer.check_in_time()
+        self._read(pull.peer, self._announcement(pull), pull.transfer_id, NOTICE_READING)
+        segments = transfer.segments or self._landing_segments(pull)
+        self._read(pull.peer, segments, pull.transfer_id, NOTICE_DONE)
+        if transfer.segments is None:  # landed: into the blocks now
+            assert self._landing is not None
+            scatter(self._tensors, self._landing, pull.local_blocks)
+            settle(self._landing.device)
+        return segments
 
     def _announcement(self, pull: KvPull) -> Segments:
         """A one-byte read that carries the reading notice (a notice goes only with a read):
