@@ -15,6 +15,7 @@ from service.engine.invariants import check_invariants
 from service.engine.kv_transfer import KvHolds, RemoteKv, StagingArena
 from service.engine.request import Request, Status
 from service.engine.scheduler import Scheduler
+from service.engine.step import ScheduleOutput
 from tests.scheduler_helpers import make_request, make_scheduler, sampled_result
 
 
@@ -85,8 +86,9 @@ def producer(arena_blocks: int) -> Scheduler:
     return sched
 
 
-def ended_prompt(sched: Scheduler, request: Request, chunks: list[int]):
-    """Runs `request`'s prompt in `chunks`: the last step's plan and output."""
+def ended_prompt(sched: Scheduler, request: Request, chunks: list[int]) -> ScheduleOutput:
+    """Schedules `request`'s prompt in `chunks`, each step's result applied but the last's:
+    the last step's output (it samples the request's one token)."""
     sched.add(request)
     for i, tokens in enumerate(chunks):
         sched.policy.next = Decision(schedule=[(request.seq_id, tokens)])  # type: ignore[attr-defined]
