@@ -7,7 +7,7 @@ import ctypes
 import itertools
 import threading
 
-from gpu_worker.kv_connector import KvConnector, KvTransferError, Segments
+from gpu_worker.kv_connector import KvConnector, KvTransferError, Notice, Segments
 
 _peers: dict[str, LocalConnector] = {}
 _addresses = itertools.count()
@@ -17,14 +17,17 @@ class LocalConnector(KvConnector):
     def __init__(self) -> None:
         super().__init__()
         self.address = f"local:{next(_addresses)}"
-        self._notices: list[str] = []
+        self._notices: list[Notice] = []
         self._notice_lock = threading.Lock()
         _peers[self.address] = self
 
     def _register(self, address: int, length: int) -> None:
         pass  # its memory is this process's
 
-    def _read(self, peer: str, segments: Segments, transfer_id: str) -> None:
+    def _unregister(self, address: int) -> None:
+        pass
+
+    def _read(self, peer: str, segments: Segments, transfer_id: str, notice: str) -> None:
         producer = _peers.get(peer)
         if producer is None:
             raise KvTransferError(f"no peer at {peer}")
@@ -33,9 +36,9 @@ class LocalConnector(KvConnector):
         ):
             ctypes.memmove(local, remote, length)
         with producer._notice_lock:
-            producer._notices.append(transfer_id)
+            producer._notices.append((transfer_id, notice))
 
-    def poll_notices(self) -> list[str]:
+    def poll_notices(self) -> list[Notice]:
         with self._notice_lock:
             notices, self._notices = self._notices, []
         return notices

@@ -7,10 +7,18 @@ from __future__ import annotations
 import math
 import os
 
-from gpu_worker.kv_cache import KVCache
-from gpu_worker.kv_connector import KvConnector, KvTransferError, Segments
+import torch
 
-NOTIFY_DONE = "done"  # the notify's message; its name is the transfer id
+from gpu_worker.kv_cache import KVCache
+from gpu_worker.kv_connector import (
+    NOTICE_DONE,
+    NOTICE_READING,
+    KvConnector,
+    KvTransferError,
+    Notice,
+    Segments,
+)
+
 # Its TCP transport queues 2,048 tasks: a batch of more segments fails whole (-1), and a
 # fragmented cache's pull has a segment per block, cache tensor and KV head (SmolLM2's
 # 180 a block), so a pull goes in batches of at most this many
@@ -37,7 +45,7 @@ class MooncakeConnector(KvConnector):
             raise KvTransferError(f"the mooncake transfer engine did not start on {host}")
         self.address = f"{host}:{self._engine.get_rpc_port()}"
 
-    def register(self, cache: KVCache) -> list[int]:
+    def register(self, cache: KVCache, arena: torch.Tensor | None = None) -> list[int]:
         from mooncake import engine
 
         if cache.like.device.type != "cpu" and not engine.SUPPORT_CUDA:
@@ -45,14 +53,19 @@ class MooncakeConnector(KvConnector):
                 "this Mooncake build moves host memory only (mooncake-transfer-engine-non-cuda); "
                 "a cache on the GPU needs its CUDA build"
             )
-        return super().register(cache)
+        return super().register(cache, arena)
 
     def _register(self, address: int, length: int) -> None:
         if self._engine.register_memory(address, length) != 0:
             raise KvTransferError(f"mooncake did not register {length} bytes at {address:#x}")
 
-    def _read(self, peer: str, segments: Segments, transfer_id: str) -> None:
-        """In batches of MAX_BATCH_SEGMENTS; the last one carries the notify."""
+    def _unregister(self, address: int) -> None:
+        if self._engine.unregister_memory(address) != 0:
+            raise KvTransferError(f"mooncake did not unregister the memory at {address:#x}")
+
+    def _read(self, peer: str, segments: Segments, transfer_id: str, notice: str) -> None:
+        """In batches of MAX_BATCH_SEGMENTS; the last one carries the notify (its name the
+        transfer id, its message the notice)."""
         from mooncake.engine import TransferNotify, TransferOpcode
 
         count = len(segments.lengths)
@@ -64,10 +77,11 @@ class MooncakeConnector(KvConnector):
                 segments.remote[start:end],
                 segments.lengths[start:end],
                 TransferOpcode.Read,
-                TransferNotify(transfer_id, NOTIFY_DONE) if end >= count else None,
+                TransferNotify(transfer_id, notice) if end >= count else None,
             )
             if status != 0:
                 raise KvTransferError(f"mooncake's read from {peer} failed ({status})")
 
-    def poll_notices(self) -> list[str]:
-        return [n.name for n in self._engine.get_notifies() if n.msg == NOTIFY_DONE]
+    def poll_notices(self) -> list[Notice]:
+        notices = self._engine.get_notifies()
+        return [(n.name, n.msg) for n in notices if n.msg in (NOTICE_READING, NOTICE_DONE)]

@@ -19,15 +19,25 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
+from gpu_worker.kv_connector import NOTICE_DONE, Notice
 from gpu_worker.protocol import PullDone
 
 
 @dataclass(slots=True)
 class RankNews:
-    """What one rank's connector reported since its last poll."""
+    """What one rank's connector reported since its last poll: pulls ended, and the
+    transfer ids consumers read (notices) or began to read (reading)."""
 
     done: list[PullDone] = field(default_factory=list)
     notices: list[str] = field(default_factory=list)
+    reading: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, done: list[PullDone], notices: list[Notice]) -> RankNews:
+        news = cls(done)
+        for transfer_id, kind in notices:
+            (news.notices if kind == NOTICE_DONE else news.reading).append(transfer_id)
+        return news
 
 
 @dataclass(slots=True)
@@ -53,6 +63,8 @@ class GroupTransfers:
                 if self._noticed[transfer_id] == self.world_size:
                     del self._noticed[transfer_id]
                     combined.notices.append(transfer_id)
+            # any rank's reading keeps the hold: every rank's blocks stay until all are read
+            combined.reading.extend(set(ranks_news.reading) - set(combined.reading))
         return combined
 
     def _add_part(self, part: PullDone) -> PullDone | None:

@@ -135,6 +135,10 @@ class WorkerConfig:
     kv_transfer_engine: str | None = None
     kv_transfer_host: str = "127.0.0.1"
     kv_transfer_timeout: float = 30.0
+    # a producer's staging arena (gpu_worker.kv_staging), in tokens of K/V (rounded up to
+    # blocks; tokens, not blocks, as the block size differs by device): a held prompt
+    # gathered into one region that a consumer reads in one segment; 0: none
+    kv_staging_tokens: int = 8192
     # LoRA adapters (gpu_worker.lora): slots held at once (0: LoRA off), and the largest
     # rank a slot holds (its buffers are allocated at start for every target module)
     max_loras: int = 0
@@ -207,6 +211,11 @@ class Handshake:
     # gpu_worker.kv_connector.cache_tensors' order (a KvPull's remote_tensors)
     kv_transfer_address: str | None = None
     kv_tensor_addresses: list[int] = field(default_factory=list)
+    # one block's bytes over every cache tensor and KV head (what a pull moves a block), and
+    # the staging arena (WorkerConfig.kv_staging_tokens): its address and its blocks (0: none)
+    kv_block_bytes: int = 0
+    kv_staging_address: int | None = None
+    kv_staging_blocks: int = 0
 
 
 @dataclass(slots=True)
@@ -364,6 +373,7 @@ class RemoteRank:
 
     peer: str  # host:port
     tensors: list[int]
+    staging_address: int | None = None  # its arena's region of the pull (KvStage), if staged
 
 
 @dataclass(slots=True)
@@ -379,6 +389,12 @@ class KvPull:
     local_blocks: list[int]  # as many, in the same order
     remote_tensors: list[int]
     remote_num_blocks: int
+    # where the producer gathered the blocks (a KvStage's region of its arena), read in one
+    # segment then; None: read from its cache, a segment per run, cache tensor and KV head
+    remote_staging_address: int | None = None
+    # seconds from now within which its read must start: the producer's hold ends soon after
+    # (a pull queued behind others past it fails instead of reading freed blocks); None: any
+    start_within: float | None = None
     # at tensor parallel size N > 1, each producer rank's, by rank (rank 0's repeats peer
     # and remote_tensors): rank r pulls its shard, its KV heads, from producer rank r
     ranks: list[RemoteRank] = field(default_factory=list)
@@ -393,12 +409,28 @@ class KvPull:
                 f"the pull lists {len(self.ranks)} producer ranks: none for rank {rank}"
             )
         mine = self.ranks[rank]
-        return dataclasses.replace(self, peer=mine.peer, remote_tensors=mine.tensors, ranks=[])
+        return dataclasses.replace(
+            self,
+            peer=mine.peer,
+            remote_tensors=mine.tensors,
+            remote_staging_address=mine.staging_address,
+            ranks=[],
+        )
 
     @classmethod
     def from_message(cls, msg: dict[str, Any]) -> KvPull:
         ranks = [RemoteRank(**rank) for rank in msg.get("ranks", [])]
         return cls(**{**msg, "ranks": ranks})
+
+
+@dataclass(slots=True)
+class KvStage:
+    """Gather `blocks`' K/V into the staging arena from block `offset` on, after the step's
+    forward pass and before its result (gpu_worker.kv_staging): a producer's prompt that the
+    step ends, so its region is written before the answer names it."""
+
+    blocks: list[int]
+    offset: int
 
 
 @dataclass(slots=True)
@@ -431,6 +463,8 @@ class StepPlan:
     # the service awaits news of transfers (pulls in flight, holds outstanding): a
     # tensor-parallel group gathers its ranks' news on such steps only (gpu_worker.kv_ranks)
     transfer_news: bool = False
+    # gathers into the staging arena, run once the rows' K/V is written
+    stages: list[KvStage] = field(default_factory=list)
 
     @property
     def seq_ids(self) -> list[int]:
@@ -479,9 +513,11 @@ class StepResult:
     # a first step, after a ping, or after more than MAX_IDLE_GAP_S (the service was idle)
     idle_ms: float | None = None
     # KvPulls that ended since the previous result, and the transfer ids whose K/V a
-    # consumer has pulled from this worker (its notices)
+    # consumer has pulled from this worker (its notices), or has begun to read (its hold is
+    # then kept while the read runs)
     pulls_done: list[PullDone] = field(default_factory=list)
     notices: list[str] = field(default_factory=list)
+    reading: list[str] = field(default_factory=list)
 
 
 def to_message(kind: str, record: Any) -> dict[str, Any]:
@@ -497,9 +533,10 @@ def step_plan_from_message(msg: dict[str, Any]) -> StepPlan:
     pulls = [KvPull.from_message(pull) for pull in msg.get("pulls", [])]
     adapters = [AdapterLoad(**load) for load in msg.get("adapters", [])]
     finished = msg.get("finished", [])
+    stages = [KvStage(**stage) for stage in msg.get("stages", [])]
     news = msg.get("transfer_news", False)
     return StepPlan(
-        msg["step_id"], rows, msg["input_ids"], new, finished, pulls, adapters, transfer_news=news
+        msg["step_id"], rows, msg["input_ids"], new, finished, pulls, adapters, news, stages
     )
 
 

@@ -72,12 +72,23 @@ class ModelRunner:
         try:
             result = self.run(plan)
             result.step_ms = (time.perf_counter() - started) * 1000
+            if plan.stages:  # the rows' K/V is written: gathered before the result names it
+                self._stage(plan)
         except Exception as exc:
             result = StepResult(step_id=plan.step_id, error=_step_error(exc))
         if self.kv is not None:
             news = self._transfer_news(plan)
-            result.pulls_done, result.notices = news.done, news.notices
+            result.pulls_done, result.notices, result.reading = (
+                news.done,
+                news.notices,
+                news.reading,
+            )
         return result
+
+    def _stage(self, plan: StepPlan) -> None:
+        if self.kv is None:
+            raise ValueError("the plan stages K/V; this worker has no transfer engine")
+        self.kv.stage(plan.stages)
 
     @torch.inference_mode()
     def follow(self, plan: StepPlan) -> str | None:
@@ -93,6 +104,8 @@ class ModelRunner:
             if hidden is not None:
                 for _ in self._prompt_logit_chunks(inputs, hidden):
                     pass
+            if plan.stages:  # its shard of the prompts rank 0 stages, at the same offsets
+                self._stage(plan)
         except Exception as exc:
             error = _step_error(exc)
         if self.kv is not None:
@@ -112,10 +125,10 @@ class ModelRunner:
         assert self.kv is not None
         shard = self.model.shard
         if shard.world_size == 1:
-            return RankNews(self.kv.poll_done(), self.kv.poll_notices())
+            return RankNews.of(self.kv.poll_done(), self.kv.poll_notices())
         if not plan.transfer_news:
             return RankNews()
-        news = shard.gather_object(RankNews(self.kv.poll_done(), self.kv.poll_notices()))
+        news = shard.gather_object(RankNews.of(self.kv.poll_done(), self.kv.poll_notices()))
         return self.transfers.combine(news) if news else RankNews()
 
     @torch.inference_mode()

@@ -39,6 +39,7 @@ from gpu_worker.kernels import Kernels, quant_kernels
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.kv_connector import make_connector
 from gpu_worker.kv_groups import KVGroups
+from gpu_worker.kv_staging import allocate_arena
 from gpu_worker.lora import LoraSlots
 from gpu_worker.mixed_graphs import MixedGraphs, piece_capturer, static_records
 from gpu_worker.model import Model
@@ -141,6 +142,7 @@ def start(config: WorkerConfig, group: Group | None = None) -> ModelRunner:
         with clock.step("recurrent state"):
             slots = config.max_num_seqs + 1  # a row per running sequence, and the padding row
             state = RecurrentState(model.config, model.dtype, model.device, slots)
+    arena = _allocate_staging(config, place, model, clock)  # before the cache is sized
     reserved = 0
     if place.device.type == "cuda":
         with clock.step("profile"):
@@ -156,7 +158,7 @@ def start(config: WorkerConfig, group: Group | None = None) -> ModelRunner:
         graphs["mixed"] = mixed.capture_all()
         memory.release_cached(place.device)
     runner = _runner(config, place, model, caches, decode_runner, mixed, state)
-    _connect_kv(config, runner, clock)
+    _connect_kv(config, runner, clock, arena)
     ranks = _ranks(group, place.device, runner)
     warmed = None
     kernels, device = model.kernels, place.device
@@ -333,10 +335,25 @@ def _add_lora_slots(
         )
 
 
-def _connect_kv(config: WorkerConfig, runner: ModelRunner, clock: Stopwatch) -> None:
+def _allocate_staging(
+    config: WorkerConfig, place: _Placement, model: Model, clock: Stopwatch
+) -> torch.Tensor | None:
+    """With a KV transfer engine and kv_staging_tokens: the staging arena
+    (gpu_worker.kv_staging), of whole blocks."""
+    if config.kv_transfer_engine is None or config.kv_staging_tokens <= 0:
+        return None
+    with clock.step("kv staging"):
+        blocks = -(-config.kv_staging_tokens // place.block_size)
+        per_block = kv_cache.block_bytes(model.config, place.block_size, place.cache_dtype)
+        return allocate_arena(blocks, per_block, place.device)
+
+
+def _connect_kv(
+    config: WorkerConfig, runner: ModelRunner, clock: Stopwatch, arena: torch.Tensor | None
+) -> None:
     """With a KV transfer engine (disaggregated prefill and decode): the runner's
-    connector, its cache registered for peers to read. Each rank of a group has its own,
-    for its shard of the cache (gpu_worker.kv_ranks)."""
+    connector, its cache (and staging arena) registered for peers to read. Each rank of a
+    group has its own, for its shard of the cache (gpu_worker.kv_ranks)."""
     if config.kv_transfer_engine is None:
         return
     if runner.limits.num_groups > 1:
@@ -345,7 +362,7 @@ def _connect_kv(config: WorkerConfig, runner: ModelRunner, clock: Stopwatch) -> 
         runner.kv = make_connector(
             config.kv_transfer_engine, config.kv_transfer_host, config.kv_transfer_timeout
         )
-        runner.kv.register(runner.cache)
+        runner.kv.register(runner.cache, arena)
 
 
 def _handshake(
@@ -359,7 +376,7 @@ def _handshake(
     ranks: list[dict[str, Any]],
 ) -> Handshake:
     """What the worker answers at init: the model, its cache, and how start-up went."""
-    model_config, draft_dir = place.model_config, config.draft_model_dir
+    model_config, draft_dir, kv = place.model_config, config.draft_model_dir, runner.kv
     return Handshake(
         model_name=Path(config.model_dir).resolve().name,
         architecture=model_config.architecture,
@@ -386,8 +403,11 @@ def _handshake(
         quantization=_quantization_text(config.quantization, runner.model),
         draft_model=None if draft_dir is None else Path(draft_dir).resolve().name,
         ranks=ranks,
-        kv_transfer_address=None if runner.kv is None else runner.kv.address,
-        kv_tensor_addresses=[] if runner.kv is None else runner.kv.addresses,
+        kv_transfer_address=None if kv is None else kv.address,
+        kv_tensor_addresses=[] if kv is None else kv.addresses,
+        kv_block_bytes=0 if kv is None else kv.block_bytes,
+        kv_staging_address=None if kv is None else kv.staging_address,
+        kv_staging_blocks=0 if kv is None else kv.staging_blocks,
     )
 
 
@@ -401,6 +421,7 @@ def _ranks(group: Group | None, device: torch.device, runner: ModelRunner) -> li
     if runner.kv is not None:
         mine["kv_transfer_address"] = runner.kv.address
         mine["kv_tensor_addresses"] = runner.kv.addresses
+        mine["kv_staging_address"] = runner.kv.staging_address
     if group is None:
         return [mine]
     return group.gather({**mine, "rank": group.rank})

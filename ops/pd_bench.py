@@ -12,10 +12,14 @@ submitted to done, the producer notified), --repeats times each. Printed for a f
 fragmented one: both sides' block managers (the service's own, prefix caching on) first
 serve --requests mixed requests (prompts of 16 to 1,500 tokens, 16 to 256 generated, up
 to 16 at once, each admitted while its whole life fits), so the prompt's blocks are what
-such a cache hands out next. For each: blocks, runs (of blocks consecutive on both sides),
-segments, bytes moved against blocks x block bytes, the pull's median time and GB/s, the
-prefill's, and the pull as a share of it. The pulled blocks are compared with the
-producer's, bit for bit. Mooncake's own log lines go to stderr.
+such a cache hands out next. Each is pulled twice: from the producer's cache (unstaged),
+and staged (gpu_worker.kv_staging: the producer gathers the prompt into its arena, as the
+step that ends the request does, and the consumer reads that region in one segment, or
+straight into its blocks when they are one run). For each: blocks, runs (of blocks
+consecutive on both sides), segments, bytes moved against blocks x block bytes, the
+gather's median time (staged), the pull's and its GB/s, the prefill's, and the pull as a
+share of it. The pulled blocks are compared with the producer's, bit for bit (the
+consumer's are zeroed before each way). Mooncake's own log lines go to stderr.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import torch
 
 from gpu_worker import runtime
 from gpu_worker.kv_connector import KvConnector, cache_tensors
-from gpu_worker.protocol import KV_ENGINE_MOONCAKE, KvPull, PullDone, WorkerConfig
+from gpu_worker.protocol import KV_ENGINE_MOONCAKE, KvPull, KvStage, PullDone, WorkerConfig
 from gpu_worker.runner import ModelRunner
 from ops.worker_steps import Seq, prefill, tokens_of
 from service.config import default_cache_dir
@@ -61,6 +65,7 @@ class Measured:
     pull_s: float  # median
     prefill_s: float  # median
     identical: bool
+    stage_s: float | None = None  # the gather's median; None: unstaged
 
 
 def start_side(model_dir: Path, args: argparse.Namespace) -> Side:
@@ -71,6 +76,7 @@ def start_side(model_dir: Path, args: argparse.Namespace) -> Side:
         kv_memory=args.kv_memory,
         kernel_cache=str(default_cache_dir() / "kernels.json"),
         kv_transfer_engine=KV_ENGINE_MOONCAKE,
+        kv_staging_tokens=args.prompt_tokens,
     )
     runner = runtime.start(config)
     cache = runner.cache
@@ -122,8 +128,21 @@ def timed_prefill(side: Side, tokens: list[int], repeats: int) -> float:
     return statistics.median(times)
 
 
-def timed_pulls(producer: Side, consumer: Side, repeats: int) -> tuple[PullDone, float]:
-    """The prompt's blocks pulled `repeats` times; the last pull's report, median seconds."""
+def timed_stage(producer: Side, repeats: int) -> float:
+    """The prompt gathered into the arena's first blocks; median seconds."""
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        producer.kv.stage([KvStage(producer.blocks.table(PROMPT_SEQ), 0)])
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def timed_pulls(
+    producer: Side, consumer: Side, repeats: int, staged: bool
+) -> tuple[PullDone, float]:
+    """The prompt's blocks pulled `repeats` times (from the arena's first blocks where
+    `staged`); the last pull's report, median seconds."""
     times, done = [], None
     for attempt in range(repeats):
         pull = KvPull(
@@ -133,6 +152,7 @@ def timed_pulls(producer: Side, consumer: Side, repeats: int) -> tuple[PullDone,
             consumer.blocks.table(PROMPT_SEQ),
             producer.kv.addresses,
             producer.runner.cache.num_blocks,
+            producer.kv.staging_address if staged else None,
         )
         started = time.perf_counter()
         consumer.kv.submit([pull])
@@ -155,26 +175,41 @@ def pulled_identical(producer: Side, consumer: Side) -> bool:
     return all(torch.equal(theirs[:, remote], mine[:, local]) for theirs, mine in pairs)
 
 
-def measure(producer: Side, consumer: Side, tokens: list[int], repeats: int) -> Measured:
+def zero_pulled(consumer: Side) -> None:
+    """The consumer's blocks of the prompt cleared: a pull must write them all again."""
+    local = consumer.blocks.table(PROMPT_SEQ)
+    for tensor in cache_tensors(consumer.runner.cache):
+        tensor[:, local] = 0
+
+
+def measure(producer: Side, consumer: Side, tokens: list[int], repeats: int) -> list[Measured]:
+    """The prompt pulled unstaged, then staged."""
     for side in (producer, consumer):
         side.blocks.allocate(PROMPT_SEQ, len(tokens))
     prefill_s = timed_prefill(producer, tokens, repeats)
-    done, pull_s = timed_pulls(producer, consumer, repeats)
-    identical = pulled_identical(producer, consumer)
     count = len(producer.blocks.table(PROMPT_SEQ))
+    measured = []
+    for staged in (False, True):
+        zero_pulled(consumer)
+        stage_s = timed_stage(producer, repeats) if staged else None
+        done, pull_s = timed_pulls(producer, consumer, repeats, staged)
+        identical = pulled_identical(producer, consumer)
+        measured.append(Measured(count, done, pull_s, prefill_s, identical, stage_s))
     for side in (producer, consumer):
         side.blocks.free(PROMPT_SEQ)
-    return Measured(count, done, pull_s, prefill_s, identical)
+    return measured
 
 
 def report(name: str, measured: Measured, per_block: int, per_run: int) -> None:
     """One line; per_run: the segments of a run of consecutive blocks (tensors x heads)."""
     done = measured.done
     expected = measured.blocks * per_block
+    runs = "-" if measured.stage_s is not None else str(done.segments // per_run)
+    stage = "-" if measured.stage_s is None else f"{measured.stage_s * 1e3:.2f}"
     print(
-        f"{name:10} {measured.blocks:6} {done.segments // per_run:5} {done.segments:8} "
+        f"{name:17} {measured.blocks:6} {runs:>5} {done.segments:8} "
         f"{done.bytes:12,} {expected:12,} "
-        f"{'yes' if done.bytes == expected else 'NO':>5} {measured.pull_s * 1e3:9.2f} "
+        f"{'yes' if done.bytes == expected else 'NO':>5} {stage:>8} {measured.pull_s * 1e3:9.2f} "
         f"{done.bytes / measured.pull_s / 1e9:7.2f} {measured.prefill_s * 1e3:10.1f} "
         f"{measured.pull_s / measured.prefill_s:8.2%} {'yes' if measured.identical else 'NO':>9}"
     )
@@ -210,14 +245,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{producer.blocks.num_blocks} blocks; medians of {args.repeats}"
     )
     print(
-        "cache      blocks  runs segments        bytes  blocks x B equal  pull ms    GB/s "
-        "prefill ms pull/pre identical"
+        "cache             blocks  runs segments        bytes  blocks x B equal stage ms  "
+        "pull ms    GB/s prefill ms pull/pre identical"
     )
-    report("fresh", measure(producer, consumer, tokens, args.repeats), per_block, per_run)
-    for offset, side in enumerate((producer, consumer)):
-        fragment(side.blocks, args.requests, args.seed + 1 + offset)
-    name = f"{args.requests} reqs"
-    report(name, measure(producer, consumer, tokens, args.repeats), per_block, per_run)
+    for name in ("fresh", f"{args.requests} reqs"):
+        if name != "fresh":
+            for offset, side in enumerate((producer, consumer)):
+                fragment(side.blocks, args.requests, args.seed + 1 + offset)
+        unstaged, staged = measure(producer, consumer, tokens, args.repeats)
+        report(name, unstaged, per_block, per_run)
+        report(f"{name}, staged", staged, per_block, per_run)
     return 0
 
 

@@ -165,6 +165,13 @@ class Config:
     kv_transfer_host: str = flag(
         _WORKER.kv_transfer_host, "the address the transfer engine listens on for consumers"
     )
+    kv_staging_tokens: int = flag(
+        _WORKER.kv_staging_tokens,
+        "a producer's staging arena, in tokens of K/V (memory beside the cache): a held "
+        "prompt is gathered into one region a consumer reads in one segment, however "
+        "fragmented the caches; 0: none (README: Prefill and decode on two servers)",
+        type=non_negative_int,
+    )
     kv_hold_timeout: float = flag(
         30.0,
         "seconds a producer holds a prompt's K/V for the consumer's pull before freeing it",

@@ -18,6 +18,7 @@ from tests.worker_fixtures import make_runner
 class InProcessWorker:
     model_dir: Path
     kv_memory: float
+    kv_staging_tokens: int = 0  # the producer's staging arena (WorkerConfig's)
     plans: list[StepPlan] = field(default_factory=list)  # every plan it ran, in order
     runner: ModelRunner | None = None
     _result: StepResult | None = None
@@ -26,7 +27,10 @@ class InProcessWorker:
     async def start(self) -> Handshake:
         await trio.lowlevel.checkpoint()
         self.runner = make_runner(
-            self.model_dir, kv_memory=self.kv_memory, kv_transfer_engine=KV_ENGINE_LOCAL
+            self.model_dir,
+            kv_memory=self.kv_memory,
+            kv_transfer_engine=KV_ENGINE_LOCAL,
+            kv_staging_tokens=self.kv_staging_tokens,
         )
         assert self.runner.handshake is not None
         return self.runner.handshake

@@ -91,8 +91,12 @@ def test_the_pairs_greedy_completions_equal_one_servers_and_every_hold_is_releas
         assert text(decode(pair.consumer, prompt, params)) == text(whole)
     assert pair.consumer.wait_idle()["kv_blocks_used"] == 0
     assert pair.producer.wait_idle()["kv_blocks_used"] == 0
-    holds = pair.producer.admin_state()["kv_transfer"]["holds"]
-    assert holds == {"holding": 0, "held": len(PROMPTS), "released": len(PROMPTS), "expired": 0}
+    transfer = pair.producer.admin_state()["kv_transfer"]
+    assert transfer["holds"] == {
+        "holding": 0, "held": len(PROMPTS), "released": len(PROMPTS), "expired": 0,
+    }  # fmt: skip
+    # every rank gathered each prompt into its arena, and each consumer rank read its own
+    assert transfer["staging"]["staged"] == len(PROMPTS)
 
 
 def test_params_listing_another_number_of_ranks_are_refused(pair: Pair) -> None:

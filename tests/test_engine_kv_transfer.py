@@ -3,7 +3,9 @@ this process moving K/V through the in-process connector: the producer holds a p
 blocks until the consumer's notice (or the hold's deadline), the consumer's request waits
 in a receiving state no step computes, then computes only the prompt's last token, and its
 greedy output is the one an engine of its own computes. A failed pull ends the request
-kv_transfer_failed; every block comes back on both sides."""
+kv_transfer_failed; every block comes back on both sides. A prompt that fits the producer's
+staging arena is handed over staged (read in one segment), one that does not from the cache,
+and both decode alike."""
 
 from __future__ import annotations
 
@@ -14,11 +16,12 @@ from pathlib import Path
 import pytest
 import trio
 
+from service.api.errors import APIError
 from service.api.kv_transfer_params import kv_transfer_fields
 from service.config import Config
 from service.engine.assembly import open_engine
 from service.engine.engine import Engine
-from service.engine.kv_transfer import KV_TRANSFER_FAILED
+from service.engine.kv_transfer import HOLD_MARGIN_S, KV_TRANSFER_FAILED
 from service.engine.request import SamplingParams, SamplingSpec
 from service.engine.validation import InvalidRequest
 from tests.in_process_worker import InProcessWorker
@@ -50,7 +53,8 @@ def config(role: str | None, **overrides: object) -> Config:
 async def engines(
     model_dir: Path, *roles: str | None, **overrides: object
 ) -> AsyncIterator[tuple[list[Engine], list[InProcessWorker]]]:
-    workers = [InProcessWorker(model_dir, KV_MEMORY) for _ in roles]
+    staging = config(None, **overrides).kv_staging_tokens
+    workers = [InProcessWorker(model_dir, KV_MEMORY, staging) for _ in roles]
     async with AsyncExitStack() as stack:
         started = [
             await stack.enter_async_context(
@@ -92,14 +96,20 @@ async def wait_until(condition, timeout: float = 10.0) -> None:
 
 async def test_handed_over_prompts_decode_as_one_engine_computes_them(tiny_models):
     model = tiny_models("llama")
-    async with engines(model, None, "producer", "consumer") as ([alone, producer, consumer], w):
+    # an arena of 2 blocks: the first prompt (2 blocks) is staged, the longer ones are not
+    roles = (None, "producer", "consumer")
+    async with engines(model, *roles, kv_staging_tokens=2 * BLOCK) as (
+        [alone, producer, consumer],
+        w,
+    ):
         reference = await run_together(alone, PROMPTS, greedy(GENERATED), "ref")
-        outputs = []
+        outputs, staged = [], []
         for i, prompt in enumerate(PROMPTS):
             params = await prefill(producer, prompt, f"p{i}")
             assert params["remote_block_ids"] and params["prompt_tokens"] == len(prompt)
+            staged.append(params["remote_staging_address"] is not None)
             outputs.append((await decode(consumer, prompt, params, f"d{i}")).token_ids)
-        assert outputs == reference
+        assert outputs == reference and staged == [True, False, False, False]
         # seeded sampling too: the consumer's first sample is the request's first
         sampled_alone = await run_together(alone, PROMPTS[:2], seeded(GENERATED), "seeded")
         for i, prompt in enumerate(PROMPTS[:2]):
@@ -110,6 +120,8 @@ async def test_handed_over_prompts_decode_as_one_engine_computes_them(tiny_model
         assert holds is not None
         await wait_until(lambda: holds.released == len(PROMPTS) + 2)
         assert holds.expired == 0 and not holds.by_id
+        arena = producer.state()["kv_transfer"]["staging"]
+        assert arena["used"] == 0 and arena["unstaged"] >= 3
         for engine in (producer, consumer):
             await wait_until(lambda e=engine: not e.scheduler.has_work())
             assert engine.scheduler.blocks.num_used == 0  # cached blocks are evictable
@@ -134,8 +146,33 @@ async def test_a_hold_nobody_pulls_expires_and_frees_its_blocks(tiny_models):
         assert holds is not None and holds.held == 1
         assert producer.scheduler.blocks.num_used == len(params["remote_block_ids"])
         assert producer.state()["kv_transfer"]["holds"]["holding"] == 1
+        staging = producer.scheduler.kv_staging
+        assert staging is not None and staging.used == len(params["remote_block_ids"])
+        assert params["remote_staging_address"] is not None
         await wait_until(lambda: holds.expired == 1)
         assert producer.scheduler.blocks.num_used == 0 and holds.released == 0
+        assert staging.used == 0
+
+
+async def test_a_pull_that_would_start_too_near_the_holds_end_fails_unread(tiny_models):
+    async with engines(tiny_models("llama"), "producer", "consumer") as (pair, w):
+        producer, consumer = pair
+        params = await prefill(producer, PROMPTS[2], "p")
+        assert 0 < params["remote_hold_seconds"] <= config(None).kv_hold_timeout
+        # as if the router took the hold's time: less than the margin is left
+        late = {**params, "remote_hold_seconds": HOLD_MARGIN_S / 2}
+        out = await decode(consumer, PROMPTS[2], late, "late")
+        assert out.finish is not None and out.finish.detail == KV_TRANSFER_FAILED
+        assert "hold ends before" in (out.finish.error or "")
+        assert not any(plan.rows for plan in w[1].plans)
+        holds = producer.scheduler.kv_holds
+        assert holds is not None and holds.kept == 0  # never read
+        out = await decode(consumer, PROMPTS[2], params, "d")  # in time: read, then released
+        assert out.finish is not None and out.finish.reason == "length"
+        await wait_until(lambda: holds.released == 1)
+        assert holds.kept == 1  # its reading notice came first
+        await wait_until(lambda: not consumer.scheduler.has_work())
+        assert consumer.scheduler.blocks.num_used == 0
 
 
 async def test_a_failed_pull_ends_the_request_and_frees_its_blocks(tiny_models):
@@ -153,6 +190,12 @@ async def test_a_failed_pull_ends_the_request_and_frees_its_blocks(tiny_models):
 async def test_a_mismatched_layout_or_role_is_refused_naming_what_differs(tiny_models):
     async with engines(tiny_models("llama"), "producer", "consumer") as ([producer, consumer], _):
         params = await prefill(producer, PROMPTS[1], "p")
+        staging, hold = "remote_staging_address", "remote_hold_seconds"
+        wrongs = ((staging, -1), (staging, "0x10"), (staging, True), (hold, -1), (hold, "2"))
+        for name, wrong in wrongs:  # the API's 400, naming the field
+            with pytest.raises(APIError, match=name) as refused:
+                kv_transfer_fields({**params, name: wrong})
+            assert (refused.value.status, refused.value.param) == (400, "kv_transfer_params")
         other = {**params, "fingerprint": {**params["fingerprint"], "block_size": 16}}
         with pytest.raises(InvalidRequest, match="block_size"):
             await decode(consumer, PROMPTS[1], other, "d1")

@@ -1,17 +1,22 @@
-"""The scheduler's side of a consumer's pulls, step by step: a receiving request waits for
-blocks in arrival order, is never offered to the policy while its K/V is on the move, and
-one that ends mid-pull keeps its blocks until the worker reports the pull done (the pull
-still writes them)."""
+"""The scheduler's side of a handover, step by step: a consumer's receiving request waits
+for blocks in arrival order, is never offered to the policy while its K/V is on the move,
+and one that ends mid-pull keeps its blocks until the worker reports the pull done (the pull
+still writes them). A producer's step that ends a do_remote_decode request stages its prompt
+in a region of the arena, which the hold keeps until it ends, and an abort frees. A
+consumer's reading notice keeps its hold while the read may run."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from gpu_worker.protocol import PullDone, StepResult
+from gpu_worker.protocol import KvStage, PullDone, StepResult
+from policies.base import Decision
 from service.engine.invariants import check_invariants
-from service.engine.kv_transfer import RemoteKv
+from service.engine.kv_transfer import KvHolds, RemoteKv, StagingArena
 from service.engine.request import Request, Status
-from tests.scheduler_helpers import make_request, make_scheduler
+from service.engine.scheduler import Scheduler
+from service.engine.step import ScheduleOutput
+from tests.scheduler_helpers import make_request, make_scheduler, sampled_result
 
 
 def receiving(seq_id: int, prompt_len: int) -> Request:
@@ -67,3 +72,91 @@ def test_an_overdue_pull_is_named_and_its_blocks_wait_for_the_worker() -> None:
     assert sched.overdue_pulls(9.0, timeout=3.0) == [] and sched.blocks.num_used == 3
     sched.update(out, StepResult(out.iteration, pulls_done=[PullDone("t0", error="late")]))
     assert sched.blocks.num_used == 0 and not sched.has_work()
+
+
+def producing(seq_id: int, prompt_len: int) -> Request:
+    request = make_request(seq_id, prompt_len, max_tokens=1)
+    request.params = dataclasses.replace(request.params, remote_decode=True)
+    return request
+
+
+def producer(arena_blocks: int) -> Scheduler:
+    sched, _ = make_scheduler(num_blocks=16)
+    sched.kv_holds, sched.kv_staging = KvHolds(timeout=50.0), StagingArena(arena_blocks)
+    return sched
+
+
+def ended_prompt(sched: Scheduler, request: Request, chunks: list[int]) -> ScheduleOutput:
+    """Schedules `request`'s prompt in `chunks`, each step's result applied but the last's:
+    the last step's output (it samples the request's one token)."""
+    sched.add(request)
+    for i, tokens in enumerate(chunks):
+        sched.policy.next = Decision(schedule=[(request.seq_id, tokens)])  # type: ignore[attr-defined]
+        out = sched.schedule(float(i))
+        assert out.plan is not None
+        if i < len(chunks) - 1:
+            assert not out.plan.stages  # only the step that ends it stages
+            sched.update(out, sampled_result(out))
+    return out
+
+
+def test_the_step_that_ends_a_held_prompt_stages_it_until_the_hold_ends() -> None:
+    sched = producer(arena_blocks=5)
+    out = ended_prompt(sched, producing(0, 10), [4, 6])
+    assert out.plan is not None
+    assert out.plan.stages == [KvStage(sched.blocks.table(0)[:3], 0)]
+    sched.update(out, sampled_result(out))
+    assert sched.kv_holds is not None and sched.kv_staging is not None
+    (hold,) = sched.kv_holds.by_id.values()
+    assert hold.staged_at == 0 and sched.kv_staging.used == 3
+    check_invariants(sched)
+    # a second prompt finds no room left (2 blocks free, 3 wanted): held unstaged
+    out = ended_prompt(sched, producing(1, 12), [12])
+    assert out.plan is not None and not out.plan.stages
+    sched.update(out, sampled_result(out))
+    assert sched.kv_staging.state() == {"blocks": 5, "used": 3, "staged": 1, "unstaged": 1}
+    assert [h.staged_at for h in sched.kv_holds.by_id.values()] == [0, None]
+    released = sched.schedule(10.0)  # the consumer's notice frees the region with the hold
+    sched.update(released, StepResult(released.iteration, notices=[hold.transfer_id]))
+    assert sched.kv_staging.used == 0
+    check_invariants(sched)
+    out = ended_prompt(sched, producing(2, 9), [9])  # the region is taken again
+    assert out.plan is not None and out.plan.stages == [KvStage(sched.blocks.table(2)[:3], 0)]
+    sched.update(out, sampled_result(out))
+    sched.schedule(1000.0)  # every hold expired: blocks and regions back
+    assert sched.kv_staging.used == 0 and sched.blocks.num_used == 0
+    check_invariants(sched)
+
+
+def test_a_staged_request_that_ends_otherwise_frees_its_region() -> None:
+    sched = producer(arena_blocks=8)
+    request = producing(0, 7)
+    out = ended_prompt(sched, request, [7])
+    assert out.plan is not None and out.plan.stages
+    sched.remove(request)  # aborted while the worker runs the step (as the engine ends it)
+    request.status = Status.FINISHED
+    assert sched.kv_staging is not None and sched.kv_staging.used == 0
+    check_invariants(sched)
+    assert sched.update(out, sampled_result(out)) == []  # its token comes too late
+    assert sched.kv_holds is not None and not sched.kv_holds.by_id
+    failed = ended_prompt(sched, producing(1, 7), [7])  # a worker error fails it
+    sched.update(failed, StepResult(failed.iteration, error="boom"))
+    assert sched.kv_staging.used == 0 and sched.blocks.num_used == 0
+    check_invariants(sched)
+
+
+def test_a_reading_notice_keeps_the_hold_while_the_read_may_run() -> None:
+    sched = producer(arena_blocks=0)
+    assert sched.kv_holds is not None
+    sched.kv_holds.read_timeout = 200.0
+    out = ended_prompt(sched, producing(0, 6), [6])
+    sched.update(out, sampled_result(out))
+    (hold,) = sched.kv_holds.by_id.values()
+    assert hold.deadline == 50.0  # made at 0.0, the hold timeout 50
+    reading = sched.schedule(40.0)
+    sched.update(reading, StepResult(reading.iteration, reading=[hold.transfer_id, "gone"]))
+    assert hold.deadline == 240.0 and sched.kv_holds.kept == 1
+    later = sched.schedule(100.0)  # past its first deadline: still held
+    assert sched.kv_holds.by_id and sched.blocks.num_used == 2
+    sched.update(later, StepResult(later.iteration, notices=[hold.transfer_id]))
+    assert sched.kv_holds.released == 1 and sched.blocks.num_used == 0

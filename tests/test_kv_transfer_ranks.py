@@ -68,7 +68,7 @@ def test_a_hold_is_released_once_every_rank_has_the_notice() -> None:
 
 def test_each_rank_pulls_its_shard_from_the_same_producer_rank() -> None:
     ranks = [RemoteRank(f"h:{port}", [port * 100, port * 100 + 1]) for port in (1, 2, 3)]
-    pull = KvPull("t", "h:1", [4, 5], [7, 8], [100, 101], 9, ranks)
+    pull = KvPull("t", "h:1", [4, 5], [7, 8], [100, 101], 9, ranks=ranks)
     plan = StepPlan(1, [], [], pulls=[pull], transfer_news=True)
     message = orjson.loads(orjson.dumps(to_message("step", plan)))  # as the wire carries it
     received = step_plan_from_message(message)
@@ -83,7 +83,7 @@ def test_each_rank_pulls_its_shard_from_the_same_producer_rank() -> None:
 def test_a_pull_that_lists_no_producer_rank_for_this_one_fails_as_a_pull() -> None:
     consumer = make_connector(KV_ENGINE_LOCAL, "")
     try:
-        pull = KvPull("t", "local:x", [0], [0], [1], 4, [RemoteRank("local:x", [1])])
+        pull = KvPull("t", "local:x", [0], [0], [1], 4, ranks=[RemoteRank("local:x", [1])])
         consumer.submit([pull], rank=1)
         done = consumer.poll_done()  # refused at once, the step goes on
         assert [d.transfer_id for d in done] == ["t"] and "rank 1" in (done[0].error or "")
@@ -93,22 +93,32 @@ def test_a_pull_that_lists_no_producer_rank_for_this_one_fails_as_a_pull() -> No
 
 def handshake(ranks: int) -> Handshake:
     entries = [
-        {"rank": r, "kv_transfer_address": f"10.0.0.1:{7000 + r}", "kv_tensor_addresses": [r, 9]}
+        {
+            "rank": r,
+            "kv_transfer_address": f"10.0.0.1:{7000 + r}",
+            "kv_tensor_addresses": [r, 9],
+            "kv_staging_address": ARENA * (r + 1),
+        }
         for r in range(ranks)
     ]
     return Handshake(
         "m", "LlamaForCausalLM", 10, 64, 1, 3, 4, "float32", "cpu", 4, 16, 0, "float32",
         [1], 0, 0.0, ranks=entries, kv_transfer_address="10.0.0.1:7000",
-        kv_tensor_addresses=[0, 9],
+        kv_tensor_addresses=[0, 9], kv_block_bytes=BLOCK_BYTES, kv_staging_address=ARENA,
     )  # fmt: skip
 
 
-def answer(ranks: int, transfer_id: str = "t", prompt_tokens: int = 6) -> dict:
+ARENA, BLOCK_BYTES = 1 << 20, 256  # rank r's arena at ARENA x (r + 1)
+
+
+def answer(
+    ranks: int, transfer_id: str = "t", prompt_tokens: int = 6, staged_at: int | None = None
+) -> dict:
     """A producer's kv_transfer_params at tensor parallel size `ranks`."""
     producer = handshake(ranks)
     blocks = list(range(1, 1 + -(-prompt_tokens // producer.block_size)))
-    hold = KvHold(transfer_id, 0, blocks, prompt_tokens, 0.0)
-    return producer_params(hold, producer, "e", Fingerprint.of(producer))
+    hold = KvHold(transfer_id, 0, blocks, prompt_tokens, 30.0, staged_at)
+    return producer_params(hold, producer, "e", Fingerprint.of(producer), now=0.0)
 
 
 def test_the_producer_lists_its_ranks_and_the_consumer_reads_and_counts_them() -> None:
@@ -116,9 +126,16 @@ def test_the_producer_lists_its_ranks_and_the_consumer_reads_and_counts_them() -
     assert params["remote_port"] == 7000 and params["remote_tensors"] == [0, 9]
     assert params["remote_ranks"][2] == {
         "remote_host": "10.0.0.1", "remote_port": 7002, "remote_tensors": [2, 9],
+        "remote_staging_address": None,
     }  # fmt: skip
     remote = kv_transfer_fields(params)["remote_kv"]
     assert remote.ranks[2] == RemoteRank("10.0.0.1:7002", [2, 9])
+    # staged: each rank's shard at the same offset of its own arena
+    staged = kv_transfer_fields(answer(WORLD, staged_at=5))["remote_kv"]
+    offset = 5 * BLOCK_BYTES
+    assert staged.staging_address == ARENA + offset
+    assert [r.staging_address for r in staged.ranks] == [ARENA * (r + 1) + offset for r in range(3)]
+    assert staged.ranks[1] == RemoteRank("10.0.0.1:7001", [1, 9], 2 * ARENA + offset)
     consumer = handshake(WORLD)
     check_kv_transfer(SamplingParams(remote_kv=remote), 6, 1, "consumer", consumer)
     short = dataclasses.replace(remote, ranks=remote.ranks[:2])

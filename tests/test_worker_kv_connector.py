@@ -1,7 +1,10 @@
-"""The worker's KV connectors move a prompt's blocks between two caches: segments coalesce
-runs of consecutive blocks, the copy lands in the right blocks of every tensor and head, the
-producer is notified, and a failed pull is reported, on the in-process connector and on
-Mooncake's real transfer engine over loopback TCP."""
+"""The worker's KV connectors move a prompt's blocks between two caches: segments coalesce runs
+of consecutive blocks, the copy lands in the right blocks of every tensor and head, the
+producer is notified as the read begins and when it is done, a pull that cannot start before
+the producer's hold ends fails unread, and a failed pull is reported, on the in-process
+connector and on Mooncake's real transfer engine over loopback TCP. A prompt staged in the
+producer's arena is read in one segment (or one per tensor and head, straight into a run of
+blocks)."""
 
 from __future__ import annotations
 
@@ -11,8 +14,16 @@ import pytest
 import torch
 
 from gpu_worker.kv_cache import KVCache, LayerKV
-from gpu_worker.kv_connector import KvConnector, block_runs, make_connector
-from gpu_worker.protocol import KV_ENGINE_LOCAL, KV_ENGINE_MOONCAKE, KvPull, PullDone
+from gpu_worker.kv_connector import (
+    NOTICE_DONE,
+    NOTICE_READING,
+    KvConnector,
+    Notice,
+    block_runs,
+    make_connector,
+)
+from gpu_worker.kv_staging import allocate_arena
+from gpu_worker.protocol import KV_ENGINE_LOCAL, KV_ENGINE_MOONCAKE, KvPull, KvStage, PullDone
 
 HEADS, BLOCK, DIM = 3, 4, 8
 
@@ -62,12 +73,14 @@ def test_a_pull_copies_the_blocks_and_notifies_the_producer(engine: str) -> None
             for a, b in ((mine.k, theirs.k), (mine.v, theirs.v)):
                 assert torch.equal(a[:, local], b[:, remote])
         assert torch.equal(consumer_cache.slots[0].k[:, 12], untouched)
-        deadline = time.monotonic() + 10
-        notices: list[str] = []
-        while not notices and time.monotonic() < deadline:
-            notices = producer.poll_notices()
-            time.sleep(0.005)
-        assert notices == ["t-1"]
+        assert _notices(producer) == [("t-1", NOTICE_READING), ("t-1", NOTICE_DONE)]
+        # a pull that waited past its start_within (the hold's end) fails without reading
+        late = KvPull("t-late", producer.address, [8], [0], addresses, 12, start_within=0.0)
+        before = consumer_cache.slots[0].k[:, 0].clone()
+        consumer.submit([late])
+        failed = _wait_done(consumer)
+        assert "hold ends before" in (failed.error or "") and producer.poll_notices() == []
+        assert torch.equal(consumer_cache.slots[0].k[:, 0], before)
         # a producer that is gone: the pull fails, it is reported, nothing hangs
         gone = KvPull(
             "t-2",
@@ -80,6 +93,50 @@ def test_a_pull_copies_the_blocks_and_notifies_the_producer(engine: str) -> None
         consumer.submit([gone])
         failed = _wait_done(consumer)
         assert failed.transfer_id == "t-2" and failed.error
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def _notices(producer: KvConnector) -> list[Notice]:
+    """The producer's notices up to the first that says a read is done."""
+    deadline, notices = time.monotonic() + 10, []
+    while not any(kind == NOTICE_DONE for _, kind in notices) and time.monotonic() < deadline:
+        notices += producer.poll_notices()
+        time.sleep(0.005)
+    return notices
+
+
+@pytest.mark.parametrize("engine", [KV_ENGINE_LOCAL, KV_ENGINE_MOONCAKE])
+def test_a_staged_prompt_is_read_whole_into_fragmented_or_consecutive_blocks(engine: str) -> None:
+    producer_cache, consumer_cache = _cache(12, 1), _cache(20, 2)
+    per_block = 4 * HEADS * BLOCK * DIM * 4  # 4 tensors of float32
+    producer = make_connector(engine, "127.0.0.1")
+    consumer = make_connector(engine, "127.0.0.1")
+    try:
+        arena = allocate_arena(8, per_block, torch.device("cpu"))
+        addresses = producer.register(producer_cache, arena)
+        consumer.register(consumer_cache)
+        assert producer.staging_blocks == 8 and producer.staging_address == arena.data_ptr()
+        remote = [9, 2, 7, 4]  # no two consecutive: unstaged, a segment per block
+        producer.stage([KvStage(remote, 3), KvStage(remote[:2], 0)])
+        for name, local, at, segments in (
+            ("t-small", [1, 3], 0, 1),  # landed whole, then scattered
+            ("t-run", [14, 15, 16, 17], 3, 4 * HEADS),  # straight in: per tensor and head
+            ("t-frag", [11, 5, 18, 0], 3, 1),  # a larger region: the landing buffer grows
+        ):
+            pull = KvPull(name, producer.address, remote[: len(local)], local, addresses, 12)
+            pull.remote_staging_address = arena.data_ptr() + at * per_block
+            consumer.submit([pull])
+            done = _wait_done(consumer)
+            assert (done.error, done.segments) == (None, segments)
+            assert done.bytes == len(local) * per_block
+            for mine, theirs in zip(consumer_cache.slots, producer_cache.slots, strict=True):
+                for a, b in ((mine.k, theirs.k), (mine.v, theirs.v)):
+                    assert torch.equal(a[:, local], b[:, remote[: len(local)]])
+            assert _notices(producer) == [(name, NOTICE_READING), (name, NOTICE_DONE)]
+        with pytest.raises(ValueError, match="does not fit"):
+            producer.stage([KvStage(remote, 5)])
     finally:
         consumer.close()
         producer.close()
@@ -118,10 +175,8 @@ def test_a_fragmented_pull_of_more_segments_than_mooncake_queues_succeeds() -> N
         for mine, theirs in zip(caches[1].slots, caches[0].slots, strict=True):
             assert torch.equal(mine.k[:, local], theirs.k[:, remote])
             assert torch.equal(mine.v[:, local], theirs.v[:, remote])
-        deadline = time.monotonic() + 10
-        while not (notices := producer.poll_notices()) and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert notices == ["t-4"]  # once, after the last batch
+        # once as it begins, once after the last batch
+        assert _notices(producer) == [("t-4", NOTICE_READING), ("t-4", NOTICE_DONE)]
     finally:
         consumer.close()
         producer.close()

@@ -41,6 +41,8 @@ def _remote_kv(value: dict[str, Any]) -> RemoteKv:
         num_blocks=_typed(value, "remote_num_blocks", int),
         prompt_tokens=_typed(value, "prompt_tokens", int),
         fingerprint=_typed(value, "fingerprint", dict),
+        staging_address=_address(value, "remote_staging_address"),
+        hold_seconds=_seconds(value, "remote_hold_seconds"),
         ranks=_remote_ranks(value.get("remote_ranks", [])),
     )
 
@@ -55,6 +57,7 @@ def _remote_ranks(value: Any) -> list[RemoteRank]:
         RemoteRank(
             f"{_typed(rank, 'remote_host', str, where)}:{_typed(rank, 'remote_port', int, where)}",
             _ints(rank, "remote_tensors", where),
+            _address(rank, "remote_staging_address", where),
         )
         for rank in value
     ]
@@ -75,6 +78,26 @@ def _ints(value: dict[str, Any], name: str, within: str = "") -> list[int]:
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in found):
         raise bad_request(f"'{_path(name, within)}' must be a list of non-negative integers", PARAM)
     return found
+
+
+def _address(value: dict[str, Any], name: str, within: str = "") -> int | None:
+    """Null or absent (the producer staged nothing), or a non-negative integer."""
+    if value.get(name) is None:
+        return None
+    found = _typed(value, name, int, within)
+    if found < 0:
+        raise bad_request(f"'{_path(name, within)}' must be a non-negative integer or null", PARAM)
+    return found
+
+
+def _seconds(value: dict[str, Any], name: str) -> float | None:
+    """Null or absent (a producer that does not say), or a non-negative number."""
+    found = value.get(name)
+    if found is None:
+        return None
+    if isinstance(found, bool) or not isinstance(found, int | float) or found < 0:
+        raise bad_request(f"'{PARAM}.{name}' must be a non-negative number or null", PARAM)
+    return float(found)
 
 
 def _path(name: str, within: str) -> str:

@@ -157,6 +157,7 @@ class _CountersReadAtScrape(Collector):
             "prefix_cache_hits": 0.0,
         }
         self.kv_holds: dict[str, float] = {}  # a producer's (--kv-transfer-role), by outcome
+        self.kv_staging: dict[str, float] = {}  # its prompts staged or not (no room), by outcome
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         # vLLM's names: tokens of the prompts admitted, and of those the ones found cached
@@ -176,20 +177,31 @@ class _CountersReadAtScrape(Collector):
             value=self.values["worker_restarts"],
         )
         if self.kv_holds:
-            holds = CounterMetricFamily(
+            yield _by_outcome(
                 "cadence:kv_transfer_holds",
                 "A producer's prompt K/V held for consumers: held, then released by the "
                 "consumer's notice or expired at --kv-hold-timeout.",
-                labels=["outcome"],
+                self.kv_holds,
             )
-            for outcome, value in self.kv_holds.items():
-                holds.add_metric([outcome], value)
-            yield holds
+        if self.kv_staging:
+            yield _by_outcome(
+                "cadence:kv_transfer_staging",
+                "A producer's held prompts gathered into its staging arena (staged), or held "
+                "unstaged for want of room (--kv-staging-tokens).",
+                self.kv_staging,
+            )
         yield CounterMetricFamily(
             "cadence:log_lines_dropped",
             "Log lines dropped because the log's reader fell behind.",
             value=self.values["log_lines_dropped"],
         )
+
+
+def _by_outcome(name: str, documentation: str, counts: dict[str, float]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, documentation, labels=["outcome"])
+    for outcome, value in counts.items():
+        family.add_metric([outcome], value)
+    return family
 
 
 class Metrics:
@@ -291,9 +303,12 @@ class Metrics:
         self._read_at_scrape.values["prefix_cache_queries"] = prefix.get("queries_tokens", 0)
         self._read_at_scrape.values["prefix_cache_hits"] = prefix.get("hits_tokens", 0)
         self._read_at_scrape.values["log_lines_dropped"] = log_lines_dropped()
-        holds = (engine_state.get("kv_transfer") or {}).get("holds") or {}
+        transfer = engine_state.get("kv_transfer") or {}
+        holds, staging = transfer.get("holds") or {}, transfer.get("staging") or {}
         outcomes = ("held", "released", "expired")
         self._read_at_scrape.kv_holds = {o: float(holds[o]) for o in outcomes if o in holds}
+        staged = ("staged", "unstaged")
+        self._read_at_scrape.kv_staging = {o: float(staging[o]) for o in staged if o in staging}
         self._render_tenants(engine_state.get("tenants") or {})
         return generate_latest(self.registry)
 

@@ -69,6 +69,7 @@ from service.engine.kv_transfer import (
     ROLE_PRODUCER,
     Fingerprint,
     KvHolds,
+    StagingArena,
     check_kv_transfer,
     producer_params,
 )
@@ -137,7 +138,9 @@ class Engine:
             speculator=None if spec is None else Speculator(spec),
         )
         if config.kv_transfer_role in (ROLE_PRODUCER, ROLE_BOTH):
-            self._scheduler.kv_holds = KvHolds(config.kv_hold_timeout)
+            holds = KvHolds(config.kv_hold_timeout, config.kv_transfer_timeout)
+            self._scheduler.kv_holds = holds
+            self._scheduler.kv_staging = StagingArena()  # its blocks: the worker's handshake
         if config.enable_lora:
             self._scheduler.adapter_slots = AdapterSlots(config.max_loras)
         self.engine_id = uuid.uuid4().hex  # vLLM's remote_engine_id of a producer's answers
@@ -310,8 +313,12 @@ class Engine:
             return None
         sched = self._scheduler
         holds = sched.kv_holds.state() if sched.kv_holds is not None else None
+        staging = sched.kv_staging.state() if sched.kv_staging is not None else None
         pulls = {"waiting": len(sched.kv_pulls.waiting), "pulling": len(sched.kv_pulls.pulling)}
-        return {"role": self.config.kv_transfer_role, "holds": holds, "pulls": pulls}
+        role = self.config.kv_transfer_role
+        kept = sched.kv_holds.kept if sched.kv_holds is not None else None
+        state = {"role": role, "holds": holds, "holds_kept": kept, "staging": staging}
+        return {**state, "pulls": pulls}
 
     def _overlap_limit(self) -> int | None:
         """The most sequences a step may have and overlap; None: every step does."""
@@ -583,7 +590,8 @@ class Engine:
             event.stop_string = request.detokenizer.stopped_by
         if request.kv_hold is not None and self.handshake is not None:
             fingerprint = Fingerprint.of(self.handshake)
-            params = producer_params(request.kv_hold, self.handshake, self.engine_id, fingerprint)
+            hold, now = request.kv_hold, trio.current_time()
+            params = producer_params(hold, self.handshake, self.engine_id, fingerprint, now)
             event.kv_transfer_params = params
         request.send(event)
         request.stream.close()
@@ -607,6 +615,8 @@ class Engine:
         refuse_what_a_recurrent_state_cannot(handshake, self.config)
         self.handshake = handshake
         self._scheduler.replace_blocks(self._blocks_for(handshake))
+        if self._scheduler.kv_staging is not None:
+            self._scheduler.kv_staging.reset(handshake.kv_staging_blocks)
         self._fail_what_no_longer_fits()
         self._overlap_seqs = overlap_seqs(self.config.overlap, handshake.device)
         # on the CPU, fills would take the cores the step needs: only between steps there

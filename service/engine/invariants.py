@@ -20,6 +20,8 @@ def check_invariants(sched: Scheduler) -> None:
     _check_blocks_held(sched)
     _check_promises(sched)
     _check_written(sched)
+    if sched.kv_staging is not None:
+        sched.kv_staging.check_invariants({r.seq_id for r in sched.sequences} | sched.kv_owners)
     blocks = sched.blocks
     running_promises = sum(blocks.num_promised_to(r.seq_id) for r in sched.running)
     assert blocks.num_promised == running_promises, "a promise outlived its sequence"

@@ -53,7 +53,9 @@ class KvPulls:
                     local,
                     remote.tensors,
                     remote.num_blocks,
-                    remote.ranks,
+                    remote_staging_address=remote.staging_address,
+                    start_within=remote.start_within(request.received, now),
+                    ranks=remote.ranks,
                 )
             )
         return pulls

@@ -7,6 +7,17 @@ or the hold's deadline (KvHolds); its answer's kv_transfer_params say where they
 consumer (consumer|both) checks that the producer's cache is laid out as its own (the
 fingerprint), pulls the blocks (the scheduler's receiving sequences), and computes only the
 prompt's last token. The transfer itself is the worker's (gpu_worker.kv_connector).
+
+A producer with a staging arena (--kv-staging-tokens, gpu_worker.kv_staging) has the step
+that ends a do_remote_decode request gather its prompt into one region of it, so a consumer
+reads it in one segment however fragmented the caches are; StagingArena places the regions.
+A prompt that finds no room is held unstaged and pulled from the cache as before.
+
+A hold outlives the pull that reads it: the consumer's connector notifies the producer as
+its read begins, which keeps the hold for --kv-transfer-timeout more (the read fails by
+then), and the producer's answer says how long its hold has left (remote_hold_seconds),
+so a consumer never starts a read later than HOLD_MARGIN_S before the hold ends: such a
+pull fails kv_transfer_failed unread (vLLM's rule: fail, never read freed blocks).
 """
 
 from __future__ import annotations
@@ -26,6 +37,10 @@ ROLE_PRODUCER, ROLE_CONSUMER, ROLE_BOTH = "producer", "consumer", "both"
 KV_TRANSFER_ROLES = (ROLE_PRODUCER, ROLE_CONSUMER, ROLE_BOTH)
 KV_TRANSFER_FAILED = "kv_transfer_failed"  # a consumer's request whose pull failed ends so
 PARAM = "kv_transfer_params"
+# A consumer's read starts at least this long before the producer's hold ends: its reading
+# notice must reach the producer's engine (after a step of the producer's) before the hold
+# expires there.
+HOLD_MARGIN_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +99,14 @@ class RemoteKv:
     fingerprint: dict[str, Any] = field(default_factory=dict)
     # at tensor parallel size > 1 every producer rank's (remote_ranks), rank 0's first
     ranks: list[RemoteRank] = field(default_factory=list)
+    staging_address: int | None = None  # where the producer staged it (None: unstaged)
+    hold_seconds: float | None = None  # the producer's hold's time left as it answered
+
+    def start_within(self, received: float, now: float) -> float | None:
+        """Seconds from `now` within which a read must start (None: no limit said)."""
+        if self.hold_seconds is None:
+            return None
+        return received + self.hold_seconds - HOLD_MARGIN_S - now
 
     @property
     def peer(self) -> str:
@@ -99,6 +122,7 @@ class KvHold:
     block_ids: list[int]
     prompt_tokens: int
     deadline: float  # engine clock
+    staged_at: int | None = None  # its region's first block in the staging arena
 
 
 @dataclass(slots=True)
@@ -106,15 +130,25 @@ class KvHolds:
     """The producer's holds by transfer id, and how many ended each way."""
 
     timeout: float
+    read_timeout: float = 30.0  # how long a reading notice keeps its hold (a pull's limit)
     by_id: dict[str, KvHold] = field(default_factory=dict)
     held: int = 0
     released: int = 0
     expired: int = 0
+    kept: int = 0  # reading notices that kept their holds
     _ids: itertools.count = field(default_factory=itertools.count)
 
-    def hold(self, seq_id: int, block_ids: list[int], prompt_tokens: int, now: float) -> KvHold:
+    def hold(
+        self,
+        seq_id: int,
+        block_ids: list[int],
+        prompt_tokens: int,
+        now: float,
+        staged_at: int | None = None,
+    ) -> KvHold:
         transfer_id = f"kvx-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
-        hold = KvHold(transfer_id, seq_id, block_ids, prompt_tokens, now + self.timeout)
+        deadline = now + self.timeout
+        hold = KvHold(transfer_id, seq_id, block_ids, prompt_tokens, deadline, staged_at)
         self.by_id[transfer_id] = hold
         self.held += 1
         return hold
@@ -124,6 +158,13 @@ class KvHolds:
         ended = [h for t in transfer_ids if (h := self.by_id.pop(t, None)) is not None]
         self.released += len(ended)
         return ended
+
+    def keep_reading(self, transfer_ids: list[str], now: float) -> None:
+        """Consumers began to read these: their holds last while a read may (unknown ids:
+        already ended)."""
+        for hold in (h for t in transfer_ids if (h := self.by_id.get(t)) is not None):
+            hold.deadline = max(hold.deadline, now + self.read_timeout)
+            self.kept += 1
 
     def expire(self, now: float) -> list[KvHold]:
         ended = [h for h in self.by_id.values() if h.deadline <= now]
@@ -142,6 +183,65 @@ class KvHolds:
             "held": self.held,
             "released": self.released,
             "expired": self.expired,
+        }
+
+
+@dataclass(slots=True)
+class StagingArena:
+    """Where in the producer worker's staging arena each prompt's region lies, by sequence:
+    taken in the step that ends the request (first fit; no room: the prompt goes unstaged),
+    kept by its hold, freed with it, or when the request ends otherwise."""
+
+    blocks: int = 0  # the worker's arena (Handshake.kv_staging_blocks)
+    regions: dict[int, tuple[int, int]] = field(default_factory=dict)  # seq -> (first, count)
+    staged: int = 0
+    unstaged: int = 0  # prompts that found no room
+
+    def take(self, seq_id: int, count: int) -> int | None:
+        """The first block of a free region of `count` blocks, now `seq_id`'s; None: none."""
+        start = 0
+        for first, taken in sorted(self.regions.values()):
+            if first - start >= count:
+                break
+            start = first + taken
+        if start + count > self.blocks:
+            self.unstaged += 1
+            return None
+        self.regions[seq_id] = (start, count)
+        self.staged += 1
+        return start
+
+    def first_block(self, seq_id: int) -> int | None:
+        region = self.regions.get(seq_id)
+        return None if region is None else region[0]
+
+    def free(self, seq_id: int) -> None:
+        self.regions.pop(seq_id, None)
+
+    def reset(self, blocks: int) -> None:
+        """A new worker's arena: the old one's regions went with it."""
+        self.blocks = blocks
+        self.regions.clear()
+
+    @property
+    def used(self) -> int:
+        return sum(count for _, count in self.regions.values())
+
+    def check_invariants(self, owners: set[int]) -> None:
+        """Regions lie inside the arena, apart, each of a sequence in `owners`."""
+        end = 0
+        for first, count in sorted(self.regions.values()):
+            assert first >= end and count > 0, "staging regions overlap"
+            end = first + count
+        assert end <= self.blocks, "a staging region past the arena"
+        assert set(self.regions) <= owners, "a staging region outlived its sequence"
+
+    def state(self) -> dict[str, int]:
+        return {
+            "blocks": self.blocks,
+            "used": self.used,
+            "staged": self.staged,
+            "unstaged": self.unstaged,
         }
 
 
@@ -197,14 +297,14 @@ def _check_remote_ranks(remote: RemoteKv, tp: int) -> None:
 
 
 def producer_params(
-    hold: KvHold, handshake: Handshake, engine_id: str, fingerprint: Fingerprint
+    hold: KvHold, handshake: Handshake, engine_id: str, fingerprint: Fingerprint, now: float
 ) -> dict[str, Any]:
     """The kv_transfer_params of a producer's answer: vLLM's connectors' fields, then
     cadence's own (the router copies them whole into the consumer's request); at tensor
     parallel size > 1 every rank's address and tensors (remote_ranks)."""
     assert handshake.kv_transfer_address is not None  # a producer's worker has an engine
     host, port = _host_port(handshake.kv_transfer_address)
-    params = {
+    params: dict[str, Any] = {
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "remote_engine_id": engine_id,
@@ -216,16 +316,31 @@ def producer_params(
         "fingerprint": asdict(fingerprint),
         "remote_tensors": handshake.kv_tensor_addresses,
         "remote_num_blocks": handshake.num_blocks,
+        "remote_staging_address": _staged(hold, handshake.kv_staging_address, handshake),
+        "remote_hold_seconds": round(max(0.0, hold.deadline - now), 3),
     }
     if tp_size(handshake) > 1:
-        params["remote_ranks"] = [_remote_rank(rank) for rank in handshake.ranks]
+        params["remote_ranks"] = [_remote_rank(rank, hold, handshake) for rank in handshake.ranks]
     return params
 
 
-def _remote_rank(rank: dict[str, Any]) -> dict[str, Any]:
+def _staged(hold: KvHold, arena: int | None, handshake: Handshake) -> int | None:
+    """Where a rank's arena holds the hold's gathered region (every rank's shard has the
+    same block bytes and the same offsets); None where it is not staged."""
+    if hold.staged_at is None or arena is None:
+        return None
+    return arena + hold.staged_at * handshake.kv_block_bytes
+
+
+def _remote_rank(rank: dict[str, Any], hold: KvHold, handshake: Handshake) -> dict[str, Any]:
     """A remote_ranks entry: where a producer rank (Handshake.ranks) serves its shard."""
     host, port = _host_port(rank["kv_transfer_address"])
-    return {"remote_host": host, "remote_port": port, "remote_tensors": rank["kv_tensor_addresses"]}
+    return {
+        "remote_host": host,
+        "remote_port": port,
+        "remote_tensors": rank["kv_tensor_addresses"],
+        "remote_staging_address": _staged(hold, rank.get("kv_staging_address"), handshake),
+    }
 
 
 def _host_port(address: str) -> tuple[str, int]:

@@ -54,7 +54,11 @@ hold (kv_holds) until a step's notices release it or schedule() finds it expired
 consumer's request with the producer's K/V waits in kv_pulls, never in a policy's view:
 schedule() gives it blocks for its prompt and a KvPull in the plan (rowless plans while
 only K/V moves), update() takes the worker's PullDone and makes it a running sequence with
-all but the prompt's last token computed, or fails it kv_transfer_failed.
+all but the prompt's last token computed, or fails it kv_transfer_failed. With a staging
+arena (kv_staging), the plan of the step that ends a held-to-be request (its one token
+sampled at max_tokens) carries a KvStage: the worker gathers the prompt into the arena
+before the result comes back, and the region stays the hold's until the hold ends (or is
+freed with a request that ends otherwise).
 """
 
 from __future__ import annotations
@@ -63,13 +67,13 @@ import collections
 from collections.abc import Collection
 from typing import Any, cast
 
-from gpu_worker.protocol import DRAFT_MODEL_TOKEN, PullDone, StepResult, TokenLogprobs
+from gpu_worker.protocol import DRAFT_MODEL_TOKEN, KvStage, PullDone, StepResult, TokenLogprobs
 from policies.base import Decision, Policy, View
 from service.engine.adapters import AdapterSlots
 from service.engine.block_manager import BlockManager
 from service.engine.block_rules import BlockRules
 from service.engine.kv_pulls import KvPulls
-from service.engine.kv_transfer import KV_TRANSFER_FAILED, KvHolds
+from service.engine.kv_transfer import KV_TRANSFER_FAILED, KvHold, KvHolds, StagingArena
 from service.engine.plan import PlanBuilder
 from service.engine.prefix_cache import prefix_hit, register_blocks
 from service.engine.request import MEAN_POOLING, Request, Status
@@ -140,6 +144,7 @@ class Scheduler:
         # disaggregated prefill and decode (module docstring): a producer's holds, and a
         # consumer's requests on their way in (kv_pulls)
         self.kv_holds: KvHolds | None = None
+        self.kv_staging: StagingArena | None = None  # a producer's, when its worker has one
         self.kv_pulls = KvPulls()
         self.now = 0.0  # the engine clock at the last schedule()
         # LoRA (--enable-lora): the worker's adapter slots, filled as admission needs them
@@ -195,6 +200,8 @@ class Scheduler:
             return
         if request.kv_hold is None:  # a held request's blocks are freed when its hold ends
             self.blocks.free(request.seq_id)
+            if self.kv_staging is not None:
+                self.kv_staging.free(request.seq_id)
         self.rules.leave(request)
 
     def _retire(self, request: Request) -> None:
@@ -205,12 +212,36 @@ class Scheduler:
             and request.params.remote_decode
             and request.num_computed_tokens >= request.prompt_len
         ):
-            entries = -(-request.prompt_len // self.blocks.block_size)
-            blocks = list(self.blocks.table(request.seq_id)[:entries])
+            arena, seq_id = self.kv_staging, request.seq_id
+            staged_at = None if arena is None else arena.first_block(seq_id)
+            blocks = self._prompt_blocks(request)
             request.kv_hold = self.kv_holds.hold(
-                request.seq_id, blocks, request.prompt_len, self.now
+                seq_id, blocks, request.prompt_len, self.now, staged_at
             )
         self.remove(request)
+
+    def _prompt_blocks(self, request: Request) -> list[int]:
+        entries = -(-request.prompt_len // self.blocks.block_size)
+        return list(self.blocks.table(request.seq_id)[:entries])
+
+    def _stages(self, scheduled: list[Scheduled]) -> list[KvStage]:
+        """Regions of the staging arena for the prompts of do_remote_decode requests this
+        step ends (it samples their last token), which the worker gathers before its result
+        comes back; a prompt that finds no room is held unstaged."""
+        arena = self.kv_staging
+        if arena is None or not arena.blocks:
+            return []
+        stages = []
+        for item in scheduled:
+            request = item.request
+            assert request.params.max_tokens is not None  # validation fills it
+            ends = item.samples and request.num_generated + 1 >= request.params.max_tokens
+            if request.params.remote_decode and ends:
+                blocks = self._prompt_blocks(request)
+                first = arena.take(request.seq_id, len(blocks))
+                if first is not None:
+                    stages.append(KvStage(blocks, first))
+        return stages
 
     @property
     def transferring(self) -> list[Request]:
@@ -334,6 +365,7 @@ class Scheduler:
             out.plan = self.plans.build(out.scheduled, out.iteration)
             out.plan.pulls = pulls
             out.plan.transfer_news = self.transfers_pending
+            out.plan.stages = self._stages(out.scheduled)
             if self.adapter_slots is not None:
                 out.plan.adapters = self.adapter_slots.take_loads()
             out.written = [self._written(item) for item in out.scheduled]
@@ -342,8 +374,8 @@ class Scheduler:
     def _take_transfers(self, result: StepResult) -> list[Outcome]:
         """A step's news of K/V transfers: the consumers' notices end holds; pulls done."""
         if self.kv_holds is not None:
-            for hold in self.kv_holds.release(result.notices):
-                self.blocks.free(hold.seq_id)
+            self.kv_holds.keep_reading(result.reading, self.now)
+            self._end_holds(self.kv_holds.release(result.notices))
         return [o for done in result.pulls_done if (o := self._pulled(done)) is not None]
 
     def _pulled(self, done: PullDone) -> Outcome | None:
@@ -383,8 +415,14 @@ class Scheduler:
 
     def _end_expired_holds(self, now: float) -> None:
         if self.kv_holds is not None:
-            for hold in self.kv_holds.expire(now):
-                self.blocks.free(hold.seq_id)
+            self._end_holds(self.kv_holds.expire(now))
+
+    def _end_holds(self, holds: list[KvHold]) -> None:
+        """Ended holds give back their blocks and staging regions."""
+        for hold in holds:
+            self.blocks.free(hold.seq_id)
+            if self.kv_staging is not None:
+                self.kv_staging.free(hold.seq_id)
 
     def _written(self, item: Scheduled) -> list[int]:
         """The blocks of group 0 a row writes, from its first position on, as sent: the

@@ -39,6 +39,7 @@ from gpu_worker.protocol import (
     to_message,
 )
 from service.config import Config
+from service.engine.kv_transfer import ROLE_BOTH, ROLE_PRODUCER
 from service.engine.speculation import DRAFT_MODEL
 from service.model_files.resolve import resolve_model
 
@@ -76,6 +77,8 @@ def worker_config_for(config: Config, model_dir: Path | str) -> WorkerConfig:
     named = {f.name for f in fields(Config)}
     shared = {f.name: getattr(config, f.name) for f in fields(WorkerConfig) if f.name in named}
     shared["max_loras"] = config.max_loras if config.enable_lora else 0  # 0: no slots
+    if config.kv_transfer_role not in (ROLE_PRODUCER, ROLE_BOTH):  # only a producer stages
+        shared["kv_staging_tokens"] = 0
     spec = config.speculative_config
     draft_dir = None
     if spec is not None and spec.method == DRAFT_MODEL:
