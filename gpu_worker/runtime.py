@@ -338,8 +338,6 @@ def _connect_kv(config: WorkerConfig, runner: ModelRunner, clock: Stopwatch) -> 
     connector, its cache registered for peers to read."""
     if config.kv_transfer_engine is None:
         return
-    if runner.limits.num_groups > 1:
-        raise ValueError("a KV transfer engine moves one KV group's blocks; this model has more")
     with clock.step("kv transfer"):
         runner.kv = make_connector(
             config.kv_transfer_engine, config.kv_transfer_host, config.kv_transfer_timeout

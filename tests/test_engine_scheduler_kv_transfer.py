@@ -16,7 +16,7 @@ from tests.scheduler_helpers import make_request, make_scheduler
 
 def receiving(seq_id: int, prompt_len: int) -> Request:
     request = make_request(seq_id, prompt_len)
-    remote = RemoteKv(f"t{seq_id}", "e", "local", 1, [0] * -(-prompt_len // 4), [], 9, prompt_len)
+    remote = RemoteKv(f"t{seq_id}", "e", "local", 1, [[0] * -(-prompt_len // 4)], [], 9, prompt_len)
     request.params = dataclasses.replace(request.params, remote_kv=remote)
     return request
 

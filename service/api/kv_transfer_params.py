@@ -39,19 +39,27 @@ def _remote_kv(value: dict[str, Any]) -> RemoteKv:
             )
         return found
 
-    def ints(name: str) -> list[int]:
-        found = typed(name, list)
-        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in found):
+    def ints(name: str, found: Any) -> list[int]:
+        if not isinstance(found, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in found
+        ):
             raise bad_request(f"'{PARAM}.{name}' must be a list of non-negative integers", PARAM)
         return found
+
+    def per_group(name: str) -> list[list[int]]:
+        """A hybrid model's block ids: a list per KV group; one group's: one flat list."""
+        found = typed(name, list)
+        if found and all(isinstance(ids, list) for ids in found):
+            return [ints(name, ids) for ids in found]
+        return [ints(name, found)]
 
     return RemoteKv(
         transfer_id=typed("transfer_id", str),
         engine_id=typed("remote_engine_id", str),
         host=typed("remote_host", str),
         port=typed("remote_port", int),
-        block_ids=ints("remote_block_ids"),
-        tensors=ints("remote_tensors"),
+        block_ids=per_group("remote_block_ids"),
+        tensors=ints("remote_tensors", typed("remote_tensors", list)),
         num_blocks=typed("remote_num_blocks", int),
         prompt_tokens=typed("prompt_tokens", int),
         fingerprint=typed("fingerprint", dict),

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from gpu_worker.protocol import KvPull
 from service.engine.block_manager import BlockManager
+from service.engine.kv_transfer import RemoteKv, handover_position
 from service.engine.request import Request, Status
 
 
@@ -40,21 +41,10 @@ class KvPulls:
             if blocks.blocks_to_hold(request.prompt_len) > room:
                 break
             self.waiting.pop(0)
-            blocks.allocate(request.seq_id, request.prompt_len)
             request.status = Status.RECEIVING
             self.pulling[remote.transfer_id] = request
             self._started[remote.transfer_id] = now
-            local = list(blocks.table(request.seq_id))
-            pulls.append(
-                KvPull(
-                    remote.transfer_id,
-                    remote.peer,
-                    remote.block_ids,
-                    local,
-                    remote.tensors,
-                    remote.num_blocks,
-                )
-            )
+            pulls.append(_pull(blocks, request, remote))
         return pulls
 
     def finish(self, transfer_id: str) -> Request | None:
@@ -86,3 +76,21 @@ class KvPulls:
         """A new worker: the old one's pulls will never be reported."""
         self.pulling.clear()
         self._started.clear()
+
+
+def _pull(blocks: BlockManager, request: Request, remote: RemoteKv) -> KvPull:
+    """Blocks for `request`'s prompt, a windowed group's only from the handover's window
+    on (kv_transfer.handover_position), and the pull of every group's into them: its
+    (remote, local) pairs, group after group (a block id names one slot in every cache
+    tensor, whichever group holds it)."""
+    position = handover_position(request.prompt_len, blocks.block_size)
+    blocks.allocate_reading(request.seq_id, request.prompt_len, position)
+    local = blocks.reading_tables(request.seq_id, request.prompt_len, position)
+    return KvPull(
+        remote.transfer_id,
+        remote.peer,
+        [block for ids in remote.block_ids for block in ids],
+        [block for ids in local for block in ids],
+        remote.tensors,
+        remote.num_blocks,
+    )

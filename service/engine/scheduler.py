@@ -69,7 +69,7 @@ from service.engine.adapters import AdapterSlots
 from service.engine.block_manager import BlockManager
 from service.engine.block_rules import BlockRules
 from service.engine.kv_pulls import KvPulls
-from service.engine.kv_transfer import KV_TRANSFER_FAILED, KvHolds
+from service.engine.kv_transfer import KV_TRANSFER_FAILED, KvHolds, handover_position
 from service.engine.plan import PlanBuilder
 from service.engine.prefix_cache import prefix_hit, register_blocks
 from service.engine.request import MEAN_POOLING, Request, Status
@@ -205,11 +205,10 @@ class Scheduler:
             and request.params.remote_decode
             and request.num_computed_tokens >= request.prompt_len
         ):
-            entries = -(-request.prompt_len // self.blocks.block_size)
-            blocks = list(self.blocks.table(request.seq_id)[:entries])
-            request.kv_hold = self.kv_holds.hold(
-                request.seq_id, blocks, request.prompt_len, self.now
-            )
+            prompt_len = request.prompt_len
+            position = handover_position(prompt_len, self.blocks.block_size)
+            blocks = self.blocks.reading_tables(request.seq_id, prompt_len, position)
+            request.kv_hold = self.kv_holds.hold(request.seq_id, blocks, prompt_len, self.now)
         self.remove(request)
 
     @property
@@ -456,8 +455,13 @@ class Scheduler:
 
     def _drop_behind_window(self, request: Request) -> None:
         """The next query of `request` is at its first uncomputed position: the blocks of
-        windowed layers it no longer reads are released."""
-        self.blocks.drop_behind_window(request.seq_id, request.num_computed_tokens)
+        windowed layers it no longer reads are released; a do_remote_decode request's
+        only up to the handover's position, whose window its consumer reads."""
+        position = request.num_computed_tokens
+        if request.params.remote_decode:
+            handover = handover_position(request.prompt_len, self.blocks.block_size)
+            position = min(position, handover)
+        self.blocks.drop_behind_window(request.seq_id, position)
 
     def _pooled_outcome(self, request: Request) -> Outcome:
         """A pooled request has computed its prompt: its embedding is done."""
