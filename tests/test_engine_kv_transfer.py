@@ -164,3 +164,63 @@ async def test_a_mismatched_layout_or_role_is_refused_naming_what_differs(tiny_m
             await decode(producer, PROMPTS[1], params, "d3")
         out = await decode(consumer, PROMPTS[1], params, "d4")  # the hold is still there
         assert out.finish is not None and out.finish.reason == "length"
+
+
+def flat(block_ids: list) -> list[int]:
+    """remote_block_ids as one list: a hybrid model's are a list per KV group."""
+    return [b for ids in block_ids for b in ids] if isinstance(block_ids[0], list) else block_ids
+
+
+WINDOW = 11  # the tiny Gemma 3's: its windowed groups hand over less of the longer prompts
+LONG = [[(11 * s + 5 * i) % 250 + 3 for i in range(n)] for s, n in enumerate((13, 27, 30))]
+
+
+@pytest.mark.parametrize(("kind", "groups"), [("llama", 1), ("gemma3", 3)])
+async def test_kv_groups_and_both_prefix_caches_work_through_a_handover(tiny_models, kind, groups):
+    """One KV group, and Gemma 3's (a full one, two windowed): the answers are one engine's;
+    a windowed group hands over only its window's blocks; the producer's held blocks are
+    prefix-cache hits for a later prompt, shared (refcount 2) until both holds end; the
+    consumer's pulled blocks are hits for a later prompt there; every block comes back."""
+    async with engines(tiny_models(kind), None, "producer", "consumer") as ([alone, p, c], _):
+        reference = await run_together(alone, LONG, greedy(GENERATED), "ref")
+        for i, prompt in enumerate(LONG):
+            params = await prefill(p, prompt, f"p{i}")
+            ids = params["remote_block_ids"]
+            entries = -(-len(prompt) // BLOCK)
+            if groups == 1:
+                assert len(ids) == entries
+            else:  # the full group's every block, a windowed one's from the window of the
+                # position a later prompt's hit computes from on
+                first = max(0, (len(prompt) - 1) // BLOCK * BLOCK - WINDOW + 1) // BLOCK
+                assert [len(g) for g in ids] == [entries] + [entries - first] * 2
+            assert p.scheduler.blocks.num_used == len(flat(ids))  # the hold, nothing more
+            assert (await decode(c, prompt, params, f"d{i}")).token_ids == reference[i]
+        # the producer: a held prompt's blocks are a later prompt's hit, shared
+        longest = LONG[-1]
+        first = await prefill(p, longest, "again-1")
+        second_channel = await p.submit(longest, greedy(1, remote_decode=True), request_id="a2")
+        second = (await collect(second_channel)).finish
+        assert second is not None and second.kv_transfer_params is not None
+        hit = (len(longest) - 1) // BLOCK * BLOCK
+        assert second.cached_tokens == hit
+        mine, theirs = (
+            flat(first["remote_block_ids"]),
+            flat(second.kv_transfer_params["remote_block_ids"]),
+        )
+        shared = set(mine) & set(theirs)
+        assert len(shared) == len(mine) - groups  # all but each group's last block
+        assert all(p.scheduler.blocks.refcount(b) == 2 for b in shared)
+        for j, params in enumerate((first, second.kv_transfer_params)):
+            assert (await decode(c, longest, params, f"again-d{j}")).token_ids == reference[-1]
+        # the consumer: the pulled blocks are a plain request's hit there
+        channel = await c.submit(longest, greedy(GENERATED), request_id="plain")
+        plain = await collect(channel)
+        assert plain.finish is not None and plain.finish.cached_tokens == hit
+        assert plain.token_ids == reference[-1]
+        holds = p.scheduler.kv_holds
+        assert holds is not None
+        await wait_until(lambda: holds.released == len(LONG) + 2)
+        assert holds.expired == 0
+        for engine in (p, c):
+            await wait_until(lambda e=engine: not e.scheduler.has_work())
+            assert engine.scheduler.blocks.num_used == 0
