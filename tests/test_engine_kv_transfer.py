@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from service.api.errors import APIError
 from service.api.kv_transfer_params import kv_transfer_fields
 from service.config import Config
 from service.engine.assembly import open_engine
@@ -221,6 +222,27 @@ async def test_kv_groups_and_both_prefix_caches_work_through_a_handover(tiny_mod
         assert holds is not None
         await wait_until(lambda: holds.released == len(LONG) + 2)
         assert holds.expired == 0
+        for engine in (p, c):
+            await wait_until(lambda e=engine: not e.scheduler.has_work())
+            assert engine.scheduler.blocks.num_used == 0
+
+
+async def test_remote_block_ids_are_checked_per_kv_group(tiny_models):
+    """A hybrid model's remote_block_ids are a list per KV group, each as long as the
+    handover of that prompt makes it: anything else is refused naming the group."""
+    async with engines(tiny_models("gemma3"), "producer", "consumer") as ([p, c], _):
+        prompt = LONG[-1]
+        params = await prefill(p, prompt, "p")
+        ids = params["remote_block_ids"]
+        with pytest.raises(InvalidRequest, match="lists 1 KV groups' blocks, this model has 3"):
+            await decode(c, prompt, {**params, "remote_block_ids": flat(ids)}, "d1")
+        short = [ids[0], ids[1][:-1], ids[2]]
+        with pytest.raises(InvalidRequest, match="of KV group 1 do not hold a 30-token prompt"):
+            await decode(c, prompt, {**params, "remote_block_ids": short}, "d2")
+        with pytest.raises(APIError, match="non-negative integers"):
+            await decode(c, prompt, {**params, "remote_block_ids": [ids[0], [-1], ids[2]]}, "d3")
+        out = await decode(c, prompt, params, "d4")  # the hold is still there
+        assert out.finish is not None and out.finish.reason == "length"
         for engine in (p, c):
             await wait_until(lambda e=engine: not e.scheduler.has_work())
             assert engine.scheduler.blocks.num_used == 0
