@@ -369,29 +369,40 @@ class BlockManager:
 
     # ---- allocation -----------------------------------------------------------------------
 
-    def allocate_reading(self, seq_id: int, num_tokens: int, position: int) -> None:
+    def allocate_reading(
+        self, seq_id: int, num_tokens: int, position: int, hit: PrefixHit | None = None
+    ) -> None:
         """Tables for the new sequence `seq_id` covering `num_tokens` tokens whose first
-        query is at `position` (K/V pulled from a producer): a windowed group's entries
-        wholly behind that query's window get no block, as a prefix hit skips them."""
+        query is at `position` (K/V pulled from a producer), starting with the cached `hit`:
+        a windowed group's entries wholly behind that query's window hold no block, as a
+        prefix hit skips them. The caller checks the room first (blocks_to_hold)."""
         assert not self.table(seq_id), f"sequence {seq_id} already has tables"
-        entries = -(-num_tokens // self.block_size)
-        first = [first_entry_read(w, self.block_size, position) for w in self.windows]
-        needed = sum(entries - f for f in first)
-        if needed > self.num_free:
-            raise OutOfBlocks(f"sequence {seq_id} needs {needed} blocks, {self.num_free} free")
-        self._tables[seq_id] = [[_UNREAD] * f for f in first]
-        self._dropped[seq_id] = first
+        if hit is not None and hit.num_blocks:
+            self.share(seq_id, hit)
+            self.drop_behind_window(seq_id, position)  # hit blocks behind the window
+        else:
+            self._tables[seq_id] = [[] for _ in self._groups]
+            self._dropped[seq_id] = [0] * self.num_groups
+        tables, dropped = self._tables[seq_id], self._dropped[seq_id]
+        for g, window in enumerate(self.windows):
+            first = first_entry_read(window, self.block_size, position)
+            if len(tables[g]) < first:
+                tables[g] += [_UNREAD] * (first - len(tables[g]))
+                dropped[g] = first
         self.allocate(seq_id, num_tokens)
 
-    def reading_tables(self, seq_id: int, num_tokens: int, position: int) -> list[list[int]]:
+    def reading_tables(
+        self, seq_id: int, num_tokens: int, position: int, from_entry: int = 0
+    ) -> list[list[int]]:
         """Per group, the blocks of `seq_id`'s first `num_tokens` tokens that a query at
-        `position` reads: a full group's all, a windowed group's from its window's on."""
+        `position` reads (a full group's all, a windowed group's from its window's on),
+        from table entry `from_entry` on."""
         entries = -(-num_tokens // self.block_size)
         tables = []
         for g, window in enumerate(self.windows):
             first = first_entry_read(window, self.block_size, position)
             assert first >= self._dropped[seq_id][g], f"sequence {seq_id} dropped entries read"
-            tables.append(self.table(seq_id, g)[first:entries])
+            tables.append(self.table(seq_id, g)[max(first, from_entry) : entries])
         return tables
 
     def promise(self, seq_id: int, num_tokens: int) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from gpu_worker.protocol import KvPull
 from service.engine.block_manager import BlockManager
 from service.engine.kv_transfer import RemoteKv, handover_position
+from service.engine.prefix_cache import prefix_hit
 from service.engine.request import Request, Status
 
 
@@ -79,18 +80,25 @@ class KvPulls:
 
 
 def _pull(blocks: BlockManager, request: Request, remote: RemoteKv) -> KvPull:
-    """Blocks for `request`'s prompt, a windowed group's only from the handover's window
-    on (kv_transfer.handover_position), and the pull of every group's into them: its
-    (remote, local) pairs, group after group (a block id names one slot in every cache
-    tensor, whichever group holds it)."""
+    """Blocks for `request`'s prompt, from its cached prefix on, a windowed group's only
+    from the handover's window on (kv_transfer.handover_position), and the pull of the
+    rest of every group's blocks into them: its (remote, local) pairs, group after group
+    (a block id names one slot in every cache tensor, whichever group holds it). The
+    producer lists each group's blocks to the prompt's end, so they align at the end."""
     position = handover_position(request.prompt_len, blocks.block_size)
-    blocks.allocate_reading(request.seq_id, request.prompt_len, position)
-    local = blocks.reading_tables(request.seq_id, request.prompt_len, position)
+    hit = prefix_hit(blocks, request)
+    blocks.allocate_reading(request.seq_id, request.prompt_len, position, hit)
+    request.num_cached_tokens = hit.num_blocks * blocks.block_size
+    local = blocks.reading_tables(request.seq_id, request.prompt_len, position, hit.num_blocks)
+    pairs = [
+        (theirs[len(theirs) - len(mine) :], mine)
+        for theirs, mine in zip(remote.block_ids, local, strict=True)
+    ]
     return KvPull(
         remote.transfer_id,
         remote.peer,
-        [block for ids in remote.block_ids for block in ids],
-        [block for ids in local for block in ids],
+        [block for theirs, _ in pairs for block in theirs],
+        [block for _, mine in pairs for block in mine],
         remote.tensors,
         remote.num_blocks,
     )
