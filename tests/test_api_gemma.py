@@ -149,15 +149,12 @@ def test_prompts_handed_over_to_a_consumer_answer_as_one_server(
     """Both stages driven directly, as vllm-router drives them, in float32: the consumer's
     greedy answers equal the producer's own, for a prompt past the window too; a windowed
     group hands over only its window's blocks; both prefix caches hold the prompt's blocks
-    (the producer's held ones, the consumer's pulled ones: a plain request's hit on either
-    side); every hold is released by its notice, and no block is left used."""
+    (the producer's held ones: a plain request's hit; the consumer's pulled ones: the next
+    handover's); every hold is released by its notice, and no block is left used."""
     producer, consumer = gemma_server, gemma_consumer
     held = holds(producer)
     for prompt in (PROMPTS[0], long_prompt()):
-        stage_1 = completion(
-            producer, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
-        )
-        params, prompt_tokens = stage_1["kv_transfer_params"], stage_1["usage"]["prompt_tokens"]
+        params, prompt_tokens = hand_over(producer, prompt)
         hit = (prompt_tokens - 1) // BLOCK * BLOCK  # a later same prompt's cached tokens
         entries = -(-prompt_tokens // BLOCK)
         first = max(0, hit - WINDOW + 1) // BLOCK  # the windowed groups' first entry sent
@@ -167,12 +164,21 @@ def test_prompts_handed_over_to_a_consumer_answer_as_one_server(
         handed = completion(consumer, prompt, kv_transfer_params=params)
         assert handed["choices"][0]["text"] == alone["choices"][0]["text"], prompt
     assert first > 0  # the long prompt's windows left blocks behind
-    again = completion(consumer, long_prompt())  # the consumer's pulled blocks: its hit
+    # the consumer's pulled blocks are its hit: the long prompt's next handover pulls the rest
+    again = completion(consumer, long_prompt(), kv_transfer_params=hand_over(producer, prompt)[0])
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == hit
     assert again["choices"][0]["text"] == alone["choices"][0]["text"]
     for server in (producer, consumer):
         assert server.wait_idle()["kv_blocks_used"] == 0  # the holds' blocks too
-    assert holds(producer) == {**held, "held": held["held"] + 2, "released": held["released"] + 2}
+    assert holds(producer) == {**held, "held": held["held"] + 3, "released": held["released"] + 3}
+
+
+def hand_over(producer: RunningServer, prompt: str) -> tuple[dict, int]:
+    """Stage 1: the producer's kv_transfer_params for `prompt`, and its prompt tokens."""
+    answer = completion(
+        producer, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+    )
+    return answer["kv_transfer_params"], answer["usage"]["prompt_tokens"]
 
 
 def completion(server: RunningServer, prompt: str, **fields: object) -> dict:
