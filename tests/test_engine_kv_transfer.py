@@ -238,11 +238,13 @@ async def test_both_prefix_caches_work_through_a_handover(tiny_models, kind, gro
         shared = set(mine) & set(theirs)
         assert len(shared) == len(mine) - groups  # all but each group's last block
         assert all(p.scheduler.blocks.refcount(b) == 2 for b in shared)
+        hits = c.scheduler.stats().prefix_hits
         for j, params in enumerate(held):
             handed = await decode(c, prompt, params, f"again-d{j}")
             assert handed.token_ids == reference
             assert handed.finish is not None and handed.finish.cached_tokens == hit
             assert pulled(w[2], params) == groups
+        assert c.scheduler.stats().prefix_hits == hits + 2 * hit  # in /metrics too
         plain = await collect(await c.submit(prompt, greedy(GENERATED), request_id="plain"))
         assert plain.finish is not None and plain.finish.cached_tokens == hit
         assert plain.token_ids == reference
