@@ -356,8 +356,6 @@ def _connect_kv(
     group has its own, for its shard of the cache (gpu_worker.kv_ranks)."""
     if config.kv_transfer_engine is None:
         return
-    if runner.limits.num_groups > 1:
-        raise ValueError("a KV transfer engine moves one KV group's blocks; this model has more")
     with clock.step("kv transfer"):
         runner.kv = make_connector(
             config.kv_transfer_engine, config.kv_transfer_host, config.kv_transfer_timeout

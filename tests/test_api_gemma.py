@@ -1,7 +1,11 @@
 """Gemma 3 270M, the second packaged model, served end to end: `--model gemma3-270m`, greedy
 continuations through /v1/completions equal transformers' on the same converted weights
 (float32), and a prompt longer than the 512-token window of its local layers continued as
-transformers continues it, where attending beyond the window would continue otherwise."""
+transformers continues it, where attending beyond the window would continue otherwise.
+
+The server is a KV producer too (which changes nothing for plain requests): a consumer
+beside it decodes prompts it hands over (disaggregated prefill and decode through Gemma 3's
+six KV groups, with Mooncake's real transfer engine over loopback)."""
 
 from __future__ import annotations
 
@@ -26,6 +30,9 @@ PROMPTS = [
     "Water boils at a temperature of",
 ]
 MAX_TOKENS = 8
+PRODUCER = ("--kv-transfer-role", "producer", "--debug-invariants")
+BLOCK = 16  # the servers' block size on a CPU (the default)
+WINDOW = 512  # Gemma 3 270M's windowed layers'
 
 
 def long_prompt() -> str:
@@ -37,7 +44,23 @@ def long_prompt() -> str:
 
 @pytest.fixture(scope="module")
 def gemma_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    server = start_server(tmp_path_factory.mktemp("gemma-server"), "--model", "gemma3-270m")
+    server = start_server(
+        tmp_path_factory.mktemp("gemma-server"), "--model", "gemma3-270m", *PRODUCER
+    )
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def gemma_consumer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    server = start_server(
+        tmp_path_factory.mktemp("gemma-consumer"),
+        "--model",
+        "gemma3-270m",
+        "--kv-transfer-role",
+        "consumer",
+        "--debug-invariants",
+    )
     yield server
     stop_server(server)
 
@@ -118,3 +141,52 @@ def test_a_long_prompt_holds_the_full_layers_blocks_and_the_windows_of_the_other
     assert most <= entries + 5 * cap < 0.55 * 6 * entries
     window = -(-512 // 16) + 1
     assert steps[-1]["kv_blocks_used"] <= entries + 5 * window < 0.35 * 6 * entries
+
+
+def test_prompts_handed_over_to_a_consumer_answer_as_one_server(
+    gemma_server: RunningServer, gemma_consumer: RunningServer
+) -> None:
+    """Both stages driven directly, as vllm-router drives them, in float32: the consumer's
+    greedy answers equal the producer's own, for a prompt past the window too; a windowed
+    group hands over only its window's blocks; both prefix caches hold the prompt's blocks
+    (the producer's held ones: a plain request's hit; the consumer's pulled ones: the next
+    handover's); every hold is released by its notice, and no block is left used."""
+    producer, consumer = gemma_server, gemma_consumer
+    held = holds(producer)
+    for prompt in (PROMPTS[0], long_prompt()):
+        params, prompt_tokens = hand_over(producer, prompt)
+        hit = (prompt_tokens - 1) // BLOCK * BLOCK  # a later same prompt's cached tokens
+        entries = -(-prompt_tokens // BLOCK)
+        first = max(0, hit - WINDOW + 1) // BLOCK  # the windowed groups' first entry sent
+        assert [len(ids) for ids in params["remote_block_ids"]] == [entries] + [entries - first] * 5
+        alone = completion(producer, prompt)  # one server's answer: the held blocks its hit
+        assert alone["usage"]["prompt_tokens_details"]["cached_tokens"] == hit
+        handed = completion(consumer, prompt, kv_transfer_params=params)
+        assert handed["choices"][0]["text"] == alone["choices"][0]["text"], prompt
+    assert first > 0  # the long prompt's windows left blocks behind
+    # the consumer's pulled blocks are its hit: the long prompt's next handover pulls the rest
+    again = completion(consumer, long_prompt(), kv_transfer_params=hand_over(producer, prompt)[0])
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == hit
+    assert again["choices"][0]["text"] == alone["choices"][0]["text"]
+    for server in (producer, consumer):
+        assert server.wait_idle()["kv_blocks_used"] == 0  # the holds' blocks too
+    assert holds(producer) == {**held, "held": held["held"] + 3, "released": held["released"] + 3}
+
+
+def hand_over(producer: RunningServer, prompt: str) -> tuple[dict, int]:
+    """Stage 1: the producer's kv_transfer_params for `prompt`, and its prompt tokens."""
+    answer = completion(
+        producer, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+    )
+    return answer["kv_transfer_params"], answer["usage"]["prompt_tokens"]
+
+
+def completion(server: RunningServer, prompt: str, **fields: object) -> dict:
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, **fields}
+    answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=300)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def holds(producer: RunningServer) -> dict[str, int]:
+    return producer.admin_state()["kv_transfer"]["holds"]

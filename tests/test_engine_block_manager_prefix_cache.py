@@ -208,3 +208,26 @@ def test_any_sequence_of_operations_keeps_the_accounting_exact(
         bm.free(seq_id)
     assert bm.num_free == num_blocks and bm.num_used == 0
     bm.check_invariants()
+
+
+def test_a_pulled_sequence_starts_from_its_hit_and_its_windows_hold_only_what_they_read():
+    """allocate_reading, as a consumer allocates for a handed-over prompt of 21 tokens
+    whose first query is at 20 (a window of 6 reads entries 3 on): the cached hit of 2
+    entries starts every table, the windowed group's hit blocks behind the window go back
+    (evictable), and its entry 2 (never read) holds no block."""
+    bm = BlockManager(40, SIZE, windows=(None, 6), max_chunk_tokens=8)
+    tokens = list(range(21))
+    hashes = computed(bm, 0, tokens[:8])
+    bm.free(0)
+    hit = bm.match(hashes)
+    assert hit.num_blocks == 2
+    bm.allocate_reading(1, 21, 20, hit)
+    full, windowed = bm.table(1, 0), bm.table(1, 1)
+    assert full[:2] == list(hit.tables[0]) and len(full) == len(windowed) == 6
+    assert bm.num_held(1) == 6 + 3 and bm.num_evictable == 2  # the windowed hit's, back
+    assert all(bm.refcount(b) == 1 for b in full[:2])
+    assert bm.reading_tables(1, 21, 20, from_entry=2) == [full[2:], windowed[3:]]
+    bm.check_invariants()
+    bm.free(1)
+    assert bm.num_used == 0
+    bm.check_invariants()

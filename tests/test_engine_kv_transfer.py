@@ -207,3 +207,108 @@ async def test_a_mismatched_layout_or_role_is_refused_naming_what_differs(tiny_m
             await decode(producer, PROMPTS[1], params, "d3")
         out = await decode(consumer, PROMPTS[1], params, "d4")  # the hold is still there
         assert out.finish is not None and out.finish.reason == "length"
+
+
+def flat(block_ids: list) -> list[int]:
+    """remote_block_ids as one list: a hybrid model's are a list per KV group."""
+    return [b for ids in block_ids for b in ids] if isinstance(block_ids[0], list) else block_ids
+
+
+WINDOW = 11  # the tiny Gemma 3's: its windowed groups hand over less of the longer prompts
+LONG = [[(11 * s + 5 * i) % 250 + 3 for i in range(n)] for s, n in enumerate((13, 27, 30))]
+
+
+def pulled(consumer: InProcessWorker, params: dict) -> int:
+    """How many blocks `consumer` pulled for the handover of `params`."""
+    pulls = (pull for plan in consumer.plans for pull in plan.pulls)
+    return len(next(p for p in pulls if p.transfer_id == params["transfer_id"]).local_blocks)
+
+
+async def all_blocks_back(producer: Engine, consumer: Engine, handovers: int) -> None:
+    holds = producer.scheduler.kv_holds
+    assert holds is not None
+    await wait_until(lambda: holds.released == handovers)
+    assert holds.expired == 0
+    for engine in (producer, consumer):
+        await wait_until(lambda e=engine: not e.scheduler.has_work())
+        assert engine.scheduler.blocks.num_used == 0
+
+
+KINDS = pytest.mark.parametrize(("kind", "groups"), [("llama", 1), ("gemma3", 3)])
+
+
+@KINDS
+async def test_kv_groups_hand_over_what_each_reads(tiny_models, kind, groups):
+    """One KV group, and Gemma 3's (a full one, two windowed): the answers are one engine's;
+    a windowed group hands over only its window's blocks; all come back."""
+    async with engines(tiny_models(kind), None, "producer", "consumer") as ([alone, p, c], w):
+        reference = await run_together(alone, LONG, greedy(GENERATED), "ref")
+        for i, prompt in enumerate(LONG):
+            params = await prefill(p, prompt, f"p{i}")
+            ids = params["remote_block_ids"]
+            entries = -(-len(prompt) // BLOCK)
+            if groups == 1:
+                assert len(ids) == entries
+            else:  # the full group's every block, a windowed one's from the window of the
+                # position a later prompt's hit computes from on
+                first = max(0, (len(prompt) - 1) // BLOCK * BLOCK - WINDOW + 1) // BLOCK
+                assert [len(g) for g in ids] == [entries] + [entries - first] * 2
+            assert p.scheduler.blocks.num_used == len(flat(ids))  # the hold, nothing more
+            assert (await decode(c, prompt, params, f"d{i}")).token_ids == reference[i]
+            assert pulled(w[2], params) == len(flat(ids))  # nothing of it cached there yet
+        await all_blocks_back(p, c, len(LONG))
+
+
+@KINDS
+async def test_both_prefix_caches_work_through_a_handover(tiny_models, kind, groups):
+    """The producer's held blocks are prefix-cache hits for a later prompt, shared
+    (refcount 2) until both holds end; the consumer's pulled blocks are hits there: a later
+    handover of the prompt pulls only what they do not hold (each group's last block), a
+    plain request computes only its last block."""
+    prompt = LONG[-1]
+    hit = (len(prompt) - 1) // BLOCK * BLOCK
+    async with engines(tiny_models(kind), None, "producer", "consumer") as ([alone, p, c], w):
+        [reference] = await run_together(alone, [prompt], greedy(GENERATED), "ref")
+        assert (await decode(c, prompt, await prefill(p, prompt, "p"), "d")).token_ids == reference
+        held = [await prefill(p, prompt, "again-1")]
+        channel = await p.submit(prompt, greedy(1, remote_decode=True), request_id="again-2")
+        second = (await collect(channel)).finish
+        assert second is not None and second.kv_transfer_params is not None
+        assert second.cached_tokens == hit
+        held.append(second.kv_transfer_params)
+        mine, theirs = (flat(params["remote_block_ids"]) for params in held)
+        shared = set(mine) & set(theirs)
+        assert len(shared) == len(mine) - groups  # all but each group's last block
+        assert all(p.scheduler.blocks.refcount(b) == 2 for b in shared)
+        hits = c.scheduler.stats().prefix_hits
+        for j, params in enumerate(held):
+            handed = await decode(c, prompt, params, f"again-d{j}")
+            assert handed.token_ids == reference
+            assert handed.finish is not None and handed.finish.cached_tokens == hit
+            assert pulled(w[2], params) == groups
+        assert c.scheduler.stats().prefix_hits == hits + 2 * hit  # in /metrics too
+        plain = await collect(await c.submit(prompt, greedy(GENERATED), request_id="plain"))
+        assert plain.finish is not None and plain.finish.cached_tokens == hit
+        assert plain.token_ids == reference
+        await all_blocks_back(p, c, 3)
+
+
+async def test_remote_block_ids_are_checked_per_kv_group(tiny_models):
+    """A hybrid model's remote_block_ids are a list per KV group, each as long as the
+    handover of that prompt makes it: anything else is refused naming the group."""
+    async with engines(tiny_models("gemma3"), "producer", "consumer") as ([p, c], _):
+        prompt = LONG[-1]
+        params = await prefill(p, prompt, "p")
+        ids = params["remote_block_ids"]
+        with pytest.raises(InvalidRequest, match="lists 1 KV groups' blocks, this model has 3"):
+            await decode(c, prompt, {**params, "remote_block_ids": flat(ids)}, "d1")
+        short = [ids[0], ids[1][:-1], ids[2]]
+        with pytest.raises(InvalidRequest, match="of KV group 1 do not hold a 30-token prompt"):
+            await decode(c, prompt, {**params, "remote_block_ids": short}, "d2")
+        with pytest.raises(APIError, match="non-negative integers"):
+            await decode(c, prompt, {**params, "remote_block_ids": [ids[0], [-1], ids[2]]}, "d3")
+        out = await decode(c, prompt, params, "d4")  # the hold is still there
+        assert out.finish is not None and out.finish.reason == "length"
+        for engine in (p, c):
+            await wait_until(lambda e=engine: not e.scheduler.has_work())
+            assert engine.scheduler.blocks.num_used == 0

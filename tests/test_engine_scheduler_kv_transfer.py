@@ -3,7 +3,10 @@ for blocks in arrival order, is never offered to the policy while its K/V is on 
 and one that ends mid-pull keeps its blocks until the worker reports the pull done (the pull
 still writes them). A producer's step that ends a do_remote_decode request stages its prompt
 in a region of the arena, which the hold keeps until it ends, and an abort frees. A
-consumer's reading notice keeps its hold while the read may run."""
+consumer's reading notice keeps its hold while the read may run. With KV groups (a full one
+and a windowed one here, as Gemma's), a producer's hold and a consumer's pull name each
+group's blocks, a windowed group's only those its window reads from the handover's position
+on."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import dataclasses
 
 from gpu_worker.protocol import KvStage, PullDone, StepResult
 from policies.base import Decision
+from service.engine.block_manager import BlockManager
 from service.engine.invariants import check_invariants
 from service.engine.kv_transfer import KvHolds, RemoteKv, StagingArena
 from service.engine.request import Request, Status
@@ -18,12 +22,23 @@ from service.engine.scheduler import Scheduler
 from service.engine.step import ScheduleOutput
 from tests.scheduler_helpers import make_request, make_scheduler, sampled_result
 
+WINDOW = 6  # the windowed group's (block size 4)
 
-def receiving(seq_id: int, prompt_len: int) -> Request:
+
+def receiving(seq_id: int, prompt_len: int, block_ids: list[list[int]] | None = None) -> Request:
     request = make_request(seq_id, prompt_len)
-    remote = RemoteKv(f"t{seq_id}", "e", "local", 1, [0] * -(-prompt_len // 4), [], 9, prompt_len)
+    ids = block_ids or [[0] * -(-prompt_len // 4)]
+    remote = RemoteKv(f"t{seq_id}", "e", "local", 1, ids, [], 9, prompt_len)
     request.params = dataclasses.replace(request.params, remote_kv=remote)
     return request
+
+
+def hybrid(num_blocks: int) -> Scheduler:
+    """A scheduler over a full KV group and a windowed one, with the prefix cache."""
+    sched, _ = make_scheduler(num_blocks=num_blocks, max_tokens=8, prefix_caching=True)
+    windows = (None, WINDOW)
+    sched.replace_blocks(BlockManager(num_blocks, 4, windows=windows, max_chunk_tokens=8))
+    return sched
 
 
 def test_pulls_wait_for_blocks_and_no_policy_sees_them() -> None:
@@ -160,3 +175,48 @@ def test_a_reading_notice_keeps_the_hold_while_the_read_may_run() -> None:
     assert sched.kv_holds.by_id and sched.blocks.num_used == 2
     sched.update(later, StepResult(later.iteration, notices=[hold.transfer_id]))
     assert sched.kv_holds.released == 1 and sched.blocks.num_used == 0
+
+
+def test_a_producer_holds_each_groups_blocks_a_windowed_one_from_the_handovers_window() -> None:
+    """21 tokens in chunks of 8: the windowed group would drop entries 0-3 once the prompt
+    is computed (a query at 21 reads from 16 on); it keeps those a query at 20, the
+    handover's position (a later hit's first computed one), reads: entries 3-5."""
+    sched = hybrid(24)
+    sched.kv_holds = KvHolds(timeout=10.0)
+    request = make_request(0, 21, max_tokens=1)
+    request.params = dataclasses.replace(request.params, remote_decode=True)
+    sched.add(request)
+    while request.kv_hold is None:
+        out = sched.schedule(0.0)
+        sched.update(out, sampled_result(out))
+        check_invariants(sched)
+    tables = [sched.blocks.table(0, g) for g in (0, 1)]
+    assert request.kv_hold.block_ids == [tables[0][:6], tables[1][3:6]]
+    assert sched.blocks.num_used == 9  # the hold's, nothing more
+    sched.update(out, StepResult(out.iteration, notices=[request.kv_hold.transfer_id]))
+    # every full block of each group was registered as it was computed: all cached
+    assert sched.blocks.num_used == 0 and sched.blocks.num_cached == 5 + 5
+    check_invariants(sched)
+
+
+def test_a_consumer_pulls_each_groups_blocks_into_what_its_windows_read() -> None:
+    sched = hybrid(24)
+    remote = [[100, 101, 102, 103, 104, 105], [203, 204, 205]]
+    request = receiving(0, 21, remote)
+    sched.add(request)
+    out = sched.schedule(0.0)
+    assert out.plan is not None and len(out.plan.pulls) == 1
+    pull = out.plan.pulls[0]
+    full, windowed = sched.blocks.table(0, 0), sched.blocks.table(0, 1)
+    assert pull.remote_blocks == [*remote[0], *remote[1]]
+    assert pull.local_blocks == [*full, *windowed[3:]]  # no block for entries 0-2
+    assert sched.blocks.num_used == 9
+    check_invariants(sched)
+    sched.update(out, StepResult(out.iteration, pulls_done=[PullDone("t0")]))
+    # the pulled full blocks are cached: the full group's 5, the windowed group's 3 and 4
+    assert request.num_computed_tokens == 20 and sched.blocks.num_cached == 5 + 2
+    sched.policy.next = Decision(schedule=[(0, 1)])  # type: ignore[attr-defined]
+    out = sched.schedule(0.0)
+    assert out.plan is not None and out.plan.start_pos == [20]
+    sched.update(out, sampled_result(out))
+    check_invariants(sched)

@@ -12,7 +12,9 @@ import time
 
 import pytest
 import torch
+import transformers
 
+from gpu_worker import kv_cache
 from gpu_worker.kv_cache import KVCache, LayerKV
 from gpu_worker.kv_connector import (
     NOTICE_DONE,
@@ -22,7 +24,9 @@ from gpu_worker.kv_connector import (
     block_runs,
     make_connector,
 )
+from gpu_worker.kv_groups import KVGroups
 from gpu_worker.kv_staging import allocate_arena
+from gpu_worker.model_config import ModelConfig
 from gpu_worker.protocol import KV_ENGINE_LOCAL, KV_ENGINE_MOONCAKE, KvPull, KvStage, PullDone
 
 HEADS, BLOCK, DIM = 3, 4, 8
@@ -180,3 +184,41 @@ def test_a_fragmented_pull_of_more_segments_than_mooncake_queues_succeeds() -> N
     finally:
         consumer.close()
         producer.close()
+
+
+def test_a_pull_of_every_kv_group_lands_in_each_groups_layers() -> None:
+    """Gemma 3 270M's layout (a full group and five windowed ones of 3 layers, in 3 slots):
+    a block id names the same place in every cache tensor, whichever group holds it, so a
+    pull that lists every group's (remote, local) pairs in one pair of lists moves each
+    group's K/V into the slots its layers read."""
+    raw = transformers.Gemma3TextConfig(
+        num_hidden_layers=18, sliding_window=512, num_key_value_heads=1, head_dim=8
+    ).to_dict()
+    config = ModelConfig.from_dict({**raw, "architectures": ["Gemma3ForCausalLM"]})
+    groups = KVGroups.of(config)
+    assert groups.num_groups == 6 and groups.num_slots == 3
+    caches = [
+        kv_cache.allocate(config, n, BLOCK, torch.float32, torch.device("cpu")) for n in (12, 20)
+    ]
+    for tensor in (t for slot in caches[0].slots for t in slot.tensors if t is not None):
+        tensor.copy_(torch.randn(tensor.shape))
+    remote = [[2 * g, 2 * g + 1] for g in range(groups.num_groups)]  # one pool, two each
+    local = [[19 - g, 6 + g] for g in range(groups.num_groups)]
+    producer = make_connector(KV_ENGINE_LOCAL, "")
+    consumer = make_connector(KV_ENGINE_LOCAL, "")
+    try:
+        addresses = producer.register(caches[0])
+        consumer.register(caches[1])
+        flat = [[b for ids in lists for b in ids] for lists in (remote, local)]
+        consumer.submit([KvPull("t-5", producer.address, *flat, addresses, 12)])
+        done = _wait_done(consumer)
+    finally:
+        consumer.close()
+        producer.close()
+    assert done.error is None
+    assert done.bytes == 12 * kv_cache.block_bytes(config, BLOCK, torch.float32)
+    for g, layers in enumerate(groups.layers):
+        for layer in layers:
+            mine, theirs = caches[1].layers[layer], caches[0].layers[layer]
+            assert torch.equal(mine.k[:, local[g]], theirs.k[:, remote[g]])
+            assert torch.equal(mine.v[:, local[g]], theirs.v[:, remote[g]])

@@ -36,7 +36,7 @@ def _remote_kv(value: dict[str, Any]) -> RemoteKv:
         engine_id=_typed(value, "remote_engine_id", str),
         host=_typed(value, "remote_host", str),
         port=_typed(value, "remote_port", int),
-        block_ids=_ints(value, "remote_block_ids"),
+        block_ids=_per_group(value, "remote_block_ids"),
         tensors=_ints(value, "remote_tensors"),
         num_blocks=_typed(value, "remote_num_blocks", int),
         prompt_tokens=_typed(value, "prompt_tokens", int),
@@ -74,10 +74,23 @@ def _typed(value: dict[str, Any], name: str, kind: type, within: str = "") -> An
 
 
 def _ints(value: dict[str, Any], name: str, within: str = "") -> list[int]:
-    found = _typed(value, name, list, within)
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in found):
+    return _checked_ints(_typed(value, name, list, within), name, within)
+
+
+def _checked_ints(found: Any, name: str, within: str = "") -> list[int]:
+    if not isinstance(found, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in found
+    ):
         raise bad_request(f"'{_path(name, within)}' must be a list of non-negative integers", PARAM)
     return found
+
+
+def _per_group(value: dict[str, Any], name: str) -> list[list[int]]:
+    """A hybrid model's block ids: a list per KV group; one group's: one flat list."""
+    found = _typed(value, name, list)
+    if found and all(isinstance(ids, list) for ids in found):
+        return [_checked_ints(ids, name) for ids in found]
+    return [_checked_ints(found, name)]
 
 
 def _address(value: dict[str, Any], name: str, within: str = "") -> int | None:

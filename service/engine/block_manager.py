@@ -69,6 +69,12 @@ def chain_hashes(
     return known
 
 
+def first_entry_read(window: int | None, block_size: int, position: int) -> int:
+    """The first table entry a query at `position` reads in a group of `window` (None:
+    full attention, every entry); the entries before it are wholly behind the window."""
+    return 0 if window is None else max(0, position - window + 1) // block_size
+
+
 def _root(salt: str | None) -> bytes:
     """The first block's parent: nothing, or the salt's own hash."""
     return b"" if salt is None else hashlib.sha256(b"cache_salt\0" + salt.encode()).digest()
@@ -311,10 +317,7 @@ class BlockManager:
 
     def _first_kept(self, group: int, length: int) -> int:
         """The first table entry a sequence computing from entry `length` on reads in `group`."""
-        window = self.windows[group]
-        if window is None:
-            return 0
-        return max(0, length * self.block_size - window + 1) // self.block_size
+        return first_entry_read(self.windows[group], self.block_size, length * self.block_size)
 
     def share(self, seq_id: int, hit: PrefixHit) -> None:
         """Start the empty tables of `seq_id` with the cached blocks `hit` (from `match`)."""
@@ -365,6 +368,42 @@ class BlockManager:
         return cached
 
     # ---- allocation -----------------------------------------------------------------------
+
+    def allocate_reading(
+        self, seq_id: int, num_tokens: int, position: int, hit: PrefixHit | None = None
+    ) -> None:
+        """Tables for the new sequence `seq_id` covering `num_tokens` tokens whose first
+        query is at `position` (K/V pulled from a producer), starting with the cached `hit`:
+        a windowed group's entries wholly behind that query's window hold no block, as a
+        prefix hit skips them. The caller checks the room first (blocks_to_hold)."""
+        assert not self.table(seq_id), f"sequence {seq_id} already has tables"
+        if hit is not None and hit.num_blocks:
+            self.share(seq_id, hit)
+            self.drop_behind_window(seq_id, position)  # hit blocks behind the window
+        else:
+            self._tables[seq_id] = [[] for _ in self._groups]
+            self._dropped[seq_id] = [0] * self.num_groups
+        tables, dropped = self._tables[seq_id], self._dropped[seq_id]
+        for g, window in enumerate(self.windows):
+            first = first_entry_read(window, self.block_size, position)
+            if len(tables[g]) < first:
+                tables[g] += [_UNREAD] * (first - len(tables[g]))
+                dropped[g] = first
+        self.allocate(seq_id, num_tokens)
+
+    def reading_tables(
+        self, seq_id: int, num_tokens: int, position: int, from_entry: int = 0
+    ) -> list[list[int]]:
+        """Per group, the blocks of `seq_id`'s first `num_tokens` tokens that a query at
+        `position` reads (a full group's all, a windowed group's from its window's on),
+        from table entry `from_entry` on."""
+        entries = -(-num_tokens // self.block_size)
+        tables = []
+        for g, window in enumerate(self.windows):
+            first = first_entry_read(window, self.block_size, position)
+            assert first >= self._dropped[seq_id][g], f"sequence {seq_id} dropped entries read"
+            tables.append(self.table(seq_id, g)[max(first, from_entry) : entries])
+        return tables
 
     def promise(self, seq_id: int, num_tokens: int) -> None:
         """Set aside the blocks `seq_id` needs to hold `num_tokens`, allocated later chunk by

@@ -130,7 +130,10 @@ class BlockRules:
 
     def join_received(self, request: Request) -> None:
         """A request whose prompt's K/V was pulled (all but its last token computed, its
-        blocks allocated) runs: admitted without a waiting turn."""
+        blocks allocated) runs: admitted without a waiting turn. Its prompt was a query of
+        the prefix cache, hit as far as this server's cache held it (kv_pulls)."""
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += request.num_cached_tokens
         request.status = Status.RUNNING
         request.admitted_order = self._admissions
         self._admissions += 1

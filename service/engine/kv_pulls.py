@@ -10,10 +10,12 @@ blocks here until then.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gpu_worker.protocol import KvPull
 from service.engine.block_manager import BlockManager
+from service.engine.kv_transfer import RemoteKv, handover_position
+from service.engine.prefix_cache import prefix_hit
 from service.engine.request import Request, Status
 
 
@@ -40,24 +42,10 @@ class KvPulls:
             if blocks.blocks_to_hold(request.prompt_len) > room:
                 break
             self.waiting.pop(0)
-            blocks.allocate(request.seq_id, request.prompt_len)
             request.status = Status.RECEIVING
             self.pulling[remote.transfer_id] = request
             self._started[remote.transfer_id] = now
-            local = list(blocks.table(request.seq_id))
-            pulls.append(
-                KvPull(
-                    remote.transfer_id,
-                    remote.peer,
-                    remote.block_ids,
-                    local,
-                    remote.tensors,
-                    remote.num_blocks,
-                    remote_staging_address=remote.staging_address,
-                    start_within=remote.start_within(request.received, now),
-                    ranks=remote.ranks,
-                )
-            )
+            pulls.append(_pull(blocks, request, remote, now))
         return pulls
 
     def finish(self, transfer_id: str) -> Request | None:
@@ -89,3 +77,35 @@ class KvPulls:
         """A new worker: the old one's pulls will never be reported."""
         self.pulling.clear()
         self._started.clear()
+
+
+def _pull(blocks: BlockManager, request: Request, remote: RemoteKv, now: float) -> KvPull:
+    """Blocks for `request`'s prompt, from its cached prefix on, a windowed group's only
+    from the handover's window on (kv_transfer.handover_position), and the pull of the
+    rest of every group's blocks into them: its (remote, local) pairs, group after group
+    (a block id names one slot in every cache tensor, whichever group holds it). The
+    producer lists each group's blocks to the prompt's end, so they align at the end.
+    A staged region holds all the listed blocks, group after group: a pull of part of them
+    (after a hit here) reads the producer's cache instead."""
+    position = handover_position(request.prompt_len, blocks.block_size)
+    hit = prefix_hit(blocks, request)
+    blocks.allocate_reading(request.seq_id, request.prompt_len, position, hit)
+    request.num_cached_tokens = hit.num_blocks * blocks.block_size
+    local = blocks.reading_tables(request.seq_id, request.prompt_len, position, hit.num_blocks)
+    pairs = [
+        (theirs[len(theirs) - len(mine) :], mine)
+        for theirs, mine in zip(remote.block_ids, local, strict=True)
+    ]
+    whole = sum(map(len, local)) == sum(map(len, remote.block_ids))  # no block cached here
+    ranks = remote.ranks if whole else [replace(r, staging_address=None) for r in remote.ranks]
+    return KvPull(
+        remote.transfer_id,
+        remote.peer,
+        [block for theirs, _ in pairs for block in theirs],
+        [block for _, mine in pairs for block in mine],
+        remote.tensors,
+        remote.num_blocks,
+        remote_staging_address=remote.staging_address if whole else None,
+        start_within=remote.start_within(request.received, now),
+        ranks=ranks,
+    )

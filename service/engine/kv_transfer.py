@@ -18,16 +18,24 @@ its read begins, which keeps the hold for --kv-transfer-timeout more (the read f
 then), and the producer's answer says how long its hold has left (remote_hold_seconds),
 so a consumer never starts a read later than HOLD_MARGIN_S before the hold ends: such a
 pull fails kv_transfer_failed unread (vLLM's rule: fail, never read freed blocks).
+
+KV groups (a hybrid model's, BlockManager): the blocks are listed per group, as vLLM's
+hybrid connectors do (`remote_block_ids` a list per group; one group's a flat list, as
+before). A full group hands over all the prompt's blocks; a windowed group only those its
+window reads from the handover's position (`handover_position`) on: the ones behind it the
+producer may have given to someone else already, and the consumer never reads them.
 """
 
 from __future__ import annotations
 
 import itertools
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gpu_worker.protocol import Handshake, RemoteRank
+from service.engine.block_manager import first_entry_read
 from service.engine.validation import InvalidRequest
 
 if TYPE_CHECKING:
@@ -92,7 +100,7 @@ class RemoteKv:
     engine_id: str
     host: str
     port: int
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV group
     tensors: list[int]  # the producer's cache tensors' base addresses
     num_blocks: int  # the producer's cache's blocks
     prompt_tokens: int
@@ -119,7 +127,7 @@ class KvHold:
 
     transfer_id: str
     seq_id: int
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV group
     prompt_tokens: int
     deadline: float  # engine clock
     staged_at: int | None = None  # its region's first block in the staging arena
@@ -141,7 +149,7 @@ class KvHolds:
     def hold(
         self,
         seq_id: int,
-        block_ids: list[int],
+        block_ids: list[list[int]],
         prompt_tokens: int,
         now: float,
         staged_at: int | None = None,
@@ -245,6 +253,21 @@ class StagingArena:
         }
 
 
+def handover_position(prompt_len: int, block_size: int) -> int:
+    """The first position the handed-over K/V serves: the consumer computes the prompt's
+    last token, but a later prompt sharing its cached blocks computes from their end, so
+    a windowed group hands over that position's window (at most one block more): the
+    consumer's prefix cache then holds every block such a hit reads."""
+    return (prompt_len - 1) // block_size * block_size
+
+
+def handover_counts(prompt_len: int, block_size: int, windows: Sequence[int | None]) -> list[int]:
+    """How many blocks of each KV group a `prompt_len`-token prompt's handover moves."""
+    entries = -(-prompt_len // block_size)
+    position = handover_position(prompt_len, block_size)
+    return [entries - first_entry_read(w, block_size, position) for w in windows]
+
+
 def check_kv_transfer(
     params: SamplingParams, prompt_len: int, n: int, role: str | None, handshake: Handshake
 ) -> None:
@@ -271,12 +294,28 @@ def check_kv_transfer(
             f"prompt has {prompt_len}: send the prefill and the decode server the same request",
             PARAM,
         )
-    if len(remote.block_ids) != -(-prompt_len // handshake.block_size):
+    _check_block_counts(remote.block_ids, prompt_len, handshake)
+    _check_remote_ranks(remote, tp_size(handshake))
+
+
+def _check_block_counts(block_ids: list[list[int]], prompt_len: int, handshake: Handshake) -> None:
+    """InvalidRequest unless the remote blocks are those a handover of a `prompt_len`-token
+    prompt lists for each of this cache's KV groups."""
+    wanted = handover_counts(prompt_len, handshake.block_size, handshake.kv_group_windows)
+    if len(block_ids) != len(wanted):
         raise InvalidRequest(
-            f"{len(remote.block_ids)} remote_block_ids do not hold a {prompt_len}-token prompt",
+            f"remote_block_ids lists {len(block_ids)} KV groups' blocks, this model has "
+            f"{len(wanted)} (a list of block ids per group)",
             PARAM,
         )
-    _check_remote_ranks(remote, tp_size(handshake))
+    for group, (ids, count) in enumerate(zip(block_ids, wanted, strict=True)):
+        if len(ids) != count:
+            where = "" if len(wanted) == 1 else f" of KV group {group}"
+            raise InvalidRequest(
+                f"{len(ids)} remote_block_ids{where} do not hold a {prompt_len}-token prompt "
+                f"({count} expected)",
+                PARAM,
+            )
 
 
 def tp_size(handshake: Handshake) -> int:
@@ -304,11 +343,12 @@ def producer_params(
     parallel size > 1 every rank's address and tensors (remote_ranks)."""
     assert handshake.kv_transfer_address is not None  # a producer's worker has an engine
     host, port = _host_port(handshake.kv_transfer_address)
+    block_ids = hold.block_ids[0] if len(hold.block_ids) == 1 else hold.block_ids
     params: dict[str, Any] = {
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "remote_engine_id": engine_id,
-        "remote_block_ids": hold.block_ids,
+        "remote_block_ids": block_ids,
         "remote_host": host,
         "remote_port": int(port),
         "transfer_id": hold.transfer_id,

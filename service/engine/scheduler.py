@@ -73,7 +73,13 @@ from service.engine.adapters import AdapterSlots
 from service.engine.block_manager import BlockManager
 from service.engine.block_rules import BlockRules
 from service.engine.kv_pulls import KvPulls
-from service.engine.kv_transfer import KV_TRANSFER_FAILED, KvHold, KvHolds, StagingArena
+from service.engine.kv_transfer import (
+    KV_TRANSFER_FAILED,
+    KvHold,
+    KvHolds,
+    StagingArena,
+    handover_position,
+)
 from service.engine.plan import PlanBuilder
 from service.engine.prefix_cache import prefix_hit, register_blocks
 from service.engine.request import MEAN_POOLING, Request, Status
@@ -214,15 +220,18 @@ class Scheduler:
         ):
             arena, seq_id = self.kv_staging, request.seq_id
             staged_at = None if arena is None else arena.first_block(seq_id)
-            blocks = self._prompt_blocks(request)
+            blocks = self._handover_blocks(request)
             request.kv_hold = self.kv_holds.hold(
                 seq_id, blocks, request.prompt_len, self.now, staged_at
             )
         self.remove(request)
 
-    def _prompt_blocks(self, request: Request) -> list[int]:
-        entries = -(-request.prompt_len // self.blocks.block_size)
-        return list(self.blocks.table(request.seq_id)[:entries])
+    def _handover_blocks(self, request: Request) -> list[list[int]]:
+        """Per KV group, the blocks of a do_remote_decode request's prompt that a consumer
+        reads (kv_transfer.handover_position): its hold's, and its staged region's, group
+        after group."""
+        position = handover_position(request.prompt_len, self.blocks.block_size)
+        return self.blocks.reading_tables(request.seq_id, request.prompt_len, position)
 
     def _stages(self, scheduled: list[Scheduled]) -> list[KvStage]:
         """Regions of the staging arena for the prompts of do_remote_decode requests this
@@ -237,7 +246,7 @@ class Scheduler:
             assert request.params.max_tokens is not None  # validation fills it
             ends = item.samples and request.num_generated + 1 >= request.params.max_tokens
             if request.params.remote_decode and ends:
-                blocks = self._prompt_blocks(request)
+                blocks = [b for group in self._handover_blocks(request) for b in group]
                 first = arena.take(request.seq_id, len(blocks))
                 if first is not None:
                     stages.append(KvStage(blocks, first))
@@ -495,8 +504,13 @@ class Scheduler:
 
     def _drop_behind_window(self, request: Request) -> None:
         """The next query of `request` is at its first uncomputed position: the blocks of
-        windowed layers it no longer reads are released."""
-        self.blocks.drop_behind_window(request.seq_id, request.num_computed_tokens)
+        windowed layers it no longer reads are released; a do_remote_decode request's
+        only up to the handover's position, whose window its consumer reads."""
+        position = request.num_computed_tokens
+        if request.params.remote_decode:
+            handover = handover_position(request.prompt_len, self.blocks.block_size)
+            position = min(position, handover)
+        self.blocks.drop_behind_window(request.seq_id, position)
 
     def _pooled_outcome(self, request: Request) -> Outcome:
         """A pooled request has computed its prompt: its embedding is done."""
