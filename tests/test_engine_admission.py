@@ -9,11 +9,14 @@ after the request's deadline.
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 import trio
 
 from service.engine.admission import Overloaded
 from service.engine.engine import Engine
+from service.engine.kv_transfer import Fingerprint, RemoteKv
 from tests.sim_worker import (
     Collected,
     RecordingObserver,
@@ -220,6 +223,37 @@ async def test_a_tenants_flood_of_n_sequences_leaves_another_tenant_a_running_sl
     assert out.finish is not None and out.finish.reason == "length"
     assert state["iteration"] - submitted <= 6
     assert state["running"] == 4 and state["corrections"]["tenant_slots_preempted"] == 1
+
+
+def handed_over(engine: Engine, prompt_len: int, transfer_id: str):
+    """A consumer's request whose K/V a producer holds (its pull never ends: the simulated
+    worker moves no K/V)."""
+    assert engine.handshake is not None
+    blocks = -(-prompt_len // engine.handshake.block_size)
+    fingerprint = asdict(Fingerprint.of(engine.handshake))
+    remote = RemoteKv(
+        transfer_id, "e", "127.0.0.1", 1, [0] * blocks, [], 9, prompt_len, fingerprint
+    )
+    return greedy(4, remote_kv=remote)
+
+
+async def test_a_consumers_requests_waiting_for_blocks_to_pull_into_fill_its_queue(
+    autojump_clock,
+):
+    """A consumer whose cache is taken by one pull: the next two wait for blocks, and with
+    --max-queue 2 the queue is full for the next one, handed over or not (429)."""
+    config = sim_config(kv_transfer_role="consumer", max_queue=2, kv_transfer_timeout=600)
+    async with running_engine(config, SimWorker(num_blocks=8)) as engine:
+        prompt = [7] * 100  # 7 of the 8 blocks
+        for i in range(3):
+            await engine.submit(prompt, handed_over(engine, 100, f"t{i}"), request_id=f"r{i}")
+        while engine.state()["kv_transfer"]["pulls"] != {"waiting": 2, "pulling": 1}:
+            await trio.sleep(0.01)
+        with pytest.raises(Overloaded, match="2 sequences are waiting") as refused:
+            await engine.submit(prompt, handed_over(engine, 100, "t3"), request_id="r3")
+        assert refused.value.reason == "queue_full"
+        with pytest.raises(Overloaded, match="2 sequences are waiting"):
+            await engine.submit([7] * 8, greedy(2), request_id="local")
 
 
 async def collect_all(channel: trio.MemoryReceiveChannel) -> None:

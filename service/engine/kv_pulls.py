@@ -30,6 +30,13 @@ class KvPulls:
     def pending(self) -> bool:
         return bool(self.waiting or self.pulling or self.pulled)
 
+    @property
+    def queued(self) -> int:
+        """Requests waiting to start: for blocks to pull into, or pulled and waiting for a
+        running slot. They count against --max-queue as any waiting request does: else a
+        consumer's queue would grow without bound behind a full cache."""
+        return len(self.waiting) + len(self.pulled)
+
     def start(self, blocks: BlockManager, now: float) -> list[KvPull]:
         """Blocks for the waiting requests' prompts, in arrival order while they fit
         (beside the watermark kept for running ones to grow), each with its pull."""

@@ -183,8 +183,9 @@ class Scheduler:
         return bool(siblings)
 
     def queued_sequences(self) -> int:
-        """Sequences waiting to start, the held ones too."""
-        return len(self.waiting) + sum(len(held) for held in self._held.values())
+        """Sequences waiting to start: the held ones too, and a consumer's on their way in."""
+        held = sum(len(siblings) for siblings in self._held.values())
+        return len(self.waiting) + held + self.kv_pulls.queued
 
     def expired(self, now: float) -> list[Request]:
         """Waiting requests whose deadline to start has passed (the engine ends them)."""
