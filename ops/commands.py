@@ -10,7 +10,7 @@ import sys
 def bench(argv: list[str] | None = None) -> int:  # noqa: PLR0915  (one branch a bench)
     """`cadence bench SCENARIO | compare | capacity | chat | prefix | structured | engine |
     sampler | processors | roofline | attention | kv-accuracy | weight-accuracy |
-    speculation | tensor-parallel | plan | quant | hybrid | pd | lora`."""
+    speculation | tensor-parallel | plan | quant | hybrid | pd | pd-interference | lora`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command, rest = (argv[0], argv[1:]) if argv else ("", argv)
     if command == "compare":
@@ -49,6 +49,8 @@ def bench(argv: list[str] | None = None) -> int:  # noqa: PLR0915  (one branch a
         from ops.hybrid_bench import main
     elif command == "pd":
         from ops.pd_bench import main
+    elif command == "pd-interference":
+        from ops.pd_interference import main
     elif command == "lora":
         from ops.lora_bench import main
     else:
