@@ -3,7 +3,7 @@ and decode and against one colocated server, side by side (issue 55).
 
     cadence bench pd-interference [--dtype bfloat16] [--cpu-threads 1]
         [--colocated-cpu-threads 2] [--kv-memory 1.5e9] [--decoders 4]
-        [--decoder-tokens 400] [--inject 1024@3,4096@8] [--quick] [-- SERVE FLAGS]
+        [--decoder-tokens 800] [--inject 1024@3,4096@8] [--quick] [-- SERVE FLAGS]
 
 It starts `cadence pd` (a producer, a consumer and vllm-router) and one `cadence serve
 --policy stall_free`, side by side, then runs `cadence bench interference`'s workload
@@ -15,9 +15,10 @@ computes them in chunks beside its streams (stall_free): its worst gap is bounde
 budget-sized step, and the long prompts' TTFT is the other side of the trade, so both are
 printed. SERVE FLAGS (after `--`) go to all three servers.
 
-On a machine of few cores the servers share them: each of the pair's workers takes
---cpu-threads, the colocated one --colocated-cpu-threads (by default as many as the pair
-together), and the table says so. The lead's figures come from a quiet machine.
+On a CPU the servers share its cores: each of the pair's workers takes --cpu-threads, the
+colocated one --colocated-cpu-threads (by default as many as the pair's together, so both
+setups compute on the same cores), and the notes under the table say so. Run it on a quiet
+machine: another process on those cores shows as gaps.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from ops.bench import (
 )
 from ops.client import RequestSpec
 from ops.summary import format_table
+from service.flag_types import positive_int
 from service.pd_launch import (
     Child,
     FirstExit,
@@ -90,17 +92,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     servers = parser.add_argument_group("servers")
     servers.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    servers.add_argument("--cpu-threads", type=int, default=1, help="each of the pair's workers")
     servers.add_argument(
-        "--colocated-cpu-threads", type=int, help="the colocated worker's (default: 2 x above)"
+        "--cpu-threads", type=positive_int, default=1, help="each of the pair's workers"
+    )
+    servers.add_argument(
+        "--colocated-cpu-threads", type=positive_int, help="the colocated worker's (default: 2x)"
     )
     servers.add_argument("--kv-memory", type=float, default=1.5e9, help="bytes, each server")
     servers.add_argument("--log-dir", type=Path, help="the servers' logs (default: --out/logs)")
     servers.add_argument("--startup-timeout", type=float, default=600.0, help="seconds")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     add_workload_args(parser, "interference")
-    add_client_args(parser, single_url=False, slo=False)
-    parser.set_defaults(inject="1024@3,4096@8", decoder_tokens=600)
+    add_client_args(parser, single_url=False)
+    parser.set_defaults(inject="1024@3,4096@8", decoder_tokens=800)
     return parser
 
 
@@ -113,7 +117,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.out = args.out or default_out_dir("pd-interference")
     args.log_dir = args.log_dir or args.out / "logs"
     args.serve_args = serve_args
-    args.slo_ttft_ms = args.slo_itl_p99_ms = None  # ops.bench.execute reads them
     return args
 
 

@@ -56,3 +56,9 @@ def test_quick_run_prints_both_setups_gaps_and_the_injected_prompts_ttft(
     for name in SETUPS:  # stopped: nothing answers there any more
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{document[name]['url']}/health", timeout=5)
+
+
+def test_a_bad_injection_exits_2_before_starting_anything(tmp_path: Path) -> None:
+    argv = ["pd-interference", "--inject", "1024", "--out", str(tmp_path)]
+    assert bench(argv) == 2
+    assert not (tmp_path / "logs").exists()  # no server was started
