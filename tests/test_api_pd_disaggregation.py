@@ -74,6 +74,7 @@ class Pair:
     producer: RunningServer
     consumer: RunningServer
     router: str
+    model: str  # as the router lists it
     pids: list[int]  # the three processes `cadence pd` started, then the servers' workers
     start: list[dict]  # the producer's and the consumer's admin state before any request
 
@@ -124,7 +125,9 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
         workers = [pid for server in servers for pid in server.worker_pids()]
         pids = [pid for _, pid in started.values()] + workers
         start = [server.admin_state() for server in servers]
-        yield Pair(*servers, started["router"][0], pids, start)
+        router = started["router"][0]
+        model = client(router).models.list().data[0].id
+        yield Pair(*servers, router, model, pids, start)
     finally:
         process.send_signal(signal.SIGTERM)  # what Ctrl-C does
         returncode = process.wait(60)
@@ -201,9 +204,7 @@ def counters(server: RunningServer) -> tuple[list[int], int]:
     return finished, computed
 
 
-def test_32_chat_and_completion_requests_through_vllm_router(
-    pair: Pair, cadence_server: RunningServer
-) -> None:
+def test_32_chat_and_completion_requests_through_vllm_router(pair: Pair) -> None:
     """Half chat, half completions, half of each streamed, 8 at a time; each answers
     GENERATED tokens (ignore_eos), so each side's counters are exact."""
     asks = [
@@ -211,7 +212,7 @@ def test_32_chat_and_completion_requests_through_vllm_router(
         for chat, texts in ((False, PROMPTS), (True, QUESTIONS))
         for i in range(ASKS // 2)
     ]
-    answers = send_all([(pair.router, ask) for ask in asks], cadence_server.model)
+    answers = send_all([(pair.router, ask) for ask in asks], pair.model)
     assert all(a.done and a.completion_tokens == GENERATED and a.text for a in answers)
     assert [a.finish_reason for a in answers] == ["length"] * ASKS
     for server in (pair.producer, pair.consumer):
@@ -241,7 +242,7 @@ def test_the_pair_answers_32_mixed_requests_as_one_server(
     asks = mixed_asks()
     # one after the other: three workers computing at once would share CI's two cores
     alone = send_all([(cadence_server.url, ask) for ask in asks], cadence_server.model)
-    handed = send_all([(pair.router, ask) for ask in asks], cadence_server.model)
+    handed = send_all([(pair.router, ask) for ask in asks], pair.model)
     for ask, theirs, mine in zip(asks, handed, alone, strict=True):
         assert theirs == mine, ask
     assert all(a.done for a in handed)
