@@ -256,6 +256,21 @@ async def test_a_consumers_requests_waiting_for_blocks_to_pull_into_fill_its_que
             await engine.submit([7] * 8, greedy(2), request_id="local")
 
 
+async def test_a_consumers_request_waiting_for_blocks_ends_at_its_deadline(autojump_clock):
+    """--max-queue-time bounds a wait for blocks to pull into as any wait to start."""
+    config = sim_config(kv_transfer_role="consumer", max_queue_time=0.5, kv_transfer_timeout=5)
+    async with running_engine(config, SimWorker(num_blocks=8)) as engine:
+        prompt = [7] * 100  # 7 of the 8 blocks: the first pull takes them, for good
+        await engine.submit(prompt, handed_over(engine, 100, "t0"), request_id="pulls")
+        submitted = trio.current_time()
+        waits = await engine.submit(prompt, handed_over(engine, 100, "t1"), request_id="waits")
+        with trio.fail_after(1):  # long before the first pull's timeout frees its blocks
+            out = await collect(waits)
+        assert out.finish is not None and out.finish.detail == "deadline_exceeded"
+        assert 0.5 <= trio.current_time() - submitted <= 0.51
+        assert engine.state()["kv_transfer"]["pulls"] == {"waiting": 0, "pulling": 1}
+
+
 async def collect_all(channel: trio.MemoryReceiveChannel) -> None:
     async for _ in channel:
         pass

@@ -188,10 +188,12 @@ class Scheduler:
         return len(self.waiting) + held + self.kv_pulls.queued
 
     def expired(self, now: float) -> list[Request]:
-        """Waiting requests whose deadline to start has passed (the engine ends them)."""
+        """Waiting requests whose deadline to start has passed (the engine ends them): a
+        consumer's waiting for blocks to pull into, or pulled, too."""
+        pulls = self.kv_pulls
         return [
             r
-            for r in self.waiting
+            for r in [*self.waiting, *pulls.waiting, *pulls.pulled]
             if r.deadline is not None and r.deadline <= now and r.first_scheduled is None
         ]
 
