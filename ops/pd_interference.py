@@ -29,7 +29,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import orjson
 import trio
@@ -59,6 +59,7 @@ from service.pd_launch import (
 
 PROG = "cadence bench pd-interference"
 PD_READY = re.compile(rb"ready at (\S+);")  # the line `cadence pd` prints once all three run
+STOP_TIMEOUT_S = 15.0  # SIGTERM, then SIGKILL this long after (cadence pd's own default)
 # --quick: a few seconds of work (tests/test_ops_pd_interference.py)
 QUICK = {
     "decoders": 2,
@@ -155,13 +156,11 @@ async def read_pd_url(child: Child, nursery: trio.Nursery, timeout: float) -> st
 
 
 async def start_setups(
-    nursery: trio.Nursery, args: argparse.Namespace, first_exit: FirstExit
+    nursery: trio.Nursery, args: argparse.Namespace, stderr: IO[bytes], first_exit: FirstExit
 ) -> list[Setup]:
     """`cadence pd` and the colocated server, loading side by side, once both answer."""
-    args.log_dir.mkdir(parents=True, exist_ok=True)
-    stderr = open(args.log_dir / "launch.stderr", "ab")  # noqa: SIM115 - lives with the children
     start = [
-        (name, command, subprocess.PIPE, stderr, 15.0, first_exit)
+        (name, command, subprocess.PIPE, stderr, STOP_TIMEOUT_S, first_exit)
         for name, command in (("pd", pd_command(args)), ("colocated", colocated_command(args)))
     ]
     pd, colocated = [await start_child(nursery, *each) for each in start]
@@ -199,11 +198,13 @@ async def measure_all(args: argparse.Namespace) -> list[Measured]:
     specs = prepare_specs("interference", args)
     first_exit = FirstExit()
     measured = []
-    async with trio.open_nursery() as nursery:
-        setups = await start_setups(nursery, args, first_exit)
-        for setup in setups:  # one at a time: the other idles
-            measured.append(await measure_setup(setup, specs, args))
-        nursery.cancel_scope.cancel()  # stops them (SIGTERM; the pair stops its three)
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    with open(args.log_dir / "launch.stderr", "ab") as stderr:  # both commands' own lines
+        async with trio.open_nursery() as nursery:
+            setups = await start_setups(nursery, args, stderr, first_exit)
+            for setup in setups:  # one at a time: the other idles
+                measured.append(await measure_setup(setup, specs, args))
+            nursery.cancel_scope.cancel()  # stops them (SIGTERM; the pair stops its three)
     if first_exit.returncode is not None:
         raise LaunchError(f"{first_exit.name} exited with {first_exit.returncode}")
     return measured
@@ -265,7 +266,8 @@ def write_report(args: argparse.Namespace, measured: list[Measured]) -> int:
         m.setup.name: {
             "url": m.setup.url,
             "what": m.setup.what,
-            **{run.label.rsplit(" ", 1)[1]: _run_record(run) for run in (m.baseline, m.injected)},
+            "baseline": _run_record(m.baseline),
+            "injected": _run_record(m.injected),
         }
         for m in measured
     }
