@@ -232,7 +232,7 @@ def handed_over(engine: Engine, prompt_len: int, transfer_id: str):
     blocks = -(-prompt_len // engine.handshake.block_size)
     fingerprint = asdict(Fingerprint.of(engine.handshake))
     remote = RemoteKv(
-        transfer_id, "e", "127.0.0.1", 1, [0] * blocks, [], 9, prompt_len, fingerprint
+        transfer_id, "e", "127.0.0.1", 1, [[0] * blocks], [], 9, prompt_len, fingerprint
     )
     return greedy(4, remote_kv=remote)
 
