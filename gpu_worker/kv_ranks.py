@@ -40,13 +40,30 @@ class RankNews:
         return news
 
 
+# forgotten transfer ids remembered, so that a rank's late news of one is dropped too
+FORGOTTEN_KEPT = 1024
+
+
 @dataclass(slots=True)
 class GroupTransfers:
-    """Rank 0's tally of its ranks' transfer news, by transfer id, until complete."""
+    """Rank 0's tally of its ranks' transfer news, by transfer id, until complete; a hold's
+    notices also until the service forgets it (a hold it ended unreleased: a consumer that
+    died after some of its ranks' notices would leave their count here for ever)."""
 
     world_size: int
     _parts: dict[str, list[PullDone]] = field(default_factory=dict)
     _noticed: collections.Counter[str] = field(default_factory=collections.Counter)
+    _forgotten: collections.deque[str] = field(
+        default_factory=lambda: collections.deque(maxlen=FORGOTTEN_KEPT)
+    )
+
+    def forget(self, transfer_ids: list[str]) -> None:
+        """Drop the notices counted of holds `transfer_ids`, and those that come later.
+        (Never a pull's parts: every rank's connector reports its part, and the service
+        frees a pull's blocks only once all have.)"""
+        for transfer_id in transfer_ids:
+            self._noticed.pop(transfer_id, None)
+            self._forgotten.append(transfer_id)
 
     def combine(self, news: list[RankNews]) -> RankNews:
         """The pulls and notices complete on every rank once `news` (each rank's, in rank
@@ -59,6 +76,8 @@ class GroupTransfers:
                 if (done := self._add_part(part)) is not None:
                     combined.done.append(done)
             for transfer_id in ranks_news.notices:
+                if transfer_id in self._forgotten:
+                    continue
                 self._noticed[transfer_id] += 1
                 if self._noticed[transfer_id] == self.world_size:
                     del self._noticed[transfer_id]

@@ -465,6 +465,9 @@ class StepPlan:
     transfer_news: bool = False
     # gathers into the staging arena, run once the rows' K/V is written
     stages: list[KvStage] = field(default_factory=list)
+    # transfer ids of holds the service ended unreleased (expired): a tensor-parallel group's
+    # rank 0 drops what it tallied of them (a consumer gone after some ranks' notices)
+    forgotten: list[str] = field(default_factory=list)
 
     @property
     def seq_ids(self) -> list[int]:
@@ -534,9 +537,18 @@ def step_plan_from_message(msg: dict[str, Any]) -> StepPlan:
     adapters = [AdapterLoad(**load) for load in msg.get("adapters", [])]
     finished = msg.get("finished", [])
     stages = [KvStage(**stage) for stage in msg.get("stages", [])]
-    news = msg.get("transfer_news", False)
+    news, forgotten = msg.get("transfer_news", False), msg.get("forgotten", [])
     return StepPlan(
-        msg["step_id"], rows, msg["input_ids"], new, finished, pulls, adapters, news, stages
+        msg["step_id"],
+        rows,
+        msg["input_ids"],
+        new,
+        finished,
+        pulls,
+        adapters,
+        news,
+        stages,
+        forgotten,
     )
 
 

@@ -126,6 +126,7 @@ class ModelRunner:
         shard = self.model.shard
         if shard.world_size == 1:
             return RankNews.of(self.kv.poll_done(), self.kv.poll_notices())
+        self.transfers.forget(plan.forgotten)
         if not plan.transfer_news:
             return RankNews()
         news = shard.gather_object(RankNews.of(self.kv.poll_done(), self.kv.poll_notices()))

@@ -160,6 +160,23 @@ def test_a_staged_request_that_ends_otherwise_frees_its_region() -> None:
     check_invariants(sched)
 
 
+def test_an_expired_holds_id_goes_to_the_worker_once() -> None:
+    """Its ranks' notices counted so far are dropped (gpu_worker.kv_ranks), by the next plan."""
+    sched = producer(arena_blocks=0)
+    out = ended_prompt(sched, producing(0, 6), [6])
+    sched.update(out, sampled_result(out))
+    assert sched.kv_holds is not None
+    (hold,) = sched.kv_holds.by_id.values()
+    sched.add(make_request(1, 4))
+    sched.policy.next = Decision(schedule=[(1, 4)])  # type: ignore[attr-defined]
+    after = sched.schedule(100.0)  # past the hold's 50 s: expired
+    assert after.plan is not None and after.plan.forgotten == [hold.transfer_id]
+    sched.update(after, sampled_result(after))
+    sched.policy.next = Decision(schedule=[(1, 1)])  # type: ignore[attr-defined]
+    again = sched.schedule(101.0)
+    assert again.plan is not None and again.plan.forgotten == []
+
+
 def test_a_reading_notice_keeps_the_hold_while_the_read_may_run() -> None:
     sched = producer(arena_blocks=0)
     assert sched.kv_holds is not None

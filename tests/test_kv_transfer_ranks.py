@@ -66,6 +66,20 @@ def test_a_hold_is_released_once_every_rank_has_the_notice() -> None:
     assert released.notices == ["a", "b"]
 
 
+def test_a_forgotten_holds_notices_are_dropped_then_and_later() -> None:
+    """A consumer that died after two of three ranks read: the service's hold expires and
+    the plan says so; rank 0 keeps no count of it, nor of the third rank's late notice."""
+    tally = GroupTransfers(WORLD)
+    tally.combine([RankNews(notices=["a"]), RankNews(notices=["a", "b"]), RankNews()])
+    tally.forget(["a"])
+    assert dict(tally._noticed) == {"b": 1}
+    late = tally.combine([RankNews(notices=["b"]), RankNews(), RankNews(notices=["a", "b"])])
+    assert late.notices == ["b"] and not tally._noticed
+    plan = StepPlan(1, [], [], forgotten=["a"])
+    received = step_plan_from_message(orjson.loads(orjson.dumps(to_message("step", plan))))
+    assert received.forgotten == ["a"]
+
+
 def test_each_rank_pulls_its_shard_from_the_same_producer_rank() -> None:
     ranks = [RemoteRank(f"h:{port}", [port * 100, port * 100 + 1]) for port in (1, 2, 3)]
     pull = KvPull("t", "h:1", [4, 5], [7, 8], [100, 101], 9, ranks=ranks)

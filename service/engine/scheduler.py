@@ -151,6 +151,7 @@ class Scheduler:
         # consumer's requests on their way in (kv_pulls)
         self.kv_holds: KvHolds | None = None
         self.kv_staging: StagingArena | None = None  # a producer's, when its worker has one
+        self._forgotten: list[str] = []  # expired holds' ids, for the next plan (StepPlan)
         self.kv_pulls = KvPulls()
         self.now = 0.0  # the engine clock at the last schedule()
         # LoRA (--enable-lora): the worker's adapter slots, filled as admission needs them
@@ -336,6 +337,7 @@ class Scheduler:
         self.kv_pulls.forget_pulls()  # their requests ended with the old worker
         if self.kv_holds is not None:  # the held blocks went with the old cache
             self.kv_holds.expire(float("inf"))
+        self._forgotten.clear()  # and the new worker tallied nothing
         self.blocks = self.rules.blocks = blocks
         self._last_step_ms = None
         self.plans.reset(blocks)
@@ -378,6 +380,7 @@ class Scheduler:
             out.plan.pulls = pulls
             out.plan.transfer_news = self.transfers_pending
             out.plan.stages = self._stages(out.scheduled)
+            out.plan.forgotten, self._forgotten = self._forgotten, []
             if self.adapter_slots is not None:
                 out.plan.adapters = self.adapter_slots.take_loads()
             out.written = [self._written(item) for item in out.scheduled]
@@ -427,7 +430,9 @@ class Scheduler:
 
     def _end_expired_holds(self, now: float) -> None:
         if self.kv_holds is not None:
-            self._end_holds(self.kv_holds.expire(now))
+            expired = self.kv_holds.expire(now)
+            self._end_holds(expired)
+            self._forgotten += [hold.transfer_id for hold in expired]
 
     def _end_holds(self, holds: list[KvHold]) -> None:
         """Ended holds give back their blocks and staging regions."""
