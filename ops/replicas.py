@@ -26,24 +26,20 @@ from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
-import httpx
 import trio
 
 from service.pd_launch import (  # child-process helpers shared with `cadence pd`
-    LISTENING,
     Child,
-    drain,
+    LaunchError,
     open_log,
+    read_url,
     split_at_dashes,
     stop_gently,
+    wait_ready,
 )
 
 PROG = "cadence replicas"
 POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
-
-
-class ReplicasError(RuntimeError):
-    """A child that would not start; every child started so far is stopped."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,39 +108,6 @@ async def start_child(
     return await nursery.start(supervise)
 
 
-async def read_url(child: Child, nursery: trio.Nursery, timeout: float) -> str:
-    """The URL cadence prints on stdout once it listens; the rest of stdout is drained."""
-    stdout = child.process.stdout
-    assert stdout is not None
-    buffered = b""
-    with trio.move_on_after(timeout):
-        while not (LISTENING in buffered and buffered.endswith(b"\n")):
-            chunk = await stdout.receive_some()
-            if not chunk:
-                raise ReplicasError(f"{child.name} exited before listening")
-            buffered += chunk
-        nursery.start_soon(drain, stdout)
-        line = buffered[buffered.index(LISTENING) :].split(b"\n", 1)[0]
-        url = line.removeprefix(LISTENING).decode().strip()
-        return url.replace("//0.0.0.0:", "//127.0.0.1:")  # where the router can reach it
-    raise ReplicasError(f"{child.name} not listening after {timeout} s")
-
-
-async def wait_ready(child: Child, url: str, timeout: float) -> None:
-    """Poll `url` until it answers 200; fail at once if the child exits."""
-    async with httpx.AsyncClient(timeout=5.0) as client:
-        with trio.move_on_after(timeout):
-            while child.process.returncode is None:
-                try:
-                    if (await client.get(url)).status_code == 200:
-                        return
-                except httpx.TransportError:
-                    pass
-                await trio.sleep(0.2)
-            raise ReplicasError(f"{child.name} exited with {child.process.returncode}")
-    raise ReplicasError(f"{child.name} not ready at {url} after {timeout} s")
-
-
 async def start_replicas(
     nursery: trio.Nursery, args: argparse.Namespace, serve_args: list[str]
 ) -> list[Child]:
@@ -207,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--replicas must be >= 1")
     try:
         return trio.run(run, args, serve_args)
-    except* ReplicasError as group:
+    except* LaunchError as group:  # a child that would not start
         for exc in group.exceptions:
             print(f"{PROG}: {exc}", file=sys.stderr)
     return 1

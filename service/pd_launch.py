@@ -167,13 +167,13 @@ async def read_url(child: Child, nursery: trio.Nursery, timeout: float) -> str:
         while not (LISTENING in buffered and buffered.endswith(b"\n")):
             chunk = await stdout.receive_some()
             if not chunk:
-                raise LaunchError(f"the {child.name} exited before listening")
+                raise LaunchError(f"{child.name} exited before listening")
             buffered += chunk
         nursery.start_soon(drain, stdout)
         line = buffered[buffered.index(LISTENING) :].split(b"\n", 1)[0]
         url = line.removeprefix(LISTENING).decode().strip()
         return url.replace("//0.0.0.0:", "//127.0.0.1:")  # where the router can reach it
-    raise LaunchError(f"the {child.name} not listening after {timeout} s")
+    raise LaunchError(f"{child.name} not listening after {timeout} s")
 
 
 async def drain(stream: trio.abc.ReceiveStream) -> None:
@@ -182,17 +182,18 @@ async def drain(stream: trio.abc.ReceiveStream) -> None:
 
 
 async def wait_ready(child: Child, url: str, timeout: float) -> None:
-    """Poll `url` until it answers 200 (a child that exits meanwhile ends the nursery)."""
+    """Poll `url` until it answers 200; fail at once if the child exits."""
     async with httpx.AsyncClient(timeout=5.0) as client:
         with trio.move_on_after(timeout):
-            while True:
+            while child.process.returncode is None:
                 try:
                     if (await client.get(url)).status_code == 200:
                         return
                 except httpx.TransportError:
                     pass
                 await trio.sleep(0.2)
-    raise LaunchError(f"the {child.name} not ready at {url} after {timeout} s")
+            raise LaunchError(f"{child.name} exited with {child.process.returncode}")
+    raise LaunchError(f"{child.name} not ready at {url} after {timeout} s")
 
 
 def open_log(log_dir: Path | None, name: str) -> IO[bytes] | None:

@@ -23,7 +23,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ops.replicas import LISTENING
+from service.pd_launch import LISTENING
 from tests.server_fixtures import REPO_ROOT, SMALL_KV_BYTES, STARTUP_SECONDS, cache_dir
 
 pytestmark = pytest.mark.real_model
